@@ -1,0 +1,88 @@
+"""The catalog: models, hardware and experiments, from shipped presets and the user's config dir.
+
+Shipped: `presets/{models,hardware,experiments}/*.toml` (package `charllm.presets`).
+User's:  `<config_dir>/{models,hardware,experiments}/*.toml` (same format); a user file with the
+same name as a shipped one takes precedence.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+from charllm.probes import paths
+from charllm.probes.errors import UserError
+
+KINDS = ("models", "hardware", "experiments")
+
+
+def _shipped(kind: str) -> dict[str, Path]:
+    root = resources.files("charllm.presets") / kind
+    out = {}
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.endswith(".toml"):
+                out[entry.name[:-5]] = Path(str(entry))
+    return out
+
+
+def _user(kind: str) -> dict[str, Path]:
+    root = paths.config_dir() / kind
+    return {p.stem: p for p in root.glob("*.toml")} if root.is_dir() else {}
+
+
+def entries(kind: str) -> dict[str, Path]:
+    """name -> file for one kind, user files over shipped ones, sorted by name."""
+    merged = {**_shipped(kind), **_user(kind)}
+    return dict(sorted(merged.items()))
+
+
+def is_user(kind: str, name: str) -> bool:
+    return name in _user(kind)
+
+
+def find(kind: str, name: str) -> Path:
+    table = entries(kind)
+    if name in table:
+        return table[name]
+    singular = {"models": "model", "hardware": "hardware", "experiments": "experiment"}[kind]
+    close = difflib.get_close_matches(name, list(table), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; see `charllm-tui presets list {kind}`"
+    raise UserError(f"{singular} {name!r}: no such preset{hint}")
+
+
+def read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: invalid TOML ({exc})") from None
+
+
+def load_model(name: str):
+    from charllm.engine.experiment import ModelSpec, build
+
+    data = read_toml(find("models", name))
+    data.setdefault("name", name)
+    return build(ModelSpec, data, f"model preset {name!r}")
+
+
+def load_hardware(name: str):
+    from charllm.engine.experiment import Hardware, build
+
+    data = read_toml(find("hardware", name))
+    data.setdefault("name", name)
+    return build(Hardware, data, f"hardware preset {name!r}")
+
+
+def load_experiment(ref: str):
+    """An experiment from a file path or a preset name (user's or shipped)."""
+    from charllm.engine.experiment import Experiment
+
+    path = Path(ref).expanduser()
+    if path.suffix == ".toml" or path.is_file():
+        return Experiment.load(path)
+    data = read_toml(find("experiments", ref))
+    data.setdefault("name", ref)
+    return Experiment.from_dict(data, source=f"experiment preset {ref!r}")

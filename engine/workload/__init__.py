@@ -1,0 +1,1 @@
+"""The Megatron-Core training workload: runs on compute nodes under torchrun."""

@@ -1,0 +1,1 @@
+"""Shipped data (models, hardware, experiments, baselines) read with importlib.resources."""

@@ -1,0 +1,48 @@
+"""Where charllm keeps things: platformdirs locations, overridable by CHARLLM_* variables.
+
+| what | default | override |
+|---|---|---|
+| config (experiments, targets.toml, tui.toml) | platformdirs user_config_dir("charllm") | CHARLLM_CONFIG_DIR |
+| data (baselines) | platformdirs user_data_dir("charllm") | CHARLLM_DATA_DIR |
+| runs (one directory per run) | <data>/runs | CHARLLM_RUNS_DIR |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+APP = "charllm"
+
+
+def _dir(env: str, default) -> Path:
+    value = os.environ.get(env)
+    return Path(value).expanduser() if value else Path(default())
+
+
+def config_dir() -> Path:
+    from platformdirs import user_config_dir
+
+    return _dir("CHARLLM_CONFIG_DIR", lambda: user_config_dir(APP))
+
+
+def data_dir() -> Path:
+    from platformdirs import user_data_dir
+
+    return _dir("CHARLLM_DATA_DIR", lambda: user_data_dir(APP))
+
+
+def runs_dir() -> Path:
+    return _dir("CHARLLM_RUNS_DIR", lambda: data_dir() / "runs")
+
+
+def user_experiments_dir() -> Path:
+    return config_dir() / "experiments"
+
+
+def baselines_dir() -> Path:
+    return data_dir() / "baselines"
+
+
+def targets_file() -> Path:
+    return config_dir() / "targets.toml"

@@ -1,0 +1,176 @@
+"""The run directory: the contract between engine, probes and TUI.
+
+    <runs_dir>/<run_id>/
+        experiment.toml      the experiment as launched (engine writes it)
+        manifest.json        id, target, times, status, exact commands (atomic rewrites)
+        iterations.jsonl     the workload's iteration log (probes.schema.ITERATION_FIELDS)
+        logs/                one log file per rank / sampler / launcher
+        telemetry/<node>/    Arrow IPC chunks, NNNNNN.arrow, one sampler per node
+
+A run can be watched live, replayed, summarised and compared from any process, after a crash
+too: nothing important lives only in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from charllm.probes import paths
+from charllm.probes.errors import UserError
+
+STATUSES = ("pending", "running", "completed", "failed", "cancelled")
+FINAL_STATUSES = ("completed", "failed", "cancelled")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write JSON so a reader never sees half a file (write a sibling, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def check_run_id(run_id: str) -> str:
+    if not _RUN_ID.match(run_id):
+        raise UserError(
+            f"run id {run_id!r}: use letters, digits, '.', '_' and '-' (at most 128, not starting with '.' or '-')"
+        )
+    return run_id
+
+
+def new_run_id(name: str) -> str:
+    """A sortable, unique, shell-safe id: <UTC time>-<sanitised experiment name>."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")[:80] or "run"
+    return f"{stamp}-{safe}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    @property
+    def experiment_path(self) -> Path:
+        return self.path / "experiment.toml"
+
+    @property
+    def iterations_path(self) -> Path:
+        return self.path / "iterations.jsonl"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def telemetry_dir(self) -> Path:
+        return self.path / "telemetry"
+
+    def node_telemetry_dir(self, node: str) -> Path:
+        return self.telemetry_dir / node
+
+    def exists(self) -> bool:
+        return self.manifest_path.is_file() or self.telemetry_dir.is_dir()
+
+    # -- manifest ---------------------------------------------------------------------------
+    def read_manifest(self) -> dict:
+        try:
+            return json.loads(self.manifest_path.read_text())
+        except FileNotFoundError:
+            return {"id": self.id, "status": "unknown"}
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{self.manifest_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+    def write_manifest(self, manifest: dict) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.manifest_path, manifest)
+
+    def update_manifest(self, **changes) -> dict:
+        manifest = self.read_manifest()
+        manifest.update(changes)
+        self.write_manifest(manifest)
+        return manifest
+
+    @property
+    def status(self) -> str:
+        return self.read_manifest().get("status", "unknown")
+
+    # -- data -------------------------------------------------------------------------------
+    def telemetry_files(self) -> list[Path]:
+        """Complete chunk files, oldest first per node (hidden *.tmp files are in progress)."""
+        if not self.telemetry_dir.is_dir():
+            return []
+        return sorted(p for p in self.telemetry_dir.glob("*/*.arrow") if not p.name.startswith("."))
+
+    def scan_telemetry(self):
+        """A polars LazyFrame over every telemetry chunk, conformed to the schema."""
+        import polars as pl
+
+        from charllm.probes.schema import conform, empty_frame
+
+        files = self.telemetry_files()
+        if not files:
+            return empty_frame().lazy()
+        return pl.concat([conform(pl.scan_ipc(f)) for f in files], how="vertical")
+
+    def read_iterations(self):
+        """The iteration log as a DataFrame (tolerates a half-written last line)."""
+        import polars as pl
+
+        from charllm.probes.schema import ITERATION_SCHEMA
+
+        rows = []
+        if self.iterations_path.is_file():
+            with open(self.iterations_path) as fh:
+                for line in fh:
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        continue  # a line still being written
+        if not rows:
+            return pl.DataFrame(schema=ITERATION_SCHEMA)
+        clean = [{k: r.get(k) for k in ITERATION_SCHEMA} for r in rows]
+        return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
+
+
+def list_runs(root: Path | None = None) -> list[RunDir]:
+    root = root or paths.runs_dir()
+    if not root.is_dir():
+        return []
+    return sorted((RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "manifest.json").is_file()),
+                  key=lambda r: r.id)
+
+
+def resolve_run(ref: str | os.PathLike, root: Path | None = None) -> RunDir:
+    """A run given as a path, an id, or a unique id prefix/suffix."""
+    candidate = Path(ref).expanduser()
+    if candidate.is_dir() and ((candidate / "manifest.json").exists() or (candidate / "telemetry").is_dir()):
+        return RunDir(candidate.resolve())
+    root = root or paths.runs_dir()
+    ref = str(ref)
+    exact = root / ref
+    if _RUN_ID.match(ref) and exact.is_dir():
+        return RunDir(exact)
+    matches = [r for r in list_runs(root) if r.id.startswith(ref) or r.id.endswith(ref)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise UserError(f"run {ref!r}: no such run directory or run id under {root}")
+    names = ", ".join(r.id for r in matches[:5])
+    raise UserError(f"run {ref!r}: ambiguous, matches {len(matches)} runs ({names}); give more of the id")

@@ -1,0 +1,5 @@
+import sys
+
+from charllm.tui.cli import main
+
+sys.exit(main())

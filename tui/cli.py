@@ -1,0 +1,98 @@
+"""`charllm-tui`: with no arguments the workbench (TUI); with a subcommand, the headless tool.
+
+Every subcommand lives in `charllm.tui.commands.<module>` and exposes `register(subparsers)`,
+which adds its parser and sets `func`. Command modules import heavy libraries (polars, torch)
+lazily, inside their handlers, so `--help` and the TUI start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from charllm.probes.errors import UserError
+
+# (module under charllm.tui.commands) in the order `--help` lists them.
+COMMAND_MODULES = (
+    "plan",
+    "sweep",
+    "presets",
+    "export",
+    "probe",
+    "summarize",
+    "compare",
+    "baseline",
+    "import_results",
+    "launch",
+    "runs",
+)
+
+DESCRIPTION = """\
+A terminal workbench for the power, performance and thermal characterization of distributed
+LLM training. Run without a command to open the workbench (TUI); the commands below are the
+same features, headless, for scripts."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one line and exit code 2 (no usage dump)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="charllm-tui", description=DESCRIPTION,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"charllm.tui.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"charllm.tui.commands.{name}":
+                continue  # not built yet in this checkout
+            raise
+        module.register(sub)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"charllm-tui {version('charllm-tui')}"
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "charllm-tui (source)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command is None:
+            return run_tui()
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"charllm-tui: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("charllm-tui: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `charllm-tui sweep ... | head`
+        return 0
+
+
+def run_tui() -> int:
+    try:
+        from charllm.tui.app import main as app_main
+    except ModuleNotFoundError as exc:
+        if exc.name != "charllm.tui.app":
+            raise
+        build_parser().print_help()
+        return 0
+    return int(app_main() or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per headless subcommand; each exposes `register(subparsers)`."""
