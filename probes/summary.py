@@ -1,0 +1,453 @@
+"""Run summaries: power, energy, thermals, clocks, throttling, excursions, traffic, speed.
+
+`summarize(run, window, by)` returns a tidy polars DataFrame, one row per GPU, node or run,
+units in column names. Statistics follow the CharLLM-PPT paper where it defines them:
+
+- Each sample owns the interval until the next sample of its GPU; a time-weighted mean is
+  sum(v * dt) / sum(dt) over the samples where v is known (the paper's Σv·Δt/ΣΔt).
+- Energy: from the cumulative energy counter (sum of deltas; a negative delta, i.e. a wrap
+  or a reset, and any gap fall back to that interval's trapezoid), else the trapezoidal
+  integral of power. `energy_source` says which: counter | trapezoid | counter+trapezoid.
+- Power excursions: a spike is a maximal run of samples above a threshold (the run's mean
+  power, or the GPU's power limit); its size is its highest excess over the threshold.
+  `power_max_rise_w_per_s` is the largest rise of power within any one second.
+- NVLink bytes: counter deltas; a counter that goes down wrapped at 2**32 when the previous
+  value fitted in 32 bits, else at 2**64. PCIe bytes: the byte rate integrated over time.
+- Node and run rows aggregate the GPU rows as the paper does: averages are means of the
+  per-GPU values, peaks and p99 the highest per-GPU value, energy and bytes are sums,
+  minimum clock the lowest; time above the temperature limit is the longest of any GPU.
+- Iteration statistics (run-wide) come from the iteration log, iterations that lie wholly
+  inside the window: TFLOP/s per GPU uses Megatron's FLOP count (`probes.flops`), MFU is
+  against the hardware's dense BF16 peak, efficiency is samples/s per MJ of energy per
+  iteration (the paper's samples/(s·MJ)).
+
+Windows: "steady" spans the non-warm-up iterations of the log (falls back to "all", with a
+note, when there is no log); "all" is every sample; (start_s, end_s) are seconds after the
+run's first sample.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import polars as pl
+
+from charllm.probes.errors import UserError
+from charllm.probes.flops import RunExperiment, read_experiment
+from charllm.probes.rundir import RunDir, resolve_run
+from charllm.probes.schema import THROTTLE_BITS, THROTTLE_PERF_MASK
+
+BY = ("gpu", "node", "run")
+FORMATS = ("table", "markdown", "csv", "json", "parquet")
+DEFAULT_TEMP_LIMIT_C = 85.0  # Hardware.temp_limit_c's default
+KEYS = ["node", "device"]
+_NS = 1e9
+_MOD32 = 2**32
+
+_GPU_COLUMNS = [
+    "ts_ns", "node", "device", "uuid", "backend", "simulated", "power_w", "energy_j",
+    "temp_gpu_c", "temp_mem_c", "sm_clock_mhz", "util_gpu_pct", "util_mem_pct", "mem_used_bytes",
+    "power_limit_w", "throttle_reasons", "pcie_tx_bytes_s", "pcie_rx_bytes_s",
+    "nvlink_tx_bytes", "nvlink_rx_bytes",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+def summarize(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu") -> pl.DataFrame:
+    run = run if isinstance(run, RunDir) else resolve_run(run)
+    if by not in BY:
+        raise UserError(f"by = {by!r}: expected one of {', '.join(BY)}")
+    exp = read_experiment(run.experiment_path)
+    iterations = read_iterations(run)
+    telemetry = run.scan_telemetry().filter(pl.col("device") != "host").select(_GPU_COLUMNS)
+    span = telemetry.select(pl.col("ts_ns").min().alias("lo"), pl.col("ts_ns").max().alias("hi")).collect()
+    first_ns, last_ns = span.row(0)
+    if first_ns is None:
+        raise UserError(f"run {run.id}: no GPU telemetry under {run.telemetry_dir} (nothing to summarize)")
+    start_ns, end_ns, label, notes = _window(window, iterations, first_ns, last_ns)
+
+    frame = _prepare(telemetry.filter(pl.col("ts_ns").is_between(start_ns, end_ns)))
+    if frame.height == 0:
+        raise UserError(
+            f"window {label}: no telemetry samples in it (the run's samples span "
+            f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
+        )
+    if frame["dt_s"].is_not_null().sum() == 0:
+        raise UserError(
+            f"window {label}: only one sample per GPU; at least two are needed to weight by time"
+        )
+    temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
+    max_clock = (exp.max_sm_clock_mhz if exp else None) or frame["sm_clock_mhz"].max()
+    gpus = _per_gpu(frame, temp_limit, max_clock)
+    gpus = gpus.join(_excursions(frame, gpus["power_mean_w"].mean()), on=KEYS, how="left")
+
+    if by == "gpu":
+        table = gpus
+    elif by == "node":
+        table = _aggregate(gpus, ["node"])
+    else:
+        table = _aggregate(gpus, [])
+
+    it, it_notes = _iteration_stats(iterations, start_ns, end_ns, exp, gpus.height)
+    notes += it_notes
+    table = _with_iteration_stats(table, it)
+    head = {
+        "run": run.id, "level": by, "window": label,
+        "window_start_s": (start_ns - first_ns) / _NS, "window_end_s": (end_ns - first_ns) / _NS,
+        "temp_limit_c": float(temp_limit), "max_sm_clock_mhz": max_clock,
+        "notes": "; ".join(notes) or None,
+    }
+    table = table.with_columns(pl.lit(v).alias(k) for k, v in head.items())
+    first = ["run", "level", "node", "device", "gpus", "simulated", "backend", "window",
+             "window_start_s", "window_end_s", "duration_s", "samples"]
+    present = [c for c in first if c in table.columns]
+    return table.select(present + [c for c in table.columns if c not in present])
+
+
+# --------------------------------------------------------------------------------------------
+# Window and iteration log
+# --------------------------------------------------------------------------------------------
+def read_iterations(run: RunDir) -> pl.DataFrame:
+    """One row per training iteration (rank 0 and the last rank both log each step)."""
+    log = run.read_iterations().filter(pl.col("event") == "iteration")
+    return (
+        log.group_by("iteration")
+        .agg(
+            pl.col("start_ns").min(), pl.col("end_ns").max(),
+            pl.col("samples").drop_nulls().first(), pl.col("tokens").drop_nulls().first(),
+            pl.col("tflops_per_gpu").drop_nulls().first(), pl.col("warmup").fill_null(False).any(),
+        )
+        .drop_nulls(["start_ns", "end_ns"])
+        .sort("iteration")
+    )
+
+
+def parse_window(text: str):
+    """The CLI's --window: steady | all | START:END (seconds after the run's first sample)."""
+    if text in ("steady", "all"):
+        return text
+    start, sep, end = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return float(start), float(end)
+    except ValueError:
+        raise UserError(f"--window {text!r}: expected steady, all or START:END in seconds, e.g. 10:70") from None
+
+
+def _window(window, iterations: pl.DataFrame, first_ns: int, last_ns: int):
+    """(start_ns, end_ns, label, notes) for a window spec."""
+    if window == "steady":
+        steady = iterations.filter(~pl.col("warmup"))
+        if steady.height:
+            return int(steady["start_ns"].min()), int(steady["end_ns"].max()), "steady", []
+        why = "no iteration log" if iterations.height == 0 else "no steady (non-warm-up) iterations"
+        return first_ns, last_ns, "all", [f"{why}: window 'all' used instead of 'steady'"]
+    if window == "all":
+        return first_ns, last_ns, "all", []
+    if isinstance(window, str):
+        window = parse_window(window)
+    try:
+        start_s, end_s = (float(x) for x in window)
+    except (TypeError, ValueError):
+        raise UserError(f"window = {window!r}: expected 'steady', 'all' or (start_s, end_s)") from None
+    label = f"{start_s:g}:{end_s:g}"
+    if not 0 <= start_s < end_s:
+        raise UserError(f"window {label}: need 0 <= start < end (seconds after the run's first sample)")
+    return first_ns + int(start_s * _NS), first_ns + int(end_s * _NS), label, []
+
+
+def _iteration_stats(iterations, start_ns, end_ns, exp: RunExperiment | None, n_gpus: int):
+    its = iterations.filter((pl.col("start_ns") >= start_ns) & (pl.col("end_ns") <= end_ns))
+    if its.height == 0:
+        return {}, [] if iterations.height == 0 else ["no whole iteration inside the window"]
+    notes = []
+    seq = exp.seq_length if exp else None
+    gbs = exp.global_batch_size if exp else None
+    its = its.with_columns(
+        ((pl.col("end_ns") - pl.col("start_ns")) / _NS).alias("time_s"),
+        pl.col("samples").fill_null(gbs),
+    ).with_columns(pl.col("tokens").fill_null(pl.col("samples") * seq))
+    total_s = its["time_s"].sum()
+    samples, tokens = its["samples"].sum(), its["tokens"].sum()
+    out = {
+        "iterations": its.height,
+        "iter_time_mean_s": its["time_s"].mean(),
+        "iter_time_p50_s": its["time_s"].quantile(0.5, "linear"),
+        "iter_time_p99_s": its["time_s"].quantile(0.99, "linear"),
+        "samples_total": samples or None, "tokens_total": tokens or None,
+        "samples_per_s": samples / total_s if samples and total_s > 0 else None,
+        "tokens_per_s": tokens / total_s if tokens and total_s > 0 else None,
+    }
+    world = (exp.world_size if exp else None) or n_gpus
+    tflops = None
+    if exp and total_s > 0 and its["samples"].null_count() == 0:
+        flops = sum(exp.flops_per_iteration(int(s)) for s in its["samples"])
+        tflops = flops / total_s / world / 1e12
+    elif its["tflops_per_gpu"].null_count() < its.height:
+        tflops = its["tflops_per_gpu"].mean()
+        notes.append("TFLOP/s from the iteration log (no experiment.toml)")
+    peak = exp.peak_tflops if exp else None
+    out["tflops_per_gpu"] = tflops
+    out["mfu_pct"] = 100 * tflops / peak if tflops is not None and peak else None
+    return out, notes
+
+
+def _with_iteration_stats(table: pl.DataFrame, it: dict) -> pl.DataFrame:
+    names = ["iterations", "iter_time_mean_s", "iter_time_p50_s", "iter_time_p99_s", "samples_total",
+             "tokens_total", "samples_per_s", "tokens_per_s", "tflops_per_gpu", "mfu_pct"]
+    table = table.with_columns(
+        pl.lit(it.get(n), pl.Int64 if n in ("iterations", "samples_total", "tokens_total") else pl.Float64).alias(n)
+        for n in names
+    )
+    energy = pl.col("energy_j")
+    per_iter = energy / pl.col("iterations")
+    return table.with_columns(
+        per_iter.alias("energy_per_iteration_j"),
+        (energy / pl.col("tokens_total")).alias("energy_per_token_j"),
+        (pl.col("samples_per_s") / (per_iter / 1e6)).alias("efficiency_samples_per_s_mj"),
+    ).drop("samples_total")
+
+
+# --------------------------------------------------------------------------------------------
+# Per GPU
+# --------------------------------------------------------------------------------------------
+def _prepare(telemetry: pl.LazyFrame) -> pl.DataFrame:
+    """Samples in time order per GPU with the interval each one owns and its counter deltas."""
+    nxt = lambda c: pl.col(c).shift(-1).over(KEYS)  # noqa: E731 - the next sample of this GPU
+    return (
+        telemetry.sort([*KEYS, "ts_ns"])
+        .with_columns(
+            ((nxt("ts_ns") - pl.col("ts_ns")) / _NS).alias("dt_s"),
+            ((pl.col("power_w") + nxt("power_w")) / 2).alias("p_mid_w"),
+            (nxt("energy_j") - pl.col("energy_j")).alias("d_energy_j"),
+            _counter_delta("nvlink_tx_bytes"), _counter_delta("nvlink_rx_bytes"),
+        )
+        .collect()
+    )
+
+
+def _counter_delta(name: str) -> pl.Expr:
+    """Bytes counted from this sample to the next, across a 32- or 64-bit wrap."""
+    cur = pl.col(name).reinterpret(signed=False)
+    nxt = pl.col(name).shift(-1).over(KEYS).reinterpret(signed=False)
+    raw = nxt - cur  # UInt64 arithmetic wraps modulo 2**64
+    wrapped32 = (nxt < cur) & (cur < _MOD32)
+    return pl.when(wrapped32).then(raw % _MOD32).otherwise(raw).cast(pl.Float64).alias(f"d_{name}")
+
+
+def _tw_mean(col: str) -> pl.Expr:
+    known = pl.col("dt_s").filter(pl.col(col).is_not_null()).sum()
+    return pl.when(known > 0).then((pl.col(col) * pl.col("dt_s")).sum() / known)
+
+
+def _frac(cond: pl.Expr, col: str) -> pl.Expr:
+    """Fraction of the time with `col` known during which `cond` held."""
+    known = pl.col("dt_s").filter(pl.col(col).is_not_null()).sum()
+    return pl.when(known > 0).then(pl.col("dt_s").filter(cond).sum() / known)
+
+
+def _per_gpu(frame: pl.DataFrame, temp_limit: float, max_clock: float | None) -> pl.DataFrame:
+    dt = pl.col("dt_s")
+    trapz = pl.col("p_mid_w") * dt
+    counter_ok = pl.col("d_energy_j") >= 0
+    n_intervals = dt.is_not_null().sum()
+    n_counter = (counter_ok & dt.is_not_null()).sum()
+    throttle = pl.col("throttle_reasons")
+    rise = pl.col("power_w") - pl.col("power_w").rolling_min_by("ts_ns", window_size=f"{int(_NS)}i")
+    aggs = [
+        pl.col("uuid").first(), pl.col("backend").first(), pl.col("simulated").any(),
+        pl.len().alias("samples"), dt.sum().alias("duration_s"),
+        _tw_mean("power_w").alias("power_mean_w"),
+        pl.col("power_w").max().alias("power_peak_w"),
+        pl.col("power_w").quantile(0.99, "linear").alias("power_p99_w"),
+        pl.when(counter_ok).then(pl.col("d_energy_j")).otherwise(trapz).sum().alias("energy_j"),
+        pl.when(n_counter == 0).then(pl.lit("trapezoid"))
+        .when(n_counter == n_intervals).then(pl.lit("counter"))
+        .otherwise(pl.lit("counter+trapezoid")).alias("energy_source"),
+        pl.col("power_limit_w").max().alias("power_limit_w"),
+        rise.max().alias("power_max_rise_w_per_s"),
+        _tw_mean("temp_gpu_c").alias("temp_gpu_mean_c"), pl.col("temp_gpu_c").max().alias("temp_gpu_peak_c"),
+        _tw_mean("temp_mem_c").alias("temp_mem_mean_c"), pl.col("temp_mem_c").max().alias("temp_mem_peak_c"),
+        dt.filter(pl.col("temp_gpu_c") > temp_limit).sum().alias("time_above_temp_limit_s"),
+        _tw_mean("sm_clock_mhz").alias("sm_clock_mean_mhz"), pl.col("sm_clock_mhz").min().alias("sm_clock_min_mhz"),
+        _frac(pl.col("sm_clock_mhz") < (max_clock or float("inf")), "sm_clock_mhz").alias("below_max_clock_frac"),
+        *(_frac((throttle & bit) != 0, "throttle_reasons").alias(f"throttle_{name}_frac")
+          for name, bit in THROTTLE_BITS.items()),
+        _frac((throttle & THROTTLE_PERF_MASK) != 0, "throttle_reasons").alias("throttle_perf_frac"),
+        _tw_mean("util_gpu_pct").alias("util_gpu_mean_pct"), _tw_mean("util_mem_pct").alias("util_mem_mean_pct"),
+        pl.col("mem_used_bytes").max().alias("mem_used_peak_bytes"),
+        *(_counter_sum(f"nvlink_{d}_bytes") for d in ("tx", "rx")),
+        *((pl.col(f"pcie_{d}_bytes_s") * dt).sum().alias(f"pcie_{d}_bytes") for d in ("tx", "rx")),
+    ]
+    stats = frame.lazy().group_by(KEYS).agg(aggs).sort(KEYS).collect()
+    # A metric no sample had stays null rather than 0 (sum() of nothing is 0).
+    missing = {
+        "energy_j": ("power_w", "energy_j"), "pcie_tx_bytes": ("pcie_tx_bytes_s",),
+        "pcie_rx_bytes": ("pcie_rx_bytes_s",), "time_above_temp_limit_s": ("temp_gpu_c",),
+    }
+    have = frame.lazy().group_by(KEYS).agg(
+        pl.any_horizontal(pl.col(c).is_not_null() for c in cols).any().alias(f"has_{name}")
+        for name, cols in missing.items()
+    ).collect()
+    stats = stats.join(have, on=KEYS).with_columns(
+        pl.when(pl.col(f"has_{name}")).then(pl.col(name)).alias(name) for name in missing
+    ).with_columns(
+        pl.when(pl.col("has_energy_j")).then(pl.col("energy_source")).alias("energy_source")
+    ).drop(f"has_{name}" for name in missing)
+    return stats.with_columns(pl.lit(1).alias("gpus"))
+
+
+def _counter_sum(name: str) -> pl.Expr:
+    d = pl.col(f"d_{name}")
+    return pl.when(d.is_not_null().any()).then(d.sum()).alias(name)
+
+
+def _excursions(frame: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:
+    """Spikes above the run's mean power and above each GPU's power limit."""
+    thresholds = {"mean": pl.lit(run_mean_w, pl.Float64), "limit": pl.col("power_limit_w")}
+    out = None
+    for name, threshold in thresholds.items():
+        excess = pl.col("power_w") - threshold
+        above = (excess > 0).fill_null(False)
+        rising = above & ~above.shift(1, fill_value=False).over(KEYS)
+        spikes = (
+            frame.lazy()
+            .with_columns(excess.alias("excess"), above.alias("above"),
+                          rising.cum_sum().over(KEYS).alias("spike"))
+        )
+        known = frame.lazy().group_by(KEYS).agg(
+            (pl.col("power_w").is_not_null().any() & threshold.is_not_null().any()).alias("known"),
+            pl.col("dt_s").filter(above).sum().alias(f"time_over_{name}_s"),
+        )
+        sizes = (
+            spikes.filter("above").group_by([*KEYS, "spike"]).agg(pl.col("excess").max())
+            .group_by(KEYS).agg(
+                pl.len().alias(f"spikes_over_{name}_count"),
+                pl.col("excess").mean().alias(f"spikes_over_{name}_avg_excess_w"),
+                pl.col("excess").max().alias(f"spikes_over_{name}_max_excess_w"),
+            )
+        )
+        part = (
+            known.join(sizes, on=KEYS, how="left")
+            .with_columns(
+                pl.when(pl.col("known")).then(pl.col(f"spikes_over_{name}_count").fill_null(0))
+                .alias(f"spikes_over_{name}_count"),
+                pl.when(pl.col("known")).then(pl.col(f"time_over_{name}_s")).alias(f"time_over_{name}_s"),
+            )
+            .drop("known")
+            .collect()
+        )
+        out = part if out is None else out.join(part, on=KEYS)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Per node / per run
+# --------------------------------------------------------------------------------------------
+_SUM = ["energy_j", "nvlink_tx_bytes", "nvlink_rx_bytes", "pcie_tx_bytes", "pcie_rx_bytes",
+        "spikes_over_mean_count", "spikes_over_limit_count", "samples", "gpus"]
+_MAX = ["power_peak_w", "power_p99_w", "power_max_rise_w_per_s", "temp_gpu_peak_c", "temp_mem_peak_c",
+        "time_above_temp_limit_s", "mem_used_peak_bytes", "spikes_over_mean_max_excess_w",
+        "spikes_over_limit_max_excess_w", "duration_s", "power_limit_w"]
+_MIN = ["sm_clock_min_mhz"]
+_FIRST = ["backend"]
+
+
+def _aggregate(gpus: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    special = set(_SUM + _MAX + _MIN + _FIRST + KEYS + ["uuid", "simulated", "energy_source"])
+    means = [c for c in gpus.columns if c not in special]
+    gpu_id = pl.concat_str("node", pl.lit("/"), "device")
+    sources = pl.col("energy_source").drop_nulls().unique()
+    aggs = [
+        *(pl.when(pl.col(c).is_not_null().any()).then(pl.col(c).sum()).alias(c) for c in _SUM),
+        *(pl.col(c).max() for c in _MAX), *(pl.col(c).min() for c in _MIN), *(pl.col(c).first() for c in _FIRST),
+        *(pl.col(c).mean() for c in means),
+        pl.col("simulated").any(),
+        pl.when(sources.len() == 1).then(sources.first())
+        .when(sources.len() > 1).then(pl.lit("counter+trapezoid")).alias("energy_source"),
+        # Spread across GPUs: the paper's heatmaps show hot spots by node.
+        gpu_id.sort_by("temp_gpu_mean_c", nulls_last=False).last().alias("hottest_gpu"),
+        gpu_id.sort_by("temp_gpu_mean_c", nulls_last=True).first().alias("coolest_gpu"),
+        (pl.col("temp_gpu_mean_c").max() - pl.col("temp_gpu_mean_c").min()).alias("temp_gpu_spread_c"),
+        gpu_id.sort_by("power_mean_w", nulls_last=False).last().alias("highest_power_gpu"),
+        gpu_id.sort_by("power_mean_w", nulls_last=True).first().alias("lowest_power_gpu"),
+        (pl.col("power_mean_w").max() - pl.col("power_mean_w").min()).alias("power_spread_w"),
+    ]
+    frame = gpus.lazy()
+    if keys:
+        out = frame.group_by(keys).agg(aggs).sort(keys)
+    else:
+        out = frame.select(aggs).with_columns(pl.lit(None, pl.String).alias("node"))
+    out = out.with_columns(pl.lit(None, pl.String).alias("device")).collect()
+    order = [c for c in gpus.columns if c in out.columns]
+    return out.select(order + [c for c in out.columns if c not in order])
+
+
+# --------------------------------------------------------------------------------------------
+# Writers
+# --------------------------------------------------------------------------------------------
+def render(df: pl.DataFrame, fmt: str) -> str:
+    """A summary (or any tidy frame) as text: table | markdown | csv | json."""
+    if fmt == "csv":
+        return df.write_csv()
+    if fmt == "json":
+        return df.write_json()
+    if fmt in ("table", "markdown"):
+        return _as_text_table(_long(df), markdown=fmt == "markdown")
+    raise UserError(f"format {fmt!r}: expected one of table, markdown, csv, json (parquet needs --out FILE)")
+
+
+def write_summary(df: pl.DataFrame, target: str | os.PathLike, fmt: str | None = None) -> str | None:
+    """Render to a format name (returns the text) or write to a file (format from `fmt` or the suffix)."""
+    if fmt is None and str(target) in FORMATS:
+        if target == "parquet":
+            raise UserError("format 'parquet' is binary: give a file to write it to (--out FILE)")
+        return render(df, str(target))
+    path = Path(target)
+    fmt = fmt or {".parquet": "parquet", ".csv": "csv", ".json": "json", ".md": "markdown",
+                  ".txt": "table"}.get(path.suffix.lower())
+    if fmt not in FORMATS:
+        raise UserError(f"--out {str(path)!r}: unknown format; use a .parquet, .csv, .json, .md or .txt name, "
+                        "or give --format")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if fmt == "parquet":
+        df.write_parquet(tmp)
+    else:
+        tmp.write_text(render(df, fmt))
+    tmp.replace(path)
+    return None
+
+
+def _long(df: pl.DataFrame) -> pl.DataFrame:
+    """Metrics as rows, one column per GPU / node / run: readable however many metrics."""
+    names = []
+    for row in df.iter_rows(named=True):
+        parts = [row.get("run")] if row.get("level") == "run" or "level" not in df.columns else []
+        parts += [row.get(k) for k in ("node", "device") if row.get(k)]
+        names.append("/".join(str(p) for p in parts if p) or str(row.get("run", "value")))
+    columns = {"metric": df.columns}
+    for name, row in zip(names, df.iter_rows()):
+        columns[name] = [_fmt(v) for v in row]
+    return pl.DataFrame(columns)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _as_text_table(df: pl.DataFrame, markdown: bool) -> str:
+    with pl.Config(
+        tbl_formatting="MARKDOWN" if markdown else "UTF8_FULL_CONDENSED",
+        tbl_hide_column_data_types=True, tbl_hide_dataframe_shape=True,
+        tbl_rows=-1, tbl_cols=-1, tbl_width_chars=60_000, fmt_str_lengths=200, tbl_cell_alignment="LEFT",
+    ):
+        return str(df) + "\n"

@@ -1,0 +1,58 @@
+"""Build run directories from known signals: Arrow chunks in RunDir layout, an experiment, a log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from charllm.probes.rundir import RunDir
+from charllm.probes.schema import conform
+
+T0_NS = 1_700_000_000 * 10**9
+
+
+def gpu_frame(t_s, node="n0", device="gpu0", **metrics) -> pl.DataFrame:
+    """One GPU's samples at times `t_s` (seconds after T0) with the given metric columns."""
+    t_ns = T0_NS + np.round(np.asarray(t_s, dtype=float) * 1e9).astype(np.int64)
+    n = len(t_ns)
+    data = {"ts_ns": t_ns, "mono_ns": t_ns - T0_NS, "node": [node] * n, "device": [device] * n,
+            "uuid": [f"GPU-{node}-{device}"] * n, "backend": ["sim"] * n, "simulated": [True] * n}
+    data.update({k: (list(v) if np.ndim(v) else [v] * n) for k, v in metrics.items()})
+    return conform(pl.DataFrame(data))
+
+
+def make_run(root: Path, frames: list[pl.DataFrame], *, experiment: str | None = None,
+             iterations: list[dict] | None = None, chunks: int = 2, run_id: str = "run-a") -> RunDir:
+    """A run directory holding `frames` as Arrow IPC chunks per node (split into `chunks` files)."""
+    run = RunDir(Path(root) / run_id)
+    run.write_manifest({"id": run_id, "status": "completed", "kind": "test"})
+    data = pl.concat(frames).sort("ts_ns")
+    for (node,), part in data.group_by(["node"]):
+        out = run.node_telemetry_dir(node)
+        out.mkdir(parents=True, exist_ok=True)
+        for i, piece in enumerate(np.array_split(np.arange(part.height), chunks)):
+            if len(piece):
+                part[int(piece[0]):int(piece[-1]) + 1].write_ipc(out / f"{i:06d}.arrow")
+    if experiment is not None:
+        run.experiment_path.write_text(experiment)
+    if iterations is not None:
+        with open(run.iterations_path, "w") as fh:
+            for row in iterations:
+                fh.write(json.dumps(row) + "\n")
+    return run
+
+
+def iteration_rows(starts_s, duration_s, *, warmup: int = 0, samples=8, tokens=None) -> list[dict]:
+    """Iteration-log lines (rank 0 and last rank each log every step, as the workload does)."""
+    rows = [{"event": "start", "rank": 0}]
+    for i, s in enumerate(starts_s, start=1):
+        for rank in (0, 1):
+            rows.append({
+                "event": "iteration", "iteration": i, "rank": rank, "node": "n0",
+                "start_ns": T0_NS + int(round(s * 1e9)), "end_ns": T0_NS + int(round((s + duration_s) * 1e9)),
+                "samples": samples, "tokens": tokens, "warmup": i <= warmup,
+            })
+    return rows
