@@ -1,0 +1,349 @@
+"""Launching an experiment onto a target, cancelling it, and following it.
+
+`launch()` checks the layout, creates the run directory, and hands the run to a detached
+supervisor (`python -m charllm.engine.supervise RUN_DIR`) that owns the processes: a sampler per
+node, then torchrun per node with a static rendezvous on the first node. Under Slurm it submits an
+sbatch script instead and the supervisor follows the job. Logs, iterations and telemetry land in
+the local run directory for every target, so the live view and summaries work the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from charllm.engine import slurm, ssh
+from charllm.engine.targets import Target, from_record
+from charllm.probes import paths
+from charllm.probes.errors import UserError
+from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id
+
+TRAIN_MODULE = "charllm.engine.workload.train"
+SAMPLER_MODULE = "charllm.probes"
+CANCEL_GRACE_S = 10.0
+
+
+@dataclass
+class Step:
+    """One process of a run on one node: the exact argv run there."""
+
+    node: str
+    role: str                 # sampler | train | tail
+    argv: list[str]
+    host: str | None = None   # ssh: the host it runs on (argv then runs through `ssh`)
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+    def to_dict(self) -> dict:
+        out = {"node": self.node, "role": self.role, "argv": self.argv, "command": self.command}
+        if self.host:
+            out["host"] = self.host
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Step":
+        return cls(node=d["node"], role=d["role"], argv=list(d["argv"]), host=d.get("host"))
+
+
+@dataclass
+class LaunchResult:
+    run_id: str
+    run_dir: Path | None              # None for a dry run (nothing was created)
+    commands: list[str]
+    sbatch_script: str | None = None
+    forced: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    job_id: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+def problems(exp) -> list[str]:
+    """Why this layout should not run: validation problems, else a memory overflow."""
+    from charllm.engine.memory import estimate
+    from charllm.engine.validate import validate
+
+    found = [str(p) for p in validate(exp)]
+    if found:
+        return found  # the memory model assumes a valid layout
+    report = estimate(exp)
+    if not report.fits:
+        stage = report.peak_stage
+        return [f"memory: peak {report.peak_bytes / 2**30:.1f} GiB on pipeline stage {stage} exceeds the "
+                f"usable {report.usable_bytes / 2**30:.1f} GiB per device of {exp.hardware.name!r}"]
+    return []
+
+
+def _fit_to_target(exp, target: Target, nproc: int | None):
+    exp = exp.copy()
+    if nproc is not None:
+        if nproc < 1:
+            raise UserError(f"--nproc = {nproc}: must be at least 1")
+        exp.cluster.gpus_per_node = nproc
+    if target.gpus_per_node and exp.cluster.gpus_per_node > target.gpus_per_node:
+        raise UserError(f"cluster.gpus_per_node = {exp.cluster.gpus_per_node}: target {target.name!r} "
+                        f"has {target.gpus_per_node} per node")
+    if target.kind == "local" and exp.cluster.nodes != 1:
+        raise UserError(f"cluster.nodes = {exp.cluster.nodes}: the local target is one node; "
+                        "use an ssh or slurm target for more")
+    if target.kind == "ssh" and exp.cluster.nodes > len(target.hosts):
+        raise UserError(f"cluster.nodes = {exp.cluster.nodes}: target {target.name!r} lists only "
+                        f"{len(target.hosts)} host(s)")
+    return exp
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sampler_argv(python: str, exp, run_dir: str, node: str, stream: bool = False) -> list[str]:
+    argv = [python, "-m", SAMPLER_MODULE, "--backend", exp.telemetry.backend, "--hz", f"{exp.telemetry.hz:g}",
+            "--out", run_dir, "--node", node]
+    return argv + ["--stream"] if stream else argv
+
+
+def train_argv(python: str, exp, run_dir: str, *, node_rank, master_addr: str, master_port: int) -> list[str]:
+    """torchrun (as `python -m torch.distributed.run`, so the target's python picks torch)."""
+    return [python, "-m", "torch.distributed.run", f"--nnodes={exp.cluster.nodes}", f"--node-rank={node_rank}",
+            f"--master-addr={master_addr}", f"--master-port={master_port}",
+            f"--nproc-per-node={exp.cluster.gpus_per_node}",
+            "-m", TRAIN_MODULE, "--run-dir", run_dir]
+
+
+def plan(exp, target: Target, run_dir: Path) -> tuple[list[Step], str | None]:
+    """The processes per node (and the sbatch script under Slurm)."""
+    python = target.python_path
+    run_id = run_dir.name
+    if target.kind == "local":
+        node = socket.gethostname()
+        steps = [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node)),
+                 Step(node, "train", train_argv(python, exp, str(run_dir), node_rank=0,
+                                                master_addr="127.0.0.1", master_port=_free_port()))]
+        return steps, None
+    if target.kind == "ssh":
+        hosts = target.hosts[: exp.cluster.nodes]
+        port = random.randint(20000, 40000)
+        steps = []
+        for rank, host in enumerate(hosts):
+            # One remote run directory per node, so nodes sharing a filesystem never collide.
+            remote = ssh.remote_path(target, "runs", run_id, host)
+            steps.append(Step(host, "sampler", sampler_argv(python, exp, remote, host, stream=True), host))
+            steps.append(Step(host, "tail", ["tail", "-n", "+1", "-F", remote + "/iterations.jsonl"], host))
+            steps.append(Step(host, "train", train_argv(python, exp, remote, node_rank=rank,
+                                                        master_addr=hosts[0], master_port=port), host))
+        return steps, None
+    # slurm
+    gpus = exp.hardware.vendor != "cpu"
+    sampler = sampler_argv(python, exp, str(run_dir), "@@NODE@@")
+    train = train_argv(python, exp, str(run_dir), node_rank="@@NODE_RANK@@", master_addr="@@MASTER_ADDR@@",
+                       master_port=random.randint(20000, 40000))
+    text = slurm.script(target=target, run_dir=str(run_dir), run_id=run_id, nodes=exp.cluster.nodes,
+                        nproc=exp.cluster.gpus_per_node, gpus=gpus, sampler=sampler, train=train)
+    return [Step("every-node", "sampler", sampler), Step("every-node", "train", train)], text
+
+
+def display_commands(steps: list[Step], target: Target) -> list[str]:
+    out = []
+    for step in steps:
+        if step.host:
+            out.append(f"[{step.role}@{step.node}] " + shlex.join(ssh.ssh_argv(target, step.host)
+                                                                  + [remote_line(target, step)]))
+        else:
+            out.append(f"[{step.role}@{step.node}] {step.command}")
+    return out
+
+
+def remote_line(target: Target, step: Step) -> str:
+    """The shell line an ssh step runs remotely: own process group, pgid printed first."""
+    return ssh.in_process_group(ssh.shell_line(target, step.argv))
+
+
+# --------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------
+def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, nproc: int | None = None,
+           on_progress: Callable[[str], None] | None = None) -> LaunchResult:
+    say = on_progress or (lambda message: None)
+    exp = _fit_to_target(exp, target, nproc)
+    say("checking the layout")
+    found = problems(exp)
+    if found and not force:
+        raise UserError(f"{found[0]} (launch anyway with --force)")
+    run_id = new_run_id(exp.name)
+    run_dir = _unique(paths.runs_dir() / run_id)
+    steps, script = plan(exp, target, run_dir)
+    commands = display_commands(steps, target)
+    result = LaunchResult(run_id=run_dir.name, run_dir=None, commands=commands, sbatch_script=script,
+                          forced=found, dry_run=dry_run)
+    if dry_run:
+        return result
+
+    if target.kind == "ssh":
+        for host in {s.host for s in steps}:
+            say(f"checking ssh to {host}")
+            ssh.check(target, host)
+    if target.kind == "slurm" and shutil.which("sbatch") is None:
+        raise UserError(f"target {target.name!r}: `sbatch` is not on PATH (run from a Slurm login node)")
+
+    rd = RunDir(run_dir)
+    say(f"creating {run_dir}")
+    try:
+        rd.logs_dir.mkdir(parents=True)
+        exp.save(rd.experiment_path)
+        rd.write_manifest({
+            "id": rd.id, "kind": "train", "name": exp.name, "status": "pending",
+            "created_ns": time.time_ns(), "target": target.to_dict(),
+            "nodes": sorted({s.node for s in steps}), "steps": [s.to_dict() for s in steps],
+            "commands": commands, "forced": found if force else [], "world_size": exp.world_size,
+        })
+        if target.kind == "ssh":
+            for host in sorted({s.host for s in steps}):
+                say(f"preparing {host}")
+                remote = ssh.remote_path(target, "runs", rd.id, host)
+                ssh.check(target, host, f"mkdir -p {shlex.quote(remote)} && cat > "
+                          + shlex.quote(remote + "/experiment.toml"), stdin=rd.experiment_path.read_bytes())
+        if target.kind == "slurm":
+            script_path = rd.path / "job.sbatch"
+            script_path.write_text(script)
+            say("submitting to Slurm")
+            result.job_id = slurm.submit(str(script_path))
+            rd.update_manifest(slurm_job_id=result.job_id)
+        say("starting the supervisor")
+        with open(rd.logs_dir / "supervisor.log", "ab") as log:
+            subprocess.Popen([sys.executable, "-m", "charllm.engine.supervise", str(rd.path)],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                             close_fds=True)
+    except BaseException:
+        # A launch that did not start leaves nothing behind.
+        if result.job_id:
+            slurm.cancel(result.job_id)
+        shutil.rmtree(rd.path, ignore_errors=True)
+        raise
+    result.run_dir = rd.path
+    return result
+
+
+def _unique(path: Path) -> Path:
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
+# --------------------------------------------------------------------------------------------
+# Cancel
+# --------------------------------------------------------------------------------------------
+def _process(info: dict | None):
+    """The psutil process recorded as {pid, create_time}, if it is still that process."""
+    import psutil
+
+    if not info:
+        return None
+    try:
+        proc = psutil.Process(info["pid"])
+        if abs(proc.create_time() - info["create_time"]) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except psutil.Error:
+        pass
+    return None
+
+
+def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str:
+    """Stop every process of the run on every node; returns the final status."""
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    manifest = rd.read_manifest()
+    if manifest.get("status") in FINAL_STATUSES:
+        raise UserError(f"run {rd.id!r} is already {manifest['status']}")
+    kind = manifest.get("target", {}).get("kind")
+    if kind == "slurm":
+        slurm.cancel(manifest["slurm_job_id"])  # the supervisor sees CANCELLED and records it
+    else:
+        deadline = time.monotonic() + 10
+        while "supervisor" not in manifest and time.monotonic() < deadline:  # just launched
+            time.sleep(0.1)
+            manifest = rd.read_manifest()
+        sup = _process(manifest.get("supervisor"))
+        if sup is not None:
+            sup.send_signal(signal.SIGTERM)  # it stops its steps (TERM, grace, KILL) and records the status
+    status = _wait_final(rd, wait)
+    if status in FINAL_STATUSES:
+        return status
+    # The supervisor is gone or stuck: stop what it recorded ourselves.
+    manifest = rd.read_manifest()
+    sup = _process(manifest.get("supervisor"))
+    if sup is not None:
+        sup.kill()
+    _kill_recorded(manifest, grace)
+    rd.update_manifest(status="cancelled", ended_ns=time.time_ns(),
+                       failure=None, note="cancelled without its supervisor")
+    return "cancelled"
+
+
+def _wait_final(rd: RunDir, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = rd.status
+        if status in FINAL_STATUSES:
+            return status
+        time.sleep(0.2)
+    return rd.status
+
+
+def _kill_recorded(manifest: dict, grace: float) -> None:
+    record = manifest.get("target", {})
+    target = from_record(record) if record.get("kind") == "ssh" else None
+    for sig in ("TERM", "KILL"):
+        for proc in manifest.get("processes", []):
+            if proc.get("host") and target is not None and proc.get("remote_pgid"):
+                ssh.kill_group(target, proc["host"], proc["remote_pgid"], sig)
+            if proc.get("pgid"):
+                try:
+                    os.killpg(proc["pgid"], getattr(signal, f"SIG{sig}"))
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if sig == "TERM":
+            time.sleep(grace)
+
+
+# --------------------------------------------------------------------------------------------
+# Follow
+# --------------------------------------------------------------------------------------------
+def watch(run_dir, *, interval: float = 0.5) -> Iterator[tuple[str, object]]:
+    """Events until the run ends: ("iteration", dict), ("telemetry", polars rows), ("status", str)."""
+    from charllm.probes.tail import IterationTail, TelemetryTail
+
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    iterations, telemetry = IterationTail(rd.path), TelemetryTail(rd.path)
+    last_status = None
+    while True:
+        status = rd.status
+        if status != last_status:
+            yield "status", status
+            last_status = status
+        for row in iterations.poll():
+            yield "iteration", row
+        rows = telemetry.poll()
+        if rows is not None and len(rows):
+            yield "telemetry", rows
+        if status in FINAL_STATUSES:
+            return
+        time.sleep(interval)

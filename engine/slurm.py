@@ -1,0 +1,100 @@
+"""Slurm: the generated sbatch script, submission, job state and cancellation.
+
+The run directory is on a filesystem shared with the compute nodes, so the job writes logs,
+iterations and telemetry there directly. One `srun --overlap` step runs the sampler on every
+node; one `srun` step runs torchrun on every node (static rendezvous on the first node's
+address); `--kill-on-bad-exit` stops every node when one fails.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+
+from charllm.engine.targets import Target
+from charllm.probes.errors import UserError
+
+# Per-node values in the argv given to `script`, expanded by each node's shell.
+PLACEHOLDERS = {"@@NODE@@": '"$SLURMD_NODENAME"', "@@NODE_RANK@@": '"$SLURM_NODEID"',
+                "@@MASTER_ADDR@@": '"$MASTER_ADDR"'}
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                "BOOT_FAIL", "DEADLINE"}
+
+
+def script(*, target: Target, run_dir: str, run_id: str, nodes: int, nproc: int, gpus: bool,
+           sampler: list[str], train: list[str]) -> str:
+    """The sbatch script. `sampler` and `train` are argv lists run on each node, where the
+    placeholders in PLACEHOLDERS become the node's values at run time."""
+    q = shlex.quote
+    lines = ["#!/bin/bash",
+             f"#SBATCH --job-name={q('charllm-' + run_id)}",
+             f"#SBATCH --nodes={nodes}",
+             "#SBATCH --ntasks-per-node=1",
+             f"#SBATCH --cpus-per-task={nproc}" if not gpus else f"#SBATCH --gpus-per-node={nproc}",
+             f"#SBATCH --output={q(run_dir + '/logs/slurm-%j.out')}",
+             f"#SBATCH --chdir={q(run_dir)}"]
+    for option in ("partition", "account", "qos", "time", "constraint"):
+        value = getattr(target, option)
+        if value:
+            lines.append(f"#SBATCH --{option}={q(value)}")
+    lines += [f"#SBATCH {line}" for line in target.sbatch_lines]
+    lines += ["set -u"]
+    if target.env_setup:
+        lines.append(target.env_setup)
+    lines += [
+        f"export RUN_DIR={q(run_dir)}",
+        'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'export MASTER_ADDR=$(scontrol show node "$FIRST_NODE" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")',
+        "",
+        "# The sampler: one task per node, sharing the node with training.",
+        f"srun --overlap --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 bash -c "
+        + q(_node_line(sampler, "sampler")) + " &",
+        "SAMPLERS=$!",
+        "",
+        "# Training: torchrun on every node; one failing node stops the others.",
+        f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "
+        + q(_node_line(train, "train")),
+        "RC=$?",
+        'echo "$RC" > "$RUN_DIR/logs/train.exit"',
+        "kill -TERM $SAMPLERS 2>/dev/null; wait $SAMPLERS",
+        "exit $RC",
+        ""]
+    return "\n".join(lines)
+
+
+def _node_line(argv: list[str], role: str) -> str:
+    """exec ARGV > logs/ROLE-$NODE.log, with the per-node placeholders expanded by the node's shell."""
+    words = []
+    for word in argv:
+        # Placeholders may sit inside a word (--node-rank=@@NODE_RANK@@); quote the rest of it.
+        parts = re.split(f"({'|'.join(PLACEHOLDERS)})", word)
+        words.append("".join(PLACEHOLDERS.get(p) or (shlex.quote(p) if p else "") for p in parts))
+    return f'exec {" ".join(words)} > "$RUN_DIR/logs/{role}-$SLURMD_NODENAME.log" 2>&1'
+
+
+def submit(script_path: str) -> str:
+    try:
+        done = subprocess.run(["sbatch", "--parsable", "--export=ALL", script_path],
+                              capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise UserError("slurm target: `sbatch` is not on PATH (run from a login node)") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise UserError(f"sbatch refused the job: {last}")
+    return done.stdout.strip().split(";")[0]
+
+
+def job_state(job_id: str) -> tuple[str, str]:
+    """(state, details) from scontrol; ("UNKNOWN", "") once the controller forgot the job."""
+    done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                          timeout=30)
+    if done.returncode != 0:
+        return "UNKNOWN", done.stderr.strip()
+    fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout))
+    details = f"ExitCode={fields.get('ExitCode', '?')} Reason={fields.get('Reason', '?')}"
+    return fields.get("JobState", "UNKNOWN"), details
+
+
+def cancel(job_id: str) -> None:
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=30)

@@ -1,0 +1,100 @@
+"""Running commands on SSH nodes with the OpenSSH client (honours ~/.ssh/config, agents, jump hosts).
+
+Every remote command starts in its own process group and first prints that group's id, because
+closing an SSH channel does not stop a remote process (and OpenSSH ignores signal requests for
+root): to stop it we kill the group over a second connection. Arguments are joined with
+`shlex.quote`, so run names and paths cannot inject shell.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+from charllm.engine.targets import Target
+from charllm.probes.errors import UserError
+
+
+def ssh_argv(target: Target, host: str) -> list[str]:
+    """The local `ssh` command line up to (not including) the remote command."""
+    argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+            "-o", f"ConnectTimeout={target.connect_timeout}",
+            # A node that dies is noticed within ~15 s instead of at the TCP timeout.
+            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
+            "-o", "LogLevel=ERROR", "-p", str(target.port)]
+    if target.known_hosts:
+        argv += ["-o", f"UserKnownHostsFile={Path(target.known_hosts).expanduser()}"]
+    if target.identity_file:
+        argv += ["-i", str(Path(target.identity_file).expanduser()), "-o", "IdentitiesOnly=yes"]
+    if target.user:
+        argv += ["-l", target.user]
+    return argv + ["--", host]
+
+
+def remote_path(target: Target, *parts: str) -> str:
+    """A path on the node: relative workdirs are under the remote home (where ssh starts)."""
+    base = target.workdir[2:] if target.workdir.startswith("~/") else target.workdir
+    return "/".join([base.rstrip("/") or "."] + list(parts))
+
+
+def shell_line(target: Target, argv: list[str], cwd: str | None = None) -> str:
+    """`cd DIR && ENV_SETUP; exec ARGV` — the env line is the user's own shell, the rest is quoted."""
+    parts = []
+    if cwd:
+        parts.append(f"cd {shlex.quote(cwd)} &&")
+    if target.env_setup:
+        parts.append(f"{target.env_setup};")
+    parts.append("exec " + shlex.join(argv))
+    return " ".join(parts)
+
+
+def in_process_group(line: str) -> str:
+    """Run `line` as leader of a new session (pgid = its pid), printing that pgid first."""
+    return "setsid -w bash -c " + shlex.quote("echo $$; " + line)
+
+
+def trust_hint(target: Target, host: str) -> str:
+    known = target.known_hosts or "~/.ssh/known_hosts"
+    return f"ssh-keyscan -p {target.port} {shlex.quote(host)} >> {shlex.quote(known)}"
+
+
+def check(target: Target, host: str, remote: str = "true", stdin: bytes | None = None) -> str:
+    """Run a short command on `host`; a refused host key or login is a UserError naming the fix."""
+    try:
+        done = subprocess.run(ssh_argv(target, host) + [remote], input=stdin, capture_output=True,
+                              timeout=target.connect_timeout + 30)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"target {target.name!r}: host {host!r} did not answer within "
+                        f"{target.connect_timeout + 30} s") from None
+    err = done.stderr.decode(errors="replace").strip()
+    if done.returncode == 255:
+        if "host key" in err.lower() or "Host key verification failed" in err:
+            raise UserError(f"target {target.name!r}: host {host!r} has an unknown or changed host key; "
+                            f"if you trust it, run: {trust_hint(target, host)}")
+        last = err.splitlines()[-1] if err else "connection failed"
+        raise UserError(f"target {target.name!r}: cannot reach {host!r} over ssh: {last}")
+    if done.returncode != 0:
+        last = err.splitlines()[-1] if err else f"exit status {done.returncode}"
+        raise UserError(f"target {target.name!r}: on {host!r}, {remote!r} failed: {last}")
+    return done.stdout.decode(errors="replace")
+
+
+def kill_group(target: Target, host: str, pgid: int, signal: str = "TERM") -> None:
+    """Signal a remote process group over a fresh connection (best effort: the node may be gone)."""
+    remote = f"kill -{signal} -- -{int(pgid)} 2>/dev/null; true"
+    try:
+        subprocess.run(ssh_argv(target, host) + [remote], capture_output=True,
+                       timeout=target.connect_timeout + 10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def group_alive(target: Target, host: str, pgid: int) -> bool:
+    remote = f"kill -0 -- -{int(pgid)} 2>/dev/null && echo alive; true"
+    try:
+        done = subprocess.run(ssh_argv(target, host) + [remote], capture_output=True,
+                              timeout=target.connect_timeout + 10)
+    except subprocess.TimeoutExpired:
+        return False
+    return b"alive" in done.stdout

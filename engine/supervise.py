@@ -1,0 +1,260 @@
+"""The supervisor of one run: `python -m charllm.engine.supervise RUN_DIR`.
+
+Started detached by `launch()`, it owns the run's processes (samplers, torchrun, remote log
+tails), records their process groups in the manifest, stops the rest when a node or rank fails,
+stops everything on SIGTERM (what `cancel` sends), and writes the final status. Under Slurm it
+only follows the job, since Slurm owns the processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from charllm.engine import slurm, ssh
+from charllm.engine.launch import CANCEL_GRACE_S, Step, remote_line
+from charllm.engine.targets import Target, from_record
+from charllm.probes.rundir import RunDir
+
+CANCELLED_EXIT = 143  # charllm.engine.workload.CANCELLED_EXIT: 128 + SIGTERM
+POLL_S = 0.2
+
+
+class Proc:
+    """One step's process: local (its own process group) or remote through ssh."""
+
+    def __init__(self, rd: RunDir, target: Target, step: Step, sink=None):
+        self.rd, self.target, self.step = rd, target, step
+        self.sink = sink                      # tail: receives each remote iteration line
+        self.log_path = rd.logs_dir / f"{step.role}-{step.node}.log"
+        self.remote_pgid: int | None = None
+        self.pgid_known = threading.Event()
+        self.reader: threading.Thread | None = None
+        self.popen: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        if self.step.host is None:
+            self.popen = subprocess.Popen(self.step.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, cwd=self.rd.path, start_new_session=True)
+            self.pgid_known.set()
+        else:
+            argv = ssh.ssh_argv(self.target, self.step.host) + [remote_line(self.target, self.step)]
+            self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                                          start_new_session=True)
+            self.reader = threading.Thread(target=self._read, args=(log,), daemon=True)
+            self.reader.start()
+
+    def _read(self, log) -> None:
+        """Remote stdout: the pgid line, then the log, the telemetry stream or iteration lines."""
+        out = self.popen.stdout
+        first = out.readline()
+        try:
+            self.remote_pgid = int(first)
+        except ValueError:
+            log.write(first)
+        self.pgid_known.set()
+        role = self.step.role
+        if role == "sampler":
+            from charllm.probes.recorder import ChunkWriter
+            from charllm.probes.stream import read_stream
+
+            writer = ChunkWriter(self.rd.node_telemetry_dir(self.step.node))
+            try:
+                read_stream(out, writer.write)
+            except Exception as exc:  # a cut connection ends the stream mid-batch
+                log.write(f"telemetry stream ended: {exc}\n".encode())
+                log.flush()
+            finally:
+                writer.close()
+        elif role == "tail":
+            for line in out:
+                self.sink(line)
+        else:
+            for chunk in iter(lambda: out.read1(65536), b""):
+                log.write(chunk)
+                log.flush()
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.poll() is not None and self.step.host is None:
+            return
+        if self.step.host is not None and self.remote_pgid:
+            ssh.kill_group(self.target, self.step.host, self.remote_pgid, sig.name.removeprefix("SIG"))
+        if self.step.host is None or sig == signal.SIGKILL:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def record(self) -> dict:
+        out = {"node": self.step.node, "role": self.step.role, "pid": self.popen.pid, "pgid": self.popen.pid}
+        if self.step.host:
+            out.update(host=self.step.host, remote_pgid=self.remote_pgid)
+        return out
+
+
+def stop(procs: list[Proc], grace: float) -> None:
+    """SIGTERM, then SIGKILL whatever is left after `grace` seconds."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in live:
+        if p.poll() is None or p.step.host:  # remote: the group may outlive the ssh client
+            p.signal(signal.SIGKILL)
+        try:
+            p.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
+                         re.S)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def describe_failure(step: Step, rc: int, log_path: Path) -> str:
+    """Name the node and, from torchrun's error summary, the rank that failed first."""
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    match = _ROOT_CAUSE.search(text)
+    if match:
+        rank, local_rank, code = match.groups()
+        return f"node {step.node}, rank {rank} (local rank {local_rank}) {describe_exit(int(code))}"
+    if step.host and rc == 255:
+        return f"node {step.node}: lost the ssh connection (the node died or is unreachable)"
+    return f"node {step.node}: torchrun {describe_exit(rc)}"
+
+
+class Supervisor:
+    def __init__(self, rd: RunDir):
+        self.rd = rd
+        self.manifest = rd.read_manifest()
+        self.target = from_record(self.manifest["target"])
+        self.cancel_requested = False
+        self.lines_lock = threading.Lock()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.cancel_requested = True
+
+    def _append_iteration(self, line: bytes) -> None:
+        if not line.endswith(b"\n"):
+            return  # the remote tail was cut mid-line
+        with self.lines_lock, open(self.rd.iterations_path, "ab") as fh:
+            fh.write(line)
+
+    def run(self) -> str:
+        import psutil
+
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        me = psutil.Process()
+        self.rd.update_manifest(supervisor={"pid": me.pid, "create_time": me.create_time(), "pgid": os.getpgid(0)})
+        if self.target.kind == "slurm":
+            return self.follow_slurm()
+        steps = [Step.from_dict(s) for s in self.manifest["steps"]]
+        helpers = [Proc(self.rd, self.target, s, sink=self._append_iteration) for s in steps if s.role != "train"]
+        trains = [Proc(self.rd, self.target, s) for s in steps if s.role == "train"]
+        everything = helpers + trains
+        for p in everything:  # samplers first, so telemetry covers the whole run
+            if not self.cancel_requested:
+                p.start()
+        started = [p for p in everything if p.popen]
+        for p in started:
+            p.pgid_known.wait(timeout=self.target.connect_timeout + 20)
+        self.rd.update_manifest(status="running", started_ns=time.time_ns(),
+                                processes=[p.record() for p in started])
+
+        status, failure = self.wait(trains)
+        stop(trains, CANCEL_GRACE_S)
+        stop([p for p in helpers if p.popen], CANCEL_GRACE_S / 2)
+        for p in started:
+            if p.reader:
+                p.reader.join(timeout=10)
+        exits = {f"{p.step.role}@{p.step.node}": p.poll() for p in started}
+        if self.cancel_requested:
+            status, failure = "cancelled", None
+        self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), exit_codes=exits)
+        return status
+
+    def wait(self, trains: list[Proc]) -> tuple[str, str | None]:
+        """Until every node finished, one failed, or a cancel came in."""
+        while not self.cancel_requested:
+            codes = [p.poll() if p.popen else 0 for p in trains]
+            for p, rc in zip(trains, codes):
+                if rc == CANCELLED_EXIT:
+                    return "cancelled", None
+                if rc not in (None, 0):
+                    return "failed", describe_failure(p.step, rc, p.log_path)
+            if all(rc == 0 for rc in codes):
+                return "completed", None
+            time.sleep(POLL_S)
+        return "cancelled", None
+
+    def follow_slurm(self) -> str:
+        job = self.manifest["slurm_job_id"]
+        running = False
+        while True:
+            state, details = slurm.job_state(job)
+            if state == "RUNNING" and not running:
+                running = True
+                self.rd.update_manifest(status="running", started_ns=time.time_ns())
+            if state in slurm.FINAL_STATES or state == "UNKNOWN":
+                break
+            time.sleep(0.5)
+        if state == "UNKNOWN":  # purged from the controller: the job's own exit record decides
+            exit_file = self.rd.logs_dir / "train.exit"
+            state = "COMPLETED" if exit_file.is_file() and exit_file.read_text().strip() == "0" else "FAILED"
+        failure = None
+        if state == "COMPLETED":
+            status = "completed"
+        elif state == "CANCELLED" or self.cancel_requested:
+            status = "cancelled"
+        else:
+            status = "failed"
+            failure = self._slurm_failure(state, details)
+        self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state)
+        return status
+
+    def _slurm_failure(self, state: str, details: str) -> str:
+        for log in sorted(self.rd.logs_dir.glob("train-*.log")):
+            node = log.stem.removeprefix("train-")
+            text = log.read_text(errors="replace")
+            if _ROOT_CAUSE.search(text):
+                return describe_failure(Step(node, "train", []), 1, log)
+        return f"slurm job {state.lower()} ({details})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m charllm.engine.supervise RUN_DIR", file=sys.stderr)
+        return 2
+    rd = RunDir(Path(argv[0]))
+    try:
+        status = Supervisor(rd).run()
+    except BaseException as exc:
+        # Never leave a run "running" forever: record why the supervisor itself died.
+        rd.update_manifest(status="failed", failure=f"supervisor error: {exc!r}", ended_ns=time.time_ns())
+        raise
+    print(f"run {rd.id}: {status}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

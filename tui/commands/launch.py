@@ -1,0 +1,111 @@
+"""`charllm-tui launch EXPERIMENT_OR_PRESET --target NAME [--set k=v] [--dry-run] [--follow] [--force]`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("launch", help="launch an experiment on a target (local, ssh, slurm) with probes",
+                       description="Check the layout, create a run directory, start a telemetry sampler on "
+                                   "every node and train with torchrun. Runs detached; see `charllm-tui runs`.")
+    p.add_argument("experiment", metavar="EXPERIMENT_OR_PRESET", help="an experiment file or preset name")
+    p.add_argument("--target", default="local", help="target name: local (default) or one from targets.toml")
+    p.add_argument("--target-file", type=Path, help="targets TOML file (default: <config>/targets.toml)")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an experiment field, e.g. --set tensor_model_parallel_size=2 (repeatable)")
+    p.add_argument("--nproc", type=int, help="processes per node (CPU runs; default: cluster.gpus_per_node)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands (and sbatch script); touch nothing")
+    p.add_argument("--follow", action="store_true", help="print iterations and telemetry until the run ends")
+    p.add_argument("--force", action="store_true",
+                   help="launch a layout that fails validation or does not fit (recorded in the manifest)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from charllm.engine.catalog import load_experiment
+    from charllm.engine.launch import launch
+    from charllm.engine.targets import get_target
+
+    console = Console(stderr=True, highlight=False)
+    exp = load_experiment(args.experiment).apply(args.assignments)
+    target = get_target(args.target, args.target_file)
+    with console.status("launching") as status:
+        result = launch(exp, target, dry_run=args.dry_run, force=args.force, nproc=args.nproc,
+                        on_progress=lambda message: status.update(message))
+    for reason in result.forced:
+        console.print(f"[yellow]forced:[/] {reason}")
+    if args.dry_run:
+        print(f"# run {result.run_id} on target {target.name!r} (dry run: nothing was created)")
+        for command in result.commands:
+            print(command)
+        if result.sbatch_script:
+            print("# sbatch script:")
+            print(result.sbatch_script)
+        return 0
+    print(f"run {result.run_id}: launched on {target.name!r}" + (f" (slurm job {result.job_id})"
+                                                                 if result.job_id else ""))
+    print(f"  {result.run_dir}")
+    if not args.follow:
+        print(f"  follow with: charllm-tui runs logs {result.run_id} -f")
+        return 0
+    return follow(result.run_dir)
+
+
+def follow(run_dir) -> int:
+    """Print iterations and a telemetry headline until the run ends; exit status says how it ended."""
+    from charllm.engine.launch import cancel, watch
+    from charllm.probes.rundir import RunDir
+
+    # Rank 0 and the last rank both log each step; the last rank's line carries the loss.
+    last_rank = RunDir(run_dir).read_manifest().get("world_size", 1) - 1
+    seen = set()
+    try:
+        for kind, value in watch(run_dir):
+            if kind == "status":
+                print(f"status: {value}", flush=True)
+            elif kind == "iteration":
+                key = (value.get("event"), value.get("iteration"))
+                if key not in seen and (key[0] != "iteration" or value.get("rank") == last_rank):
+                    seen.add(key)
+                    print(_iteration_line(value), flush=True)
+            elif kind == "telemetry":
+                print(_telemetry_line(value), flush=True)
+    except KeyboardInterrupt:
+        print("cancelling...", flush=True)
+        cancel(run_dir)
+    manifest = RunDir(run_dir).read_manifest()
+    if manifest.get("failure"):
+        print(f"failed: {manifest['failure']}")
+    return {"completed": 0, "cancelled": 130}.get(manifest.get("status"), 1)
+
+
+def _iteration_line(row: dict) -> str:
+    if row.get("event", "iteration") != "iteration":
+        return f"{row.get('event')}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "event")
+    parts = [f"iter {row.get('iteration', '?'):>5}", f"rank {row.get('rank', '?')}"]
+    if row.get("loss") is not None:
+        parts.append(f"loss {row['loss']:.4f}")
+    start, end = row.get("start_ns"), row.get("end_ns")
+    if start and end:
+        parts.append(f"{(end - start) / 1e6:8.1f} ms")
+    if row.get("tflops_per_gpu") is not None:
+        parts.append(f"{row['tflops_per_gpu']:.3f} TFLOP/s/gpu")
+    if row.get("warmup"):
+        parts.append("(warm-up)")
+    return "  ".join(parts)
+
+
+def _telemetry_line(rows) -> str:
+    """The mean of the headline metrics over the rows new since the last line."""
+    parts = [f"telemetry {rows.height} rows"]
+    for column, unit in (("power_w", "W"), ("temp_gpu_c", "C"), ("cpu_util_pct", "% cpu"),
+                         ("temp_cpu_c", "C cpu"), ("host_mem_used_bytes", "B host mem")):
+        if column in rows.columns:
+            value = rows[column].mean()
+            if value is not None:
+                parts.append(f"{value:.4g} {unit}")
+    return "  ".join(parts)

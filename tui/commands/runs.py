@@ -1,0 +1,132 @@
+"""`charllm-tui runs [list | show RUN | logs RUN [-f] | cancel RUN | delete RUN]`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("runs", help="list, inspect, follow, cancel and delete runs",
+                       description="Runs live in the runs directory (CHARLLM_RUNS_DIR); RUN is an id, a unique "
+                                   "prefix or suffix of one, or a path.")
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.add_parser("list", help="every run, newest last")
+    show = actions.add_parser("show", help="a run's manifest: target, status, commands, failure")
+    show.add_argument("run", metavar="RUN")
+    logs = actions.add_parser("logs", help="a run's logs (launcher, samplers, torchrun per node)")
+    logs.add_argument("run", metavar="RUN")
+    logs.add_argument("-f", "--follow", action="store_true", help="follow iterations and telemetry until it ends")
+    cancel = actions.add_parser("cancel", help="stop every process of the run on every node")
+    cancel.add_argument("run", metavar="RUN")
+    delete = actions.add_parser("delete", help="delete a finished run's directory")
+    delete.add_argument("run", metavar="RUN")
+    p.set_defaults(func=run, action=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from charllm.probes.rundir import resolve_run
+
+    action = args.action or "list"
+    if action == "list":
+        return _list()
+    rd = resolve_run(args.run)
+    return {"show": _show, "logs": _logs, "cancel": _cancel, "delete": _delete}[action](rd, args)
+
+
+def _list() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from charllm.probes.rundir import list_runs
+
+    runs = list_runs()
+    if not runs:
+        print("no runs yet (start one with `charllm-tui launch tiny-local --target local`)")
+        return 0
+    table = Table(box=None, header_style="bold")
+    for column in ("run", "status", "target", "nodes", "started", "duration"):
+        table.add_column(column)
+    for rd in runs:
+        m = rd.read_manifest()
+        table.add_row(rd.id, m.get("status", "?"), m.get("target", {}).get("name", "-"),
+                      str(len(m.get("nodes", [])) or "-"), _time(m.get("started_ns") or m.get("created_ns")),
+                      _duration(m))
+    Console().print(table)
+    return 0
+
+
+def _time(ns) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) if ns else "-"
+
+
+def _duration(m: dict) -> str:
+    import time
+
+    start = m.get("started_ns")
+    if not start:
+        return "-"
+    end = m.get("ended_ns") or time.time_ns()
+    return f"{(end - start) / 1e9:.1f} s"
+
+
+def _show(rd, args) -> int:
+    m = rd.read_manifest()
+    print(f"run       {rd.id}")
+    print(f"path      {rd.path}")
+    print(f"status    {m.get('status', '?')}")
+    if m.get("failure"):
+        print(f"failure   {m['failure']}")
+    target = m.get("target", {})
+    print(f"target    {target.get('name', '-')} ({target.get('kind', '-')})")
+    if m.get("slurm_job_id"):
+        print(f"slurm job {m['slurm_job_id']} ({m.get('slurm_state', '')})")
+    print(f"nodes     {', '.join(m.get('nodes', [])) or '-'}")
+    print(f"started   {_time(m.get('started_ns'))}   duration {_duration(m)}")
+    for reason in m.get("forced", []):
+        print(f"forced    {reason}")
+    print("commands")
+    for command in m.get("commands", []):
+        print(f"  {command}")
+    steps = rd.read_iterations()
+    print(f"iterations {steps.filter(steps['event'] == 'iteration')['iteration'].n_unique()} steps logged")
+    print(f"telemetry {len(rd.telemetry_files())} chunks")
+    return 0
+
+
+def _logs(rd, args) -> int:
+    if args.follow:
+        from charllm.tui.commands.launch import follow
+
+        return follow(rd.path)
+    files = sorted(rd.logs_dir.glob("*.log")) if rd.logs_dir.is_dir() else []
+    if not files:
+        print(f"run {rd.id}: no logs yet")
+    for path in files:
+        print(f"==> {path.name} <==")
+        print(path.read_text(errors="replace"), end="" if path.stat().st_size else "\n")
+    return 0
+
+
+def _cancel(rd, args) -> int:
+    from charllm.engine.launch import cancel
+
+    print(f"run {rd.id}: cancelling...", flush=True)
+    status = cancel(rd)
+    print(f"run {rd.id}: {status}")
+    return 0 if status == "cancelled" else 1
+
+
+def _delete(rd, args) -> int:
+    import shutil
+
+    from charllm.probes.errors import UserError
+    from charllm.probes.rundir import FINAL_STATUSES
+
+    status = rd.status
+    if status not in FINAL_STATUSES and status != "unknown":
+        raise UserError(f"run {rd.id!r} is {status}; cancel it first (charllm-tui runs cancel {rd.id})")
+    shutil.rmtree(rd.path)
+    print(f"run {rd.id}: deleted")
+    return 0
