@@ -1,0 +1,239 @@
+"""Each summary statistic against a signal with a known analytic answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+from runfactory import gpu_frame, iteration_rows, make_run
+
+from charllm.probes.errors import UserError
+from charllm.probes.flops import num_floating_point_operations
+from charllm.probes.schema import THROTTLE_BITS
+from charllm.probes.summary import summarize
+
+T = np.round(np.arange(0, 101) * 0.1, 10)             # 10 s at 10 Hz, both ends sampled
+SQUARE = np.where(np.floor(T + 1e-9) % 2 == 0, 100.0, 300.0)  # 100 W / 300 W, 1 s each
+
+
+def one(df: pl.DataFrame, col: str):
+    assert df.height == 1, df
+    return df[col][0]
+
+
+@pytest.fixture
+def square_run(tmp_path):
+    return make_run(tmp_path, [gpu_frame(T, power_w=SQUARE, power_limit_w=250.0)])
+
+
+def test_square_wave_power_energy_and_excursions(square_run):
+    s = summarize(square_run, "all")
+    assert one(s, "power_mean_w") == pytest.approx(200.0)        # 50 s·100 W + 50 s·300 W over 10 s
+    assert one(s, "power_peak_w") == 300.0
+    assert one(s, "power_p99_w") == 300.0
+    assert one(s, "energy_j") == pytest.approx(2000.0)           # trapezoid: ramps cancel pairwise
+    assert one(s, "energy_source") == "trapezoid"
+    assert one(s, "duration_s") == pytest.approx(10.0)
+    # five 1 s plateaus at 300 W: 100 W above the mean, 50 W above the 250 W limit
+    assert one(s, "spikes_over_mean_count") == 5
+    assert one(s, "spikes_over_mean_max_excess_w") == pytest.approx(100.0)
+    assert one(s, "spikes_over_mean_avg_excess_w") == pytest.approx(100.0)
+    assert one(s, "time_over_mean_s") == pytest.approx(5.0)
+    assert one(s, "spikes_over_limit_count") == 5
+    assert one(s, "spikes_over_limit_max_excess_w") == pytest.approx(50.0)
+    assert one(s, "time_over_limit_s") == pytest.approx(5.0)
+    assert one(s, "power_max_rise_w_per_s") == pytest.approx(200.0)
+    assert one(s, "simulated") is True
+
+
+def test_energy_counter_preferred_and_wrap_falls_back_to_interval(tmp_path):
+    # 200 W constant; the counter restarts from 0 at t = 5 s (a wrap or driver reload).
+    counter = 200.0 * T
+    counter[T >= 5.0] -= 1000.0 + 7.0
+    run = make_run(tmp_path, [gpu_frame(T, power_w=200.0, energy_j=counter)])
+    s = summarize(run, "all")
+    assert one(s, "energy_source") == "counter+trapezoid"   # one interval came from power
+    # 49 counter deltas (980 J) + the wrapped interval from power (20 J) + 50 deltas (1000 J)
+    assert one(s, "energy_j") == pytest.approx(2000.0)
+
+
+def test_counter_energy_differs_from_power_when_power_is_instantaneous(tmp_path):
+    # The counter knows the truth (250 W) even when the sampled power misses it.
+    run = make_run(tmp_path, [gpu_frame(T, power_w=100.0, energy_j=250.0 * T)])
+    s = summarize(run, "all")
+    assert one(s, "energy_j") == pytest.approx(2500.0)
+    assert one(s, "power_mean_w") == pytest.approx(100.0)
+
+
+def test_nvlink_counter_wraps_at_32_and_64_bits(tmp_path):
+    step = 1_000_000_000                                   # bytes per 0.1 s
+    c32 = (np.arange(T.size, dtype=np.int64) * step + 3 * 2**31) % 2**32   # wraps several times
+    c64 = (np.arange(T.size, dtype=np.uint64) * np.uint64(step) + np.uint64(2**64 - 5 * step))
+    run = make_run(tmp_path, [gpu_frame(T, power_w=1.0, nvlink_tx_bytes=c32,
+                                        nvlink_rx_bytes=c64.view(np.int64))])
+    s = summarize(run, "all")
+    assert one(s, "nvlink_tx_bytes") == pytest.approx(100 * step)
+    assert one(s, "nvlink_rx_bytes") == pytest.approx(100 * step)
+
+
+def test_pcie_bytes_integrate_the_rate(tmp_path):
+    run = make_run(tmp_path, [gpu_frame(T, power_w=1.0, pcie_tx_bytes_s=2e9, pcie_rx_bytes_s=1e9)])
+    s = summarize(run, "all")
+    assert one(s, "pcie_tx_bytes") == pytest.approx(20e9)
+    assert one(s, "pcie_rx_bytes") == pytest.approx(10e9)
+
+
+def test_temperature_above_threshold_for_known_time(tmp_path):
+    temp = np.where(T < 3.0, 90.0, 60.0)                 # 3 s above an 85 °C limit
+    hw = '[hardware]\nbf16_tflops = 989.0\ntemp_limit_c = 85.0\nmax_sm_clock_mhz = 1980.0\n'
+    run = make_run(tmp_path, [gpu_frame(T, power_w=1.0, temp_gpu_c=temp, temp_mem_c=70.0)], experiment=hw)
+    s = summarize(run, "all")
+    assert one(s, "time_above_temp_limit_s") == pytest.approx(3.0)
+    assert one(s, "temp_gpu_mean_c") == pytest.approx(0.3 * 90 + 0.7 * 60)
+    assert one(s, "temp_gpu_peak_c") == 90.0
+    assert one(s, "temp_mem_mean_c") == pytest.approx(70.0)
+    assert one(s, "temp_limit_c") == 85.0
+
+
+def test_clock_and_throttle_fractions(tmp_path):
+    # 0–2 s: power cap (0x4) at 1500 MHz; 2–6 s: none at 1980 MHz; 6–10 s: thermal (0x20|0x40) at 1200.
+    bits = np.select([T < 2, T < 6], [0x4, 0x0], 0x20 | 0x40)
+    clock = np.select([T < 2, T < 6], [1500.0, 1980.0], 1200.0)
+    hw = '[hardware]\nmax_sm_clock_mhz = 1980.0\n'
+    run = make_run(tmp_path, [gpu_frame(T, power_w=1.0, throttle_reasons=bits, sm_clock_mhz=clock)], experiment=hw)
+    s = summarize(run, "all")
+    assert one(s, "throttle_sw_power_cap_frac") == pytest.approx(0.2)
+    assert one(s, "throttle_sw_thermal_frac") == pytest.approx(0.4)
+    assert one(s, "throttle_hw_thermal_frac") == pytest.approx(0.4)
+    assert one(s, "throttle_perf_frac") == pytest.approx(0.6)
+    assert one(s, "throttle_gpu_idle_frac") == 0.0
+    assert set(f"throttle_{n}_frac" for n in THROTTLE_BITS) <= set(s.columns)
+    assert one(s, "below_max_clock_frac") == pytest.approx(0.6)
+    assert one(s, "sm_clock_min_mhz") == 1200.0
+    assert one(s, "sm_clock_mean_mhz") == pytest.approx(0.2 * 1500 + 0.4 * 1980 + 0.4 * 1200)
+
+
+def test_utilization_time_weighted_with_uneven_sampling(tmp_path):
+    t = np.array([0.0, 1.0, 4.0])                        # 1 s at 100 %, 3 s at 0 %
+    run = make_run(tmp_path, [gpu_frame(t, power_w=1.0, util_gpu_pct=[100.0, 0.0, 50.0])], chunks=1)
+    assert one(summarize(run, "all"), "util_gpu_mean_pct") == pytest.approx(25.0)
+
+
+TINY = """
+name = "tiny"
+[model]
+num_layers = 2
+hidden_size = 64
+num_attention_heads = 4
+seq_length = 32
+vocab_size = 1024
+[hardware]
+bf16_tflops = 0.5
+temp_limit_c = 90.0
+[cluster]
+nodes = 1
+gpus_per_node = 2
+[parallel]
+tensor_model_parallel_size = 1
+[training]
+global_batch_size = 8
+"""
+
+
+def test_iteration_log_gives_tokens_per_s_mfu_and_energy_per_token(tmp_path):
+    # 2 warm-up + 8 steady iterations of 1 s each, back to back from t = 0; 8 samples of 32 tokens.
+    rows = iteration_rows(np.arange(10.0), 1.0, warmup=2, samples=8)
+    frames = [gpu_frame(np.round(np.arange(0, 101) * 0.1, 10), device=d, power_w=100.0) for d in ("gpu0", "gpu1")]
+    run = make_run(tmp_path, frames, experiment=TINY, iterations=rows)
+    s = summarize(run, "steady", by="run")
+    assert one(s, "window") == "steady"
+    assert one(s, "window_start_s") == pytest.approx(2.0)
+    assert one(s, "iterations") == 8
+    assert one(s, "iter_time_mean_s") == pytest.approx(1.0)
+    assert one(s, "iter_time_p99_s") == pytest.approx(1.0)
+    assert one(s, "samples_per_s") == pytest.approx(8.0)
+    assert one(s, "tokens_per_s") == pytest.approx(8 * 32)
+    flops = num_floating_point_operations(
+        {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 1024}, 8, 32)
+    assert one(s, "tflops_per_gpu") == pytest.approx(flops / 1.0 / 2 / 1e12)
+    assert one(s, "mfu_pct") == pytest.approx(100 * flops / 2 / 1e12 / 0.5)
+    assert one(s, "energy_j") == pytest.approx(2 * 100.0 * 8)          # 2 GPUs · 100 W · 8 s
+    assert one(s, "energy_per_iteration_j") == pytest.approx(200.0)
+    assert one(s, "energy_per_token_j") == pytest.approx(1600.0 / (8 * 8 * 32))
+    assert one(s, "efficiency_samples_per_s_mj") == pytest.approx(8.0 / 200e-6)
+    assert one(s, "temp_limit_c") == 90.0
+
+
+def test_steady_without_log_falls_back_to_all_with_a_note(square_run):
+    s = summarize(square_run, "steady")
+    assert one(s, "window") == "all"
+    assert "no iteration log" in one(s, "notes")
+    assert one(s, "iterations") is None
+
+
+def test_time_range_window(square_run):
+    s = summarize(square_run, (1.0, 3.0))                 # one 300 W and one 100 W second
+    assert one(s, "window") == "1:3"
+    assert one(s, "power_mean_w") == pytest.approx(200.0)
+    assert one(s, "duration_s") == pytest.approx(2.0)
+
+
+def test_spread_across_gpus_and_node_rows(tmp_path):
+    frames = [gpu_frame(T, node=n, device=d, power_w=p, temp_gpu_c=c)
+              for n, d, p, c in [("n0", "gpu0", 300.0, 70.0), ("n0", "gpu1", 200.0, 60.0),
+                                 ("n1", "gpu0", 100.0, 80.0), ("n1", "gpu1", 150.0, 50.0)]]
+    run = make_run(tmp_path, frames)
+    r = summarize(run, "all", by="run")
+    assert one(r, "gpus") == 4
+    assert one(r, "hottest_gpu") == "n1/gpu0" and one(r, "coolest_gpu") == "n1/gpu1"
+    assert one(r, "temp_gpu_spread_c") == pytest.approx(30.0)
+    assert one(r, "highest_power_gpu") == "n0/gpu0" and one(r, "lowest_power_gpu") == "n1/gpu0"
+    assert one(r, "power_spread_w") == pytest.approx(200.0)
+    assert one(r, "power_mean_w") == pytest.approx(187.5)             # mean of per-GPU means
+    assert one(r, "power_peak_w") == 300.0
+    assert one(r, "energy_j") == pytest.approx(7500.0)
+    nodes = summarize(run, "all", by="node")
+    assert nodes["node"].to_list() == ["n0", "n1"]
+    assert nodes["energy_j"].to_list() == pytest.approx([5000.0, 2500.0])
+    assert nodes["hottest_gpu"].to_list() == ["n0/gpu0", "n1/gpu0"]
+    assert summarize(run, "all", by="gpu").height == 4
+
+
+def test_missing_metrics_are_null_not_zero(square_run):
+    s = summarize(square_run, "all")
+    for col in ("temp_gpu_mean_c", "time_above_temp_limit_s", "sm_clock_mean_mhz", "throttle_perf_frac",
+                "nvlink_tx_bytes", "pcie_tx_bytes", "util_gpu_mean_pct", "mem_used_peak_bytes"):
+        assert one(s, col) is None, col
+
+
+def test_host_rows_are_not_gpus(tmp_path):
+    host = gpu_frame(T, device="host", cpu_util_pct=50.0)
+    run = make_run(tmp_path, [gpu_frame(T, power_w=10.0), host])
+    assert summarize(run, "all")["device"].to_list() == ["gpu0"]
+
+
+@pytest.mark.parametrize("window, message", [
+    ((20.0, 30.0), "no telemetry samples"),
+    ((3.0, 1.0), "need 0 <= start < end"),
+    ("bogus", "expected steady, all or START:END"),
+])
+def test_bad_windows_are_user_errors(square_run, window, message):
+    with pytest.raises(UserError, match=message):
+        summarize(square_run, window)
+
+
+def test_single_sample_run_is_a_user_error(tmp_path):
+    run = make_run(tmp_path, [gpu_frame([0.0], power_w=100.0)], chunks=1)
+    with pytest.raises(UserError, match="only one sample per GPU"):
+        summarize(run, "all")
+
+
+def test_run_without_telemetry_is_a_user_error(tmp_path):
+    run = make_run(tmp_path, [gpu_frame(T, device="host", cpu_util_pct=1.0)])
+    with pytest.raises(UserError, match="no GPU telemetry"):
+        summarize(run)
+
+
+def test_bad_by_is_a_user_error(square_run):
+    with pytest.raises(UserError, match="by = 'rack'"):
+        summarize(square_run, "all", by="rack")

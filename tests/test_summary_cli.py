@@ -1,0 +1,45 @@
+"""`charllm-tui summarize` end to end through main([...])."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+from runfactory import gpu_frame, make_run
+
+from charllm.tui.cli import main
+
+T = np.round(np.arange(0, 101) * 0.1, 10)
+
+
+def _run(charllm_dirs):
+    return make_run(charllm_dirs["runs"], [gpu_frame(T, power_w=150.0)], run_id="20261121-000000-demo")
+
+
+def test_summarize_table_by_run(charllm_dirs, capsys):
+    _run(charllm_dirs)
+    assert main(["summarize", "demo", "--by", "run", "--window", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "power_mean_w" in out and "150" in out
+
+
+def test_summarize_json_and_parquet(charllm_dirs, capsys, tmp_path):
+    _run(charllm_dirs)
+    assert main(["summarize", "demo", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["energy_j"] == 1500.0 and rows[0]["window"] == "all"
+    out = tmp_path / "s.parquet"
+    assert main(["summarize", "demo", "--out", str(out)]) == 0
+    assert pl.read_parquet(out)["power_mean_w"][0] == 150.0
+
+
+def test_summarize_errors_are_one_line(charllm_dirs, capsys):
+    _run(charllm_dirs)
+    assert main(["summarize", "nope"]) == 2
+    assert main(["summarize", "demo", "--window", "5"]) == 2
+    assert main(["summarize", "demo", "--window", "50:60"]) == 2
+    assert main(["summarize", "demo", "--format", "parquet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and all(line.startswith("charllm-tui: error: ") for line in err)
+    assert "Traceback" not in "".join(err)

@@ -1,0 +1,40 @@
+"""`charllm-tui summarize RUN`: a run's power, thermal, clock and speed summary."""
+
+from __future__ import annotations
+
+import argparse
+
+FORMATS = ("table", "markdown", "csv", "json", "parquet")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "summarize", help="summarize a run: power, energy, thermals, throttling, MFU",
+        description="Summarize a run per GPU, node or the whole run over a window. Units are in the "
+                    "metric names; simulated telemetry is labelled in the 'simulated' column.",
+    )
+    p.add_argument("run", metavar="RUN", help="run id (or unique prefix/suffix) or run directory")
+    p.add_argument("--window", default="steady", metavar="steady|all|START:END",
+                   help="steady iterations (default; 'all' when the run has no iteration log), the whole "
+                        "run, or seconds after the first sample")
+    p.add_argument("--by", choices=("gpu", "node", "run"), default="gpu")
+    p.add_argument("--format", choices=FORMATS, default=None, help="default: table, or from --out's suffix")
+    p.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from charllm.probes.summary import parse_window, render, summarize, write_summary
+
+    df = summarize(args.run, parse_window(args.window), by=args.by)
+    if args.out:
+        write_summary(df, args.out, args.format)
+        print(f"wrote {args.out}")
+    else:
+        fmt = args.format or "table"
+        if fmt == "parquet":
+            from charllm.probes.errors import UserError
+
+            raise UserError("--format parquet is binary: give --out FILE")
+        print(render(df, fmt), end="")
+    return 0
