@@ -1,0 +1,586 @@
+"""Megatron-LM command lines in and out.
+
+`import_megatron_args` reads `pretrain_gpt.py` flags as people keep them in launch scripts
+(`\\`-continued lines, comments, `--flag=value`, a `torchrun ... pretrain_gpt.py` prefix) and builds an
+Experiment from the flags that shape memory and speed; every other flag is listed in `ignored`, never an
+error. Flags that are absent take Megatron-LM's own defaults (`megatron/training/arguments.py`), which
+are not always ours: dropout 0.1, biases on, 4h FFN (SwiGLU: `int(8h/3/64)*64`), `--kv-lora-rank` 32,
+fp32 unless `--bf16`/`--fp16`, and sequence parallelism switched off at TP 1.
+
+`export_megatron_args` writes the flags back (a token list for `subprocess`; `format_megatron_args`
+lays them out one per line). Importing an export gives the same experiment except where Megatron
+itself resolves a value (see `ROUND_TRIP_NORMALIZED`).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from charllm.engine.experiment import Experiment, Hardware, ModelSpec, Parallel, Training
+from charllm.probes.errors import UserError
+
+DEFAULT_GPUS_PER_NODE = 8
+DEFAULT_HARDWARE = "h100-sxm-80gb"
+
+# Fields an import resolves the way Megatron does, so an export/import round trip returns the
+# resolved value: explicit FFN and max-position sizes, the sequence length on the model, a
+# virtual-pipeline size of 1 as none, sequence parallelism off at TP 1, MLA sizes only with MLA.
+ROUND_TRIP_NORMALIZED = (
+    "model.ffn_hidden_size", "model.max_position_embeddings", "model.seq_length", "training.seq_length",
+    "parallel.virtual_pipeline_model_parallel_size", "parallel.sequence_parallel",
+    "model.q_lora_rank", "model.kv_lora_rank", "model.qk_head_dim", "model.qk_pos_emb_head_dim",
+    "model.v_head_dim",
+)
+
+# Megatron's defaults for MLA sizes when `--multi-latent-attention` is given without them.
+MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
+                "qk_pos_emb_head_dim": 64, "v_head_dim": 128}
+
+
+@dataclass
+class MegatronImport:
+    experiment: Experiment
+    ignored: list[str] = field(default_factory=list)    # flags we do not model, as written
+    warnings: list[str] = field(default_factory=list)   # assumptions made and values Megatron overrides
+
+
+# --------------------------------------------------------------------------------------------
+# The flags we model
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Switch:
+    """A flag without a value that sets `value` (`--swiglu`, `--disable-bias-linear`)."""
+    value: Any
+
+
+@dataclass(frozen=True)
+class Value:
+    """A flag with one value, converted by `parse`."""
+    parse: Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class Many:
+    """A flag with zero or more values (`--recompute-modules core_attn mlp`)."""
+    parse: Callable[[str], Any] = str
+
+
+def _int(raw: str) -> int:
+    return int(raw)
+
+
+def _float(raw: str) -> float:
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(raw)
+    return value
+
+
+def parse_layer_pattern(raw: str) -> int | list[int]:
+    """`--moe-layer-freq`: an int, or a Python list expression such as `([0]*3+[1]*58)`.
+
+    Evaluated over its syntax tree (list literals, ints, `+` and `*` only), never with eval().
+    """
+    text = raw.strip()
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        raise ValueError(raw) from None
+    value = _pattern_value(tree)
+    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+        raise ValueError(raw)
+    return value
+
+
+_MAX_PATTERN = 1_000_000
+
+
+def _pattern_value(node: ast.AST) -> int | list:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)) and isinstance(node, ast.List):
+        items = [_pattern_value(e) for e in node.elts]
+        if not all(isinstance(i, int) for i in items):
+            raise ValueError("nested lists")
+        return items
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern_value(node.left), _pattern_value(node.right)
+        if isinstance(node.op, ast.Add):
+            if type(left) is not type(right):
+                raise ValueError("int + list")
+            return left + right
+        if isinstance(left, int) and isinstance(right, int):
+            return left * right
+        if isinstance(left, list) and isinstance(right, list):
+            raise ValueError("list * list")
+        seq, times = (left, right) if isinstance(left, list) else (right, left)
+        if times < 0 or len(seq) * times > _MAX_PATTERN:
+            raise ValueError("pattern too long")
+        return seq * times
+    raise ValueError(ast.dump(node))
+
+
+def format_layer_pattern(pattern: int | list[int]) -> str:
+    """The shortest run-length form Megatron reads: [0,0,0,1,1] -> `([0]*3+[1]*2)`."""
+    if isinstance(pattern, int):
+        return str(pattern)
+    runs: list[list[int]] = []
+    for v in pattern:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return "(" + "+".join(f"[{v}]*{n}" if n > 1 else f"[{v}]" for v, n in runs) + ")"
+
+
+def parse_pipeline_layout(layout: str) -> list[list[str]]:
+    """`--pipeline-model-parallel-layout` as Megatron reads it: one list of layer letters per virtual
+    stage, in order (E embedding, t decoder layer, m MTP layer, L loss); `(tt|)*6` repeats."""
+    text = layout.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+    stages = [list(stage) for stage in text.split("|")]
+    bad = sorted({c for stage in stages for c in stage} - set("EtmL"))
+    if bad:
+        raise ValueError(f"unknown layer letter(s) {''.join(bad)!r}; known: E, t, m, L")
+    return stages
+
+
+MODEL_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
+    "--num-layers": ("num_layers", Value(_int)),
+    "--hidden-size": ("hidden_size", Value(_int)),
+    "--ffn-hidden-size": ("ffn_hidden_size", Value(_int)),
+    "--num-attention-heads": ("num_attention_heads", Value(_int)),
+    "--kv-channels": ("kv_channels", Value(_int)),
+    "--seq-length": ("seq_length", Value(_int)),
+    "--max-position-embeddings": ("max_position_embeddings", Value(_int)),
+    "--vocab-size": ("vocab_size", Value(_int)),
+    "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", Value(_int)),
+    "--swiglu": ("swiglu", Switch(True)),
+    "--squared-relu": ("squared_relu", Switch(True)),
+    "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", Switch(True)),
+    "--position-embedding-type": ("position_embedding_type", Value(str)),
+    "--use-rotary-position-embeddings": ("position_embedding_type", Switch("rope")),
+    "--normalization": ("normalization", Value(str)),
+    "--disable-bias-linear": ("add_bias_linear", Switch(False)),
+    "--add-qkv-bias": ("add_qkv_bias", Switch(True)),
+    "--qk-layernorm": ("qk_layernorm", Switch(True)),
+    "--hidden-dropout": ("hidden_dropout", Value(_float)),
+    "--attention-dropout": ("attention_dropout", Value(_float)),
+    "--num-experts": ("num_moe_experts", Value(_int)),
+    "--moe-router-topk": ("moe_router_topk", Value(_int)),
+    "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", Value(_int)),
+    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", Value(_int)),
+    "--moe-layer-freq": ("moe_layer_freq", Value(parse_layer_pattern)),
+    "--multi-latent-attention": ("multi_latent_attention", Switch(True)),
+    "--q-lora-rank": ("q_lora_rank", Value(_int)),
+    "--kv-lora-rank": ("kv_lora_rank", Value(_int)),
+    "--qk-head-dim": ("qk_head_dim", Value(_int)),
+    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", Value(_int)),
+    "--v-head-dim": ("v_head_dim", Value(_int)),
+    "--mtp-num-layers": ("mtp_num_layers", Value(_int)),
+}
+
+PARALLEL_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
+    "--tensor-model-parallel-size": ("tensor_model_parallel_size", Value(_int)),
+    "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", Value(_int)),
+    "--context-parallel-size": ("context_parallel_size", Value(_int)),
+    "--expert-model-parallel-size": ("expert_model_parallel_size", Value(_int)),
+    "--expert-tensor-parallel-size": ("expert_tensor_parallel_size", Value(_int)),
+    "--sequence-parallel": ("sequence_parallel", Switch(True)),
+    "--use-distributed-optimizer": ("use_distributed_optimizer", Switch(True)),
+    "--num-distributed-optimizer-instances": ("num_distributed_optimizer_instances", Value(_int)),
+    "--use-megatron-fsdp": ("use_megatron_fsdp", Switch(True)),
+    "--use-torch-fsdp2": ("use_torch_fsdp2", Switch(True)),
+    "--data-parallel-sharding-strategy": ("data_parallel_sharding_strategy", Value(str)),
+    "--decoder-first-pipeline-num-layers": ("decoder_first_pipeline_num_layers", Value(_int)),
+    "--decoder-last-pipeline-num-layers": ("decoder_last_pipeline_num_layers", Value(_int)),
+    "--account-for-embedding-in-pipeline-split": ("account_for_embedding_in_pipeline_split", Switch(True)),
+    "--account-for-loss-in-pipeline-split": ("account_for_loss_in_pipeline_split", Switch(True)),
+    "--pipeline-model-parallel-layout": ("pipeline_model_parallel_layout", Value(str)),
+}
+
+TRAINING_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
+    "--micro-batch-size": ("micro_batch_size", Value(_int)),
+    "--global-batch-size": ("global_batch_size", Value(_int)),
+    "--train-iters": ("train_iters", Value(_int)),
+    "--bf16": ("bf16", Switch(True)),
+    "--fp16": ("fp16", Switch(True)),
+    "--fp8-format": ("fp8", Value(str)),
+    "--fp8-recipe": ("fp8_recipe", Value(str)),
+    "--recompute-granularity": ("recompute_granularity", Value(str)),
+    "--recompute-activations": ("recompute_granularity", Switch("selective")),  # Megatron's alias
+    "--recompute-method": ("recompute_method", Value(str)),
+    "--recompute-num-layers": ("recompute_num_layers", Value(_int)),
+    "--recompute-modules": ("recompute_modules", Many(str)),
+    "--overlap-grad-reduce": ("overlap_grad_reduce", Switch(True)),
+    "--overlap-param-gather": ("overlap_param_gather", Switch(True)),
+    "--tp-comm-overlap": ("tp_comm_overlap", Switch(True)),
+    "--attention-backend": ("attention_backend", Value(str)),
+    "--transformer-impl": ("transformer_impl", Value(str)),
+    "--grad-reduce-in-bf16": ("grad_reduce_in_bf16", Switch(True)),
+    "--optimizer": ("optimizer", Value(str)),
+    "--cross-entropy-loss-fusion": ("cross_entropy_loss_fusion", Switch(True)),
+    "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", Value(str)),
+    "--moe-expert-capacity-factor": ("moe_expert_capacity_factor", Value(_float)),
+    "--moe-pad-expert-input-to-capacity": ("moe_pad_expert_input_to_capacity", Switch(True)),
+    "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", Value(_float)),
+    "--moe-grouped-gemm": ("moe_grouped_gemm", Switch(True)),
+    "--lr": ("lr", Value(_float)),
+    "--seed": ("seed", Value(_int)),
+    "--data-path": ("data_path", Many(str)),
+    "--mock-data": ("data_path", Switch(None)),
+}
+
+# Flags that take part in the import but set no single field.
+SPECIAL_FLAGS = {
+    "--group-query-attention", "--num-query-groups",
+    "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+    "--world-size",
+}
+
+FLAGS: dict[str, tuple[str, str, Switch | Value | Many]] = {
+    **{f: ("model", n, k) for f, (n, k) in MODEL_FLAGS.items()},
+    **{f: ("parallel", n, k) for f, (n, k) in PARALLEL_FLAGS.items()},
+    **{f: ("training", n, k) for f, (n, k) in TRAINING_FLAGS.items()},
+}
+
+_TYPE_WORDS = {_int: "an integer", _float: "a number", parse_layer_pattern:
+               "an integer or a list expression such as ([0]*3+[1]*58)"}
+
+
+# --------------------------------------------------------------------------------------------
+# Import
+# --------------------------------------------------------------------------------------------
+def split_command_line(args: str | list[str]) -> list[str]:
+    """Shell words of a launch script's command: `\\`-newlines joined, `#` comments dropped."""
+    if isinstance(args, list):
+        return [str(a) for a in args]
+    text = re.sub(r"\\\r?\n", " ", args)
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError as exc:  # unbalanced quotes
+        raise UserError(f"megatron args: cannot split the command line ({exc})") from None
+
+
+def _is_flag(token: str) -> bool:
+    return token.startswith("--") and len(token) > 2
+
+
+def _group(tokens: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """(words before the first flag, [(flag, its values)]); `--flag=value` is split."""
+    first = next((i for i, t in enumerate(tokens) if _is_flag(t)), len(tokens))
+    head, groups = tokens[:first], []
+    for token in tokens[first:]:
+        if _is_flag(token):
+            name, eq, value = token.partition("=")
+            groups.append((name, [value] if eq else []))
+        else:
+            groups[-1][1].append(token)
+    return head, groups
+
+
+def _launcher_world(head: list[str]) -> tuple[int | None, int | None]:
+    """World size and devices per node from a `torchrun --nnodes N --nproc-per-node G ... x.py` prefix."""
+    _, groups = _group(head)
+    values = {name.replace("_", "-"): vals for name, vals in groups}
+    nnodes = values.get("--nnodes", [None])[0] if values.get("--nnodes") else None
+    nproc = values.get("--nproc-per-node", [None])[0] if values.get("--nproc-per-node") else None
+    if nproc is None or not str(nproc).isdigit():
+        return None, None
+    nodes = int(nnodes) if nnodes is not None and str(nnodes).isdigit() else 1
+    return nodes * int(nproc), int(nproc)
+
+
+def _convert(flag: str, kind: Switch | Value | Many, values: list[str]):
+    if isinstance(kind, Switch):
+        if values:
+            raise UserError(f"{flag} = {' '.join(values)!r}: this flag takes no value")
+        return kind.value
+    if isinstance(kind, Many):
+        return [kind.parse(v) for v in values]
+    if len(values) != 1:
+        got = "nothing" if not values else repr(" ".join(values))
+        raise UserError(f"{flag}: expected one value, got {got}")
+    try:
+        return kind.parse(values[0])
+    except ValueError:
+        word = _TYPE_WORDS.get(kind.parse, "a value")
+        raise UserError(f"{flag} = {values[0]!r}: expected {word}") from None
+
+
+def _one_int(flag: str, values: list[str]) -> int:
+    return _convert(flag, Value(_int), values)
+
+
+def import_megatron_args(
+    args: str | list[str],
+    *,
+    world_size: int | None = None,
+    gpus_per_node: int | None = None,
+    hardware: str | Hardware | None = None,
+) -> MegatronImport:
+    """Build an Experiment from a Megatron-LM command line (see the module docstring)."""
+    from charllm.engine import catalog
+
+    tokens = split_command_line(args)
+    script = max((i for i, t in enumerate(tokens) if t.endswith(".py")), default=-1)
+    launcher, tokens = tokens[: script + 1], tokens[script + 1:]
+    stray, groups = _group(tokens)
+
+    result = MegatronImport(experiment=Experiment(name="megatron-import"))
+    exp = result.experiment
+    exp.model = ModelSpec(name="megatron")
+    exp.training = Training(bf16=False)          # Megatron trains in fp32 unless told otherwise
+    if stray:
+        result.warnings.append(f"ignored words before the first flag: {' '.join(stray)}")
+
+    seen: dict[str, list[str]] = {}
+    for flag, values in groups:
+        negated = flag.startswith("--no-") and f"--{flag[5:]}" in FLAGS
+        target = FLAGS.get(f"--{flag[5:]}") if negated else FLAGS.get(flag)
+        if negated and isinstance(target[2], Switch) and target[2].value is True and not values:
+            section, name, _ = target
+            setattr(getattr(exp, section), name, False)
+            continue
+        if target is not None and not negated:
+            section, name, kind = target
+            value = _convert(flag, kind, values)
+            if name == "data_path" and isinstance(value, list):
+                value = " ".join(value) or None
+            setattr(getattr(exp, section), name, value)
+            continue
+        if flag in SPECIAL_FLAGS:
+            seen[flag] = values
+            continue
+        result.ignored.append(" ".join([flag, *values]))
+
+    m, p, t = exp.model, exp.parallel, exp.training
+    for required in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
+        if not any(flag == required for flag, _ in groups):
+            raise UserError(f"megatron args: {required} is required (Megatron has no default for it)")
+
+    # Grouped-query attention: --num-query-groups counts only with --group-query-attention.
+    if "--group-query-attention" in seen:
+        if seen["--group-query-attention"]:
+            raise UserError("--group-query-attention: this flag takes no value")
+        m.num_query_groups = _one_int("--num-query-groups", seen["--num-query-groups"]) \
+            if "--num-query-groups" in seen else 1
+    elif "--num-query-groups" in seen:
+        result.warnings.append("--num-query-groups has no effect without --group-query-attention "
+                               "(Megatron uses multi-head attention)")
+
+    # Megatron's resolution of sizes that were not given.
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = int((4 * m.hidden_size * 2 / 3) / 64) * 64 if m.swiglu else 4 * m.hidden_size
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if m.multi_latent_attention:
+        given = {name for _, name, _ in (FLAGS[f] for f, _ in groups if f in FLAGS)}
+        for name, default in MLA_DEFAULTS.items():
+            if name not in given:
+                setattr(m, name, default)
+    else:
+        for name in MLA_DEFAULTS:
+            setattr(m, name, getattr(ModelSpec, name))
+
+    # Virtual pipeline: a layout, a count of stages per rank, or layers per virtual stage.
+    vp_sources = [f for f in ("--num-layers-per-virtual-pipeline-stage",
+                              "--num-virtual-stages-per-pipeline-rank") if f in seen]
+    if p.pipeline_model_parallel_layout is not None:
+        vp_sources.append("--pipeline-model-parallel-layout")
+    if len(vp_sources) > 1:
+        raise UserError(f"megatron args: {' and '.join(vp_sources)} cannot be combined "
+                        "(Megatron takes one way to set the virtual pipeline)")
+    pp = p.pipeline_model_parallel_size
+    if p.pipeline_model_parallel_layout is not None:
+        try:
+            stages = parse_pipeline_layout(p.pipeline_model_parallel_layout)
+        except ValueError as exc:
+            raise UserError(f"--pipeline-model-parallel-layout = {p.pipeline_model_parallel_layout!r}: "
+                            f"{exc}") from None
+        if pp < 1 or len(stages) % pp:
+            raise UserError(f"--pipeline-model-parallel-layout = {p.pipeline_model_parallel_layout!r}: "
+                            f"{len(stages)} stages do not divide over pipeline size {pp}")
+        p.virtual_pipeline_model_parallel_size = len(stages) // pp
+    elif "--num-virtual-stages-per-pipeline-rank" in seen:
+        p.virtual_pipeline_model_parallel_size = _one_int(
+            "--num-virtual-stages-per-pipeline-rank", seen["--num-virtual-stages-per-pipeline-rank"])
+    elif "--num-layers-per-virtual-pipeline-stage" in seen:
+        per_vstage = _one_int("--num-layers-per-virtual-pipeline-stage",
+                              seen["--num-layers-per-virtual-pipeline-stage"])
+        layers = m.num_layers + p.account_for_embedding_in_pipeline_split + p.account_for_loss_in_pipeline_split
+        if pp < 1 or per_vstage < 1 or layers % pp or (layers // pp) % per_vstage:
+            raise UserError(f"--num-layers-per-virtual-pipeline-stage = {per_vstage}: must divide the "
+                            f"{layers} layers per pipeline size {pp} evenly")
+        p.virtual_pipeline_model_parallel_size = layers // pp // per_vstage
+    if p.virtual_pipeline_model_parallel_size == 1:
+        p.virtual_pipeline_model_parallel_size = None
+
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        p.sequence_parallel = False
+        result.warnings.append("--sequence-parallel is switched off at tensor parallel size 1 (as Megatron does)")
+
+    # Hardware and cluster.
+    if hardware is None:
+        hardware = DEFAULT_HARDWARE
+        result.warnings.append(f"no hardware given: assumed {DEFAULT_HARDWARE}")
+    exp.hardware = catalog.load_hardware(hardware) if isinstance(hardware, str) else hardware
+
+    launch_world, launch_gpn = _launcher_world(launcher)
+    if world_size is None and "--world-size" in seen:
+        world_size = _one_int("--world-size", seen["--world-size"])
+    if world_size is None and launch_world is not None:
+        world_size = launch_world
+        gpus_per_node = gpus_per_node or launch_gpn
+        result.warnings.append(f"world size {world_size} read from the launcher ({' '.join(launcher)})")
+    if world_size is None:
+        stage = p.tensor_model_parallel_size * p.context_parallel_size
+        expert = (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) * p.expert_model_parallel_size
+        world_size = pp * math.lcm(max(stage, 1), max(expert, 1))
+        result.warnings.append(
+            f"no world size given (--world-size N): assumed the smallest that fits the layout, {world_size} "
+            f"(data parallel size {world_size // max(1, pp * stage)})")
+    if world_size < 1:
+        raise UserError(f"world_size = {world_size}: must be at least 1")
+    gpn = min(gpus_per_node or DEFAULT_GPUS_PER_NODE, world_size)
+    if gpn < 1 or world_size % gpn:
+        raise UserError(f"world_size = {world_size}: not a whole number of nodes of {gpn} devices "
+                        "(pass gpus_per_node)")
+    exp.cluster.nodes, exp.cluster.gpus_per_node = world_size // gpn, gpn
+
+    if "--global-batch-size" not in (f for f, _ in groups):
+        t.global_batch_size = t.micro_batch_size * exp.data_parallel_size
+        result.warnings.append(f"no --global-batch-size: Megatron uses micro batch x data parallel = "
+                               f"{t.global_batch_size}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+def export_megatron_args(exp: Experiment) -> list[str]:
+    """`pretrain_gpt.py` flags for `exp`, as argv tokens. Values that equal Megatron's defaults are
+    left out, except the sizes a reader wants to see (layers, hidden, heads, FFN, TP, PP, batches)."""
+    m, p, t = exp.model, exp.parallel, exp.training
+    out: list[str] = []
+
+    def add(flag: str, *values: Any) -> None:
+        out.append(flag)
+        out.extend(_fmt(v) for v in values)
+
+    add("--num-layers", m.num_layers)
+    add("--hidden-size", m.hidden_size)
+    add("--ffn-hidden-size", m.ffn)
+    add("--num-attention-heads", m.num_attention_heads)
+    if m.num_query_groups is not None:
+        add("--group-query-attention")
+        add("--num-query-groups", m.num_query_groups)
+    if m.kv_channels is not None:
+        add("--kv-channels", m.kv_channels)
+    add("--seq-length", exp.seq_length)
+    add("--max-position-embeddings", m.max_position_embeddings or m.seq_length)
+    add("--vocab-size", m.vocab_size)
+    if m.make_vocab_size_divisible_by != 128:
+        add("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)
+    for flag, on in (("--swiglu", m.swiglu), ("--squared-relu", m.squared_relu),
+                     ("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights),
+                     ("--disable-bias-linear", not m.add_bias_linear), ("--add-qkv-bias", m.add_qkv_bias),
+                     ("--qk-layernorm", m.qk_layernorm)):
+        if on:
+            add(flag)
+    if m.position_embedding_type != "learned_absolute":
+        add("--position-embedding-type", m.position_embedding_type)
+    if m.normalization != "LayerNorm":
+        add("--normalization", m.normalization)
+    if m.hidden_dropout != 0.1:
+        add("--hidden-dropout", m.hidden_dropout)
+    if m.attention_dropout != 0.1:
+        add("--attention-dropout", m.attention_dropout)
+    if m.num_moe_experts is not None:
+        add("--num-experts", m.num_moe_experts)
+    if m.moe_router_topk != 2:
+        add("--moe-router-topk", m.moe_router_topk)
+    if m.moe_ffn_hidden_size is not None:
+        add("--moe-ffn-hidden-size", m.moe_ffn_hidden_size)
+    if m.moe_shared_expert_intermediate_size is not None:
+        add("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size)
+    if m.moe_layer_freq != 1:
+        add("--moe-layer-freq", format_layer_pattern(m.moe_layer_freq))
+    if m.multi_latent_attention:
+        add("--multi-latent-attention")
+        if m.q_lora_rank is not None:
+            add("--q-lora-rank", m.q_lora_rank)
+        add("--kv-lora-rank", m.kv_lora_rank)
+        add("--qk-head-dim", m.qk_head_dim)
+        add("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim)
+        add("--v-head-dim", m.v_head_dim)
+    if m.mtp_num_layers is not None:
+        add("--mtp-num-layers", m.mtp_num_layers)
+
+    add("--tensor-model-parallel-size", p.tensor_model_parallel_size)
+    add("--pipeline-model-parallel-size", p.pipeline_model_parallel_size)
+    if p.pipeline_model_parallel_layout is not None:
+        add("--pipeline-model-parallel-layout", p.pipeline_model_parallel_layout)
+    elif p.virtual_pipeline_model_parallel_size not in (None, 1):
+        add("--num-virtual-stages-per-pipeline-rank", p.virtual_pipeline_model_parallel_size)
+    _add_non_default(add, p, Parallel(), PARALLEL_FLAGS, skip={
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_model_parallel_layout"})
+
+    add("--micro-batch-size", t.micro_batch_size)
+    add("--global-batch-size", t.global_batch_size)
+    add("--train-iters", t.train_iters)
+    add("--lr", t.lr)
+    if t.data_path:
+        add("--data-path", *t.data_path.split())
+    else:
+        add("--mock-data")
+    _add_non_default(add, t, Training(bf16=False), TRAINING_FLAGS, skip={
+        "micro_batch_size", "global_batch_size", "train_iters", "lr", "data_path"})
+    return out
+
+
+def _add_non_default(add, obj, defaults, table, *, skip: set[str]) -> None:
+    """One flag per field of `obj` whose value differs from Megatron's default."""
+    done: set[str] = set()
+    for flag, (name, kind) in table.items():
+        if name in skip or name in done:
+            continue
+        value, default = getattr(obj, name), getattr(defaults, name)
+        if value == default:
+            continue
+        if isinstance(kind, Switch):
+            if value == kind.value:
+                add(flag)
+                done.add(name)
+            continue
+        done.add(name)
+        if isinstance(kind, Many):
+            add(flag, *value)
+        else:
+            add(flag, value)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def format_megatron_args(tokens: list[str], *, indent: str = "    ") -> str:
+    """One flag (with its values) per line, shell-quoted, joined by backslash continuations."""
+    lines: list[list[str]] = []
+    for token in tokens:
+        if _is_flag(token) or not lines:
+            lines.append([token])
+        else:
+            lines[-1].append(token)
+    rendered = [" ".join(shlex.quote(w) for w in words) for words in lines]
+    return (" \\\n" + indent).join(rendered)

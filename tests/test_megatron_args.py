@@ -1,0 +1,354 @@
+"""Megatron-LM command lines: the memory_dev cases import with the layout their README states, exports
+import back to the same experiment, and unmodelled flags are listed, never fatal."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from charllm.engine import catalog
+from charllm.engine.experiment import Experiment, ModelSpec
+from charllm.engine.megatron import (
+    MLA_DEFAULTS,
+    export_megatron_args,
+    format_layer_pattern,
+    format_megatron_args,
+    import_megatron_args,
+    parse_layer_pattern,
+    parse_pipeline_layout,
+)
+from charllm.probes.errors import UserError
+
+VALIDATION = Path("/work/shared/validation")
+CASES = json.loads((VALIDATION / "memory_dev.json").read_text()) if VALIDATION.is_dir() else []
+
+
+def _readme_table() -> dict[str, list[str]]:
+    rows = {}
+    for line in (VALIDATION / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 11 and "/" in cells[2] and cells[0] != "name":
+            rows[cells[0]] = cells
+    return rows
+
+
+def _row_of(exp: Experiment) -> list[str]:
+    """The experiment in the README table's notation: WS, TP/PP/VP/CP/EP/ETP, SP, dist-opt, recompute, seq, mbs."""
+    p, t = exp.parallel, exp.training
+    dash = lambda v: "-" if v is None else str(v)  # noqa: E731
+    moe = exp.model.is_moe
+    layout = "/".join([
+        str(p.tensor_model_parallel_size), str(p.pipeline_model_parallel_size),
+        dash(p.virtual_pipeline_model_parallel_size), str(p.context_parallel_size),
+        str(p.expert_model_parallel_size) if moe else "-", str(exp.expert_tensor_parallel_size) if moe else "-",
+    ])
+    if p.use_megatron_fsdp:
+        dist_opt = "FSDP"
+    elif p.use_distributed_optimizer:
+        n = p.num_distributed_optimizer_instances
+        dist_opt = "yes" + (f" ({n} inst.)" if n > 1 else "")
+    else:
+        dist_opt = "no"
+    if not t.recompute_granularity:
+        recompute = "-"
+    elif t.recompute_method:
+        recompute = f"{t.recompute_granularity}/{t.recompute_method}"
+    else:
+        recompute = f"{t.recompute_granularity} ({', '.join(t.recompute_modules or [])})"
+    return [str(exp.world_size), layout, "on" if p.sequence_parallel else "off", dist_opt, recompute,
+            str(exp.seq_length), str(t.micro_batch_size)]
+
+
+@pytest.mark.skipif(not CASES, reason="needs /work/shared/validation (the memory development set)")
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_memory_dev_case_imports_with_the_stated_layout(case):
+    result = import_megatron_args(case["megatron_args"], world_size=case["world_size"], hardware=case["hardware"])
+    assert _row_of(result.experiment) == _readme_table()[case["name"]][1:8]
+    assert result.experiment.hardware.name == "h100-sxm-80gb"
+    assert not result.warnings or all("world size" not in w for w in result.warnings)
+    # Logging and checkpoint flags are listed as ignored, exactly as written.
+    tokens = shlex.split(case["megatron_args"])
+    if "--log-interval" in tokens:
+        assert f"--log-interval {tokens[tokens.index('--log-interval') + 1]}" in result.ignored
+
+
+@pytest.mark.skipif(not CASES, reason="needs /work/shared/validation")
+def test_memory_dev_shapes_follow_megatron_defaults():
+    by_name = {c["name"]: c for c in CASES}
+    mla = import_megatron_args(by_name["gpt3_mcore_te_tp2_pp2_mla"]["megatron_args"], world_size=8,
+                               hardware="h100-sxm-80gb").experiment.model
+    assert (mla.multi_latent_attention, mla.q_lora_rank, mla.kv_lora_rank, mla.qk_head_dim,
+            mla.qk_pos_emb_head_dim, mla.v_head_dim) == (True, 192, 64, 16, 8, 16)
+    last = import_megatron_args(CASES[-1]["megatron_args"], world_size=8, hardware="h100-sxm-80gb").experiment
+    assert last.model.moe_layer_freq == [0] * 4 + [1] * 9
+    assert last.model.mtp_num_layers == 1
+    assert last.parallel.pipeline_model_parallel_layout == "Et|(tt|)*6mL"
+    assert (last.training.fp8, last.training.fp8_recipe, last.training.bf16) == ("hybrid", "blockwise", True)
+    assert last.model.padded_vocab_size(4) == 50688  # as the case notes state
+    swiglu = import_megatron_args(by_name["gpt3_mcore_te_tp1_pp4_resume_torch_dist_swiglu"]["megatron_args"],
+                                  world_size=8, hardware="h100-sxm-80gb").experiment.model
+    assert swiglu.swiglu and swiglu.ffn_hidden_size == int((4 * 512 * 2 / 3) / 64) * 64 == 1344
+    fsdp = import_megatron_args(by_name["gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor"]["megatron_args"],
+                                world_size=8, hardware="h100-sxm-80gb").experiment.parallel
+    assert fsdp.use_megatron_fsdp and fsdp.data_parallel_sharding_strategy == "optim_grads_params"
+
+
+def test_defaults_are_megatrons_not_ours():
+    exp = import_megatron_args("--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --seq-length 128 "
+                               "--micro-batch-size 1", world_size=1, hardware="cpu").experiment
+    m = exp.model
+    assert (m.hidden_dropout, m.attention_dropout, m.add_bias_linear) == (0.1, 0.1, True)
+    assert m.ffn_hidden_size == 4096 and m.max_position_embeddings == 128
+    assert exp.training.bf16 is False and exp.training.fp16 is False    # fp32 without --bf16/--fp16
+    assert exp.training.global_batch_size == 1                          # micro batch x DP
+    swiglu = import_megatron_args("--num-layers 2 --hidden-size 1000 --num-attention-heads 8 --seq-length 128 "
+                                  "--swiglu --micro-batch-size 1", world_size=1, hardware="cpu").experiment
+    assert swiglu.model.ffn_hidden_size == 2624                         # int(4000*2/3/64)*64
+    mla = import_megatron_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+                               "--multi-latent-attention --micro-batch-size 1", world_size=1,
+                               hardware="cpu").experiment.model
+    assert {k: getattr(mla, k) for k in MLA_DEFAULTS} == MLA_DEFAULTS   # kv_lora_rank 32, no q compression
+
+
+BASE = "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --micro-batch-size 1 "
+
+
+def test_launch_script_syntax():
+    script = """torchrun --nnodes 2 --nproc_per_node 4 pretrain_gpt.py \\
+        --num-layers=8 --hidden-size 256 \\
+        --num-attention-heads 8 --seq-length 512   # a comment
+        --micro-batch-size 1 --global-batch-size 16 --bf16 \\
+        --group-query-attention --num-query-groups 2 \\
+        --tensor-model-parallel-size 2 --sequence-parallel --no-sequence-parallel \\
+        --recompute-granularity full --recompute-method block --recompute-num-layers 2 \\
+        --lr-decay-style cosine --no-rope-fusion --eval-iters 10 --use-checkpoint-args
+    """
+    result = import_megatron_args(script, hardware="cpu")
+    exp = result.experiment
+    assert (exp.cluster.nodes, exp.cluster.gpus_per_node, exp.world_size) == (2, 4, 8)
+    assert exp.model.num_layers == 8 and exp.model.num_query_groups == 2 and exp.training.bf16
+    assert exp.parallel.tensor_model_parallel_size == 2 and exp.parallel.sequence_parallel is False
+    assert (exp.training.recompute_granularity, exp.training.recompute_method,
+            exp.training.recompute_num_layers) == ("full", "block", 2)
+    assert result.ignored == ["--lr-decay-style cosine", "--no-rope-fusion", "--eval-iters 10",
+                              "--use-checkpoint-args"]
+    assert any("launcher" in w for w in result.warnings)
+
+
+@pytest.mark.parametrize("flag, vp", [
+    ("--num-layers-per-virtual-pipeline-stage 1", 2),     # 8 layers / PP4 = 2 per rank, 1 per virtual stage
+    ("--num-virtual-stages-per-pipeline-rank 2", 2),
+    ("--num-virtual-stages-per-pipeline-rank 1", None),   # Megatron: 1 virtual stage means no interleaving
+    ("--pipeline-model-parallel-layout 'Et|(t|)*6tL'", 2),
+])
+def test_virtual_pipeline_flags(flag, vp):
+    exp = import_megatron_args(BASE + "--pipeline-model-parallel-size 4 " + flag, world_size=4,
+                               hardware="cpu").experiment
+    assert exp.parallel.virtual_pipeline_model_parallel_size == vp
+
+
+def test_two_virtual_pipeline_flags_are_refused():
+    with pytest.raises(UserError, match="cannot be combined"):
+        import_megatron_args(BASE + "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
+                             "--num-layers-per-virtual-pipeline-stage 1", world_size=4, hardware="cpu")
+
+
+def test_gqa_needs_its_switch_and_fsdp_flags():
+    result = import_megatron_args(BASE + "--num-query-groups 2 --use-megatron-fsdp "
+                                  "--data-parallel-sharding-strategy optim_grads_params "
+                                  "--expert-tensor-parallel-size 1", world_size=8, hardware="cpu")
+    assert result.experiment.model.num_query_groups is None
+    assert any("--group-query-attention" in w for w in result.warnings)
+    assert result.experiment.parallel.use_megatron_fsdp
+    assert result.experiment.parallel.data_parallel_sharding_strategy == "optim_grads_params"
+    assert result.experiment.parallel.expert_tensor_parallel_size == 1
+
+
+def test_without_world_size_nothing_is_inferred_silently():
+    result = import_megatron_args(BASE + "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+                                  hardware="cpu")
+    assert result.experiment.world_size == 4
+    assert any("no world size given" in w for w in result.warnings)
+    explicit = import_megatron_args(BASE + "--world-size 16", hardware="cpu").experiment
+    assert (explicit.world_size, explicit.cluster.nodes, explicit.cluster.gpus_per_node) == (16, 2, 8)
+    small = import_megatron_args(BASE, world_size=4, gpus_per_node=2, hardware="cpu").experiment
+    assert (small.cluster.nodes, small.cluster.gpus_per_node) == (2, 2)
+    default_hw = import_megatron_args(BASE, world_size=1)
+    assert default_hw.experiment.hardware.name == "h100-sxm-80gb"
+    assert any("no hardware given" in w for w in default_hw.warnings)
+
+
+@pytest.mark.parametrize("args, message", [
+    (BASE + "--tensor-model-parallel-size two", "--tensor-model-parallel-size = 'two': expected an integer"),
+    (BASE + "--hidden-dropout nan", "--hidden-dropout = 'nan': expected a number"),
+    (BASE + "--bf16 yes", "--bf16 = 'yes': this flag takes no value"),
+    (BASE + "--moe-layer-freq '__import__(\"os\")'", "--moe-layer-freq"),
+    (BASE + "--micro-batch-size", "--micro-batch-size: expected one value, got nothing"),
+    ("--hidden-size 8 --num-attention-heads 2 --seq-length 8", "--num-layers is required"),
+    (BASE + "--pipeline-model-parallel-layout 'Etx|L'", "unknown layer letter"),
+    (BASE + "--seq-length '1", "cannot split"),
+])
+def test_bad_values_are_one_line_user_errors(args, message):
+    with pytest.raises(UserError, match=None) as info:
+        import_megatron_args(args, world_size=8, hardware="cpu")
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_world_size_must_be_whole_nodes():
+    with pytest.raises(UserError, match="world_size = 12: not a whole number of nodes of 8"):
+        import_megatron_args(BASE, world_size=12, hardware="cpu")
+
+
+@pytest.mark.parametrize("text, value", [
+    ("1", 1), ("4", 4), ("([0]*3+[1]*58)", [0] * 3 + [1] * 58), ("[1,0]*2", [1, 0, 1, 0]),
+    ("([1]*3+[0]*1)*3", ([1] * 3 + [0]) * 3), ("2*[1]", [1, 1]),
+])
+def test_layer_pattern_is_evaluated_safely(text, value):
+    assert parse_layer_pattern(text) == value
+
+
+@pytest.mark.parametrize("text", ["__import__('os').system('true')", "[1]*10**9", "[[1]]", "[1]+2", "x", "[1.5]"])
+def test_layer_pattern_rejects_anything_else(text):
+    with pytest.raises(ValueError):
+        parse_layer_pattern(text)
+
+
+@given(st.lists(st.integers(0, 1), min_size=1, max_size=80) | st.integers(1, 8))
+@settings(max_examples=60, deadline=None)
+def test_layer_pattern_formats_back(pattern):
+    assert parse_layer_pattern(format_layer_pattern(pattern)) == pattern
+
+
+def test_pipeline_layout_parse():
+    assert [len(s) for s in parse_pipeline_layout("Et|(tt|)*6mL")] == [2] + [2] * 6 + [2]
+    assert parse_pipeline_layout("Ettt|(tt|)*2,m|L")[-2:] == [["m"], ["L"]]
+
+
+# --------------------------------------------------------------------------------------------
+# Round trips
+# --------------------------------------------------------------------------------------------
+def _megatron_resolved(exp: Experiment) -> Experiment:
+    """`exp` with the values Megatron resolves (engine.megatron.ROUND_TRIP_NORMALIZED) resolved."""
+    out = exp.copy()
+    m, p = out.model, out.parallel
+    m.ffn_hidden_size = exp.model.ffn
+    m.max_position_embeddings = exp.model.max_position_embeddings or exp.model.seq_length
+    m.seq_length, out.training.seq_length = exp.seq_length, None
+    if p.virtual_pipeline_model_parallel_size == 1:
+        p.virtual_pipeline_model_parallel_size = None
+    if p.tensor_model_parallel_size == 1:
+        p.sequence_parallel = False
+    if not m.multi_latent_attention:
+        for name in MLA_DEFAULTS:
+            setattr(m, name, getattr(ModelSpec, name))
+    return out
+
+
+def _round_trip(exp: Experiment) -> Experiment:
+    back = import_megatron_args(export_megatron_args(exp), world_size=exp.world_size,
+                                gpus_per_node=exp.cluster.gpus_per_node, hardware=exp.hardware).experiment
+    # What a command line does not carry: names, telemetry, our iteration-marker setting.
+    back.name, back.description, back.model.name, back.model.description = \
+        exp.name, exp.description, exp.model.name, exp.model.description
+    back.telemetry = dataclasses.replace(exp.telemetry)
+    back.training.warmup_iters = exp.training.warmup_iters
+    return back
+
+
+def _shipped_experiments() -> list[str]:
+    return list(catalog.entries("experiments"))
+
+
+@pytest.mark.parametrize("name", _shipped_experiments())
+def test_every_shipped_experiment_round_trips(name):
+    exp = catalog.load_experiment(name)
+    assert _round_trip(exp) == _megatron_resolved(exp)
+
+
+@pytest.mark.skipif(not CASES, reason="needs /work/shared/validation")
+@pytest.mark.parametrize("case", CASES[::5], ids=[c["name"] for c in CASES[::5]])
+def test_imported_cases_are_a_fixed_point(case):
+    first = import_megatron_args(case["megatron_args"], world_size=8, hardware="h100-sxm-80gb").experiment
+    tokens = export_megatron_args(first)
+    again = import_megatron_args(tokens, world_size=8, hardware="h100-sxm-80gb")
+    assert again.experiment == first and again.ignored == []
+    # And through the printed form (shell quoting, continuations).
+    assert import_megatron_args(format_megatron_args(tokens), world_size=8,
+                                hardware="h100-sxm-80gb").experiment == first
+
+
+def experiments() -> st.SearchStrategy[Experiment]:
+    """Random experiments over the fields a Megatron command line carries (valid or not)."""
+    small = st.integers(1, 8)
+
+    @st.composite
+    def build(draw):
+        exp = Experiment(name="fuzz")
+        m, p, t = exp.model, exp.parallel, exp.training
+        m.num_layers, m.hidden_size, m.num_attention_heads = draw(small), draw(st.sampled_from([64, 128, 512])), draw(small)
+        m.ffn_hidden_size = draw(st.none() | st.integers(1, 4096))
+        m.num_query_groups = draw(st.none() | small)
+        m.kv_channels = draw(st.none() | small)
+        m.seq_length = draw(st.integers(1, 4096))
+        m.max_position_embeddings = draw(st.none() | st.integers(1, 8192))
+        m.vocab_size = draw(st.integers(1, 200_000))
+        m.make_vocab_size_divisible_by = draw(st.sampled_from([1, 64, 128]))
+        m.swiglu, m.squared_relu, m.untie_embeddings_and_output_weights = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+        m.add_bias_linear, m.add_qkv_bias, m.qk_layernorm = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+        m.position_embedding_type = draw(st.sampled_from(["learned_absolute", "rope", "none"]))
+        m.normalization = draw(st.sampled_from(["LayerNorm", "RMSNorm"]))
+        m.hidden_dropout = draw(st.sampled_from([0.0, 0.1, 0.25]))
+        m.attention_dropout = draw(st.floats(0, 1, allow_nan=False))
+        m.num_moe_experts = draw(st.none() | small)
+        m.moe_router_topk = draw(small)
+        m.moe_ffn_hidden_size = draw(st.none() | small)
+        m.moe_shared_expert_intermediate_size = draw(st.none() | small)
+        m.moe_layer_freq = draw(st.integers(1, 4) | st.lists(st.integers(0, 1), min_size=1, max_size=8))
+        m.multi_latent_attention = draw(st.booleans())
+        m.q_lora_rank = draw(st.none() | small)
+        m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim = (draw(small) for _ in range(4))
+        m.mtp_num_layers = draw(st.none() | st.integers(1, 2))
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size = draw(small), draw(small)
+        p.virtual_pipeline_model_parallel_size = draw(st.none() | small)
+        p.context_parallel_size, p.expert_model_parallel_size = draw(small), draw(small)
+        p.expert_tensor_parallel_size = draw(st.none() | small)
+        p.sequence_parallel, p.use_distributed_optimizer = draw(st.booleans()), draw(st.booleans())
+        p.num_distributed_optimizer_instances = draw(st.integers(1, 2))
+        p.use_megatron_fsdp = draw(st.booleans())
+        p.data_parallel_sharding_strategy = draw(st.sampled_from(["no_shard", "optim", "optim_grads_params"]))
+        p.decoder_first_pipeline_num_layers = draw(st.none() | small)
+        p.account_for_loss_in_pipeline_split = draw(st.booleans())
+        t.micro_batch_size, t.global_batch_size = draw(small), draw(st.integers(1, 512))
+        t.seq_length = draw(st.none() | st.integers(1, 4096))
+        t.bf16, t.fp16 = draw(st.booleans()), draw(st.booleans())
+        t.fp8 = draw(st.sampled_from([None, "e4m3", "hybrid"]))
+        t.fp8_recipe = draw(st.sampled_from(["delayed", "tensorwise", "blockwise"]))
+        t.recompute_granularity = draw(st.sampled_from([None, "full", "selective"]))
+        t.recompute_method = draw(st.sampled_from([None, "uniform", "block"]))
+        t.recompute_num_layers = draw(st.none() | small)
+        t.recompute_modules = draw(st.none() | st.lists(st.sampled_from(["core_attn", "mlp", "moe_act"]), max_size=3))
+        t.overlap_grad_reduce, t.overlap_param_gather, t.tp_comm_overlap = (draw(st.booleans()) for _ in range(3))
+        t.attention_backend = draw(st.sampled_from(["auto", "flash", "unfused"]))
+        t.transformer_impl = draw(st.sampled_from(["transformer_engine", "local"]))
+        t.moe_expert_capacity_factor = draw(st.none() | st.sampled_from([1.0, 1.5]))
+        t.moe_aux_loss_coeff = draw(st.sampled_from([0.0, 0.01]))
+        t.lr = draw(st.floats(1e-6, 1.0))
+        t.data_path = draw(st.none() | st.sampled_from(["/data/x_text_document", "0.5 /a 0.5 /b"]))
+        exp.cluster.gpus_per_node = draw(st.sampled_from([1, 2, 8]))
+        exp.cluster.nodes = draw(st.integers(1, 4))
+        exp.hardware = catalog.load_hardware(draw(st.sampled_from(["cpu", "h100-sxm-80gb"])))
+        return exp
+
+    return build()
+
+
+@given(experiments())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_random_experiments_round_trip(exp):
+    assert _round_trip(exp) == _megatron_resolved(exp)
