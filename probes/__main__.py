@@ -1,0 +1,26 @@
+"""`python -m charllm.probes ...`: the probe command without the TUI (for compute nodes)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from charllm.probes.cli import add_arguments, run
+from charllm.probes.errors import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m charllm.probes",
+                                                   description="Sample GPU and host telemetry on this node."))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UserError as exc:
+        print(f"charllm-probes: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the reader of --stream went away
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

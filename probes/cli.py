@@ -1,0 +1,184 @@
+"""The probe command, shared by `charllm-tui probe` and `python -m charllm.probes` (compute nodes
+need no TUI). Heavy imports stay inside `run` so `--help` is fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+USAGE_EXAMPLES = """\
+examples:
+  probe --list                                  devices, backend and metrics (and why no GPU)
+  probe --out RUN_DIR --hz 20                   record until Ctrl-C / SIGTERM
+  probe --backend sim --sim-gpus 8 --follow     simulated GPUs, live table
+  probe --backend replay:RUN --speed 10 --follow
+  probe --out RUN_DIR --node n1 --stream | ...  Arrow batches on stdout (for SSH)"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.epilog = USAGE_EXAMPLES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--list", action="store_true", help="list devices, backend and supported metrics, then exit")
+    parser.add_argument("--backend", default="auto", metavar="NAME",
+                        help="auto | nvml | amdsmi | host | sim | replay:RUN (default: auto)")
+    parser.add_argument("--hz", type=float, default=20.0, help="samples per second, at most 100 (default: 20)")
+    parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds (default: until signalled)")
+    parser.add_argument("--out", metavar="RUN_DIR",
+                        help="run directory; chunks go to RUN_DIR/telemetry/<node>/NNNNNN.arrow")
+    parser.add_argument("--node", help="node name in the data (default: this host's name)")
+    parser.add_argument("--stream", action="store_true", help="also write Arrow batches to stdout (for SSH)")
+    parser.add_argument("--follow", action="store_true", help="show a live table on the terminal")
+    sim = parser.add_argument_group("sim and replay backends")
+    sim.add_argument("--sim-gpus", type=int, default=8, metavar="N", help="simulated GPUs (default: 8)")
+    sim.add_argument("--sim-profile", default="steady", metavar="PROFILE",
+                     help="steady | bursty | iterations:RUN (a run's iteration timeline) (default: steady)")
+    sim.add_argument("--sim-hardware", default="h100-sxm-80gb", metavar="NAME", help="hardware preset to simulate")
+    sim.add_argument("--seed", type=int, default=0, help="simulation seed (default: 0)")
+    sim.add_argument("--speed", type=float, default=1.0, help="replay speed-up (default: 1)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute the probe command; raises UserError for bad input."""
+    import signal
+
+    from charllm.probes.backends import open_backends
+    from charllm.probes.errors import UserError
+    from charllm.probes.sampler import Sampler, check_hz
+
+    check_hz(args.hz)
+    if args.duration is not None and not args.duration > 0:
+        raise UserError(f"duration = {args.duration:g}: must be > 0 seconds")
+    backends, reason = open_backends(args.backend, gpus=args.sim_gpus, profile=args.sim_profile,
+                                     seed=args.seed, hardware=args.sim_hardware, speed=args.speed)
+    err = _console(sys.stderr)
+    try:
+        if args.list:
+            _print_list(_console(sys.stdout), backends, reason)
+            return 0
+        run_dir = _prepare_run_dir(args.out, args, reason) if args.out else None
+        follow = args.follow or (run_dir is None and not args.stream)
+        view = _LiveTable(err if args.stream else _console(sys.stdout), reason) if follow else None
+        sampler = Sampler(backends, hz=args.hz, node=args.node, run_dir=run_dir,
+                          on_sample=view.update if view else None,
+                          stream=sys.stdout.buffer if args.stream else None)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: sampler.stop())
+        devices = sum(len(b.devices()) for b in backends)
+        target = f" -> {sampler.writer.dir}" if sampler.writer else ""
+        if not view:
+            err.print(f"probe: {devices} device(s) at {args.hz:g} Hz{target} ({reason}); SIGTERM/Ctrl-C stops")
+        if view:
+            with view:
+                sampler.run(args.duration)
+        else:
+            sampler.run(args.duration)
+        chunks = f", {sampler.writer.chunks_written} chunk(s)" if sampler.writer else ""
+        err.print(f"probe: {sampler.rows} rows in {sampler.ticks} ticks, "
+                  f"{sampler.missed_deadlines} missed deadline(s){chunks}")
+        if run_dir is not None and getattr(args, "_created_manifest", False):
+            from charllm.probes.rundir import RunDir
+
+            RunDir(run_dir).update_manifest(status="completed")
+        return 0
+    finally:
+        for backend in backends:
+            backend.close()
+
+
+def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
+    """A run directory for the recording; a bare one gets a {"kind": "probe"} manifest."""
+    import time
+    from pathlib import Path
+
+    from charllm.probes.rundir import RunDir
+
+    run = RunDir(Path(out).expanduser().resolve())
+    if not run.manifest_path.exists():
+        run.write_manifest({"id": run.id, "kind": "probe", "status": "running", "backend": args.backend,
+                            "backend_reason": reason, "hz": args.hz, "created_ns": time.time_ns()})
+        args._created_manifest = True
+    return run.path
+
+
+def _console(file):
+    from rich.console import Console
+
+    return Console(file=file, highlight=False)
+
+
+def _print_list(console, backends, reason: str) -> None:
+    from rich.table import Table
+
+    console.print(f"backend: {', '.join(b.name for b in backends)} — {reason}")
+    table = Table("device", "backend", "name", "uuid", "metrics", show_lines=False)
+    for backend in backends:
+        backend.sample()  # one sample finds out what each device does not support
+        for dev in backend.devices():
+            label = f"{backend.name} (SIMULATED)" if backend.simulated else backend.name
+            table.add_row(dev.label, label, dev.name, dev.uuid, " ".join(backend.supported_metrics(dev)))
+    console.print(table)
+
+
+class _LiveTable:
+    """A compact rich table of the latest row per device, redrawn at most 4 times a second."""
+
+    COLUMNS = (("power_w", "W", "{:.0f}"), ("temp_gpu_c", "°C", "{:.0f}"), ("sm_clock_mhz", "MHz", "{:.0f}"),
+               ("util_gpu_pct", "util%", "{:.0f}"), ("mem_used_bytes", "GiB", "{:.1f}"),
+               ("throttle_reasons", "throttle", "{}"), ("cpu_util_pct", "cpu%", "{:.0f}"),
+               ("iteration", "iter", "{}"))
+
+    def __init__(self, console, reason: str) -> None:
+        from rich.live import Live
+
+        self.reason = reason
+        self.latest: dict[tuple, dict] = {}
+        self.live = Live(self._render(), console=console, auto_refresh=False, transient=False)
+        self._last_draw = 0.0
+
+    def __enter__(self):
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.live.update(self._render(), refresh=True)
+        return self.live.__exit__(*exc)
+
+    def update(self, rows: list[dict]) -> None:
+        import time
+
+        for row in rows:
+            self.latest[(row["node"], row["device"])] = row
+        now = time.monotonic()
+        if now - self._last_draw >= 0.25:
+            self._last_draw = now
+            self.live.update(self._render(), refresh=True)
+
+    def _render(self):
+        from rich.table import Table
+
+        from charllm.probes.schema import THROTTLE_BITS
+
+        simulated = any(row.get("simulated") for row in self.latest.values())
+        title = f"[bold yellow]SIMULATED DATA[/] — {self.reason}" if simulated else self.reason
+        table = Table(title=title, title_justify="left", pad_edge=False)
+        table.add_column("device")
+        table.add_column("backend")
+        for _col, header, _fmt in self.COLUMNS:
+            table.add_column(header, justify="right")
+        several_nodes = len({node for node, _ in self.latest}) > 1
+        for (node, device), row in sorted(self.latest.items()):
+            cells = []
+            for col, _header, fmt in self.COLUMNS:
+                value = row.get(col)
+                if value is None:
+                    cells.append("–")
+                elif col == "mem_used_bytes":
+                    cells.append(fmt.format(value / 2**30))
+                elif col == "throttle_reasons":
+                    cells.append(",".join(n for n, bit in THROTTLE_BITS.items() if value & bit and n != "gpu_idle") or "-")
+                else:
+                    cells.append(fmt.format(value))
+            backend = f"[bold yellow]{row['backend']}*[/]" if row.get("simulated") else row["backend"]
+            table.add_row(f"{node}/{device}" if several_nodes else device, backend, *cells)
+        return table

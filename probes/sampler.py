@@ -1,0 +1,202 @@
+"""The per-node sampler: one loop samples every local device on absolute deadlines.
+
+Tick k is due at start + k / hz, so the rate never drifts however long a tick takes. A tick
+that starts late but before the next deadline still counts; when whole periods have passed the
+skipped deadlines are added to `missed_deadlines` (a cumulative column on every row).
+
+Samples flow three ways:
+- in-process consumers: `on_sample(rows)` is called with each tick's rows (keep it quick), and
+  `subscribe()` hands out a bounded queue of the same (a slow reader loses the oldest ticks);
+- the run directory: at least every `flush_s` seconds the buffered rows go, on a writer thread,
+  to a ChunkWriter (`RUN_DIR/telemetry/<node>/NNNNNN.arrow`);
+- a byte stream (`stream=`, e.g. stdout for SSH), the same batches in stream.py's format.
+
+Iteration markers: the sampler tails RUN_DIR/iterations.jsonl (written by the workload) and puts
+the iteration in progress on every row: after a "start" event 1, after "iteration" N it is N+1,
+after "end" none.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import polars as pl
+
+from charllm.probes.backends import Backend, hostname
+from charllm.probes.errors import UserError
+from charllm.probes.recorder import ChunkWriter
+from charllm.probes.rundir import RunDir
+from charllm.probes.schema import TELEMETRY_SCHEMA
+from charllm.probes.stream import StreamWriter
+from charllm.probes.tail import IterationTail
+
+DEFAULT_HZ = 20.0
+MAX_HZ = 100.0          # NVML power counters update at 10-50 Hz; faster gains nothing
+ITERATION_POLL_S = 0.1
+
+
+def check_hz(hz: float) -> float:
+    if not 0 < hz <= MAX_HZ:
+        raise UserError(f"hz = {hz:g}: must be > 0 and at most {MAX_HZ:g} "
+                        "(GPU power counters update at 10-50 Hz; faster only costs CPU)")
+    return float(hz)
+
+
+class IterationMarker:
+    """The training iteration in progress, learned from the run's iteration log."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.tail = IterationTail(run_dir)
+        self.current: int | None = None
+
+    def poll(self) -> int | None:
+        for event in self.tail.poll():
+            kind = event.get("event")
+            if kind == "start":
+                self.current = 1
+            elif kind == "iteration" and isinstance(event.get("iteration"), int) and self.current is not None:
+                self.current = max(self.current, event["iteration"] + 1)
+            elif kind == "iteration" and isinstance(event.get("iteration"), int):
+                self.current = event["iteration"] + 1  # joined a run whose start we did not see
+            elif kind == "end":
+                self.current = None
+        return self.current
+
+
+class Sampler:
+    def __init__(self, backends: list[Backend], hz: float = DEFAULT_HZ, node: str | None = None,
+                 run_dir: str | os.PathLike | None = None, on_sample: Callable[[list[dict]], object] | None = None,
+                 *, stream: BinaryIO | None = None, flush_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.backends = backends
+        self.hz = check_hz(hz)
+        self.node = node or hostname()
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.flush_s = flush_s
+        self.clock = clock
+        self.writer = ChunkWriter(RunDir(self.run_dir).node_telemetry_dir(self.node)) if self.run_dir else None
+        self.stream = StreamWriter(stream) if stream is not None else None
+        self.marker = IterationMarker(self.run_dir) if self.run_dir else None
+        self._consumers: list[Callable[[list[dict]], object]] = [on_sample] if on_sample else []
+        # A backend slower than the tick rate (the host: psutil costs ~0.3 ms) is sampled every n-th tick.
+        self._every = [max(1, round(self.hz / b.max_hz)) if getattr(b, "max_hz", None) else 1 for b in backends]
+        self.ticks = 0
+        self.missed_deadlines = 0
+        self.rows = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._batches: queue.Queue = queue.Queue()
+        self._flush_error: BaseException | None = None
+
+    # -- consumers -------------------------------------------------------------------------
+    def subscribe(self, maxsize: int = 256) -> queue.Queue:
+        """A queue receiving each tick's rows; when full, the oldest tick is dropped."""
+        q: queue.Queue = queue.Queue(maxsize=maxsize)
+
+        def put(rows: list[dict]) -> None:
+            while True:
+                try:
+                    q.put_nowait(rows)
+                    return
+                except queue.Full:
+                    try:
+                        q.get_nowait()
+                    except queue.Empty:
+                        pass
+
+        self._consumers.append(put)
+        return q
+
+    # -- running ---------------------------------------------------------------------------
+    def start(self, duration: float | None = None) -> None:
+        """Run in a background thread (for in-process use); `stop()` ends it."""
+        self._thread = threading.Thread(target=self.run, args=(duration,), name="charllm-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread:
+            self._thread.join(timeout)
+
+    def run(self, duration: float | None = None) -> None:
+        """Sample until `duration` seconds, `stop()`, or a replay runs out; then flush everything."""
+        flusher = threading.Thread(target=self._flush_loop, name="charllm-flush", daemon=True)
+        flusher.start()
+        start = self.clock()
+        last_flush, next_poll = start, start
+        buffer: list[dict] = []
+        k = 0
+        try:
+            while not self._stop.is_set():
+                if duration is not None and k / self.hz >= duration:
+                    break
+                wait = start + k / self.hz - self.clock()
+                if wait > 0 and self._stop.wait(wait):
+                    break
+                now = self.clock()
+                if self.marker and now >= next_poll:
+                    self.marker.poll()
+                    next_poll = now + ITERATION_POLL_S
+                rows = self._tick(k)
+                buffer.extend(rows)
+                for consume in self._consumers:
+                    consume(rows)
+                if self._flush_error:
+                    raise self._flush_error
+                if all(b.finished for b in self.backends):
+                    break
+                now = self.clock()
+                if now - last_flush >= self.flush_s:
+                    self._batches.put(buffer)
+                    buffer, last_flush = [], now
+                # Deadlines that passed entirely while we worked are skipped, not caught up on.
+                latest_due = int((now - start) * self.hz)
+                if latest_due > k + 1:
+                    self.missed_deadlines += latest_due - (k + 1)
+                    k = latest_due
+                else:
+                    k += 1
+        finally:
+            self._batches.put(buffer)
+            self._batches.put(None)
+            flusher.join()
+        if self._flush_error:
+            raise self._flush_error
+
+    def _tick(self, k: int) -> list[dict]:
+        ts_ns, mono_ns = time.time_ns(), time.monotonic_ns()
+        common = {"ts_ns": ts_ns, "mono_ns": mono_ns, "node": self.node,
+                  "iteration": self.marker.current if self.marker else None,
+                  "missed_deadlines": self.missed_deadlines}
+        rows: list[dict] = []
+        for backend, every in zip(self.backends, self._every):
+            if k % every:
+                continue
+            for row in backend.sample():
+                for key, value in common.items():
+                    row.setdefault(key, value)
+                rows.append(row)
+        self.ticks += 1
+        self.rows += len(rows)
+        return rows
+
+    def _flush_loop(self) -> None:
+        """Writer thread: turns buffered rows into a DataFrame and writes chunk and stream."""
+        while (rows := self._batches.get()) is not None:
+            if not rows or self._flush_error:
+                continue
+            try:
+                frame = pl.from_dicts(rows, schema=TELEMETRY_SCHEMA)
+                if self.writer:
+                    self.writer.write(frame)
+                if self.stream:
+                    self.stream.write(frame)
+            except BaseException as exc:  # noqa: BLE001 - surfaced by run()
+                self._flush_error = exc

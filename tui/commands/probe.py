@@ -1,0 +1,20 @@
+"""`charllm-tui probe`: list devices, or sample and record telemetry (see charllm.probes.cli)."""
+
+from __future__ import annotations
+
+from charllm.probes.cli import add_arguments
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "probe", help="list GPUs/host sensors, or sample and record telemetry",
+        description="Sample GPU and host telemetry on this node (NVML, AMD SMI, host, sim, replay) "
+                    "into a run directory, a live table or an Arrow stream on stdout.")
+    add_arguments(parser)
+    parser.set_defaults(func=_handle)
+
+
+def _handle(args) -> int:
+    from charllm.probes.cli import run
+
+    return run(args)
