@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import os
 import sys
 
@@ -27,15 +28,16 @@ VIOLATION_BITS = {
 
 @contextlib.contextmanager
 def _stdout_silenced():
-    """Point fd 1 at /dev/null (prints from C or Python alike), then restore it."""
+    """Silence stdout at both levels: fd 1 (C code) and sys.stdout (Python prints; a TUI or
+    pytest may have replaced it with an object that does not write to fd 1)."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 1)
-        yield
+            with contextlib.redirect_stdout(io.StringIO()):
+                yield
     finally:
-        sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
 

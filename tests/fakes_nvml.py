@@ -1,0 +1,176 @@
+"""A fake NVML behind the real `pynvml` module.
+
+Only the C library is faked: the functions our backend calls are replaced on the real module
+(monkeypatch), and they answer with pynvml's own return types (c_nvmlFieldValue_t arrays,
+c_nvmlUtilization_t, c_nvmlMemory_t), constants and exception classes (NVMLError(code) maps to
+NVMLError_NotSupported etc. exactly as the real binding does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pynvml
+
+
+@dataclass
+class FakeGpu:
+    index: int
+    uuid: str = ""
+    name: str = "NVIDIA H100 80GB HBM3"
+    power_mw: int = 650_000
+    power_avg_mw: int = 640_000
+    mem_power_mw: int = 80_000
+    energy_mj: int = 123_456_789
+    temp_c: int = 71
+    mem_temp_c: int = 78
+    sm_clock_mhz: int = 1755
+    mem_clock_mhz: int = 2619
+    throttle: int = pynvml.nvmlClocksEventReasonSwPowerCap
+    util_gpu: int = 98
+    util_mem: int = 41
+    mem_used: int = 60 * 2**30
+    mem_total: int = 80 * 2**30
+    power_limit_mw: int = 700_000
+    pcie_tx_bytes: int = 10_000
+    pcie_rx_bytes: int = 20_000
+    nvlink_tx_kib: int = 1_000
+    nvlink_rx_kib: int = 2_000
+    old_driver: bool = False                                 # no nvmlDeviceGetCurrentClocksEventReasons
+    unsupported_fields: set = field(default_factory=set)     # {(fieldId, scopeId)}
+    unsupported_calls: set = field(default_factory=set)      # {"nvmlDeviceGetTemperature", ...}
+    failures: dict = field(default_factory=dict)             # {"nvmlDeviceGetClockInfo": n} transient errors
+    field_failures: dict = field(default_factory=dict)       # {(fieldId, scopeId): n} per-field transient errors
+
+
+class FakeNvml:
+    def __init__(self, gpus: list[FakeGpu] | None = None, init_error: int | None = None) -> None:
+        self.gpus = gpus if gpus is not None else [FakeGpu(0)]
+        for gpu in self.gpus:
+            gpu.uuid = gpu.uuid or f"GPU-fake-{gpu.index:04d}"
+        self.init_error = init_error
+        self.calls: dict[str, int] = {}
+        self.field_requests: list[list[tuple[int, int]]] = []
+
+    # -- installing ------------------------------------------------------------------------
+    def install(self, monkeypatch) -> "FakeNvml":
+        for name in ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
+                     "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetFieldValues",
+                     "nvmlDeviceGetTemperature", "nvmlDeviceGetClockInfo",
+                     "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons",
+                     "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo",
+                     "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetPcieThroughput"):
+            monkeypatch.setattr(pynvml, name, self._counted(name, getattr(self, name)))
+        return self
+
+    def _counted(self, name, fn):
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args)
+        return call
+
+    def _check(self, gpu: FakeGpu, name: str) -> None:
+        """Raise as the real binding does when the driver answers an error code."""
+        if name in gpu.unsupported_calls:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if gpu.failures.get(name, 0) > 0:
+            gpu.failures[name] -= 1
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+
+    # -- the NVML API ----------------------------------------------------------------------
+    def nvmlInit(self):
+        if self.init_error is not None:
+            raise pynvml.NVMLError(self.init_error)
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return self.gpus[index]
+
+    def nvmlDeviceGetUUID(self, gpu):
+        return gpu.uuid  # pynvml's @convertStrBytes gives str on Python 3
+
+    def nvmlDeviceGetName(self, gpu):
+        return gpu.name
+
+    def nvmlDeviceGetFieldValues(self, gpu, field_ids):
+        requests = [f if isinstance(f, tuple) else (f, 0) for f in field_ids]
+        self.field_requests.append(requests)
+        values = (pynvml.c_nvmlFieldValue_t * len(requests))()
+        for value, (fid, scope) in zip(values, requests):
+            value.fieldId, value.scopeId = fid, scope
+            if (fid, scope) in gpu.unsupported_fields:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            if gpu.field_failures.get((fid, scope), 0) > 0:
+                gpu.field_failures[(fid, scope)] -= 1
+                value.nvmlReturn = pynvml.NVML_ERROR_TIMEOUT
+                continue
+            value.nvmlReturn = pynvml.NVML_SUCCESS
+            kind, number = self._field(gpu, fid, scope)
+            value.valueType = kind
+            member = {pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+                      pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal"}[kind]
+            setattr(value.value, member, number)
+        return values
+
+    def _field(self, gpu: FakeGpu, fid: int, scope: int):
+        uint, ull = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+        if fid == pynvml.NVML_FI_DEV_POWER_INSTANT:
+            return uint, gpu.mem_power_mw if scope == pynvml.NVML_POWER_SCOPE_MEMORY else gpu.power_mw
+        if fid == pynvml.NVML_FI_DEV_POWER_AVERAGE:
+            return uint, gpu.power_avg_mw
+        if fid == pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
+            return ull, gpu.energy_mj
+        if fid == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+            return uint, gpu.mem_temp_c
+        if fid == pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES:
+            return ull, gpu.pcie_tx_bytes
+        if fid == pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES:
+            return ull, gpu.pcie_rx_bytes
+        # NVLink throughput: the sum over links only with scopeId UINT_MAX, else link `scope` alone.
+        links = 18 if scope == 0xFFFFFFFF else 1
+        if fid == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX:
+            return ull, gpu.nvlink_tx_kib * links
+        if fid == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX:
+            return ull, gpu.nvlink_rx_kib * links
+        raise AssertionError(f"unexpected field id {fid}")
+
+    def nvmlDeviceGetTemperature(self, gpu, sensor):
+        assert sensor == pynvml.NVML_TEMPERATURE_GPU
+        self._check(gpu, "nvmlDeviceGetTemperature")
+        return gpu.temp_c
+
+    def nvmlDeviceGetClockInfo(self, gpu, kind):
+        self._check(gpu, "nvmlDeviceGetClockInfo")
+        return {pynvml.NVML_CLOCK_SM: gpu.sm_clock_mhz, pynvml.NVML_CLOCK_MEM: gpu.mem_clock_mhz}[kind]
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, gpu):
+        if gpu.old_driver:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        self._check(gpu, "nvmlDeviceGetCurrentClocksEventReasons")
+        return gpu.throttle
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, gpu):
+        self._check(gpu, "nvmlDeviceGetCurrentClocksThrottleReasons")
+        return gpu.throttle
+
+    def nvmlDeviceGetUtilizationRates(self, gpu):
+        self._check(gpu, "nvmlDeviceGetUtilizationRates")
+        return pynvml.c_nvmlUtilization_t(gpu=gpu.util_gpu, memory=gpu.util_mem)
+
+    def nvmlDeviceGetMemoryInfo(self, gpu, version=None):
+        self._check(gpu, "nvmlDeviceGetMemoryInfo")
+        return pynvml.c_nvmlMemory_t(total=gpu.mem_total, free=gpu.mem_total - gpu.mem_used, used=gpu.mem_used)
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, gpu):
+        self._check(gpu, "nvmlDeviceGetEnforcedPowerLimit")
+        return gpu.power_limit_mw
+
+    def nvmlDeviceGetPcieThroughput(self, gpu, counter):
+        self._check(gpu, "nvmlDeviceGetPcieThroughput")
+        return 0

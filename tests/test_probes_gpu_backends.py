@@ -1,0 +1,224 @@
+"""NVML and AMD SMI backends against fakes behind the real pynvml / amdsmi modules."""
+
+from __future__ import annotations
+
+import pynvml
+import pytest
+
+from charllm.probes.backends import BackendUnavailable, open_backend, open_backends
+from charllm.probes.errors import UserError
+from charllm.probes.schema import THROTTLE_BITS
+from tests.fakes_amdsmi import FakeAmdSmi, FakeGcd, load_real_amdsmi, unload_amdsmi
+from tests.fakes_nvml import FakeGpu, FakeNvml
+
+UINT_MAX = 0xFFFFFFFF
+
+
+# -- NVML ---------------------------------------------------------------------------------------
+def test_nvml_reads_every_metric_in_schema_units(monkeypatch):
+    FakeNvml([FakeGpu(0), FakeGpu(1, temp_c=80)]).install(monkeypatch)
+    backend = open_backend("nvml")
+    rows = backend.sample()
+    assert [r["device"] for r in rows] == ["gpu0", "gpu1"]
+    row = rows[0]
+    assert row["uuid"] == "GPU-fake-0000" and row["backend"] == "nvml" and row["simulated"] is False
+    assert row["power_w"] == pytest.approx(650.0) and row["power_avg_w"] == pytest.approx(640.0)
+    assert row["mem_power_w"] == pytest.approx(80.0)
+    assert row["energy_j"] == pytest.approx(123_456.789)
+    assert row["temp_gpu_c"] == 71 and row["temp_mem_c"] == 78 and rows[1]["temp_gpu_c"] == 80
+    assert row["sm_clock_mhz"] == 1755 and row["mem_clock_mhz"] == 2619
+    assert row["throttle_reasons"] == THROTTLE_BITS["sw_power_cap"]
+    assert row["util_gpu_pct"] == 98 and row["util_mem_pct"] == 41
+    assert row["mem_used_bytes"] == 60 * 2**30 and row["mem_total_bytes"] == 80 * 2**30
+    assert row["power_limit_w"] == pytest.approx(700.0)
+    assert row["errors"] == 0
+
+
+def test_nvml_one_batched_field_call_per_gpu_with_nvlink_over_all_links(monkeypatch):
+    fake = FakeNvml([FakeGpu(0), FakeGpu(1)]).install(monkeypatch)
+    row = open_backend("nvml").sample()[0]
+    assert fake.calls["nvmlDeviceGetFieldValues"] == 2
+    requested = set(fake.field_requests[0])
+    assert (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, UINT_MAX) in requested
+    assert (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, UINT_MAX) in requested
+    assert (pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_POWER_SCOPE_MEMORY) in requested
+    # 18 links x 1000 KiB: the sum over all links, in bytes
+    assert row["nvlink_tx_bytes"] == 18 * 1000 * 1024 and row["nvlink_rx_bytes"] == 18 * 2000 * 1024
+
+
+def test_nvml_pcie_rates_come_from_counter_deltas(monkeypatch):
+    gpu = FakeGpu(0)
+    FakeNvml([gpu]).install(monkeypatch)
+    backend = open_backend("nvml")
+    assert backend.sample()[0].get("pcie_tx_bytes_s") is None  # a rate needs two readings
+    gpu.pcie_tx_bytes += 5_000_000
+    row = backend.sample()[0]
+    assert row["pcie_tx_bytes_s"] > 0 and row["pcie_rx_bytes_s"] == 0
+
+
+def test_nvml_unsupported_metrics_are_null_and_asked_once(monkeypatch):
+    gpu = FakeGpu(0, unsupported_fields={(pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_POWER_SCOPE_MEMORY)},
+                  unsupported_calls={"nvmlDeviceGetTemperature"})
+    fake = FakeNvml([gpu]).install(monkeypatch)
+    backend = open_backend("nvml")
+    rows = [backend.sample()[0] for _ in range(3)]
+    assert all(r.get("mem_power_w") is None and r.get("temp_gpu_c") is None for r in rows)
+    assert all(r["power_w"] == pytest.approx(650.0) for r in rows)
+    assert fake.calls["nvmlDeviceGetTemperature"] == 1
+    later = set(fake.field_requests[-1])
+    assert (pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_POWER_SCOPE_MEMORY) not in later
+    assert (pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_POWER_SCOPE_GPU) in later
+    supported = backend.supported_metrics(backend.devices()[0])
+    assert "mem_power_w" not in supported and "temp_gpu_c" not in supported and "power_w" in supported
+    assert rows[-1]["errors"] == 0  # NotSupported is not an error
+
+
+def test_nvml_transient_errors_are_counted_not_fatal(monkeypatch):
+    gpu = FakeGpu(0, failures={"nvmlDeviceGetClockInfo": 1},
+                  field_failures={(pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, 0): 1})
+    FakeNvml([gpu]).install(monkeypatch)
+    backend = open_backend("nvml")
+    first, second = backend.sample()[0], backend.sample()[0]
+    assert first.get("sm_clock_mhz") is None and first.get("energy_j") is None
+    assert first["power_w"] == pytest.approx(650.0)
+    assert first["errors"] == 2
+    assert second["sm_clock_mhz"] == 1755 and second["energy_j"] == pytest.approx(123_456.789)
+    assert second["errors"] == 2  # cumulative
+
+
+def test_nvml_old_driver_falls_back_to_throttle_reasons_name(monkeypatch):
+    gpu = FakeGpu(0, old_driver=True, throttle=pynvml.nvmlClocksThrottleReasonSwThermalSlowdown)
+    fake = FakeNvml([gpu]).install(monkeypatch)
+    backend = open_backend("nvml")
+    rows = [backend.sample()[0] for _ in range(2)]
+    assert [r["throttle_reasons"] for r in rows] == [THROTTLE_BITS["sw_thermal"]] * 2
+    assert fake.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 1  # the new name is tried once
+    assert fake.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 2
+    assert rows[-1]["errors"] == 0
+
+
+def test_nvml_without_library_or_gpus_is_unavailable(monkeypatch):
+    FakeNvml(init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED).install(monkeypatch)
+    with pytest.raises(UserError, match="NVMLError_DriverNotLoaded"):
+        open_backend("nvml")
+    FakeNvml(gpus=[]).install(monkeypatch)
+    with pytest.raises(UserError, match="found no GPUs"):
+        open_backend("nvml")
+
+
+def test_auto_prefers_nvml_and_samples_host_beside_it(monkeypatch):
+    FakeNvml([FakeGpu(0), FakeGpu(1)]).install(monkeypatch)
+    backends, reason = open_backends("auto")
+    assert [b.name for b in backends] == ["nvml", "host"]
+    assert reason == "nvml: 2 device(s) found"
+
+
+def test_auto_on_this_machine_uses_host_and_says_why():
+    if _nvml_present() or _amdsmi_present():
+        pytest.skip("this machine has a GPU library; the no-GPU path cannot be checked here")
+    backends, reason = open_backends("auto")
+    assert [b.name for b in backends] == ["host"]
+    assert reason.startswith("nvml: nvmlInit failed")
+    assert "NVMLError_LibraryNotFound" in reason
+    assert "amdsmi: libamd_smi.so not found" in reason and reason.endswith("using host only")
+
+
+def _nvml_present() -> bool:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+def _amdsmi_present() -> bool:
+    from charllm.probes.backend_amdsmi import import_amdsmi
+
+    try:
+        import_amdsmi()
+    except BackendUnavailable:
+        return False
+    return True
+
+
+# -- AMD SMI ------------------------------------------------------------------------------------
+@pytest.fixture
+def real_amdsmi(monkeypatch):
+    smi = load_real_amdsmi(monkeypatch)
+    yield smi
+    unload_amdsmi()
+
+
+def test_amdsmi_import_without_library_prints_nothing(capfd):
+    from charllm.probes.backend_amdsmi import import_amdsmi
+
+    if _amdsmi_present():
+        pytest.skip("libamd_smi.so is installed here")
+    capfd.readouterr()
+    with pytest.raises(BackendUnavailable, match="libamd_smi.so not found"):
+        import_amdsmi()
+    out = capfd.readouterr()
+    assert out.out == ""  # the library's own prints went to /dev/null
+
+
+def test_amdsmi_each_gcd_is_a_device_with_metrics_in_schema_units(monkeypatch, real_amdsmi):
+    FakeAmdSmi(real_amdsmi).install(monkeypatch)
+    backend = open_backend("amdsmi")
+    rows = backend.sample()
+    assert [(r["device"], r["uuid"]) for r in rows] == [("gcd0", "gcd-uuid-0"), ("gcd1", "gcd-uuid-1")]
+    row = rows[0]
+    assert row["backend"] == "amdsmi" and row["simulated"] is False
+    assert row["power_w"] == 480 and row["power_avg_w"] == 470
+    assert row["energy_j"] == pytest.approx(1_000_000 * 15.259e-6)
+    assert (row["temp_gpu_c"], row["temp_hotspot_c"], row["temp_mem_c"]) == (55, 71, 62)
+    assert row["sm_clock_mhz"] == 1700 and row["mem_clock_mhz"] == 1600
+    assert row["util_gpu_pct"] == 93 and row["util_mem_pct"] == 40
+    assert row["mem_used_bytes"] == 50_000 * 2**20 and row["mem_total_bytes"] == 65_520 * 2**20
+    assert row["power_limit_w"] == pytest.approx(500.0)
+    assert row["throttle_reasons"] == THROTTLE_BITS["sw_power_cap"]
+    assert row["errors"] == 0
+
+
+def test_amdsmi_violations_map_onto_throttle_bits(monkeypatch, real_amdsmi):
+    gcd = FakeGcd("u0", violations={"active_ppt_pwr": False, "active_socket_thrm": True,
+                                    "active_prochot_thrm": True, "active_hbm_thrm": "N/A", "active_vr_thrm": False})
+    FakeAmdSmi(real_amdsmi, [gcd]).install(monkeypatch)
+    row = open_backend("amdsmi").sample()[0]
+    assert row["throttle_reasons"] == THROTTLE_BITS["sw_thermal"] | THROTTLE_BITS["hw_thermal"]
+
+
+def test_amdsmi_not_supported_and_na_are_null_and_asked_once(monkeypatch, real_amdsmi):
+    gcd = FakeGcd("u0", average_socket_power="N/A", temps={"EDGE": 50, "HOTSPOT": 60},
+                  not_supported={"amdsmi_get_violation_status"})
+    fake = FakeAmdSmi(real_amdsmi, [gcd]).install(monkeypatch)
+    backend = open_backend("amdsmi")
+    rows = [backend.sample()[0] for _ in range(3)]
+    assert all(r.get("power_avg_w") is None and r.get("temp_mem_c") is None for r in rows)
+    assert all(r.get("throttle_reasons") is None for r in rows)
+    assert rows[-1]["power_w"] == 480 and rows[-1]["errors"] == 0
+    assert fake.calls["amdsmi_get_violation_status"] == 1
+    assert fake.calls["amdsmi_get_temp_metric"] == 3 + 3 + 1  # VRAM asked once
+    supported = backend.supported_metrics(backend.devices()[0])
+    assert {"power_avg_w", "temp_mem_c", "throttle_reasons"}.isdisjoint(supported)
+
+
+def test_amdsmi_transient_errors_are_counted(monkeypatch, real_amdsmi):
+    gcd = FakeGcd("u0", failures={"amdsmi_get_power_info": 2})
+    FakeAmdSmi(real_amdsmi, [gcd]).install(monkeypatch)
+    backend = open_backend("amdsmi")
+    rows = [backend.sample()[0] for _ in range(3)]
+    assert [r.get("power_w") for r in rows] == [None, None, 480]
+    assert [r["errors"] for r in rows] == [1, 2, 2]
+
+
+def test_amdsmi_init_failure_is_unavailable_and_auto_moves_on(monkeypatch, real_amdsmi):
+    FakeAmdSmi(real_amdsmi, init_error=True).install(monkeypatch)
+    with pytest.raises(UserError, match="amdsmi_init failed"):
+        open_backend("amdsmi")
+    FakeAmdSmi(real_amdsmi).install(monkeypatch)
+    if _nvml_present():
+        pytest.skip("NVML is present here, auto would pick it")
+    backends, reason = open_backends("auto")
+    assert [b.name for b in backends] == ["amdsmi", "host"]
+    assert reason.endswith("amdsmi: 2 device(s) found")
