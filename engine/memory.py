@@ -19,6 +19,8 @@ not in `total_bytes`; they enter the fit verdict.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -167,22 +169,27 @@ class _Chunk:
 def split_layers(exp: Experiment) -> list[list[_Chunk]]:
     """chunks[pp_rank][virtual_rank]; global chunk c = v * PP + r (Megatron's interleaving)."""
     p, m = exp.parallel, exp.model
-    pp, vp, n = p.pipeline_model_parallel_size, exp.virtual_stages, m.num_layers
-    mtp = m.mtp_num_layers or 0
+    return _split(m.num_layers, p.pipeline_model_parallel_size, exp.virtual_stages, m.mtp_num_layers or 0,
+                  p.pipeline_model_parallel_layout, p.decoder_first_pipeline_num_layers,
+                  p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
+                  p.account_for_loss_in_pipeline_split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(n: int, pp: int, vp: int, mtp: int, layout: str | None, first: int | None, last: int | None,
+           account_embedding: bool, account_loss: bool) -> list[list[_Chunk]]:
     total = pp * vp
-    if p.pipeline_model_parallel_layout:
-        flat = _parse_layout(p.pipeline_model_parallel_layout, total)
+    if layout:
+        flat = _parse_layout(layout, total)
     else:
         flat = [_Chunk([]) for _ in range(total)]
-        first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
         slots: list[str | int] = list(range(n))
-        if p.account_for_embedding_in_pipeline_split:
+        if account_embedding:
             slots.insert(0, "E")
-        if p.account_for_loss_in_pipeline_split:
+        if account_loss:
             slots.append("L")
-        counts = _even_counts(len(slots), total, first, last, vp)
         i = 0
-        for c, k in enumerate(counts):
+        for c, k in enumerate(_even_counts(len(slots), total, first, last, vp)):
             for slot in slots[i:i + k]:
                 if slot == "E":
                     flat[c].embedding = True
@@ -451,115 +458,202 @@ class _Shapes:
 # --------------------------------------------------------------------------------------------
 # Estimate
 # --------------------------------------------------------------------------------------------
-def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
-             warnings: list[str] | None = None) -> MemoryReport:
-    """Peak allocator bytes per pipeline stage, with a fit verdict on `exp.hardware`."""
-    m, p, t, hw = exp.model, exp.parallel, exp.training, exp.hardware
-    notes = list(warnings or [])
+@dataclass
+class StageTerms:
+    """What one stage needs, before bytes-per-parameter, sharding and hardware are applied."""
+
+    dense_params: int               # on one rank; sharded over DP x CP by the distributed optimizer
+    expert_params: int              # sharded over the expert data-parallel group
+    held_loss: float                # activations held while the loss runs (last stage)
+    held_max: float                 # the most activations held at any step
+    backward: float                 # live extra during a backward (recompute or gradients)
+    loss_extra: float               # logits: bf16 + the fp32 copies kept for backward
+    fsdp_layer_params: int          # the largest layer, all-gathered on the fly under FSDP
+    in_flight: int
+    chunks: list[ChunkMemory]
+
+
+def _act_key(exp: Experiment) -> tuple:
+    p, t = exp.parallel, exp.training
+    return (p.tensor_model_parallel_size, p.context_parallel_size, exp.expert_tensor_parallel_size,
+            p.expert_model_parallel_size, p.sequence_parallel, t.micro_batch_size, exp.seq_length, t.bf16,
+            t.fp16, t.fp8, t.attention_backend, t.transformer_impl, t.recompute_granularity,
+            t.recompute_method, t.recompute_num_layers, tuple(t.recompute_modules or ()),
+            t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity, t.cross_entropy_loss_fusion)
+
+
+def stage_terms(exp: Experiment, cache: dict | None = None) -> list[StageTerms]:
+    """Per-stage terms. `cache` may be shared by calls that differ only in layout/training
+    fields of the same model (the sweep); entries are keyed by every field they read."""
+    cache = {} if cache is None else cache
+    m, p, t = exp.model, exp.parallel, exp.training
     pp, vp = p.pipeline_model_parallel_size, exp.virtual_stages
     tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, exp.expert_tensor_parallel_size
     chunks = split_layers(exp)
-    pattern = m.moe_layer_pattern()
-    if len(pattern) < m.num_layers:
-        pattern = pattern + [False] * (m.num_layers - len(pattern))
-    shapes = _Shapes(exp)
-    vocab = m.padded_vocab_size(tp)
-    tied_copy = not m.untie_embeddings_and_output_weights
+    pattern = cache.get("pattern")
+    if pattern is None:
+        pattern = cache["pattern"] = (m.moe_layer_pattern() + [False] * m.num_layers)[:m.num_layers]
+    kinds = (False, True) if m.is_moe else (False,)
+    pkey = ("params", tp, ep, etp)
+    if pkey not in cache:
+        cache[pkey] = ({k: layer_params(m, k, tp, ep, etp) for k in kinds},
+                       mtp_layer_params(m, pattern[-1], tp, ep, etp) if m.mtp_num_layers else (0, 0),
+                       embedding_params(m, tp), m.padded_vocab_size(tp))
+    params, mtp_params, embedding, vocab = cache[pkey]
+    akey = _act_key(exp)
+    if akey not in cache:
+        shapes = _Shapes(exp)
+        acts = {k: shapes.layer(k) for k in kinds}
+        mtp_act = (acts[pattern[-1]].saved + 3 * shapes.ab * shapes.sbh + shapes.final_norm()) \
+            if m.mtp_num_layers else 0.0
+        lb, lf = shapes.logits(vocab)
+        loss_extra = lb + lf * (1 + (m.mtp_num_layers or 0) + (1 if t.cross_entropy_loss_fusion else 0))
+        cache[akey] = (shapes, acts, mtp_act, loss_extra)
+    shapes, acts, mtp_act, loss_extra = cache[akey]
+    output_weight = vocab * m.hidden_size // tp
+    tied = not m.untie_embeddings_and_output_weights
+    num_mb = exp.num_microbatches
 
-    # Bytes per parameter
+    out = []
+    for r in range(pp):
+        ckey = ("chunks", akey, tp, ep, etp, pp, vp, id(chunks), r)
+        if ckey not in cache:
+            cache[ckey] = _chunk_terms(m, shapes, chunks[r], pattern, params, acts, mtp_params, mtp_act,
+                                       embedding, output_weight if (not tied or pp > 1 or not any(
+                                           c.embedding for c in chunks[r])) else 0)
+        dense, expert, chunk_acts, stage_kinds, chunk_reports = cache[ckey]
+        has_loss = any(c.loss for c in chunks[r])
+        (held_loss, held_max), units = _in_flight(tuple(chunk_acts), tuple(c.loss for c in chunks[r]),
+                                                  r, pp, vp, num_mb)
+        if shapes.full_recompute:
+            group = 1 if t.recompute_method == "block" else (t.recompute_num_layers or 1)
+            bwd = max((acts[k].saved for k in stage_kinds), default=0.0) * group
+        else:
+            bwd = max((acts[k].transient for k in stage_kinds), default=0.0)
+        out.append(StageTerms(dense, expert, held_loss, held_max, bwd, loss_extra if has_loss else 0.0,
+                              max((sum(params[k]) for k in stage_kinds), default=0), units, chunk_reports))
+    return out
+
+
+def _chunk_terms(m, shapes, chunks, pattern, params, acts, mtp_params, mtp_act, embedding, output_weight):
+    dense = expert = 0
+    chunk_acts, kinds, reports = [], set(), []
+    for v, chunk in enumerate(chunks):
+        flags = [pattern[i] for i in chunk.layers]
+        n_moe = sum(flags)
+        counts = [(k, n) for k, n in ((False, len(flags) - n_moe), (True, n_moe)) if n]
+        cd = sum(n * params[k][0] for k, n in counts)
+        ce = sum(n * params[k][1] for k, n in counts)
+        kinds.update(k for k, _ in counts)
+        act = _stack_activations(shapes, flags, acts)
+        if chunk.embedding:
+            cd += embedding
+            act += shapes.embedding()
+        if chunk.loss:
+            cd += _norm(m, m.hidden_size) + output_weight
+            act += shapes.final_norm()
+        if chunk.mtp:
+            cd += chunk.mtp * mtp_params[0]
+            ce += chunk.mtp * mtp_params[1]
+            act += chunk.mtp * mtp_act
+        dense += cd
+        expert += ce
+        chunk_acts.append(act)
+        reports.append(ChunkMemory(v, list(chunk.layers), chunk.embedding, chunk.loss, chunk.mtp,
+                                   cd + ce, int(act)))
+    return dense, expert, chunk_acts, kinds, reports
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter and the sharding degrees that apply to them."""
+
+    weight: int
+    grad: int
+    optimizer: int
+    dp_shard: int                   # distributed-optimizer / FSDP degree for dense parameters
+    edp_shard: int                  # ... for expert parameters
+    shard_optimizer: bool
+    shard_grads: bool
+    shard_weights: bool
+
+
+def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) -> Precision:
+    p, t = exp.parallel, exp.training
     half = t.bf16 or t.fp16
-    w_bytes = 2 if half else 4
-    g_bytes = 2 if (t.grad_reduce_in_bf16 and half) else 4
-    o_bytes = (12 if half else 8) if t.optimizer == "adam" else (8 if half else 4)
     instances = max(1, p.num_distributed_optimizer_instances)
-    dp_shard = max(1, exp.data_parallel_size * p.context_parallel_size // instances)
-    edp_shard = max(1, exp.expert_data_parallel_size // instances)
     fsdp = p.use_megatron_fsdp or p.use_torch_fsdp2
     strategy = p.data_parallel_sharding_strategy if p.use_megatron_fsdp else (
         "optim_grads_params" if p.use_torch_fsdp2 else "no_shard")
-    shard_opt = p.use_distributed_optimizer or (fsdp and strategy != "no_shard")
-    shard_grads = fsdp and strategy in ("optim_grads", "optim_grads_params")
-    shard_weights = fsdp and strategy == "optim_grads_params"
+    dist = p.use_distributed_optimizer if use_distributed_optimizer is None else use_distributed_optimizer
+    return Precision(
+        weight=2 if half else 4,
+        grad=2 if (t.grad_reduce_in_bf16 and half) else 4,
+        # Adam: fp32 master copy (mixed precision only) + two fp32 moments; SGD: master + momentum
+        optimizer=((12 if half else 8) if t.optimizer != "sgd" else (8 if half else 4)),
+        dp_shard=max(1, exp.data_parallel_size * p.context_parallel_size // instances),
+        edp_shard=max(1, exp.expert_data_parallel_size // instances),
+        shard_optimizer=dist or (fsdp and strategy != "no_shard"),
+        shard_grads=fsdp and strategy in ("optim_grads", "optim_grads_params"),
+        shard_weights=fsdp and strategy == "optim_grads_params")
 
+
+def workspace_bytes(exp: Experiment) -> float:
+    """Allocator memory that stays between iterations beyond weights, grads and optimizer state."""
+    m, p, t = exp.model, exp.parallel, exp.training
     te = t.transformer_impl == "transformer_engine"
-    workspace = BASE_WORKSPACE_BYTES + (TE_WORKSPACE_BYTES if te else 0)
+    total = BASE_WORKSPACE_BYTES + (TE_WORKSPACE_BYTES if te else 0)
     if te and m.is_moe and t.moe_grouped_gemm:
-        workspace += GROUPED_GEMM_WORKSPACE_BYTES
+        total += GROUPED_GEMM_WORKSPACE_BYTES
     if te and t.tp_comm_overlap:
-        workspace += TP_OVERLAP_WORKSPACE_BYTES
-    if pp > 1:
+        total += TP_OVERLAP_WORKSPACE_BYTES
+    if p.pipeline_model_parallel_size > 1:
         # each model chunk keeps its last received input and sent output (p2p buffers)
-        workspace += 2 * vp * shapes.ab * shapes.sbh
-    num_mb = exp.num_microbatches
-    stages = []
-    for r in range(pp):
-        dense = expert = 0
-        chunk_reports = []
-        chunk_acts = []
-        for v, chunk in enumerate(chunks[r]):
-            cd = ce = 0
-            act = 0.0
-            for i in chunk.layers:
-                d, e = layer_params(m, pattern[i], tp, ep, etp)
-                cd += d
-                ce += e
-            if chunk.embedding:
-                cd += embedding_params(m, tp)
-                act += shapes.embedding()
-            if chunk.loss:
-                cd += _norm(m, m.hidden_size)
-                if not tied_copy or pp > 1 or not any(c.embedding for c in chunks[r]):
-                    cd += vocab * m.hidden_size // tp       # output weight (own copy when PP > 1)
-                act += shapes.final_norm()
-            for _ in range(chunk.mtp):
-                d, e = mtp_layer_params(m, pattern[-1], tp, ep, etp)
-                cd += d
-                ce += e
-                la = shapes.layer(pattern[-1])
-                act += la.saved + 3 * shapes.ab * shapes.sbh + shapes.final_norm()
-            act += _stack_activations(shapes, [pattern[i] for i in chunk.layers])
-            dense += cd
-            expert += ce
-            chunk_acts.append(act)
-            chunk_reports.append(ChunkMemory(v, list(chunk.layers), chunk.embedding, chunk.loss,
-                                             chunk.mtp, (cd + ce) * w_bytes, int(act)))
-        weights = _sharded(dense, dp_shard, shard_weights) + _sharded(expert, edp_shard, shard_weights)
-        grads = _sharded(dense, dp_shard, shard_grads) + _sharded(expert, edp_shard, shard_grads)
-        opt = _sharded(dense, dp_shard, shard_opt) + _sharded(expert, edp_shard, shard_opt)
+        ab = 2 if (t.bf16 or t.fp16) else 4
+        sbh = exp.seq_length / p.context_parallel_size * t.micro_batch_size * m.hidden_size \
+            / (p.tensor_model_parallel_size if p.sequence_parallel else 1)
+        total += 2 * exp.virtual_stages * ab * sbh
+    return total
 
-        has_loss = any(c.loss for c in chunks[r])
-        loss_extra = 0.0
-        if has_loss:
-            lb, lf = shapes.logits(vocab)
-            kept = lf * (1 + (m.mtp_num_layers or 0) + (1 if t.cross_entropy_loss_fusion else 0))
-            loss_extra = lb + kept
-        windows, units = _in_flight(chunk_acts, [c.loss for c in chunks[r]], r, pp, vp, num_mb)
-        # Backward: the recompute of a layer group (full), else the gradients of the largest layer.
-        layer_acts = [shapes.layer(pattern[i]) for c in chunks[r] for i in c.layers]
-        if shapes.full_recompute:
-            group = 1 if t.recompute_method == "block" else (t.recompute_num_layers or 1)
-            bwd = max((a.saved for a in layer_acts), default=0.0) * group
-        else:
-            bwd = max((a.transient for a in layer_acts), default=0.0)
-        held_loss, held_max = windows
-        if has_loss and held_loss + loss_extra >= held_max + bwd:
-            activations, dynamic = held_loss, loss_extra
-        else:
-            activations, dynamic = held_max, bwd
-        other = workspace + dynamic
-        if shard_weights:
-            # FSDP all-gathers a layer's bf16 weights (and reduce-scatters its grads) on the fly
-            biggest = max((sum(layer_params(m, pattern[i], tp, ep, etp)) for c in chunks[r] for i in c.layers),
-                          default=0)
-            other += 2 * biggest * (w_bytes + g_bytes)
-        stages.append(StageMemory(
-            pp_rank=r, weights=int(weights * w_bytes), gradients=int(grads * g_bytes),
-            optimizer=int(opt * o_bytes), activations=int(activations), other=int(other), in_flight=units,
-            workspace=int(workspace),
-            chunks=chunk_reports))
+
+def combine(dense, expert, held_loss, held_max, backward, loss_extra, fsdp_layer, workspace, pr: Precision):
+    """Bytes of one stage from its terms: (weights, grads, optimizer, activations, other).
+
+    Plain arithmetic, so it works on scalars (estimate) and on numpy arrays (the sweep) alike.
+    """
+    def sharded(flag):
+        return dense / pr.dp_shard + expert / pr.edp_shard if flag else dense + expert
+
+    weights = sharded(pr.shard_weights) * pr.weight
+    grads = sharded(pr.shard_grads) * pr.grad
+    optimizer = sharded(pr.shard_optimizer) * pr.optimizer
+    # the peak is either while the loss runs (logits live) or during a backward
+    loss_peak = (loss_extra > 0) & (held_loss + loss_extra >= held_max + backward)
+    activations = held_max + loss_peak * (held_loss - held_max)
+    other = workspace + backward + loss_peak * (loss_extra - backward)
+    if pr.shard_weights:
+        other = other + 2 * fsdp_layer * (pr.weight + pr.grad)
+    return weights, grads, optimizer, activations, other
+
+
+def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
+             warnings: list[str] | None = None) -> MemoryReport:
+    """Peak allocator bytes per pipeline stage, with a fit verdict on `exp.hardware`."""
+    hw, t = exp.hardware, exp.training
+    notes = list(warnings or [])
+    pr = precision(exp)
+    workspace = workspace_bytes(exp)
+    stages = []
+    for r, st in enumerate(stage_terms(exp)):
+        w, g, o, a, x = combine(st.dense_params, st.expert_params, st.held_loss, st.held_max, st.backward,
+                                st.loss_extra, st.fsdp_layer_params, workspace, pr)
+        chunks = [ChunkMemory(c.virtual_rank, c.layers, c.has_embedding, c.has_loss, c.mtp_layers,
+                              int(c.weights * pr.weight), c.activation_bytes) for c in st.chunks]
+        stages.append(StageMemory(pp_rank=r, weights=int(w), gradients=int(g), optimizer=int(o),
+                                  activations=int(a), other=int(x), in_flight=st.in_flight,
+                                  workspace=int(workspace), chunks=chunks))
     usable = int(hw.usable_bytes or hw.memory_bytes)
-    peak = max(s.total_bytes for s in stages)
-    margin = int(FRAGMENTATION_FRACTION * peak)
+    margin = int(fragmentation_margin(max(s.total_bytes for s in stages)))
     for s in stages:
         s.usable_bytes, s.outside_allocator_bytes, s.fragmentation_margin_bytes = \
             usable, int(hw.outside_allocator_bytes), margin
@@ -571,11 +665,12 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
                         list(ignored_args or []), notes)
 
 
-def _sharded(params: int, degree: int, sharded: bool) -> float:
-    return params / degree if sharded else params
+def fragmentation_margin(peak_bytes):
+    """Bytes kept free for allocator fragmentation: a fixed share of the allocator peak."""
+    return peak_bytes * FRAGMENTATION_FRACTION
 
 
-def _stack_activations(shapes: _Shapes, moe_flags: list[bool]) -> float:
+def _stack_activations(shapes: _Shapes, moe_flags: list[bool], acts: dict[bool, _Act]) -> float:
     """Saved activations of a chunk's decoder layers for one micro-batch, after recompute."""
     if not moe_flags:
         return 0.0
@@ -583,13 +678,16 @@ def _stack_activations(shapes: _Shapes, moe_flags: list[bool]) -> float:
     if shapes.full_recompute:
         n = t.recompute_num_layers or 1
         if t.recompute_method == "block":
-            kept = moe_flags[min(n, len(moe_flags)):]
-            return n * shapes.checkpoint_input() + sum(shapes.layer(f).saved for f in kept)
+            # the first n layers of the chunk keep only their input, the rest keep everything
+            kept = moe_flags[n:]
+            return min(n, len(moe_flags)) * shapes.checkpoint_input() + sum(acts[f].saved for f in kept)
         return math.ceil(len(moe_flags) / n) * shapes.checkpoint_input()
-    return sum(shapes.layer(f).saved for f in moe_flags)
+    n_moe = sum(moe_flags)
+    return (len(moe_flags) - n_moe) * acts[False].saved + (n_moe * acts[True].saved if n_moe else 0.0)
 
 
-def _in_flight(acts: list[float], loss: list[bool], r: int, pp: int, vp: int,
+@functools.lru_cache(maxsize=65536)
+def _in_flight(acts: tuple[float, ...], loss: tuple[bool, ...], r: int, pp: int, vp: int,
                m: int) -> tuple[tuple[float, float], int]:
     """Held activations over the pipeline schedule on rank r: ((at a loss step, max), units).
 
@@ -602,13 +700,11 @@ def _in_flight(acts: list[float], loss: list[bool], r: int, pp: int, vp: int,
         return (n * acts[0], n * acts[0]), n
     total = m * vp
     n = min((pp - r - 1) * 2 + (vp - 1) * pp + 1, total)
-    seq = [(k % (pp * vp)) // pp for k in range(min(total, n + pp * vp))]
-    at_loss = best = window = 0.0
-    for e, c in enumerate(seq):
-        window += acts[c]
-        if e >= n:
-            window -= acts[seq[e - n]]
-        best = max(best, window)
-        if loss[c]:
-            at_loss = max(at_loss, window)
-    return (at_loss, best), n
+    period = pp * vp
+    steps = min(total, n + period)          # after one period past the warm-up the windows repeat
+    seq = [(k % period) // pp for k in range(steps)]
+    prefix = [0.0, *itertools.accumulate(acts[c] for c in seq)]
+    ends = range(n - 1, steps)
+    windows = [prefix[e + 1] - prefix[e + 1 - n] for e in ends]
+    at_loss = max((w for w, e in zip(windows, ends) if loss[seq[e]]), default=0.0)
+    return (at_loss, max(windows)), n
