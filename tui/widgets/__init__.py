@@ -1,0 +1,1 @@
+"""Workbench widgets: memory bars, chart adapter, feasibility map, throttle strip."""

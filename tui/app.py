@@ -1,0 +1,156 @@
+"""The workbench: `charllm-tui` with no arguments.
+
+One Textual mode per screen (Compose, Sweep, Launch, Live, Runs, Compare), each with its own
+screen stack, switched with F2..F7, the tab bar or the command palette. The app holds the state
+the screens share: the experiment being composed and the run being watched. Every screen is a
+face on the headless API (`charllm.engine`, `charllm.probes`); blocking calls run in workers.
+
+User settings come from `<config_dir>/tui.toml`:
+
+    theme = "gruvbox"                 # any Textual theme name
+    [keymap]                          # binding id -> keys (see the help screen for the ids)
+    "screen.live" = "f9"
+    "compose.save" = "ctrl+w"
+"""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from pathlib import Path
+from typing import Callable
+
+from textual.app import App
+from textual.binding import Binding
+from textual.screen import Screen
+
+from charllm.engine.experiment import Experiment
+from charllm.probes import paths
+from charllm.probes.errors import UserError
+from charllm.tui.providers import ActionsProvider, PresetsProvider, RunsProvider, ScreensProvider
+
+# (mode, title, key, module:class) in tab-bar order.
+SCREENS: tuple[tuple[str, str, str, str], ...] = (
+    ("compose", "Compose", "f2", "compose:ComposeScreen"),
+    ("sweep", "Sweep", "f3", "sweep:SweepScreen"),
+    ("launch", "Launch", "f4", "launch:LaunchScreen"),
+    ("live", "Live", "f5", "live:LiveScreen"),
+    ("runs", "Runs", "f6", "runs:RunsScreen"),
+    ("compare", "Compare", "f7", "compare:CompareScreen"),
+)
+DEFAULT_EXPERIMENT = "tiny-local"
+
+
+def _screen_factory(target: str) -> Callable[[], Screen]:
+    """Import a screen module only when its mode is first shown (keeps the first frame fast)."""
+    module, _, cls = target.partition(":")
+
+    def make() -> Screen:
+        return getattr(importlib.import_module(f"charllm.tui.screens.{module}"), cls)()
+
+    return make
+
+
+def load_settings(path: Path | None = None) -> dict:
+    """`tui.toml` as {"theme": str | None, "keymap": {id: keys}}; a bad file is a UserError."""
+    path = path or paths.config_dir() / "tui.toml"
+    if not path.is_file():
+        return {"theme": None, "keymap": {}}
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: invalid TOML ({exc})") from None
+    unknown = set(data) - {"theme", "keymap"}
+    if unknown:
+        raise UserError(f"{path}: unknown key {sorted(unknown)[0]!r}; expected 'theme' or [keymap]")
+    theme = data.get("theme")
+    keymap = data.get("keymap", {})
+    if theme is not None and not isinstance(theme, str):
+        raise UserError(f"{path}: theme = {theme!r}: must be a theme name (a string)")
+    if not isinstance(keymap, dict) or not all(isinstance(v, str) for v in keymap.values()):
+        raise UserError(f"{path}: [keymap] must map binding ids to key strings, e.g. \"screen.live\" = \"f9\"")
+    return {"theme": theme, "keymap": keymap}
+
+
+class CharllmApp(App[None]):
+    """The charllm workbench."""
+
+    TITLE = "charllm-tui"
+    CSS_PATH = "app.tcss"
+    MODES = {mode: _screen_factory(target) for mode, _, _, target in SCREENS}
+    DEFAULT_MODE = "compose"
+    COMMANDS = App.COMMANDS | {ScreensProvider, PresetsProvider, RunsProvider, ActionsProvider}
+    BINDINGS = [
+        Binding("f1", "help", "Help", id="help", priority=True),
+        Binding("question_mark", "help", "Help", id="help.alt", show=False),
+        *(Binding(key, f"switch_mode('{mode}')", title, id=f"screen.{mode}", priority=True,
+                  show=False) for mode, title, key, _ in SCREENS),
+        Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
+    ]
+
+    def __init__(self, experiment: Experiment | None = None, *, settings: dict | None = None,
+                 run: Path | None = None, start_mode: str | None = None):
+        super().__init__()
+        self.settings = settings if settings is not None else {"theme": None, "keymap": {}}
+        if experiment is None:
+            from charllm.engine import catalog
+
+            experiment = catalog.load_experiment(DEFAULT_EXPERIMENT)
+        self.experiment: Experiment = experiment
+        self.experiment_serial = 0      # bumped when the experiment is replaced from outside Compose
+        self.run_path: Path | None = run
+        self.compare_refs: list[str] = []
+        self._start_mode = start_mode or ("live" if run else self.DEFAULT_MODE)
+
+    def on_mount(self) -> None:
+        if self.settings["keymap"]:
+            self.set_keymap(self.settings["keymap"])
+        if self.settings["theme"]:
+            if self.settings["theme"] not in self.available_themes:
+                self.notify(f"tui.toml: theme = {self.settings['theme']!r}: no such theme; "
+                            f"see the command palette's 'Theme' for names", severity="error")
+            else:
+                self.theme = self.settings["theme"]
+        self.switch_mode(self._start_mode)
+
+    # -- shared state, changed by any screen ------------------------------------------------
+    def use_experiment(self, experiment: Experiment, *, show: bool = True) -> None:
+        """Replace the experiment being composed (a preset, a sweep pick) and show Compose."""
+        self.experiment = experiment
+        self.experiment_serial += 1     # Compose re-reads it when it next resumes
+        if self.current_mode == "compose":
+            self.screen.sync_from_app()
+        elif show:
+            self.switch_mode("compose")
+
+    def open_run(self, path: Path | None) -> None:
+        """Watch a run (live or recorded) on the Live screen; None shows host telemetry."""
+        self.run_path = Path(path) if path else None
+        if self.current_mode == "live":
+            self.screen.follow(self.run_path)
+        else:
+            self.switch_mode("live")    # Live follows app.run_path when it resumes
+
+    def compare_runs(self, refs: list[str]) -> None:
+        self.compare_refs = list(refs)
+        if self.current_mode == "compare":
+            self.screen.load(self.compare_refs)
+        else:
+            self.switch_mode("compare")
+
+    # -- actions ---------------------------------------------------------------------------
+    def action_help(self) -> None:
+        from charllm.tui.screens.help import HelpScreen
+
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Open the workbench (called by `charllm-tui` without a command)."""
+    CharllmApp(settings=load_settings()).run()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

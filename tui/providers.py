@@ -1,0 +1,94 @@
+"""Command-palette providers: screens, experiment presets, runs, and actions."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+from typing import Callable
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+
+class _ListProvider(Provider):
+    """A provider over a list of (text, help, callback) built once per palette opening."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.commands: list[tuple[str, str, Callable[[], object]]] = []
+
+    def items(self) -> list[tuple[str, str, Callable[[], object]]]:
+        raise NotImplementedError
+
+    async def startup(self) -> None:
+        self.commands = await asyncio.to_thread(self.items)   # catalog / run-dir reads are I/O
+
+    async def discover(self) -> Hits:
+        for text, help_text, command in self.commands:
+            yield DiscoveryHit(text, command, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for text, help_text, command in self.commands:
+            score = matcher.match(text)
+            if score > 0:
+                yield Hit(score, matcher.highlight(text), command, text=text, help=help_text)
+
+
+class ScreensProvider(_ListProvider):
+    def items(self):
+        from charllm.tui.app import SCREENS
+
+        return [(f"Go to {title}", f"show the {title} screen ({key.upper()})",
+                 partial(self.app.switch_mode, mode)) for mode, title, key, _ in SCREENS]
+
+
+class PresetsProvider(_ListProvider):
+    def items(self):
+        from charllm.engine import catalog
+
+        return [(f"Load experiment {name}", "compose this experiment preset", partial(self._load, name))
+                for name in catalog.entries("experiments")]
+
+    def _load(self, name: str) -> None:
+        from charllm.engine import catalog
+        from charllm.probes.errors import UserError
+
+        try:
+            self.app.use_experiment(catalog.load_experiment(name))
+        except UserError as exc:
+            self.app.notify(str(exc), severity="error")
+
+
+class RunsProvider(_ListProvider):
+    def items(self):
+        from charllm.probes.rundir import list_runs
+
+        return [(f"Open run {run.id}", f"{run.status} · watch or replay it on the Live screen",
+                 partial(self.app.open_run, run.path)) for run in reversed(list_runs())]
+
+
+class ActionsProvider(_ListProvider):
+    def items(self):
+        app = self.app
+        return [
+            ("Host telemetry", "watch this machine's telemetry on the Live screen", partial(app.open_run, None)),
+            ("Run layout sweep", "feasibility of every layout for the composed experiment",
+             partial(self._on, "sweep", "run_sweep")),
+            ("Dry-run launch", "show the commands a launch would run", partial(self._on, "launch", "dry_run")),
+            ("Save experiment preset", "save the composed experiment", partial(self._on, "compose", "save")),
+            ("Export Megatron flags", "copy and write the Megatron-LM arguments",
+             partial(self._on, "compose", "export")),
+            ("Compare marked runs", "compare the runs marked on the Runs screen",
+             partial(self._on, "runs", "compare")),
+        ]
+
+    def _on(self, mode: str, action: str) -> None:
+        """Show `mode`'s screen, then run its action once it is active."""
+        app = self.app
+
+        async def run() -> None:
+            await app.run_action(action, app.screen)
+
+        if app.current_mode != mode:
+            app.switch_mode(mode)
+        app.call_after_refresh(run)

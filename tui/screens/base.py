@@ -1,0 +1,57 @@
+"""What every workbench screen shares: header, tab bar of screens, footer, and API look-up."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from textual.app import ComposeResult
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Tab, Tabs
+
+
+class MissingAPI(Exception):
+    """A headless module this screen needs is not in this checkout yet (said so on screen)."""
+
+
+def api(module: str) -> ModuleType:
+    """Import `charllm.<module>`, or raise MissingAPI naming it (never fake its results)."""
+    name = f"charllm.{module}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == name:
+            raise MissingAPI(f"{name} is not available in this build") from None
+        raise
+
+
+class ScreenTabs(Tabs):
+    """The screen switcher (mouse); F2..F7 do the same from the keyboard."""
+
+    can_focus = False
+
+    def __init__(self, active: str):
+        from charllm.tui.app import SCREENS
+
+        super().__init__(*(Tab(f"{title} {key.upper()}", id=mode) for mode, title, key, _ in SCREENS),
+                         active=active)
+
+    def on_tabs_tab_activated(self, event: Tabs.TabActivated) -> None:
+        event.stop()
+        if event.tab.id != self.screen.MODE:
+            self.app.switch_mode(event.tab.id)
+
+
+class WorkbenchScreen(Screen):
+    """Header, tab bar, the screen's body (`compose_body`), footer."""
+
+    MODE = ""
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield ScreenTabs(self.MODE)
+        yield from self.compose_body()
+        yield Footer()
+
+    def compose_body(self) -> ComposeResult:
+        yield from ()

@@ -1,0 +1,156 @@
+"""Compare: 2–4 runs and/or a baseline side by side.
+
+The table is `probes.compare.compare(refs, baseline)`'s; the overlaid charts show each run's mean
+GPU power and temperature per training iteration (from its telemetry's `iteration` column).
+Runs come from the Runs screen (Space marks, m compares) or the command palette.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.markup import escape
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import DataTable, Label, Select, Static
+
+from charllm.probes.errors import UserError
+from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+from charllm.tui.widgets.charts import Chart
+
+NO_BASELINE = "(no baseline)"
+
+
+@dataclass
+class Compared(Message):
+    result: object | None          # probes.compare.CompareResult
+    curves: dict                   # metric -> {run label: (iterations, values)}
+    error: str | None = None
+
+
+class CompareScreen(WorkbenchScreen):
+    MODE = "compare"
+    BINDINGS = [
+        Binding("r", "reload", "Reload", id="compare.reload"),
+        Binding("b", "pick_baseline", "Baseline", id="compare.baseline"),
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self.refs: list[str] = []
+        self.loaded: tuple | None = None
+        self.result = None
+
+    def compose_body(self) -> ComposeResult:
+        with Vertical(id="compare"):
+            with Horizontal(id="compare-controls"):
+                yield Label("baseline ")
+                yield Select([], id="baseline", compact=True, allow_blank=True, prompt=NO_BASELINE)
+            yield Static(id="compare-status")
+            yield DataTable(id="compare-table", zebra_stripes=True, cursor_type="row")
+            with Horizontal(id="compare-charts"):
+                yield Chart("mean GPU power (W) per iteration", xlabel="iteration", id="cmp-power")
+                yield Chart("mean GPU temperature (°C) per iteration", xlabel="iteration", id="cmp-temp")
+
+    def on_screen_resume(self) -> None:
+        self.load_baselines()
+        if (tuple(self.app.compare_refs), self._baseline()) != self.loaded:
+            self.load(self.app.compare_refs)
+
+    def load_baselines(self) -> None:
+        select = self.query_one("#baseline", Select)
+        try:
+            names = [b if isinstance(b, str) else getattr(b, "name", str(b))
+                     for b in api("probes.baselines").list_baselines()]
+        except (MissingAPI, UserError, AttributeError):
+            names = []
+        current = select.value
+        with self.prevent(Select.Changed):
+            select.set_options([(n, n) for n in names])
+            if current in names:
+                select.value = current
+
+    def _baseline(self) -> str | None:
+        value = self.query_one("#baseline", Select).value
+        return None if value is Select.BLANK else value
+
+    def load(self, refs: list[str]) -> None:
+        self.refs = list(refs)
+        baseline = self._baseline()
+        self.loaded = (tuple(self.refs), baseline)
+        status = self.query_one("#compare-status", Static)
+        if not self.refs and not baseline:
+            status.update("Nothing to compare yet: mark 2–4 runs on the Runs screen (F6, Space) and press m, "
+                          "or pick a baseline (b).")
+            return
+        status.update(f"comparing {len(self.refs)} run(s){' against ' + baseline if baseline else ''}…")
+        self.compare(self.refs, baseline)
+
+    @on(Select.Changed, "#baseline")
+    def action_reload(self) -> None:
+        self.load(self.refs)
+
+    def action_pick_baseline(self) -> None:
+        self.query_one("#baseline", Select).focus()
+
+    @work(thread=True, exclusive=True, group="compare")
+    def compare(self, refs: list[str], baseline: str | None) -> None:
+        try:
+            result = api("probes.compare").compare(refs, baseline=baseline)
+        except (MissingAPI, UserError) as exc:
+            result, error = None, str(exc)
+        else:
+            error = None
+        self.post_message(Compared(result, per_iteration_curves(refs), error))
+
+    def on_compared(self, message: Compared) -> None:
+        status = self.query_one("#compare-status", Static)
+        table = self.query_one("#compare-table", DataTable)
+        table.clear(columns=True)
+        if message.error:
+            status.update(f"[yellow]{escape(message.error)}[/]")
+        else:
+            self.result = message.result
+            frame = message.result.table
+            status.update(f"{len(self.refs)} run(s) · [green]green[/] better, [red]red[/] worse than the first")
+            for column in frame.columns:
+                table.add_column(column, key=column)
+            for row in frame.iter_rows(named=True):
+                table.add_row(*(self._cell(column, value, row) for column, value in row.items()))
+        self.query_one("#cmp-power", Chart).show(message.curves.get("power_w", {}))
+        self.query_one("#cmp-temp", Chart).show(message.curves.get("temp_gpu_c", {}))
+
+    @staticmethod
+    def _cell(column: str, value, row: dict) -> Text | str:
+        """Colour deltas by the table's own better/worse verdict when it gives one."""
+        if value is None:
+            return "—"
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        verdict = row.get(f"{column}_verdict") or (row.get("verdict") if "delta" in column else None)
+        if verdict in ("better", "worse"):
+            return Text(text, "green" if verdict == "better" else "red")
+        return text
+
+
+def per_iteration_curves(refs: list[str]) -> dict:
+    """metric -> {run id: (iterations, mean over GPUs and samples in that iteration)}."""
+    import polars as pl
+
+    from charllm.probes.rundir import resolve_run
+
+    curves: dict[str, dict] = {"power_w": {}, "temp_gpu_c": {}}
+    for ref in refs:
+        try:
+            rd = resolve_run(ref)
+        except UserError:
+            continue
+        per_it = (rd.scan_telemetry().filter((pl.col("device") != "host") & pl.col("iteration").is_not_null())
+                  .group_by("iteration").agg(pl.col("power_w").mean(), pl.col("temp_gpu_c").mean())
+                  .sort("iteration").collect())
+        for metric in curves:
+            curves[metric][rd.id[-24:]] = (per_it["iteration"].to_list(), per_it[metric].to_list())
+    return curves

@@ -1,0 +1,354 @@
+"""Compose: pick model, hardware and cluster; edit the layout; see validation and memory at once.
+
+Every edit re-validates (`engine.validate.validate`) and re-estimates (`engine.memory.estimate`)
+in a thread worker (debounced, the newest edit wins) that posts `ComposeScreen.Estimated`.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import dataclass
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Button, Checkbox, Input, Label, Select, Static
+from textual.worker import get_current_worker
+
+from charllm.engine import catalog
+from charllm.engine.experiment import Experiment, resolve_key
+from charllm.probes import paths
+from charllm.probes.errors import UserError
+from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+from charllm.tui.widgets.memory_bars import MemoryBars, gib
+
+DEBOUNCE_S = 0.05
+NONE = "none"   # Select value standing for "unset" (Megatron default)
+
+
+@dataclass(frozen=True)
+class Field:
+    key: str                    # Experiment.set key
+    label: str
+    kind: str                   # int | int? (blank = unset) | bool | choice
+    choices: tuple[str, ...] = ()
+
+    @property
+    def wid(self) -> str:
+        return "f-" + self.key.replace(".", "-")
+
+    @property
+    def name(self) -> str:
+        return self.key.rpartition(".")[2]
+
+
+PRECISIONS = ("bf16", "fp16", "fp8-e4m3", "fp8-hybrid", "fp32")
+GROUPS: tuple[tuple[str, tuple[Field, ...]], ...] = (
+    ("Cluster", (
+        Field("cluster.nodes", "nodes", "int"),
+        Field("cluster.gpus_per_node", "devices per node", "int"),
+    )),
+    ("Parallelism", (
+        Field("tensor_model_parallel_size", "TP  tensor", "int"),
+        Field("pipeline_model_parallel_size", "PP  pipeline", "int"),
+        Field("virtual_pipeline_model_parallel_size", "VP  virtual stages", "int?"),
+        Field("context_parallel_size", "CP  context", "int"),
+        Field("expert_model_parallel_size", "EP  expert", "int"),
+        Field("expert_tensor_parallel_size", "ETP expert tensor", "int?"),
+        Field("sequence_parallel", "sequence parallel", "bool"),
+        Field("use_distributed_optimizer", "distributed optimizer", "bool"),
+    )),
+    ("Batch", (
+        Field("micro_batch_size", "micro batch", "int"),
+        Field("global_batch_size", "global batch", "int"),
+        Field("training.seq_length", "seq length", "int?"),
+    )),
+    ("Recompute & overlap", (
+        Field("recompute_granularity", "recompute", "choice", (NONE, "selective", "full")),
+        Field("recompute_method", "recompute method", "choice", (NONE, "uniform", "block")),
+        Field("recompute_num_layers", "recompute layers", "int?"),
+        Field("overlap_grad_reduce", "overlap grad reduce", "bool"),
+        Field("overlap_param_gather", "overlap param gather", "bool"),
+        Field("tp_comm_overlap", "TP comm overlap", "bool"),
+        Field("precision", "precision", "choice", PRECISIONS),
+    )),
+)
+FIELDS = {f.wid: f for _, group in GROUPS for f in group}
+
+
+def get_value(exp: Experiment, field: Field):
+    if field.key == "precision":
+        t = exp.training
+        return f"fp8-{t.fp8}" if t.fp8 else "fp16" if t.fp16 else "bf16" if t.bf16 else "fp32"
+    section, name = resolve_key(field.key)
+    return getattr(getattr(exp, section), name)
+
+
+def set_value(exp: Experiment, field: Field, raw) -> None:
+    """Apply one widget value through Experiment.set (which checks the type)."""
+    if field.key == "precision":
+        fp8 = raw.removeprefix("fp8-") if raw.startswith("fp8-") else None
+        exp.set("bf16", raw == "bf16" or fp8 is not None)
+        exp.set("fp16", raw == "fp16")
+        exp.set("fp8", fp8)
+        return
+    if field.kind in ("int", "int?"):
+        text = str(raw).strip()
+        if not text and field.kind == "int?":
+            value = None
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                raise UserError(f"{field.name} = {text!r}: expected an integer") from None
+    elif field.kind == "choice":
+        value = None if raw == NONE else raw
+    else:
+        value = bool(raw)
+    exp.set(field.key, value)
+
+
+class ComposeScreen(WorkbenchScreen):
+    MODE = "compose"
+    BINDINGS = [
+        Binding("ctrl+s", "save", "Save preset", id="compose.save", priority=True),
+        Binding("ctrl+g", "export", "Megatron flags", id="compose.export", priority=True),
+        Binding("ctrl+l", "launch", "Launch…", id="compose.launch", priority=True),
+    ]
+
+    @dataclass
+    class Estimated(Message):
+        """Validation and memory estimate for experiment edit number `serial`."""
+
+        serial: int
+        problems: list            # engine.validate.Problem
+        report: dict | None       # MemoryReport.to_dict(), None when it could not be computed
+        error: str | None         # why there is no report
+
+    def __init__(self):
+        super().__init__()
+        self.edit_serial = 0
+        self.seen_app_serial = -1
+        self.last: ComposeScreen.Estimated | None = None
+
+    # -- layout ------------------------------------------------------------------------------
+    def compose_body(self) -> ComposeResult:
+        with Horizontal(id="compose"):
+            with VerticalScroll(id="form"):
+                yield from self._row("preset", "experiment preset",
+                                     Select(self._options("experiments"), id="preset", compact=True,
+                                            prompt="(load a preset)"))
+                yield from self._row("model", "model",
+                                     Select(self._options("models"), id="model", compact=True, allow_blank=False))
+                yield from self._row("hardware", "hardware",
+                                     Select(self._options("hardware"), id="hardware", compact=True,
+                                            allow_blank=False))
+                for title, group in GROUPS:
+                    yield Label(title, classes="group-title")
+                    for field in group:
+                        yield from self._row(field.wid, field.label, self._control(field))
+            with Vertical(id="plan"):
+                yield Static(id="summary")
+                yield MemoryBars(id="bars")
+                yield Static(id="verdict")
+                yield Static(id="problems")
+                with Horizontal(classes="buttons"):
+                    yield Button("Save ^s", id="save", compact=True)
+                    yield Button("Flags ^g", id="export", compact=True)
+                    yield Button("Launch ^l", id="launch", variant="primary", compact=True)
+
+    @staticmethod
+    def _options(kind: str) -> list[tuple[str, str]]:
+        return [(name, name) for name in catalog.entries(kind)]
+
+    @staticmethod
+    def _row(wid: str, label: str, control) -> ComposeResult:
+        with Horizontal(classes="field"):
+            yield Label(label, classes="field-label")
+            yield control
+        yield Static(id=f"err-{wid}", classes="field-error")
+
+    @staticmethod
+    def _control(field: Field):
+        if field.kind == "bool":
+            return Checkbox(id=field.wid, compact=True)
+        if field.kind == "choice":
+            return Select([(c, c) for c in field.choices], id=field.wid, compact=True, allow_blank=False)
+        return Input(id=field.wid, type="integer" if field.kind == "int" else "text", compact=True,
+                     placeholder="unset" if field.kind == "int?" else "")
+
+    # -- state <-> widgets -----------------------------------------------------------------
+    def on_screen_resume(self) -> None:
+        if self.seen_app_serial != self.app.experiment_serial:
+            self.sync_from_app()
+
+    def sync_from_app(self) -> None:
+        """Show app.experiment in every control (without treating that as edits), then estimate."""
+        self.seen_app_serial = self.app.experiment_serial
+        exp = self.app.experiment
+        with self.prevent(Input.Changed, Select.Changed, Checkbox.Changed):
+            self._set_select("model", exp.model.name)
+            self._set_select("hardware", exp.hardware.name)
+            for field in FIELDS.values():
+                value = get_value(exp, field)
+                widget = self.query_one(f"#{field.wid}")
+                if field.kind == "bool":
+                    widget.value = bool(value)
+                elif field.kind == "choice":
+                    widget.value = NONE if value is None else value
+                else:
+                    widget.value = "" if value is None else str(value)
+        for err in self.query(".field-error"):
+            err.update("")
+            err.remove_class("shown")
+        self.refresh_plan()
+
+    def _set_select(self, wid: str, name: str) -> None:
+        select = self.query_one(f"#{wid}", Select)
+        names = list(catalog.entries({"model": "models", "hardware": "hardware"}[wid]))
+        if name not in names:  # a model/hardware defined inline in the experiment file
+            names.insert(0, name)
+        select.set_options([(n, n) for n in names])
+        select.value = name
+
+    @on(Input.Changed)
+    @on(Checkbox.Changed)
+    @on(Select.Changed)
+    def on_edit(self, event) -> None:
+        wid = event.control.id
+        if wid == "preset":
+            if event.value is not Select.BLANK:
+                self._load_preset(event.value)
+            return
+        exp = self.app.experiment.copy()
+        try:
+            if wid == "model":
+                exp.model = catalog.load_model(event.value)
+            elif wid == "hardware":
+                exp.hardware = catalog.load_hardware(event.value)
+            elif wid in FIELDS:
+                set_value(exp, FIELDS[wid], event.value)
+            else:
+                return
+        except UserError as exc:
+            self._field_error(wid, str(exc))
+            return
+        self._field_error(wid, "")
+        self.app.experiment = exp
+        self.refresh_plan()
+
+    def _load_preset(self, name: str) -> None:
+        try:
+            exp = catalog.load_experiment(name)
+        except UserError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        self.app.use_experiment(exp)
+
+    def _field_error(self, wid: str, message: str) -> None:
+        for err in self.query(f"#err-{wid}"):
+            err.update(message)
+            err.set_class(bool(message), "shown")
+
+    # -- validation and estimate ---------------------------------------------------------
+    def refresh_plan(self) -> None:
+        self.edit_serial += 1
+        exp = self.app.experiment
+        self.query_one("#summary", Static).update(
+            f"[b]{exp.name}[/b]  {exp.model.name} on {exp.cluster.nodes}×{exp.cluster.gpus_per_node} "
+            f"{exp.hardware.name}\nworld {exp.world_size} · DP {exp.data_parallel_size} · "
+            f"{exp.num_microbatches} micro-batches of {exp.training.micro_batch_size} × {exp.seq_length} tokens")
+        self.plan(exp.copy(), self.edit_serial)
+
+    @work(thread=True, exclusive=True, group="plan")
+    def plan(self, exp: Experiment, serial: int) -> None:
+        time.sleep(DEBOUNCE_S)        # typing "128" re-estimates once, not three times
+        if get_current_worker().is_cancelled:
+            return
+        problems, report, error = [], None, None
+        try:
+            problems = api("engine.validate").validate(exp)
+        except MissingAPI as exc:
+            error = str(exc)
+        if not problems:
+            try:
+                report = api("engine.memory").estimate(exp).to_dict()
+            except MissingAPI as exc:
+                error = f"{exc}: no memory estimate"
+            except UserError as exc:
+                error = str(exc)
+        self.post_message(self.Estimated(serial, problems, report, error))
+
+    def on_compose_screen_estimated(self, message: Estimated) -> None:
+        if message.serial != self.edit_serial:
+            return  # an older edit's answer
+        self.last = message
+        bad_fields = {}
+        for problem in message.problems:
+            bad_fields.setdefault(problem.field.rpartition(".")[2], str(problem))
+        for wid, field in FIELDS.items():
+            if not self.query_one(f"#err-{wid}", Static).has_class("shown") or field.name in bad_fields:
+                self._field_error(wid, bad_fields.get(field.name, ""))
+            self.query_one(f"#{wid}").set_class(field.name in bad_fields, "invalid")
+        shown = {f.name for f in FIELDS.values()}
+        other = [str(p) for p in message.problems if p.field.rpartition(".")[2] not in shown]
+        self.query_one("#problems", Static).update("\n".join(f"[red]✗[/] {p}" for p in other))
+        self.query_one("#bars", MemoryBars).report = message.report
+        verdict = self.query_one("#verdict", Static)
+        if message.problems:
+            verdict.update(f"[b red]INVALID[/] layout: {len(message.problems)} problem(s)")
+        elif message.report is None:
+            verdict.update(f"[yellow]{message.error}[/]")
+        else:
+            r = message.report
+            peak = next(s for s in r["stages"] if s["pp_rank"] == r["peak_stage"])
+            head = peak["headroom_bytes"]
+            word = "[b green]FITS[/]" if r["fits"] else "[b red]DOES NOT FIT[/]"
+            notes = "".join(f"\n[yellow]![/] {w}" for w in r.get("warnings", []))
+            verdict.update(f"{word}  peak {gib(r['peak_bytes'])} GiB on PP{r['peak_stage']} of "
+                           f"{gib(r['usable_bytes'])} GiB usable · headroom "
+                           f"{'+' if head >= 0 else ''}{gib(head)} GiB{notes}")
+
+    # -- actions -------------------------------------------------------------------------
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        {"save": self.action_save, "export": self.action_export, "launch": self.action_launch}[event.button.id]()
+
+    def action_save(self) -> None:
+        from charllm.tui.screens.dialogs import AskName
+
+        def save(name: str | None) -> None:
+            if not name:
+                return
+            exp = self.app.experiment.copy()
+            exp.name = name
+            path = paths.user_experiments_dir() / f"{name}.toml"
+            try:
+                exp.save(path)
+            except (UserError, OSError) as exc:
+                self.notify(f"save {name!r}: {exc}", severity="error")
+                return
+            self.app.experiment = exp
+            self.refresh_plan()
+            self.query_one("#preset", Select).set_options(self._options("experiments"))
+            self.notify(f"saved experiment preset {name!r} to {path}")
+
+        self.app.push_screen(AskName("Save experiment preset as:", self.app.experiment.name), save)
+
+    def action_export(self) -> None:
+        try:
+            args = api("engine.megatron").export_megatron_args(self.app.experiment)
+        except (MissingAPI, UserError) as exc:
+            self.notify(str(exc), severity="error")
+            return
+        text = shlex.join(args)
+        path = paths.data_dir() / "exports" / f"{self.app.experiment.name}.megatron-args"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(" \\\n  ".join(shlex.quote(a) if not a.startswith("--") else a for a in args) + "\n")
+        self.app.copy_to_clipboard(text)
+        self.notify(f"{len(args)} Megatron arguments copied to the clipboard and written to {path}")
+
+    def action_launch(self) -> None:
+        self.app.switch_mode("launch")

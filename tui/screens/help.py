@@ -1,0 +1,49 @@
+"""The help screen (F1 or ?): the flow in a few lines and every key, with its id for tui.toml."""
+
+from __future__ import annotations
+
+import importlib
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Markdown
+
+FLOW = """\
+# charllm-tui
+
+**Compose** a layout (model, hardware, cluster, parallelism, batch, recompute): every edit is
+validated and its memory estimated per pipeline stage. **Sweep** maps every layout that fits;
+Enter on a row loads it into Compose. **Launch** shows the dry run and starts the run (local,
+SSH or Slurm). **Live** shows power, temperatures, SM clock and throttling per GPU, iteration
+speed and the log; with no run it shows this machine's host telemetry. **Runs** lists runs
+(open, cancel, delete, mark for compare). **Compare** puts runs and a baseline side by side.
+
+Ctrl+P opens the command palette (screens, presets, runs, actions). Keys can be changed in
+`<config>/tui.toml` under `[keymap]` by binding id; `theme = "..."` picks a theme.
+"""
+
+
+def _rows(title: str, bindings) -> list[str]:
+    rows = [f"\n## {title}\n", "| key | action | id |", "|---|---|---|"]
+    for b in bindings:
+        if isinstance(b, Binding) and b.id:
+            rows.append(f"| `{b.key}` | {b.description} | `{b.id}` |")
+    return rows
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,f1", "dismiss", "Close", id="help.close")]
+
+    def compose(self) -> ComposeResult:
+        from charllm.tui.app import SCREENS, CharllmApp
+
+        lines = [FLOW, *_rows("Everywhere", CharllmApp.BINDINGS)]
+        lines += [f"| `{key}` | {title} screen | `screen.{mode}` |" for mode, title, key, _ in SCREENS]
+        for mode, title, _, target in SCREENS:
+            module, _, cls = target.partition(":")
+            screen = getattr(importlib.import_module(f"charllm.tui.screens.{module}"), cls)
+            lines += _rows(title, screen.BINDINGS)
+        with VerticalScroll(id="help"):
+            yield Markdown("\n".join(lines))

@@ -1,0 +1,160 @@
+"""Launch: pick a target, see the dry run (commands, sbatch script), launch, then watch it live.
+
+`engine.launch.launch` runs in a thread worker; its `on_progress` messages are posted to the
+screen while it starts. Once the run directory exists the Live screen follows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.markup import escape
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Button, Label, Log, ProgressBar, Select, Static
+
+from charllm.probes.errors import UserError
+from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+
+
+@dataclass
+class LaunchProgress(Message):
+    text: str
+
+
+@dataclass
+class LaunchDone(Message):
+    result: object | None        # engine.launch.LaunchResult
+    error: str | None = None
+
+
+class LaunchScreen(WorkbenchScreen):
+    MODE = "launch"
+    BINDINGS = [
+        Binding("d", "dry_run", "Dry run", id="launch.dry_run"),
+        Binding("l", "launch", "Launch", id="launch.go"),
+        Binding("f", "launch(True)", "Launch anyway", id="launch.force", show=False),
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self.targets: dict = {}
+        self.launching = False
+        self.result = None
+
+    def compose_body(self) -> ComposeResult:
+        with Vertical(id="launch"):
+            with Horizontal(id="launch-controls"):
+                yield Label("target ")
+                yield Select([], id="target", compact=True, allow_blank=False)
+                yield Button("Dry run d", id="dry", compact=True)
+                yield Button("Launch l", id="go", variant="primary", compact=True)
+            yield Static(id="launch-summary")
+            with VerticalScroll(id="dry-run"):
+                yield Static(id="dry-run-text")
+            yield ProgressBar(id="launch-progress", show_eta=False)
+            yield Log(id="launch-log", max_lines=200)
+
+    def on_mount(self) -> None:
+        self.query_one("#launch-progress").display = False
+        self.query_one("#launch-log").display = False
+
+    def on_screen_resume(self) -> None:
+        self.load_targets()
+        self.action_dry_run()
+
+    def load_targets(self) -> None:
+        select = self.query_one("#target", Select)
+        try:
+            self.targets = api("engine.targets").load_targets()
+        except (MissingAPI, UserError) as exc:
+            self.targets = {}
+            self.query_one("#launch-summary", Static).update(f"[red]{escape(str(exc))}[/]")
+            return
+        current = select.value
+        with self.prevent(Select.Changed):
+            select.set_options([(f"{name} ({t.kind})", name) for name, t in self.targets.items()])
+            select.value = current if current in self.targets else "local"
+
+    @property
+    def target(self):
+        return self.targets.get(self.query_one("#target", Select).value)
+
+    def _summary(self, extra: str = "") -> None:
+        exp = self.app.experiment
+        self.query_one("#launch-summary", Static).update(
+            f"[b]{escape(exp.name)}[/b]: {exp.model.name} on {exp.cluster.nodes}×{exp.cluster.gpus_per_node} "
+            f"{exp.hardware.name} · TP{exp.parallel.tensor_model_parallel_size} "
+            f"PP{exp.parallel.pipeline_model_parallel_size} DP{exp.data_parallel_size} · "
+            f"{exp.training.train_iters} iterations{extra}")
+
+    # -- dry run -------------------------------------------------------------------------------
+    @on(Select.Changed, "#target")
+    def action_dry_run(self) -> None:
+        if self.target is None:
+            return
+        self._summary()
+        self.plan(self.app.experiment.copy(), self.target)
+
+    @work(thread=True, exclusive=True, group="launch-plan")
+    def plan(self, exp, target) -> None:
+        try:
+            result = api("engine.launch").launch(exp, target, dry_run=True, force=True)
+            self.app.call_from_thread(self._show_plan, result)
+        except (MissingAPI, UserError) as exc:
+            self.app.call_from_thread(self.query_one("#dry-run-text", Static).update,
+                                      f"[yellow]{escape(str(exc))}[/]")
+
+    def _show_plan(self, result) -> None:
+        parts = ["[b]Dry run[/b] — nothing is started until you press [b]l[/b]"]
+        if result.forced:
+            parts.append("\n[b red]This layout has problems[/] (launch refuses it; [b]f[/b] launches anyway):")
+            parts += [f"  [red]✗[/] {escape(p)}" for p in result.forced]
+        parts.append("\n[b]Commands[/b]")
+        parts += [f"  {escape(c)}" for c in result.commands]
+        if result.sbatch_script:
+            parts += ["\n[b]sbatch script[/b]", escape(result.sbatch_script)]
+        self.query_one("#dry-run-text", Static).update("\n".join(parts))
+
+    # -- launch --------------------------------------------------------------------------------
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.action_dry_run() if event.button.id == "dry" else self.action_launch()
+
+    def action_launch(self, force: bool = False) -> None:
+        if self.launching or self.target is None:
+            return
+        self.launching = True
+        log = self.query_one("#launch-log", Log)
+        log.clear()
+        log.display = True
+        progress = self.query_one("#launch-progress", ProgressBar)
+        progress.update(total=None)
+        progress.display = True
+        self.start(self.app.experiment.copy(), self.target, force)
+
+    @work(thread=True, exclusive=True, group="launch")
+    def start(self, exp, target, force: bool) -> None:
+        try:
+            result = api("engine.launch").launch(
+                exp, target, force=force, on_progress=lambda text: self.post_message(LaunchProgress(text)))
+            self.post_message(LaunchDone(result))
+        except (MissingAPI, UserError) as exc:
+            self.post_message(LaunchDone(None, str(exc)))
+
+    def on_launch_progress(self, message: LaunchProgress) -> None:
+        self.query_one("#launch-log", Log).write_line(message.text)
+
+    def on_launch_done(self, message: LaunchDone) -> None:
+        self.launching = False
+        self.query_one("#launch-progress").display = False
+        if message.error:
+            self.query_one("#launch-log", Log).write_line(f"refused: {message.error}")
+            self.notify(message.error, severity="error", timeout=8)
+            return
+        self.result = message.result
+        self.query_one("#launch-log", Log).write_line(f"started {message.result.run_dir}")
+        self.notify(f"launched {message.result.run_id}")
+        self.app.open_run(message.result.run_dir)

@@ -1,0 +1,389 @@
+"""Live: power, temperatures, SM clock and throttling per GPU, iteration speed, ranks and log.
+
+A thread worker (`LiveScreen.feed`) follows one source — a run directory through
+`probes.tail.TelemetryTail` / `IterationTail` (live or recorded: a finished run replays whole),
+or, with no run selected, this machine's host telemetry from an in-process `probes.sampler.Sampler`
+— and posts a `LiveScreen.Frame` about four times a second. The UI thread only draws.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Log, Static
+from textual.worker import get_current_worker
+
+from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+from charllm.tui.widgets.charts import Chart
+
+POLL_S = 0.25
+WINDOWS_S = (15, 30, 60, 120, 300, 900, None)     # zoom steps; None: everything recorded
+DEFAULT_WINDOW = 2                                 # 60 s
+GROUP_ABOVE = 8                                    # more devices than this: one line per node
+KEEP_S = 900                                       # live history kept in memory
+HOST_HZ = 4.0
+
+GPU_CHARTS = (("power_w", "GPU power (W)"), ("temp_gpu_c", "GPU temperature (°C)"),
+              ("temp_mem_c", "memory temperature (°C)"), ("sm_clock_mhz", "SM clock (MHz)"))
+HOST_CHARTS = (("cpu_util_pct", "host CPU utilization (%)"), ("temp_cpu_c", "host CPU temperature (°C)"),
+               ("cpu_freq_mhz", "host CPU frequency (MHz)"), ("host_mem_used_gib", "host memory used (GiB)"))
+KEEP_COLUMNS = ("ts_ns", "node", "device", "simulated", "throttle_reasons",
+                *(c for c, _ in GPU_CHARTS), "cpu_util_pct", "temp_cpu_c", "cpu_freq_mhz", "host_mem_used_bytes")
+# throttle-strip glyphs, most severe first: (bits, glyph, style, meaning)
+THROTTLE_KINDS = ((0x40 | 0x20, "▇", "red", "thermal"), (0x80 | 0x8, "▇", "magenta", "hw slowdown/brake"),
+                  (0x4, "▆", "yellow", "power cap"))
+
+
+@dataclass
+class Frame(Message):
+    """What the Live screen draws, computed off the UI thread."""
+
+    source: str                                     # run id, or "host telemetry: <host>"
+    status: str                                     # run status / sampler state
+    kind: str                                       # gpu | host | none
+    charts: dict[str, dict] = field(default_factory=dict)    # metric -> {label: (xs, ys)}
+    throttle: list[tuple[str, list[int]]] = field(default_factory=list)
+    iterations: list[dict] = field(default_factory=list)     # every "iteration" event so far
+    ranks: str = ""
+    log_lines: list[str] = field(default_factory=list)       # new since the previous frame
+    simulated: bool = False
+    grouped: bool = False
+    devices: int = 0
+    error: str | None = None
+
+
+class RunSource:
+    """New telemetry rows, iteration events and log lines of a run directory."""
+
+    def __init__(self, run_dir: Path):
+        tail = api("probes.tail")
+        self.run = api("probes.rundir").RunDir(Path(run_dir))
+        self.name = self.run.id
+        self.telemetry = tail.TelemetryTail(run_dir)
+        self.iterations = tail.IterationTail(run_dir)
+        self._log_offsets: dict[Path, int] = {}
+
+    def status(self) -> str:
+        m = self.run.read_manifest()
+        target = (m.get("target") or {}).get("name", m.get("kind", "?"))
+        return f"{m.get('status', 'unknown')} · target {target}"
+
+    def poll(self):
+        return self.telemetry.poll(), self.iterations.poll(), self._new_log_lines()
+
+    def _new_log_lines(self) -> list[str]:
+        lines: list[str] = []
+        if not self.run.logs_dir.is_dir():
+            return lines
+        for path in sorted(self.run.logs_dir.glob("*.log")):
+            start = self._log_offsets.get(path, 0)
+            try:
+                size = path.stat().st_size
+                if size <= start:
+                    continue
+                pos = max(start, size - 64_000)             # opening a long log shows only its end
+                with open(path, "rb") as fh:
+                    fh.seek(pos)
+                    data = fh.read(size - pos)
+            except OSError:
+                continue
+            complete, newline, _ = data.rpartition(b"\n")  # a half-written last line waits
+            if not newline:
+                continue
+            self._log_offsets[path] = pos + len(complete) + 1
+            lines += [f"{path.stem}: {line}" for line in complete.decode(errors="replace").splitlines()]
+        return lines
+
+    def close(self) -> None:
+        pass
+
+
+class HostSource:
+    """This machine's host telemetry, sampled in-process (no run directory, nothing written)."""
+
+    def __init__(self):
+        backends, sampler = api("probes.backends"), api("probes.sampler")
+        self.name = f"host telemetry: {backends.hostname()}"
+        self.sampler = sampler.Sampler([backends.open_backend("host")], hz=HOST_HZ, node=backends.hostname())
+        self.ticks = self.sampler.subscribe()
+        self.sampler.start()
+
+    def status(self) -> str:
+        return f"sampling this machine at {HOST_HZ:g} Hz (host backend, in-process)"
+
+    def poll(self):
+        import polars as pl
+
+        from charllm.probes.schema import conform
+
+        rows = []
+        while True:
+            try:
+                rows += self.ticks.get_nowait()
+            except queue.Empty:
+                break
+        frame = conform(pl.from_dicts(rows, infer_schema_length=None)) if rows else None
+        return frame, [], []
+
+    def close(self) -> None:
+        self.sampler.stop()
+
+
+class LiveScreen(WorkbenchScreen):
+    MODE = "live"
+    BINDINGS = [
+        Binding("space", "pause", "Pause", id="live.pause"),
+        Binding("plus,equals_sign", "zoom(-1)", "Zoom in", id="live.zoom_in"),
+        Binding("minus", "zoom(1)", "Zoom out", id="live.zoom_out"),
+        Binding("g", "group", "Per node", id="live.group"),
+        Binding("h", "host", "Host", id="live.host"),
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self.source_path: Path | None = None
+        self.following = False
+        self.paused = False
+        self.window = DEFAULT_WINDOW
+        self.group_nodes: bool | None = None     # None: automatic (above GROUP_ABOVE devices)
+        self.strip_width = 60
+        self.frames = 0                          # frames drawn (tests and benchmarks read it)
+        self.last_frame: Frame | None = None
+
+    def compose_body(self) -> ComposeResult:
+        with Vertical(id="live"):
+            with Horizontal(id="live-top"):
+                yield Static(id="live-title")
+                yield Static("SIMULATED", id="sim-badge", classes="badge-sim")
+            with Vertical(id="charts"):
+                for metric, title in GPU_CHARTS:
+                    yield Chart(title, id=f"chart-{metric}")
+            yield Static(id="throttle")
+            with Horizontal(id="live-bottom"):
+                yield Static(id="iterations")
+                yield Log(id="log-tail", max_lines=500)
+
+    def on_mount(self) -> None:
+        self.query_one("#sim-badge").display = False
+
+    def on_screen_resume(self) -> None:
+        if not self.following or self.source_path != self.app.run_path:
+            self.follow(self.app.run_path)
+
+    def on_resize(self) -> None:
+        self.strip_width = max(10, self.query_one("#throttle").size.width - 14)
+        self.set_class(self.size.width < 100, "-narrow")
+
+    # -- following a source ------------------------------------------------------------------
+    def follow(self, run_dir: Path | None) -> None:
+        self.source_path = run_dir
+        self.following = True
+        self.frames = 0
+        self.last_frame = None
+        self.query_one("#log-tail", Log).clear()
+        finished = False
+        if run_dir is not None:
+            try:
+                finished = api("probes.rundir").RunDir(run_dir).status in ("completed", "failed", "cancelled")
+            except MissingAPI:
+                pass
+        self.window = len(WINDOWS_S) - 1 if finished else DEFAULT_WINDOW   # a replay shows it all
+        self.feed(run_dir)
+
+    @work(thread=True, exclusive=True, group="live-feed")
+    def feed(self, run_dir: Path | None) -> None:
+        worker = get_current_worker()
+        try:
+            source = RunSource(run_dir) if run_dir else HostSource()
+        except (MissingAPI, Exception) as exc:  # noqa: BLE001 - shown on screen, never raised into the UI
+            self.post_message(Frame(source=str(run_dir or "host telemetry"), status="", kind="none",
+                                    error=str(exc)))
+            return
+        import polars as pl
+
+        history = None
+        iterations: list[dict] = []
+        starts: dict = {}
+        t0 = None
+        try:
+            while not worker.is_cancelled:
+                began = time.monotonic()
+                try:
+                    rows, events, log_lines = source.poll()
+                except Exception as exc:  # noqa: BLE001 - a bad chunk is shown, and polling goes on
+                    self.post_message(Frame(source=source.name, status=source.status(), kind="none",
+                                            error=f"reading telemetry failed: {exc}"))
+                    time.sleep(1.0)
+                    continue
+                for event in events:
+                    if event.get("event") == "iteration":
+                        iterations.append(event)
+                    elif event.get("event") == "start":
+                        starts = event
+                if rows is not None and rows.height:
+                    rows = rows.select([c for c in KEEP_COLUMNS if c in rows.columns])
+                    history = rows if history is None else pl.concat([history, rows], how="diagonal_relaxed")
+                    t0 = t0 or history["ts_ns"].min()
+                    if run_dir is None or not isinstance(source, RunSource):
+                        history = history.filter(pl.col("ts_ns") >= history["ts_ns"].max() - KEEP_S * 10**9)
+                frame = build_frame(history, t0, WINDOWS_S[self.window], self.group_nodes, self.strip_width)
+                frame.source, frame.status = source.name, source.status()
+                frame.iterations = iterations
+                frame.log_lines = log_lines
+                frame.ranks = ranks_text(iterations, starts)
+                self.post_message(frame)
+                time.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
+        finally:
+            source.close()
+
+    # -- drawing -------------------------------------------------------------------------------
+    def on_frame(self, frame: Frame) -> None:
+        if frame.log_lines:
+            self.query_one("#log-tail", Log).write_lines(frame.log_lines)
+        if self.paused and self.last_frame is not None:
+            return
+        self.last_frame = frame
+        self.frames += 1
+        window = WINDOWS_S[self.window]
+        span = "all" if window is None else f"last {window} s"
+        flags = [span, "PAUSED" if self.paused else "", "per node" if frame.grouped else ""]
+        title = f"[b]{frame.source}[/b] · {frame.status} · {' · '.join(f for f in flags if f)}"
+        if frame.error:
+            title = f"[b]{frame.source}[/b] · [yellow]{frame.error}[/]"
+        elif frame.kind == "none":
+            title += " · waiting for telemetry…"
+        self.query_one("#live-title", Static).update(title)
+        self.query_one("#sim-badge").display = frame.simulated
+        charts = HOST_CHARTS if frame.kind == "host" else GPU_CHARTS
+        for (metric, title_text), chart in zip(charts, self.query(Chart)):
+            chart.title = title_text
+            series = frame.charts.get(metric, {})
+            empty = frame.kind != "none" and not any(v is not None for _, ys in series.values() for v in ys)
+            chart.show(series, note=" — not reported here" if empty else "")
+        self.query_one("#live-bottom").display = frame.kind != "host" or bool(frame.iterations)
+        self.query_one("#throttle", Static).update(throttle_text(frame.throttle, frame.kind))
+        self.query_one("#iterations", Static).update(iterations_text(frame.iterations) + "\n" + frame.ranks)
+
+    # -- actions -------------------------------------------------------------------------------
+    def action_pause(self) -> None:
+        self.paused = not self.paused
+        if self.last_frame is not None:
+            self.paused, paused = False, self.paused
+            self.on_frame(self.last_frame)
+            self.paused = paused
+
+    def action_zoom(self, step: int) -> None:
+        self.window = min(len(WINDOWS_S) - 1, max(0, self.window + step))
+
+    def action_group(self) -> None:
+        grouped = self.last_frame.grouped if self.last_frame else False
+        self.group_nodes = not grouped
+
+    def action_host(self) -> None:
+        self.app.open_run(None)
+
+
+# -- frame computation (worker thread) -----------------------------------------------------------
+def build_frame(history, t0, window_s, group_nodes, strip_width) -> Frame:
+    import polars as pl
+
+    if history is None or history.height == 0:
+        return Frame(source="", status="", kind="none")
+    gpus = history.filter(pl.col("device") != "host")
+    kind = "gpu" if gpus.height else "host"
+    data = gpus if kind == "gpu" else history.with_columns(
+        (pl.col("host_mem_used_bytes") / 1024**3).alias("host_mem_used_gib"))
+    data = data.with_columns(((pl.col("ts_ns") - t0) / 1e9).alias("t_s"))
+    if window_s is not None:
+        data = data.filter(pl.col("t_s") >= data["t_s"].max() - window_s)
+    nodes = data["node"].n_unique()
+    devices = data.select(pl.struct("node", "device").n_unique()).item()
+    grouped = group_nodes if group_nodes is not None else devices > GROUP_ABOVE
+    if grouped:
+        label = pl.col("node")
+    elif nodes > 1:
+        label = pl.concat_str("node", pl.lit("/"), "device")
+    else:
+        label = pl.col("device")
+    data = data.with_columns(label.alias("label"))
+    metrics = [m for m, _ in (GPU_CHARTS if kind == "gpu" else HOST_CHARTS)]
+    if grouped:   # one line per node: the mean of its devices at each instant
+        data = (data.group_by("label", "ts_ns", maintain_order=True)
+                .agg(pl.col("t_s").first(), pl.col("simulated").any(), pl.col("throttle_reasons").max(),
+                     *(pl.col(m).mean() for m in metrics)))
+    charts: dict[str, dict] = {m: {} for m in metrics}
+    throttle: list[tuple[str, list[int]]] = []
+    lo, hi = (data["t_s"].min() or 0.0), (data["t_s"].max() or 0.0)
+    for (name,), part in sorted(data.partition_by("label", as_dict=True).items()):
+        xs = part["t_s"].to_list()
+        for m in metrics:
+            charts[m][name] = (xs, part[m].to_list())
+        if kind == "gpu":
+            cols = ((part["t_s"] - lo) / ((hi - lo) or 1) * (strip_width - 1)).cast(pl.Int64)
+            bits = (part.select(cols.alias("c"), pl.col("throttle_reasons").fill_null(0))
+                    .group_by("c").agg(pl.col("throttle_reasons").max()))
+            row = [0] * strip_width
+            for c, b in bits.iter_rows():
+                row[c] = b
+            throttle.append((name, row))
+    return Frame(source="", status="", kind=kind, charts=charts, throttle=throttle,
+                 simulated=bool(data["simulated"].any()), grouped=grouped, devices=devices)
+
+
+def throttle_text(rows: list[tuple[str, list[int]]], kind: str) -> str:
+    from rich.markup import escape
+
+    if kind != "gpu":
+        return "[dim]throttle reasons: no GPU in this source[/]"
+    legend = "  ".join(f"[{style}]{glyph}[/] {meaning}" for _, glyph, style, meaning in THROTTLE_KINDS)
+    lines = [f"[b]throttle[/]  {legend}  [green]·[/] none"]
+    for label, bits in rows[:GROUP_ABOVE]:
+        cells = []
+        for b in bits:
+            for mask, glyph, style, _ in THROTTLE_KINDS:
+                if b & mask:
+                    cells.append(f"[{style}]{glyph}[/]")
+                    break
+            else:
+                cells.append("[green]·[/]")
+        lines.append(f"{escape(label)[:12]:>12}  {''.join(cells)}")
+    if len(rows) > GROUP_ABOVE:
+        lines.append(f"[dim]… {len(rows) - GROUP_ABOVE} more (press g for per-node rows)[/]")
+    return "\n".join(lines)
+
+
+def iterations_text(events: list[dict]) -> str:
+    """The latest iteration and the recent mean of iteration time and tokens/s."""
+    done = {}
+    for e in events:   # one line per step (rank 0 and the last rank both write one)
+        done.setdefault(e.get("iteration"), e)
+    if not done:
+        return "[b]iterations[/]  none yet"
+    steps = [done[k] for k in sorted(done)]
+    last = steps[-1]
+    recent = [e for e in steps[-10:] if not e.get("warmup")] or steps[-10:]
+    secs = [(e["end_ns"] - e["start_ns"]) / 1e9 for e in recent if e.get("end_ns") and e.get("start_ns")]
+    tokens = [e.get("tokens") or 0 for e in recent]
+    mean_s = sum(secs) / len(secs) if secs else 0.0
+    tps = sum(tokens) / sum(secs) if secs and sum(secs) else 0.0
+    loss = next((e["loss"] for e in reversed(steps) if e.get("loss") is not None), None)
+    return (f"[b]iteration {last.get('iteration')}[/]  {mean_s * 1000:.0f} ms/it  {tps:,.0f} tokens/s"
+            + (f"  loss {loss:.3f}" if loss is not None else ""))
+
+
+def ranks_text(events: list[dict], start: dict) -> str:
+    seen: dict[str, set] = {}
+    for e in events:
+        seen.setdefault(str(e.get("node", "?")), set()).add(e.get("rank"))
+    world = start.get("world_size")
+    nodes = "  ".join(f"{node}: ranks {','.join(str(r) for r in sorted(rs, key=str))}" for node, rs in sorted(seen.items()))
+    return (f"world {world} · " if world else "") + (nodes or "no rank has reported yet")
+

@@ -1,0 +1,203 @@
+"""Runs: every run directory with status, target, experiment and headline numbers.
+
+The list comes from `probes.rundir.list_runs`; the headline numbers from `probes.summary.summarize`
+(by="run"), computed in a thread worker and filled in as they arrive.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.message import Message
+from textual.widgets import DataTable, Static
+
+from charllm.probes.errors import UserError
+from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+
+STATUS_STYLE = {"running": "bold green", "pending": "yellow", "completed": "", "failed": "bold red",
+                "cancelled": "magenta"}
+# summary column -> (table heading, format)
+HEADLINE = {
+    "iterations": ("iters", "{:.0f}"),
+    "tokens_per_s": ("tokens/s", "{:,.0f}"),
+    "power_mean_w": ("mean W", "{:.0f}"),
+    "power_peak_w": ("peak W", "{:.0f}"),
+    "energy_per_token_j": ("J/token", "{:.3g}"),
+    "temp_gpu_peak_c": ("peak °C", "{:.0f}"),
+    "throttle_perf_frac": ("throttled", "{:.0%}"),
+}
+COLUMNS = ("run", "status", "target", "experiment", "started", *(h for h, _ in HEADLINE.values()))
+
+
+@dataclass
+class Headline(Message):
+    run_id: str
+    values: dict            # summary column -> value; empty when there is nothing to summarize
+    note: str = ""
+
+
+class RunsScreen(WorkbenchScreen):
+    MODE = "runs"
+    BINDINGS = [
+        Binding("enter", "open", "Open", id="runs.open"),
+        Binding("space", "mark", "Mark", id="runs.mark"),
+        Binding("m", "compare", "Compare marked", id="runs.compare"),
+        Binding("c", "cancel_run", "Cancel run", id="runs.cancel"),
+        Binding("delete,d", "delete", "Delete", id="runs.delete"),
+        Binding("r", "refresh", "Refresh", id="runs.refresh"),
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self.runs: dict[str, Path] = {}
+        self.marked: list[str] = []
+        self.notes: dict[str, str] = {}
+
+    def compose_body(self) -> ComposeResult:
+        yield DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
+        yield Static(id="runs-detail", classes="hint")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        for name in COLUMNS:
+            table.add_column(name, key=name)
+
+    def on_screen_resume(self) -> None:
+        self.action_refresh()
+
+    # -- listing -----------------------------------------------------------------------------
+    def action_refresh(self) -> None:
+        from charllm.probes.rundir import list_runs
+
+        table = self.query_one(DataTable)
+        cursor = self.current_run()
+        table.clear()
+        self.runs = {}
+        for rd in reversed(list_runs()):        # newest first
+            m = rd.read_manifest()
+            self.runs[rd.id] = rd.path
+            started = m.get("started_ns") or m.get("created_ns")
+            status = m.get("status", "unknown")
+            table.add_row(self._mark(rd.id), Text(status, STATUS_STYLE.get(status, "")),
+                          (m.get("target") or {}).get("name", m.get("kind", "-")), m.get("name", "-"),
+                          time.strftime("%Y-%m-%d %H:%M", time.gmtime(started / 1e9)) if started else "-",
+                          *("…" for _ in HEADLINE), key=rd.id)
+        if cursor in self.runs:
+            table.move_cursor(row=table.get_row_index(cursor))
+        self.query_one("#runs-detail", Static).update(
+            "no runs yet: launch one from the Launch screen (F4)" if not self.runs else
+            "Enter open · Space mark for compare · m compare · c cancel · d delete")
+        self.headlines(list(self.runs.items()))
+
+    def _mark(self, run_id: str) -> Text:
+        return Text(("● " if run_id in self.marked else "  ") + run_id,
+                    "bold cyan" if run_id in self.marked else "")
+
+    @work(thread=True, exclusive=True, group="headlines")
+    def headlines(self, runs: list[tuple[str, Path]]) -> None:
+        try:
+            summary = api("probes.summary")
+        except MissingAPI as exc:
+            for run_id, _ in runs:
+                self.post_message(Headline(run_id, {}, str(exc)))
+            return
+        for run_id, path in runs:
+            try:
+                row = summary.summarize(path, window="all", by="run").row(0, named=True)
+                self.post_message(Headline(run_id, row))
+            except UserError as exc:
+                self.post_message(Headline(run_id, {}, str(exc)))
+
+    def on_headline(self, message: Headline) -> None:
+        table = self.query_one(DataTable)
+        if message.run_id not in self.runs:
+            return
+        self.notes[message.run_id] = message.note
+        for column, (heading, fmt) in HEADLINE.items():
+            value = message.values.get(column)
+            table.update_cell(message.run_id, heading, "—" if value is None else fmt.format(value))
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        run_id = event.row_key.value if event.row_key else None
+        if run_id in self.runs:
+            note = self.notes.get(run_id)
+            self.query_one("#runs-detail", Static).update(
+                f"{self.runs[run_id]}" + (f"\n[dim]{note}[/]" if note else ""))
+
+    def current_run(self) -> str | None:
+        table = self.query_one(DataTable)
+        if not table.row_count:
+            return None
+        return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+
+    # -- actions -------------------------------------------------------------------------------
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_open()
+
+    def action_open(self) -> None:
+        run_id = self.current_run()
+        if run_id:
+            self.app.open_run(self.runs[run_id])
+
+    def action_mark(self) -> None:
+        run_id = self.current_run()
+        if not run_id:
+            return
+        if run_id in self.marked:
+            self.marked.remove(run_id)
+        elif len(self.marked) >= 4:
+            self.notify("compare takes at most 4 runs; unmark one first", severity="warning")
+            return
+        else:
+            self.marked.append(run_id)
+        self.query_one(DataTable).update_cell(run_id, "run", self._mark(run_id))
+
+    def action_compare(self) -> None:
+        refs = self.marked or ([self.current_run()] if self.current_run() else [])
+        if not refs:
+            self.notify("mark runs with Space first", severity="warning")
+            return
+        self.app.compare_runs([str(self.runs[r]) for r in refs])
+
+    def action_cancel_run(self) -> None:
+        run_id = self.current_run()
+        if run_id:
+            self.notify(f"cancelling {run_id}…")
+            self.cancel_run(self.runs[run_id])
+
+    @work(thread=True, group="cancel")
+    def cancel_run(self, path: Path) -> None:
+        try:
+            status = api("engine.launch").cancel(path)
+            self.app.call_from_thread(self.notify, f"{path.name}: {status}")
+        except (UserError, MissingAPI) as exc:
+            self.app.call_from_thread(self.notify, str(exc), severity="error")
+        self.app.call_from_thread(self.action_refresh)
+
+    def action_delete(self) -> None:
+        from charllm.probes.rundir import FINAL_STATUSES, RunDir
+        from charllm.tui.screens.dialogs import Confirm
+
+        run_id = self.current_run()
+        if not run_id:
+            return
+        rd = RunDir(self.runs[run_id])
+        if rd.status not in FINAL_STATUSES and rd.status != "unknown":
+            self.notify(f"run {run_id!r} is {rd.status}; cancel it first (c)", severity="error")
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                shutil.rmtree(rd.path, ignore_errors=True)
+                self.marked = [m for m in self.marked if m != run_id]
+                self.notify(f"run {run_id}: deleted")
+                self.action_refresh()
+
+        self.app.push_screen(Confirm(f"Delete run {run_id} and all its files?"), answer)

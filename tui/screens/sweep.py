@@ -1,0 +1,232 @@
+"""Sweep: which layouts of the whole space fit, for the composed model, hardware and cluster.
+
+`engine.sweep.sweep` runs in a thread worker; the result (a polars DataFrame, one row per valid
+layout) feeds a TP × PP feasibility map (per micro batch and recompute choice, coloured by the best
+headroom in that cell) and a sortable table. Enter on a map cell or a table row loads that layout
+into Compose through `engine.sweep.layout_to_experiment`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import DataTable, Label, ProgressBar, Select, Static
+
+from charllm.probes.errors import UserError
+from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+
+GIB = 1024**3
+ANY = "any"
+# DataFrame column -> table heading
+TABLE_COLUMNS = {
+    "rank": "#", "tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
+    "virtual_pipeline_model_parallel_size": "VP", "context_parallel_size": "CP",
+    "expert_model_parallel_size": "EP", "data_parallel_size": "DP", "micro_batch_size": "mbs",
+    "recompute": "recompute", "use_distributed_optimizer": "dist-opt", "sequence_parallel": "SP",
+    "peak_bytes": "peak GiB", "headroom_bytes": "headroom GiB", "fits": "fits",
+}
+# what `s` cycles through: (column, descending)
+SORTS = (("headroom_bytes", True), ("peak_bytes", False), ("data_parallel_size", True),
+         ("tensor_model_parallel_size", False), ("pipeline_model_parallel_size", False), ("rank", False))
+
+
+@dataclass
+class SweepDone(Message):
+    frame: object | None        # polars DataFrame
+    seconds: float
+    error: str | None = None
+
+
+def headroom_text(value: float | None, fits: bool | None) -> Text:
+    if value is None:
+        return Text("·", "dim")
+    style = "bold green" if fits and value >= 8 * GIB else "green" if fits else "bold red"
+    return Text(f"{value / GIB:+.1f}", style)
+
+
+class SweepScreen(WorkbenchScreen):
+    MODE = "sweep"
+    BINDINGS = [
+        Binding("r", "run_sweep", "Run sweep", id="sweep.run"),
+        Binding("s", "sort", "Sort by column", id="sweep.sort"),
+        Binding("f", "toggle_fitting", "Fitting only", id="sweep.fitting"),
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self.frame = None               # the sweep's DataFrame
+        self.fitting_only = True
+        self.sort_reverse = False
+        self.sort_index = -1
+        self.swept_serial = None
+
+    def compose_body(self) -> ComposeResult:
+        with Vertical(id="sweep"):
+            with Horizontal(id="sweep-controls"):
+                yield Label("micro batch ")
+                yield Select([], id="mbs", compact=True, allow_blank=True, prompt=ANY)
+                yield Label("  recompute ")
+                yield Select([], id="recompute", compact=True, allow_blank=True, prompt=ANY)
+            yield Static(id="sweep-status")
+            yield ProgressBar(id="sweep-progress", show_eta=False)
+            with Horizontal():
+                yield DataTable(id="feasibility", cursor_type="cell")
+                yield DataTable(id="sweep-table", cursor_type="row", zebra_stripes=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#sweep-progress").display = False
+        table = self.query_one("#sweep-table", DataTable)
+        for column, heading in TABLE_COLUMNS.items():
+            table.add_column(heading, key=column)
+
+    def on_screen_resume(self) -> None:
+        if self.swept_serial != self._experiment_key():
+            self.action_run_sweep()
+
+    def _experiment_key(self):
+        exp = self.app.experiment
+        return (exp.model.name, exp.hardware.name, exp.cluster.nodes, exp.cluster.gpus_per_node,
+                exp.training.global_batch_size, exp.seq_length)
+
+    # -- running --------------------------------------------------------------------------------
+    def action_run_sweep(self) -> None:
+        exp = self.app.experiment
+        self.swept_serial = self._experiment_key()
+        self.query_one("#sweep-status", Static).update(
+            f"sweeping {exp.model.name} on {exp.cluster.nodes}×{exp.cluster.gpus_per_node} {exp.hardware.name}, "
+            f"global batch {exp.training.global_batch_size}, seq {exp.seq_length}…")
+        progress = self.query_one("#sweep-progress", ProgressBar)
+        progress.update(total=None)
+        progress.display = True
+        self.run_sweep(exp.copy())
+
+    @work(thread=True, exclusive=True, group="sweep")
+    def run_sweep(self, exp) -> None:
+        began = time.perf_counter()
+        try:
+            frame = api("engine.sweep").sweep(exp.model, exp.hardware, exp.cluster.nodes, exp.cluster.gpus_per_node,
+                                              exp.training.global_batch_size, seq_length=exp.seq_length)
+            self.post_message(SweepDone(frame, time.perf_counter() - began))
+        except (MissingAPI, UserError) as exc:
+            self.post_message(SweepDone(None, time.perf_counter() - began, str(exc)))
+
+    def on_sweep_done(self, message: SweepDone) -> None:
+        self.query_one("#sweep-progress").display = False
+        status = self.query_one("#sweep-status", Static)
+        if message.error:
+            status.update(f"[yellow]{message.error}[/]")
+            return
+        self.frame = message.frame
+        fits = int(self.frame["fits"].sum()) if self.frame.height else 0
+        status.update(f"{self.frame.height} valid layouts, [green]{fits} fit[/] · {message.seconds:.1f} s · "
+                      "Enter loads the layout into Compose · f toggles fitting only")
+        with self.prevent(Select.Changed):
+            for wid, column in (("mbs", "micro_batch_size"), ("recompute", "recompute")):
+                values = sorted(self.frame[column].unique().to_list(), key=str) if self.frame.height else []
+                select = self.query_one(f"#{wid}", Select)
+                select.set_options([(str(v), v) for v in values])
+        self.redraw()
+
+    @on(Select.Changed)
+    def redraw(self) -> None:
+        import polars as pl
+
+        if self.frame is None:
+            return
+        frame = self.frame
+        for wid, column in (("mbs", "micro_batch_size"), ("recompute", "recompute")):
+            value = self.query_one(f"#{wid}", Select).value
+            if value is not Select.BLANK:
+                frame = frame.filter(pl.col(column) == value)
+        self.shown = frame
+        # Map: rows PP, columns TP, the best headroom among layouts in the cell.
+        fmap = self.query_one("#feasibility", DataTable)
+        fmap.clear(columns=True)
+        tps = sorted(self.frame["tensor_model_parallel_size"].unique().to_list())
+        pps = sorted(self.frame["pipeline_model_parallel_size"].unique().to_list())
+        best = {}
+        if frame.height:
+            cells = frame.group_by("tensor_model_parallel_size", "pipeline_model_parallel_size").agg(
+                pl.col("headroom_bytes").max(), pl.col("fits").any())
+            best = {(r[0], r[1]): (r[2], r[3]) for r in cells.iter_rows()}
+        fmap.add_column("PP\\TP", key="pp")
+        for tp in tps:
+            fmap.add_column(f"TP{tp}", key=str(tp))
+        for pp in pps:
+            fmap.add_row(f"PP{pp}", *(headroom_text(*best.get((tp, pp), (None, None))) for tp in tps), key=str(pp))
+        self.fill_table(frame)
+
+    def fill_table(self, frame) -> None:
+        import polars as pl
+
+        table = self.query_one("#sweep-table", DataTable)
+        table.clear()
+        if self.fitting_only:
+            frame = frame.filter(pl.col("fits"))
+        for i, row in enumerate(frame.head(2000).iter_rows(named=True)):
+            cells = []
+            for column in TABLE_COLUMNS:
+                value = row.get(column)
+                if column == "peak_bytes":
+                    value = round(value / GIB, 1)
+                elif column == "headroom_bytes":
+                    value = headroom_text(value, row.get("fits"))
+                elif value is None:
+                    value = "-"
+                cells.append(value)
+            table.add_row(*cells, key=str(i))
+        self.table_rows = frame.head(2000).to_dicts()
+
+    # -- choosing ----------------------------------------------------------------------------------
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        if event.data_table.id == "sweep-table":
+            self.pick(self.table_rows[int(event.row_key.value)])
+
+    def on_data_table_cell_selected(self, event: DataTable.CellSelected) -> None:
+        import polars as pl
+
+        if event.data_table.id != "feasibility" or event.cell_key.column_key.value == "pp":
+            return
+        tp, pp = int(event.cell_key.column_key.value), int(event.cell_key.row_key.value)
+        cell = self.shown.filter((pl.col("tensor_model_parallel_size") == tp)
+                                 & (pl.col("pipeline_model_parallel_size") == pp))
+        if not cell.height:
+            self.notify(f"no valid layout with TP{tp} × PP{pp}", severity="warning")
+            return
+        self.pick(cell.sort("headroom_bytes", descending=True).row(0, named=True))
+
+    def pick(self, row: dict) -> None:
+        try:
+            exp = api("engine.sweep").layout_to_experiment(self.app.experiment, row)
+        except (MissingAPI, UserError) as exc:
+            self.notify(str(exc), severity="error")
+            return
+        self.app.use_experiment(exp)
+        self.notify(f"loaded TP{row['tensor_model_parallel_size']} PP{row['pipeline_model_parallel_size']} "
+                    f"mbs {row['micro_batch_size']} into Compose")
+
+    def action_sort(self) -> None:
+        """Cycle the sort key (clicking a heading sorts by that column)."""
+        if self.frame is None:
+            return
+        self.sort_index = (self.sort_index + 1) % len(SORTS)
+        column, descending = SORTS[self.sort_index]
+        self.fill_table(self.shown.sort(column, descending=descending, nulls_last=True))
+        self.notify(f"sorted by {TABLE_COLUMNS[column]}{' (descending)' if descending else ''}", timeout=2)
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        if event.data_table.id == "sweep-table":
+            self.sort_reverse = not self.sort_reverse
+            self.fill_table(self.shown.sort(event.column_key.value, descending=self.sort_reverse, nulls_last=True))
+
+    def action_toggle_fitting(self) -> None:
+        self.fitting_only = not self.fitting_only
+        if self.frame is not None:
+            self.fill_table(self.shown)

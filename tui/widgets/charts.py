@@ -1,0 +1,74 @@
+"""The one chart adapter over textual-plotext: metrics over time (or iterations), several series.
+
+Callers hand over raw points; the adapter downsamples each series to the widget's width (mean per
+column) and redraws at most `MAX_FPS` times a second, so a 20 Hz feed of many GPUs stays cheap.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from textual_plotext import PlotextPlot
+
+MAX_FPS = 4.0
+Series = dict[str, tuple[Sequence[float], Sequence[float]]]
+
+
+def downsample(xs: Sequence[float], ys: Sequence[float], buckets: int) -> tuple[list[float], list[float]]:
+    """Mean of x and y per bucket of equal x span; points with y None are skipped."""
+    pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    if len(pts) <= buckets or buckets < 1:
+        return [p[0] for p in pts], [p[1] for p in pts]
+    lo, hi = pts[0][0], pts[-1][0]
+    span = (hi - lo) / buckets or 1.0
+    sums: dict[int, list[float]] = {}
+    for x, y in pts:
+        b = min(buckets - 1, int((x - lo) / span))
+        acc = sums.setdefault(b, [0.0, 0.0, 0])
+        acc[0] += x
+        acc[1] += y
+        acc[2] += 1
+    cols = sorted(sums.values())
+    return [c[0] / c[2] for c in cols], [c[1] / c[2] for c in cols]
+
+
+class Chart(PlotextPlot):
+    """A titled line chart of several series; `show()` new data, it redraws when due."""
+
+    def __init__(self, title: str, *, xlabel: str = "s", id: str | None = None):
+        super().__init__(id=id)
+        self.title = title
+        self.xlabel = xlabel
+        self._series: Series = {}
+        self._last_draw = 0.0
+        self._pending = False
+        self._note = ""
+
+    def show(self, series: Series, *, note: str = "") -> None:
+        self._series = series
+        self._note = note
+        due = self._last_draw + 1.0 / MAX_FPS - time.monotonic()
+        if due <= 0:
+            self._draw()
+        elif not self._pending:
+            self._pending = True
+            self.set_timer(due, self._draw)
+
+    def _draw(self) -> None:
+        self._pending = False
+        self._last_draw = time.monotonic()
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title(f"{self.title}{self._note}")
+        plt.xlabel(self.xlabel)
+        width = max(10, self.size.width - 8) * 2   # braille markers: two points per cell
+        for label, (xs, ys) in self._series.items():
+            dx, dy = downsample(xs, ys, width)
+            if dx:
+                plt.plot(dx, dy, label=label, marker="braille")
+        self.refresh()
+
+    def on_resize(self) -> None:
+        self._draw()

@@ -1,0 +1,68 @@
+"""Per-pipeline-stage stacked memory bars against the device's usable memory.
+
+Input is `engine.memory.estimate(exp).to_dict()`; nothing is computed here but the drawing.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+GIB = 1024**3
+# breakdown key -> (legend name, colour)
+PARTS = {
+    "weights": ("weights", "dodger_blue2"),
+    "gradients": ("grads", "medium_purple"),
+    "optimizer": ("optimizer", "gold3"),
+    "activations": ("activations", "green3"),
+    "other": ("other", "grey50"),
+}
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+class MemoryBars(Widget):
+    """One line per PP stage: weights | gradients | optimizer | activations | other, and a │ at capacity."""
+
+    DEFAULT_CSS = "MemoryBars { height: auto; }"
+    report: reactive[dict | None] = reactive(None, layout=True)
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return 1 + (len(self.report["stages"]) if self.report else 1)
+
+    def render(self) -> Text:
+        legend = Text.assemble(*((f"■ {name}  ", colour) for name, colour in PARTS.values()))
+        if not self.report:
+            return legend + Text("\n(no estimate yet)", style="dim")
+        report = self.report
+        usable = report["usable_bytes"]
+        stages = report["stages"]
+        scale = max([usable, *(s["total_bytes"] for s in stages)]) or 1
+        label_w, suffix_w = 5, 22
+        bar_w = max(10, self.size.width - label_w - suffix_w)
+        cap_col = min(bar_w - 1, round(usable / scale * bar_w))
+        lines = [legend]
+        for stage in stages:
+            line = Text(f"PP{stage['pp_rank']:<3}", style="bold")
+            cells: list[tuple[str, str]] = []
+            acc = 0.0
+            for key, (_, colour) in PARTS.items():
+                acc_next = acc + stage["breakdown"].get(key, 0)
+                n = round(acc_next / scale * bar_w) - round(acc / scale * bar_w)
+                cells.extend([("█", colour)] * n)
+                acc = acc_next
+            cells.extend([(" ", "")] * (bar_w - len(cells)))
+            over = not stage["fits"]
+            if cap_col < len(cells):
+                glyph = cells[cap_col][0] if cells[cap_col][0] != " " else "│"
+                cells[cap_col] = (glyph if over else "│", "bold red" if over else "bold")
+            for glyph, style in cells[:bar_w]:
+                line.append(glyph, style)
+            headroom = stage["headroom_bytes"]
+            line.append(f" {gib(stage['total_bytes']):>6}/{gib(usable)} GiB ", "")
+            line.append(f"{'+' if headroom >= 0 else ''}{gib(headroom)}", "green" if headroom >= 0 else "bold red")
+            lines.append(line)
+        return Text("\n").join(lines)
