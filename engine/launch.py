@@ -82,9 +82,13 @@ def problems(exp) -> list[str]:
     report = estimate(exp)
     if not report.fits:
         stage = report.peak_stage
-        return [f"memory: peak {report.peak_bytes / 2**30:.1f} GiB on pipeline stage {stage} exceeds the "
-                f"usable {report.usable_bytes / 2**30:.1f} GiB per device of {exp.hardware.name!r}"]
+        return [f"memory: peak {_size(report.peak_bytes)} on pipeline stage {stage} exceeds the "
+                f"usable {_size(report.usable_bytes)} per device of {exp.hardware.name!r}"]
     return []
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _fit_to_target(exp, target: Target, nproc: int | None):

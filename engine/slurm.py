@@ -85,15 +85,17 @@ def submit(script_path: str) -> str:
     return done.stdout.strip().split(";")[0]
 
 
-def job_state(job_id: str) -> tuple[str, str]:
-    """(state, details) from scontrol; ("UNKNOWN", "") once the controller forgot the job."""
+def job_info(job_id: str) -> dict[str, str]:
+    """scontrol's fields for the job (JobState, ExitCode, Reason, NodeList...); {} once forgotten."""
     done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
                           timeout=30)
-    if done.returncode != 0:
-        return "UNKNOWN", done.stderr.strip()
-    fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout))
-    details = f"ExitCode={fields.get('ExitCode', '?')} Reason={fields.get('Reason', '?')}"
-    return fields.get("JobState", "UNKNOWN"), details
+    return dict(re.findall(r"(\w+)=(\S*)", done.stdout)) if done.returncode == 0 else {}
+
+
+def hostnames(nodelist: str) -> list[str]:
+    done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                          timeout=30)
+    return done.stdout.split()
 
 
 def cancel(job_id: str) -> None:

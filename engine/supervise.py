@@ -20,9 +20,10 @@ from pathlib import Path
 from charllm.engine import slurm, ssh
 from charllm.engine.launch import CANCEL_GRACE_S, Step, remote_line
 from charllm.engine.targets import Target, from_record
+from charllm.engine.workload import CANCELLED_EXIT
 from charllm.probes.rundir import RunDir
 
-CANCELLED_EXIT = 143  # charllm.engine.workload.CANCELLED_EXIT: 128 + SIGTERM
+
 POLL_S = 0.2
 
 
@@ -148,6 +149,7 @@ class Supervisor:
         self.target = from_record(self.manifest["target"])
         self.cancel_requested = False
         self.lines_lock = threading.Lock()
+        self.procs: list[Proc] = []
 
     def _on_signal(self, signum, frame) -> None:
         self.cancel_requested = True
@@ -170,7 +172,7 @@ class Supervisor:
         steps = [Step.from_dict(s) for s in self.manifest["steps"]]
         helpers = [Proc(self.rd, self.target, s, sink=self._append_iteration) for s in steps if s.role != "train"]
         trains = [Proc(self.rd, self.target, s) for s in steps if s.role == "train"]
-        everything = helpers + trains
+        everything = self.procs = helpers + trains
         for p in everything:  # samplers first, so telemetry covers the whole run
             if not self.cancel_requested:
                 p.start()
@@ -210,10 +212,12 @@ class Supervisor:
         job = self.manifest["slurm_job_id"]
         running = False
         while True:
-            state, details = slurm.job_state(job)
+            info = slurm.job_info(job)
+            state = info.get("JobState", "UNKNOWN")
             if state == "RUNNING" and not running:
                 running = True
-                self.rd.update_manifest(status="running", started_ns=time.time_ns())
+                self.rd.update_manifest(status="running", started_ns=time.time_ns(),
+                                        nodes=slurm.hostnames(info.get("NodeList", "")))
             if state in slurm.FINAL_STATES or state == "UNKNOWN":
                 break
             time.sleep(0.5)
@@ -227,17 +231,18 @@ class Supervisor:
             status = "cancelled"
         else:
             status = "failed"
-            failure = self._slurm_failure(state, details)
+            failure = self._slurm_failure(state, info)
         self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state)
         return status
 
-    def _slurm_failure(self, state: str, details: str) -> str:
+    def _slurm_failure(self, state: str, info: dict) -> str:
         for log in sorted(self.rd.logs_dir.glob("train-*.log")):
             node = log.stem.removeprefix("train-")
             text = log.read_text(errors="replace")
             if _ROOT_CAUSE.search(text):
                 return describe_failure(Step(node, "train", []), 1, log)
-        return f"slurm job {state.lower()} ({details})"
+        details = f"exit code {info.get('ExitCode', '?')}, reason {info.get('Reason', '?')}"
+        return f"slurm job {state.lower()} ({details}) on {info.get('NodeList', '?')}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,10 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m charllm.engine.supervise RUN_DIR", file=sys.stderr)
         return 2
     rd = RunDir(Path(argv[0]))
+    supervisor = Supervisor(rd)
     try:
-        status = Supervisor(rd).run()
+        status = supervisor.run()
     except BaseException as exc:
-        # Never leave a run "running" forever: record why the supervisor itself died.
+        # Never leave a run "running" forever, nor its processes orphaned.
+        stop([p for p in supervisor.procs if p.popen], CANCEL_GRACE_S)
         rd.update_manifest(status="failed", failure=f"supervisor error: {exc!r}", ended_ns=time.time_ns())
         raise
     print(f"run {rd.id}: {status}")

@@ -1,0 +1,61 @@
+"""Helpers for launch tests: waiting on a run, and finding its processes on this machine."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+from charllm.probes.rundir import FINAL_STATUSES, RunDir
+
+
+def run_processes(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line contains `marker` (a run id or run directory)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(proc.info["cmdline"] or []) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def rank_process(marker: str, rank: int) -> psutil.Process:
+    """The training worker with global rank `rank` (torchrun sets RANK in its environment)."""
+    for proc in run_processes(marker):
+        try:
+            cmdline = proc.cmdline()
+            if "charllm.engine.workload.train" in cmdline and "torch.distributed.run" not in cmdline \
+                    and proc.environ().get("RANK") == str(rank):
+                return proc
+        except psutil.Error:
+            pass
+    raise AssertionError(f"no rank {rank} process for {marker}")
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def wait_final(rd: RunDir, timeout: float = 240) -> dict:
+    wait_for(lambda: rd.status in FINAL_STATUSES, timeout, f"run {rd.id} to end (status {rd.status})")
+    return rd.read_manifest()
+
+
+def iterations_logged(rd: RunDir) -> int:
+    frame = rd.read_iterations()
+    return frame.filter(frame["event"] == "iteration").height
+
+
+def logs(rd: RunDir) -> str:
+    """Every log's tail, for assertion messages."""
+    if not rd.logs_dir.is_dir():
+        return ""
+    return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(rd.logs_dir.iterdir()))

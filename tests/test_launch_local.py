@@ -1,0 +1,84 @@
+"""Launching on the local target: real torchrun, the real workload and the real host sampler."""
+
+from __future__ import annotations
+
+import pytest
+
+from charllm.engine.catalog import load_experiment
+from charllm.engine.launch import cancel, launch
+from charllm.engine.targets import LOCAL
+from charllm.probes.errors import UserError
+from charllm.probes.rundir import RunDir
+from infra_runs import iterations_logged, logs, rank_process, run_processes, wait_final, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def tiny(iters: int = 5):
+    exp = load_experiment("tiny-local")
+    exp.training.train_iters = iters
+    return exp
+
+
+@pytest.mark.timeout(300)
+def test_dp2_trains_and_records_iterations_and_host_telemetry():
+    result = launch(tiny(5), LOCAL)
+    rd = RunDir(result.run_dir)
+    manifest = wait_final(rd)
+    assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
+    assert manifest["target"]["kind"] == "local" and manifest["started_ns"] <= manifest["ended_ns"]
+    assert any("torch.distributed.run" in c and "--nproc-per-node=2" in c for c in manifest["commands"])
+    steps = rd.read_iterations()
+    steps = steps.filter(steps["event"] == "iteration")
+    assert sorted(set(steps["iteration"].to_list())) == [1, 2, 3, 4, 5]
+    assert set(steps["rank"].to_list()) == {0, 1}
+    telemetry = rd.scan_telemetry().collect()
+    host = telemetry.filter(telemetry["device"] == "host")
+    assert host.height > 0 and host["cpu_util_pct"].drop_nulls().len() > 0
+    assert run_processes(str(rd.path)) == []
+
+
+def test_refused_layout_leaves_no_run_directory(charllm_dirs):
+    exp = tiny()
+    exp.parallel.tensor_model_parallel_size = 3  # does not divide the 2 processes
+    with pytest.raises(UserError, match="multiple of tensor"):
+        launch(exp, LOCAL)
+    exp = tiny()
+    exp.hardware.usable_bytes = 1 << 20  # 1 MiB: nothing fits
+    with pytest.raises(UserError, match="--force"):
+        launch(exp, LOCAL)
+    assert not charllm_dirs["runs"].exists() or not any(charllm_dirs["runs"].iterdir())
+
+
+def test_dry_run_prints_commands_and_touches_nothing(charllm_dirs):
+    result = launch(tiny(), LOCAL, dry_run=True)
+    assert result.run_dir is None and result.dry_run
+    assert any("charllm.engine.workload.train" in c for c in result.commands)
+    assert any("charllm.probes" in c and "--backend host" in c for c in result.commands)
+    assert not charllm_dirs["runs"].exists()
+
+
+@pytest.mark.timeout(300)
+def test_cancel_stops_every_process_and_records_cancelled():
+    rd = RunDir(launch(tiny(100_000), LOCAL).run_dir)
+    wait_for(lambda: iterations_logged(rd) >= 1, 240, "the first iteration")
+    assert run_processes(str(rd.path))
+    assert cancel(rd) == "cancelled"
+    manifest = rd.read_manifest()
+    assert manifest["status"] == "cancelled" and manifest["ended_ns"]
+    wait_for(lambda: run_processes(str(rd.path)) == [], 10, "every process to exit")
+    with pytest.raises(UserError, match="already cancelled"):
+        cancel(rd)
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_fails_the_run_naming_node_and_rank():
+    rd = RunDir(launch(tiny(100_000), LOCAL).run_dir)
+    wait_for(lambda: iterations_logged(rd) >= 1, 240, "the first iteration")
+    rank_process(str(rd.path), 1).kill()
+    manifest = wait_final(rd, 120)
+    assert manifest["status"] == "failed"
+    node = manifest["nodes"][0]
+    assert f"node {node}, rank 1" in manifest["failure"] and "SIGKILL" in manifest["failure"]
+    wait_for(lambda: run_processes(str(rd.path)) == [], 15, "the other rank and the sampler to stop")
+    assert rd.experiment_path.is_file() and rd.iterations_path.is_file() and rd.telemetry_files()

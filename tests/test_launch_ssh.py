@@ -1,0 +1,75 @@
+"""Launching over SSH onto two real sshd nodes (network namespaces joined by a bridge)."""
+
+from __future__ import annotations
+
+import pytest
+
+from charllm.engine.catalog import load_experiment
+from charllm.engine.launch import cancel, launch
+from charllm.engine.targets import parse_target
+from charllm.probes.errors import UserError
+from charllm.probes.rundir import RunDir
+from infra_runs import iterations_logged, logs, run_processes, wait_final, wait_for
+from infra_ssh import ssh_nodes  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.integration
+
+
+def two_nodes(iters: int):
+    exp = load_experiment("tiny-local")
+    exp.cluster.nodes, exp.cluster.gpus_per_node = 2, 1
+    exp.training.train_iters = iters
+    return exp
+
+
+def remote_leftovers(nodes, run_id: str) -> list:
+    """Processes of the run still alive inside the nodes (the remote side of the run)."""
+    inside = set(nodes.pids())
+    return [p for p in run_processes(run_id) if p.pid in inside]
+
+
+@pytest.mark.timeout(400)
+def test_two_node_job_streams_logs_iterations_and_telemetry_home(ssh_nodes):
+    target = parse_target("nodes", ssh_nodes.target_table())
+    rd = RunDir(launch(two_nodes(4), target).run_dir)
+    manifest = wait_final(rd, 300)
+    assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
+    steps = rd.read_iterations()
+    steps = steps.filter(steps["event"] == "iteration")
+    assert set(steps["rank"].to_list()) == {0, 1}, "rank 0's node and the last rank's node both streamed"
+    assert sorted(set(steps["iteration"].to_list())) == [1, 2, 3, 4]
+    telemetry = rd.scan_telemetry().collect()
+    assert set(telemetry["node"].to_list()) == set(ssh_nodes.hosts)
+    for host in ssh_nodes.hosts:
+        assert list(rd.node_telemetry_dir(host).glob("*.arrow")), f"no local telemetry from {host}"
+        assert "iter" in (rd.logs_dir / f"train-{host}.log").read_text()
+    assert all(p["remote_pgid"] for p in manifest["processes"])
+    assert remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == []
+
+
+def test_wrong_host_key_is_refused_with_the_command_to_trust_it(ssh_nodes, tmp_path, charllm_dirs):
+    wrong = tmp_path / "known_hosts"  # node 2's key recorded for node 1: a changed key
+    lines = {h: f"{h} ssh-ed25519 {k}" for h, k in ssh_nodes.host_keys.items()}
+    lines[ssh_nodes.hosts[0]] = f"{ssh_nodes.hosts[0]} ssh-ed25519 {ssh_nodes.host_keys[ssh_nodes.hosts[1]]}"
+    wrong.write_text("\n".join(lines.values()) + "\n")
+    unknown = tmp_path / "empty_known_hosts"
+    unknown.write_text("")
+    for known in (wrong, unknown):
+        target = parse_target("nodes", ssh_nodes.target_table(known_hosts=str(known)))
+        with pytest.raises(UserError) as err:
+            launch(two_nodes(2), target)
+        message = str(err.value)
+        assert "host key" in message and f"ssh-keyscan -p {ssh_nodes.port} {ssh_nodes.hosts[0]} >> {known}" in message
+    assert not charllm_dirs["runs"].exists() or not any(charllm_dirs["runs"].iterdir())
+
+
+@pytest.mark.timeout(400)
+def test_cancel_leaves_nothing_on_either_node(ssh_nodes):
+    target = parse_target("nodes", ssh_nodes.target_table())
+    rd = RunDir(launch(two_nodes(100_000), target).run_dir)
+    wait_for(lambda: iterations_logged(rd) >= 2, 300, f"the first iterations\n{logs(rd)}")
+    assert len(remote_leftovers(ssh_nodes, rd.id)) >= 6  # 2 x (sampler, tail, torchrun, rank)
+    assert cancel(rd) == "cancelled"
+    wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 20,
+             "every process on both nodes and every ssh client to exit")
+    assert rd.read_manifest()["status"] == "cancelled"

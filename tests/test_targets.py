@@ -1,0 +1,119 @@
+"""Targets: parsing, validation messages, and command building (no processes started)."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from charllm.engine import slurm, ssh
+from charllm.engine.launch import plan, remote_line
+from charllm.engine.catalog import load_experiment
+from charllm.engine.targets import LOCAL, from_record, get_target, load_targets
+from charllm.probes import paths
+from charllm.probes.errors import UserError
+
+GOOD = """
+[lab]
+kind = "ssh"
+hosts = ["node1", "10.0.0.2"]
+user = "me"
+port = 2222
+identity_file = "~/.ssh/id_ed25519"
+env_setup = "module load cuda; conda activate train"
+
+[hpc]
+kind = "slurm"
+partition = "gpu"
+account = "proj"
+qos = "high"
+time = "01:00:00"
+constraint = "H100"
+gpus_per_node = 8
+sbatch_lines = ["--exclusive"]
+"""
+
+
+def write(text: str):
+    path = paths.targets_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_local_is_built_in_without_a_file():
+    assert load_targets() == {"local": LOCAL}
+    assert get_target("local") is LOCAL
+
+
+def test_targets_file_parses_every_kind():
+    write(GOOD)
+    targets = load_targets()
+    assert targets["lab"].hosts == ("node1", "10.0.0.2") and targets["lab"].port == 2222
+    assert targets["hpc"].gpus_per_node == 8 and targets["hpc"].sbatch_lines == ("--exclusive",)
+    assert from_record(targets["lab"].to_dict()) == targets["lab"]
+
+
+def test_target_file_given_explicitly(tmp_path):
+    other = tmp_path / "t.toml"
+    other.write_text(GOOD)
+    assert get_target("hpc", other).partition == "gpu"
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[a]\nkind = "ssh"\nhosts = ["h"]\nhostz = 1\n', "unknown key 'hostz'; did you mean 'hosts'?"),
+    ('[a]\nkind = "shh"\n', "did you mean 'ssh'?"),
+    ('[a]\nkind = "ssh"\n', "at least one host"),
+    ('[a]\nkind = "ssh"\nhosts = ["-oProxyCommand=x"]\n', "not a host name"),
+    ('[a]\nkind = "ssh"\nhosts = ["h"]\nport = 70000\n', "between 1 and 65535"),
+    ('[a]\nkind = "slurm"\ngpus_per_node = "8"\n', "must be an integer"),
+    ('[a]\nkind = "slurm"\nhosts = ["h"]\n', "unknown key 'hosts'"),
+    ('[local]\nkind = "ssh"\nhosts = ["h"]\n', "built in"),
+    ('[a\n', "invalid TOML"),
+])
+def test_bad_targets_are_one_line_errors(text, message):
+    write(text)
+    with pytest.raises(UserError) as err:
+        load_targets()
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_target_names_the_nearest():
+    write(GOOD)
+    with pytest.raises(UserError, match="did you mean 'hpc'"):
+        get_target("hcp")
+
+
+def test_ssh_remote_commands_cannot_inject_shell(tmp_path):
+    write(GOOD)
+    target = get_target("lab")
+    exp = load_experiment("tiny-local")
+    exp.cluster.nodes = 2
+    run_dir = tmp_path / "x; touch PWNED $(id)"
+    steps, script = plan(exp, target, run_dir)
+    assert script is None
+    for step in steps:
+        line = remote_line(target, step)
+        # The remote shell sees: setsid -w bash -c '<inner>'; the inner line runs exactly argv.
+        outer = shlex.split(line)
+        assert outer[:3] == ["setsid", "-w", "bash"] and outer[3] == "-c"
+        inner = outer[4]
+        assert inner.startswith("echo $$; module load cuda; conda activate train; exec ")
+        assert shlex.split(inner.split("; exec ", 1)[1]) == step.argv
+    assert ssh.ssh_argv(target, "node1")[-2:] == ["--", "node1"]
+
+
+def test_slurm_script_has_directives_and_per_node_steps(tmp_path):
+    write(GOOD)
+    target = get_target("hpc")
+    exp = load_experiment("tiny-local")
+    exp.cluster.nodes = 2
+    exp.hardware.vendor = "nvidia"
+    steps, script = plan(exp, target, tmp_path / "run")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --qos=high",
+                 "#SBATCH --time=01:00:00", "#SBATCH --constraint=H100", "#SBATCH --exclusive",
+                 "#SBATCH --gpus-per-node=2"):
+        assert line in script.splitlines()
+    assert "srun --overlap" in script and "--kill-on-bad-exit=1" in script
+    assert '--node-rank="$SLURM_NODEID"' in script and '--node "$SLURMD_NODENAME"' in script
+    assert not any(p in script for p in slurm.PLACEHOLDERS)
