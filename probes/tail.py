@@ -30,7 +30,7 @@ class TelemetryTail:
             if number <= self._last.get(node, -1):
                 continue
             try:
-                frames.append(conform(pl.read_ipc(path, memory_map=False)))
+                frames.append(conform(pl.read_ipc(path)))
             except FileNotFoundError:
                 continue  # removed between listing and reading
             self._last[node] = number

@@ -1,0 +1,259 @@
+"""The sampler: rate, schema, consumers, iteration markers, recording, tails, stream and replay."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import polars as pl
+import pytest
+
+from charllm.probes.backend_sim import SimBackend
+from charllm.probes.backends import open_backend, open_backends
+from charllm.probes.errors import UserError
+from charllm.probes.recorder import ChunkWriter
+from charllm.probes.rundir import RunDir
+from charllm.probes.sampler import Sampler
+from charllm.probes.schema import TELEMETRY_SCHEMA
+from charllm.probes.stream import StreamWriter, read_stream
+from charllm.probes.tail import IterationTail, TelemetryTail
+
+
+def _sim(gpus: int = 2, **kw) -> SimBackend:
+    return SimBackend(gpus=gpus, **kw)
+
+
+def test_hz_above_100_is_refused():
+    with pytest.raises(UserError, match="hz = 150: must be > 0 and at most 100"):
+        Sampler([_sim()], hz=150)
+    with pytest.raises(UserError, match="hz = 0"):
+        Sampler([_sim()], hz=0)
+
+
+@pytest.mark.timeout(30)
+def test_sampler_keeps_its_rate_and_writes_schema_rows(tmp_path):
+    backends, _ = open_backends("sim", gpus=2)
+    sampler = Sampler(backends, hz=50, node="n1", run_dir=tmp_path / "run")
+    sampler.run(duration=2.0)
+    assert sampler.ticks + sampler.missed_deadlines == 100
+    frame = RunDir(tmp_path / "run").scan_telemetry().collect()
+    assert frame.schema == pl.Schema(TELEMETRY_SCHEMA)
+    gpu = frame.filter(pl.col("device") == "gpu0").sort("mono_ns")
+    assert gpu.height == sampler.ticks
+    gaps = gpu["mono_ns"].diff().drop_nulls() / 1e9
+    assert gaps.mean() == pytest.approx(0.02, rel=0.1)
+    host = frame.filter(pl.col("device") == "host")
+    assert host.height == pytest.approx(20, abs=2)  # the host is sampled at most at 10 Hz
+    assert host["cpu_util_pct"].null_count() == 0
+    assert set(frame["node"]) == {"n1"}
+    assert frame.filter(pl.col("backend") == "sim")["simulated"].all()
+    assert not frame.filter(pl.col("backend") == "host")["simulated"].any()
+
+
+def test_missed_deadlines_are_counted_not_caught_up():
+    class Slow(SimBackend):
+        def sample(self):
+            time.sleep(0.035)  # three 10 ms periods and a half per tick
+            return super().sample()
+
+    sampler = Sampler([Slow(gpus=1)], hz=100, node="n")
+    seen = []
+    sampler._consumers.append(seen.extend)
+    sampler.run(duration=0.5)
+    assert sampler.missed_deadlines >= 25
+    assert sampler.ticks + sampler.missed_deadlines == pytest.approx(50, abs=4)
+    counts = [r["missed_deadlines"] for r in seen]
+    assert counts == sorted(counts) and counts[-1] > 0
+
+
+def test_in_process_consumers_see_every_tick_at_once():
+    got, times = [], []
+
+    def on_sample(rows):
+        got.append(rows)
+        times.append(time.time_ns())
+
+    sampler = Sampler([_sim(3)], hz=20, node="n", on_sample=on_sample)
+    q = sampler.subscribe()
+    sampler.start(duration=0.5)
+    sampler.join(5)
+    assert len(got) == 10 and all(len(rows) == 3 for rows in got)
+    assert all(t - rows[0]["ts_ns"] < 50_000_000 for t, rows in zip(times, got))
+    assert q.qsize() == 10
+
+
+def test_subscribe_queue_drops_oldest_when_full():
+    sampler = Sampler([_sim(1)], hz=100, node="n")
+    q = sampler.subscribe(maxsize=3)
+    sampler.run(duration=0.1)
+    assert q.qsize() == 3
+    assert q.get_nowait()[0]["mono_ns"] < q.get_nowait()[0]["mono_ns"]
+
+
+def test_iteration_marker_comes_from_the_run_iteration_log(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    sampler = Sampler([_sim(1)], hz=50, node="n", run_dir=run.path)
+    seen = []
+    sampler._consumers.append(lambda rows: seen.append(rows[0]["iteration"]))
+
+    def workload():
+        time.sleep(0.3)
+        with open(run.iterations_path, "a") as fh:
+            fh.write(json.dumps({"event": "start"}) + "\n")
+            fh.flush()
+            time.sleep(0.3)
+            for i in (1, 2):
+                fh.write(json.dumps({"event": "iteration", "iteration": i, "rank": 0}) + "\n")
+            fh.write('{"event": "iteration", "iter')  # a half-written line is not read yet
+            fh.flush()
+            time.sleep(0.3)
+
+    writer = threading.Thread(target=workload)
+    writer.start()
+    sampler.run(duration=1.2)
+    writer.join()
+    assert seen[0] is None
+    assert 1 in seen and seen[-1] == 3
+    assert seen.index(1) < seen.index(3)
+
+
+def test_chunks_are_atomic_numbered_and_continue(tmp_path):
+    frame = pl.DataFrame({"ts_ns": [1, 2], "mono_ns": [1, 2], "node": ["n", "n"], "device": ["gpu0"] * 2,
+                          "uuid": ["u"] * 2, "backend": ["sim"] * 2, "simulated": [True] * 2, "power_w": [1.0, 2.0]})
+    writer = ChunkWriter(tmp_path)
+    writer.write(frame)
+    writer.write(frame)
+    again = ChunkWriter(tmp_path)
+    again.write(frame)
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["000000.arrow", "000001.arrow", "000002.arrow"]  # no .tmp left behind
+    back = pl.read_ipc(tmp_path / "000002.arrow")
+    assert back.schema == pl.Schema(TELEMETRY_SCHEMA) and back["power_w"].to_list() == [1.0, 2.0]
+
+
+def test_tails_return_only_new_complete_data(tmp_path):
+    run = RunDir(tmp_path / "run")
+    tail = TelemetryTail(run.path)
+    assert tail.poll().is_empty()
+    sampler = Sampler([_sim(2)], hz=20, node="n", run_dir=run.path, flush_s=0.2)
+    sampler.run(duration=0.5)
+    first = tail.poll()
+    assert first.height == sampler.rows and first.schema == pl.Schema(TELEMETRY_SCHEMA)
+    # a chunk still being written (hidden .tmp) is not read
+    (run.node_telemetry_dir("n") / ".000099.arrow.tmp").write_bytes(b"half")
+    assert tail.poll().is_empty()
+    Sampler([_sim(2)], hz=20, node="n", run_dir=run.path).run(duration=0.2)
+    second = tail.poll()
+    assert second.height == 8 and second["ts_ns"].min() > first["ts_ns"].max()
+
+    log = IterationTail(run.path)
+    assert log.poll() == []
+    with open(run.iterations_path, "w") as fh:
+        fh.write('{"event": "start"}\n{"event": "iteration", "itera')
+    assert log.poll() == [{"event": "start"}]
+    with open(run.iterations_path, "a") as fh:
+        fh.write('tion": 1}\n')
+    assert log.poll() == [{"event": "iteration", "iteration": 1}]
+    assert log.poll() == []
+
+
+def test_stream_round_trip_in_process():
+    buf = io.BytesIO()
+    writer = StreamWriter(buf)
+    sampler = Sampler([_sim(2)], hz=50, node="n", stream=buf, flush_s=0.1)
+    sampler.run(duration=0.3)
+    writer.write(pl.DataFrame({"device": ["x"]}))
+    raw = buf.getvalue()
+    batches = []
+    rows = read_stream(io.BytesIO(raw[:-5]), batches.append)  # a truncated last frame is dropped
+    assert rows == sampler.rows and all(b.schema == pl.Schema(TELEMETRY_SCHEMA) for b in batches)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_stream_across_processes_arrives_within_a_second(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "charllm.probes", "--backend", "sim", "--sim-gpus", "2",
+                             "--hz", "20", "--stream", "--node", "remote"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lags, batches = [], []
+
+    def on_batch(frame):
+        lags.append(time.time_ns() - frame["ts_ns"].min())
+        batches.append(frame)
+        if len(batches) == 3:
+            proc.terminate()
+
+    try:
+        read_stream(proc.stdout, on_batch)
+        assert proc.wait(10) == 0  # SIGTERM: flush and exit 0
+    finally:
+        proc.kill()
+    assert len(batches) >= 3
+    # the oldest row of a batch is at most one flush interval (1 s) plus transport old
+    assert max(lags[:3]) < 1.5e9
+    assert set(pl.concat(batches)["node"]) == {"remote"}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_kill_9_loses_at_most_about_a_second(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "charllm.tui", "probe", "--backend", "sim", "--sim-gpus", "4",
+                             "--out", str(run_dir), "--node", "n1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    started = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and started is None:  # wait until sampling has begun
+        files = RunDir(run_dir).telemetry_files()
+        if files:
+            started = pl.read_ipc(files[0])["ts_ns"].min()
+        time.sleep(0.05)
+    assert started is not None, proc.stderr.read().decode()
+    time.sleep(max(0.0, 2.5 - (time.time_ns() - started) / 1e9))
+    proc.kill()
+    killed_at = time.time_ns()
+    proc.wait()
+    frame = RunDir(run_dir).scan_telemetry().collect()  # a half-written .tmp must not break this
+    assert frame["ts_ns"].min() == started
+    assert killed_at - frame["ts_ns"].max() < 1.3e9
+    gpu0 = frame.filter(pl.col("device") == "gpu0")
+    assert gpu0.height >= 0.9 * 20 * (frame["ts_ns"].max() - started) / 1e9
+    assert json.loads((run_dir / "manifest.json").read_text())["kind"] == "probe"
+
+
+def test_replay_plays_back_at_speed_with_labels(tmp_path):
+    source = tmp_path / "source"
+    Sampler(open_backends("sim", gpus=2)[0], hz=20, node="n1", run_dir=source).run(duration=1.0)
+    recorded = RunDir(source).scan_telemetry().collect()
+
+    replay = open_backend(f"replay:{source}", speed=4.0)
+    assert replay.name == "replay"  # two recorded backends: sim and host
+    assert [d.label for d in replay.devices()] == ["gpu0", "gpu1", "host"]
+    out = tmp_path / "out"
+    sampler = Sampler([replay], hz=50, node="n2", run_dir=out)
+    start = time.monotonic()
+    sampler.run(duration=10)  # ends when the recording runs out
+    took = time.monotonic() - start
+    assert 0.15 < took < 0.6  # 1 s recorded at 4x
+    played = RunDir(out).scan_telemetry().collect()
+    assert played.height == recorded.height
+    assert set(played["backend"]) == {"replay:sim", "replay:host"}
+    assert played.filter(pl.col("backend") == "replay:sim")["simulated"].all()
+    assert set(played["node"]) == {"n1"}  # the recorded node, not the replaying one
+    span = (played["ts_ns"].max() - played["ts_ns"].min()) / 1e9
+    assert span == pytest.approx((recorded["ts_ns"].max() - recorded["ts_ns"].min()) / 1e9 / 4, rel=0.05)
+    assert played["ts_ns"].min() > recorded["ts_ns"].max()  # re-timestamped to the replay
+    cols = ["device", "power_w", "temp_gpu_c", "throttle_reasons"]
+    assert played.sort("ts_ns", "device").select(cols).equals(recorded.sort("ts_ns", "device").select(cols))
+
+
+def test_replay_of_an_empty_run_is_a_user_error(tmp_path):
+    RunDir(tmp_path / "empty").write_manifest({"kind": "probe"})
+    with pytest.raises(UserError, match="no telemetry recorded"):
+        open_backend(f"replay:{tmp_path / 'empty'}")
