@@ -62,17 +62,20 @@ def run(args: argparse.Namespace) -> int:
         sampler = Sampler(backends, hz=args.hz, node=args.node, run_dir=run_dir,
                           on_sample=view.update if view else None,
                           stream=sys.stdout.buffer if args.stream else None)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: sampler.stop())
+        previous = {sig: signal.signal(sig, lambda *_: sampler.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
         devices = sum(len(b.devices()) for b in backends)
         target = f" -> {sampler.writer.dir}" if sampler.writer else ""
         if not view:
             err.print(f"probe: {devices} device(s) at {args.hz:g} Hz{target} ({reason}); SIGTERM/Ctrl-C stops")
-        if view:
-            with view:
+        try:
+            if view:
+                with view:
+                    sampler.run(args.duration)
+            else:
                 sampler.run(args.duration)
-        else:
-            sampler.run(args.duration)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         chunks = f", {sampler.writer.chunks_written} chunk(s)" if sampler.writer else ""
         err.print(f"probe: {sampler.rows} rows in {sampler.ticks} ticks, "
                   f"{sampler.missed_deadlines} missed deadline(s){chunks}")

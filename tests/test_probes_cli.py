@@ -1,0 +1,97 @@
+"""`charllm-tui probe` and `python -m charllm.probes`: one parser, listing, recording, errors, signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import polars as pl
+import pytest
+
+from charllm.probes.rundir import RunDir
+from charllm.tui.cli import main
+
+
+def test_list_on_this_machine_says_why_there_is_no_gpu(capsys):
+    from tests.test_probes_gpu_backends import _amdsmi_present, _nvml_present
+
+    if _nvml_present() or _amdsmi_present():
+        pytest.skip("this machine has a GPU library")
+    assert main(["probe", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "NVMLError_LibraryNotFound" in out and "using host only" in out
+    assert "cpu_util_pct" in out and "host_mem_used_bytes" in out
+
+
+def test_list_sim_marks_devices_simulated():
+    out = subprocess.run([sys.executable, "-m", "charllm.probes", "--list", "--backend", "sim", "--sim-gpus", "2"],
+                         capture_output=True, text=True, timeout=60, env=_wide())
+    assert out.returncode == 0, out.stderr
+    assert "gpu1" in out.stdout and "SIMULATED" in out.stdout and "throttle_reasons" in out.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hz", "500"], "hz = 500: must be > 0 and at most 100"),
+    (["--backend", "cuda"], "backend = 'cuda': must be one of"),
+    (["--duration", "-1"], "duration = -1: must be > 0"),
+    (["--backend", "sim", "--sim-profile", "wavy"], "sim profile = 'wavy'"),
+    (["--backend", "replay:no-such-run"], "run 'no-such-run': no such run"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
+    out_dir = tmp_path / "run"
+    assert main(["probe", *argv, "--out", str(out_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("charllm-tui: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out_dir.exists()
+
+
+def test_record_for_a_duration_into_a_new_run_dir(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    assert main(["probe", "--backend", "sim", "--sim-gpus", "2", "--hz", "20", "--duration", "1",
+                 "--out", str(out_dir), "--node", "n7"]) == 0
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert manifest["kind"] == "probe" and manifest["status"] == "completed"
+    frame = RunDir(out_dir).scan_telemetry().collect()
+    assert frame.filter(pl.col("device") == "gpu0").height == 20
+    assert (out_dir / "telemetry" / "n7").is_dir()
+    assert "0 missed deadline(s)" in capsys.readouterr().err
+
+
+def test_existing_manifest_is_left_to_its_owner(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.write_manifest({"id": "run", "status": "running", "target": "local"})
+    assert main(["probe", "--backend", "sim", "--sim-gpus", "1", "--duration", "0.2", "--out", str(run.path)]) == 0
+    assert run.read_manifest() == {"id": "run", "status": "running", "target": "local"}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_sigint_flushes_and_exits_0(tmp_path):
+    out_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "charllm.probes", "--backend", "sim", "--sim-gpus", "1",
+                             "--out", str(out_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not RunDir(out_dir).telemetry_files():
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    sent = time.time_ns()
+    assert proc.wait(10) == 0, proc.stderr.read().decode()
+    frame = RunDir(out_dir).scan_telemetry().collect()
+    assert sent - frame["ts_ns"].max() < 0.2e9  # the last partial second was flushed too
+
+
+def test_follow_shows_a_live_table(capsys):
+    assert main(["probe", "--backend", "sim", "--sim-gpus", "2", "--duration", "0.5", "--follow"]) == 0
+    out = capsys.readouterr().out
+    assert "SIMULATED DATA" in out and "gpu1" in out and "host" in out
+
+
+def _wide() -> dict:
+    import os
+
+    return {**os.environ, "COLUMNS": "250"}
