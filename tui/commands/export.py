@@ -1,0 +1,60 @@
+"""`charllm-tui export megatron|toml EXPERIMENT_OR_PRESET [--set key=value ...] [--out FILE] [--no-validate]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write an experiment as Megatron-LM flags or as resolved TOML",
+                       description="EXPERIMENT_OR_PRESET is an experiment TOML file or a preset name. "
+                                   "Invalid experiments are refused unless --no-validate.")
+    formats = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    for name, help_text in (("megatron", "pretrain_gpt.py flags, one per line with backslash continuations"),
+                            ("toml", "the experiment with model and hardware resolved (what a run directory keeps)")):
+        f = formats.add_parser(name, help=help_text)
+        f.add_argument("experiment", metavar="EXPERIMENT_OR_PRESET")
+        f.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field, e.g. --set tensor_model_parallel_size=4 (repeatable)")
+        f.add_argument("--out", type=Path, metavar="FILE", help="write to FILE (atomically) instead of stdout")
+        f.add_argument("--no-validate", action="store_true", help="export even if the layout is invalid")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from charllm.engine import catalog
+    from charllm.engine.validate import check
+
+    exp = catalog.load_experiment(args.experiment).apply(args.sets)
+    if not args.no_validate:
+        check(exp)
+    if args.format == "toml":
+        text = exp.to_toml()
+    else:
+        from charllm.engine.megatron import export_megatron_args, format_megatron_args
+
+        text = format_megatron_args(export_megatron_args(exp)) + "\n"
+        print(f"# world size {exp.world_size} = {exp.cluster.nodes} node(s) x {exp.cluster.gpus_per_node}: "
+              f"torchrun --nnodes {exp.cluster.nodes} --nproc-per-node {exp.cluster.gpus_per_node} "
+              "pretrain_gpt.py <flags>", file=sys.stderr)
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        _write_atomically(args.out, text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    from charllm.probes.errors import UserError
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"--out {str(path)!r}: cannot write ({exc.strerror})") from None
