@@ -1,0 +1,211 @@
+"""The shipped catalog: the required presets exist with their published shapes and figures, and user
+presets take precedence over shipped ones."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+
+import pytest
+
+from charllm.engine import catalog
+from charllm.probes.errors import UserError
+
+GIB = 2**30
+
+REQUIRED_MODELS = ["gpt3-175b", "llama3-8b", "llama3-70b", "llama3.1-405b", "mixtral-8x7b", "mixtral-8x22b",
+                   "deepseek-v3", "tiny-dense", "tiny-moe"]
+REQUIRED_HARDWARE = ["h100-sxm-80gb", "h200-141gb", "a100-80gb", "mi250x", "mi300x", "b200", "cpu"]
+
+
+def test_required_presets_exist():
+    assert set(REQUIRED_MODELS) <= set(catalog.entries("models"))
+    assert set(REQUIRED_HARDWARE) <= set(catalog.entries("hardware"))
+    assert {"tiny-local", "tiny-tp2", "tiny-pp2", "tiny-moe-ep2"} <= set(catalog.entries("experiments"))
+
+
+# The CharLLM-PPT shapes, as the issue states them:
+# (layers, hidden, ffn, heads, query groups, seq, vocab, experts, top-k)
+PPT_SHAPES = {
+    "gpt3-175b": (96, 12288, 49152, 96, None, 2048, 50257, None, None),
+    "llama3-70b": (80, 8192, 28672, 64, 8, 8192, 128256, None, None),
+    "mixtral-8x7b": (32, 4096, 14336, 32, 8, 4096, 32000, 8, 2),
+    "mixtral-8x22b": (56, 6144, 16384, 48, 8, 4096, 32000, 8, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(PPT_SHAPES))
+def test_charllm_ppt_model_shapes(name):
+    m = catalog.load_model(name)
+    topk = m.moe_router_topk if m.is_moe else None
+    assert (m.num_layers, m.hidden_size, m.ffn, m.num_attention_heads, m.num_query_groups, m.seq_length,
+            m.vocab_size, m.num_moe_experts, topk) == PPT_SHAPES[name]
+
+
+def _params(m) -> float:
+    """Parameter count from the shape (no biases/norms): a check that the presets are the real models."""
+    h, layers = m.hidden_size, m.num_layers
+    if m.multi_latent_attention:
+        q = h * m.q_lora_rank + m.q_lora_rank * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+        kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * m.num_attention_heads * (
+            m.qk_head_dim + m.v_head_dim)
+        attn = q + kv + m.num_attention_heads * m.v_head_dim * h
+    else:
+        kv_heads = m.query_groups
+        attn = h * m.head_dim * (m.num_attention_heads + 2 * kv_heads) + m.num_attention_heads * m.head_dim * h
+    mats = 3 if m.swiglu else 2
+    total = 0.0
+    for is_moe in m.moe_layer_pattern():
+        if is_moe:
+            shared = mats * h * (m.moe_shared_expert_intermediate_size or 0)
+            mlp = m.num_moe_experts * mats * h * m.moe_ffn + shared + h * m.num_moe_experts
+        else:
+            mlp = mats * h * m.ffn
+        total += attn + mlp
+    embeddings = m.vocab_size * h * (2 if m.untie_embeddings_and_output_weights else 1)
+    return total + embeddings
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("gpt3-175b", 175), ("llama3-8b", 8.0), ("llama3-70b", 70.6), ("llama3.1-405b", 405.8),
+    ("mixtral-8x7b", 46.7), ("mixtral-8x22b", 141), ("deepseek-v3", 671),
+])
+def test_model_presets_have_the_published_parameter_count(name, billions):
+    assert _params(catalog.load_model(name)) / 1e9 == pytest.approx(billions, rel=0.02)
+
+
+def test_deepseek_v3_shape():
+    m = catalog.load_model("deepseek-v3")
+    assert m.multi_latent_attention and (m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
+                                         m.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert m.moe_layer_pattern() == [False] * 3 + [True] * 58
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size,
+            m.moe_shared_expert_intermediate_size) == (256, 8, 2048, 2048)
+    assert (m.mtp_num_layers, m.vocab_size, m.hidden_size, m.num_attention_heads, m.ffn) == (1, 129280, 7168, 128, 18432)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "llama3.1-405b"])
+def test_llama_architecture(name):
+    m = catalog.load_model(name)
+    assert (m.normalization, m.swiglu, m.position_embedding_type, m.untie_embeddings_and_output_weights,
+            m.add_bias_linear) == ("RMSNorm", True, "rope", True, False)
+
+
+def test_gpt3_architecture():
+    m = catalog.load_model("gpt3-175b")
+    assert (m.normalization, m.swiglu, m.position_embedding_type, m.untie_embeddings_and_output_weights) == (
+        "LayerNorm", False, "learned_absolute", False)
+
+
+def test_tiny_moe_trains_on_cpu_settings():
+    m = catalog.load_model("tiny-moe")
+    assert (m.num_moe_experts, m.moe_router_topk, m.add_bias_linear) == (4, 2, False)
+
+
+@pytest.mark.parametrize("name", [h for h in REQUIRED_HARDWARE if h != "cpu"])
+def test_hardware_figures_are_consistent(name):
+    hw = catalog.load_hardware(name)
+    assert hw.vendor in ("nvidia", "amd")
+    assert 0 < hw.usable_bytes <= hw.memory_bytes
+    assert hw.memory_bytes - hw.usable_bytes < 2 * GIB          # a driver reserve, not a different board
+    assert 0 < hw.outside_allocator_bytes < 4 * GIB
+    assert hw.bf16_tflops > 0 and hw.mem_bandwidth_gbs > 0 and hw.tdp_w > 0 and hw.max_sm_clock_mhz > 0
+    assert hw.fp8 == (hw.fp8_tflops is not None)
+    if hw.fp8:
+        assert hw.fp8_tflops == pytest.approx(2 * hw.bf16_tflops, rel=0.01)
+
+
+def test_hardware_known_values():
+    h100 = catalog.load_hardware("h100-sxm-80gb")
+    assert h100.usable_bytes / GIB == pytest.approx(79.11, abs=0.01)
+    assert (h100.bf16_tflops, h100.tdp_w, h100.fp8) == (989.4, 700.0, True)
+    assert not catalog.load_hardware("a100-80gb").fp8
+    mi250x = catalog.load_hardware("mi250x")
+    assert mi250x.devices_per_package == 2 and mi250x.memory_bytes == 64 * GIB
+    assert "GCD" in mi250x.description
+
+
+# The CharLLM-PPT layouts (shared/charllm-ppt-configs.md): (gpu, model, index) -> TP, PP, EP, DP
+PPT_LAYOUTS = {
+    ("h200", "gpt3-175b", 1): (2, 16, 1, 1), ("h200", "gpt3-175b", 4): (1, 32, 1, 1),
+    ("h200", "gpt3-175b", 5): (8, 1, 1, 4), ("h200", "llama3-70b", 1): (8, 2, 1, 2),
+    ("h200", "llama3-70b", 4): (1, 16, 1, 2), ("h200", "mixtral-8x7b", 1): (1, 1, 8, 32),
+    ("h200", "mixtral-8x7b", 2): (2, 1, 4, 16), ("h200", "mixtral-8x22b", 3): (4, 1, 8, 8),
+    ("h100", "gpt3-175b", 3): (8, 8, 1, 1), ("h100", "gpt3-175b", 5): (8, 1, 1, 8),
+    ("h100", "llama3-70b", 3): (2, 16, 1, 2), ("h100", "mixtral-8x7b", 4): (1, 4, 4, 16),
+    ("h100", "mixtral-8x22b", 4): (1, 8, 8, 8),
+}
+
+
+@pytest.mark.parametrize("key", list(PPT_LAYOUTS), ids=["-".join(map(str, k)) for k in PPT_LAYOUTS])
+def test_charllm_ppt_experiments(key):
+    gpu, model, index = key
+    variants = {code: catalog.load_experiment(f"ppt-{gpu}-{model}-{index}-{code}")
+                for code in ("00000", "10000", "01000", "11000")}
+    for code, exp in variants.items():
+        p, t = exp.parallel, exp.training
+        assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                exp.data_parallel_size) == PPT_LAYOUTS[key]
+        assert exp.world_size == (32 if gpu == "h200" else 64) and exp.cluster.gpus_per_node == 8
+        assert (t.global_batch_size, t.micro_batch_size, t.bf16, p.context_parallel_size) == (128, 1, True, 1)
+        assert p.virtual_pipeline_model_parallel_size is None
+        assert p.sequence_parallel == (p.tensor_model_parallel_size > 1)
+        assert p.use_distributed_optimizer
+        assert p.use_megatron_fsdp == (index == 5 and model in ("gpt3-175b", "llama3-70b"))
+        recompute = code[1] == "1"
+        assert t.recompute_granularity == ("full" if recompute else None)
+        if recompute:
+            assert t.recompute_method == "block"
+            assert t.recompute_num_layers == exp.model.num_layers // p.pipeline_model_parallel_size
+        overlap = code[0] == "1"
+        assert t.tp_comm_overlap == (overlap and p.tensor_model_parallel_size > 1)
+        dense_mp = not exp.model.is_moe and not p.use_megatron_fsdp
+        assert t.overlap_grad_reduce == t.overlap_param_gather == (overlap and dense_mp)
+        if exp.model.is_moe:
+            assert (t.moe_token_dispatcher_type, t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity,
+                    t.moe_aux_loss_coeff) == ("alltoall", 1.0, True, 0.01)
+
+
+def test_ppt_presets_are_what_the_generator_writes(tmp_path, monkeypatch):
+    """The committed files are the generator's output (nobody edited one by hand)."""
+    import importlib.util
+    from pathlib import Path
+
+    import tomli_w
+
+    script = Path(__file__).resolve().parents[1] / "presets" / "generate_ppt_experiments.py"
+    spec = importlib.util.spec_from_file_location("gen", script)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    shipped = {n for n in catalog.entries("experiments") if n.startswith("ppt-")}
+    expected = set()
+    for (gpu, model), layouts in gen.LAYOUTS.items():
+        for index, layout in layouts.items():
+            for code in gen.VARIANTS:
+                data = gen.experiment(gpu, model, index, layout, code)
+                expected.add(data["name"])
+                on_disk = tomllib.loads(catalog.find("experiments", data["name"]).read_text())
+                assert on_disk == tomllib.loads(tomli_w.dumps(data))
+    assert shipped == expected and len(expected) == 124
+
+
+def test_user_presets_take_precedence(charllm_dirs):
+    user = charllm_dirs["config"] / "models"
+    user.mkdir(parents=True)
+    (user / "llama3-8b.toml").write_text('description = "mine"\nnum_layers = 2\n')
+    assert catalog.is_user("models", "llama3-8b")
+    assert catalog.load_model("llama3-8b").num_layers == 2
+
+
+def test_unknown_preset_suggests_a_name():
+    with pytest.raises(UserError, match="model 'mixtral-8x7': no such preset; did you mean 'mixtral-8x7b'"):
+        catalog.load_model("mixtral-8x7")
+
+
+def test_swiglu_ffn_of_presets_is_explicit():
+    """Every SwiGLU preset states its FFN size (our default is 4h, not Megatron's 8h/3 rule)."""
+    for name in catalog.entries("models"):
+        m = catalog.load_model(name)
+        if m.swiglu:
+            assert m.ffn_hidden_size is not None, name
+            assert math.isfinite(m.ffn)
