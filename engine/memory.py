@@ -462,6 +462,7 @@ class _Shapes:
 class StageTerms:
     """What one stage needs, before bytes-per-parameter, sharding and hardware are applied."""
 
+    pp_rank: int
     dense_params: int               # on one rank; sharded over DP x CP by the distributed optimizer
     expert_params: int              # sharded over the expert data-parallel group
     held_loss: float                # activations held while the loss runs (last stage)
@@ -482,9 +483,14 @@ def _act_key(exp: Experiment) -> tuple:
             t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity, t.cross_entropy_loss_fusion)
 
 
-def stage_terms(exp: Experiment, cache: dict | None = None) -> list[StageTerms]:
+def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool = True,
+                peak_candidates: bool = False) -> list[StageTerms]:
     """Per-stage terms. `cache` may be shared by calls that differ only in layout/training
-    fields of the same model (the sweep); entries are keyed by every field they read."""
+    fields of the same model (the sweep); entries are keyed by every field they read.
+
+    `peak_candidates` leaves out middle stages that cannot be the peak: a stage whose chunks hold
+    the same layers as stage 0's holds no more weights (stage 0 adds the embedding) and no more
+    in-flight activations (fewer warm-up micro-batches) than stage 0."""
     cache = {} if cache is None else cache
     m, p, t = exp.model, exp.parallel, exp.training
     pp, vp = p.pipeline_model_parallel_size, exp.virtual_stages
@@ -508,60 +514,111 @@ def stage_terms(exp: Experiment, cache: dict | None = None) -> list[StageTerms]:
             if m.mtp_num_layers else 0.0
         lb, lf = shapes.logits(vocab)
         loss_extra = lb + lf * (1 + (m.mtp_num_layers or 0) + (1 if t.cross_entropy_loss_fusion else 0))
-        cache[akey] = (shapes, acts, mtp_act, loss_extra)
-    shapes, acts, mtp_act, loss_extra = cache[akey]
+        cache[akey] = (shapes, acts, mtp_act, loss_extra, len(cache))
+    shapes, acts, mtp_act, loss_extra, aid = cache[akey]
     output_weight = vocab * m.hidden_size // tp
     tied = not m.untie_embeddings_and_output_weights
     num_mb = exp.num_microbatches
+    block = shapes.full_recompute and t.recompute_method == "block"
 
+    plan_key = ("plan", id(chunks), block, peak_candidates)
+    plan = cache.get(plan_key)
+    if plan is None:
+        plan = cache[plan_key] = _stage_plan(chunks, pattern, block, peak_candidates)
+    # per stage: the backward extra and the largest layer depend only on which layer kinds it holds
+    group = 1 if block else (t.recompute_num_layers or 1)
+    bwd_of = {k: acts[k].saved * group if shapes.full_recompute else acts[k].transient for k in acts}
     out = []
-    for r in range(pp):
-        ckey = ("chunks", akey, tp, ep, etp, pp, vp, id(chunks), r)
-        if ckey not in cache:
-            cache[ckey] = _chunk_terms(m, shapes, chunks[r], pattern, params, acts, mtp_params, mtp_act,
-                                       embedding, output_weight if (not tied or pp > 1 or not any(
-                                           c.embedding for c in chunks[r])) else 0)
-        dense, expert, chunk_acts, stage_kinds, chunk_reports = cache[ckey]
-        has_loss = any(c.loss for c in chunks[r])
-        (held_loss, held_max), units = _in_flight(tuple(chunk_acts), tuple(c.loss for c in chunks[r]),
-                                                  r, pp, vp, num_mb)
-        if shapes.full_recompute:
-            group = 1 if t.recompute_method == "block" else (t.recompute_num_layers or 1)
-            bwd = max((acts[k].saved for k in stage_kinds), default=0.0) * group
-        else:
-            bwd = max((acts[k].transient for k in stage_kinds), default=0.0)
-        out.append(StageTerms(dense, expert, held_loss, held_max, bwd, loss_extra if has_loss else 0.0,
-                              max((sum(params[k]) for k in stage_kinds), default=0), units, chunk_reports))
+    for r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags in plan:
+        wkey = ("weights", id(chunks), r, pkey)
+        if wkey not in cache:
+            own_output = not tied or pp > 1 or not any(c.embedding for c in chunks[r])
+            cache[wkey] = _chunk_params(m, kinds_r, params, mtp_params, embedding,
+                                        output_weight if own_output else 0)
+        dense, expert, chunk_weights = cache[wkey]
+        values = []
+        for kind in distinct:
+            k = (aid, kind)
+            act = cache.get(k)
+            if act is None:
+                act = cache[k] = _chunk_activations(shapes, kind, acts, mtp_act)
+            values.append(act)
+        chunk_acts = tuple([values[i] for i in index])
+        (held_loss, held_max), units = _in_flight(chunk_acts, loss_flags, r, pp, vp, num_mb)
+        bwd = max([bwd_of[k] for k in stage_kinds], default=0.0)
+        fsdp_layer = max([sum(params[k]) for k in stage_kinds], default=0)
+        reports = [ChunkMemory(v, list(c.layers), c.embedding, c.loss, c.mtp, chunk_weights[v], int(chunk_acts[v]))
+                   for v, c in enumerate(chunks[r])] if with_chunks else []
+        out.append(StageTerms(r, dense, expert, held_loss, held_max, bwd, loss_extra if has_loss else 0.0,
+                              fsdp_layer, units, reports))
     return out
 
 
-def _chunk_terms(m, shapes, chunks, pattern, params, acts, mtp_params, mtp_act, embedding, output_weight):
+def _stage_plan(chunks: list[list[_Chunk]], pattern: list[bool], block: bool, peak_candidates: bool):
+    """Per stage: each chunk as (dense layers, MoE layers, embedding, loss, MTP layers, layer flags
+    if block recompute), the distinct ones, which layer kinds the stage holds, and its loss flags."""
+    plan, first = [], None
+    pp = len(chunks)
+    for r, stage in enumerate(chunks):
+        kinds, stage_kinds = [], set()
+        for chunk in stage:
+            flags = tuple(pattern[i] for i in chunk.layers)
+            n_moe = sum(flags)
+            kinds.append((len(flags) - n_moe, n_moe, chunk.embedding, chunk.loss, chunk.mtp,
+                          flags if block else None))
+            if n_moe:
+                stage_kinds.add(True)
+            if len(flags) > n_moe:
+                stage_kinds.add(False)
+        layers = [k[:2] + k[4:] for k in kinds]          # what the chunks hold besides embedding/loss
+        if r == 0:
+            first = layers
+        elif peak_candidates and r < pp - 1 and layers == first:
+            continue
+        distinct = list(dict.fromkeys(kinds))
+        index = [distinct.index(k) for k in kinds]
+        plan.append((r, kinds, distinct, index, tuple(sorted(stage_kinds)), any(c.loss for c in stage),
+                     tuple(c.loss for c in stage)))
+    return plan
+
+
+def _chunk_params(m, kinds, params, mtp_params, embedding, output_weight):
     dense = expert = 0
-    chunk_acts, kinds, reports = [], set(), []
-    for v, chunk in enumerate(chunks):
-        flags = [pattern[i] for i in chunk.layers]
-        n_moe = sum(flags)
-        counts = [(k, n) for k, n in ((False, len(flags) - n_moe), (True, n_moe)) if n]
-        cd = sum(n * params[k][0] for k, n in counts)
-        ce = sum(n * params[k][1] for k, n in counts)
-        kinds.update(k for k, _ in counts)
-        act = _stack_activations(shapes, flags, acts)
-        if chunk.embedding:
+    per_chunk = []
+    for n_dense, n_moe, emb, loss, mtp, _ in kinds:
+        cd = n_dense * params[False][0] + (n_moe * params[True][0] if n_moe else 0)
+        ce = n_moe * params[True][1] if n_moe else 0
+        if emb:
             cd += embedding
-            act += shapes.embedding()
-        if chunk.loss:
+        if loss:
             cd += _norm(m, m.hidden_size) + output_weight
-            act += shapes.final_norm()
-        if chunk.mtp:
-            cd += chunk.mtp * mtp_params[0]
-            ce += chunk.mtp * mtp_params[1]
-            act += chunk.mtp * mtp_act
+        cd += mtp * mtp_params[0]
+        ce += mtp * mtp_params[1]
         dense += cd
         expert += ce
-        chunk_acts.append(act)
-        reports.append(ChunkMemory(v, list(chunk.layers), chunk.embedding, chunk.loss, chunk.mtp,
-                                   cd + ce, int(act)))
-    return dense, expert, chunk_acts, kinds, reports
+        per_chunk.append(cd + ce)
+    return dense, expert, per_chunk
+
+
+def _chunk_activations(shapes: _Shapes, kind, acts: dict[bool, _Act], mtp_act: float) -> float:
+    """Saved activations of one chunk for one micro-batch, after recompute."""
+    n_dense, n_moe, emb, loss, mtp, flags = kind
+    n = n_dense + n_moe
+    act = 0.0
+    if n and shapes.full_recompute:
+        group = shapes.exp.training.recompute_num_layers or 1
+        if flags is not None:
+            # block: the first `group` layers keep only their input, the rest keep everything
+            act = min(group, n) * shapes.checkpoint_input() + sum(acts[f].saved for f in flags[group:])
+        else:
+            act = math.ceil(n / group) * shapes.checkpoint_input()
+    elif n:
+        act = n_dense * acts[False].saved + (n_moe * acts[True].saved if n_moe else 0.0)
+    if emb:
+        act += shapes.embedding()
+    if loss:
+        act += shapes.final_norm()
+    return act + mtp * mtp_act
 
 
 @dataclass(frozen=True)
@@ -644,12 +701,12 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
     pr = precision(exp)
     workspace = workspace_bytes(exp)
     stages = []
-    for r, st in enumerate(stage_terms(exp)):
+    for st in stage_terms(exp):
         w, g, o, a, x = combine(st.dense_params, st.expert_params, st.held_loss, st.held_max, st.backward,
                                 st.loss_extra, st.fsdp_layer_params, workspace, pr)
         chunks = [ChunkMemory(c.virtual_rank, c.layers, c.has_embedding, c.has_loss, c.mtp_layers,
                               int(c.weights * pr.weight), c.activation_bytes) for c in st.chunks]
-        stages.append(StageMemory(pp_rank=r, weights=int(w), gradients=int(g), optimizer=int(o),
+        stages.append(StageMemory(pp_rank=st.pp_rank, weights=int(w), gradients=int(g), optimizer=int(o),
                                   activations=int(a), other=int(x), in_flight=st.in_flight,
                                   workspace=int(workspace), chunks=chunks))
     usable = int(hw.usable_bytes or hw.memory_bytes)
@@ -670,22 +727,6 @@ def fragmentation_margin(peak_bytes):
     return peak_bytes * FRAGMENTATION_FRACTION
 
 
-def _stack_activations(shapes: _Shapes, moe_flags: list[bool], acts: dict[bool, _Act]) -> float:
-    """Saved activations of a chunk's decoder layers for one micro-batch, after recompute."""
-    if not moe_flags:
-        return 0.0
-    t = shapes.exp.training
-    if shapes.full_recompute:
-        n = t.recompute_num_layers or 1
-        if t.recompute_method == "block":
-            # the first n layers of the chunk keep only their input, the rest keep everything
-            kept = moe_flags[n:]
-            return min(n, len(moe_flags)) * shapes.checkpoint_input() + sum(acts[f].saved for f in kept)
-        return math.ceil(len(moe_flags) / n) * shapes.checkpoint_input()
-    n_moe = sum(moe_flags)
-    return (len(moe_flags) - n_moe) * acts[False].saved + (n_moe * acts[True].saved if n_moe else 0.0)
-
-
 @functools.lru_cache(maxsize=65536)
 def _in_flight(acts: tuple[float, ...], loss: tuple[bool, ...], r: int, pp: int, vp: int,
                m: int) -> tuple[tuple[float, float], int]:
@@ -699,6 +740,9 @@ def _in_flight(acts: tuple[float, ...], loss: tuple[bool, ...], r: int, pp: int,
         n = min(pp - r, m)
         return (n * acts[0], n * acts[0]), n
     total = m * vp
+    if min(acts) == max(acts):                   # every window holds the same
+        n = min((pp - r - 1) * 2 + (vp - 1) * pp + 1, total)
+        return ((n * acts[0] if any(loss) else 0.0), n * acts[0]), n
     n = min((pp - r - 1) * 2 + (vp - 1) * pp + 1, total)
     period = pp * vp
     steps = min(total, n + period)          # after one period past the warm-up the windows repeat

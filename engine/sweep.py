@@ -1,0 +1,211 @@
+"""Layout sweep: every valid parallel layout of a model on a cluster, with its peak memory.
+
+`sweep(...)` enumerates TP (within a node), CP, PP, VP, EP, micro batch, recompute (none /
+selective / full) and the distributed optimizer (on / off), keeps the layouts `engine.validate`
+accepts, and estimates each with the memory model (`engine.memory`): one row per layout, ranked.
+
+Ranking (the `rank` column, 1 = most promising):
+  1. layouts that fit first;
+  2. less recompute (none, then selective, then full: full recompute re-runs the forward);
+  3. a smaller pipeline bubble, (PP - 1) / (micro-batches x VP), in whole percent;
+  4. fewer ranks in the communication-heavy dimensions, TP x CP (their collectives sit on the
+     critical path of every layer), then fewer expert-parallel ranks, then fewer pipeline stages;
+  5. more memory headroom.
+
+The memory terms that do not depend on the distributed optimizer are computed once per layout and
+shared (`memory.stage_terms` with a cache); the bytes and the verdict for both optimizer settings
+are then computed for all layouts at once with numpy (`memory.combine`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from charllm.engine import memory
+from charllm.engine.experiment import Cluster, Experiment, Hardware, ModelSpec, Training
+from charllm.probes.errors import UserError
+
+RECOMPUTE = {
+    "none": {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None},
+    "selective": {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+RECOMPUTE_ORDER = {name: i for i, name in enumerate(RECOMPUTE)}
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+COLUMNS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+           "context_parallel_size", "expert_model_parallel_size", "data_parallel_size", "micro_batch_size",
+           "recompute", "use_distributed_optimizer", "sequence_parallel")
+
+
+def base_experiment(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per_node: int,
+                    global_batch_size: int, seq_length: int | None = None,
+                    training: dict[str, Any] | None = None) -> Experiment:
+    """The experiment every layout of a sweep starts from."""
+    from charllm.engine import catalog
+
+    exp = Experiment(name="sweep")
+    exp.model = catalog.load_model(model) if isinstance(model, str) else model
+    exp.hardware = catalog.load_hardware(hardware) if isinstance(hardware, str) else hardware
+    exp.cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node)
+    exp.training = Training(global_batch_size=global_batch_size, seq_length=seq_length)
+    for key, value in (training or {}).items():
+        exp.set(key, value)
+    return exp
+
+
+def layout_to_experiment(base: Experiment, row: dict[str, Any]) -> Experiment:
+    """`base` with the layout of one sweep row applied."""
+    exp = base.copy()
+    _apply(exp, row)
+    return exp
+
+
+def _apply(exp: Experiment, row: dict[str, Any]) -> None:
+    p, t = exp.parallel, exp.training
+    p.tensor_model_parallel_size = int(row["tensor_model_parallel_size"])
+    p.pipeline_model_parallel_size = int(row["pipeline_model_parallel_size"])
+    vp = row.get("virtual_pipeline_model_parallel_size")
+    p.virtual_pipeline_model_parallel_size = int(vp) if vp and vp > 1 else None
+    p.context_parallel_size = int(row.get("context_parallel_size", 1))
+    p.expert_model_parallel_size = int(row.get("expert_model_parallel_size", 1))
+    p.sequence_parallel = bool(row.get("sequence_parallel", p.tensor_model_parallel_size > 1))
+    p.use_distributed_optimizer = bool(row.get("use_distributed_optimizer", False))
+    t.micro_batch_size = int(row["micro_batch_size"])
+    for key, value in RECOMPUTE[row.get("recompute", "none")].items():
+        setattr(t, key, value)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, x = [], 1
+    while x <= limit:
+        out.append(x)
+        x *= 2
+    return out
+
+
+def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES):
+    """Every (TP, PP, VP, CP, EP, micro batch) that `engine.validate` accepts, as dicts."""
+    from charllm.engine.validate import validate
+
+    m, world, gpn = base.model, base.world_size, base.cluster.gpus_per_node
+    gbs, seq = base.training.global_batch_size, base.seq_length
+    probe = base.copy()
+    for tp in _powers_of_two(gpn):                                  # TP stays inside a node
+        if m.num_attention_heads % tp or m.query_groups % tp:
+            continue
+        for cp in _powers_of_two(world // tp):
+            if world % (tp * cp) or seq % (2 * cp if cp > 1 else 1):
+                continue
+            for pp in _divisors(world // (tp * cp)):
+                if pp > m.num_layers:
+                    continue
+                dp = world // (tp * cp * pp)
+                vps = [1] + ([v for v in _divisors(m.num_layers // pp) if v > 1]
+                             if pp > 1 and m.num_layers % pp == 0 else [])
+                eps = [e for e in _divisors(m.num_moe_experts) if (tp * cp * dp) % (e * tp) == 0] \
+                    if m.is_moe else [1]
+                batches = [b for b in micro_batch_sizes if gbs % (b * dp) == 0]
+                for vp in vps if batches else ():
+                    for ep in eps:
+                        rows = [{"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                 "virtual_pipeline_model_parallel_size": vp, "context_parallel_size": cp,
+                                 "expert_model_parallel_size": ep, "data_parallel_size": dp,
+                                 "micro_batch_size": b, "sequence_parallel": tp > 1} for b in batches]
+                        # the micro batch only enters the batch rule, checked above
+                        _apply(probe, rows[0])
+                        if not validate(probe):
+                            yield from rows
+
+
+def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per_node: int,
+          global_batch_size: int, seq_length: int | None = None, *,
+          micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tuple(RECOMPUTE),
+          distributed_optimizer=(True, False), training: dict[str, Any] | None = None,
+          fits_only: bool = False):
+    """One row per valid layout with peak memory, verdict and headroom, most promising first."""
+    import numpy as np
+    import polars as pl
+
+    for name in recompute:
+        if name not in RECOMPUTE:
+            raise UserError(f"recompute = {name!r}: expected one of {', '.join(RECOMPUTE)}")
+    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node),
+                        ("global_batch_size", global_batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise UserError(f"{name} = {value!r}: must be a positive integer")
+    base = base_experiment(model, hardware, nodes, gpus_per_node, global_batch_size, seq_length, training)
+    hw = base.hardware
+    work = base.copy()
+    cache: dict = {}
+    rows: list[dict] = []
+    stage_row: list[int] = []
+    stage_rank: list[int] = []
+    terms: list[tuple] = []
+    for layout in layouts(base, micro_batch_sizes):
+        _apply(work, layout)
+        pr = memory.precision(work, use_distributed_optimizer=True)      # recompute changes neither
+        ws = memory.workspace_bytes(work)
+        num_mb = work.num_microbatches
+        for name in recompute:
+            row = {**layout, "recompute": name, "num_microbatches": num_mb}
+            for key, value in RECOMPUTE[name].items():
+                setattr(work.training, key, value)
+            index = len(rows)
+            rows.append(row)
+            stages = memory.stage_terms(work, cache, with_chunks=False, peak_candidates=True)
+            stage_row.extend([index] * len(stages))
+            stage_rank.extend(st.pp_rank for st in stages)
+            terms.extend((st.dense_params, st.expert_params, st.held_loss, st.held_max, st.backward,
+                          st.loss_extra, pr.dp_shard, pr.edp_shard, ws) for st in stages)
+    if not rows:
+        return pl.DataFrame(schema={c: pl.Int64 for c in (*COLUMNS, "peak_bytes", "headroom_bytes", "rank")})
+    stage_row = np.asarray(stage_row)
+    dense, expert, held_loss, held_max, backward, loss_extra, dp_shard, edp_shard, workspace = \
+        np.asarray(terms, dtype=float).T
+    starts = np.flatnonzero(np.r_[True, stage_row[1:] != stage_row[:-1]])
+    pr0 = memory.precision(work)
+    usable = float(hw.usable_bytes or hw.memory_bytes)
+    frames = []
+    for dist in distributed_optimizer:
+        pr = memory.Precision(pr0.weight, pr0.grad, pr0.optimizer, dp_shard, edp_shard,
+                              shard_optimizer=dist, shard_grads=False, shard_weights=False)
+        w, g, o, a, x = memory.combine(dense, expert, held_loss, held_max, backward, loss_extra, 0,
+                                       workspace, pr)
+        total = w + g + o + a + x
+        peak = np.maximum.reduceat(total, starts)
+        stage_index = np.asarray(stage_rank)
+        at_peak = total == np.repeat(peak, np.diff(np.r_[starts, len(total)]))
+        peak_stage = np.minimum.reduceat(np.where(at_peak, stage_index, 1 << 30), starts)
+        static = np.maximum.reduceat(np.where(at_peak, w + g + o, 0), starts)
+        margin = memory.fragmentation_margin(peak)
+        headroom = usable - hw.outside_allocator_bytes - margin - peak
+        frames.append(pl.DataFrame(rows).with_columns(
+            pl.lit(dist).alias("use_distributed_optimizer"),
+            pl.Series("peak_bytes", peak.astype(np.int64)),
+            pl.Series("peak_stage", peak_stage.astype(np.int64)),
+            pl.Series("static_bytes", static.astype(np.int64)),
+            pl.Series("headroom_bytes", headroom.astype(np.int64)),
+            pl.Series("fits", headroom >= 0),
+        ))
+    df = pl.concat(frames)
+    df = df.with_columns(
+        ((pl.col("pipeline_model_parallel_size") - 1)
+         / (pl.col("num_microbatches") * pl.col("virtual_pipeline_model_parallel_size"))).alias("bubble"),
+        pl.col("recompute").replace_strict(RECOMPUTE_ORDER, return_dtype=pl.Int64).alias("_recompute_cost"),
+        (pl.col("tensor_model_parallel_size") * pl.col("context_parallel_size")).alias("_comm"),
+    ).with_columns((pl.col("bubble") * 100).round(0).alias("_bubble_pct")).sort(["fits", "_recompute_cost", "_bubble_pct", "_comm", "expert_model_parallel_size",
+            "pipeline_model_parallel_size", "headroom_bytes"],
+           descending=[True, False, False, False, False, False, True])
+    df = df.drop("_recompute_cost", "_comm", "_bubble_pct").with_row_index("rank", offset=1)
+    df = df.with_columns(pl.col("rank").cast(pl.Int64))
+    if fits_only:
+        df = df.filter(pl.col("fits"))
+    order = ["rank", *COLUMNS, "num_microbatches", "bubble", "peak_bytes", "peak_stage", "static_bytes",
+             "headroom_bytes", "fits"]
+    return df.select(order)
+
