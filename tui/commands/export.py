@@ -36,14 +36,15 @@ def run(args: argparse.Namespace) -> int:
         from charllm.engine.megatron import export_megatron_args, format_megatron_args
 
         text = format_megatron_args(export_megatron_args(exp)) + "\n"
-        print(f"# world size {exp.world_size} = {exp.cluster.nodes} node(s) x {exp.cluster.gpus_per_node}: "
-              f"torchrun --nnodes {exp.cluster.nodes} --nproc-per-node {exp.cluster.gpus_per_node} "
-              "pretrain_gpt.py <flags>", file=sys.stderr)
     if args.out is None:
         sys.stdout.write(text)
     else:
         _write_atomically(args.out, text)
         print(f"wrote {args.out}", file=sys.stderr)
+    if args.format == "megatron":  # the world size is the launcher's business, not a flag
+        print(f"# world size {exp.world_size} = {exp.cluster.nodes} node(s) x {exp.cluster.gpus_per_node}: "
+              f"torchrun --nnodes {exp.cluster.nodes} --nproc-per-node {exp.cluster.gpus_per_node} "
+              "pretrain_gpt.py <flags>", file=sys.stderr)
     return 0
 
 
