@@ -1,0 +1,124 @@
+"""`charllm-tui plan`: per-stage peak memory of an experiment or of a Megatron-LM command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EPILOG = """\
+what the numbers mean:
+  total      the PyTorch caching-allocator peak (torch.cuda.max_memory_allocated) over a training
+             iteration on the stage's most loaded rank = weights + gradients + optimizer state +
+             activations + other (logits and loss on the last stage, embedding input on the first,
+             workspaces, pipeline buffers, backward temporaries)
+  headroom   usable memory - memory outside the allocator (CUDA context, NCCL) - fragmentation
+             margin - total; a stage fits when headroom >= 0
+
+exit status: 0 every stage fits, 1 some stage does not fit, 2 bad input (one line on stderr)
+
+examples:
+  charllm-tui plan llama3-70b-h100-64-tp8-pp4 --set micro_batch_size=2
+  charllm-tui plan --megatron-args "--num-layers 32 --hidden-size 4096 ..." --world-size 64 --hardware h100-sxm-80gb
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="per-stage peak memory and fit verdict of an experiment",
+                       description="Estimate the peak GPU memory of every pipeline stage and whether it fits.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("experiment", nargs="?", metavar="EXPERIMENT_OR_PRESET",
+                   help="an experiment TOML file or preset name")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set tensor_model_parallel_size=4 (repeatable)")
+    p.add_argument("--megatron-args", metavar="FLAGS", help="a pretrain_gpt.py command line instead of an experiment")
+    p.add_argument("--world-size", type=int, metavar="N", help="number of GPUs (with --megatron-args)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs per node (with --megatron-args; default 8)")
+    p.add_argument("--hardware", metavar="NAME", help="hardware preset (with --megatron-args)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def load(args: argparse.Namespace):
+    """(experiment, ignored Megatron flags, warnings) from either form of the command line."""
+    from charllm.probes.errors import UserError
+
+    if args.megatron_args is not None:
+        if args.experiment:
+            raise UserError("plan: give either EXPERIMENT_OR_PRESET or --megatron-args, not both")
+        if args.world_size is None or args.hardware is None:
+            raise UserError("plan --megatron-args: --world-size and --hardware are required")
+        if args.world_size < 1:
+            raise UserError(f"--world-size = {args.world_size!r}: must be a positive integer")
+        from charllm.engine.megatron import import_megatron_args
+
+        imported = import_megatron_args(args.megatron_args, world_size=args.world_size,
+                                        gpus_per_node=args.gpus_per_node, hardware=args.hardware)
+        return imported.experiment.apply(args.sets), imported.ignored, imported.warnings
+    if not args.experiment:
+        raise UserError("plan: an EXPERIMENT_OR_PRESET or --megatron-args is required")
+    for flag in ("world_size", "gpus_per_node", "hardware"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"plan: --{flag.replace('_', '-')} only goes with --megatron-args "
+                            f"(use --set for an experiment)")
+    from charllm.engine import catalog
+
+    return catalog.load_experiment(args.experiment).apply(args.sets), [], []
+
+
+def run(args: argparse.Namespace) -> int:
+    from charllm.engine.memory import estimate
+    from charllm.engine.validate import check
+
+    exp, ignored, warnings = load(args)
+    check(exp)
+    report = estimate(exp, ignored_args=ignored, warnings=warnings)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        render(exp, report)
+    return 0 if report.fits else 1
+
+
+def gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f}"
+
+
+def render(exp, report) -> None:
+    from rich.console import Console
+    from rich import box
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 120)   # pipes and files get the whole table
+    p = exp.parallel
+    layout = (f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size}"
+              f"{f' VP{exp.virtual_stages}' if exp.virtual_stages > 1 else ''} CP{p.context_parallel_size}"
+              f" EP{p.expert_model_parallel_size} DP{exp.data_parallel_size}"
+              f"{' SP' if p.sequence_parallel else ''}{' dist-opt' if p.use_distributed_optimizer else ''}")
+    table = Table(box=box.SIMPLE_HEAD, caption="layers: per virtual chunk (NxV: N layers in each of V chunks); mb: micro-batch chunks held at the peak",
+                  caption_justify="left", title=f"{exp.name}: {exp.model.name} on {exp.world_size} x {exp.hardware.name} ({layout}), "
+                        f"micro batch {exp.training.micro_batch_size}, {exp.num_microbatches} micro-batches, GiB",
+                  title_justify="left")
+    columns = ("PP", "layers", "mb", "weights", "grads", "optim", "acts", "other", "total", "headroom", "fits")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("layers", "fits") else "right", no_wrap=True)
+    for s in report.stages:
+        sizes = [len(c.layers) for c in s.chunks]
+        layers = f"{sizes[0]}x{len(sizes)}" if len(sizes) > 1 and len(set(sizes)) == 1 else "+".join(map(str, sizes))
+        table.add_row(str(s.pp_rank), layers, str(s.in_flight), gib(s.weights), gib(s.gradients), gib(s.optimizer),
+                      gib(s.activations), gib(s.other), gib(s.total_bytes), gib(s.headroom_bytes),
+                      "[green]yes[/]" if s.fits else "[red]NO[/]")
+    console.print(table)
+    console.print(f"usable {gib(report.usable_bytes)} GiB per device - outside the allocator "
+                  f"{gib(report.outside_allocator_bytes)} GiB (CUDA context, NCCL) - fragmentation margin "
+                  f"{gib(report.fragmentation_margin_bytes)} GiB = "
+                  f"{gib(report.usable_bytes - report.outside_allocator_bytes - report.fragmentation_margin_bytes)}"
+                  f" GiB for the allocator peak")
+    verdict = "[green]fits[/]" if report.fits else "[red]does NOT fit[/]"
+    console.print(f"peak {gib(report.peak_bytes)} GiB on stage {report.peak_stage}: {verdict} "
+                  f"(headroom {gib(report.headroom_bytes)} GiB)")
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    if report.ignored_args:
+        console.print(f"ignored Megatron flags (not modelled): {' '.join(report.ignored_args)}", highlight=False)
+    sys.stdout.flush()
