@@ -178,6 +178,7 @@ def transformer_config(exp, *, cuda: bool, have_te: bool):
         # Per-token loss: megatron divides grads by the tokens of the whole global batch, which
         # is right for any DP, CP and microbatch count.
         calculate_per_token_loss=True,
+        cuda_graph_scope=[],   # the default "full" is deprecated and warns on every rank
     )
 
 
@@ -493,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     # megatron warns at import, once per module and rank, that TE/Apex are absent; we choose the
     # implementation ourselves (transformer_impl), so the warning is noise in every rank's log.
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    warnings.filterwarnings("ignore", message="Apex is not installed")
+    # Megatron asks for this with TP (one CUDA work queue keeps TP comms ordered before compute).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     stop = StopFlag()
     logs: list[IterationLog] = []
     status = 1
