@@ -15,9 +15,10 @@ from pathlib import Path
 
 import polars as pl
 
-from charllm.probes.schema import conform
+from charllm.probes.schema import TELEMETRY_SCHEMA, conform
 
 CHUNK_NAME = re.compile(r"^(\d{6,})\.arrow$")
+_SCHEMA = pl.Schema(TELEMETRY_SCHEMA)
 
 
 class ChunkWriter:
@@ -39,7 +40,9 @@ class ChunkWriter:
             return None
         name = f"{self._next:06d}.arrow"
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
-        conform(frame).write_ipc(tmp, compression=self.compression)
+        if frame.schema != _SCHEMA:  # the sampler's frames already conform
+            frame = conform(frame)
+        frame.write_ipc(tmp, compression=self.compression)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, final)

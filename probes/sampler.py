@@ -90,7 +90,9 @@ class Sampler:
         self.rows = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._batches: queue.Queue = queue.Queue()
+        # Bounded: if the disk stalls for half a minute the sampler waits (and counts missed
+        # deadlines) rather than growing without limit.
+        self._batches: queue.Queue = queue.Queue(maxsize=30)
         self._flush_error: BaseException | None = None
 
     # -- consumers -------------------------------------------------------------------------
@@ -138,7 +140,7 @@ class Sampler:
                 if duration is not None and k / self.hz >= duration:
                     break
                 wait = start + k / self.hz - self.clock()
-                if wait > 0 and self._stop.wait(wait):
+                if wait > 0 and self._sleep(wait):
                     break
                 now = self.clock()
                 if self.marker and now >= next_poll:
@@ -169,6 +171,12 @@ class Sampler:
             flusher.join()
         if self._flush_error:
             raise self._flush_error
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait until the next deadline; True if stopped meanwhile (benchmarks override it to
+        compress time together with an injected clock)."""
+        time.sleep(seconds)  # cheaper than Event.wait; stop() is seen within one period
+        return self._stop.is_set()
 
     def _tick(self, k: int) -> list[dict]:
         ts_ns, mono_ns = time.time_ns(), time.monotonic_ns()

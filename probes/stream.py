@@ -15,9 +15,10 @@ from typing import BinaryIO, Callable
 
 import polars as pl
 
-from charllm.probes.schema import conform
+from charllm.probes.schema import TELEMETRY_SCHEMA, conform
 
 _LENGTH = struct.Struct("<Q")
+_SCHEMA = pl.Schema(TELEMETRY_SCHEMA)
 
 
 class StreamWriter:
@@ -28,7 +29,7 @@ class StreamWriter:
         if frame.is_empty():
             return
         buf = io.BytesIO()
-        conform(frame).write_ipc_stream(buf, compression="zstd")
+        (frame if frame.schema == _SCHEMA else conform(frame)).write_ipc_stream(buf, compression="zstd")
         payload = buf.getvalue()
         self.file.write(_LENGTH.pack(len(payload)))
         self.file.write(payload)
