@@ -56,10 +56,10 @@ def run(args: argparse.Namespace) -> int:
         if args.list:
             _print_list(_console(sys.stdout), backends, reason)
             return 0
-        run_dir = _prepare_run_dir(args.out, args, reason) if args.out else None
+        run_dir, own_manifest = _prepare_run_dir(args.out, args, reason) if args.out else (None, False)
         follow = args.follow or (run_dir is None and not args.stream)
         view = _LiveTable(err if args.stream else _console(sys.stdout), reason) if follow else None
-        sampler = Sampler(backends, hz=args.hz, node=args.node, run_dir=run_dir,
+        sampler = Sampler(backends, hz=args.hz, node=args.node, run_dir=run_dir.path if run_dir else None,
                           on_sample=view.update if view else None,
                           stream=sys.stdout.buffer if args.stream else None)
         previous = {sig: signal.signal(sig, lambda *_: sampler.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -73,16 +73,18 @@ def run(args: argparse.Namespace) -> int:
                     sampler.run(args.duration)
             else:
                 sampler.run(args.duration)
+        except BaseException:
+            if own_manifest:
+                run_dir.update_manifest(status="failed")
+            raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         chunks = f", {sampler.writer.chunks_written} chunk(s)" if sampler.writer else ""
         err.print(f"probe: {sampler.rows} rows in {sampler.ticks} ticks, "
                   f"{sampler.missed_deadlines} missed deadline(s){chunks}")
-        if run_dir is not None and getattr(args, "_created_manifest", False):
-            from charllm.probes.rundir import RunDir
-
-            RunDir(run_dir).update_manifest(status="completed")
+        if own_manifest:
+            run_dir.update_manifest(status="completed")
         return 0
     finally:
         for backend in backends:
@@ -90,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
-    """A run directory for the recording; a bare one gets a {"kind": "probe"} manifest."""
+    """(RunDir, whether we own its manifest): a bare directory gets a {"kind": "probe"} manifest,
+    an existing manifest (a launcher's) is left alone."""
     import time
     from pathlib import Path
 
@@ -100,8 +103,8 @@ def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
     if not run.manifest_path.exists():
         run.write_manifest({"id": run.id, "kind": "probe", "status": "running", "backend": args.backend,
                             "backend_reason": reason, "hz": args.hz, "created_ns": time.time_ns()})
-        args._created_manifest = True
-    return run.path
+        return run, True
+    return run, False
 
 
 def _console(file):
