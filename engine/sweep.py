@@ -169,7 +169,8 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
         np.asarray(terms, dtype=float).T
     starts = np.flatnonzero(np.r_[True, stage_row[1:] != stage_row[:-1]])
     pr0 = memory.precision(work)
-    usable = float(hw.usable_bytes or hw.memory_bytes)
+    usable = int(hw.usable_bytes or hw.memory_bytes)
+    margin = memory.fragmentation_margin(usable, int(hw.outside_allocator_bytes))
     frames = []
     for dist in distributed_optimizer:
         pr = memory.Precision(pr0.weight, pr0.grad, pr0.optimizer, dp_shard, edp_shard,
@@ -182,7 +183,6 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
         at_peak = total == np.repeat(peak, np.diff(np.r_[starts, len(total)]))
         peak_stage = np.minimum.reduceat(np.where(at_peak, stage_index, 1 << 30), starts)
         static = np.maximum.reduceat(np.where(at_peak, w + g + o, 0), starts)
-        margin = memory.fragmentation_margin(peak)
         headroom = usable - hw.outside_allocator_bytes - margin - peak
         frames.append(pl.DataFrame(rows).with_columns(
             pl.lit(dist).alias("use_distributed_optimizer"),
