@@ -1,0 +1,284 @@
+"""The memory model, formula by formula, against numbers computed by hand in each test.
+
+Notation as in Korthikanti et al. 2022: s sequence, b micro batch, h hidden, a heads, t TP size,
+L layers, V padded vocabulary; activations in bf16 (2 bytes per element).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from charllm.engine import catalog
+from charllm.engine.experiment import Cluster, Experiment, Hardware, ModelSpec, Parallel, Training
+from charllm.engine.memory import (
+    BASE_WORKSPACE_BYTES, TE_WORKSPACE_BYTES, _Shapes, count_parameters, estimate, split_layers,
+)
+
+S, B, H, A, FFN, L, V = 1024, 2, 512, 8, 2048, 4, 50304
+GIB = 1 << 30
+
+
+def gpt(*, tp=1, pp=1, vp=None, cp=1, sp=False, dp=1, mbs=B, gbs=None, dist_opt=False, dropout=0.1,
+        backend="unfused", recompute=None, method=None, recompute_layers=None, **model) -> Experiment:
+    """A GPT-3-style model (LayerNorm, biases, GELU 4h MLP, learned positions, tied embeddings)."""
+    spec = dict(num_layers=L, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=A, seq_length=S,
+                max_position_embeddings=S, vocab_size=50257, hidden_dropout=dropout, attention_dropout=dropout)
+    spec.update(model)
+    world = tp * pp * cp * dp
+    return Experiment(
+        model=ModelSpec(**spec),
+        hardware=Hardware(name="test-80g", usable_bytes=80 * GIB, memory_bytes=80 * GIB,
+                          outside_allocator_bytes=2 * GIB),
+        cluster=Cluster(nodes=1, gpus_per_node=world),
+        parallel=Parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp, sequence_parallel=sp,
+                          use_distributed_optimizer=dist_opt),
+        training=Training(micro_batch_size=mbs, global_batch_size=gbs or mbs * dp, attention_backend=backend,
+                          recompute_granularity=recompute, recompute_method=method,
+                          recompute_num_layers=recompute_layers),
+    )
+
+
+def layer_params(h=H, ffn=FFN) -> int:
+    """GPT layer: QKV 3h^2+3h, proj h^2+h, fc1 h*ffn+ffn, fc2 ffn*h+h, two LayerNorms 4h."""
+    return 4 * h * h + 2 * h * ffn + 9 * h + ffn
+
+
+# -- weights ----------------------------------------------------------------------------------
+def test_parameter_count_of_a_small_gpt_matches_the_explicit_formula():
+    m = gpt().model
+    assert count_parameters(m) == V * H + S * H + L * layer_params() + 2 * H   # + final LayerNorm
+
+
+def test_gqa_swiglu_rmsnorm_untied_parameter_count():
+    m = gpt(num_query_groups=2, swiglu=True, normalization="RMSNorm", untie_embeddings_and_output_weights=True,
+            position_embedding_type="rope", add_bias_linear=False).model
+    d = H // A
+    per_layer = H * (A + 2 * 2) * d + A * d * H + 3 * H * FFN + 2 * H      # QKV, proj, fc1 (gated) + fc2, norms
+    assert count_parameters(m) == 2 * V * H + L * per_layer + H
+
+
+def test_weights_on_one_rank_split_by_tp_and_pp_with_the_output_copy_on_the_last_stage():
+    r = estimate(gpt(tp=2, pp=2))
+    v2 = 50432                                     # 50257 padded to a multiple of 128 x TP
+    column, row = 3 * H * H + 3 * H + H * FFN + FFN, H * H + FFN * H   # split by TP (column biases too)
+    replicated = 4 * H + 2 * H                      # LayerNorms and the row-parallel biases
+    layer = (column + row) // 2 + replicated
+    first = 2 * layer + v2 * H // 2 + S * H
+    last = 2 * layer + 2 * H + v2 * H // 2          # final norm + its own copy of the tied embedding
+    assert [s.weights for s in r.stages] == [2 * first, 2 * last]
+
+
+def test_tied_embedding_is_counted_once_without_pipeline_parallelism():
+    r = estimate(gpt())
+    assert r.stages[0].weights == 2 * count_parameters(gpt().model)
+
+
+# -- gradients and optimizer ------------------------------------------------------------------
+def test_gradients_are_fp32_main_grads_unless_reduced_in_bf16():
+    exp = gpt()
+    n = count_parameters(exp.model)
+    assert estimate(exp).stages[0].gradients == 4 * n
+    exp.training.grad_reduce_in_bf16 = True
+    assert estimate(exp).stages[0].gradients == 2 * n
+
+
+def test_adam_state_is_12_bytes_per_parameter_sharded_by_the_distributed_optimizer():
+    n = count_parameters(gpt().model)
+    assert estimate(gpt(dp=4)).stages[0].optimizer == 12 * n
+    assert estimate(gpt(dp=4, dist_opt=True)).stages[0].optimizer == 12 * n // 4
+    # context-parallel ranks hold the same weights, so they share the optimizer shard too
+    assert estimate(gpt(dp=2, cp=2, dist_opt=True)).stages[0].optimizer == 12 * n // 4
+
+
+def test_expert_optimizer_state_shards_over_the_expert_data_parallel_group():
+    exp = gpt(dp=8, dist_opt=True, num_moe_experts=8, moe_router_topk=2, add_bias_linear=False)
+    exp.parallel.expert_model_parallel_size = 4
+    experts_per_rank = 2 * (2 * H * FFN)            # 8 experts / EP4, fc1 + fc2 without bias
+    dense = count_parameters(exp.model) - L * 8 * (2 * H * FFN)
+    expected = 12 * dense / 8 + 12 * L * experts_per_rank / 2    # DP 8, expert DP = 8 / EP4 = 2
+    assert estimate(exp).stages[0].optimizer == int(expected)
+
+
+# -- activations per layer --------------------------------------------------------------------
+def test_unfused_attention_layer_is_34sbh_plus_5as2b():
+    act = _Shapes(gpt()).layer(False)
+    assert act.saved == 34 * S * B * H + 5 * A * S * S * B
+
+
+def test_tensor_parallel_without_sp_keeps_10sbh_unsharded():
+    t = 4
+    act = _Shapes(gpt(tp=t)).layer(False)
+    assert act.saved == pytest.approx(S * B * H * (10 + 24 / t + 5 * A * S / (H * t)))
+
+
+def test_sequence_parallel_divides_everything_by_tp():
+    t = 4
+    act = _Shapes(gpt(tp=t, sp=True)).layer(False)
+    assert act.saved == pytest.approx(S * B * H * (34 / t + 5 * A * S / (H * t)))
+
+
+def test_flash_attention_keeps_no_scores_only_the_fp32_logsumexp():
+    act = _Shapes(gpt(backend="flash")).layer(False)
+    assert act.saved == 34 * S * B * H + 4 * A * S * B
+
+
+def test_no_dropout_means_no_masks():
+    act = _Shapes(gpt(dropout=0.0)).layer(False)
+    # without dropout: no 2 sbh masks, and the scores are saved once (no mask, no dropout output)
+    assert act.saved == 32 * S * B * H + 2 * A * S * S * B
+
+
+def test_selective_recompute_drops_the_attention_scores():
+    act = _Shapes(gpt(recompute="selective")).layer(False)
+    assert act.saved == 34 * S * B * H
+
+
+def test_gqa_and_swiglu_shapes():
+    g, ffn = 2, 1344
+    act = _Shapes(gpt(num_query_groups=g, swiglu=True, ffn_hidden_size=ffn, backend="flash", dropout=0.0)).layer(False)
+    d = H // A
+    attention = 2 * S * B * H * 2 + 2 * S * B * (A + 2 * g) * d + 2 * S * B * A * d + 4 * A * S * B
+    mlp = 2 * S * B * H * 2 + 2 * S * B * 2 * ffn + 2 * S * B * ffn       # fc1 output is 2 x ffn wide
+    assert act.saved == attention + mlp
+
+
+def test_context_parallel_halves_the_sequence_and_keeps_the_ring_copies():
+    full = _Shapes(gpt(backend="flash")).layer(False).saved
+    cp2 = _Shapes(gpt(cp=2, backend="flash")).layer(False).saved
+    qkv = 3 * 2 * (S // 2) * B * H                  # Q, K, V of the local half sequence
+    assert cp2 == pytest.approx(full / 2 + qkv)
+
+
+# -- whole stages -----------------------------------------------------------------------------
+def test_full_recompute_keeps_only_each_layers_input():
+    exp = gpt(recompute="full", method="uniform", recompute_layers=1, dropout=0.0)
+    last = estimate(exp).stages[0]
+    embedding, final_norm = 8 * S * B, 4 * S * B * H
+    assert last.activations == L * 2 * S * B * H + embedding + final_norm
+
+
+def test_last_stage_holds_bf16_logits_and_the_fp32_copy_the_loss_keeps():
+    exp = gpt(dropout=0.0)
+    stage = estimate(exp).stages[0]
+    logits = S * B * V * (2 + 4)
+    assert stage.other == BASE_WORKSPACE_BYTES + TE_WORKSPACE_BYTES + logits
+    exp.training.cross_entropy_loss_fusion = True                   # one more fp32 copy
+    assert estimate(exp).stages[0].other == stage.other + 4 * S * B * V
+
+
+def test_1f1b_in_flight_microbatches_are_min_of_pp_minus_rank_and_microbatches():
+    assert [s.in_flight for s in estimate(gpt(pp=4, gbs=2 * B)).stages] == [2, 2, 2, 1]
+    assert [s.in_flight for s in estimate(gpt(pp=4, gbs=8 * B)).stages] == [4, 3, 2, 1]
+
+
+def test_interleaved_schedule_holds_the_warmup_chunks():
+    # Megatron: (PP - r - 1) * 2 + (VP - 1) * PP warm-up chunk steps, plus the current one
+    exp = gpt(pp=4, vp=2, num_layers=8, gbs=8 * B)
+    assert [s.in_flight for s in estimate(exp).stages] == [11, 9, 7, 5]
+    first = estimate(exp).stages[0]
+    assert first.activations == pytest.approx(11 * first.chunks[1].activation_bytes, rel=0.01)
+
+
+def test_uneven_pipeline_split():
+    exp = gpt(pp=4, num_layers=12)
+    exp.parallel.decoder_first_pipeline_num_layers = 2
+    exp.parallel.decoder_last_pipeline_num_layers = 2
+    assert [len(c[0].layers) for c in split_layers(exp)] == [2, 4, 4, 2]
+
+
+def test_pipeline_layout_string():
+    exp = gpt(pp=2, vp=2, num_layers=6)
+    exp.parallel.pipeline_model_parallel_layout = "Et|(tt|)*2tL"
+    chunks = split_layers(exp)
+    assert [[len(c.layers) for c in stage] for stage in chunks] == [[1, 2], [2, 1]]
+    assert chunks[0][0].embedding and chunks[1][1].loss
+
+
+def test_verdict_uses_outside_allocator_memory_and_the_fragmentation_margin():
+    r = estimate(gpt())
+    stage = r.stages[0]
+    assert r.outside_allocator_bytes == 2 * GIB
+    assert r.fragmentation_margin_bytes == int(0.3 * 78 * GIB)
+    assert stage.headroom_bytes == 80 * GIB - 2 * GIB - r.fragmentation_margin_bytes - stage.total_bytes
+    assert stage.fits and r.fits
+
+
+def test_a_58_8_gb_allocation_does_not_fit_an_80_gb_h100():
+    exp = gpt()
+    exp.hardware = catalog.load_hardware("h100-sxm-80gb")
+    r = estimate(exp)
+    assert 58.8e9 > r.usable_bytes - r.outside_allocator_bytes - r.fragmentation_margin_bytes
+
+
+def test_to_dict_shape():
+    d = estimate(gpt(pp=2)).to_dict()
+    assert {"fits", "usable_bytes", "peak_bytes", "peak_stage", "stages", "outside_allocator_bytes",
+            "fragmentation_margin_bytes", "ignored_args", "warnings"} <= set(d)
+    stage = d["stages"][1]
+    assert stage["pp_rank"] == 1
+    assert stage["static_bytes"] == sum(stage["breakdown"][k] for k in ("weights", "gradients", "optimizer"))
+    assert stage["total_bytes"] == stage["static_bytes"] + stage["breakdown"]["activations"] \
+        + stage["breakdown"]["other"]
+    assert d["peak_bytes"] == max(s["total_bytes"] for s in d["stages"])
+
+
+# -- the weight formula against a real megatron-core GPTModel ---------------------------------
+@pytest.fixture(scope="module")
+def megatron_world():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    import tempfile
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        ps.initialize_model_parallel(1, 1)
+        try:
+            yield torch
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def _variant(name: str, **changes) -> ModelSpec:
+    return dataclasses.replace(catalog.load_model(name), **changes)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", [
+    catalog.load_model("tiny-dense"),
+    catalog.load_model("tiny-moe"),
+    _variant("tiny-dense", swiglu=True, num_query_groups=2, normalization="RMSNorm", add_bias_linear=False,
+             untie_embeddings_and_output_weights=True, position_embedding_type="rope", qk_layernorm=True),
+    _variant("tiny-moe", moe_shared_expert_intermediate_size=96, moe_layer_freq=[0, 1, 1, 1], swiglu=True),
+], ids=["tiny-dense", "tiny-moe", "tiny-gqa-swiglu-rms-untied", "tiny-moe-shared-pattern"])
+def test_parameter_count_matches_a_megatron_core_gpt_model(megatron_world, model):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    m = model
+    config = TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        add_bias_linear=m.add_bias_linear, gated_linear_unit=m.swiglu, normalization=m.normalization,
+        qk_layernorm=m.qk_layernorm, num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn if m.is_moe else None,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_layer_freq=m.moe_layer_freq, use_cpu_initialization=True)
+    spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, normalization=m.normalization,
+                                    qk_layernorm=m.qk_layernorm)
+    if m.is_moe and isinstance(m.moe_layer_freq, list):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=m.normalization)
+    gpt_model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=m.padded_vocab_size(),
+                         max_sequence_length=m.max_position_embeddings or m.seq_length,
+                         position_embedding_type=m.position_embedding_type,
+                         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
+    assert sum(p.numel() for p in gpt_model.parameters()) == count_parameters(m)
