@@ -12,6 +12,7 @@ import pwd
 import random
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,9 +97,7 @@ def start_cluster(root: Path, cleanups: list) -> SlurmCluster:
     munge = pwd.getpwnam("munge")
     (root / "munge").mkdir(parents=True)
     os.chmod(root, 0o755)
-    for path in (root / "munge",):
-        os.chown(path, munge.pw_uid, munge.pw_gid)
-        os.chmod(path, 0o700 if path.name != "munge" else 0o755)
+    os.chown(root / "munge", munge.pw_uid, munge.pw_gid)
     key = root / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     os.chown(key, munge.pw_uid, munge.pw_gid)
@@ -150,14 +149,16 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
+def slurm_cluster():
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
-    cleanups: list = []
+    # Not under pytest's tmp dir: that is private to root (0700) and munged runs as `munge`.
+    root = Path(tempfile.mkdtemp(prefix="charllm-slurm-"))
+    cleanups: list = [lambda: shutil.rmtree(root, ignore_errors=True)]
     saved = os.environ.get("SLURM_CONF")
     try:
-        cluster = start_cluster(tmp_path_factory.mktemp("slurm"), cleanups)
+        cluster = start_cluster(root, cleanups)
         os.environ["SLURM_CONF"] = str(cluster.conf)  # launch() and its supervisor use the clients
         yield cluster
     finally:
