@@ -33,9 +33,17 @@ RECOMPUTE = {
 RECOMPUTE_ORDER = {name: i for i, name in enumerate(RECOMPUTE)}
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
+# The agreed columns (common.md); the sweep adds num_microbatches, bubble, peak_stage and static_bytes.
+REQUIRED_COLUMNS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                    "data_parallel_size", "micro_batch_size", "recompute", "use_distributed_optimizer",
+                    "sequence_parallel", "peak_bytes", "fits", "headroom_bytes", "rank")
 COLUMNS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
            "context_parallel_size", "expert_model_parallel_size", "data_parallel_size", "micro_batch_size",
            "recompute", "use_distributed_optimizer", "sequence_parallel")
+
+ORDER = ("rank", *COLUMNS, "num_microbatches", "bubble", "peak_bytes", "peak_stage", "static_bytes",
+         "headroom_bytes", "fits")
 
 
 def base_experiment(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per_node: int,
@@ -163,7 +171,9 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
             terms.extend((st.dense_params, st.expert_params, st.held_loss, st.held_max, st.backward,
                           st.loss_extra, pr.dp_shard, pr.edp_shard, ws) for st in stages)
     if not rows:
-        return pl.DataFrame(schema={c: pl.Int64 for c in (*COLUMNS, "peak_bytes", "headroom_bytes", "rank")})
+        flags = ("use_distributed_optimizer", "sequence_parallel", "fits")
+        return pl.DataFrame(schema={name: pl.String if name == "recompute" else pl.Float64 if name == "bubble"
+                                    else pl.Boolean if name in flags else pl.Int64 for name in ORDER})
     stage_row = np.asarray(stage_row)
     dense, expert, held_loss, held_max, backward, loss_extra, dp_shard, edp_shard, workspace = \
         np.asarray(terms, dtype=float).T
@@ -205,7 +215,5 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
     df = df.with_columns(pl.col("rank").cast(pl.Int64))
     if fits_only:
         df = df.filter(pl.col("fits"))
-    order = ["rank", *COLUMNS, "num_microbatches", "bubble", "peak_bytes", "peak_stage", "static_bytes",
-             "headroom_bytes", "fits"]
-    return df.select(order)
+    return df.select(ORDER)
 

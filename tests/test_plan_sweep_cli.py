@@ -1,0 +1,157 @@
+"""`charllm-tui plan` and `charllm-tui sweep` as a user runs them: output, JSON shape, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from charllm.tui.cli import main
+
+MEGATRON = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
+            "--max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 16 --bf16 "
+            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel "
+            "--use-distributed-optimizer --vocab-size 50257 --log-interval 1 --weight-decay 0.1")
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("charllm-tui: error: ") and "Traceback" not in err
+    return lines[0]
+
+
+# -- plan -------------------------------------------------------------------------------------
+def test_plan_prints_a_per_stage_table(capsys):
+    code, out, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000")
+    assert code == 0
+    for word in ("weights", "grads", "optim", "acts", "other", "total", "headroom", "fragmentation margin",
+                 "outside the allocator", "peak"):
+        assert word in out
+    assert len([line for line in out.splitlines() if line.strip().startswith(("0 ", "1 ", "2 ", "3 "))]) == 4
+
+
+def test_plan_json_shape(capsys):
+    code, out, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000", "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert isinstance(d["fits"], bool) and isinstance(d["usable_bytes"], int)
+    assert isinstance(d["peak_bytes"], int) and 0 <= d["peak_stage"] < 4
+    assert d["ignored_args"] == [] and isinstance(d["warnings"], list)
+    assert [s["pp_rank"] for s in d["stages"]] == [0, 1, 2, 3]
+    for s in d["stages"]:
+        assert set(s["breakdown"]) == {"weights", "gradients", "optimizer", "activations", "other"}
+        assert s["static_bytes"] == s["breakdown"]["weights"] + s["breakdown"]["gradients"] \
+            + s["breakdown"]["optimizer"]
+        assert s["total_bytes"] == s["static_bytes"] + s["activation_bytes"] + s["breakdown"]["other"]
+        assert isinstance(s["fits"], bool) and isinstance(s["headroom_bytes"], int)
+
+
+def test_plan_set_changes_the_estimate_and_exit_1_when_it_does_not_fit(capsys):
+    _, base, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000", "--json")
+    code, out, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000", "--json",
+                       "--set", "micro_batch_size=8", "--set", "use_distributed_optimizer=false")
+    assert code == 1
+    assert json.loads(out)["fits"] is False
+    assert json.loads(out)["peak_bytes"] > json.loads(base)["peak_bytes"]
+
+
+def test_plan_megatron_args(capsys):
+    code, out, _ = run(capsys, "plan", "--megatron-args", MEGATRON, "--world-size", "8",
+                       "--hardware", "h100-sxm-80gb", "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert len(d["stages"]) == 2
+    assert "--log-interval" in " ".join(d["ignored_args"]) and "--weight-decay" in " ".join(d["ignored_args"])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", "tiny-local", "--set", "tensor_model_parallel_size=3"], "tensor"),
+    (["plan", "no-such-experiment"], "no-such-experiment"),
+    (["plan", "tiny-local", "--set", "tensor_model_paralel_size=2"], "did you mean"),
+    (["plan"], "EXPERIMENT_OR_PRESET or --megatron-args"),
+    (["plan", "tiny-local", "--megatron-args", MEGATRON], "not both"),
+    (["plan", "--megatron-args", MEGATRON, "--world-size", "8"], "--hardware"),
+    (["plan", "--megatron-args", MEGATRON, "--world-size", "8", "--hardware", "h99"], "h99"),
+    (["plan", "--megatron-args", "--num-layers x", "--world-size", "8", "--hardware", "h100-sxm-80gb"], "x"),
+    (["plan", "--megatron-args", MEGATRON, "--world-size", "3", "--hardware", "h100-sxm-80gb"], "3"),
+    (["plan", "tiny-local", "--world-size", "4"], "--world-size"),
+])
+def test_plan_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert needle in one_error_line(err)
+
+
+def test_plan_help_documents_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    assert "0 every stage fits, 1 some stage does not fit, 2 bad input" in out
+
+
+# -- sweep ------------------------------------------------------------------------------------
+SWEEP = ["sweep", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--nodes", "1", "--gpus-per-node", "8",
+         "--global-batch-size", "64"]
+
+
+def test_sweep_table(capsys):
+    code, out, _ = run(capsys, *SWEEP, "--top", "5")
+    assert code == 0
+    assert "rank" in out and "headroom" in out and "layouts" in out
+    body = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert len(body) == 5 and body[0].split()[0] == "1"
+
+
+def test_sweep_json_rows(capsys):
+    code, out, _ = run(capsys, *SWEEP, "--json", "--fits-only")
+    assert code == 0
+    rows = json.loads(out)
+    assert rows and all(r["fits"] for r in rows)
+    assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
+    assert {"tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "context_parallel_size", "expert_model_parallel_size", "data_parallel_size", "micro_batch_size",
+            "recompute", "use_distributed_optimizer", "sequence_parallel", "peak_bytes", "fits",
+            "headroom_bytes", "rank"} <= set(rows[0])
+
+
+def test_sweep_parquet(capsys, tmp_path):
+    target = tmp_path / "out" / "layouts.parquet"
+    code, _, err = run(capsys, *SWEEP, "--parquet", str(target))
+    assert code == 0 and "wrote" in err
+    df = pl.read_parquet(target)
+    assert df.height > 0 and df["rank"][0] == 1
+    assert not list(tmp_path.glob("out/.*.tmp"))
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--nodes", "0"], "--nodes = 0"),
+    (["--top", "-1"], "--top = -1"),
+    (["--model", "nope"], "nope"),
+    (["--hardware", "nope"], "nope"),
+])
+def test_sweep_bad_input_is_one_line_and_exit_2(capsys, extra, needle):
+    code, out, err = run(capsys, *SWEEP, *extra)
+    assert code == 2 and out == ""
+    assert needle in one_error_line(err)
+
+
+def test_sweep_json_and_parquet_are_exclusive(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main([*SWEEP, "--json", "--parquet", str(tmp_path / "x.parquet")])
+    assert exc.value.code == 2
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def test_sweep_help_explains_the_ranking(capsys):
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    out = capsys.readouterr().out
+    assert "ranking" in out and "bubble" in out and "recompute" in out

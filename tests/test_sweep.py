@@ -1,0 +1,101 @@
+"""The layout sweep: every row valid, its memory equal to `estimate`, ranked as documented."""
+
+from __future__ import annotations
+
+import random
+
+import polars as pl
+import pytest
+
+from charllm.engine.memory import estimate
+from charllm.engine.sweep import REQUIRED_COLUMNS, base_experiment, layout_to_experiment, sweep
+from charllm.engine.validate import validate
+from charllm.probes.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def llama():
+    args = ("llama3-70b", "h100-sxm-80gb", 8, 8, 128)
+    return args, sweep(*args)
+
+
+def test_columns_and_one_row_per_layout(llama):
+    _, df = llama
+    assert set(REQUIRED_COLUMNS) <= set(df.columns)
+    keys = ["tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "context_parallel_size", "expert_model_parallel_size", "micro_batch_size", "recompute",
+            "use_distributed_optimizer"]
+    assert df.select(keys).is_unique().all()
+    assert df["rank"].to_list() == list(range(1, df.height + 1))
+    assert set(df["recompute"]) == {"none", "selective", "full"}
+    assert set(df["use_distributed_optimizer"]) == {True, False}
+    # TP stays within a node; SP exactly when TP > 1
+    assert df["tensor_model_parallel_size"].max() <= 8
+    assert (df["sequence_parallel"] == (df["tensor_model_parallel_size"] > 1)).all()
+
+
+def test_every_row_is_valid_and_its_peak_is_what_plan_says(llama):
+    args, df = llama
+    base = base_experiment(*args)
+    rows = df.to_dicts()
+    for row in random.Random(0).sample(rows, 60) + rows[:5] + rows[-5:]:
+        exp = layout_to_experiment(base, row)
+        assert validate(exp) == []
+        report = estimate(exp)
+        assert row["peak_bytes"] == report.peak_bytes
+        assert row["peak_stage"] == report.peak_stage
+        assert row["fits"] == report.fits
+        assert row["headroom_bytes"] == pytest.approx(report.headroom_bytes, abs=1)
+
+
+def test_ranking_puts_fitting_layouts_without_recompute_and_small_bubbles_first(llama):
+    _, df = llama
+    fits = df["fits"].to_list()
+    assert fits == sorted(fits, reverse=True)            # every fitting layout before any that does not
+    fitting = df.filter(pl.col("fits"))
+    order = {"none": 0, "selective": 1, "full": 2}
+    costs = [order[r] for r in fitting["recompute"]]
+    assert costs == sorted(costs)
+    none = fitting.filter(pl.col("recompute") == "none")
+    bubbles = (none["bubble"] * 100).round(0).to_list()
+    assert bubbles == sorted(bubbles)
+
+
+def test_fits_only_and_a_model_that_fits_nowhere():
+    df = sweep("llama3-70b", "h100-sxm-80gb", 1, 8, 8, fits_only=True)
+    assert df.height == 0 or df["fits"].all()
+    one_gpu = sweep("llama3-70b", "h100-sxm-80gb", 1, 1, 8)
+    assert one_gpu.height > 0 and not one_gpu["fits"].any()
+
+
+def test_moe_sweep_includes_expert_parallel_layouts():
+    df = sweep("tiny-moe", "cpu", 1, 4, 8)
+    assert set(df["expert_model_parallel_size"]) == {1, 2, 4}
+    exp = layout_to_experiment(base_experiment("tiny-moe", "cpu", 1, 4, 8), df.row(0, named=True))
+    assert exp.parallel.expert_model_parallel_size == df["expert_model_parallel_size"][0]
+
+
+def test_layout_to_experiment_sets_the_layout():
+    base = base_experiment("llama3-8b", "h100-sxm-80gb", 1, 8, 64)
+    row = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+           "virtual_pipeline_model_parallel_size": 4, "context_parallel_size": 2, "expert_model_parallel_size": 1,
+           "micro_batch_size": 2, "recompute": "full", "use_distributed_optimizer": True, "sequence_parallel": True}
+    exp = layout_to_experiment(base, row)
+    p, t = exp.parallel, exp.training
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
+            p.context_parallel_size) == (2, 2, 4, 2)
+    assert p.sequence_parallel and p.use_distributed_optimizer
+    assert (t.micro_batch_size, t.recompute_granularity, t.recompute_method) == (2, "full", "uniform")
+    assert base.parallel.tensor_model_parallel_size == 1          # the base is untouched
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nodes": 0}, "nodes = 0"),
+    ({"global_batch_size": -4}, "global_batch_size = -4"),
+    ({"recompute": ("sometimes",)}, "recompute = 'sometimes'"),
+])
+def test_bad_input_is_a_user_error(kwargs, message):
+    args = {"model": "tiny-dense", "hardware": "cpu", "nodes": 1, "gpus_per_node": 2, "global_batch_size": 8}
+    args.update(kwargs)
+    with pytest.raises(UserError, match=message):
+        sweep(**args)
