@@ -32,7 +32,7 @@ from charllm.probes.backend_sim import SimBackend
 from charllm.probes.rundir import RunDir
 from charllm.probes.sampler import Sampler
 
-console = Console()
+console = Console(width=150)
 
 
 class Timed:
