@@ -1,0 +1,55 @@
+"""Memory-model speed, run by hand: `python benchmarks/bench_memory.py`.
+
+Targets (issue 2): one plan (`estimate`) well under 1 ms; the full sweep of Llama-3 70B on
+64 H100s under 100 ms. Prints best and median wall time and the process CPU time; on a shared,
+loaded machine the best-of-N and CPU figures are the meaningful ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from charllm.engine import catalog
+from charllm.engine.memory import estimate
+from charllm.engine.sweep import sweep
+
+PLANS = ("ppt-h100-llama3-70b-1-00000", "ppt-h100-gpt3-175b-2-01000", "ppt-h200-mixtral-8x22b-1-00000",
+         "tiny-local")
+
+
+def timed(fn, repeat: int) -> tuple[float, float, float]:
+    """(best wall, median wall, mean CPU) in seconds."""
+    fn()                                         # warm imports and caches of the catalog
+    walls, cpus = [], []
+    for _ in range(repeat):
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    return min(walls), statistics.median(walls), statistics.mean(cpus)
+
+
+def main() -> None:
+    print("one plan (engine.memory.estimate):")
+    for name in PLANS:
+        exp = catalog.load_experiment(name)
+        best, median, cpu = timed(lambda: estimate(exp), 300)
+        print(f"  {name:34s} PP{exp.parallel.pipeline_model_parallel_size:<3d} best {best * 1e6:7.0f} us"
+              f"   median {median * 1e6:7.0f} us   cpu {cpu * 1e6:7.0f} us")
+    exp = catalog.load_experiment(PLANS[0])
+    exp.parallel.pipeline_model_parallel_size, exp.parallel.virtual_pipeline_model_parallel_size = 8, 5
+    best, median, cpu = timed(lambda: estimate(exp), 300)
+    print(f"  {'llama3-70b TP8 PP8 VP5 (40 chunks)':34s}       best {best * 1e6:7.0f} us"
+          f"   median {median * 1e6:7.0f} us   cpu {cpu * 1e6:7.0f} us")
+
+    print("full sweep (engine.sweep.sweep):")
+    for args in (("llama3-70b", "h100-sxm-80gb", 8, 8, 128), ("mixtral-8x7b", "h100-sxm-80gb", 8, 8, 128)):
+        rows = sweep(*args).height
+        best, median, cpu = timed(lambda: sweep(*args), 10)
+        print(f"  {args[0]} on {args[2] * args[3]} x {args[1]}: {rows} layouts   best {best * 1e3:6.1f} ms"
+              f"   median {median * 1e3:6.1f} ms   cpu {cpu * 1e3:6.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
