@@ -57,12 +57,17 @@ def run(args: argparse.Namespace) -> int:
 
 def follow(run_dir) -> int:
     """Print iterations and a telemetry headline until the run ends; exit status says how it ended."""
+    import time
+
+    import polars as pl
+
     from charllm.engine.launch import cancel, watch
     from charllm.probes.rundir import RunDir
 
     # Rank 0 and the last rank both log each step; the last rank's line carries the loss.
     last_rank = RunDir(run_dir).read_manifest().get("world_size", 1) - 1
     seen = set()
+    pending, last_headline = [], 0.0
     try:
         for kind, value in watch(run_dir):
             if kind == "status":
@@ -72,8 +77,11 @@ def follow(run_dir) -> int:
                 if key not in seen and (key[0] != "iteration" or value.get("rank") == last_rank):
                     seen.add(key)
                     print(_iteration_line(value), flush=True)
-            elif kind == "telemetry":
-                print(_telemetry_line(value), flush=True)
+            elif kind == "telemetry":  # one headline every HEADLINE_S, over the rows since the last
+                pending.append(value)
+                if time.monotonic() - last_headline >= HEADLINE_S:
+                    print(_telemetry_line(pl.concat(pending, how="diagonal_relaxed")), flush=True)
+                    pending, last_headline = [], time.monotonic()
     except KeyboardInterrupt:
         print("cancelling...", flush=True)
         cancel(run_dir)
@@ -83,9 +91,19 @@ def follow(run_dir) -> int:
     return {"completed": 0, "cancelled": 130}.get(manifest.get("status"), 1)
 
 
+HEADLINE_S = 2.0
+
+
 def _iteration_line(row: dict) -> str:
-    if row.get("event", "iteration") != "iteration":
-        return f"{row.get('event')}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "event")
+    event = row.get("event", "iteration")
+    if event == "start":
+        layout = row.get("layout") or {}
+        sizes = " ".join(f"{short}{layout.get(key) or 1}" for short, key in (
+            ("TP", "tensor_model_parallel_size"), ("PP", "pipeline_model_parallel_size"),
+            ("CP", "context_parallel_size"), ("EP", "expert_model_parallel_size"), ("DP", "data_parallel_size")))
+        return f"training started: world size {row.get('world_size')} ({sizes}) on {layout.get('device', '?')}"
+    if event == "end":
+        return f"training ended: {row.get('status')} at iteration {row.get('iteration')}"
     parts = [f"iter {row.get('iteration', '?'):>5}", f"rank {row.get('rank', '?')}"]
     if row.get("loss") is not None:
         parts.append(f"loss {row['loss']:.4f}")
@@ -102,10 +120,11 @@ def _iteration_line(row: dict) -> str:
 def _telemetry_line(rows) -> str:
     """The mean of the headline metrics over the rows new since the last line."""
     parts = [f"telemetry {rows.height} rows"]
-    for column, unit in (("power_w", "W"), ("temp_gpu_c", "C"), ("cpu_util_pct", "% cpu"),
-                         ("temp_cpu_c", "C cpu"), ("host_mem_used_bytes", "B host mem")):
+    for column, label, scale in (("power_w", "GPU power {:.0f} W", 1), ("temp_gpu_c", "GPU {:.0f} C", 1),
+                                 ("cpu_util_pct", "CPU {:.0f} %", 1), ("temp_cpu_c", "CPU {:.0f} C", 1),
+                                 ("host_mem_used_bytes", "host memory {:.1f} GiB", 2**30)):
         if column in rows.columns:
             value = rows[column].mean()
             if value is not None:
-                parts.append(f"{value:.4g} {unit}")
+                parts.append(label.format(value / scale))
     return "  ".join(parts)

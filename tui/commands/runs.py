@@ -44,7 +44,8 @@ def _list() -> int:
         print("no runs yet (start one with `charllm-tui launch tiny-local --target local`)")
         return 0
     table = Table(box=None, header_style="bold")
-    for column in ("run", "status", "target", "nodes", "started", "duration"):
+    table.add_column("run", no_wrap=True, overflow="fold")
+    for column in ("status", "target", "nodes", "started", "duration"):
         table.add_column(column)
     for rd in runs:
         m = rd.read_manifest()
