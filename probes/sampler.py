@@ -9,7 +9,8 @@ Samples flow three ways:
   `subscribe()` hands out a bounded queue of the same (a slow reader loses the oldest ticks);
 - the run directory: at least every `flush_s` seconds the buffered rows go, on a writer thread,
   to a ChunkWriter (`RUN_DIR/telemetry/<node>/NNNNNN.arrow`);
-- a byte stream (`stream=`, e.g. stdout for SSH), the same batches in stream.py's format.
+- a byte stream (`stream=`, e.g. stdout for SSH) in stream.py's format, in batches of at most
+  STREAM_S seconds so a remote consumer sees each sample well within a second.
 
 Iteration markers: the sampler tails RUN_DIR/iterations.jsonl (written by the workload) and puts
 the iteration in progress on every row: after a "start" event 1, after "iteration" N it is N+1,
@@ -38,6 +39,7 @@ from charllm.probes.tail import IterationTail
 DEFAULT_HZ = 20.0
 MAX_HZ = 100.0          # NVML power counters update at 10-50 Hz; faster gains nothing
 ITERATION_POLL_S = 0.1
+STREAM_S = 0.25         # stream batch interval (chunks still close every flush_s)
 
 
 def check_hz(hz: float) -> float:
@@ -92,7 +94,9 @@ class Sampler:
         self._thread: threading.Thread | None = None
         # Bounded: if the disk stalls for half a minute the sampler waits (and counts missed
         # deadlines) rather than growing without limit.
-        self._batches: queue.Queue = queue.Queue(maxsize=30)
+        self._handoff_s = min(flush_s, STREAM_S) if stream is not None else flush_s
+        self._batches_per_chunk = max(1, round(flush_s / self._handoff_s))
+        self._batches: queue.Queue = queue.Queue(maxsize=max(1, int(30 / self._handoff_s)))
         self._flush_error: BaseException | None = None
 
     # -- consumers -------------------------------------------------------------------------
@@ -155,7 +159,7 @@ class Sampler:
                 if all(b.finished for b in self.backends):
                     break
                 now = self.clock()
-                if now - last_flush >= self.flush_s:
+                if now - last_flush >= self._handoff_s:
                     self._batches.put(buffer)
                     buffer, last_flush = [], now
                 # Deadlines that passed entirely while we worked are skipped, not caught up on.
@@ -199,15 +203,28 @@ class Sampler:
         return rows
 
     def _flush_loop(self) -> None:
-        """Writer thread: turns buffered rows into a DataFrame and writes chunk and stream."""
-        while (rows := self._batches.get()) is not None:
-            if not rows or self._flush_error:
-                continue
+        """Writer thread: turns handed-over rows into DataFrames for the stream and the chunks."""
+        pending: list[pl.DataFrame] = []
+        batches = 0
+        while True:
+            rows = self._batches.get()
+            final = rows is None
+            if self._flush_error:
+                if final:
+                    return
+                continue  # keep draining so the sampler never blocks on a dead writer
             try:
-                frame = pl.from_dicts(rows, schema=TELEMETRY_SCHEMA)
-                if self.writer:
-                    self.writer.write(frame)
-                if self.stream:
-                    self.stream.write(frame)
+                if rows:
+                    frame = pl.from_dicts(rows, schema=TELEMETRY_SCHEMA)
+                    if self.stream:
+                        self.stream.write(frame)
+                    pending.append(frame)
+                batches += not final
+                if pending and (final or batches >= self._batches_per_chunk):
+                    if self.writer:
+                        self.writer.write(pl.concat(pending) if len(pending) > 1 else pending[0])
+                    pending, batches = [], 0
             except BaseException as exc:  # noqa: BLE001 - surfaced by run()
                 self._flush_error = exc
+            if final:
+                return

@@ -195,8 +195,8 @@ def test_stream_across_processes_arrives_within_a_second(tmp_path):
     finally:
         proc.kill()
     assert len(batches) >= 3
-    # the oldest row of a batch is at most one flush interval (1 s) plus transport old
-    assert max(lags[:3]) < 1.5e9
+    # stream batches leave every 0.25 s: even the oldest row of a batch arrives within a second
+    assert max(lags[:3]) < 1.0e9
     assert set(pl.concat(batches)["node"]) == {"remote"}
 
 
