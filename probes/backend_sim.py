@@ -207,7 +207,7 @@ class SimBackend(Backend):
             mem_used_bytes=int(hw.memory_bytes * (0.72 if u >= 0.05 else 0.01)), mem_total_bytes=hw.memory_bytes,
             power_limit_w=self.power_limit_w, throttle_reasons=bits,
             pcie_tx_bytes_s=2e9 * u, pcie_rx_bytes_s=2.5e9 * u,
-            nvlink_tx_bytes=int(st.nvlink_tx), nvlink_rx_bytes=int(st.nvlink_rx), errors=0,
+            nvlink_tx_bytes=int(st.nvlink_tx), nvlink_rx_bytes=int(st.nvlink_rx), errors=dev.errors,
         )
         return row
 

@@ -19,6 +19,7 @@ after "end" none.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -35,6 +36,8 @@ from charllm.probes.rundir import RunDir
 from charllm.probes.schema import TELEMETRY_SCHEMA
 from charllm.probes.stream import StreamWriter
 from charllm.probes.tail import IterationTail
+
+log = logging.getLogger(__name__)
 
 DEFAULT_HZ = 20.0
 MAX_HZ = 100.0          # NVML power counters update at 10-50 Hz; faster gains nothing
@@ -98,6 +101,7 @@ class Sampler:
         self._batches_per_chunk = max(1, round(flush_s / self._handoff_s))
         self._batches: queue.Queue = queue.Queue(maxsize=max(1, int(30 / self._handoff_s)))
         self._flush_error: BaseException | None = None
+        self._failed_backends: set[str] = set()
 
     # -- consumers -------------------------------------------------------------------------
     def subscribe(self, maxsize: int = 256) -> queue.Queue:
@@ -194,13 +198,27 @@ class Sampler:
         for backend, every in zip(self.backends, self._every):
             if k % every:
                 continue
-            for row in backend.sample():
+            try:
+                sampled = backend.sample()
+            except Exception:  # noqa: BLE001 - a backend bug must not end the recording
+                self._backend_failed(backend)
+                continue
+            for row in sampled:
                 for key, value in common.items():
                     row.setdefault(key, value)
                 rows.append(row)
         self.ticks += 1
         self.rows += len(rows)
         return rows
+
+    def _backend_failed(self, backend: Backend) -> None:
+        """Count an unexpected backend exception as an error on each of its devices; say it once."""
+        for device in backend.devices():
+            device.errors += 1
+        if backend.name not in self._failed_backends:
+            self._failed_backends.add(backend.name)
+            log.warning("%s backend raised while sampling; counted in `errors`, sampling goes on",
+                        backend.name, exc_info=True)
 
     def _flush_loop(self) -> None:
         """Writer thread: turns handed-over rows into DataFrames for the stream and the chunks."""

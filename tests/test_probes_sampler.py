@@ -71,6 +71,23 @@ def test_missed_deadlines_are_counted_not_caught_up():
     assert counts == sorted(counts) and counts[-1] > 0
 
 
+def test_a_backend_that_raises_is_counted_not_fatal(caplog):
+    class Flaky(SimBackend):
+        calls = 0
+
+        def sample(self):
+            self.calls += 1
+            if self.calls % 2:
+                raise RuntimeError("driver hiccup")
+            return super().sample()
+
+    seen = []
+    sampler = Sampler([Flaky(gpus=1)], hz=50, node="n", on_sample=seen.extend)
+    sampler.run(duration=0.2)
+    assert len(seen) == 5 and [r["errors"] for r in seen] == [1, 2, 3, 4, 5]
+    assert sum("driver hiccup" in r.exc_text for r in caplog.records if r.exc_text) == 1  # said once
+
+
 def test_in_process_consumers_see_every_tick_at_once():
     got, times = [], []
 
