@@ -95,3 +95,13 @@ def _wide() -> dict:
     import os
 
     return {**os.environ, "COLUMNS": "250"}
+
+
+def test_node_entry_point_needs_no_tui():
+    code = ("import sys\nfrom charllm.probes.__main__ import main\n"
+            "print(sorted(m for m in ('charllm.tui', 'textual', 'polars') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"  # polars too loads only once sampling starts
+    helped = subprocess.run([sys.executable, "-m", "charllm.probes", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert helped.returncode == 0 and "replay:RUN" in helped.stdout and "--sim-profile" in helped.stdout
