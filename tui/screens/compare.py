@@ -76,7 +76,7 @@ class CompareScreen(WorkbenchScreen):
 
     def _baseline(self) -> str | None:
         value = self.query_one("#baseline", Select).value
-        return None if value is Select.BLANK else value
+        return None if value is Select.NULL else value
 
     def load(self, refs: list[str]) -> None:
         self.refs = list(refs)
@@ -103,6 +103,8 @@ class CompareScreen(WorkbenchScreen):
             result = api("probes.compare").compare(refs, baseline=baseline)
         except (MissingAPI, UserError) as exc:
             result, error = None, str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported on screen, the app stays up
+            result, error = None, f"compare failed: {exc!r}"
         else:
             error = None
         self.post_message(Compared(result, per_iteration_curves(refs), error))

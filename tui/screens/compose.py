@@ -49,17 +49,17 @@ PRECISIONS = ("bf16", "fp16", "fp8-e4m3", "fp8-hybrid", "fp32")
 GROUPS: tuple[tuple[str, tuple[Field, ...]], ...] = (
     ("Cluster", (
         Field("cluster.nodes", "nodes", "int"),
-        Field("cluster.gpus_per_node", "devices per node", "int"),
+        Field("cluster.gpus_per_node", "devices/node", "int"),
     )),
     ("Parallelism", (
         Field("tensor_model_parallel_size", "TP  tensor", "int"),
         Field("pipeline_model_parallel_size", "PP  pipeline", "int"),
-        Field("virtual_pipeline_model_parallel_size", "VP  virtual stages", "int?"),
+        Field("virtual_pipeline_model_parallel_size", "VP  virtual", "int?"),
         Field("context_parallel_size", "CP  context", "int"),
         Field("expert_model_parallel_size", "EP  expert", "int"),
-        Field("expert_tensor_parallel_size", "ETP expert tensor", "int?"),
+        Field("expert_tensor_parallel_size", "ETP expert TP", "int?"),
         Field("sequence_parallel", "sequence parallel", "bool"),
-        Field("use_distributed_optimizer", "distributed optimizer", "bool"),
+        Field("use_distributed_optimizer", "dist. optimizer", "bool"),
     )),
     ("Batch", (
         Field("micro_batch_size", "micro batch", "int"),
@@ -68,10 +68,10 @@ GROUPS: tuple[tuple[str, tuple[Field, ...]], ...] = (
     )),
     ("Recompute & overlap", (
         Field("recompute_granularity", "recompute", "choice", (NONE, "selective", "full")),
-        Field("recompute_method", "recompute method", "choice", (NONE, "uniform", "block")),
+        Field("recompute_method", "recompute how", "choice", (NONE, "uniform", "block")),
         Field("recompute_num_layers", "recompute layers", "int?"),
-        Field("overlap_grad_reduce", "overlap grad reduce", "bool"),
-        Field("overlap_param_gather", "overlap param gather", "bool"),
+        Field("overlap_grad_reduce", "overlap grads", "bool"),
+        Field("overlap_param_gather", "overlap params", "bool"),
         Field("tp_comm_overlap", "TP comm overlap", "bool"),
         Field("precision", "precision", "choice", PRECISIONS),
     )),
@@ -132,13 +132,15 @@ class ComposeScreen(WorkbenchScreen):
         super().__init__()
         self.edit_serial = 0
         self.seen_app_serial = -1
+        self.last_edited: str | None = None
+        self.typing_errors: set[str] = set()
         self.last: ComposeScreen.Estimated | None = None
 
     # -- layout ------------------------------------------------------------------------------
     def compose_body(self) -> ComposeResult:
         with Horizontal(id="compose"):
             with VerticalScroll(id="form"):
-                yield from self._row("preset", "experiment preset",
+                yield from self._row("preset", "preset",
                                      Select(self._options("experiments"), id="preset", compact=True,
                                             prompt="(load a preset)"))
                 yield from self._row("model", "model",
@@ -204,6 +206,8 @@ class ComposeScreen(WorkbenchScreen):
         for err in self.query(".field-error"):
             err.update("")
             err.remove_class("shown")
+        self.typing_errors.clear()
+        self.last_edited = None
         self.refresh_plan()
 
     def _set_select(self, wid: str, name: str) -> None:
@@ -219,8 +223,10 @@ class ComposeScreen(WorkbenchScreen):
     @on(Select.Changed)
     def on_edit(self, event) -> None:
         wid = event.control.id
+        if event.value != event.control.value:
+            return  # stale: posted before the control was last set (e.g. a Select's first option on mount)
         if wid == "preset":
-            if event.value is not Select.BLANK:
+            if event.value is not Select.NULL:
                 self._load_preset(event.value)
             return
         exp = self.app.experiment.copy()
@@ -237,6 +243,7 @@ class ComposeScreen(WorkbenchScreen):
             self._field_error(wid, str(exc))
             return
         self._field_error(wid, "")
+        self.last_edited = wid
         self.app.experiment = exp
         self.refresh_plan()
 
@@ -248,10 +255,29 @@ class ComposeScreen(WorkbenchScreen):
             return
         self.app.use_experiment(exp)
 
-    def _field_error(self, wid: str, message: str) -> None:
+    def _field_error(self, wid: str, message: str, *, keep_typing_error: bool = False) -> None:
+        if keep_typing_error and wid in self.typing_errors:
+            return  # the value typed there could not even be set; that message stays until fixed
+        if not keep_typing_error:
+            self.typing_errors.discard(wid)
+            if message:
+                self.typing_errors.add(wid)
         for err in self.query(f"#err-{wid}"):
             err.update(message)
             err.set_class(bool(message), "shown")
+
+    def _field_for(self, problem) -> str | None:
+        """The form field a problem belongs beside: its own field, else one its rule names, else the
+        field just edited (e.g. world_size is not a field here, but the edit of TP made it wrong)."""
+        name = problem.field.rpartition(".")[2]
+        by_name = {f.name: wid for wid, f in FIELDS.items()}
+        if name in by_name:
+            return by_name[name]
+        rule = str(problem)
+        if self.last_edited in FIELDS and FIELDS[self.last_edited].name in rule:
+            return self.last_edited
+        named = [wid for n, wid in by_name.items() if n in rule]
+        return named[0] if named else self.last_edited if self.last_edited in FIELDS else None
 
     # -- validation and estimate ---------------------------------------------------------
     def refresh_plan(self) -> None:
@@ -280,21 +306,22 @@ class ComposeScreen(WorkbenchScreen):
                 error = f"{exc}: no memory estimate"
             except UserError as exc:
                 error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - an estimator bug is shown, editing goes on
+                error = f"estimate failed: {exc!r}"
         self.post_message(self.Estimated(serial, problems, report, error))
 
     def on_compose_screen_estimated(self, message: Estimated) -> None:
         if message.serial != self.edit_serial:
             return  # an older edit's answer
         self.last = message
-        bad_fields = {}
+        by_field: dict[str, list[str]] = {}
+        other = []
         for problem in message.problems:
-            bad_fields.setdefault(problem.field.rpartition(".")[2], str(problem))
-        for wid, field in FIELDS.items():
-            if not self.query_one(f"#err-{wid}", Static).has_class("shown") or field.name in bad_fields:
-                self._field_error(wid, bad_fields.get(field.name, ""))
-            self.query_one(f"#{wid}").set_class(field.name in bad_fields, "invalid")
-        shown = {f.name for f in FIELDS.values()}
-        other = [str(p) for p in message.problems if p.field.rpartition(".")[2] not in shown]
+            wid = self._field_for(problem)
+            (by_field.setdefault(wid, []) if wid else other).append(str(problem))
+        for wid in FIELDS:
+            self._field_error(wid, "\n".join(by_field.get(wid, [])), keep_typing_error=True)
+            self.query_one(f"#{wid}").set_class(wid in by_field, "invalid")
         self.query_one("#problems", Static).update("\n".join(f"[red]✗[/] {p}" for p in other))
         self.query_one("#bars", MemoryBars).report = message.report
         verdict = self.query_one("#verdict", Static)
@@ -308,9 +335,9 @@ class ComposeScreen(WorkbenchScreen):
             head = peak["headroom_bytes"]
             word = "[b green]FITS[/]" if r["fits"] else "[b red]DOES NOT FIT[/]"
             notes = "".join(f"\n[yellow]![/] {w}" for w in r.get("warnings", []))
-            verdict.update(f"{word}  peak {gib(r['peak_bytes'])} GiB on PP{r['peak_stage']} of "
-                           f"{gib(r['usable_bytes'])} GiB usable · headroom "
-                           f"{'+' if head >= 0 else ''}{gib(head)} GiB{notes}")
+            verdict.update(f"{word}  peak {gib(r['peak_bytes'])} on PP{r['peak_stage']} of "
+                           f"{gib(r['usable_bytes'])} usable · headroom "
+                           f"{'+' if head >= 0 else ''}{gib(head)}{notes}")
 
     # -- actions -------------------------------------------------------------------------
     def on_button_pressed(self, event: Button.Pressed) -> None:

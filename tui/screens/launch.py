@@ -6,6 +6,7 @@ screen while it starts. Once the run directory exists the Live screen follows it
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from rich.markup import escape
@@ -16,6 +17,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Label, Log, ProgressBar, Select, Static
 
+from charllm.probes import paths
 from charllm.probes.errors import UserError
 from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
 
@@ -49,7 +51,7 @@ class LaunchScreen(WorkbenchScreen):
         with Vertical(id="launch"):
             with Horizontal(id="launch-controls"):
                 yield Label("target ")
-                yield Select([], id="target", compact=True, allow_blank=False)
+                yield Select([("local (local)", "local")], id="target", compact=True, allow_blank=False)
                 yield Button("Dry run d", id="dry", compact=True)
                 yield Button("Launch l", id="go", variant="primary", compact=True)
             yield Static(id="launch-summary")
@@ -104,19 +106,24 @@ class LaunchScreen(WorkbenchScreen):
         try:
             result = api("engine.launch").launch(exp, target, dry_run=True, force=True)
             self.app.call_from_thread(self._show_plan, result)
-        except (MissingAPI, UserError) as exc:
-            self.app.call_from_thread(self.query_one("#dry-run-text", Static).update,
-                                      f"[yellow]{escape(str(exc))}[/]")
+        except Exception as exc:  # noqa: BLE001 - UserError, a missing API or an engine bug: said on screen
+            text = str(exc) if isinstance(exc, (MissingAPI, UserError)) else f"dry run failed: {exc!r}"
+            self.app.call_from_thread(self.query_one("#dry-run-text", Static).update, f"[yellow]{escape(text)}[/]")
 
     def _show_plan(self, result) -> None:
-        parts = ["[b]Dry run[/b] — nothing is started until you press [b]l[/b]"]
+        def short(text: str) -> str:
+            """Commands as a reader wants them: $RUNS for the runs directory, the id set at launch."""
+            text = text.replace(str(paths.runs_dir()), "$RUNS").replace(result.run_id, "<run-id>")
+            return escape(text.replace(sys.executable, "python"))
+
+        parts = ["[b]Dry run[/b] — nothing starts until you press [b]l[/b] ($RUNS: the runs directory)"]
         if result.forced:
             parts.append("\n[b red]This layout has problems[/] (launch refuses it; [b]f[/b] launches anyway):")
             parts += [f"  [red]✗[/] {escape(p)}" for p in result.forced]
         parts.append("\n[b]Commands[/b]")
-        parts += [f"  {escape(c)}" for c in result.commands]
+        parts += [f"  {short(c)}" for c in result.commands]
         if result.sbatch_script:
-            parts += ["\n[b]sbatch script[/b]", escape(result.sbatch_script)]
+            parts += ["\n[b]sbatch script[/b]", short(result.sbatch_script)]
         self.query_one("#dry-run-text", Static).update("\n".join(parts))
 
     # -- launch --------------------------------------------------------------------------------
@@ -143,6 +150,8 @@ class LaunchScreen(WorkbenchScreen):
             self.post_message(LaunchDone(result))
         except (MissingAPI, UserError) as exc:
             self.post_message(LaunchDone(None, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - reported on screen, the app stays up
+            self.post_message(LaunchDone(None, f"launch failed: {exc!r}"))
 
     def on_launch_progress(self, message: LaunchProgress) -> None:
         self.query_one("#launch-log", Log).write_line(message.text)

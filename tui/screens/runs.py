@@ -114,6 +114,8 @@ class RunsScreen(WorkbenchScreen):
                 self.post_message(Headline(run_id, row))
             except UserError as exc:
                 self.post_message(Headline(run_id, {}, str(exc)))
+            except Exception as exc:  # noqa: BLE001 - one unreadable run must not hide the others
+                self.post_message(Headline(run_id, {}, f"summary failed: {exc!r}"))
 
     def on_headline(self, message: Headline) -> None:
         table = self.query_one(DataTable)

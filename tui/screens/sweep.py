@@ -116,6 +116,8 @@ class SweepScreen(WorkbenchScreen):
             self.post_message(SweepDone(frame, time.perf_counter() - began))
         except (MissingAPI, UserError) as exc:
             self.post_message(SweepDone(None, time.perf_counter() - began, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - an engine bug is reported on screen, the app stays up
+            self.post_message(SweepDone(None, time.perf_counter() - began, f"sweep failed: {exc!r}"))
 
     def on_sweep_done(self, message: SweepDone) -> None:
         self.query_one("#sweep-progress").display = False
@@ -143,7 +145,7 @@ class SweepScreen(WorkbenchScreen):
         frame = self.frame
         for wid, column in (("mbs", "micro_batch_size"), ("recompute", "recompute")):
             value = self.query_one(f"#{wid}", Select).value
-            if value is not Select.BLANK:
+            if value is not Select.NULL:
                 frame = frame.filter(pl.col(column) == value)
         self.shown = frame
         # Map: rows PP, columns TP, the best headroom among layouts in the cell.

@@ -14,39 +14,40 @@ GIB = 1024**3
 PARTS = {
     "weights": ("weights", "dodger_blue2"),
     "gradients": ("grads", "medium_purple"),
-    "optimizer": ("optimizer", "gold3"),
-    "activations": ("activations", "green3"),
+    "optimizer": ("optim", "gold3"),
+    "activations": ("activ", "green3"),
     "other": ("other", "grey50"),
 }
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.1f}"
+    """Bytes in GiB, or MiB below one GiB (a CPU run's model is small)."""
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.0f} MiB"
 
 
 class MemoryBars(Widget):
     """One line per PP stage: weights | gradients | optimizer | activations | other, and a │ at capacity."""
 
-    DEFAULT_CSS = "MemoryBars { height: auto; }"
+    DEFAULT_CSS = "MemoryBars { height: auto; text-wrap: nowrap; text-overflow: clip; }"
     report: reactive[dict | None] = reactive(None, layout=True)
 
     def get_content_height(self, container, viewport, width: int) -> int:
         return 1 + (len(self.report["stages"]) if self.report else 1)
 
     def render(self) -> Text:
-        legend = Text.assemble(*((f"■ {name}  ", colour) for name, colour in PARTS.values()))
+        legend = Text.assemble(*((f"■ {name} ", colour) for name, colour in PARTS.values()), no_wrap=True)
         if not self.report:
             return legend + Text("\n(no estimate yet)", style="dim")
         report = self.report
         usable = report["usable_bytes"]
         stages = report["stages"]
         scale = max([usable, *(s["total_bytes"] for s in stages)]) or 1
-        label_w, suffix_w = 5, 22
+        label_w, suffix_w = 5, 24
         bar_w = max(10, self.size.width - label_w - suffix_w)
         cap_col = min(bar_w - 1, round(usable / scale * bar_w))
         lines = [legend]
         for stage in stages:
-            line = Text(f"PP{stage['pp_rank']:<3}", style="bold")
+            line = Text(f"PP{stage['pp_rank']:<3}", style="bold", no_wrap=True)
             cells: list[tuple[str, str]] = []
             acc = 0.0
             for key, (_, colour) in PARTS.items():
@@ -62,7 +63,7 @@ class MemoryBars(Widget):
             for glyph, style in cells[:bar_w]:
                 line.append(glyph, style)
             headroom = stage["headroom_bytes"]
-            line.append(f" {gib(stage['total_bytes']):>6}/{gib(usable)} GiB ", "")
+            line.append(f" {gib(stage['total_bytes']):>9} ", "")
             line.append(f"{'+' if headroom >= 0 else ''}{gib(headroom)}", "green" if headroom >= 0 else "bold red")
             lines.append(line)
         return Text("\n").join(lines)

@@ -1,0 +1,367 @@
+"""Pilot tests of the workbench flows: compose → plan → save; sweep → pick; launch → live → runs → compare.
+
+They drive the real app headless (App.run_test) against the real engine and probes APIs, and
+assert on app state, on what the screens show, and on the messages the workers post.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+
+import pytest
+
+from charllm.engine import catalog
+from charllm.probes.errors import UserError
+from charllm.tui.app import CharllmApp, load_settings
+from charllm.tui.demo import make_demo_run
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def pilot_test(fn):
+    """Run an async Pilot test on a fresh event loop (no pytest async plugin needed)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+    return run
+
+
+async def wait_for(pilot, condition, timeout: float = 30.0, what: str = "condition") -> None:
+    """Let the app run until `condition()` holds (workers run in threads on a busy 2-core box)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await pilot.pause(0.1)
+
+
+def run_app(app: CharllmApp, messages: list | None = None, size=(120, 40)):
+    hook = messages.append if messages is not None else None
+    return app.run_test(size=size, message_hook=hook)
+
+
+# -- Compose -------------------------------------------------------------------------------------
+@pilot_test
+async def test_opens_on_compose_with_tiny_local_and_estimates_it():
+    messages: list = []
+    app = CharllmApp()
+    async with run_app(app, messages) as pilot:
+        screen = app.screen
+        assert app.current_mode == "compose"
+        assert app.experiment.name == "tiny-local"
+        await wait_for(pilot, lambda: screen.last is not None, what="the first estimate")
+        estimated = [m for m in messages if isinstance(m, screen.Estimated)]
+        assert estimated and estimated[-1].problems == []
+        report = screen.last.report
+        assert report["fits"] is True and report["stages"][0]["pp_rank"] == 0
+        assert "FITS" in str(screen.query_one("#verdict").render())
+        assert screen.query_one("#f-cluster-gpus_per_node").value == "2"
+
+
+@pilot_test
+async def test_compose_edit_revalidates_and_shows_the_rule_beside_the_field():
+    messages: list = []
+    app = CharllmApp()
+    async with run_app(app, messages) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last is not None)
+        tp = screen.query_one("#f-tensor_model_parallel_size")
+        tp.focus()
+        tp.value = ""
+        await pilot.press("3")
+        await wait_for(pilot, lambda: screen.last.serial == screen.edit_serial and screen.last.problems,
+                       what="a validation problem for TP=3")
+        assert app.experiment.parallel.tensor_model_parallel_size == 3
+        error = screen.query_one("#err-f-tensor_model_parallel_size")
+        assert error.has_class("shown")
+        assert "tensor_model_parallel_size" in str(error.render())
+        assert "INVALID" in str(screen.query_one("#verdict").render())
+        # Back to a valid value: the message goes away and the estimate returns.
+        tp.value = "1"
+        await wait_for(pilot, lambda: screen.last.serial == screen.edit_serial and screen.last.report is not None)
+        assert not error.has_class("shown")
+
+
+@pilot_test
+async def test_compose_model_and_hardware_change_reestimates_against_new_capacity():
+    app = CharllmApp()
+    async with run_app(app) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last is not None)
+        exp = catalog.load_experiment("tiny-local")
+        exp.model = catalog.load_model("llama3-8b")
+        exp.hardware = catalog.load_hardware("h100-sxm-80gb")
+        exp.cluster.gpus_per_node = 8
+        exp.training.global_batch_size = 64
+        exp.training.micro_batch_size = 1
+        app.use_experiment(exp)
+        await wait_for(pilot, lambda: screen.last.serial == screen.edit_serial and screen.last.report is not None)
+        assert screen.query_one("#model").value == "llama3-8b"
+        assert screen.last.report["usable_bytes"] == catalog.load_hardware("h100-sxm-80gb").usable_bytes
+
+
+@pilot_test
+async def test_compose_save_preset_round_trips(charllm_dirs):
+    app = CharllmApp()
+    async with run_app(app) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last is not None)
+        screen.query_one("#f-training-seq_length").value = "64"
+        await wait_for(pilot, lambda: app.experiment.seq_length == 64)
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is not screen, what="the name dialog")
+        name_input = app.screen.query_one("#name")
+        name_input.value = "my-tiny"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen is screen)
+    path = charllm_dirs["config"] / "experiments" / "my-tiny.toml"
+    assert path.is_file()
+    saved = catalog.load_experiment("my-tiny")
+    assert saved.seq_length == 64 and saved.model.name == "tiny-dense"
+    assert saved.cluster.gpus_per_node == 2
+
+
+@pilot_test
+async def test_compose_export_writes_megatron_flags_and_copies_them(charllm_dirs):
+    app = CharllmApp()
+    copied: list[str] = []
+    app.copy_to_clipboard = copied.append
+    async with run_app(app) as pilot:
+        await pilot.press("ctrl+g")
+        await pilot.pause(0.2)
+    written = (charllm_dirs["data"] / "exports" / "tiny-local.megatron-args").read_text()
+    assert "--micro-batch-size" in copied[0] and "--global-batch-size" in copied[0]
+    assert "--num-layers" in written
+
+
+# -- Sweep -----------------------------------------------------------------------------------------
+@pilot_test
+async def test_sweep_runs_and_a_pick_loads_into_compose():
+    pytest.importorskip("charllm.engine.sweep", reason="engine.sweep is not in this build")
+    from charllm.tui.screens.sweep import SweepDone
+
+    messages: list = []
+    exp = catalog.load_experiment("tiny-local")
+    exp.model = catalog.load_model("llama3-8b")
+    exp.hardware = catalog.load_hardware("h100-sxm-80gb")
+    exp.cluster.gpus_per_node = 8
+    exp.training.global_batch_size = 64
+    app = CharllmApp(exp)
+    async with run_app(app, messages) as pilot:
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: any(isinstance(m, SweepDone) for m in messages), timeout=120,
+                       what="the sweep")
+        done = next(m for m in messages if isinstance(m, SweepDone))
+        assert done.error is None and done.frame.height > 0
+        screen = app.screen
+        table = screen.query_one("#sweep-table")
+        assert table.row_count == int(done.frame["fits"].sum())
+        first = screen.table_rows[0]
+        table.focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.current_mode == "compose")
+        p = app.experiment.parallel
+        assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (
+            first["tensor_model_parallel_size"], first["pipeline_model_parallel_size"])
+        assert app.experiment.training.micro_batch_size == first["micro_batch_size"]
+        assert app.screen.query_one("#f-tensor_model_parallel_size").value == str(p.tensor_model_parallel_size)
+
+
+# -- Live, Runs, Compare on recorded (simulated) runs --------------------------------------------
+@pilot_test
+async def test_live_replays_a_recorded_run_labelled_simulated(charllm_dirs):
+    run = make_demo_run(charllm_dirs["runs"])
+    app = CharllmApp(run=run)
+    async with run_app(app) as pilot:
+        screen = app.screen
+        assert app.current_mode == "live"
+        await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "gpu")
+        frame = screen.last_frame
+        assert frame.simulated and screen.query_one("#sim-badge").display
+        assert sorted(frame.charts["power_w"]) == [f"gpu{i}" for i in range(8)]
+        assert len(frame.iterations) == 33
+        assert "iteration 33" in str(screen.query_one("#iterations").render())
+        # The demo's 550 W cap shows up as power-cap throttling on the strip.
+        assert any(bits & 0x4 for _, row in frame.throttle for bits in row)
+        # Pause freezes the drawing; zoom changes the window.
+        await pilot.press("space")
+        drawn = screen.frames
+        await pilot.pause(1.0)
+        assert screen.frames == drawn
+        await pilot.press("space")
+        await pilot.press("minus")
+        assert screen.window == len(screen_windows()) - 1
+        await pilot.press("plus")
+        assert screen.window == len(screen_windows()) - 2
+
+
+def screen_windows():
+    from charllm.tui.screens.live import WINDOWS_S
+
+    return WINDOWS_S
+
+
+@pilot_test
+async def test_live_groups_many_gpus_per_node(charllm_dirs):
+    run = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-2x8", gpus=8, nodes=2, seconds=12)
+    app = CharllmApp(run=run)
+    async with run_app(app) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "gpu")
+        assert screen.last_frame.grouped and sorted(screen.last_frame.charts["power_w"]) == ["node0", "node1"]
+        await pilot.press("g")
+        await wait_for(pilot, lambda: not screen.last_frame.grouped)
+        assert len(screen.last_frame.charts["power_w"]) == 16
+
+
+@pilot_test
+async def test_live_without_a_run_shows_host_telemetry():
+    app = CharllmApp(start_mode="live")
+    async with run_app(app) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "host",
+                       what="host telemetry rows")
+        assert screen.last_frame.source.startswith("host telemetry")
+        assert not screen.last_frame.simulated
+        assert any(v is not None for _, ys in screen.last_frame.charts["cpu_util_pct"].values() for v in ys)
+
+
+@pilot_test
+async def test_runs_lists_headlines_and_compare_shows_both(charllm_dirs):
+    a = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-a", seconds=15)
+    b = make_demo_run(charllm_dirs["runs"], "20251121-090000-demo-b", seconds=15, power_limit_w=450.0, seed=3)
+    app = CharllmApp()
+    async with run_app(app) as pilot:
+        await pilot.press("f6")
+        screen = app.screen
+        table = screen.query_one("#runs-table")
+        await wait_for(pilot, lambda: table.row_count == 2)
+        await wait_for(pilot, lambda: table.get_cell(b.name, "peak W") != "…", what="headline numbers")
+        assert float(table.get_cell(b.name, "peak W")) <= 460     # capped at 450 W (+ sensor noise)
+        assert float(table.get_cell(a.name, "peak W")) > float(table.get_cell(b.name, "peak W"))
+        table.focus()
+        await pilot.press("space", "down", "space", "m")
+        await wait_for(pilot, lambda: app.current_mode == "compare")
+        cmp = app.screen
+        assert sorted(app.compare_refs) == sorted([str(a), str(b)])
+        await wait_for(pilot, lambda: cmp.query_one("#compare-status").render() and
+                       "comparing" not in str(cmp.query_one("#compare-status").render()), timeout=60)
+        curves = cmp.query_one("#cmp-power")._series
+        assert sorted(curves) == sorted([a.name[-24:], b.name[-24:]])
+        # Open a run from the list: Live follows it.
+        await pilot.press("f6")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.current_mode == "live")
+        assert app.run_path is not None
+
+
+@pilot_test
+async def test_runs_delete_asks_first(charllm_dirs):
+    run = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-del", seconds=3)
+    app = CharllmApp(start_mode="runs")
+    async with run_app(app) as pilot:
+        table = app.screen.query_one("#runs-table")
+        await wait_for(pilot, lambda: table.row_count == 1)
+        table.focus()
+        await pilot.press("d")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "Confirm")
+        await pilot.press("n")
+        assert run.is_dir()
+        await pilot.press("d")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "Confirm")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: not run.exists())
+        assert table.row_count == 0
+
+
+# -- Launch: a tiny local run, end to end ----------------------------------------------------------
+@pytest.mark.integration
+@pytest.mark.slow
+@pilot_test
+async def test_launch_tiny_local_then_live_runs_and_compare(charllm_dirs):
+    from charllm.tui.screens.launch import LaunchDone, LaunchProgress
+
+    messages: list = []
+    app = CharllmApp()
+    async with run_app(app, messages) as pilot:
+        await pilot.press("f4")
+        screen = app.screen
+        await wait_for(pilot, lambda: "torch.distributed.run" in str(screen.query_one("#dry-run-text").render()),
+                       what="the dry run")
+        assert "<run-id>" in str(screen.query_one("#dry-run-text").render())
+        await pilot.press("l")
+        await wait_for(pilot, lambda: any(isinstance(m, LaunchDone) for m in messages), timeout=60)
+        done = next(m for m in messages if isinstance(m, LaunchDone))
+        assert done.error is None, done.error
+        assert any(isinstance(m, LaunchProgress) for m in messages)
+        await wait_for(pilot, lambda: app.current_mode == "live")
+        live = app.screen
+        await wait_for(pilot, lambda: live.last_frame is not None and live.last_frame.iterations
+                       and live.last_frame.kind == "host", timeout=180, what="iterations and host telemetry")
+        assert "iteration" in str(live.query_one("#iterations").render())
+        run_dir = done.result.run_dir
+        from charllm.probes.rundir import RunDir
+
+        await wait_for(pilot, lambda: RunDir(run_dir).status in ("completed", "failed"), timeout=240)
+        assert RunDir(run_dir).status == "completed"
+        await pilot.press("f6")
+        table = app.screen.query_one("#runs-table")
+        await wait_for(pilot, lambda: table.row_count == 1)
+        assert str(table.get_cell(run_dir.name, "status")) == "completed"
+
+
+# -- settings, palette -------------------------------------------------------------------------------
+@pilot_test
+async def test_keymap_and_theme_from_tui_toml(charllm_dirs):
+    config = charllm_dirs["config"]
+    config.mkdir(parents=True)
+    (config / "tui.toml").write_text('theme = "gruvbox"\n[keymap]\n"screen.runs" = "f9"\n')
+    app = CharllmApp(settings=load_settings())
+    async with run_app(app) as pilot:
+        assert app.theme == "gruvbox"
+        await pilot.press("f9")
+        await wait_for(pilot, lambda: app.current_mode == "runs")
+
+
+def test_bad_tui_toml_is_one_clear_error(charllm_dirs):
+    config = charllm_dirs["config"]
+    config.mkdir(parents=True)
+    (config / "tui.toml").write_text('colour = "red"\n')
+    with pytest.raises(UserError, match="unknown key 'colour'"):
+        load_settings()
+    (config / "tui.toml").write_text('[keymap]\n"screen.runs" = 9\n')
+    with pytest.raises(UserError, match="keymap"):
+        load_settings()
+
+
+@pilot_test
+async def test_palette_goes_to_a_screen_and_opens_a_run(charllm_dirs):
+    run = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-pal", seconds=3)
+    app = CharllmApp()
+    async with run_app(app) as pilot:
+        await pilot.press("ctrl+p")
+        await pilot.press(*"go to sweep")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.current_mode == "sweep")
+        await pilot.press("ctrl+p")
+        await pilot.press(*"open run demo-pal")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.current_mode == "live")
+        assert app.run_path == run
+
+
+@pilot_test
+async def test_help_lists_binding_ids():
+    app = CharllmApp()
+    async with run_app(app) as pilot:
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen")
+        text = app.screen.query_one("Markdown").source
+        for binding_id in ("screen.live", "compose.save", "live.pause", "runs.delete", "sweep.run"):
+            assert binding_id in text
+        await pilot.press("escape")
+        assert app.current_mode == "compose"
