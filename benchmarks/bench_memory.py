@@ -43,12 +43,14 @@ def main() -> None:
     print(f"  {'llama3-70b TP8 PP8 VP5 (40 chunks)':34s}       best {best * 1e6:7.0f} us"
           f"   median {median * 1e6:7.0f} us   cpu {cpu * 1e6:7.0f} us")
 
-    print("full sweep (engine.sweep.sweep):")
-    for args in (("llama3-70b", "h100-sxm-80gb", 8, 8, 128), ("mixtral-8x7b", "h100-sxm-80gb", 8, 8, 128)):
-        rows = sweep(*args).height
-        best, median, cpu = timed(lambda: sweep(*args), 10)
-        print(f"  {args[0]} on {args[2] * args[3]} x {args[1]}: {rows} layouts   best {best * 1e3:6.1f} ms"
-              f"   median {median * 1e3:6.1f} ms   cpu {cpu * 1e3:6.1f} ms")
+    print("full sweep (engine.sweep.sweep), from preset names / from loaded specs (no TOML parsing):")
+    for model, hardware in (("llama3-70b", "h100-sxm-80gb"), ("mixtral-8x7b", "h100-sxm-80gb")):
+        for label, args in (("names", (model, hardware)),
+                            ("specs", (catalog.load_model(model), catalog.load_hardware(hardware)))):
+            rows = sweep(*args, 8, 8, 128).height
+            best, median, cpu = timed(lambda: sweep(*args, 8, 8, 128), 10)
+            print(f"  {model} on 64 x {hardware} ({label}): {rows} layouts   best {best * 1e3:6.1f} ms"
+                  f"   median {median * 1e3:6.1f} ms   cpu {cpu * 1e3:6.1f} ms")
 
 
 if __name__ == "__main__":

@@ -519,37 +519,36 @@ def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool
         loss_extra = lb + lf * (1 + (m.mtp_num_layers or 0) + (1 if t.cross_entropy_loss_fusion else 0))
         cache[akey] = (shapes, acts, mtp_act, loss_extra, len(cache))
     shapes, acts, mtp_act, loss_extra, aid = cache[akey]
-    output_weight = vocab * m.hidden_size // tp
-    tied = not m.untie_embeddings_and_output_weights
     num_mb = exp.num_microbatches
     block = shapes.full_recompute and t.recompute_method == "block"
-
     plan_key = ("plan", id(chunks), block, peak_candidates)
     plan = cache.get(plan_key)
     if plan is None:
         plan = cache[plan_key] = _stage_plan(chunks, pattern, block, peak_candidates)
-    # per stage: the backward extra and the largest layer depend only on which layer kinds it holds
-    group = 1 if block else (t.recompute_num_layers or 1)
-    bwd_of = {k: acts[k].saved * group if shapes.full_recompute else acts[k].transient for k in acts}
+    # weights per stage: same for every activation setting; activations per stage: same for any
+    # number of micro-batches
+    weights = cache.get((plan_key, pkey))
+    if weights is None:
+        output_weight = vocab * m.hidden_size // tp
+        tied = not m.untie_embeddings_and_output_weights
+        weights = cache[(plan_key, pkey)] = [
+            _chunk_params(m, kinds_r, params, mtp_params, embedding,
+                          output_weight if (not tied or pp > 1 or not any(c.embedding for c in chunks[r])) else 0)
+            for r, kinds_r, *_ in plan]
+    activations = cache.get((plan_key, aid))
+    if activations is None:
+        group = 1 if block else (t.recompute_num_layers or 1)
+        bwd_of = {k: acts[k].saved * group if shapes.full_recompute else acts[k].transient for k in acts}
+        activations = []
+        for r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags in plan:
+            values = [_chunk_activations(shapes, kind, acts, mtp_act) for kind in distinct]
+            activations.append((tuple([values[i] for i in index]), max([bwd_of[k] for k in stage_kinds], default=0.0),
+                                max([sum(params[k]) for k in stage_kinds], default=0)))
+        cache[(plan_key, aid)] = activations
     out = []
-    for r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags in plan:
-        wkey = ("weights", id(chunks), r, pkey)
-        if wkey not in cache:
-            own_output = not tied or pp > 1 or not any(c.embedding for c in chunks[r])
-            cache[wkey] = _chunk_params(m, kinds_r, params, mtp_params, embedding,
-                                        output_weight if own_output else 0)
-        dense, expert, chunk_weights = cache[wkey]
-        values = []
-        for kind in distinct:
-            k = (aid, kind)
-            act = cache.get(k)
-            if act is None:
-                act = cache[k] = _chunk_activations(shapes, kind, acts, mtp_act)
-            values.append(act)
-        chunk_acts = tuple([values[i] for i in index])
+    for (r, _, _, _, _, has_loss, loss_flags), (dense, expert, chunk_weights), (chunk_acts, bwd, fsdp_layer) \
+            in zip(plan, weights, activations):
         (held_loss, held_max), units = _in_flight(chunk_acts, loss_flags, r, pp, vp, num_mb)
-        bwd = max([bwd_of[k] for k in stage_kinds], default=0.0)
-        fsdp_layer = max([sum(params[k]) for k in stage_kinds], default=0)
         reports = [ChunkMemory(v, list(c.layers), c.embedding, c.loss, c.mtp, chunk_weights[v], int(chunk_acts[v]))
                    for v, c in enumerate(chunks[r])] if with_chunks else []
         out.append(StageTerms(r, dense, expert, held_loss, held_max, bwd, loss_extra if has_loss else 0.0,

@@ -150,7 +150,7 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
     hw = base.hardware
     work = base.copy()
     cache: dict = {}
-    rows: list[dict] = []
+    rows: list[tuple] = []
     stage_row: list[int] = []
     stage_rank: list[int] = []
     terms: list[tuple] = []
@@ -160,11 +160,10 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
         ws = memory.workspace_bytes(work)
         num_mb = work.num_microbatches
         for name in recompute:
-            row = {**layout, "recompute": name, "num_microbatches": num_mb}
             for key, value in RECOMPUTE[name].items():
                 setattr(work.training, key, value)
             index = len(rows)
-            rows.append(row)
+            rows.append((*layout.values(), name, num_mb))
             stages = memory.stage_terms(work, cache, with_chunks=False, peak_candidates=True)
             stage_row.extend([index] * len(stages))
             stage_rank.extend(st.pp_rank for st in stages)
@@ -174,10 +173,13 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
         flags = ("use_distributed_optimizer", "sequence_parallel", "fits")
         return pl.DataFrame(schema={name: pl.String if name == "recompute" else pl.Float64 if name == "bubble"
                                     else pl.Boolean if name in flags else pl.Int64 for name in ORDER})
+    layout_frame = pl.DataFrame(rows, schema=[*layout, "recompute", "num_microbatches"], orient="row")
     stage_row = np.asarray(stage_row)
+    stage_rank = np.asarray(stage_rank)
     dense, expert, held_loss, held_max, backward, loss_extra, dp_shard, edp_shard, workspace = \
         np.asarray(terms, dtype=float).T
     starts = np.flatnonzero(np.r_[True, stage_row[1:] != stage_row[:-1]])
+    sizes = np.diff(np.r_[starts, len(stage_row)])
     pr0 = memory.precision(work)
     usable = int(hw.usable_bytes or hw.memory_bytes)
     margin = memory.fragmentation_margin(usable, int(hw.outside_allocator_bytes))
@@ -189,12 +191,11 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
                                        workspace, pr)
         total = w + g + o + a + x
         peak = np.maximum.reduceat(total, starts)
-        stage_index = np.asarray(stage_rank)
-        at_peak = total == np.repeat(peak, np.diff(np.r_[starts, len(total)]))
-        peak_stage = np.minimum.reduceat(np.where(at_peak, stage_index, 1 << 30), starts)
+        at_peak = total == np.repeat(peak, sizes)
+        peak_stage = np.minimum.reduceat(np.where(at_peak, stage_rank, 1 << 30), starts)
         static = np.maximum.reduceat(np.where(at_peak, w + g + o, 0), starts)
         headroom = usable - hw.outside_allocator_bytes - margin - peak
-        frames.append(pl.DataFrame(rows).with_columns(
+        frames.append(layout_frame.with_columns(
             pl.lit(dist).alias("use_distributed_optimizer"),
             pl.Series("peak_bytes", peak.astype(np.int64)),
             pl.Series("peak_stage", peak_stage.astype(np.int64)),
@@ -202,15 +203,16 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
             pl.Series("headroom_bytes", headroom.astype(np.int64)),
             pl.Series("fits", headroom >= 0),
         ))
-    df = pl.concat(frames)
-    df = df.with_columns(
+    df = pl.concat(frames).with_columns(
         ((pl.col("pipeline_model_parallel_size") - 1)
          / (pl.col("num_microbatches") * pl.col("virtual_pipeline_model_parallel_size"))).alias("bubble"),
         pl.col("recompute").replace_strict(RECOMPUTE_ORDER, return_dtype=pl.Int64).alias("_recompute_cost"),
         (pl.col("tensor_model_parallel_size") * pl.col("context_parallel_size")).alias("_comm"),
-    ).with_columns((pl.col("bubble") * 100).round(0).alias("_bubble_pct")).sort(["fits", "_recompute_cost", "_bubble_pct", "_comm", "expert_model_parallel_size",
-            "pipeline_model_parallel_size", "headroom_bytes"],
-           descending=[True, False, False, False, False, False, True])
+    )
+    df = df.with_columns((pl.col("bubble") * 100).round(0).alias("_bubble_pct")).sort(
+        ["fits", "_recompute_cost", "_bubble_pct", "_comm", "expert_model_parallel_size",
+         "pipeline_model_parallel_size", "headroom_bytes"],
+        descending=[True, False, False, False, False, False, True])
     df = df.drop("_recompute_cost", "_comm", "_bubble_pct").with_row_index("rank", offset=1)
     df = df.with_columns(pl.col("rank").cast(pl.Int64))
     if fits_only:
