@@ -264,7 +264,7 @@ def _process(info: dict | None):
         return None
     try:
         proc = psutil.Process(info["pid"])
-        if abs(proc.create_time() - info["create_time"]) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
+        if abs(proc.create_time() - info["create_time"]) < 1.0 and _alive(proc):
             return proc
     except psutil.Error:
         pass
@@ -278,6 +278,7 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
     if manifest.get("status") in FINAL_STATUSES:
         raise UserError(f"run {rd.id!r} is already {manifest['status']}")
     kind = manifest.get("target", {}).get("kind")
+    sup = None
     if kind == "slurm":
         slurm.cancel(manifest["slurm_job_id"])  # the supervisor sees CANCELLED and records it
     else:
@@ -288,7 +289,7 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
         sup = _process(manifest.get("supervisor"))
         if sup is not None:
             sup.send_signal(signal.SIGTERM)  # it stops its steps (TERM, grace, KILL) and records the status
-    status = _wait_final(rd, wait)
+    status = _wait_final(rd, wait if kind == "slurm" or sup else 0, sup)
     if status in FINAL_STATUSES:
         return status
     # The supervisor is gone or stuck: stop what it recorded ourselves.
@@ -302,12 +303,22 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
     return "cancelled"
 
 
-def _wait_final(rd: RunDir, timeout: float) -> str:
+def _alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_final(rd: RunDir, timeout: float, supervisor=None) -> str:
+    """The run's final status, or its current one once `timeout` passed or its supervisor died."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = rd.status
-        if status in FINAL_STATUSES:
-            return status
+        if status in FINAL_STATUSES or (supervisor is not None and not _alive(supervisor)):
+            return rd.status
         time.sleep(0.2)
     return rd.status
 

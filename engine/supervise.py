@@ -25,6 +25,7 @@ from charllm.probes.rundir import RunDir
 
 
 POLL_S = 0.2
+FAILURE_SETTLE_S = 1.0
 
 
 class Proc:
@@ -198,15 +199,23 @@ class Supervisor:
         """Until every node finished, one failed, or a cancel came in."""
         while not self.cancel_requested:
             codes = [p.poll() if p.popen else 0 for p in trains]
-            for p, rc in zip(trains, codes):
-                if rc == CANCELLED_EXIT:
-                    return "cancelled", None
-                if rc not in (None, 0):
-                    return "failed", describe_failure(p.step, rc, p.log_path)
+            if CANCELLED_EXIT in codes:
+                return "cancelled", None
+            if any(rc not in (None, 0) for rc in codes):
+                return "failed", self.first_failure(trains)
             if all(rc == 0 for rc in codes):
                 return "completed", None
             time.sleep(POLL_S)
         return "cancelled", None
+
+    def first_failure(self, trains: list[Proc]) -> str:
+        """The cause, not the echo: a lost node makes its peers fail too, so wait a moment and
+        prefer a node whose connection was lost, then the node that failed first."""
+        failed = [p for p in trains if p.poll() not in (None, 0)]
+        time.sleep(FAILURE_SETTLE_S)
+        lost = [p for p in trains if p.step.host and p.poll() == 255]
+        culprit = (lost or failed)[0]
+        return describe_failure(culprit.step, culprit.poll(), culprit.log_path)
 
     def follow_slurm(self) -> str:
         job = self.manifest["slurm_job_id"]

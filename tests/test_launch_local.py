@@ -36,6 +36,23 @@ def test_dp2_trains_and_records_iterations_and_host_telemetry():
     host = telemetry.filter(telemetry["device"] == "host")
     assert host.height > 0 and host["cpu_util_pct"].drop_nulls().len() > 0
     assert run_processes(str(rd.path)) == []
+    check_cli_on_finished_run(rd)
+
+
+def check_cli_on_finished_run(rd: RunDir):
+    """`runs list/show/logs/delete` on a real finished run (the CLI prints, exits 0)."""
+    import contextlib
+    import io
+
+    from charllm.tui.cli import main
+
+    for argv, expected in ((["runs", "list"], rd.id), (["runs", "show", rd.id], "completed"),
+                           (["runs", "logs", rd.id], "==> train-"), (["runs", "logs", rd.id, "-f"], "iter     5")):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(argv) == 0
+        assert expected in out.getvalue(), (argv, out.getvalue())
+    assert main(["runs", "delete", rd.id]) == 0 and not rd.path.exists()
 
 
 def test_refused_layout_leaves_no_run_directory(charllm_dirs):
@@ -48,6 +65,29 @@ def test_refused_layout_leaves_no_run_directory(charllm_dirs):
     with pytest.raises(UserError, match="--force"):
         launch(exp, LOCAL)
     assert not charllm_dirs["runs"].exists() or not any(charllm_dirs["runs"].iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_force_launches_a_refused_layout_and_records_why():
+    exp = tiny(100_000)
+    exp.hardware.usable_bytes = 1 << 20
+    rd = RunDir(launch(exp, LOCAL, force=True).run_dir)
+    forced = rd.read_manifest()["forced"]
+    assert forced and forced[0].startswith("memory: peak")
+    assert cancel(rd) == "cancelled"  # right after launch: nothing may be left starting up
+    wait_for(lambda: run_processes(str(rd.path)) == [], 15, "every process to exit")
+
+
+def test_cli_dry_run_prints_commands_and_touches_nothing(charllm_dirs, capsys):
+    from charllm.tui.cli import main
+
+    assert main(["launch", "tiny-local", "--target", "local", "--dry-run", "--nproc", "1",
+                 "--set", "global_batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "--nproc-per-node=1" in out and "dry run" in out
+    assert not charllm_dirs["runs"].exists()
+    assert main(["launch", "tiny-local", "--target", "nowhere"]) == 2
+    assert "charllm-tui: error: --target 'nowhere'" in capsys.readouterr().err
 
 
 def test_dry_run_prints_commands_and_touches_nothing(charllm_dirs):

@@ -1,5 +1,7 @@
 """Launching over SSH onto two real sshd nodes (network namespaces joined by a bridge)."""
 
+# Tests run in file order; the dead-node test kills node 2 for good and so comes last.
+
 from __future__ import annotations
 
 import pytest
@@ -74,3 +76,27 @@ def test_cancel_leaves_nothing_on_either_node(ssh_nodes):
     wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 20,
              "every process on both nodes and every ssh client to exit")
     assert rd.read_manifest()["status"] == "cancelled"
+
+
+@pytest.mark.timeout(400)
+def test_dead_node_fails_the_run_naming_it_and_stops_the_other(ssh_nodes):
+    """Runs last: it kills the second node outright (every process in its namespace, sshd too)."""
+    import os
+    import signal
+    import subprocess
+
+    if not ssh_nodes.netns:
+        pytest.skip("needs network-namespace nodes (loopback nodes share this machine's processes)")
+    target = parse_target("nodes", ssh_nodes.target_table())
+    rd = RunDir(launch(two_nodes(100_000), target).run_dir)
+    wait_for(lambda: iterations_logged(rd) >= 2, 300, f"the first iterations\n{logs(rd)}")
+    dead = ssh_nodes.hosts[1]
+    pids = subprocess.run(["ip", "netns", "pids", ssh_nodes.netns[1]], capture_output=True, text=True).stdout
+    for pid in map(int, pids.split()):
+        os.kill(pid, signal.SIGKILL)
+    manifest = wait_final(rd, 120)
+    assert manifest["status"] == "failed"
+    assert f"node {dead}" in manifest["failure"], manifest["failure"]
+    wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 30,
+             "the surviving node's processes and every ssh client to exit")
+    assert rd.experiment_path.is_file() and rd.iterations_path.is_file()
