@@ -79,7 +79,11 @@ def _summary(kind: str, obj) -> str:
         gib = h.usable_bytes / 2**30
         fp8 = f", FP8 {h.fp8_tflops:g}" if h.fp8 and h.fp8_tflops else ""
         return f"{gib:.1f} GiB usable, BF16 {h.bf16_tflops:g} TFLOP/s{fp8}, {h.tdp_w:g} W"
+    from charllm.engine.validate import value_problems
+
     e, p = obj, obj.parallel
+    if value_problems(e):
+        return f"invalid: {value_problems(e)[0]}"
     layout = f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size}"
     if p.virtual_pipeline_model_parallel_size:
         layout += f" VP{p.virtual_pipeline_model_parallel_size}"
@@ -138,7 +142,7 @@ def _show(name: str, kind: str | None, as_json: bool) -> int:
 
     from charllm.engine import catalog
     from charllm.engine.experiment import Experiment, _drop_none
-    from charllm.engine.validate import validate
+    from charllm.engine.validate import validate, value_problems
 
     kind = kind or _find_kind(name)
     path = catalog.find(kind, name)
@@ -147,20 +151,21 @@ def _show(name: str, kind: str | None, as_json: bool) -> int:
     data = obj.to_dict() if isinstance(obj, Experiment) else _drop_none(dataclasses.asdict(obj))
     extra = {}
     if isinstance(obj, Experiment):
-        extra = {"derived": {"world_size": obj.world_size, "data_parallel_size": obj.data_parallel_size,
-                             "expert_data_parallel_size": obj.expert_data_parallel_size,
-                             "num_microbatches": obj.num_microbatches, "seq_length": obj.seq_length},
-                 "problems": [str(p) for p in validate(obj)]}
+        derived = None if value_problems(obj) else {  # derived sizes divide by the layout's sizes
+            "world_size": obj.world_size, "data_parallel_size": obj.data_parallel_size,
+            "expert_data_parallel_size": obj.expert_data_parallel_size,
+            "num_microbatches": obj.num_microbatches, "seq_length": obj.seq_length}
+        extra = {"derived": derived, "problems": [str(p) for p in validate(obj)]}
     if as_json:
         print(json.dumps({"kind": kind, "name": name, "source": source, "path": str(path),
                           "data": data, **extra}, indent=2))
         return 0
     print(f"# {SINGULAR[kind]} preset {name!r} ({source}: {path})")
-    if extra:
+    if extra.get("derived"):
         d = extra["derived"]
         print(f"# world size {d['world_size']}, data parallel {d['data_parallel_size']}, "
               f"{d['num_microbatches']} micro-batches per iteration, sequence {d['seq_length']}")
-        for problem in extra["problems"]:
-            print(f"# invalid: {problem}")
+    for problem in extra.get("problems", []):
+        print(f"# invalid: {problem}")
     print(tomli_w.dumps(data), end="")
     return 0

@@ -31,9 +31,9 @@ GROUP_ABOVE = 8                                    # more devices than this: one
 KEEP_S = 900                                       # live history kept in memory
 HOST_HZ = 4.0
 
-GPU_CHARTS = (("power_w", "GPU power (W)"), ("temp_gpu_c", "GPU temperature (°C)"),
+GPU_CHARTS = (("power_w", "GPU power (W) over time (s)"), ("temp_gpu_c", "GPU temperature (°C)"),
               ("temp_mem_c", "memory temperature (°C)"), ("sm_clock_mhz", "SM clock (MHz)"))
-HOST_CHARTS = (("cpu_util_pct", "host CPU utilization (%)"), ("temp_cpu_c", "host CPU temperature (°C)"),
+HOST_CHARTS = (("cpu_util_pct", "host CPU utilization (%) over time (s)"), ("temp_cpu_c", "host CPU temperature (°C)"),
                ("cpu_freq_mhz", "host CPU frequency (MHz)"), ("host_mem_used_gib", "host memory used (GiB)"))
 KEEP_COLUMNS = ("ts_ns", "node", "device", "simulated", "throttle_reasons",
                 *(c for c, _ in GPU_CHARTS), "cpu_util_pct", "temp_cpu_c", "cpu_freq_mhz", "host_mem_used_bytes")
@@ -145,6 +145,7 @@ class LiveScreen(WorkbenchScreen):
         Binding("minus", "zoom(1)", "Zoom out", id="live.zoom_out"),
         Binding("g", "group", "Per node", id="live.group"),
         Binding("h", "host", "Host", id="live.host"),
+        Binding("c", "next_chart", "Next chart", id="live.next_chart"),
     ]
 
     def __init__(self):
@@ -155,6 +156,8 @@ class LiveScreen(WorkbenchScreen):
         self.window = DEFAULT_WINDOW
         self.group_nodes: bool | None = None     # None: automatic (above GROUP_ABOVE devices)
         self.strip_width = 60
+        self.compact = False                     # small terminal: one chart at a time (c cycles)
+        self.chart_index = 0
         self.frames = 0                          # frames drawn (tests and benchmarks read it)
         self.last_frame: Frame | None = None
 
@@ -179,8 +182,18 @@ class LiveScreen(WorkbenchScreen):
             self.follow(self.app.run_path)
 
     def on_resize(self) -> None:
-        self.strip_width = max(10, self.query_one("#throttle").size.width - 14)
-        self.set_class(self.size.width < 100, "-narrow")
+        self.compact = self.size.width < 110 or self.size.height < 36
+        self.set_class(self.compact, "-compact")
+        self.strip_width = max(10, self.size.width - 16)
+        self._show_charts()
+
+    def _show_charts(self) -> None:
+        for i, chart in enumerate(self.query(Chart)):
+            chart.display = not self.compact or i == self.chart_index
+
+    def action_next_chart(self) -> None:
+        self.chart_index = (self.chart_index + 1) % len(GPU_CHARTS)
+        self._show_charts()
 
     # -- following a source ------------------------------------------------------------------
     def follow(self, run_dir: Path | None) -> None:
@@ -269,7 +282,8 @@ class LiveScreen(WorkbenchScreen):
             empty = frame.kind != "none" and not any(v is not None for _, ys in series.values() for v in ys)
             chart.show(series, note=" — not reported here" if empty else "")
         self.query_one("#live-bottom").display = frame.kind != "host" or bool(frame.iterations)
-        self.query_one("#throttle", Static).update(throttle_text(frame.throttle, frame.kind))
+        self.query_one("#throttle", Static).update(
+            throttle_text(frame.throttle, frame.kind, max_rows=1 if self.compact else GROUP_ABOVE))
         self.query_one("#iterations", Static).update(iterations_text(frame.iterations) + "\n" + frame.ranks)
 
     # -- actions -------------------------------------------------------------------------------
@@ -338,14 +352,20 @@ def build_frame(history, t0, window_s, group_nodes, strip_width) -> Frame:
                  simulated=bool(data["simulated"].any()), grouped=grouped, devices=devices)
 
 
-def throttle_text(rows: list[tuple[str, list[int]]], kind: str) -> str:
+def throttle_text(rows: list[tuple[str, list[int]]], kind: str, max_rows: int = GROUP_ABOVE) -> str:
+    """One strip per device (or node); more rows than fit are folded into one "any GPU" strip."""
+    from functools import reduce
+    from operator import or_
+
     from rich.markup import escape
 
     if kind != "gpu":
         return "[dim]throttle reasons: no GPU in this source[/]"
+    if len(rows) > max_rows:
+        rows = [(f"any of {len(rows)}", [reduce(or_, col) for col in zip(*(bits for _, bits in rows))])]
     legend = "  ".join(f"[{style}]{glyph}[/] {meaning}" for _, glyph, style, meaning in THROTTLE_KINDS)
     lines = [f"[b]throttle[/]  {legend}  [green]·[/] none"]
-    for label, bits in rows[:GROUP_ABOVE]:
+    for label, bits in rows:
         cells = []
         for b in bits:
             for mask, glyph, style, _ in THROTTLE_KINDS:
@@ -355,8 +375,6 @@ def throttle_text(rows: list[tuple[str, list[int]]], kind: str) -> str:
             else:
                 cells.append("[green]·[/]")
         lines.append(f"{escape(label)[:12]:>12}  {''.join(cells)}")
-    if len(rows) > GROUP_ABOVE:
-        lines.append(f"[dim]… {len(rows) - GROUP_ABOVE} more (press g for per-node rows)[/]")
     return "\n".join(lines)
 
 
@@ -375,8 +393,8 @@ def iterations_text(events: list[dict]) -> str:
     mean_s = sum(secs) / len(secs) if secs else 0.0
     tps = sum(tokens) / sum(secs) if secs and sum(secs) else 0.0
     loss = next((e["loss"] for e in reversed(steps) if e.get("loss") is not None), None)
-    return (f"[b]iteration {last.get('iteration')}[/]  {mean_s * 1000:.0f} ms/it  {tps:,.0f} tokens/s"
-            + (f"  loss {loss:.3f}" if loss is not None else ""))
+    return (f"[b]iteration {last.get('iteration')}[/]\n{mean_s * 1000:.0f} ms/it · {tps:,.0f} tokens/s"
+            + (f"\nloss {loss:.3f}" if loss is not None else ""))
 
 
 def ranks_text(events: list[dict], start: dict) -> str:

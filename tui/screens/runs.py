@@ -131,7 +131,8 @@ class RunsScreen(WorkbenchScreen):
         if run_id in self.runs:
             note = self.notes.get(run_id)
             self.query_one("#runs-detail", Static).update(
-                f"{self.runs[run_id]}" + (f"\n[dim]{note}[/]" if note else ""))
+                f"[b]{run_id}[/b] · Enter open · Space mark · m compare · c cancel · d delete"
+                + (f"\n[dim]{note}[/]" if note else ""))
 
     def current_run(self) -> str | None:
         table = self.query_one(DataTable)

@@ -77,7 +77,9 @@ class SweepScreen(WorkbenchScreen):
             yield Static(id="sweep-status")
             yield ProgressBar(id="sweep-progress", show_eta=False)
             with Horizontal():
-                yield DataTable(id="feasibility", cursor_type="cell")
+                with Vertical(id="map-pane"):
+                    yield Label("best headroom GiB, TP × PP", classes="hint")
+                    yield DataTable(id="feasibility", cursor_type="cell")
                 yield DataTable(id="sweep-table", cursor_type="row", zebra_stripes=True)
 
     def on_mount(self) -> None:
@@ -127,8 +129,8 @@ class SweepScreen(WorkbenchScreen):
             return
         self.frame = message.frame
         fits = int(self.frame["fits"].sum()) if self.frame.height else 0
-        status.update(f"{self.frame.height} valid layouts, [green]{fits} fit[/] · {message.seconds:.1f} s · "
-                      "Enter loads the layout into Compose · f toggles fitting only")
+        status.update(f"{self.frame.height} valid layouts, [green]{fits} fit[/] · "
+                      "Enter loads a layout into Compose · s sorts · f fitting only")
         with self.prevent(Select.Changed):
             for wid, column in (("mbs", "micro_batch_size"), ("recompute", "recompute")):
                 values = sorted(self.frame[column].unique().to_list(), key=str) if self.frame.height else []

@@ -36,7 +36,7 @@ def downsample(xs: Sequence[float], ys: Sequence[float], buckets: int) -> tuple[
 class Chart(PlotextPlot):
     """A titled line chart of several series; `show()` new data, it redraws when due."""
 
-    def __init__(self, title: str, *, xlabel: str = "s", id: str | None = None):
+    def __init__(self, title: str, *, xlabel: str = "", id: str | None = None):
         super().__init__(id=id)
         self.title = title
         self.xlabel = xlabel
@@ -62,7 +62,8 @@ class Chart(PlotextPlot):
         plt.clear_data()
         plt.clear_figure()
         plt.title(f"{self.title}{self._note}")
-        plt.xlabel(self.xlabel)
+        if self.xlabel:
+            plt.xlabel(self.xlabel)
         width = max(10, self.size.width - 8) * 2   # braille markers: two points per cell
         for label, (xs, ys) in self._series.items():
             dx, dy = downsample(xs, ys, width)
