@@ -257,7 +257,8 @@ def synthetic_batches(exp, rank_seed: int):
 
 
 def indexed_batches(exp, dp_rank: int, dp_size: int):
-    """Micro-batches from a Megatron indexed dataset (`training.data_path` = the file prefix)."""
+    """Micro-batches from a Megatron indexed dataset (`training.data_path` = the file prefix).
+    The dataset is built (and checked) now; batches are drawn lazily."""
     import types
 
     import torch
@@ -269,8 +270,11 @@ def indexed_batches(exp, dp_rank: int, dp_size: int):
     if not (Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()):
         raise UserError(f"training.data_path = {prefix!r}: expected {prefix}.bin and {prefix}.idx "
                         "(a Megatron indexed dataset prefix)")
-    # GPTDataset asks the tokenizer only for these; end-of-document is the last vocabulary id.
-    tokenizer = types.SimpleNamespace(vocab_size=m.vocab_size, eod=m.vocab_size - 1, pad=m.vocab_size - 1)
+    # The data is already token ids: GPTDataset asks its tokenizer only for these attributes.
+    # End-of-document is the last vocabulary id.
+    tokenizer = types.SimpleNamespace(
+        vocab_size=m.vocab_size, eod=m.vocab_size - 1, pad=m.vocab_size - 1,
+        unique_identifiers={"class": "token-ids", "vocab_size": m.vocab_size})
     config = GPTDatasetConfig(
         random_seed=t.seed, sequence_length=exp.seq_length, blend=([prefix], None), split="100,0,0",
         tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
@@ -278,11 +282,15 @@ def indexed_batches(exp, dp_rank: int, dp_size: int):
     )
     samples = t.train_iters * t.global_batch_size
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True, config).build()
-    index = dp_rank * t.micro_batch_size
-    while True:
-        items = [train[(index + i) % len(train)] for i in range(t.micro_batch_size)]
-        index += dp_size * t.micro_batch_size
-        yield {key: torch.stack([item[key] for item in items]) for key in ("tokens", "labels", "loss_mask")}
+
+    def batches():
+        index = dp_rank * t.micro_batch_size
+        while True:
+            items = [train[(index + i) % len(train)] for i in range(t.micro_batch_size)]
+            index += dp_size * t.micro_batch_size
+            yield {key: torch.stack([item[key] for item in items]) for key in ("tokens", "labels", "loss_mask")}
+
+    return batches()
 
 
 def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int):

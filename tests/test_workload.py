@@ -1,0 +1,279 @@
+"""The Megatron-Core workload, trained for real on CPU through torchrun (gloo + cpu_compat).
+
+Each test starts real rank processes; two cores are shared, so keep iteration counts small.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from charllm.engine.catalog import load_experiment
+from charllm.engine.experiment import Experiment
+from charllm.engine.workload import CANCELLED_EXIT
+from charllm.probes.schema import ITERATION_FIELDS
+
+pytestmark = pytest.mark.integration
+
+TRAIN_MODULE = "charllm.engine.workload.train"
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def make_run(tmp_path: Path, preset: str, *assignments: str) -> Path:
+    exp = load_experiment(preset).apply(list(assignments))
+    run_dir = tmp_path / "run"
+    exp.save(run_dir / "experiment.toml")
+    return run_dir
+
+
+def torchrun_cmd(run_dir: Path, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", TRAIN_MODULE, "--run-dir", str(run_dir)]
+
+
+def start(cmd: list[str], **kw) -> subprocess.Popen:
+    # Own session, so a test can signal the whole tree and clean up after a failure.
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def train(run_dir: Path, nproc: int, timeout: float = 240) -> tuple[str, str]:
+    rc, out, err = finish(start(torchrun_cmd(run_dir, nproc)), timeout)
+    assert rc == 0, f"torchrun exited {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}"
+    return out, err
+
+
+def read_log(run_dir: Path) -> list[dict]:
+    path = run_dir / "iterations.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_iterations(run_dir: Path, count: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(r["event"] == "iteration" for r in read_log(run_dir)) >= count:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"exited {proc.returncode} before {count} iterations: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"no {count} iterations within {timeout} s")
+
+
+def workers_of(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The rank processes torchrun started."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        ranks = [k for k in kids if TRAIN_MODULE in " ".join(k.cmdline())]
+        if ranks:
+            return ranks
+        time.sleep(0.2)
+    pytest.fail("torchrun started no rank process")
+
+
+def assert_all_gone(procs: list[psutil.Process], timeout: float = 30) -> None:
+    gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
+
+def check_log(run_dir: Path, world: int, iters: int, *, loss_falls: bool = True) -> list[dict]:
+    """The iteration log of a completed run: schema, ranks, warm-up marks, a falling loss."""
+    exp = Experiment.load(run_dir / "experiment.toml")
+    records = read_log(run_dir)
+    writers = sorted({0, world - 1})
+    starts = [r for r in records if r["event"] == "start"]
+    assert sorted(r["rank"] for r in starts) == writers
+    assert all(r["world_size"] == world for r in starts)
+    assert starts[0]["layout"]["tensor_model_parallel_size"] == exp.parallel.tensor_model_parallel_size
+    steps = [r for r in records if r["event"] == "iteration"]
+    for r in steps:
+        assert set(r) == set(ITERATION_FIELDS), set(r) ^ set(ITERATION_FIELDS)
+        for name, kind in ITERATION_FIELDS.items():
+            if r[name] is not None:
+                assert isinstance(r[name], (int, float) if kind is float else kind), (name, r[name])
+        assert r["end_ns"] > r["start_ns"]
+        assert r["samples"] == exp.training.global_batch_size
+        assert r["tokens"] == exp.training.global_batch_size * exp.seq_length
+        assert r["mem_peak_bytes"] > 100 * 2**20          # RSS with torch + megatron loaded
+        assert r["tflops_per_gpu"] > 0 and r["grad_norm"] > 0
+        assert r["warmup"] == (r["iteration"] <= exp.training.warmup_iters)
+    for rank in writers:
+        assert [r["iteration"] for r in steps if r["rank"] == rank] == list(range(1, iters + 1))
+    last = [r["loss"] for r in steps if r["rank"] == world - 1]
+    assert all(isinstance(x, float) for x in last)
+    if loss_falls:
+        assert sum(last[-3:]) / 3 < last[0], f"loss did not fall: {last}"
+    ends = [r for r in records if r["event"] == "end"]
+    assert sorted(r["rank"] for r in ends) == writers and {r["status"] for r in ends} == {"completed"}
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# layouts that train
+# --------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("preset, assignments", [
+    ("tiny-tp2", []),
+    ("tiny-pp2", []),
+    ("tiny-local", ["use_distributed_optimizer=true", "overlap_grad_reduce=true"]),   # DP2
+    ("tiny-moe-ep2", ["moe_aux_loss_coeff=0.01"]),                                    # EP2, alltoall
+], ids=["tp2", "pp2", "dp2-distopt", "moe-ep2-alltoall"])
+def test_layout_trains_and_logs(tmp_path, preset, assignments):
+    run_dir = make_run(tmp_path, preset, "train_iters=12", *assignments)
+    out, _ = train(run_dir, nproc=2)
+    check_log(run_dir, world=2, iters=12)
+    progress = [line for line in out.splitlines() if line.startswith("iter ")]
+    assert len(progress) == 12 and progress[-1].startswith("iter 12/12 loss ")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("assignments", [
+    ["pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2"],        # interleaved 1F1B
+    ["tensor_model_parallel_size=2", "sequence_parallel=true", "normalization=RMSNorm", "swiglu=true",
+     "position_embedding_type=rope", "untie_embeddings_and_output_weights=true", "num_query_groups=2",
+     "recompute_granularity=full", "recompute_method=uniform", "recompute_num_layers=1", "bf16=true"],
+], ids=["pp2-vp2", "tp2-sp-llama-like-recompute-bf16"])
+def test_more_layouts_train(tmp_path, assignments):
+    run_dir = make_run(tmp_path, "tiny-local", "train_iters=8", *assignments)
+    train(run_dir, nproc=2)
+    check_log(run_dir, world=2, iters=8)
+
+
+@pytest.mark.timeout(300)
+def test_indexed_dataset(tmp_path):
+    """A tiny Megatron indexed dataset built with megatron's own IndexedDatasetBuilder."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = tmp_path / "corpus"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        doc = rng.integers(0, 1000, size=int(rng.integers(20, 90)), dtype=np.int32)
+        builder.add_document(doc, [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+
+    run_dir = make_run(tmp_path, "tiny-local", "gpus_per_node=1", "train_iters=2", f"data_path={prefix}")
+    train(run_dir, nproc=1)
+    check_log(run_dir, world=1, iters=2, loss_falls=False)
+
+
+# --------------------------------------------------------------------------------------------
+# cancel and failure
+# --------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_sigterm_to_torchrun_group_cancels_cleanly(tmp_path):
+    run_dir = make_run(tmp_path, "tiny-tp2", "train_iters=500")
+    proc = start(torchrun_cmd(run_dir, 2))
+    ranks = workers_of(proc)
+    wait_for_iterations(run_dir, 4, proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    finish(proc, timeout=120)
+    assert_all_gone(ranks)
+    records = read_log(run_dir)
+    ends = [r for r in records if r["event"] == "end"]
+    assert sorted(r["rank"] for r in ends) == [0, 1]
+    assert {r["status"] for r in ends} == {"cancelled"}
+    done = max(r["iteration"] for r in records if r["event"] == "iteration")
+    assert done < 500 and all(r["iteration"] == done for r in ends)   # every rank stopped at one step
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_rank_stops_every_rank_with_cancelled_exit(tmp_path):
+    """Ranks started as a launcher would without torchrun, so their exit codes are visible here."""
+    run_dir = make_run(tmp_path, "tiny-pp2", "train_iters=500")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", TRAIN_MODULE, "--run-dir", str(run_dir)]
+    procs = [start(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    try:
+        wait_for_iterations(run_dir, 4, procs[0])
+        procs[1].send_signal(signal.SIGTERM)            # only one rank hears it
+        codes = [finish(p, timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert codes == [CANCELLED_EXIT, CANCELLED_EXIT]
+    assert {r["status"] for r in read_log(run_dir) if r["event"] == "end"} == {"cancelled"}
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_fails_the_run_and_stops_the_others(tmp_path):
+    run_dir = make_run(tmp_path, "tiny-tp2", "train_iters=500")
+    proc = start(torchrun_cmd(run_dir, 2))
+    ranks = workers_of(proc)
+    wait_for_iterations(run_dir, 3, proc)
+    ranks[-1].kill()                                     # kill -9 one rank
+    rc, _, err = finish(proc, timeout=180)
+    assert rc != 0
+    assert_all_gone(ranks)
+    records = read_log(run_dir)                          # still one whole JSON object per line
+    assert not any(r["event"] == "end" and r["status"] == "completed" for r in records)
+
+
+# --------------------------------------------------------------------------------------------
+# refused before any collective: one line, exit 2
+# --------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("assignments, message", [
+    (["context_parallel_size=2"], "parallel.context_parallel_size = 2: context parallelism needs Transformer Engine"),
+    (["training.fp8='e4m3'"], "training.fp8 = 'e4m3': FP8 needs Transformer Engine on FP8-capable GPUs"),
+    (["gpus_per_node=4"], "cluster: the experiment needs 4 processes"),
+])
+def test_unsupported_experiment_is_one_line(tmp_path, assignments, message):
+    run_dir = make_run(tmp_path, "tiny-local", *assignments)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    out = subprocess.run([sys.executable, "-m", TRAIN_MODULE, "--run-dir", str(run_dir)], env=env,
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"charllm-tui: error: {message}"), out.stderr
+    assert [r["status"] for r in read_log(run_dir) if r["event"] == "end"] == ["failed"]
+
+
+# --------------------------------------------------------------------------------------------
+# the log writer
+# --------------------------------------------------------------------------------------------
+def test_two_writers_never_interleave_within_a_line(tmp_path):
+    from charllm.engine.workload.train import IterationLog
+
+    path = tmp_path / "iterations.jsonl"
+    logs = [IterationLog(path, rank, "n1") for rank in (0, 1)]
+    for i in range(200):
+        for log in logs:
+            log.write("iteration", iteration=i, pad="x" * 5000)
+    for log in logs:
+        log.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 400 and {r["rank"] for r in records} == {0, 1}
