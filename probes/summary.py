@@ -36,7 +36,7 @@ import polars as pl
 from charllm.probes.errors import UserError
 from charllm.probes.flops import RunExperiment, read_experiment
 from charllm.probes.rundir import RunDir, resolve_run
-from charllm.probes.schema import THROTTLE_BITS, THROTTLE_PERF_MASK
+from charllm.probes.schema import THROTTLE_BITS, THROTTLE_PERF_MASK, conform
 
 BY = ("gpu", "node", "run")
 FORMATS = ("table", "markdown", "csv", "json", "parquet")
@@ -62,27 +62,41 @@ def summarize(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu")
         raise UserError(f"by = {by!r}: expected one of {', '.join(BY)}")
     exp = read_experiment(run.experiment_path)
     iterations = read_iterations(run)
-    telemetry = run.scan_telemetry().filter(pl.col("device") != "host").select(_GPU_COLUMNS)
-    span = telemetry.select(pl.col("ts_ns").min().alias("lo"), pl.col("ts_ns").max().alias("hi")).collect()
-    first_ns, last_ns = span.row(0)
+    nodes = _files_by_node(run)
+    first_ns = min((t for t in (_first_ts(files) for files in nodes.values()) if t is not None), default=None)
     if first_ns is None:
         raise UserError(f"run {run.id}: no GPU telemetry under {run.telemetry_dir} (nothing to summarize)")
-    start_ns, end_ns, label, notes = _window(window, iterations, first_ns, last_ns)
+    start_ns, end_ns, label, notes = _window(window, iterations, first_ns)
+    temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
+    max_clock = exp.max_sm_clock_mhz if exp else None
 
-    frame = _prepare(telemetry.filter(pl.col("ts_ns").is_between(start_ns, end_ns)))
-    if frame.height == 0:
+    # One node at a time, so peak memory is one node's samples plus a slim power trace per GPU;
+    # each GPU's samples are a frame of their own, so no statistic needs a window function.
+    rows, traces = [], []
+    for files in nodes.values():
+        node = _load(files, lambda lf: _in_window(lf, start_ns, end_ns).collect())
+        keys = "device" if node["node"].n_unique() <= 1 else KEYS  # one node per directory, normally
+        gpus = [_in_time_order(g) for g in node.partition_by(keys, maintain_order=True)]
+        del node
+        rows += pl.collect_all([_gpu_stats(g, temp_limit, max_clock) for g in gpus])
+        traces += [g.select(*KEYS, "ts_ns", "power_w", "power_limit_w", _dt()) for g in gpus]
+    if not rows:
+        last_ns = max(_load(f, lambda lf: _in_window(lf, None, None).select(pl.col("ts_ns").max()).collect()).item()
+                      or first_ns for f in nodes.values())
         raise UserError(
             f"window {label}: no telemetry samples in it (the run's samples span "
             f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
         )
-    if frame["dt_s"].is_not_null().sum() == 0:
+    gpus = pl.concat(rows, how="vertical_relaxed")
+    if gpus["duration_s"].max() == 0:
         raise UserError(
             f"window {label}: only one sample per GPU; at least two are needed to weight by time"
         )
-    temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
-    max_clock = (exp.max_sm_clock_mhz if exp else None) or frame["sm_clock_mhz"].max()
-    gpus = _per_gpu(frame, temp_limit, max_clock)
-    gpus = gpus.join(_excursions(frame, gpus["power_mean_w"].mean()), on=KEYS, how="left")
+    if end_ns is None:
+        end_ns = max(t["ts_ns"].max() for t in traces)
+    run_mean_w = gpus["power_mean_w"].mean()
+    spikes = pl.concat(pl.collect_all([_excursions(t, run_mean_w) for t in traces]), how="vertical_relaxed")
+    gpus = gpus.join(spikes, on=KEYS, how="left").sort(KEYS)
 
     if by == "gpu":
         table = gpus
@@ -97,7 +111,7 @@ def summarize(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu")
     head = {
         "run": run.id, "level": by, "window": label,
         "window_start_s": (start_ns - first_ns) / _NS, "window_end_s": (end_ns - first_ns) / _NS,
-        "temp_limit_c": float(temp_limit), "max_sm_clock_mhz": max_clock,
+        "temp_limit_c": float(temp_limit),
         "notes": "; ".join(notes) or None,
     }
     table = table.with_columns(pl.lit(v).alias(k) for k, v in head.items())
@@ -138,16 +152,16 @@ def parse_window(text: str):
         raise UserError(f"--window {text!r}: expected steady, all or START:END in seconds, e.g. 10:70") from None
 
 
-def _window(window, iterations: pl.DataFrame, first_ns: int, last_ns: int):
-    """(start_ns, end_ns, label, notes) for a window spec."""
+def _window(window, iterations: pl.DataFrame, first_ns: int):
+    """(start_ns, end_ns or None for "until the last sample", label, notes) for a window spec."""
     if window == "steady":
         steady = iterations.filter(~pl.col("warmup"))
         if steady.height:
             return int(steady["start_ns"].min()), int(steady["end_ns"].max()), "steady", []
         why = "no iteration log" if iterations.height == 0 else "no steady (non-warm-up) iterations"
-        return first_ns, last_ns, "all", [f"{why}: window 'all' used instead of 'steady'"]
+        return first_ns, None, "all", [f"{why}: window 'all' used instead of 'steady'"]
     if window == "all":
-        return first_ns, last_ns, "all", []
+        return first_ns, None, "all", []
     if isinstance(window, str):
         window = parse_window(window)
     try:
@@ -215,134 +229,136 @@ def _with_iteration_stats(table: pl.DataFrame, it: dict) -> pl.DataFrame:
 # --------------------------------------------------------------------------------------------
 # Per GPU
 # --------------------------------------------------------------------------------------------
-def _prepare(telemetry: pl.LazyFrame) -> pl.DataFrame:
-    """Samples in time order per GPU with the interval each one owns and its counter deltas."""
-    nxt = lambda c: pl.col(c).shift(-1).over(KEYS)  # noqa: E731 - the next sample of this GPU
-    return (
-        telemetry.sort([*KEYS, "ts_ns"])
-        .with_columns(
-            ((nxt("ts_ns") - pl.col("ts_ns")) / _NS).alias("dt_s"),
-            ((pl.col("power_w") + nxt("power_w")) / 2).alias("p_mid_w"),
-            (nxt("energy_j") - pl.col("energy_j")).alias("d_energy_j"),
-            _counter_delta("nvlink_tx_bytes"), _counter_delta("nvlink_rx_bytes"),
-        )
-        .collect()
-    )
+def _files_by_node(run: RunDir) -> dict[str, list[Path]]:
+    nodes: dict[str, list[Path]] = {}
+    for f in run.telemetry_files():
+        nodes.setdefault(f.parent.name, []).append(f)
+    return nodes
+
+
+def _load(files: list[Path], query):
+    """query(LazyFrame of these chunks), conformed to the schema.
+
+    One scan over all files is fast (a run holds a chunk per node per second); chunks
+    written with different columns make polars refuse it, and then each file is conformed
+    on its own (slower, same answer).
+    """
+    try:
+        return query(pl.scan_ipc(files, glob=False))
+    except (pl.exceptions.ColumnNotFoundError, pl.exceptions.SchemaError):
+        return query(pl.concat([conform(pl.scan_ipc(f, glob=False)) for f in files], how="vertical"))
+
+
+def _first_ts(files: list[Path]) -> int | None:
+    """The first GPU sample of a node: chunks are numbered in time order, so look at the first few."""
+    for f in files[:10]:
+        first = _load([f], lambda lf: lf.filter(pl.col("device") != "host").select(pl.col("ts_ns").min()).collect())
+        if first.item() is not None:
+            return first.item()
+    return None
+
+
+def _in_window(lf: pl.LazyFrame, start_ns: int | None, end_ns: int | None) -> pl.LazyFrame:
+    lf = lf.select(_GPU_COLUMNS).filter(pl.col("device") != "host")
+    if start_ns is not None:
+        lf = lf.filter(pl.col("ts_ns") >= start_ns)
+    if end_ns is not None:
+        lf = lf.filter(pl.col("ts_ns") <= end_ns)
+    return lf
+
+
+def _in_time_order(gpu: pl.DataFrame) -> pl.DataFrame:
+    """One GPU's samples; chunks arrive in time order, so sort only if a clock step disordered them."""
+    return gpu.sort("ts_ns") if gpu.select((pl.col("ts_ns").diff() < 0).any()).item() else gpu
+
+
+def _dt() -> pl.Expr:
+    """The interval each sample owns: until the next sample (the last one owns none)."""
+    return ((pl.col("ts_ns").shift(-1) - pl.col("ts_ns")) / _NS).alias("dt_s")
 
 
 def _counter_delta(name: str) -> pl.Expr:
     """Bytes counted from this sample to the next, across a 32- or 64-bit wrap."""
     cur = pl.col(name).reinterpret(signed=False)
-    nxt = pl.col(name).shift(-1).over(KEYS).reinterpret(signed=False)
+    nxt = pl.col(name).shift(-1).reinterpret(signed=False)
     raw = nxt - cur  # UInt64 arithmetic wraps modulo 2**64
     wrapped32 = (nxt < cur) & (cur < _MOD32)
-    return pl.when(wrapped32).then(raw % _MOD32).otherwise(raw).cast(pl.Float64).alias(f"d_{name}")
+    return pl.when(wrapped32).then(raw % _MOD32).otherwise(raw).cast(pl.Float64)
 
 
-def _tw_mean(col: str) -> pl.Expr:
-    known = pl.col("dt_s").filter(pl.col(col).is_not_null()).sum()
-    return pl.when(known > 0).then((pl.col(col) * pl.col("dt_s")).sum() / known)
+_TIME_WEIGHTED = {"power_w": "power_mean_w", "temp_gpu_c": "temp_gpu_mean_c", "temp_mem_c": "temp_mem_mean_c",
+                  "sm_clock_mhz": "sm_clock_mean_mhz", "util_gpu_pct": "util_gpu_mean_pct",
+                  "util_mem_pct": "util_mem_mean_pct"}
 
 
-def _frac(cond: pl.Expr, col: str) -> pl.Expr:
-    """Fraction of the time with `col` known during which `cond` held."""
-    known = pl.col("dt_s").filter(pl.col(col).is_not_null()).sum()
-    return pl.when(known > 0).then(pl.col("dt_s").filter(cond).sum() / known)
-
-
-def _per_gpu(frame: pl.DataFrame, temp_limit: float, max_clock: float | None) -> pl.DataFrame:
+def _gpu_stats(gpu: pl.DataFrame, temp_limit: float, max_clock: float | None) -> pl.LazyFrame:
+    """One row of statistics for one GPU's samples (in time order)."""
     dt = pl.col("dt_s")
-    trapz = pl.col("p_mid_w") * dt
-    counter_ok = pl.col("d_energy_j") >= 0
-    n_intervals = dt.is_not_null().sum()
-    n_counter = (counter_ok & dt.is_not_null()).sum()
+    p, nxt_p = pl.col("power_w"), pl.col("power_w").shift(-1)
+    tw_mean = lambda c: pl.when(dt.filter(pl.col(c).is_not_null()).sum() > 0).then(  # noqa: E731
+        (pl.col(c) * dt).sum() / dt.filter(pl.col(c).is_not_null()).sum())
+    frac = lambda cond, c: pl.when(dt.filter(pl.col(c).is_not_null()).sum() > 0).then(  # noqa: E731
+        dt.filter(cond).sum() / dt.filter(pl.col(c).is_not_null()).sum())
+    known = lambda value, *cols: pl.when(  # noqa: E731 - null, not 0, when nothing was measured
+        pl.any_horizontal(pl.col(c).is_not_null().any() for c in cols)).then(value)
+    # Without the hardware's maximum clock, the GPU's own highest clock stands in for it.
+    clock_max = pl.lit(max_clock, pl.Float64) if max_clock else pl.col("sm_clock_mhz").max()
     throttle = pl.col("throttle_reasons")
-    rise = pl.col("power_w") - pl.col("power_w").rolling_min_by("ts_ns", window_size=f"{int(_NS)}i")
-    aggs = [
-        pl.col("uuid").first(), pl.col("backend").first(), pl.col("simulated").any(),
+    bits = {**{f"throttle_{n}_frac": b for n, b in THROTTLE_BITS.items()}, "throttle_perf_frac": THROTTLE_PERF_MASK}
+    d_energy = pl.col("energy_j").shift(-1) - pl.col("energy_j")
+    counted = (d_energy >= 0) & dt.is_not_null()
+    n_counted, n_intervals = counted.sum(), dt.is_not_null().sum()
+    return gpu.lazy().with_columns(_dt()).select(
+        pl.col(KEYS).first(), pl.col("uuid").first(), pl.col("backend").first(), pl.col("simulated").any(),
         pl.len().alias("samples"), dt.sum().alias("duration_s"),
-        _tw_mean("power_w").alias("power_mean_w"),
-        pl.col("power_w").max().alias("power_peak_w"),
-        pl.col("power_w").quantile(0.99, "linear").alias("power_p99_w"),
-        pl.when(counter_ok).then(pl.col("d_energy_j")).otherwise(trapz).sum().alias("energy_j"),
-        pl.when(n_counter == 0).then(pl.lit("trapezoid"))
-        .when(n_counter == n_intervals).then(pl.lit("counter"))
-        .otherwise(pl.lit("counter+trapezoid")).alias("energy_source"),
-        pl.col("power_limit_w").max().alias("power_limit_w"),
-        rise.max().alias("power_max_rise_w_per_s"),
-        _tw_mean("temp_gpu_c").alias("temp_gpu_mean_c"), pl.col("temp_gpu_c").max().alias("temp_gpu_peak_c"),
-        _tw_mean("temp_mem_c").alias("temp_mem_mean_c"), pl.col("temp_mem_c").max().alias("temp_mem_peak_c"),
-        dt.filter(pl.col("temp_gpu_c") > temp_limit).sum().alias("time_above_temp_limit_s"),
-        _tw_mean("sm_clock_mhz").alias("sm_clock_mean_mhz"), pl.col("sm_clock_mhz").min().alias("sm_clock_min_mhz"),
-        _frac(pl.col("sm_clock_mhz") < (max_clock or float("inf")), "sm_clock_mhz").alias("below_max_clock_frac"),
-        *(_frac((throttle & bit) != 0, "throttle_reasons").alias(f"throttle_{name}_frac")
-          for name, bit in THROTTLE_BITS.items()),
-        _frac((throttle & THROTTLE_PERF_MASK) != 0, "throttle_reasons").alias("throttle_perf_frac"),
-        _tw_mean("util_gpu_pct").alias("util_gpu_mean_pct"), _tw_mean("util_mem_pct").alias("util_mem_mean_pct"),
+        tw_mean("power_w").alias("power_mean_w"), p.max().alias("power_peak_w"),
+        p.quantile(0.99, "linear").alias("power_p99_w"),
+        known(pl.when(d_energy >= 0).then(d_energy).otherwise((p + nxt_p) / 2 * dt).sum(), "power_w", "energy_j")
+        .alias("energy_j"),
+        known(pl.when(n_counted == 0).then(pl.lit("trapezoid")).when(n_counted == n_intervals)
+              .then(pl.lit("counter")).otherwise(pl.lit("counter+trapezoid")), "power_w", "energy_j")
+        .alias("energy_source"),
+        pl.col("power_limit_w").max(),
+        (p - p.rolling_min_by("ts_ns", window_size=f"{int(_NS)}i")).max().alias("power_max_rise_w_per_s"),
+        tw_mean("temp_gpu_c").alias("temp_gpu_mean_c"), pl.col("temp_gpu_c").max().alias("temp_gpu_peak_c"),
+        tw_mean("temp_mem_c").alias("temp_mem_mean_c"), pl.col("temp_mem_c").max().alias("temp_mem_peak_c"),
+        known(dt.filter(pl.col("temp_gpu_c") > temp_limit).sum(), "temp_gpu_c").alias("time_above_temp_limit_s"),
+        tw_mean("sm_clock_mhz").alias("sm_clock_mean_mhz"), pl.col("sm_clock_mhz").min().alias("sm_clock_min_mhz"),
+        clock_max.alias("max_sm_clock_mhz"),
+        frac(pl.col("sm_clock_mhz") < clock_max, "sm_clock_mhz").alias("below_max_clock_frac"),
+        *(frac((throttle & bit) != 0, "throttle_reasons").alias(name) for name, bit in bits.items()),
+        tw_mean("util_gpu_pct").alias("util_gpu_mean_pct"), tw_mean("util_mem_pct").alias("util_mem_mean_pct"),
         pl.col("mem_used_bytes").max().alias("mem_used_peak_bytes"),
-        *(_counter_sum(f"nvlink_{d}_bytes") for d in ("tx", "rx")),
-        *((pl.col(f"pcie_{d}_bytes_s") * dt).sum().alias(f"pcie_{d}_bytes") for d in ("tx", "rx")),
-    ]
-    stats = frame.lazy().group_by(KEYS).agg(aggs).sort(KEYS).collect()
-    # A metric no sample had stays null rather than 0 (sum() of nothing is 0).
-    missing = {
-        "energy_j": ("power_w", "energy_j"), "pcie_tx_bytes": ("pcie_tx_bytes_s",),
-        "pcie_rx_bytes": ("pcie_rx_bytes_s",), "time_above_temp_limit_s": ("temp_gpu_c",),
-    }
-    have = frame.lazy().group_by(KEYS).agg(
-        pl.any_horizontal(pl.col(c).is_not_null() for c in cols).any().alias(f"has_{name}")
-        for name, cols in missing.items()
-    ).collect()
-    stats = stats.join(have, on=KEYS).with_columns(
-        pl.when(pl.col(f"has_{name}")).then(pl.col(name)).alias(name) for name in missing
-    ).with_columns(
-        pl.when(pl.col("has_energy_j")).then(pl.col("energy_source")).alias("energy_source")
-    ).drop(f"has_{name}" for name in missing)
-    return stats.with_columns(pl.lit(1).alias("gpus"))
+        *(known(_counter_delta(f"nvlink_{d}_bytes").sum(), f"nvlink_{d}_bytes").alias(f"nvlink_{d}_bytes")
+          for d in ("tx", "rx")),
+        *(known((pl.col(f"pcie_{d}_bytes_s") * dt).sum(), f"pcie_{d}_bytes_s").alias(f"pcie_{d}_bytes")
+          for d in ("tx", "rx")),
+        pl.lit(1).alias("gpus"),
+    )
 
 
-def _counter_sum(name: str) -> pl.Expr:
-    d = pl.col(f"d_{name}")
-    return pl.when(d.is_not_null().any()).then(d.sum()).alias(name)
+def _excursions(trace: pl.DataFrame, run_mean_w: float | None) -> pl.LazyFrame:
+    """Spikes above the run's mean power and above the GPU's power limit, for one GPU's trace.
 
-
-def _excursions(frame: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:
-    """Spikes above the run's mean power and above each GPU's power limit."""
-    thresholds = {"mean": pl.lit(run_mean_w, pl.Float64), "limit": pl.col("power_limit_w")}
-    out = None
-    for name, threshold in thresholds.items():
+    A spike is a run of consecutive samples above the threshold; its size is its highest excess.
+    """
+    parts = [trace.lazy().select(pl.col(KEYS).first())]
+    for name, threshold in {"mean": pl.lit(run_mean_w, pl.Float64), "limit": pl.col("power_limit_w")}.items():
         excess = pl.col("power_w") - threshold
         above = (excess > 0).fill_null(False)
-        rising = above & ~above.shift(1, fill_value=False).over(KEYS)
-        spikes = (
-            frame.lazy()
-            .with_columns(excess.alias("excess"), above.alias("above"),
-                          rising.cum_sum().over(KEYS).alias("spike"))
+        starts = above & ~above.shift(1, fill_value=False)
+        known = (pl.col("power_w").is_not_null() & threshold.is_not_null()).any()
+        parts.append(trace.lazy().select(
+            pl.when(known).then(starts.sum()).alias(f"spikes_over_{name}_count"),
+            pl.when(known).then(pl.col("dt_s").filter(above).sum()).alias(f"time_over_{name}_s"),
+            excess.filter(above).max().alias(f"spikes_over_{name}_max_excess_w"),
+        ))
+        parts.append(
+            trace.lazy().select(excess.alias("excess"), above.alias("above"), starts.cum_sum().alias("spike"))
+            .filter("above").group_by("spike").agg(pl.col("excess").max())
+            .select(pl.col("excess").mean().alias(f"spikes_over_{name}_avg_excess_w"))
         )
-        known = frame.lazy().group_by(KEYS).agg(
-            (pl.col("power_w").is_not_null().any() & threshold.is_not_null().any()).alias("known"),
-            pl.col("dt_s").filter(above).sum().alias(f"time_over_{name}_s"),
-        )
-        sizes = (
-            spikes.filter("above").group_by([*KEYS, "spike"]).agg(pl.col("excess").max())
-            .group_by(KEYS).agg(
-                pl.len().alias(f"spikes_over_{name}_count"),
-                pl.col("excess").mean().alias(f"spikes_over_{name}_avg_excess_w"),
-                pl.col("excess").max().alias(f"spikes_over_{name}_max_excess_w"),
-            )
-        )
-        part = (
-            known.join(sizes, on=KEYS, how="left")
-            .with_columns(
-                pl.when(pl.col("known")).then(pl.col(f"spikes_over_{name}_count").fill_null(0))
-                .alias(f"spikes_over_{name}_count"),
-                pl.when(pl.col("known")).then(pl.col(f"time_over_{name}_s")).alias(f"time_over_{name}_s"),
-            )
-            .drop("known")
-            .collect()
-        )
-        out = part if out is None else out.join(part, on=KEYS)
-    return out
+    return pl.concat(parts, how="horizontal")
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,7 +368,7 @@ _SUM = ["energy_j", "nvlink_tx_bytes", "nvlink_rx_bytes", "pcie_tx_bytes", "pcie
         "spikes_over_mean_count", "spikes_over_limit_count", "samples", "gpus"]
 _MAX = ["power_peak_w", "power_p99_w", "power_max_rise_w_per_s", "temp_gpu_peak_c", "temp_mem_peak_c",
         "time_above_temp_limit_s", "mem_used_peak_bytes", "spikes_over_mean_max_excess_w",
-        "spikes_over_limit_max_excess_w", "duration_s", "power_limit_w"]
+        "spikes_over_limit_max_excess_w", "duration_s", "power_limit_w", "max_sm_clock_mhz"]
 _MIN = ["sm_clock_min_mhz"]
 _FIRST = ["backend"]
 

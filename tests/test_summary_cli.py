@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import polars as pl
+import pytest
 from runfactory import gpu_frame, make_run
 
 from charllm.tui.cli import main
@@ -28,10 +29,10 @@ def test_summarize_json_and_parquet(charllm_dirs, capsys, tmp_path):
     _run(charllm_dirs)
     assert main(["summarize", "demo", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows[0]["energy_j"] == 1500.0 and rows[0]["window"] == "all"
+    assert rows[0]["energy_j"] == pytest.approx(1500.0) and rows[0]["window"] == "all"
     out = tmp_path / "s.parquet"
     assert main(["summarize", "demo", "--out", str(out)]) == 0
-    assert pl.read_parquet(out)["power_mean_w"][0] == 150.0
+    assert pl.read_parquet(out)["power_mean_w"][0] == pytest.approx(150.0)
 
 
 def test_summarize_errors_are_one_line(charllm_dirs, capsys):
