@@ -366,6 +366,14 @@ def import_megatron_args(
     for required in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
         if not any(flag == required for flag, _ in groups):
             raise UserError(f"megatron args: {required} is required (Megatron has no default for it)")
+    # The sizes the import derives the world, the virtual pipeline and the batch from.
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--micro-batch-size",
+                 "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                 "--expert-model-parallel-size", "--expert-tensor-parallel-size"):
+        section, name, _ = FLAGS[flag]
+        value = getattr(getattr(exp, section), name)
+        if value is not None and value < 1:
+            raise UserError(f"{flag} = {value}: must be at least 1")
 
     # Grouped-query attention: --num-query-groups counts only with --group-query-attention.
     if "--group-query-attention" in seen:

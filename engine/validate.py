@@ -66,7 +66,7 @@ def check(exp: Experiment) -> None:
 
 
 def validate(exp: Experiment) -> list[Problem]:
-    problems = _values(exp)
+    problems = value_problems(exp)
     if problems:  # the layout rules below divide by these sizes
         return problems
     for rules in (_layout, _model, _pipeline, _batch, _experts, _sequence, _precision, _recompute,
@@ -76,7 +76,9 @@ def validate(exp: Experiment) -> list[Problem]:
 
 
 # --------------------------------------------------------------------------------------------
-def _values(exp: Experiment) -> list[Problem]:
+def value_problems(exp: Experiment) -> list[Problem]:
+    """Problems with single values (sizes, ranges, choices). When there are none, the experiment's
+    derived sizes (data-parallel size, micro-batch count, ...) are well defined."""
     out = []
     for section, names in POSITIVE.items():
         obj = getattr(exp, section)

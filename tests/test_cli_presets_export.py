@@ -66,6 +66,17 @@ def test_a_broken_user_preset_is_listed_as_invalid(capsys, charllm_dirs):
     assert rows["llama3-8b"]["summary"].startswith("32 layers")
 
 
+def test_an_impossible_user_experiment_is_listed_as_invalid(capsys, charllm_dirs):
+    user = charllm_dirs["config"] / "experiments"
+    user.mkdir(parents=True)
+    (user / "zero.toml").write_text('model = "tiny-dense"\nhardware = "cpu"\n[parallel]\ntensor_model_parallel_size = 0\n')
+    code, out, _ = run(capsys, "presets", "list", "experiments", "--json")
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert code == 0 and rows["zero"]["summary"] == "invalid: tensor_model_parallel_size = 0: must be at least 1"
+    code, out, _ = run(capsys, "presets", "show", "zero", "--json")
+    assert code == 0 and json.loads(out)["derived"] is None
+
+
 def test_presets_show_detects_the_kind(capsys):
     code, out, _ = run(capsys, "presets", "show", "deepseek-v3")
     assert code == 0 and "# model preset 'deepseek-v3' (shipped:" in out and "q_lora_rank = 1536" in out
