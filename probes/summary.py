@@ -413,7 +413,7 @@ def render(df: pl.DataFrame, fmt: str) -> str:
     if fmt == "json":
         return df.write_json()
     if fmt in ("table", "markdown"):
-        return _as_text_table(_long(df), markdown=fmt == "markdown")
+        return text_table(_long(df), markdown=fmt == "markdown")
     raise UserError(f"format {fmt!r}: expected one of table, markdown, csv, json (parquet needs --out FILE)")
 
 
@@ -460,7 +460,7 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def _as_text_table(df: pl.DataFrame, markdown: bool) -> str:
+def text_table(df: pl.DataFrame, markdown: bool) -> str:
     with pl.Config(
         tbl_formatting="MARKDOWN" if markdown else "UTF8_FULL_CONDENSED",
         tbl_hide_column_data_types=True, tbl_hide_dataframe_shape=True,

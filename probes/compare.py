@@ -1,0 +1,206 @@
+"""Runs and baselines side by side: each metric, its change from the baseline, better or worse.
+
+`compare(refs, baseline=None)` summarizes each run (run level, steady window) or loads each
+baseline, and measures every metric against the baseline (the first ref unless named).
+Direction matters: lower energy, temperature, throttling and iteration time are better;
+higher throughput, MFU, clocks and efficiency are better; a change beyond the threshold
+(default 5 %) is flagged "better" or "worse" ("changed" for metrics with no direction).
+Experiments may differ: the fields that differ are listed first (`experiment_diff`).
+
+A ref is a run (id, prefix/suffix or directory) or a baseline name; `baseline:NAME` says
+"the baseline" explicitly when a run has the same name.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from charllm.probes import baselines
+from charllm.probes.errors import UserError
+from charllm.probes.rundir import resolve_run
+
+FORMATS = ("table", "markdown", "csv", "json")
+DEFAULT_THRESHOLD_PCT = 5.0
+
+# Columns that identify or describe a summary rather than measure the run.
+_NOT_METRICS = {"run", "level", "node", "device", "gpus", "simulated", "backend", "window", "window_start_s",
+                "window_end_s", "notes", "energy_source", "hottest_gpu", "coolest_gpu", "highest_power_gpu",
+                "lowest_power_gpu", "uuid", "temp_limit_c", "max_sm_clock_mhz", "power_limit_w"}
+
+_HIGHER_BETTER = ("samples_per_s", "tokens_per_s", "tflops_per_gpu", "mfu_pct", "efficiency_", "sm_clock_mean",
+                  "sm_clock_min", "util_gpu")
+_LOWER_BETTER = ("energy_", "power_mean", "power_peak", "power_p99", "power_max_rise", "power_spread", "temp_",
+                 "time_above", "time_over", "throttle_", "below_max_clock", "spikes_", "iter_time_")
+
+
+def direction(metric: str) -> str | None:
+    """"higher" or "lower" when that way is better; None for metrics that are neither (bytes, counts)."""
+    if any(metric.startswith(p) for p in _HIGHER_BETTER):
+        return "higher"
+    if any(metric.startswith(p) for p in _LOWER_BETTER):
+        return "lower"
+    return None
+
+
+@dataclass
+class CompareResult:
+    labels: list[str]                      # one per ref, the baseline first
+    baseline: str
+    table: pl.DataFrame                    # tidy: metric, ref, value, baseline_value, delta, delta_pct, better, flag
+    experiment_diff: pl.DataFrame          # field + one column per ref, only the fields that differ
+    threshold_pct: float
+    notes: list[str] = field(default_factory=list)
+
+    def wide(self) -> pl.DataFrame:
+        """Display form: one row per metric; each ref's value, and for the others the % change and flag."""
+        rows = []
+        for metric, part in self.table.group_by("metric", maintain_order=True):
+            row = {"metric": metric[0], "better": part["better"][0] or ""}
+            for r in part.iter_rows(named=True):
+                row[r["ref"]] = _fmt(r["value"])
+                if r["ref"] != self.baseline:
+                    pct = r["delta_pct"]
+                    mark = f"{pct:+.1f}%" if pct is not None else ""
+                    row[f"{r['ref']} vs base"] = f"{mark} {r['flag'] or ''}".strip()
+            rows.append(row)
+        return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: float = DEFAULT_THRESHOLD_PCT,
+            window="steady") -> CompareResult:
+    refs = [*refs]
+    if baseline is not None and baseline not in refs:
+        refs.insert(0, baseline)
+    if len(refs) < 2:
+        raise UserError("compare: give at least two runs or baselines (or one and --baseline NAME)")
+    if threshold_pct < 0:
+        raise UserError(f"--threshold {threshold_pct}: must be 0 or more (percent)")
+    loaded = [_load(ref, window) for ref in refs]
+    labels = _unique([label for label, _, _ in loaded])
+    base_label = labels[refs.index(baseline)] if baseline is not None else labels[0]
+
+    summaries = [s.with_columns(pl.lit(label).alias("ref")) for label, (_, s, _) in zip(labels, loaded)]
+    wide = pl.concat(summaries, how="diagonal_relaxed")
+    metrics = [c for c, t in wide.schema.items() if c not in _NOT_METRICS and c != "ref" and t.is_numeric()]
+    if not metrics:
+        raise UserError("compare: the summaries share no metrics (are these runs' summaries from this version?)")
+    long = (
+        wide.select("ref", *(pl.col(m).cast(pl.Float64) for m in metrics))
+        .unpivot(index="ref", variable_name="metric", value_name="value")
+    )
+    base = long.filter(pl.col("ref") == base_label).select("metric", pl.col("value").alias("baseline_value"))
+    better = pl.col("metric").map_elements(direction, return_dtype=pl.String)
+    delta = pl.col("value") - pl.col("baseline_value")
+    pct = pl.when(pl.col("baseline_value") != 0).then(100 * delta / pl.col("baseline_value").abs())
+    improved = pl.when(pl.col("better") == "higher").then(pl.col("delta") > 0).otherwise(pl.col("delta") < 0)
+    table = (
+        long.join(base, on="metric", how="left", maintain_order="left")
+        .with_columns(delta.alias("delta"), pct.alias("delta_pct"), better.alias("better"))
+        .with_columns(
+            pl.when((pl.col("ref") == base_label) | (pl.col("delta_pct").abs() <= threshold_pct)
+                    | pl.col("delta_pct").is_null()).then(None)
+            .when(pl.col("better").is_null()).then(pl.lit("changed"))
+            .when(improved).then(pl.lit("better")).otherwise(pl.lit("worse")).alias("flag")
+        )
+        .select("metric", "ref", "value", "baseline_value", "delta", "delta_pct", "better", "flag")
+    )
+    order = {m: i for i, m in enumerate(metrics)}
+    table = table.sort(pl.col("metric").replace_strict(order, return_dtype=pl.Int64), maintain_order=True)
+
+    notes = []
+    windows = {label: s["window"][0] for label, (_, s, _) in zip(labels, loaded) if "window" in s.columns}
+    if len(set(windows.values())) > 1:
+        notes.append("windows differ: " + ", ".join(f"{k}: {v}" for k, v in windows.items()))
+    simulated = {label: bool(s["simulated"][0]) for label, (_, s, _) in zip(labels, loaded) if "simulated" in s.columns}
+    if len(set(simulated.values())) > 1:
+        notes.append("simulated and measured runs are mixed: " +
+                     ", ".join(k for k, v in simulated.items() if v) + " simulated")
+    for label, (_, s, _) in zip(labels, loaded):
+        if "notes" in s.columns and s["notes"][0]:
+            notes.append(f"{label}: {s['notes'][0]}")
+    return CompareResult(labels, base_label, table, _experiment_diff(labels, [e for _, _, e in loaded]),
+                         threshold_pct, notes)
+
+
+def _load(ref: str, window) -> tuple[str, pl.DataFrame, dict]:
+    """(label, run-level summary, experiment as a dict) for a run or a baseline."""
+    from charllm.probes.summary import summarize
+
+    explicit = ref.startswith("baseline:")
+    name = ref.removeprefix("baseline:")
+    if not explicit:
+        try:
+            run = resolve_run(ref)
+        except UserError:
+            if not baselines.exists(name):
+                raise UserError(f"{ref!r}: neither a run nor a baseline (see `charllm-tui runs` and "
+                                "`charllm-tui baseline list`)") from None
+        else:
+            exp = tomllib.loads(run.experiment_path.read_text()) if run.experiment_path.is_file() else {}
+            return run.id, summarize(run, window, by="run"), exp
+    b = baselines.show(name)
+    return f"baseline:{name}", b.summary, tomllib.loads(b.experiment_toml) if b.experiment_toml else {}
+
+
+def _unique(labels: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+    return out
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _experiment_diff(labels: list[str], experiments: list[dict]) -> pl.DataFrame:
+    flat = [_flatten(e) for e in experiments]
+    fields = sorted({k for f in flat for k in f} - {"name", "description"})
+    differing = [k for k in fields if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
+    data = {"field": differing}
+    for label, f in zip(labels, flat):
+        data[label] = ["" if f.get(k) is None else str(f.get(k)) for k in differing]
+    return pl.DataFrame(data, schema={c: pl.String for c in data})
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def render(result: CompareResult, fmt: str = "table") -> str:
+    from charllm.probes.summary import text_table
+
+    if fmt == "csv":
+        return result.table.write_csv()
+    if fmt == "json":
+        return json.dumps({
+            "baseline": result.baseline, "refs": result.labels, "threshold_pct": result.threshold_pct,
+            "experiment_diff": result.experiment_diff.to_dicts(), "metrics": result.table.to_dicts(),
+            "notes": result.notes,
+        }, indent=2) + "\n"
+    if fmt not in ("table", "markdown"):
+        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    md = fmt == "markdown"
+    parts = []
+    if result.experiment_diff.height:
+        parts.append(("## Experiment differences\n\n" if md else "Experiment differences\n")
+                     + text_table(result.experiment_diff, md))
+    heading = f"Metrics (baseline {result.baseline}; flagged beyond ±{result.threshold_pct:g}%)"
+    parts.append((f"## {heading}\n\n" if md else f"{heading}\n") + text_table(result.wide(), md))
+    if result.notes:
+        parts.append("\n".join(("- " if md else "note: ") + n for n in result.notes) + "\n")
+    return "\n".join(parts)

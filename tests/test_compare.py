@@ -1,0 +1,138 @@
+"""compare: metrics side by side, % change from the baseline, direction-aware flags, experiment diff."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from runfactory import gpu_frame, iteration_rows, make_run
+
+from charllm.probes import baselines
+from charllm.probes.compare import compare, direction, render
+from charllm.probes.errors import UserError
+from charllm.tui.cli import main
+
+T = np.round(np.arange(0, 101) * 0.1, 10)
+EXP = '''name = "{name}"
+[model]
+num_layers = 2
+hidden_size = 64
+num_attention_heads = 4
+seq_length = 32
+vocab_size = 1024
+[hardware]
+bf16_tflops = 1.0
+[cluster]
+nodes = 1
+gpus_per_node = 1
+[training]
+micro_batch_size = {mbs}
+global_batch_size = 8
+'''
+
+
+def _run(root, run_id, power, temp, iter_s, mbs=1):
+    rows = iteration_rows(np.arange(0, 10, iter_s), iter_s, warmup=1)
+    return make_run(root, [gpu_frame(T, power_w=power, temp_gpu_c=temp)], run_id=run_id,
+                    experiment=EXP.format(name=run_id, mbs=mbs), iterations=rows)
+
+
+@pytest.fixture
+def runs(charllm_dirs):
+    root = charllm_dirs["runs"]
+    a = _run(root, "20261121-000001-a", 200.0, 60.0, 1.0)
+    b = _run(root, "20261121-000002-b", 260.0, 61.0, 0.5, mbs=4)   # 30 % more power, 2x faster
+    return a, b
+
+
+def _row(result, metric, ref):
+    rows = result.table.filter((result.table["metric"] == metric) & (result.table["ref"] == ref))
+    assert rows.height == 1, (metric, ref)
+    return rows.row(0, named=True)
+
+
+def test_direction_aware_flags(runs):
+    a, b = runs
+    r = compare([a.id, b.id])
+    assert r.baseline == a.id
+    p = _row(r, "power_mean_w", b.id)
+    assert p["value"] == pytest.approx(260.0) and p["delta"] == pytest.approx(60.0)
+    assert p["delta_pct"] == pytest.approx(30.0) and p["flag"] == "worse"
+    s = _row(r, "samples_per_s", b.id)
+    assert s["delta_pct"] == pytest.approx(100.0) and s["flag"] == "better"
+    it = _row(r, "iter_time_mean_s", b.id)
+    assert it["delta_pct"] == pytest.approx(-50.0) and it["flag"] == "better"
+    t = _row(r, "temp_gpu_mean_c", b.id)
+    assert t["delta_pct"] == pytest.approx(100 / 60) and t["flag"] is None   # under 5 %
+    assert _row(r, "power_mean_w", a.id)["flag"] is None                     # the baseline itself
+    assert r.experiment_diff["field"].to_list() == ["training.micro_batch_size"]
+    assert r.experiment_diff[b.id].to_list() == ["4"]
+
+
+def test_threshold_and_named_baseline(runs):
+    a, b = runs
+    r = compare([a.id, b.id], baseline=b.id, threshold_pct=40)
+    assert r.baseline == b.id
+    assert _row(r, "power_mean_w", a.id)["flag"] is None               # -23 % is within 40 %
+    assert _row(r, "samples_per_s", a.id)["delta_pct"] == pytest.approx(-50.0)
+    assert _row(r, "samples_per_s", a.id)["flag"] == "worse"
+    at_edge = compare([a.id, b.id], baseline=b.id, threshold_pct=50)   # "beyond" is strictly more
+    assert _row(at_edge, "samples_per_s", a.id)["flag"] is None
+
+
+def test_against_a_saved_baseline(runs):
+    a, b = runs
+    baselines.save(a, "ref")
+    r = compare([b.id], baseline="ref")
+    assert r.labels == ["baseline:ref", b.id]
+    assert _row(r, "power_mean_w", b.id)["delta_pct"] == pytest.approx(30.0)
+
+
+def test_renderings(runs):
+    a, b = runs
+    r = compare([a.id, b.id])
+    table = render(r, "table")
+    assert table.index("Experiment differences") < table.index("Metrics")
+    assert "+30.0% worse" in table
+    md = render(r, "markdown")
+    assert "| metric" in md and "## Metrics" in md
+    data = json.loads(render(r, "json"))
+    assert data["baseline"] == a.id and data["experiment_diff"][0]["field"] == "training.micro_batch_size"
+    assert render(r, "csv").splitlines()[0] == "metric,ref,value,baseline_value,delta,delta_pct,better,flag"
+
+
+def test_direction_table():
+    assert direction("energy_per_token_j") == "lower"
+    assert direction("mfu_pct") == "higher"
+    assert direction("nvlink_tx_bytes") is None
+
+
+def test_mismatched_and_bad_refs(runs, charllm_dirs):
+    a, _ = runs
+    with pytest.raises(UserError, match="at least two"):
+        compare([a.id])
+    with pytest.raises(UserError, match="neither a run nor a baseline"):
+        compare([a.id, "ghost"])
+    with pytest.raises(UserError, match="no such baseline"):
+        compare([a.id, "baseline:ghost"])
+    # a run whose telemetry cannot be summarized is named in the error
+    broken = make_run(charllm_dirs["runs"], [gpu_frame([0.0], power_w=1.0)], chunks=1, run_id="broken")
+    with pytest.raises(UserError, match="only one sample"):
+        compare([a.id, broken.id])
+
+
+def test_simulated_and_measured_runs_are_noted(runs, charllm_dirs):
+    a, _ = runs
+    frame = gpu_frame(T, power_w=200.0).with_columns(simulated=False, backend=__import__("polars").lit("nvml"))
+    real = make_run(charllm_dirs["runs"], [frame], run_id="real")
+    r = compare([a.id, real.id], window="all")
+    assert any("simulated and measured" in n for n in r.notes)
+
+
+def test_cli(runs, capsys):
+    a, b = runs
+    assert main(["compare", a.id, b.id, "--format", "markdown", "--threshold", "10"]) == 0
+    assert "flagged beyond ±10%" in capsys.readouterr().out
+    assert main(["compare", a.id]) == 2
+    assert capsys.readouterr().err.strip().startswith("charllm-tui: error: compare: give at least two")
