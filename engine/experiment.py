@@ -179,6 +179,16 @@ class Training:
     attention_backend: str = "auto"     # auto | flash | fused | unfused | local
     transformer_impl: str = "transformer_engine"   # transformer_engine | local
     grad_reduce_in_bf16: bool = False   # default: fp32 main grads and fp32 reduction
+    # Memory-relevant Megatron flags (defaults are Megatron's):
+    fp8_param_gather: bool = False      # keep compute weights in FP8 (no bf16 copy)
+    attention_softmax_in_fp32: bool = False    # unfused attention upcasts the s x s scores to fp32
+    cuda_graph_impl: str = "none"       # none | local | transformer_engine (graphs keep static buffers)
+    use_precision_aware_optimizer: bool = False    # enables the four optimizer dtypes below
+    main_grads_dtype: str = "fp32"      # fp32 | bf16
+    main_params_dtype: str = "fp32"     # fp32 | fp16
+    exp_avg_dtype: str = "fp32"         # fp32 | fp16 | bf16 | fp8 (Adam first moment)
+    exp_avg_sq_dtype: str = "fp32"      # fp32 | fp16 | bf16 | fp8 (Adam second moment)
+    optimizer_cpu_offload: bool = False    # optimizer state on the host
     optimizer: str = "adam"             # adam | sgd
     cross_entropy_loss_fusion: bool = False
     moe_token_dispatcher_type: str = "allgather"   # allgather | alltoall | flex

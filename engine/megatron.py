@@ -226,6 +226,18 @@ TRAINING_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
     "--attention-backend": ("attention_backend", Value(str)),
     "--transformer-impl": ("transformer_impl", Value(str)),
     "--grad-reduce-in-bf16": ("grad_reduce_in_bf16", Switch(True)),
+    "--fp8-param-gather": ("fp8_param_gather", Switch(True)),
+    "--attention-softmax-in-fp32": ("attention_softmax_in_fp32", Switch(True)),
+    "--apply-query-key-layer-scaling": ("attention_softmax_in_fp32", Switch(True)),  # implies it in Megatron
+    "--cuda-graph-impl": ("cuda_graph_impl", Value(str)),
+    "--enable-cuda-graph": ("cuda_graph_impl", Switch("local")),                 # deprecated aliases
+    "--external-cuda-graph": ("cuda_graph_impl", Switch("transformer_engine")),
+    "--use-precision-aware-optimizer": ("use_precision_aware_optimizer", Switch(True)),
+    "--main-grads-dtype": ("main_grads_dtype", Value(str)),
+    "--main-params-dtype": ("main_params_dtype", Value(str)),
+    "--exp-avg-dtype": ("exp_avg_dtype", Value(str)),
+    "--exp-avg-sq-dtype": ("exp_avg_sq_dtype", Value(str)),
+    "--optimizer-cpu-offload": ("optimizer_cpu_offload", Switch(True)),
     "--optimizer": ("optimizer", Value(str)),
     "--cross-entropy-loss-fusion": ("cross_entropy_loss_fusion", Switch(True)),
     "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", Value(str)),

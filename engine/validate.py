@@ -37,6 +37,11 @@ CHOICES: dict[str, tuple[str, tuple]] = {
     "transformer_impl": ("training", ("transformer_engine", "local")),
     "optimizer": ("training", ("adam", "sgd", "muon")),
     "moe_token_dispatcher_type": ("training", ("allgather", "alltoall", "flex")),
+    "cuda_graph_impl": ("training", ("none", "local", "transformer_engine")),
+    "main_grads_dtype": ("training", ("fp32", "bf16")),
+    "main_params_dtype": ("training", ("fp32", "fp16")),
+    "exp_avg_dtype": ("training", ("fp32", "fp16", "bf16", "fp8")),
+    "exp_avg_sq_dtype": ("training", ("fp32", "fp16", "bf16", "fp8")),
     "vendor": ("hardware", ("nvidia", "amd", "cpu")),
 }
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
@@ -298,6 +303,9 @@ def _precision(exp: Experiment) -> list[Problem]:
         out.append(Problem("fp8", t.fp8, f"hardware {hw.name} has no FP8 support"))
     if t.moe_grouped_gemm and not t.bf16:
         out.append(Problem("moe_grouped_gemm", True, "needs bf16 = true"))
+    if t.fp8_param_gather and not (exp.parallel.use_distributed_optimizer or exp.parallel.use_megatron_fsdp
+                                   or exp.parallel.use_torch_fsdp2):
+        out.append(Problem("fp8_param_gather", True, "needs use_distributed_optimizer = true (or FSDP)"))
     return out
 
 
@@ -315,6 +323,8 @@ def _recompute(exp: Experiment) -> list[Problem]:
     if g != "selective" and t.recompute_modules is not None:
         out.append(Problem("recompute_modules", t.recompute_modules,
                            "applies only with recompute_granularity = 'selective'"))
+    if g == "full" and t.cuda_graph_impl != "none":
+        out.append(Problem("cuda_graph_impl", t.cuda_graph_impl, "CUDA graphs cannot be combined with full recompute"))
     if g == "full":
         if t.recompute_method is None:
             out.append(Problem("recompute_method", None, "full recompute needs a method: uniform or block"))
@@ -343,6 +353,12 @@ def _optimizer(exp: Experiment) -> list[Problem]:
     if p.num_distributed_optimizer_instances > 1 and not p.use_distributed_optimizer:
         out.append(Problem("num_distributed_optimizer_instances", p.num_distributed_optimizer_instances,
                            "applies only with use_distributed_optimizer = true"))
+    if not t.use_precision_aware_optimizer:
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(t, name) != "fp32":
+                out.append(Problem(name, getattr(t, name), "applies only with use_precision_aware_optimizer = true"))
+        if t.optimizer_cpu_offload:
+            out.append(Problem("optimizer_cpu_offload", True, "needs use_precision_aware_optimizer = true"))
     if t.optimizer == "muon" and (p.use_distributed_optimizer or p.use_megatron_fsdp or p.use_torch_fsdp2):
         out.append(Problem("optimizer", "muon", "does not support the distributed optimizer or FSDP"))
     return out

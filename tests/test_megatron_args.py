@@ -94,6 +94,8 @@ def test_memory_dev_shapes_follow_megatron_defaults():
     swiglu = import_megatron_args(by_name["gpt3_mcore_te_tp1_pp4_resume_torch_dist_swiglu"]["megatron_args"],
                                   world_size=8, hardware="h100-sxm-80gb").experiment.model
     assert swiglu.swiglu and swiglu.ffn_hidden_size == int((4 * 512 * 2 / 3) / 64) * 64 == 1344
+    assert last.training.cuda_graph_impl == "transformer_engine"
+    assert last.training.attention_softmax_in_fp32           # --attention-softmax-in-fp32 is in the case
     fsdp = import_megatron_args(by_name["gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor"]["megatron_args"],
                                 world_size=8, hardware="h100-sxm-80gb").experiment.parallel
     assert fsdp.use_megatron_fsdp and fsdp.data_parallel_sharding_strategy == "optim_grads_params"
@@ -157,6 +159,16 @@ def test_two_virtual_pipeline_flags_are_refused():
     with pytest.raises(UserError, match="cannot be combined"):
         import_megatron_args(BASE + "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
                              "--num-layers-per-virtual-pipeline-stage 1", world_size=4, hardware="cpu")
+
+
+def test_memory_flags_without_a_single_field():
+    exp = import_megatron_args(BASE + "--apply-query-key-layer-scaling --enable-cuda-graph --use-precision-aware-"
+                               "optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --main-grads-dtype bf16 "
+                               "--optimizer-cpu-offload --fp8-param-gather", world_size=1, hardware="cpu").experiment
+    t = exp.training
+    assert t.attention_softmax_in_fp32 and t.cuda_graph_impl == "local" and t.fp8_param_gather
+    assert (t.use_precision_aware_optimizer, t.exp_avg_dtype, t.exp_avg_sq_dtype, t.main_grads_dtype,
+            t.main_params_dtype, t.optimizer_cpu_offload) == (True, "bf16", "bf16", "bf16", "fp32", True)
 
 
 def test_gqa_needs_its_switch_and_fsdp_flags():
@@ -339,6 +351,11 @@ def experiments() -> st.SearchStrategy[Experiment]:
         t.moe_expert_capacity_factor = draw(st.none() | st.sampled_from([1.0, 1.5]))
         t.moe_aux_loss_coeff = draw(st.sampled_from([0.0, 0.01]))
         t.lr = draw(st.floats(1e-6, 1.0))
+        t.fp8_param_gather, t.attention_softmax_in_fp32 = draw(st.booleans()), draw(st.booleans())
+        t.cuda_graph_impl = draw(st.sampled_from(["none", "local", "transformer_engine"]))
+        t.use_precision_aware_optimizer, t.optimizer_cpu_offload = draw(st.booleans()), draw(st.booleans())
+        t.main_grads_dtype = draw(st.sampled_from(["fp32", "bf16"]))
+        t.exp_avg_dtype = draw(st.sampled_from(["fp32", "bf16", "fp8"]))
         t.data_path = draw(st.none() | st.sampled_from(["/data/x_text_document", "0.5 /a 0.5 /b"]))
         exp.cluster.gpus_per_node = draw(st.sampled_from([1, 2, 8]))
         exp.cluster.nodes = draw(st.integers(1, 4))

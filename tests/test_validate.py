@@ -152,6 +152,19 @@ RULES = {
     "muon without distributed optimizer": (
         ["optimizer='muon'", "use_distributed_optimizer=true"],
         "optimizer = 'muon': does not support the distributed optimizer or FSDP"),
+    "optimizer dtypes need the precision-aware optimizer": (
+        ["exp_avg_dtype='bf16'"], "exp_avg_dtype = 'bf16': applies only with use_precision_aware_optimizer = true"),
+    "optimizer offload needs the precision-aware optimizer": (
+        ["optimizer_cpu_offload=true"], "optimizer_cpu_offload = True: needs use_precision_aware_optimizer = true"),
+    "FP8 param gather needs the distributed optimizer": (
+        ["fp8_param_gather=true"], "fp8_param_gather = True: needs use_distributed_optimizer = true (or FSDP)"),
+    "CUDA graphs without full recompute": (
+        ["cuda_graph_impl='transformer_engine'", "recompute_granularity='full'", "recompute_method='block'",
+         "recompute_num_layers=1"],
+        "cuda_graph_impl = 'transformer_engine': CUDA graphs cannot be combined with full recompute"),
+    "enum: optimizer dtypes": (
+        ["use_precision_aware_optimizer=true", "main_grads_dtype='fp16'"],
+        "main_grads_dtype = 'fp16': must be one of fp32, bf16"),
     "TP comm overlap needs SP": (
         ["tp_comm_overlap=true", "sequence_parallel=false"], "tp_comm_overlap = True: needs sequence_parallel = true"),
     "sharding strategy needs Megatron-FSDP": (
