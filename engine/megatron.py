@@ -105,7 +105,7 @@ _MAX_PATTERN = 1_000_000
 def _pattern_value(node: ast.AST) -> int | list:
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
-    if isinstance(node, (ast.List, ast.Tuple)) and isinstance(node, ast.List):
+    if isinstance(node, ast.List):
         items = [_pattern_value(e) for e in node.elts]
         if not all(isinstance(i, int) for i in items):
             raise ValueError("nested lists")
@@ -300,15 +300,14 @@ def _group(tokens: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
 
 
 def _launcher_world(head: list[str]) -> tuple[int | None, int | None]:
-    """World size and devices per node from a `torchrun --nnodes N --nproc-per-node G ... x.py` prefix."""
+    """World size and devices per node from a `torchrun --nnodes N --nproc-per-node G ... x.py` prefix;
+    (None, None) unless both are plain numbers (`$GPUS_PER_NODE` or an elastic `1:4` tells us nothing)."""
     _, groups = _group(head)
-    values = {name.replace("_", "-"): vals for name, vals in groups}
-    nnodes = values.get("--nnodes", [None])[0] if values.get("--nnodes") else None
-    nproc = values.get("--nproc-per-node", [None])[0] if values.get("--nproc-per-node") else None
-    if nproc is None or not str(nproc).isdigit():
+    values = {name.replace("_", "-"): vals[0] for name, vals in groups if vals}
+    nnodes, nproc = values.get("--nnodes", "1"), values.get("--nproc-per-node")
+    if nproc is None or not (nproc.isdigit() and nnodes.isdigit()):
         return None, None
-    nodes = int(nnodes) if nnodes is not None and str(nnodes).isdigit() else 1
-    return nodes * int(nproc), int(nproc)
+    return int(nnodes) * int(nproc), int(nproc)
 
 
 def _convert(flag: str, kind: Switch | Value | Many, values: list[str]):
@@ -343,7 +342,7 @@ def import_megatron_args(
     from charllm.engine import catalog
 
     tokens = split_command_line(args)
-    script = max((i for i, t in enumerate(tokens) if t.endswith(".py")), default=-1)
+    script = next((i for i, t in enumerate(tokens) if t.endswith(".py")), -1)   # `torchrun ... pretrain_gpt.py`
     launcher, tokens = tokens[: script + 1], tokens[script + 1:]
     stray, groups = _group(tokens)
 
