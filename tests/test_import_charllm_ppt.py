@@ -1,0 +1,113 @@
+"""Import of CharLLM-PPT / Zeus CSV results: units, alignment, wraps, host files, limitations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from charllm.probes.errors import UserError
+from charllm.probes.importers import LIMITATIONS, import_charllm_ppt
+from charllm.probes.rundir import resolve_run
+from charllm.probes.summary import summarize
+from charllm.tui.cli import main
+
+T0 = 1_730_000_000.0
+T = T0 + np.round(np.arange(0, 41) * 0.05, 10)   # 2 s at 20 Hz
+
+
+def _write(d, name, t, v):
+    (d / name).write_text("".join(f"{float(a)!r},{float(b)!r}\n" for a, b in zip(t, v)))
+
+
+def make_results(d, ranks=2, gpus_per_node=1):
+    d.mkdir(parents=True, exist_ok=True)
+    for r in range(ranks):
+        power = np.where(np.arange(T.size) < 20, 300.0, 500.0) + r
+        _write(d, f"gpu_power_{r}.csv", T, power)
+        _write(d, f"mem_power_{r}.csv", T, np.full(T.size, 40.0))
+        _write(d, f"gpu_thermal_{r}.csv", T, np.full(T.size, 60.0 + r))
+        _write(d, f"mem_thermal_{r}.csv", T, np.full(T.size, 70.0))
+        _write(d, f"sm_clock_{r}.csv", T, np.full(T.size, 1980.0))
+        _write(d, f"mem_clock_{r}.csv", T, np.full(T.size, 2619.0))
+        util = np.full(T.size, 90.0)
+        util[3] = -1                                        # the artifact's failed read
+        _write(d, f"gpu_util_{r}.csv", T, util)
+        _write(d, f"mem_util_{r}.csv", T, np.full(T.size, 50.0))
+        # NVLink: a 32-bit KiB counter that wraps; 1000 KiB per tick
+        kib = (np.arange(T.size) * 1000 + 2**32 - 15_000) % 2**32
+        _write(d, f"nvlink_tx_throughput_{r}.csv", T, kib)
+        _write(d, f"nvlink_rx_throughput_{r}.csv", T, kib)
+        # PCIe: byte counters (wrapping) and throughput in KB/s
+        _write(d, f"pcie_tx_bytes_{r}.csv", T, (np.arange(T.size) * 5_000_000 + 2**32 - 7_000_000) % 2**32)
+        _write(d, f"pcie_rx_bytes_{r}.csv", T, np.arange(T.size) * 1_000_000)
+        _write(d, f"pcie_tx_throughput_{r}.csv", T, np.full(T.size, 1.0))
+        _write(d, f"pcie_rx_throughput_{r}.csv", T, np.full(T.size, 1.0))
+    # host files of rank 0: two CPUs, cumulative seconds; busy 0.03 s and idle 0.02 s per CPU per tick
+    for cpu in (0, 1):
+        _write(d, f"system_cpu_usage_rank_0_id_{cpu}.csv", T, np.arange(T.size) * 0.03)
+        _write(d, f"system_cpu_idle_rank_0_id_{cpu}.csv", T, np.arange(T.size) * 0.02)
+    _write(d, "system_cpu_temp_rank_0_id_0.csv", T, np.full(T.size, 55.0))
+    _write(d, "system_ib_rx_bytes_rank_0_id_ib0.csv", T, np.arange(T.size) * 100.0)
+    _write(d, "system_ib_rx_bytes_rank_0_id_ib1.csv", T, np.arange(T.size) * 50.0)
+    _write(d, "system_memory_used_0.csv", T, np.full(T.size, 1000.0))
+    _write(d, "system_memory_free_0.csv", T, np.full(T.size, 400.0))
+    return d
+
+
+def test_import_maps_units_and_summarizes(tmp_path):
+    run = import_charllm_ppt(make_results(tmp_path / "res"), name="ppt", gpus_per_node=1)
+    m = run.read_manifest()
+    assert m["kind"] == "import" and m["imported_from"]["format"] == "charllm-ppt"
+    assert m["limitations"] == LIMITATIONS and m["simulated"] is False
+    assert sorted(p.parent.name for p in run.telemetry_files()) == ["node0", "node1"]
+    s = summarize(run, "all")
+    assert s["node"].to_list() == ["node0", "node1"] and s["backend"][0] == "import:charllm-ppt"
+    r0 = s.row(0, named=True)
+    assert r0["power_mean_w"] == pytest.approx(400.0)            # 1 s at 300 W, 1 s at 500 W
+    # trapezoid: 19 intervals at 300 W, one ramp 300->500 W (0.05 s at 400 W), 20 intervals at 500 W
+    assert r0["energy_j"] == pytest.approx(285.0 + 20.0 + 500.0)
+    assert r0["energy_source"] == "trapezoid"
+    assert r0["temp_gpu_mean_c"] == pytest.approx(60.0) and r0["temp_mem_peak_c"] == 70.0
+    assert r0["sm_clock_mean_mhz"] == pytest.approx(1980.0)
+    assert r0["util_gpu_mean_pct"] == pytest.approx(90.0)        # -1 became null, not a 0 %
+    assert r0["nvlink_tx_bytes"] == pytest.approx(40 * 1000 * 1024)   # KiB -> bytes, across the wrap
+    assert r0["pcie_tx_bytes"] == pytest.approx(40 * 5_000_000)       # the counter wins over throughput
+    assert r0["pcie_rx_bytes"] == pytest.approx(40 * 1_000_000)
+    assert r0["throttle_perf_frac"] is None and r0["spikes_over_limit_count"] is None
+    host = run.scan_telemetry().filter(device="host").collect()
+    assert host["cpu_util_pct"].drop_nulls().to_list() == pytest.approx([60.0] * 40)
+    assert host["ib_rx_bytes"][-1] == 40 * 150 and host["temp_cpu_c"][0] == 55.0
+    assert host["host_mem_total_bytes"][0] == 1000 and host["host_mem_used_bytes"][0] == 600
+
+
+def test_ranks_map_to_nodes_by_gpus_per_node(tmp_path):
+    run = import_charllm_ppt(make_results(tmp_path / "res", ranks=3), gpus_per_node=2)
+    s = summarize(run, "all")
+    assert list(zip(s["node"], s["device"])) == [("node0", "gpu0"), ("node0", "gpu1"), ("node1", "gpu0")]
+
+
+def test_bad_inputs_are_user_errors_and_leave_nothing(tmp_path, charllm_dirs):
+    with pytest.raises(UserError, match="no such directory"):
+        import_charllm_ppt(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no .metric._.rank..csv files"):
+        import_charllm_ppt(tmp_path / "empty")
+    bad = make_results(tmp_path / "bad")
+    (bad / "gpu_power_1.csv").write_text("time,power\nabc,def\n")
+    with pytest.raises(UserError, match="gpu_power_1.csv"):
+        import_charllm_ppt(bad)
+    with pytest.raises(UserError, match="--gpus-per-node 0"):
+        import_charllm_ppt(make_results(tmp_path / "ok"), gpus_per_node=0)
+    runs = charllm_dirs["runs"]
+    assert not runs.exists() or list(runs.iterdir()) == []
+
+
+def test_cli_prints_the_run_id(tmp_path, capsys):
+    src = make_results(tmp_path / "res")
+    assert main(["import", "charllm-ppt", str(src), "--name", "old-result", "--gpus-per-node", "1"]) == 0
+    run_id = capsys.readouterr().out.strip()
+    assert run_id.endswith("-old-result") and resolve_run(run_id).status == "completed"
+    assert main(["summarize", run_id, "--by", "run"]) == 0
+    assert "no iteration log" in capsys.readouterr().out
+    assert main(["import", "charllm-ppt", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.startswith("charllm-tui: error: charllm-ppt directory")
