@@ -361,6 +361,7 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     log = IterationLog(run_dir / "iterations.jsonl" if writes_log else None, rank, node)
     log_holder.append(log)
 
+    import_started = time.monotonic()
     import torch
 
     cuda = torch.cuda.is_available()
@@ -381,6 +382,10 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     from megatron.core import tensor_parallel
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401 - the rest of what setup needs,
+    import megatron.core.optimizer  # noqa: F401       imported here so import time is one figure
+    setup_started = time.monotonic()
 
     p, t = exp.parallel, exp.training
     torch.distributed.init_process_group(backend="nccl" if cuda else "gloo")
@@ -437,6 +442,9 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
         "use_distributed_optimizer": p.use_distributed_optimizer,
         "num_microbatches": exp.num_microbatches,
         "device": "cuda" if cuda else "cpu",
+    }, startup_s={
+        "import": round(setup_started - import_started, 3),              # torch, megatron (+ TE)
+        "setup": round(time.monotonic() - setup_started, 3),             # process groups, model, optimizer
     })
 
     for iteration in range(1, t.train_iters + 1):
