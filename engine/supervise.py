@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from charllm.engine import slurm, ssh
@@ -87,8 +88,7 @@ class Proc:
         return self.popen.poll()
 
     def signal(self, sig: signal.Signals) -> None:
-        if self.poll() is not None and self.step.host is None:
-            return
+        """Signal the whole process group (a dead leader can leave ranks behind in it)."""
         if self.step.host is not None and self.remote_pgid:
             ssh.kill_group(self.target, self.step.host, self.remote_pgid, sig.name.removeprefix("SIG"))
         if self.step.host is None or sig == signal.SIGKILL:
@@ -105,16 +105,15 @@ class Proc:
 
 
 def stop(procs: list[Proc], grace: float) -> None:
-    """SIGTERM, then SIGKILL whatever is left after `grace` seconds."""
+    """SIGTERM, then SIGKILL to every group after `grace` seconds (stragglers outlive leaders)."""
     live = [p for p in procs if p.poll() is None]
-    for p in live:
-        p.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(p.poll() is None for p in live) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for p in live:
-        if p.poll() is None or p.step.host:  # remote: the group may outlive the ssh client
-            p.signal(signal.SIGKILL)
+    with ThreadPoolExecutor(max_workers=8) as pool:  # remote signals are one ssh connection each
+        list(pool.map(lambda p: p.signal(signal.SIGTERM), live))
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        list(pool.map(lambda p: p.signal(signal.SIGKILL), procs))
+    for p in procs:
         try:
             p.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
