@@ -277,3 +277,44 @@ def test_two_writers_never_interleave_within_a_line(tmp_path):
         log.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) == 400 and {r["rank"] for r in records} == {0, 1}
+
+
+# --------------------------------------------------------------------------------------------
+# cpu_compat, in two real gloo ranks (it patches torch globally, so never in this process)
+# --------------------------------------------------------------------------------------------
+COMPAT_CHECK = '''
+import torch, warnings
+warnings.simplefilter("ignore")
+from charllm.engine.workload import cpu_compat
+assert cpu_compat.apply()
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+dist.init_process_group("gloo")
+ps.initialize_model_parallel(tensor_model_parallel_size=2)
+rank = dist.get_rank()
+# device="cuda" lands on the CPU; CPU tensors report CUDA type names
+assert torch.empty(3, device="cuda").device.type == "cpu"
+assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
+assert torch.ones(2).cuda().device.type == "cpu" and torch.ones(2).to("cuda").device.type == "cpu"
+assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+# uneven all-gather (rank r holds r+1 rows), forward and its reduce-scatter backward
+x = torch.full((rank + 1, 3), float(rank + 1), requires_grad=True)
+y = gather_from_sequence_parallel_region(x, group=ps.get_tensor_model_parallel_group(), output_split_sizes=[1, 2])
+assert y.shape == (3, 3) and y[:1].eq(1).all() and y[1:].eq(2).all(), y
+y.sum().backward()
+assert x.grad.eq(2).all(), x.grad   # each row's gradient summed over the 2 TP ranks
+print("compat ok", rank)
+'''
+
+
+@pytest.mark.timeout(200)
+def test_cpu_compat_devices_type_names_and_uneven_all_gather(tmp_path):
+    script = tmp_path / "compat_check.py"
+    script.write_text(COMPAT_CHECK)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    rc, out, err = finish(start(cmd), timeout=180)
+    assert rc == 0, err[-3000:]
+    assert sorted(line for line in out.splitlines() if line.startswith("compat ok")) == ["compat ok 0", "compat ok 1"]
