@@ -2,7 +2,7 @@
 
     <data_dir>/baselines/<name>/           presets/baselines/<name>/ (shipped, read-only)
         summary.parquet    the run-level summary (probes.summary, by="run")
-        gpus.parquet       the per-GPU summary
+        gpus.parquet       the per-GPU summary (absent for host-only CPU runs)
         experiment.toml    the run's experiment, when it had one
         baseline.json      name, source run, window, when saved, description (what it is)
 
@@ -60,8 +60,9 @@ def save(run: RunDir | str, name: str, *, window="steady", description: str = ""
     target = paths.baselines_dir() / name
     if target.exists() and not overwrite:
         raise UserError(f"baseline {name!r}: already exists in {target.parent}; delete it first or pick another name")
-    gpus = summarize(run, window, by="gpu")
     summary = summarize(run, window, by="run")
+    has_gpus = "power_mean_w" in summary.columns  # host-only (CPU) runs have no per-GPU rows
+    gpus = summarize(run, window, by="gpu") if has_gpus else None
     manifest = run.read_manifest()
     meta = {
         "name": name, "run": run.id, "window": summary["window"][0], "saved_at": time.time(),
@@ -74,7 +75,8 @@ def save(run: RunDir | str, name: str, *, window="steady", description: str = ""
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     summary.write_parquet(tmp / "summary.parquet")
-    gpus.write_parquet(tmp / "gpus.parquet")
+    if gpus is not None:
+        gpus.write_parquet(tmp / "gpus.parquet")
     if run.experiment_path.is_file():
         shutil.copyfile(run.experiment_path, tmp / "experiment.toml")
     write_json_atomic(tmp / "baseline.json", meta)

@@ -53,6 +53,12 @@ _GPU_COLUMNS = [
 ]
 
 
+_HOST_COLUMNS = [
+    "ts_ns", "node", "device", "simulated", "cpu_util_pct", "cpu_freq_mhz", "temp_cpu_c", "host_mem_used_bytes",
+    "cpu_energy_j", "dram_energy_j", "ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes",
+]
+
+
 # --------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------
@@ -65,47 +71,73 @@ def summarize(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu")
     nodes = _files_by_node(run)
     first_ns = min((t for t in (_first_ts(files) for files in nodes.values()) if t is not None), default=None)
     if first_ns is None:
-        raise UserError(f"run {run.id}: no GPU telemetry under {run.telemetry_dir} (nothing to summarize)")
+        raise UserError(f"run {run.id}: no telemetry under {run.telemetry_dir} (nothing to summarize)")
     start_ns, end_ns, label, notes = _window(window, iterations, first_ns)
     temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
     max_clock = exp.max_sm_clock_mhz if exp else None
 
     # One node at a time, so peak memory is one node's samples plus a slim power trace per GPU;
     # each GPU's samples are a frame of their own, so no statistic needs a window function.
-    rows, traces = [], []
+    rows, traces, hosts, last_ns = [], [], [], None
     for files in nodes.values():
         node = _load(files, lambda lf: _in_window(lf, start_ns, end_ns).collect())
+        if node.height:
+            last_ns = max(last_ns or 0, node["ts_ns"].max())
+        is_host = node["device"] == "host"
+        if is_host.any():
+            hosts.append(_host_stats(_in_time_order(node.filter(is_host).select(_HOST_COLUMNS))))
+            node = node.filter(~is_host)
+        node = node.select(_GPU_COLUMNS)
         keys = "device" if node["node"].n_unique() <= 1 else KEYS  # one node per directory, normally
         gpus = [_in_time_order(g) for g in node.partition_by(keys, maintain_order=True)]
         del node
         rows += pl.collect_all([_gpu_stats(g, temp_limit, max_clock) for g in gpus])
         traces += [g.select(*KEYS, "ts_ns", "power_w", "power_limit_w", _dt()) for g in gpus]
-    if not rows:
-        last_ns = max(_load(f, lambda lf: _in_window(lf, None, None).select(pl.col("ts_ns").max()).collect()).item()
-                      or first_ns for f in nodes.values())
+    if last_ns is None:
+        last_ns = max(_load(f, lambda lf: lf.select(pl.col("ts_ns").max()).collect()).item() or first_ns
+                      for f in nodes.values())
         raise UserError(
             f"window {label}: no telemetry samples in it (the run's samples span "
             f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
         )
-    gpus = pl.concat(rows, how="vertical_relaxed")
-    if gpus["duration_s"].max() == 0:
+    host = pl.concat(hosts, how="vertical_relaxed") if hosts else None
+    durations = ([] if not rows else [pl.concat(rows)["duration_s"].max()]) + ([] if host is None else
+                                                                               [host["host_duration_s"].max()])
+    if max(durations) == 0:
         raise UserError(
-            f"window {label}: only one sample per GPU; at least two are needed to weight by time"
+            f"window {label}: only one sample per device; at least two are needed to weight by time"
         )
     if end_ns is None:
-        end_ns = max(t["ts_ns"].max() for t in traces)
-    run_mean_w = gpus["power_mean_w"].mean()
-    spikes = pl.concat(pl.collect_all([_excursions(t, run_mean_w) for t in traces]), how="vertical_relaxed")
-    gpus = gpus.join(spikes, on=KEYS, how="left").sort(KEYS)
+        end_ns = last_ns
+    if rows:
+        gpus = pl.concat(rows, how="vertical_relaxed")
+        run_mean_w = gpus["power_mean_w"].mean()
+        spikes = pl.concat(pl.collect_all([_excursions(t, run_mean_w) for t in traces]), how="vertical_relaxed")
+        gpus = gpus.join(spikes, on=KEYS, how="left").sort(KEYS)
+    elif by == "gpu":
+        raise UserError(f"run {run.id}: no accelerator telemetry (host only); use --by node or --by run")
+    else:
+        gpus = None
+        notes.append("no accelerator telemetry: host statistics only")
 
     if by == "gpu":
         table = gpus
-    elif by == "node":
-        table = _aggregate(gpus, ["node"])
     else:
-        table = _aggregate(gpus, [])
+        keys = ["node"] if by == "node" else []
+        table = _aggregate(gpus, keys) if gpus is not None else None
+        if host is not None:
+            host = host if by == "node" else _aggregate_host(host)
+            table = host if table is None else table.join(host, on=keys, how="full", coalesce=True) \
+                if keys else pl.concat([table, host], how="horizontal")
+        sim = [c for c in ("simulated", "host_simulated") if c in table.columns]
+        table = table.with_columns(pl.any_horizontal(sim).alias("simulated"), pl.lit(None, pl.String).alias("device"))
+        table = table.drop("host_simulated", strict=False)
+        if by == "node":
+            table = table.sort("node")
+        else:
+            table = table.with_columns(pl.lit(None, pl.String).alias("node"))
 
-    it, it_notes = _iteration_stats(iterations, start_ns, end_ns, exp, gpus.height)
+    it, it_notes = _iteration_stats(iterations, start_ns, end_ns, exp, gpus.height if gpus is not None else None)
     notes += it_notes
     table = _with_iteration_stats(table, it)
     head = {
@@ -217,7 +249,7 @@ def _with_iteration_stats(table: pl.DataFrame, it: dict) -> pl.DataFrame:
         pl.lit(it.get(n), pl.Int64 if n in ("iterations", "samples_total", "tokens_total") else pl.Float64).alias(n)
         for n in names
     )
-    energy = pl.col("energy_j")
+    energy = pl.col("energy_j") if "energy_j" in table.columns else pl.lit(None, pl.Float64)  # host-only runs
     per_iter = energy / pl.col("iterations")
     return table.with_columns(
         per_iter.alias("energy_per_iteration_j"),
@@ -250,16 +282,16 @@ def _load(files: list[Path], query):
 
 
 def _first_ts(files: list[Path]) -> int | None:
-    """The first GPU sample of a node: chunks are numbered in time order, so look at the first few."""
+    """The first sample of a node: chunks are numbered in time order, so look at the first few."""
     for f in files[:10]:
-        first = _load([f], lambda lf: lf.filter(pl.col("device") != "host").select(pl.col("ts_ns").min()).collect())
+        first = _load([f], lambda lf: lf.select(pl.col("ts_ns").min()).collect())
         if first.item() is not None:
             return first.item()
     return None
 
 
 def _in_window(lf: pl.LazyFrame, start_ns: int | None, end_ns: int | None) -> pl.LazyFrame:
-    lf = lf.select(_GPU_COLUMNS).filter(pl.col("device") != "host")
+    lf = lf.select(list(dict.fromkeys(_GPU_COLUMNS + _HOST_COLUMNS)))
     if start_ns is not None:
         lf = lf.filter(pl.col("ts_ns") >= start_ns)
     if end_ns is not None:
@@ -359,6 +391,46 @@ def _excursions(trace: pl.DataFrame, run_mean_w: float | None) -> pl.LazyFrame:
             .select(pl.col("excess").mean().alias(f"spikes_over_{name}_avg_excess_w"))
         )
     return pl.concat(parts, how="horizontal")
+
+
+def _host_stats(host: pl.DataFrame) -> pl.DataFrame:
+    """One row per node from its host samples: CPU, host memory, RAPL energy, network bytes."""
+    dt = pl.col("dt_s")
+    tw_mean = lambda c: pl.when(dt.filter(pl.col(c).is_not_null()).sum() > 0).then(  # noqa: E731
+        (pl.col(c) * dt).sum() / dt.filter(pl.col(c).is_not_null()).sum())
+    known = lambda value, c: pl.when(pl.col(c).is_not_null().any()).then(value)  # noqa: E731
+
+    def energy(c: str) -> pl.Expr:
+        # RAPL counters wrap at a CPU-specific range: a wrapped interval is left out, not guessed.
+        delta = pl.col(c).shift(-1) - pl.col(c)
+        return known(delta.filter(delta >= 0).sum(), c)
+
+    return (
+        host.lazy().with_columns(_dt())
+        .select(
+            pl.col("node").first(), dt.sum().alias("host_duration_s"),
+            tw_mean("cpu_util_pct").alias("cpu_util_mean_pct"), tw_mean("cpu_freq_mhz").alias("cpu_freq_mean_mhz"),
+            tw_mean("temp_cpu_c").alias("temp_cpu_mean_c"), pl.col("temp_cpu_c").max().alias("temp_cpu_peak_c"),
+            pl.col("host_mem_used_bytes").max().alias("host_mem_used_peak_bytes"),
+            energy("cpu_energy_j").alias("cpu_energy_j"), energy("dram_energy_j").alias("dram_energy_j"),
+            *(known(_counter_delta(c).sum(), c).alias(c)
+              for c in ("ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes")),
+            pl.col("simulated").any().alias("host_simulated"),
+        )
+        .collect()
+        .with_columns(pl.col("node").cast(pl.String))
+    )
+
+
+def _aggregate_host(host: pl.DataFrame) -> pl.DataFrame:
+    sums = ["cpu_energy_j", "dram_energy_j", "ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes"]
+    return host.select(
+        pl.col("host_duration_s").max(),
+        *(pl.col(c).mean() for c in ("cpu_util_mean_pct", "cpu_freq_mean_mhz", "temp_cpu_mean_c")),
+        *(pl.col(c).max() for c in ("temp_cpu_peak_c", "host_mem_used_peak_bytes")),
+        *(pl.when(pl.col(c).is_not_null().any()).then(pl.col(c).sum()).alias(c) for c in sums),
+        pl.col("host_simulated").any(),
+    )
 
 
 # --------------------------------------------------------------------------------------------

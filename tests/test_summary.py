@@ -224,14 +224,38 @@ def test_bad_windows_are_user_errors(square_run, window, message):
 
 def test_single_sample_run_is_a_user_error(tmp_path):
     run = make_run(tmp_path, [gpu_frame([0.0], power_w=100.0)], chunks=1)
-    with pytest.raises(UserError, match="only one sample per GPU"):
+    with pytest.raises(UserError, match="only one sample per device"):
         summarize(run, "all")
 
 
 def test_run_without_telemetry_is_a_user_error(tmp_path):
-    run = make_run(tmp_path, [gpu_frame(T, device="host", cpu_util_pct=1.0)])
-    with pytest.raises(UserError, match="no GPU telemetry"):
+    run = make_run(tmp_path, [gpu_frame(T, power_w=1.0)])
+    for f in run.telemetry_files():
+        f.unlink()
+    with pytest.raises(UserError, match="no telemetry under"):
         summarize(run)
+
+
+def test_host_only_run_has_host_statistics(tmp_path):
+    # A CPU run: host rows only. RAPL counter at 10 W that wraps once (that interval is left out).
+    rapl = 10.0 * T
+    rapl[T >= 5.0] -= 40.0
+    net = (np.arange(T.size, dtype=np.int64) * 1000 + 2**32 - 5000) % 2**32
+    host = gpu_frame(T, device="host", cpu_util_pct=np.where(T < 5, 100.0, 0.0), temp_cpu_c=70.0,
+                     cpu_energy_j=rapl, net_tx_bytes=net, host_mem_used_bytes=2**30)
+    rows = iteration_rows(np.arange(10.0), 1.0, warmup=2)
+    run = make_run(tmp_path, [host], experiment=TINY, iterations=rows)
+    with pytest.raises(UserError, match="no accelerator telemetry"):
+        summarize(run, "all", by="gpu")
+    s = summarize(run, "all", by="run")
+    assert one(s, "cpu_util_mean_pct") == pytest.approx(50.0)
+    assert one(s, "cpu_energy_j") == pytest.approx(100.0 - 1.0)   # 99 intervals of 1 J, one wrapped
+    assert one(s, "net_tx_bytes") == pytest.approx(100 * 1000)
+    assert one(s, "temp_cpu_peak_c") == 70.0 and one(s, "host_mem_used_peak_bytes") == 2**30
+    assert one(s, "simulated") is True and "power_mean_w" not in s.columns
+    assert "host statistics only" in one(s, "notes")
+    steady = summarize(run, "steady", by="node")
+    assert steady["node"].to_list() == ["n0"] and one(steady, "samples_per_s") == pytest.approx(8.0)
 
 
 def test_bad_by_is_a_user_error(square_run):
