@@ -66,8 +66,10 @@ class Value:
 
 @dataclass(frozen=True)
 class Many:
-    """A flag with zero or more values (`--recompute-modules core_attn mlp`)."""
+    """A flag with zero or more values (`--recompute-modules core_attn mlp`); with `join`, one string
+    of them (`--data-path 0.3 /a 0.7 /b`), none when empty."""
     parse: Callable[[str], Any] = str
+    join: bool = False
 
 
 def _int(raw: str) -> int:
@@ -247,7 +249,7 @@ TRAINING_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
     "--moe-grouped-gemm": ("moe_grouped_gemm", Switch(True)),
     "--lr": ("lr", Value(_float)),
     "--seed": ("seed", Value(_int)),
-    "--data-path": ("data_path", Many(str)),
+    "--data-path": ("data_path", Many(str, join=True)),
     "--mock-data": ("data_path", Switch(None)),
 }
 
@@ -316,7 +318,7 @@ def _convert(flag: str, kind: Switch | Value | Many, values: list[str]):
             raise UserError(f"{flag} = {' '.join(values)!r}: this flag takes no value")
         return kind.value
     if isinstance(kind, Many):
-        return [kind.parse(v) for v in values]
+        return (" ".join(values) or None) if kind.join else [kind.parse(v) for v in values]
     if len(values) != 1:
         got = "nothing" if not values else repr(" ".join(values))
         raise UserError(f"{flag}: expected one value, got {got}")
@@ -352,32 +354,59 @@ def import_megatron_args(
     exp.training = Training(bf16=False)          # Megatron trains in fp32 unless told otherwise
     if stray:
         result.warnings.append(f"ignored words before the first flag: {' '.join(stray)}")
+    special = _read_flags(groups, exp, result)
+    given = {flag for flag, _ in groups}
 
-    seen: dict[str, list[str]] = {}
+    _check_sizes(exp, given)
+    _resolve_model(exp.model, special, given, result)
+    _resolve_virtual_pipeline(exp, special)
+    p = exp.parallel
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        p.sequence_parallel = False
+        result.warnings.append("--sequence-parallel is switched off at tensor parallel size 1 (as Megatron does)")
+
+    if hardware is None:
+        hardware = DEFAULT_HARDWARE
+        result.warnings.append(f"no hardware given: assumed {DEFAULT_HARDWARE}")
+    exp.hardware = catalog.load_hardware(hardware) if isinstance(hardware, str) else hardware
+    _resolve_cluster(exp, launcher, special, world_size, gpus_per_node, result)
+
+    if "--global-batch-size" not in given:
+        t = exp.training
+        t.global_batch_size = t.micro_batch_size * exp.data_parallel_size
+        result.warnings.append(f"no --global-batch-size: Megatron uses micro batch x data parallel = "
+                               f"{t.global_batch_size}")
+    return result
+
+
+def _read_flags(groups, exp: Experiment, result: MegatronImport) -> dict[str, list[str]]:
+    """Set a field for every flag in FLAGS (`--no-X` turns a switch off), list the unknown ones as
+    ignored, and return the values of SPECIAL_FLAGS for the steps that combine flags."""
+    special: dict[str, list[str]] = {}
     for flag, values in groups:
-        negated = flag.startswith("--no-") and f"--{flag[5:]}" in FLAGS
-        target = FLAGS.get(f"--{flag[5:]}") if negated else FLAGS.get(flag)
-        if negated and isinstance(target[2], Switch) and target[2].value is True and not values:
-            section, name, _ = target
+        if flag in FLAGS:
+            section, name, kind = FLAGS[flag]
+            setattr(getattr(exp, section), name, _convert(flag, kind, values))
+        elif flag.startswith("--no-") and _is_switch_on(f"--{flag[5:]}") and not values:
+            section, name, _ = FLAGS[f"--{flag[5:]}"]
             setattr(getattr(exp, section), name, False)
-            continue
-        if target is not None and not negated:
-            section, name, kind = target
-            value = _convert(flag, kind, values)
-            if name == "data_path" and isinstance(value, list):
-                value = " ".join(value) or None
-            setattr(getattr(exp, section), name, value)
-            continue
-        if flag in SPECIAL_FLAGS:
-            seen[flag] = values
-            continue
-        result.ignored.append(" ".join([flag, *values]))
+        elif flag in SPECIAL_FLAGS:
+            special[flag] = values
+        else:
+            result.ignored.append(" ".join([flag, *values]))
+    return special
 
-    m, p, t = exp.model, exp.parallel, exp.training
+
+def _is_switch_on(flag: str) -> bool:
+    kind = FLAGS.get(flag, (None, None, None))[2]
+    return isinstance(kind, Switch) and kind.value is True
+
+
+def _check_sizes(exp: Experiment, given: set[str]) -> None:
+    """The flags Megatron cannot do without, and the sizes the import derives everything else from."""
     for required in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
-        if not any(flag == required for flag, _ in groups):
+        if required not in given:
             raise UserError(f"megatron args: {required} is required (Megatron has no default for it)")
-    # The sizes the import derives the world, the virtual pipeline and the batch from.
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--micro-batch-size",
                  "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
                  "--expert-model-parallel-size", "--expert-tensor-parallel-size"):
@@ -386,87 +415,81 @@ def import_megatron_args(
         if value is not None and value < 1:
             raise UserError(f"{flag} = {value}: must be at least 1")
 
-    # Grouped-query attention: --num-query-groups counts only with --group-query-attention.
-    if "--group-query-attention" in seen:
-        if seen["--group-query-attention"]:
+
+def _resolve_model(m: ModelSpec, special: dict, given: set[str], result: MegatronImport) -> None:
+    """Megatron's own resolution of what the command line leaves out."""
+    # Grouped-query attention: --num-query-groups counts only with --group-query-attention (default 1).
+    if "--group-query-attention" in special:
+        if special["--group-query-attention"]:
             raise UserError("--group-query-attention: this flag takes no value")
-        m.num_query_groups = _one_int("--num-query-groups", seen["--num-query-groups"]) \
-            if "--num-query-groups" in seen else 1
-    elif "--num-query-groups" in seen:
+        m.num_query_groups = _one_int("--num-query-groups", special.get("--num-query-groups", ["1"]))
+    elif "--num-query-groups" in special:
         result.warnings.append("--num-query-groups has no effect without --group-query-attention "
                                "(Megatron uses multi-head attention)")
-
-    # Megatron's resolution of sizes that were not given.
     if m.ffn_hidden_size is None:
         m.ffn_hidden_size = int((4 * m.hidden_size * 2 / 3) / 64) * 64 if m.swiglu else 4 * m.hidden_size
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
-    if m.multi_latent_attention:
-        given = {name for _, name, _ in (FLAGS[f] for f, _ in groups if f in FLAGS)}
-        for name, default in MLA_DEFAULTS.items():
-            if name not in given:
-                setattr(m, name, default)
-    else:
-        for name in MLA_DEFAULTS:
-            setattr(m, name, getattr(ModelSpec, name))
+    flag_of = {name: flag for flag, (section, name, _) in FLAGS.items() if section == "model"}
+    for name, megatron_default in MLA_DEFAULTS.items():
+        if not m.multi_latent_attention:
+            setattr(m, name, getattr(ModelSpec, name))     # unused without MLA: keep ours
+        elif flag_of[name] not in given:
+            setattr(m, name, megatron_default)
 
-    # Virtual pipeline: a layout, a count of stages per rank, or layers per virtual stage.
-    vp_sources = [f for f in ("--num-layers-per-virtual-pipeline-stage",
-                              "--num-virtual-stages-per-pipeline-rank") if f in seen]
-    if p.pipeline_model_parallel_layout is not None:
-        vp_sources.append("--pipeline-model-parallel-layout")
-    if len(vp_sources) > 1:
-        raise UserError(f"megatron args: {' and '.join(vp_sources)} cannot be combined "
+
+def _resolve_virtual_pipeline(exp: Experiment, special: dict) -> None:
+    """VP from a layout, a count of virtual stages per rank, or layers per virtual stage (one of them)."""
+    m, p = exp.model, exp.parallel
+    pp, layout = p.pipeline_model_parallel_size, p.pipeline_model_parallel_layout
+    sources = [f for f in ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank")
+               if f in special] + (["--pipeline-model-parallel-layout"] if layout is not None else [])
+    if len(sources) > 1:
+        raise UserError(f"megatron args: {' and '.join(sources)} cannot be combined "
                         "(Megatron takes one way to set the virtual pipeline)")
-    pp = p.pipeline_model_parallel_size
-    if p.pipeline_model_parallel_layout is not None:
+    if layout is not None:
         try:
-            stages = parse_pipeline_layout(p.pipeline_model_parallel_layout)
+            stages = parse_pipeline_layout(layout)
         except ValueError as exc:
-            raise UserError(f"--pipeline-model-parallel-layout = {p.pipeline_model_parallel_layout!r}: "
-                            f"{exc}") from None
-        if pp < 1 or len(stages) % pp:
-            raise UserError(f"--pipeline-model-parallel-layout = {p.pipeline_model_parallel_layout!r}: "
-                            f"{len(stages)} stages do not divide over pipeline size {pp}")
+            raise UserError(f"--pipeline-model-parallel-layout = {layout!r}: {exc}") from None
+        if len(stages) % pp:
+            raise UserError(f"--pipeline-model-parallel-layout = {layout!r}: {len(stages)} stages do not "
+                            f"divide over pipeline size {pp}")
         p.virtual_pipeline_model_parallel_size = len(stages) // pp
-    elif "--num-virtual-stages-per-pipeline-rank" in seen:
+    elif "--num-virtual-stages-per-pipeline-rank" in special:
         p.virtual_pipeline_model_parallel_size = _one_int(
-            "--num-virtual-stages-per-pipeline-rank", seen["--num-virtual-stages-per-pipeline-rank"])
-    elif "--num-layers-per-virtual-pipeline-stage" in seen:
+            "--num-virtual-stages-per-pipeline-rank", special["--num-virtual-stages-per-pipeline-rank"])
+    elif "--num-layers-per-virtual-pipeline-stage" in special:
         per_vstage = _one_int("--num-layers-per-virtual-pipeline-stage",
-                              seen["--num-layers-per-virtual-pipeline-stage"])
+                              special["--num-layers-per-virtual-pipeline-stage"])
         layers = m.num_layers + p.account_for_embedding_in_pipeline_split + p.account_for_loss_in_pipeline_split
-        if pp < 1 or per_vstage < 1 or layers % pp or (layers // pp) % per_vstage:
+        if per_vstage < 1 or layers % pp or (layers // pp) % per_vstage:
             raise UserError(f"--num-layers-per-virtual-pipeline-stage = {per_vstage}: must divide the "
                             f"{layers} layers per pipeline size {pp} evenly")
         p.virtual_pipeline_model_parallel_size = layers // pp // per_vstage
-    if p.virtual_pipeline_model_parallel_size == 1:
+    if p.virtual_pipeline_model_parallel_size == 1:                 # Megatron: no interleaving
         p.virtual_pipeline_model_parallel_size = None
 
-    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
-        p.sequence_parallel = False
-        result.warnings.append("--sequence-parallel is switched off at tensor parallel size 1 (as Megatron does)")
 
-    # Hardware and cluster.
-    if hardware is None:
-        hardware = DEFAULT_HARDWARE
-        result.warnings.append(f"no hardware given: assumed {DEFAULT_HARDWARE}")
-    exp.hardware = catalog.load_hardware(hardware) if isinstance(hardware, str) else hardware
-
-    launch_world, launch_gpn = _launcher_world(launcher)
-    if world_size is None and "--world-size" in seen:
-        world_size = _one_int("--world-size", seen["--world-size"])
-    if world_size is None and launch_world is not None:
-        world_size = launch_world
-        gpus_per_node = gpus_per_node or launch_gpn
-        result.warnings.append(f"world size {world_size} read from the launcher ({' '.join(launcher)})")
+def _resolve_cluster(exp: Experiment, launcher: list[str], special: dict, world_size: int | None,
+                     gpus_per_node: int | None, result: MegatronImport) -> None:
+    """World size from the argument, --world-size, or the launcher; else the smallest the layout
+    allows, with a warning. Nodes of `gpus_per_node` devices (default 8, at most the world)."""
+    p = exp.parallel
+    if world_size is None and "--world-size" in special:
+        world_size = _one_int("--world-size", special["--world-size"])
+    if world_size is None:
+        launch_world, launch_gpn = _launcher_world(launcher)
+        if launch_world is not None:
+            world_size, gpus_per_node = launch_world, gpus_per_node or launch_gpn
+            result.warnings.append(f"world size {world_size} read from the launcher ({' '.join(launcher)})")
     if world_size is None:
         stage = p.tensor_model_parallel_size * p.context_parallel_size
         expert = (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) * p.expert_model_parallel_size
-        world_size = pp * math.lcm(max(stage, 1), max(expert, 1))
+        world_size = p.pipeline_model_parallel_size * math.lcm(stage, expert)
         result.warnings.append(
             f"no world size given (--world-size N): assumed the smallest that fits the layout, {world_size} "
-            f"(data parallel size {world_size // max(1, pp * stage)})")
+            f"(data parallel size {world_size // (p.pipeline_model_parallel_size * stage)})")
     if world_size < 1:
         raise UserError(f"world_size = {world_size}: must be at least 1")
     gpn = min(gpus_per_node or DEFAULT_GPUS_PER_NODE, world_size)
@@ -474,12 +497,6 @@ def import_megatron_args(
         raise UserError(f"world_size = {world_size}: not a whole number of nodes of {gpn} devices "
                         "(pass gpus_per_node)")
     exp.cluster.nodes, exp.cluster.gpus_per_node = world_size // gpn, gpn
-
-    if "--global-batch-size" not in (f for f, _ in groups):
-        t.global_batch_size = t.micro_batch_size * exp.data_parallel_size
-        result.warnings.append(f"no --global-batch-size: Megatron uses micro batch x data parallel = "
-                               f"{t.global_batch_size}")
-    return result
 
 
 # --------------------------------------------------------------------------------------------
