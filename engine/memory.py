@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import re
 from dataclasses import dataclass, field
 
 from charllm.engine.experiment import Experiment
@@ -226,21 +225,19 @@ def _even_counts(slots: int, total: int, first: int | None, last: int | None, vp
 
 def _parse_layout(layout: str, total: int) -> list[_Chunk]:
     """Megatron's --pipeline-model-parallel-layout: E embedding, t layer, m MTP, L loss, | stage."""
-    text = layout.replace(" ", "").replace('"', "").replace("'", "")
-    pattern = re.compile(r"\(([^()]*)\)\*(\d+)")
-    while (match := pattern.search(text)):
-        text = text[:match.start()] + match.group(1) * int(match.group(2)) + text[match.end():]
-    text = re.sub(r"([EtmL])\*(\d+)", lambda mm: mm.group(1) * int(mm.group(2)), text)
-    parts = text.split("|")
-    if parts and parts[-1] == "" and len(parts) == total + 1:
-        parts = parts[:-1]
-    if len(parts) != total or set("".join(parts)) - set("EtmL"):
-        raise UserError(f"pipeline_model_parallel_layout = {layout!r}: expected {total} stages "
-                        f"of E/t/m/L separated by '|'")
+    from charllm.engine.megatron import parse_pipeline_layout
+
+    try:
+        stages = parse_pipeline_layout(layout)
+    except ValueError as exc:
+        raise UserError(f"pipeline_model_parallel_layout = {layout!r}: {exc}") from None
+    if len(stages) != total:
+        raise UserError(f"pipeline_model_parallel_layout = {layout!r}: {len(stages)} stages, expected "
+                        f"pipeline x virtual = {total}")
     chunks, layer = [], 0
-    for part in parts:
-        chunk = _Chunk([], embedding="E" in part, loss="L" in part, mtp=part.count("m"))
-        for _ in range(part.count("t")):
+    for stage in stages:
+        chunk = _Chunk([], embedding="E" in stage, loss="L" in stage, mtp=stage.count("m"))
+        for _ in range(stage.count("t")):
             chunk.layers.append(layer)
             layer += 1
         chunks.append(chunk)
@@ -342,14 +339,14 @@ def _attention_impl(exp: Experiment) -> str:
 class _Shapes:
     """Per-layer activation sizes for one experiment (computed once, reused per stage)."""
 
-    def __init__(self, exp: Experiment, micro_batch_size: int | None = None):
+    def __init__(self, exp: Experiment):
         m, p, t = exp.model, exp.parallel, exp.training
         self.exp = exp
         self.tp = p.tensor_model_parallel_size
         self.cp = p.context_parallel_size
         self.etp = exp.expert_tensor_parallel_size
         self.sp = p.sequence_parallel and self.tp > 1
-        self.b = micro_batch_size or t.micro_batch_size
+        self.b = t.micro_batch_size
         self.s = exp.seq_length / self.cp
         self.ab = 4 if not (t.bf16 or t.fp16) else 2          # activation element bytes
         self.lin = 1 if t.fp8 else self.ab                     # linear inputs saved in FP8
@@ -361,7 +358,6 @@ class _Shapes:
         self.full_recompute = t.recompute_granularity == "full"
         # sequence-sharded ("full" per rank unless SP) and TP-sharded sizes, elements
         self.sbh = self.s * self.b * m.hidden_size / (self.tp if self.sp else 1)
-        self.tokens_tp = self.s * self.b / self.tp
         self._cache: dict[bool, _Act] = {}
 
     def layer(self, moe: bool) -> _Act:
@@ -390,11 +386,12 @@ class _Shapes:
             q = o = ab * s * b * a * d / tp
             k = v = ab * s * b * g * d / tp
         core_recompute = "core_attn" in self.modules
-        scores = ab * a * s * s * b / tp                   # one s x s tensor of the local heads
+        scores = a * s * s * b / tp                        # elements of one s x s tensor of the local heads
         attn_transient = 0.0
         if self.unfused:
-            core = 0.0 if core_recompute else scores * (1 + (1.5 if self.attn_dropout else 0))
-            attn_transient = 2 * scores                    # softmax grad in + out
+            # softmax output; with dropout also its 1-byte mask and its output
+            core = 0.0 if core_recompute else ab * scores + ((1 + ab) * scores if self.attn_dropout else 0)
+            attn_transient = 2 * ab * scores               # softmax grad in + out
         else:
             core = 0.0 if core_recompute else 4 * a * s * b / tp     # fp32 log-sum-exp
         if m.qk_layernorm:
