@@ -326,7 +326,9 @@ def _convert(flag: str, kind: Switch | Value | Many, values: list[str]):
         return kind.parse(values[0])
     except ValueError:
         word = _TYPE_WORDS.get(kind.parse, "a value")
-        raise UserError(f"{flag} = {values[0]!r}: expected {word}") from None
+        hint = " (a shell variable: give the expanded command line, e.g. from the job's log)" \
+            if values[0].startswith("$") else ""
+        raise UserError(f"{flag} = {values[0]!r}: expected {word}{hint}") from None
 
 
 def _one_int(flag: str, values: list[str]) -> int:

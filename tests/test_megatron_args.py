@@ -201,6 +201,8 @@ def test_without_world_size_nothing_is_inferred_silently():
 @pytest.mark.parametrize("args, message", [
     (BASE + "--tensor-model-parallel-size two", "--tensor-model-parallel-size = 'two': expected an integer"),
     (BASE + "--hidden-dropout nan", "--hidden-dropout = 'nan': expected a number"),
+    (BASE + "--pipeline-model-parallel-size $PP", "--pipeline-model-parallel-size = '$PP': expected an integer "
+                                                   "(a shell variable: give the expanded command line"),
     (BASE + "--bf16 yes", "--bf16 = 'yes': this flag takes no value"),
     (BASE + "--moe-layer-freq '__import__(\"os\")'", "--moe-layer-freq"),
     (BASE + "--micro-batch-size", "--micro-batch-size: expected one value, got nothing"),
