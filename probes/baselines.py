@@ -67,6 +67,9 @@ def save(run: RunDir | str, name: str, *, window="steady", description: str = ""
     meta = {
         "name": name, "run": run.id, "window": summary["window"][0], "saved_at": time.time(),
         "simulated": bool(summary["simulated"][0]),
+        # measured | simulated | imported: what the numbers are, in one word
+        "provenance": "simulated" if summary["simulated"][0] else
+                      "imported" if manifest.get("kind") == "import" else "measured",
         "run_kind": manifest.get("kind"), "imported_from": manifest.get("imported_from"),
         "description": description or f"summary of run {run.id}",
     }
