@@ -33,7 +33,7 @@ _NOT_METRICS = {"run", "level", "node", "device", "gpus", "simulated", "backend"
 
 _HIGHER_BETTER = ("samples_per_s", "tokens_per_s", "tflops_per_gpu", "mfu_pct", "efficiency_", "sm_clock_mean",
                   "sm_clock_min", "util_gpu")
-_LOWER_BETTER = ("energy_", "power_mean", "power_peak", "power_p99", "power_max_rise", "power_spread", "temp_",
+_LOWER_BETTER = ("energy_", "cpu_energy", "dram_energy", "power_mean", "power_peak", "power_p99", "power_max_rise", "power_spread", "temp_",
                  "time_above", "time_over", "throttle_", "below_max_clock", "spikes_", "iter_time_")
 
 

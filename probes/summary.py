@@ -28,6 +28,7 @@ run's first sample.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -63,9 +64,54 @@ _HOST_COLUMNS = [
 # Entry point
 # --------------------------------------------------------------------------------------------
 def summarize(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu") -> pl.DataFrame:
+    """The run's summary; a finished run's summary is cached in RUN_DIR/summaries/ (see _cached)."""
     run = run if isinstance(run, RunDir) else resolve_run(run)
     if by not in BY:
         raise UserError(f"by = {by!r}: expected one of {', '.join(BY)}")
+    if isinstance(window, str) and window not in ("steady", "all"):
+        window = parse_window(window)
+    return _cached(run, window, by, lambda: _summarize(run, window, by))
+
+
+# Bump when a statistic changes meaning, so cached summaries of finished runs are recomputed.
+SUMMARY_VERSION = 1
+
+
+def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
+    """A finished run never changes, so its summaries are kept (keyed by its files' sizes and times).
+
+    Comparing runs, or reopening one in the TUI, then costs a Parquet read instead of a pass
+    over every telemetry chunk. Running runs are always summarized afresh.
+    """
+    from charllm.probes.rundir import FINAL_STATUSES, write_json_atomic
+
+    if run.status not in FINAL_STATUSES:
+        return compute()
+    files = [run.experiment_path, run.iterations_path, *run.telemetry_files()]
+    stat = [(str(f.relative_to(run.path)), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()]
+    key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
+           "by": by, "files": stat}
+    name = f"{by}-{window if isinstance(window, str) else f'{window[0]:g}-{window[1]:g}'}"
+    cache = run.path / "summaries" / f"{name}.parquet"
+    meta = cache.with_suffix(".json")
+    try:
+        if meta.is_file() and cache.is_file() and json.loads(meta.read_text()) == key:
+            return pl.read_parquet(cache)
+    except (OSError, ValueError, pl.exceptions.PolarsError):
+        pass  # a damaged cache is recomputed
+    df = compute()
+    try:
+        cache.parent.mkdir(exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        df.write_parquet(tmp)
+        tmp.replace(cache)
+        write_json_atomic(meta, key)
+    except OSError:
+        pass  # a read-only run directory is summarized every time
+    return df
+
+
+def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
     exp = read_experiment(run.experiment_path)
     iterations = read_iterations(run)
     nodes = _files_by_node(run)

@@ -261,3 +261,19 @@ def test_host_only_run_has_host_statistics(tmp_path):
 def test_bad_by_is_a_user_error(square_run):
     with pytest.raises(UserError, match="by = 'rack'"):
         summarize(square_run, "all", by="rack")
+
+
+def test_finished_runs_are_cached_and_refreshed_when_files_change(square_run):
+    first = summarize(square_run, "all")
+    cache = square_run.path / "summaries" / "gpu-all.parquet"
+    assert cache.is_file()
+    assert summarize(square_run, "all").equals(first)
+    # new data (a rewritten chunk) invalidates the cache
+    make_run(square_run.path.parent, [gpu_frame(T, power_w=SQUARE * 2, power_limit_w=250.0)])
+    assert one(summarize(square_run, "all"), "power_mean_w") == pytest.approx(400.0)
+
+
+def test_running_runs_are_not_cached(square_run):
+    square_run.update_manifest(status="running")
+    summarize(square_run, "all")
+    assert not (square_run.path / "summaries").exists()
