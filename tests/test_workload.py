@@ -248,9 +248,11 @@ def test_killed_rank_fails_the_run_and_stops_the_others(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("assignments, message", [
     (["context_parallel_size=2"], "parallel.context_parallel_size = 2: context parallelism needs Transformer Engine"),
-    (["training.fp8='e4m3'"], "training.fp8 = 'e4m3': FP8 needs Transformer Engine on FP8-capable GPUs"),
+    (["training.fp8='e4m3'", "hardware.fp8=true"],
+     "training.fp8 = 'e4m3': FP8 needs Transformer Engine on FP8-capable GPUs (no CUDA)"),
+    (["num_layers=3", "pipeline_model_parallel_size=2"], "num_layers = 3: must be divisible by pipeline"),
     (["gpus_per_node=4"], "cluster: the experiment needs 4 processes"),
-])
+], ids=["cp2-without-te", "fp8-without-cuda", "invalid-layout", "world-size-mismatch"])
 def test_unsupported_experiment_is_one_line(tmp_path, assignments, message):
     run_dir = make_run(tmp_path, "tiny-local", *assignments)
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
