@@ -370,11 +370,17 @@ def field_names(kind: type) -> list[str]:
     return [f.name for f in fields(kind)]
 
 
+# A bare name found in several sections means what Megatron's flag of that name means:
+# `seq_length` and `fp8` are the training run's (--seq-length, --fp8-format), not the model
+# preset's default or the hardware's capability.
+KEY_PRECEDENCE = ("training", "parallel", "cluster", "telemetry", "model", "hardware")
+
+
 def all_keys() -> dict[str, str]:
     """Bare field name -> section, for every settable field (model/hardware names are sectioned)."""
     out: dict[str, str] = {}
-    for section, kind in SECTIONS.items():
-        for name in field_names(kind):
+    for section in KEY_PRECEDENCE:
+        for name in field_names(SECTIONS[section]):
             if name in ("name", "description"):
                 continue
             out.setdefault(name, section)

@@ -1,0 +1,54 @@
+"""The experiment model: TOML round trip, --set key resolution, typed values."""
+
+import tomllib
+
+import pytest
+
+from charllm.engine.catalog import load_experiment
+from charllm.engine.experiment import Experiment
+from charllm.probes.errors import UserError
+
+
+def test_toml_round_trip_is_lossless():
+    exp = load_experiment("tiny-moe-ep2")
+    again = Experiment.from_dict(tomllib.loads(exp.to_toml()))
+    assert again == exp
+
+
+def test_bare_names_shared_by_sections_mean_the_megatron_flag():
+    exp = load_experiment("tiny-local")
+    exp.apply(["seq_length=64", "fp8=hybrid"])
+    assert exp.training.seq_length == 64 and exp.seq_length == 64
+    assert exp.model.seq_length == 32          # the preset's default is untouched
+    assert exp.training.fp8 == "hybrid"
+    assert exp.hardware.fp8 is False           # the hardware's capability is not a setting
+    exp.apply(["model.seq_length=128", "hardware.fp8=true"])
+    assert exp.model.seq_length == 128 and exp.hardware.fp8 is True
+
+
+def test_set_parses_toml_values_and_checks_types():
+    exp = load_experiment("tiny-local")
+    exp.apply(["moe_layer_freq=[1, 0, 1, 0]", "recompute_granularity=full", "lr=3e-4"])
+    assert exp.model.moe_layer_freq == [1, 0, 1, 0]
+    assert exp.training.recompute_granularity == "full"
+    assert exp.training.lr == pytest.approx(3e-4)
+    with pytest.raises(UserError, match=r"micro_batch_size: expected an integer, got 'many'"):
+        exp.apply(["micro_batch_size=many"])
+    with pytest.raises(UserError, match=r"unknown key 'tensor_parallel_size'.*'tensor_model_parallel_size'"):
+        exp.apply(["tensor_parallel_size=2"])
+    with pytest.raises(UserError, match=r"expected key=value"):
+        exp.apply(["tensor_model_parallel_size"])
+
+
+def test_unknown_section_key_in_a_file_names_the_file_and_suggests(tmp_path):
+    path = tmp_path / "e.toml"
+    path.write_text('model = "tiny-dense"\nhardware = "cpu"\n[parallel]\npipeline_parallel_size = 2\n')
+    with pytest.raises(UserError, match=r"\[parallel\]: unknown key 'pipeline_parallel_size'; did you mean 'pipeline_model_parallel_size'"):
+        Experiment.load(path)
+
+
+def test_copy_is_deep_per_section():
+    exp = load_experiment("tiny-local")
+    other = exp.copy()
+    other.set("tensor_model_parallel_size", 2)
+    assert exp.parallel.tensor_model_parallel_size == 1
