@@ -146,42 +146,32 @@ def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
             f"window {label}: no telemetry samples in it (the run's samples span "
             f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
         )
+    gpus = pl.concat(rows, how="vertical_relaxed") if rows else None
     host = pl.concat(hosts, how="vertical_relaxed") if hosts else None
-    durations = ([] if not rows else [pl.concat(rows)["duration_s"].max()]) + ([] if host is None else
-                                                                               [host["host_duration_s"].max()])
+    durations = [f[c].max() for f, c in ((gpus, "duration_s"), (host, "host_duration_s")) if f is not None]
     if max(durations) == 0:
         raise UserError(
             f"window {label}: only one sample per device; at least two are needed to weight by time"
         )
     if end_ns is None:
         end_ns = last_ns
-    if rows:
-        gpus = pl.concat(rows, how="vertical_relaxed")
+    if gpus is not None:
         run_mean_w = gpus["power_mean_w"].mean()
         spikes = pl.concat(pl.collect_all([_excursions(t, run_mean_w) for t in traces]), how="vertical_relaxed")
         gpus = gpus.join(spikes, on=KEYS, how="left").sort(KEYS)
     elif by == "gpu":
         raise UserError(f"run {run.id}: no accelerator telemetry (host only); use --by node or --by run")
     else:
-        gpus = None
         notes.append("no accelerator telemetry: host statistics only")
 
     if by == "gpu":
         table = gpus
     else:
-        keys = ["node"] if by == "node" else []
-        table = _aggregate(gpus, keys) if gpus is not None else None
-        if host is not None:
-            host = host if by == "node" else _aggregate_host(host)
-            table = host if table is None else table.join(host, on=keys, how="full", coalesce=True) \
-                if keys else pl.concat([table, host], how="horizontal")
-        sim = [c for c in ("simulated", "host_simulated") if c in table.columns]
-        table = table.with_columns(pl.any_horizontal(sim).alias("simulated"), pl.lit(None, pl.String).alias("device"))
-        table = table.drop("host_simulated", strict=False)
-        if by == "node":
-            table = table.sort("node")
-        else:
+        table = _combine(_aggregate(gpus, ["node"] if by == "node" else []) if gpus is not None else None,
+                         (host if by == "node" else _aggregate_host(host)) if host is not None else None)
+        if by == "run":
             table = table.with_columns(pl.lit(None, pl.String).alias("node"))
+        table = table.with_columns(pl.lit(None, pl.String).alias("device"))
 
     it, it_notes = _iteration_stats(iterations, start_ns, end_ns, exp, gpus.height if gpus is not None else None)
     notes += it_notes
@@ -252,7 +242,7 @@ def _window(window, iterations: pl.DataFrame, first_ns: int):
     return first_ns + int(start_s * _NS), first_ns + int(end_s * _NS), label, []
 
 
-def _iteration_stats(iterations, start_ns, end_ns, exp: RunExperiment | None, n_gpus: int):
+def _iteration_stats(iterations, start_ns, end_ns, exp: RunExperiment | None, n_gpus: int | None):
     its = iterations.filter((pl.col("start_ns") >= start_ns) & (pl.col("end_ns") <= end_ns))
     if its.height == 0:
         return {}, [] if iterations.height == 0 else ["no whole iteration inside the window"]
@@ -276,7 +266,7 @@ def _iteration_stats(iterations, start_ns, end_ns, exp: RunExperiment | None, n_
     }
     world = (exp.world_size if exp else None) or n_gpus
     tflops = None
-    if exp and total_s > 0 and its["samples"].null_count() == 0:
+    if exp and world and total_s > 0 and its["samples"].null_count() == 0:
         flops = sum(exp.flops_per_iteration(int(s)) for s in its["samples"])
         tflops = flops / total_s / world / 1e12
     elif its["tflops_per_gpu"].null_count() < its.height:
@@ -466,6 +456,19 @@ def _host_stats(host: pl.DataFrame) -> pl.DataFrame:
         .collect()
         .with_columns(pl.col("node").cast(pl.String))
     )
+
+
+def _combine(accelerators: pl.DataFrame | None, host: pl.DataFrame | None) -> pl.DataFrame:
+    """Accelerator and host statistics side by side (per node, or one run row each)."""
+    if host is None:
+        return accelerators
+    if accelerators is None:
+        return host.rename({"host_simulated": "simulated"})
+    if "node" in host.columns:
+        both = accelerators.join(host, on="node", how="full", coalesce=True).sort("node")
+    else:
+        both = pl.concat([accelerators, host], how="horizontal")
+    return both.with_columns(pl.any_horizontal("simulated", "host_simulated").alias("simulated")).drop("host_simulated")
 
 
 def _aggregate_host(host: pl.DataFrame) -> pl.DataFrame:
