@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from charllm.engine.catalog import load_experiment
-from charllm.engine.launch import cancel, launch
+from charllm.engine.launch import launch
 from charllm.engine.targets import parse_target
 from charllm.probes.rundir import RunDir
 from infra_runs import iterations_logged, logs, rank_process, run_processes, wait_final, wait_for
