@@ -170,11 +170,15 @@ class _Chunk:
 
 def split_layers(exp: Experiment) -> list[list[_Chunk]]:
     """chunks[pp_rank][virtual_rank]; global chunk c = v * PP + r (Megatron's interleaving)."""
+    return _split(*_split_key(exp))
+
+
+def _split_key(exp: Experiment) -> tuple:
     p, m = exp.parallel, exp.model
-    return _split(m.num_layers, p.pipeline_model_parallel_size, exp.virtual_stages, m.mtp_num_layers or 0,
-                  p.pipeline_model_parallel_layout, p.decoder_first_pipeline_num_layers,
-                  p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
-                  p.account_for_loss_in_pipeline_split)
+    return (m.num_layers, p.pipeline_model_parallel_size, exp.virtual_stages, m.mtp_num_layers or 0,
+            p.pipeline_model_parallel_layout, p.decoder_first_pipeline_num_layers,
+            p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
+            p.account_for_loss_in_pipeline_split)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -495,7 +499,8 @@ def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool
     m, p, t = exp.model, exp.parallel, exp.training
     pp, vp = p.pipeline_model_parallel_size, exp.virtual_stages
     tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, exp.expert_tensor_parallel_size
-    chunks = split_layers(exp)
+    split_key = _split_key(exp)
+    chunks = _split(*split_key)
     pattern = cache.get("pattern")
     if pattern is None:
         pattern = cache["pattern"] = (m.moe_layer_pattern() + [False] * m.num_layers)[:m.num_layers]
@@ -518,7 +523,7 @@ def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool
     shapes, acts, mtp_act, loss_extra, aid = cache[akey]
     num_mb = exp.num_microbatches
     block = shapes.full_recompute and t.recompute_method == "block"
-    plan_key = ("plan", id(chunks), block, peak_candidates)
+    plan_key = ("plan", split_key, block, peak_candidates)
     plan = cache.get(plan_key)
     if plan is None:
         plan = cache[plan_key] = _stage_plan(chunks, pattern, block, peak_candidates)
