@@ -247,9 +247,10 @@ def test_killed_rank_fails_the_run_and_stops_the_others(tmp_path):
 # --------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("assignments, message", [
-    (["context_parallel_size=2"], "parallel.context_parallel_size = 2: context parallelism needs Transformer Engine"),
+    (["context_parallel_size=2"], "parallel.context_parallel_size = 2: context parallelism needs Transformer Engine layers"),
     (["training.fp8='e4m3'", "hardware.fp8=true"],
-     "training.fp8 = 'e4m3': FP8 needs Transformer Engine on FP8-capable GPUs (no CUDA)"),
+     "training.fp8 = 'e4m3': FP8 needs Transformer Engine layers (transformer_impl = \"transformer_engine\", "
+     "TE installed, CUDA); this process has no CUDA"),
     (["num_layers=3", "pipeline_model_parallel_size=2"], "num_layers = 3: must be divisible by pipeline"),
     (["gpus_per_node=4"], "cluster: the experiment needs 4 processes"),
 ], ids=["cp2-without-te", "fp8-without-cuda", "invalid-layout", "world-size-mismatch"])

@@ -15,6 +15,7 @@ first, on every rank), 2 for an experiment this workload cannot run, 1 for any o
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -75,9 +76,12 @@ class StopFlag:
 # --------------------------------------------------------------------------------------------
 # What this workload can run
 # --------------------------------------------------------------------------------------------
-def check_supported(exp, *, cuda: bool, have_te: bool) -> None:
-    """Refuse, before any collective, what megatron-core cannot run here (one line each)."""
+def check_supported(exp, *, cuda: bool, use_te: bool) -> None:
+    """Refuse, before any collective, what megatron-core cannot run here (one line each).
+    `use_te`: CUDA, Transformer Engine importable and transformer_impl = "transformer_engine"."""
     p, t, m = exp.parallel, exp.training, exp.model
+    te_needed = ("needs Transformer Engine layers (transformer_impl = \"transformer_engine\", TE installed, "
+                 "CUDA)" + ("" if cuda else "; this process has no CUDA"))
     if m.multi_latent_attention:
         raise UserError("model.multi_latent_attention = true: not supported by the training workload yet")
     if m.mtp_num_layers:
@@ -85,15 +89,15 @@ def check_supported(exp, *, cuda: bool, have_te: bool) -> None:
     if p.use_megatron_fsdp or p.use_torch_fsdp2:
         raise UserError("parallel.use_megatron_fsdp / use_torch_fsdp2 = true: not supported by the training "
                         "workload yet (use use_distributed_optimizer)")
-    if p.context_parallel_size > 1 and not (cuda and have_te):
-        raise UserError(f"parallel.context_parallel_size = {p.context_parallel_size}: context parallelism needs "
-                        "Transformer Engine attention on GPUs; megatron-core's local attention supports only 1")
-    if t.fp8 and not (cuda and have_te and fp8_capable_gpu()):
-        why = "no CUDA" if not cuda else "Transformer Engine is not installed" if not have_te else \
-            "this GPU has no FP8 (needs compute capability 8.9 or newer)"
-        raise UserError(f"training.fp8 = {t.fp8!r}: FP8 needs Transformer Engine on FP8-capable GPUs ({why})")
-    if t.tp_comm_overlap and not (cuda and have_te):
-        raise UserError("training.tp_comm_overlap = true: needs Transformer Engine on GPUs")
+    if p.context_parallel_size > 1 and not use_te:
+        raise UserError(f"parallel.context_parallel_size = {p.context_parallel_size}: context parallelism "
+                        f"{te_needed}; megatron-core's local attention supports only 1")
+    if t.fp8 and not use_te:
+        raise UserError(f"training.fp8 = {t.fp8!r}: FP8 {te_needed}")
+    if t.fp8 and not fp8_capable_gpu():
+        raise UserError(f"training.fp8 = {t.fp8!r}: this GPU has no FP8 (needs compute capability 8.9 or newer)")
+    if t.tp_comm_overlap and not use_te:
+        raise UserError(f"training.tp_comm_overlap = true: {te_needed}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != exp.world_size:
         raise UserError(f"cluster: the experiment needs {exp.world_size} processes "
@@ -111,7 +115,7 @@ def fp8_capable_gpu() -> bool:
 # --------------------------------------------------------------------------------------------
 # Model, optimizer, data
 # --------------------------------------------------------------------------------------------
-def transformer_config(exp, *, cuda: bool, have_te: bool):
+def transformer_config(exp, *, use_te: bool):
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -119,7 +123,7 @@ def transformer_config(exp, *, cuda: bool, have_te: bool):
 
     m, p, t = exp.model, exp.parallel, exp.training
     dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
-    fused = cuda and have_te   # fusions need CUDA kernels (apex/TE); off on CPU
+    fused = use_te   # the fused kernels come with TE on GPUs; off on CPU and with local layers
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -167,15 +171,15 @@ def transformer_config(exp, *, cuda: bool, have_te: bool):
         pipeline_dtype=dtype,
         fp8=t.fp8,
         fp8_recipe=t.fp8_recipe if t.fp8 else "delayed",
-        attention_backend=AttnBackend[t.attention_backend] if cuda else AttnBackend.local,
+        attention_backend=AttnBackend[t.attention_backend] if use_te else AttnBackend.local,
         cross_entropy_loss_fusion=t.cross_entropy_loss_fusion and fused,
         tp_comm_overlap=t.tp_comm_overlap,
         bias_activation_fusion=fused,
         bias_dropout_fusion=fused,
         masked_softmax_fusion=fused,
         apply_rope_fusion=fused,
-        persist_layer_norm=fused,
-        gradient_accumulation_fusion=fused,
+        # Megatron's own linear layers (the output layer even under TE) need apex's extension for it.
+        gradient_accumulation_fusion=fused and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
         # Per-token loss: megatron divides grads by the tokens of the whole global batch, which
         # is right for any DP, CP and microbatch count.
         calculate_per_token_loss=True,
@@ -294,7 +298,7 @@ def indexed_batches(exp, dp_rank: int, dp_size: int):
     return batches()
 
 
-def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int):
+def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int, explicit_mask: bool):
     import torch
 
     batch = next(data_iterator)
@@ -307,8 +311,9 @@ def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int):
     positions = slice_for_context_parallel(full_positions[None], cp_rank, cp_size) if cp_size > 1 \
         else full_positions[None]
     positions = positions.expand(tokens.shape[0], -1)
-    # An explicit causal mask (True = masked): megatron's local attention needs one.
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    # megatron's local attention needs an explicit causal mask (True = masked); TE's builds its own.
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None] \
+        if explicit_mask else None
     output = model(tokens, positions, mask, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
@@ -373,7 +378,8 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
         have_te = True
     except ImportError:
         have_te = False
-    check_supported(exp, cuda=cuda, have_te=have_te)
+    use_te = cuda and have_te and exp.training.transformer_impl == "transformer_engine"
+    check_supported(exp, cuda=cuda, use_te=use_te)
     if cuda:
         torch.cuda.set_device(local_rank)
     else:
@@ -404,8 +410,7 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
 
-    config = transformer_config(exp, cuda=cuda, have_te=have_te)
-    use_te = cuda and have_te and t.transformer_impl == "transformer_engine"
+    config = transformer_config(exp, use_te=use_te)
     model = build_model(exp, config, use_te=use_te)
     optimizer = build_optimizer(exp, config, model)
 
@@ -426,7 +431,7 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     else:
         data = [synthetic_batches(exp, t.seed + dp_rank) for _ in model]
     step = partial(forward_step, seq=exp.seq_length, cp_rank=ps.get_context_parallel_rank(),
-                   cp_size=ps.get_context_parallel_world_size())
+                   cp_size=ps.get_context_parallel_world_size(), explicit_mask=not use_te)
     forward_backward = get_forward_backward_func()
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
