@@ -9,7 +9,8 @@ Ranking (the `rank` column, 1 = most promising):
   2. less recompute (none, then selective, then full: full recompute re-runs the forward);
   3. a smaller pipeline bubble, (PP - 1) / (micro-batches x VP), in whole percent;
   4. fewer ranks in the communication-heavy dimensions, TP x CP (their collectives sit on the
-     critical path of every layer), then fewer expert-parallel ranks, then fewer pipeline stages;
+     critical path of every layer), then fewer expert-parallel ranks, then fewer pipeline
+     stages and virtual stages (point-to-point traffic);
   5. more memory headroom.
 
 The memory terms that do not depend on the distributed optimizer are computed once per layout and
@@ -211,8 +212,8 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
     )
     df = df.with_columns((pl.col("bubble") * 100).round(0).alias("_bubble_pct")).sort(
         ["fits", "_recompute_cost", "_bubble_pct", "_comm", "expert_model_parallel_size",
-         "pipeline_model_parallel_size", "headroom_bytes"],
-        descending=[True, False, False, False, False, False, True])
+         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "headroom_bytes"],
+        descending=[True, False, False, False, False, False, False, True])
     df = df.drop("_recompute_cost", "_comm", "_bubble_pct").with_row_index("rank", offset=1)
     df = df.with_columns(pl.col("rank").cast(pl.Int64))
     if fits_only:

@@ -16,7 +16,8 @@ ranking (rank 1 = most promising):
   2. less recompute (none, then selective, then full: full recompute re-runs the forward pass);
   3. a smaller pipeline bubble, (PP - 1) / (micro-batches x VP), in whole percent;
   4. fewer ranks in the communication-heavy dimensions TP x CP (their collectives sit on the
-     critical path of every layer), then fewer expert-parallel ranks, then fewer pipeline stages;
+     critical path of every layer), then fewer expert-parallel ranks, then fewer pipeline
+     stages and virtual stages (point-to-point traffic);
   5. more memory headroom.
 
 peak/headroom are per device, in GiB in the table and in bytes in --json/--parquet; headroom is
