@@ -74,6 +74,11 @@ def test_import_maps_units_and_summarizes(tmp_path):
     assert r0["pcie_tx_bytes"] == pytest.approx(40 * 5_000_000)       # the counter wins over throughput
     assert r0["pcie_rx_bytes"] == pytest.approx(40 * 1_000_000)
     assert r0["throttle_perf_frac"] is None and r0["spikes_over_limit_count"] is None
+    nodes = summarize(run, "all", by="node")
+    assert nodes["node"].to_list() == ["node0", "node1"]
+    assert nodes["cpu_util_mean_pct"][0] == pytest.approx(60.0)      # host files came from node0 only
+    assert nodes["cpu_util_mean_pct"][1] is None
+    assert nodes["energy_j"].to_list() == pytest.approx([805.0, 805.0 + 2 * 1.0])   # rank 1 is 1 W higher
     host = run.scan_telemetry().filter(device="host").collect()
     assert host["cpu_util_pct"].drop_nulls().to_list() == pytest.approx([60.0] * 40)
     assert host["ib_rx_bytes"][-1] == 40 * 150 and host["temp_cpu_c"][0] == 55.0
