@@ -33,7 +33,7 @@ HEADLINE = {
     "temp_gpu_peak_c": ("peak °C", "{:.0f}"),
     "throttle_perf_frac": ("throttled", "{:.0%}"),
 }
-COLUMNS = ("run", "status", "target", "experiment", "started", *(h for h, _ in HEADLINE.values()))
+COLUMNS = ("run", "status", *(h for h, _ in HEADLINE.values()), "target", "experiment", "started")
 
 
 @dataclass
@@ -86,9 +86,10 @@ class RunsScreen(WorkbenchScreen):
             started = m.get("started_ns") or m.get("created_ns")
             status = m.get("status", "unknown")
             table.add_row(self._mark(rd.id), Text(status, STATUS_STYLE.get(status, "")),
+                          *("…" for _ in HEADLINE),
                           (m.get("target") or {}).get("name", m.get("kind", "-")), m.get("name", "-"),
                           time.strftime("%Y-%m-%d %H:%M", time.gmtime(started / 1e9)) if started else "-",
-                          *("…" for _ in HEADLINE), key=rd.id)
+                          key=rd.id)
         if cursor in self.runs:
             table.move_cursor(row=table.get_row_index(cursor))
         self.query_one("#runs-detail", Static).update(
@@ -131,8 +132,7 @@ class RunsScreen(WorkbenchScreen):
         if run_id in self.runs:
             note = self.notes.get(run_id)
             self.query_one("#runs-detail", Static).update(
-                f"[b]{run_id}[/b] · Enter open · Space mark · m compare · c cancel · d delete"
-                + (f"\n[dim]{note}[/]" if note else ""))
+                f"[b]{run_id}[/b]" + (f"  [dim]{note}[/]" if note else ""))
 
     def current_run(self) -> str | None:
         table = self.query_one(DataTable)

@@ -1,0 +1,94 @@
+"""End to end in a real terminal: tmux runs `charllm-tui`, keys pick the tiny-local preset and launch
+it locally, the screen shows the live view with iterations, and quitting leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from charllm.probes.rundir import FINAL_STATUSES, list_runs
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
+    pytest.mark.skipif(shutil.which("charllm-tui") is None, reason="charllm-tui is not on PATH (pip install -e .)"),
+]
+
+
+class Tmux:
+    """One tmux server on a private socket, stopped by its PID."""
+
+    def __init__(self, socket_path):
+        self.socket = str(socket_path)
+
+    def __call__(self, *args: str) -> str:
+        out = subprocess.run(["tmux", "-S", self.socket, *args], capture_output=True, text=True, timeout=30)
+        return out.stdout
+
+    def screen(self) -> str:
+        return self("capture-pane", "-p", "-t", "tui")
+
+    def wait_for(self, pattern: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.screen()
+            if re.search(pattern, text):
+                return text
+            time.sleep(0.3)
+        raise AssertionError(f"{pattern!r} never appeared; the screen was:\n{self.screen()}")
+
+    def keys(self, *keys: str) -> None:
+        for key in keys:
+            self("send-keys", "-t", "tui", key)
+            time.sleep(0.4)
+
+
+def test_compose_launch_watch_and_quit(tmp_path, charllm_dirs):
+    tmux = Tmux(tmp_path / "tmux.sock")
+    env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (
+        ("CHARLLM_CONFIG_DIR", charllm_dirs["config"]), ("CHARLLM_DATA_DIR", charllm_dirs["data"]),
+        ("CHARLLM_RUNS_DIR", charllm_dirs["runs"]), ("TERM", "xterm-256color")))
+    tmux("new-session", "-d", "-s", "tui", "-x", "160", "-y", "48", f"env {env} charllm-tui")
+    server = psutil.Process(int(tmux("display-message", "-p", "-t", "tui", "#{pid}").strip()))
+    app = psutil.Process(int(tmux("display-message", "-p", "-t", "tui", "#{pane_pid}").strip()))
+    try:
+        tmux.wait_for(r"Compose F2", timeout=60)
+        # Compose: the preset list has the focus; pick tiny-local from it.
+        tmux.keys("Enter")
+        tmux.wait_for(r"tiny-local", timeout=10)
+        tmux.keys("Enter")
+        tmux.wait_for(r"FITS", timeout=60)
+        # Launch: the dry run, then launch on this machine.
+        tmux.keys("F4")
+        tmux.wait_for(r"torch\.distributed\.run", timeout=60)
+        tmux.keys("l")
+        screen = tmux.wait_for(r"iteration \d+", timeout=240)
+        assert "Live F5" in screen and "host CPU utilization" in screen
+        runs = list_runs(charllm_dirs["runs"])
+        assert len(runs) == 1
+        deadline = time.monotonic() + 240
+        while runs[0].status not in FINAL_STATUSES and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert runs[0].status == "completed"
+        tmux.wait_for(r"iteration 20\b", timeout=30)
+        run_pids = [p["pid"] for p in runs[0].read_manifest().get("processes", []) if p.get("pid")]
+        # Quit: the app, its threads' work and the tmux server all end.
+        tree = [app, *app.children(recursive=True)]
+        tmux.keys("C-q")
+        gone, alive = psutil.wait_procs(tree + [server], timeout=20)
+        assert not alive, f"still running after quit: {alive}"
+        assert not [pid for pid in run_pids if psutil.pid_exists(pid)
+                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if server.is_running():
+            server.kill()
+        assert not os.path.exists(tmp_path / "tmux.sock") or not server.is_running()

@@ -1,0 +1,124 @@
+"""Snapshot tests (pytest-textual-snapshot): every screen at 80×24 and at 160×48.
+
+The data is deterministic: recorded runs from `charllm.tui.demo` (the simulated backend with a
+fixed seed and a fixed clock), the shipped tiny-local preset, and a dry run whose only
+machine-dependent parts (host name, free port) are pinned. Update with `--snapshot-update`
+after checking the new SVGs by eye.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from charllm.tui.app import CharllmApp
+from charllm.tui.demo import make_demo_run
+
+pytestmark = pytest.mark.timeout(300)
+
+SIZES = {"small": (80, 24), "large": (160, 48)}
+
+
+@pytest.fixture
+def demo_runs(charllm_dirs):
+    a = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-8gpu", seconds=30)
+    b = make_demo_run(charllm_dirs["runs"], "20251121-090000-demo-capped", seconds=30, power_limit_w=450.0, seed=3)
+    return a, b
+
+
+@pytest.fixture
+def pinned_host(monkeypatch):
+    """The dry run names this host and a free port; pin both so the snapshot is the same everywhere."""
+    import charllm.engine.launch as launch
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node0")
+    monkeypatch.setattr(launch, "_free_port", lambda: 29500)
+
+
+async def until(pilot, condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the screen never got its data"
+        await pilot.pause(0.1)
+    await pilot.pause(0.3)          # let the last update paint
+
+
+def settled_compose(pilot):
+    screen = pilot.app.screen
+    return until(pilot, lambda: screen.last is not None and screen.last.serial == screen.edit_serial)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_compose(snap_compare, size):
+    assert snap_compare(CharllmApp(), terminal_size=SIZES[size], run_before=settled_compose)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_compose_invalid_layout(snap_compare, size):
+    async def edit(pilot):
+        await settled_compose(pilot)
+        pilot.app.screen.query_one("#f-tensor_model_parallel_size").value = "3"
+        await until(pilot, lambda: pilot.app.screen.last.serial == pilot.app.screen.edit_serial
+                    and pilot.app.screen.last.problems)
+
+    assert snap_compare(CharllmApp(), terminal_size=SIZES[size], run_before=edit)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_sweep(snap_compare, size):
+    pytest.importorskip("charllm.engine.sweep", reason="engine.sweep is not in this build")
+
+    async def swept(pilot):
+        await pilot.press("f3")
+        await until(pilot, lambda: getattr(pilot.app.screen, "frame", None) is not None, timeout=120)
+
+    assert snap_compare(CharllmApp(), terminal_size=SIZES[size], run_before=swept)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_launch_dry_run(snap_compare, size, pinned_host):
+    async def planned(pilot):
+        await pilot.press("f4")
+        text = pilot.app.screen.query_one("#dry-run-text")
+        await until(pilot, lambda: "Commands" in str(text.render()))
+
+    assert snap_compare(CharllmApp(), terminal_size=SIZES[size], run_before=planned)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_live_replay(snap_compare, size, demo_runs):
+    async def drawn(pilot):
+        screen = pilot.app.screen
+        await until(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "gpu")
+
+    assert snap_compare(CharllmApp(run=demo_runs[0]), terminal_size=SIZES[size], run_before=drawn)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_runs(snap_compare, size, demo_runs):
+    async def listed(pilot):
+        await pilot.press("f6")
+        table = pilot.app.screen.query_one("#runs-table")
+        await until(pilot, lambda: table.row_count == 2 and all(
+            table.get_cell(r.name, "peak W") != "…" for r in demo_runs))
+
+    assert snap_compare(CharllmApp(), terminal_size=SIZES[size], run_before=listed)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_compare(snap_compare, size, demo_runs):
+    app = CharllmApp()
+    app.compare_refs = [str(r) for r in demo_runs]
+
+    async def compared(pilot):
+        await pilot.press("f7")
+        status = pilot.app.screen.query_one("#compare-status")
+        await until(pilot, lambda: "comparing" not in str(status.render()) and str(status.render()))
+
+    assert snap_compare(app, terminal_size=SIZES[size], run_before=compared)
+
+
+def test_help(snap_compare):
+    assert snap_compare(CharllmApp(), terminal_size=SIZES["large"], press=["f1", "_"])
