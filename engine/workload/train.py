@@ -553,4 +553,9 @@ def teardown() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything that matters is written and closed; skip the interpreter's module teardown
+    # (seconds with torch and megatron loaded) so the launcher sees the exit at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
