@@ -282,3 +282,16 @@ def test_parameter_count_matches_a_megatron_core_gpt_model(megatron_world, model
                          position_embedding_type=m.position_embedding_type,
                          share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
     assert sum(p.numel() for p in gpt_model.parameters()) == count_parameters(m)
+
+
+def test_precision_aware_optimizer_dtypes_and_host_offload():
+    exp = gpt()
+    n = count_parameters(exp.model)
+    t = exp.training
+    t.use_precision_aware_optimizer = True
+    t.main_grads_dtype, t.main_params_dtype, t.exp_avg_dtype, t.exp_avg_sq_dtype = "bf16", "fp16", "bf16", "fp8"
+    stage = estimate(exp).stages[0]
+    assert (stage.gradients, stage.optimizer) == (2 * n, (2 + 2 + 1) * n)
+    t.optimizer_cpu_offload = True
+    report = estimate(exp)
+    assert report.stages[0].optimizer == 0 and any("offloaded" in w for w in report.warnings)
