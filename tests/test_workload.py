@@ -286,7 +286,7 @@ def test_two_writers_never_interleave_within_a_line(tmp_path):
 # cpu_compat, in two real gloo ranks (it patches torch globally, so never in this process)
 # --------------------------------------------------------------------------------------------
 COMPAT_CHECK = '''
-import torch, warnings
+import os, torch, warnings
 warnings.simplefilter("ignore")
 from charllm.engine.workload import cpu_compat
 assert cpu_compat.apply()
@@ -309,7 +309,7 @@ y = gather_from_sequence_parallel_region(x, group=ps.get_tensor_model_parallel_g
 assert y.shape == (3, 3) and y[:1].eq(1).all() and y[1:].eq(2).all(), y
 y.sum().backward()
 assert x.grad.eq(2).all(), x.grad   # each row's gradient summed over the 2 TP ranks
-print("compat ok", rank)
+os.write(1, f"compat ok {rank}\\n".encode())   # one write: the ranks share the pipe
 '''
 
 
