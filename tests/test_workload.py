@@ -303,6 +303,8 @@ assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
 assert torch.ones(2).cuda().device.type == "cpu" and torch.ones(2).to("cuda").device.type == "cpu"
 assert torch.ones(2).type() == "torch.cuda.FloatTensor"
 assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+from concurrent.futures import ThreadPoolExecutor   # the mode is thread-local: new threads get it too
+assert ThreadPoolExecutor(1).submit(lambda: torch.empty(1, device="cuda").device.type).result() == "cpu"
 # uneven all-gather (rank r holds r+1 rows), forward and its reduce-scatter backward
 x = torch.full((rank + 1, 3), float(rank + 1), requires_grad=True)
 y = gather_from_sequence_parallel_region(x, group=ps.get_tensor_model_parallel_group(), output_split_sizes=[1, 2])

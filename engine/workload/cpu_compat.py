@@ -4,8 +4,8 @@ megatron-core hard-wires CUDA in places that have nothing to do with the maths: 
 arguments, RNG bookkeeping, streams, type-name assertions. `apply()` redirects exactly those,
 once per process, and only when `torch.cuda.is_available()` is False; on a GPU megatron runs as
 is. Each patch below says which megatron code needs it (see RECIPES.md, "Megatron-Core training
-on CPU"). Call `apply()` before importing megatron model code, and `enter_thread()` at the start
-of any other thread that runs megatron code (the device mode is thread-local).
+on CPU"). Call `apply()` before building megatron models; it enters the device mode in the
+calling thread and in every thread started afterwards (the mode is thread-local).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,6 +34,7 @@ def apply() -> bool:
     if not _applied:
         _redirect_torch_cuda()
         _patch_megatron()
+        _enter_in_new_threads()
         _applied = True
     enter_thread()
     return True
@@ -43,6 +45,19 @@ def enter_thread() -> None:
     stack = torch.overrides._get_current_function_mode_stack()
     if _applied and not any(isinstance(mode, CudaToCpuMode) for mode in stack):
         CudaToCpuMode().__enter__()   # never exited: it lasts for the thread's life
+
+
+def _enter_in_new_threads() -> None:
+    # megatron starts threads of its own (the dataset builder's pool, the straggler detector);
+    # whatever runs there must see CUDA requests mapped too.
+    run = threading.Thread.run
+
+    @functools.wraps(run)
+    def run_in_mode(self):
+        enter_thread()
+        run(self)
+
+    threading.Thread.run = run_in_mode
 
 
 # --------------------------------------------------------------------------------------------
