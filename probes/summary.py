@@ -88,7 +88,7 @@ def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
     if run.status not in FINAL_STATUSES:
         return compute()
     files = [run.experiment_path, run.iterations_path, *run.telemetry_files()]
-    stat = [(str(f.relative_to(run.path)), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()]
+    stat = [[str(f.relative_to(run.path)), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.exists()]
     key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
            "by": by, "files": stat}
     name = f"{by}-{window if isinstance(window, str) else f'{window[0]:g}-{window[1]:g}'}"
