@@ -21,6 +21,13 @@ units in column names. Statistics follow the CharLLM-PPT paper where it defines 
   against the hardware's dense BF16 peak, efficiency is samples/s per MJ of energy per
   iteration (the paper's samples/(s·MJ)).
 
+- Host rows (device "host") give per-node CPU utilisation and frequency, CPU temperature, host
+  memory, RAPL energy and network bytes; a run with host rows only (a local CPU run) has node
+  and run rows with those and the iteration statistics.
+
+Summaries of finished runs are cached in RUN_DIR/summaries/ and recomputed when any of the
+run's files change.
+
 Windows: "steady" spans the non-warm-up iterations of the log (falls back to "all", with a
 note, when there is no log); "all" is every sample; (start_s, end_s) are seconds after the
 run's first sample.
