@@ -242,6 +242,21 @@ def test_killed_rank_fails_the_run_and_stops_the_others(tmp_path):
     assert not any(r["event"] == "end" and r["status"] == "completed" for r in records)
 
 
+@pytest.mark.timeout(200)
+def test_exception_in_a_rank_is_failed_with_traceback_and_exit_1(tmp_path):
+    prefix = tmp_path / "broken"
+    Path(f"{prefix}.bin").write_bytes(b"\0" * 64)
+    Path(f"{prefix}.idx").write_bytes(b"not an index")
+    run_dir = make_run(tmp_path, "tiny-local", "gpus_per_node=1", f"data_path={prefix}")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-m", TRAIN_MODULE, "--run-dir", str(run_dir)], env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 1
+    assert "Traceback (most recent call last)" in out.stderr
+    assert [r["status"] for r in read_log(run_dir) if r["event"] == "end"] == ["failed"]
+
+
 # --------------------------------------------------------------------------------------------
 # refused before any collective: one line, exit 2
 # --------------------------------------------------------------------------------------------
