@@ -355,6 +355,109 @@ def flops_per_iteration(exp) -> float:
 # --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
+class Trainer:
+    """Megatron's pieces for one rank, wired the way Megatron-LM's training loop wires them."""
+
+    def __init__(self, exp, *, cuda: bool, use_te: bool, local_rank: int):
+        import torch
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        p, t = exp.parallel, exp.training
+        self.exp = exp
+        torch.distributed.init_process_group(backend="nccl" if cuda else "gloo")
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+            context_parallel_size=p.context_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            expert_tensor_parallel_size=exp.expert_tensor_parallel_size,
+            num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+        )
+        torch.manual_seed(t.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
+
+        config = transformer_config(exp, use_te=use_te)
+        self.model = build_model(exp, config, use_te=use_te)
+        self.optimizer = build_optimizer(exp, config, self.model)
+        # DDP hooks for the schedules: one callable per model chunk, or the callable itself.
+        one = (lambda funcs: funcs[0]) if len(self.model) == 1 else (lambda funcs: funcs)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = one([chunk.no_sync for chunk in self.model])
+        if t.overlap_grad_reduce:
+            config.grad_sync_func = one([chunk.start_grad_sync for chunk in self.model])
+
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        # One iterator per chunk over the same batches: the first chunk reads tokens, the last labels.
+        if t.data_path:
+            data = [indexed_batches(exp, self.dp_rank, self.dp_size) for _ in self.model]
+        else:
+            data = [synthetic_batches(exp, t.seed + self.dp_rank) for _ in self.model]
+        self.data = one(data)
+        self.forward_step = partial(forward_step, seq=exp.seq_length, cp_rank=ps.get_context_parallel_rank(),
+                                    cp_size=ps.get_context_parallel_world_size(), explicit_mask=not use_te)
+        self.forward_backward = get_forward_backward_func()
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+    def layout(self) -> dict:
+        p = self.exp.parallel
+        return {
+            "tensor_model_parallel_size": p.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
+            "context_parallel_size": p.context_parallel_size,
+            "expert_model_parallel_size": p.expert_model_parallel_size,
+            "expert_tensor_parallel_size": self.exp.expert_tensor_parallel_size,
+            "data_parallel_size": self.dp_size,
+            "sequence_parallel": p.sequence_parallel,
+            "use_distributed_optimizer": p.use_distributed_optimizer,
+            "num_microbatches": self.exp.num_microbatches,
+            "device": self.device.type,
+        }
+
+    def step(self) -> tuple[float | None, float | None]:
+        """One training iteration: (lm loss on the last stage else None, grad norm)."""
+        import torch
+
+        t = self.exp.training
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = self.forward_backward(
+            forward_step_func=self.forward_step,
+            data_iterator=self.data,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=self.exp.num_microbatches,
+            seq_length=self.exp.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=False,
+        )
+        _, grad_norm, _ = self.optimizer.step()
+        grad_norm = float(grad_norm) if grad_norm is not None else None   # None: fp16 skipped the step
+        if not self.is_last_stage:
+            return None, grad_norm
+        # Sum [loss, tokens] over micro-batches, then over the DP (x CP) replicas of this stage.
+        total = torch.stack([r["lm loss"] for r in reports]).sum(0).to(self.device)
+        torch.distributed.all_reduce(total, group=self.dp_cp_group)
+        return (total[0] / total[1]).item(), grad_norm
+
+    def agree(self, stop_requested: bool, loss: float | None) -> tuple[bool, float]:
+        """One all-reduce: did any rank get SIGTERM (so all leave the loop after the same step and
+        none waits in a collective), and the last rank's loss, for rank 0's progress line."""
+        import torch
+
+        last_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        shared = torch.tensor([float(stop_requested), loss if last_rank else 0.0], device=self.device)
+        torch.distributed.all_reduce(shared)
+        return bool(shared[0].item()), shared[1].item()
+
+
 def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     from charllm.engine.experiment import Experiment
     from charllm.engine.validate import check
@@ -364,8 +467,7 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     node = os.environ.get("CHARLLM_NODE") or socket.gethostname()
-    writes_log = rank in (0, world - 1)
-    log = IterationLog(run_dir / "iterations.jsonl" if writes_log else None, rank, node)
+    log = IterationLog(run_dir / "iterations.jsonl" if rank in (0, world - 1) else None, rank, node)
     log_holder.append(log)
     check(exp)   # the layout rules, as one line, before a slow import or any collective
 
@@ -373,11 +475,7 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
-    try:
-        import transformer_engine  # noqa: F401
-        have_te = True
-    except ImportError:
-        have_te = False
+    have_te = importlib.util.find_spec("transformer_engine") is not None
     use_te = cuda and have_te and exp.training.transformer_impl == "transformer_engine"
     check_supported(exp, cuda=cuda, use_te=use_te)
     if cuda:
@@ -386,115 +484,36 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
         from charllm.engine.workload import cpu_compat
 
         cpu_compat.apply()
+    # Everything setup needs, imported here so that import time is one figure.
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
 
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401 - the rest of what setup needs,
-    import megatron.core.optimizer  # noqa: F401       imported here so import time is one figure
     setup_started = time.monotonic()
-
-    p, t = exp.parallel, exp.training
-    torch.distributed.init_process_group(backend="nccl" if cuda else "gloo")
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-        context_parallel_size=p.context_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        expert_tensor_parallel_size=exp.expert_tensor_parallel_size,
-        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
-    )
-    torch.manual_seed(t.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
-
-    config = transformer_config(exp, use_te=use_te)
-    model = build_model(exp, config, use_te=use_te)
-    optimizer = build_optimizer(exp, config, model)
-
-    # Wire DDP into the schedules the way Megatron-LM's training loop does.
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = [chunk.no_sync for chunk in model]
-    if t.overlap_grad_reduce:
-        config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
-    if len(model) == 1:
-        config.no_sync_func = config.no_sync_func[0]
-        if t.overlap_grad_reduce:
-            config.grad_sync_func = config.grad_sync_func[0]
-
-    dp_rank = ps.get_data_parallel_rank()
-    dp_size = ps.get_data_parallel_world_size()
-    if t.data_path:
-        data = [indexed_batches(exp, dp_rank, dp_size) for _ in model]
-    else:
-        data = [synthetic_batches(exp, t.seed + dp_rank) for _ in model]
-    step = partial(forward_step, seq=exp.seq_length, cp_rank=ps.get_context_parallel_rank(),
-                   cp_size=ps.get_context_parallel_world_size(), explicit_mask=not use_te)
-    forward_backward = get_forward_backward_func()
-    is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    flops = flops_per_iteration(exp)
-    tokens_per_iter = t.global_batch_size * exp.seq_length
-
-    log.write("start", start_ns=time.time_ns(), world_size=world, layout={
-        "tensor_model_parallel_size": p.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
-        "virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
-        "context_parallel_size": p.context_parallel_size,
-        "expert_model_parallel_size": p.expert_model_parallel_size,
-        "expert_tensor_parallel_size": exp.expert_tensor_parallel_size,
-        "data_parallel_size": dp_size,
-        "sequence_parallel": p.sequence_parallel,
-        "use_distributed_optimizer": p.use_distributed_optimizer,
-        "num_microbatches": exp.num_microbatches,
-        "device": "cuda" if cuda else "cpu",
-    }, startup_s={
-        "import": round(setup_started - import_started, 3),              # torch, megatron (+ TE)
-        "setup": round(time.monotonic() - setup_started, 3),             # process groups, model, optimizer
+    trainer = Trainer(exp, cuda=cuda, use_te=use_te, local_rank=local_rank)
+    log.write("start", start_ns=time.time_ns(), world_size=world, layout=trainer.layout(), startup_s={
+        "import": round(setup_started - import_started, 3),      # torch, megatron (+ TE)
+        "setup": round(time.monotonic() - setup_started, 3),     # process groups, model, optimizer
     })
 
+    t = exp.training
+    flops = flops_per_iteration(exp)
     for iteration in range(1, t.train_iters + 1):
         start_ns = time.time_ns()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        reports = forward_backward(
-            forward_step_func=step,
-            data_iterator=data if len(model) > 1 else data[0],
-            model=model if len(model) > 1 else model[0],
-            num_microbatches=exp.num_microbatches,
-            seq_length=exp.seq_length,
-            micro_batch_size=t.micro_batch_size,
-            forward_only=False,
-        )
-        _, grad_norm, _ = optimizer.step()
-        loss = None
-        if is_last_stage:
-            # Sum [loss, tokens] over micro-batches, then over the DP (x CP) replicas of this stage.
-            total = torch.stack([r["lm loss"] for r in reports]).sum(0).to(device)
-            torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
-            loss = (total[0] / total[1]).item()
-        # One all-reduce per iteration: every rank learns whether any rank was asked to stop (so
-        # all leave the loop together, none waits in a collective) and rank 0 learns the loss.
-        shared = torch.tensor([float(stop.requested), loss if rank == world - 1 else 0.0], device=device)
-        torch.distributed.all_reduce(shared)
-        stop_all, shared_loss = bool(shared[0].item()), shared[1].item()
+        loss, grad_norm = trainer.step()
+        stop_all, last_loss = trainer.agree(stop.requested, loss)
         if cuda:
             torch.cuda.synchronize()
         end_ns = time.time_ns()
         seconds = (end_ns - start_ns) / 1e9
         log.iteration(
-            iteration=iteration, start_ns=start_ns, end_ns=end_ns, loss=loss,
-            grad_norm=float(grad_norm) if grad_norm is not None else None,
-            samples=t.global_batch_size, tokens=tokens_per_iter,
-            mem_peak_bytes=peak_memory_bytes(cuda),
-            tflops_per_gpu=flops / seconds / world / 1e12,
+            iteration=iteration, start_ns=start_ns, end_ns=end_ns, loss=loss, grad_norm=grad_norm,
+            samples=t.global_batch_size, tokens=t.global_batch_size * exp.seq_length,
+            mem_peak_bytes=peak_memory_bytes(cuda), tflops_per_gpu=flops / seconds / world / 1e12,
             warmup=iteration <= t.warmup_iters,
         )
         if rank == 0:
-            print(f"iter {iteration}/{t.train_iters} loss {shared_loss:.4f} {seconds * 1e3:.0f} ms", flush=True)
+            print(f"iter {iteration}/{t.train_iters} loss {last_loss:.4f} {seconds * 1e3:.0f} ms", flush=True)
         if stop_all:
             log.write("end", end_ns=time.time_ns(), iteration=iteration, status="cancelled")
             print(f"cancelled after iteration {iteration} (SIGTERM)", file=sys.stderr, flush=True)
