@@ -20,7 +20,6 @@ units in column names. Statistics follow the CharLLM-PPT paper where it defines 
   inside the window: TFLOP/s per GPU uses Megatron's FLOP count (`probes.flops`), MFU is
   against the hardware's dense BF16 peak, efficiency is samples/s per MJ of energy per
   iteration (the paper's samples/(s·MJ)).
-
 - Host rows (device "host") give per-node CPU utilisation and frequency, CPU temperature, host
   memory, RAPL energy and network bytes; a run with host rows only (a local CPU run) has node
   and run rows with those and the iteration statistics.
@@ -133,7 +132,8 @@ def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
     # each GPU's samples are a frame of their own, so no statistic needs a window function.
     rows, traces, hosts, last_ns = [], [], [], None
     for files in nodes.values():
-        node = _load(files, lambda lf: _in_window(lf, start_ns, end_ns).collect())
+        # One contiguous buffer per column: a chunk per file would slow every later step.
+        node = _load(files, lambda lf: _in_window(lf, start_ns, end_ns).collect()).rechunk()
         if node.height:
             last_ns = max(last_ns or 0, node["ts_ns"].max())
         is_host = node["device"] == "host"
