@@ -268,7 +268,9 @@ def test_exception_in_a_rank_is_failed_with_traceback_and_exit_1(tmp_path):
      "TE installed, CUDA); this process has no CUDA"),
     (["num_layers=3", "pipeline_model_parallel_size=2"], "num_layers = 3: must be divisible by pipeline"),
     (["gpus_per_node=4"], "cluster: the experiment needs 4 processes"),
-], ids=["cp2-without-te", "fp8-without-cuda", "invalid-layout", "world-size-mismatch"])
+    (["num_moe_experts=4", "moe_grouped_gemm=true", "bf16=true"],
+     "training.moe_grouped_gemm = true: needs Transformer Engine layers"),
+], ids=["cp2-without-te", "fp8-without-cuda", "invalid-layout", "world-size-mismatch", "grouped-gemm-without-te"])
 def test_unsupported_experiment_is_one_line(tmp_path, assignments, message):
     run_dir = make_run(tmp_path, "tiny-local", *assignments)
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}

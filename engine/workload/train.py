@@ -98,6 +98,8 @@ def check_supported(exp, *, cuda: bool, use_te: bool) -> None:
         raise UserError(f"training.fp8 = {t.fp8!r}: this GPU has no FP8 (needs compute capability 8.9 or newer)")
     if t.tp_comm_overlap and not use_te:
         raise UserError(f"training.tp_comm_overlap = true: {te_needed}")
+    if t.moe_grouped_gemm and not use_te and not (cuda and importlib.util.find_spec("grouped_gemm")):
+        raise UserError(f"training.moe_grouped_gemm = true: {te_needed}, or the grouped_gemm package on CUDA")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != exp.world_size:
         raise UserError(f"cluster: the experiment needs {exp.world_size} processes "
