@@ -61,7 +61,7 @@ def _enter_in_new_threads() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# 1. torch.cuda.* used as plain utilities
+# 1 and 4. torch.cuda.* used as plain utilities: devices, RNG, sync, streams and events
 # --------------------------------------------------------------------------------------------
 class _Stream:
     """Stands in for torch.cuda.Stream: on CPU every op is synchronous, so ordering is a no-op."""
@@ -124,7 +124,7 @@ def _redirect_torch_cuda() -> None:
     cuda.manual_seed = cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(seed)
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
-    # Streams and events: the alltoall token dispatcher overlaps its DtoH copy on a side stream.
+    # 4. Streams and events: the alltoall token dispatcher overlaps its DtoH copy on a side stream.
     cuda.Stream = _Stream
     cuda.Event = _Event
     cuda.current_stream = lambda device=None: _DEFAULT_STREAM
@@ -173,7 +173,7 @@ class CudaToCpuMode(TorchFunctionMode):
 
 
 # --------------------------------------------------------------------------------------------
-# 3-7. megatron internals
+# 3, 5, 6, 7. megatron internals
 # --------------------------------------------------------------------------------------------
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import mappings, random
