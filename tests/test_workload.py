@@ -164,6 +164,22 @@ def test_more_layouts_train(tmp_path, assignments):
 
 
 @pytest.mark.timeout(300)
+def test_sequence_parallel_matches_plain_tensor_parallel(tmp_path):
+    """cpu_compat builds SP norms without SP and tags their parameters; if their gradients were
+    not all-reduced over TP, the gradient norm would drift from plain TP2's (by ~1e-4 here)."""
+    def trajectory(name, *assignments):
+        run_dir = make_run(tmp_path / name, "tiny-tp2", "train_iters=6", *assignments)
+        train(run_dir, nproc=2)
+        steps = [r for r in read_log(run_dir) if r["event"] == "iteration" and r["rank"] == 1]
+        return [r["loss"] for r in steps], [r["grad_norm"] for r in steps]
+
+    plain_loss, plain_norm = trajectory("tp2")
+    sp_loss, sp_norm = trajectory("tp2-sp", "sequence_parallel=true")
+    assert sp_loss == pytest.approx(plain_loss, rel=1e-6)
+    assert sp_norm == pytest.approx(plain_norm, rel=1e-6)
+
+
+@pytest.mark.timeout(300)
 def test_indexed_dataset(tmp_path):
     """A tiny Megatron indexed dataset built with megatron's own IndexedDatasetBuilder."""
     import numpy as np
