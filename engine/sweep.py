@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from charllm.engine import memory
-from charllm.engine.experiment import Cluster, Experiment, Hardware, ModelSpec, Training
+from charllm.engine.experiment import Cluster, Experiment, Hardware, ModelSpec, Training, resolve_key
 from charllm.probes.errors import UserError
 
 RECOMPUTE = {
@@ -33,6 +33,10 @@ RECOMPUTE = {
 }
 RECOMPUTE_ORDER = {name: i for i, name in enumerate(RECOMPUTE)}
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# Fields each layout sets itself: a `training` option naming one would be silently overwritten.
+SWEPT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+         "context_parallel_size", "expert_model_parallel_size", "sequence_parallel", "use_distributed_optimizer",
+         "micro_batch_size", *RECOMPUTE["none"])
 
 # The agreed columns (common.md); the sweep adds num_microbatches, bubble, peak_stage and static_bytes.
 REQUIRED_COLUMNS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -59,6 +63,12 @@ def base_experiment(model: ModelSpec | str, hardware: Hardware | str, nodes: int
     exp.cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node)
     exp.training = Training(global_batch_size=global_batch_size, seq_length=seq_length)
     for key, value in (training or {}).items():
+        section, name = resolve_key(key)
+        if name in SWEPT:
+            raise UserError(f"{key} = {value!r}: the sweep varies {name} itself; it cannot be fixed")
+        if section not in ("training", "parallel"):
+            raise UserError(f"{key} = {value!r}: only training and parallel options apply to a sweep "
+                            f"(this is a {section} field)")
         exp.set(key, value)
     return exp
 
@@ -140,6 +150,8 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
     import numpy as np
     import polars as pl
 
+    from charllm.engine.validate import value_problems
+
     for name in recompute:
         if name not in RECOMPUTE:
             raise UserError(f"recompute = {name!r}: expected one of {', '.join(RECOMPUTE)}")
@@ -148,6 +160,9 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
         if not isinstance(value, int) or value < 1:
             raise UserError(f"{name} = {value!r}: must be a positive integer")
     base = base_experiment(model, hardware, nodes, gpus_per_node, global_batch_size, seq_length, training)
+    problems = value_problems(base)          # a bad option would otherwise just leave no valid layout
+    if problems:
+        raise UserError(str(problems[0]))
     hw = base.hardware
     work = base.copy()
     cache: dict = {}

@@ -131,11 +131,41 @@ def test_sweep_parquet(capsys, tmp_path):
     assert not list(tmp_path.glob("out/.*.tmp"))
 
 
+def test_sweep_set_and_recompute_change_every_layout(capsys):
+    _, out, _ = run(capsys, *SWEEP, "--json")
+    base = {tuple(r[k] for k in KEYS): r["peak_bytes"] for r in json.loads(out)}
+    code, out, _ = run(capsys, *SWEEP, "--json", "--recompute", "none", "--set", "seq_length=4096",
+                       "--set", "attention_backend=unfused")
+    assert code == 0
+    rows = json.loads(out)
+    assert rows and {r["recompute"] for r in rows} == {"none"}
+    # a shorter sequence than llama3-8b's 8192 but unfused attention (s x s scores): every peak changes
+    assert all(r["peak_bytes"] != base[tuple(r[k] for k in KEYS)] for r in rows)
+    first = rows[0]
+    from charllm.engine.memory import estimate
+    from charllm.engine.sweep import base_experiment, layout_to_experiment
+
+    exp = layout_to_experiment(base_experiment("llama3-8b", "h100-sxm-80gb", 1, 8, 64, training={
+        "seq_length": 4096, "attention_backend": "unfused"}), first)
+    assert exp.seq_length == 4096 and estimate(exp).peak_bytes == first["peak_bytes"]
+
+
+KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "context_parallel_size", "micro_batch_size", "recompute", "use_distributed_optimizer")
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--nodes", "0"], "--nodes = 0"),
     (["--top", "-1"], "--top = -1"),
     (["--model", "nope"], "nope"),
     (["--hardware", "nope"], "nope"),
+    (["--set", "tensor_model_parallel_size=2"], "the sweep varies tensor_model_parallel_size"),
+    (["--set", "recompute_granularity=full"], "the sweep varies recompute_granularity"),
+    (["--set", "seq_lenght=4096"], "did you mean 'seq_length'"),
+    (["--set", "hidden_size=1024"], "only training and parallel options"),
+    (["--set", "seq_length=-8"], "seq_length = -8: must be at least 1"),
+    (["--set", "seq_length"], "expected key=value"),
+    (["--recompute", "sometimes"], "recompute = 'sometimes'"),
 ])
 def test_sweep_bad_input_is_one_line_and_exit_2(capsys, extra, needle):
     code, out, err = run(capsys, *SWEEP, *extra)

@@ -23,10 +23,15 @@ ranking (rank 1 = most promising):
 peak/headroom are per device, in GiB in the table and in bytes in --json/--parquet; headroom is
 usable memory minus memory outside the allocator, the fragmentation margin and the peak.
 
+--set KEY=VALUE fixes a training or parallel option of every layout (what the sweep varies itself,
+listed above, cannot be fixed; --recompute narrows the recompute choices).
+
 examples:
   charllm-tui sweep --model llama3-70b --hardware h100-sxm-80gb --nodes 8 --gpus-per-node 8 --global-batch-size 128
   charllm-tui sweep --model mixtral-8x7b --hardware h200-141gb --nodes 4 --gpus-per-node 8 \\
       --global-batch-size 128 --fits-only --parquet layouts.parquet
+  charllm-tui sweep --model llama3-70b --hardware h100-sxm-80gb --nodes 8 --gpus-per-node 8 \\
+      --global-batch-size 128 --recompute none --set overlap_grad_reduce=true --set attention_backend=unfused
 """
 
 
@@ -41,6 +46,10 @@ def register(sub) -> None:
     p.add_argument("--gpus-per-node", required=True, type=int, metavar="G")
     p.add_argument("--global-batch-size", required=True, type=int, metavar="B")
     p.add_argument("--seq-length", type=int, metavar="S", help="default: the model's")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="fix a training/parallel option of every layout, e.g. --set seq_length=4096 (repeatable)")
+    p.add_argument("--recompute", default="none,selective,full", metavar="LIST",
+                   help="recompute choices to sweep, comma-separated (default none,selective,full)")
     p.add_argument("--top", type=int, default=20, metavar="K", help="rows in the table (default 20; 0 = all)")
     p.add_argument("--fits-only", action="store_true", help="only layouts that fit")
     out = p.add_mutually_exclusive_group()
@@ -60,12 +69,21 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--top = {args.top!r}: must be 0 (all) or more")
     from rich.console import Console
 
+    from charllm.engine.experiment import parse_value
     from charllm.engine.sweep import sweep
+
+    options = {}
+    for item in args.sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--set {item!r}: expected key=value, e.g. seq_length=4096")
+        options[key.strip()] = parse_value(raw.strip())
+    recompute = tuple(name.strip() for name in args.recompute.split(",") if name.strip())
 
     console = Console(stderr=True)
     with console.status("sweeping layouts..."):
         df = sweep(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch_size,
-                   args.seq_length, fits_only=args.fits_only)
+                   args.seq_length, recompute=recompute, training=options, fits_only=args.fits_only)
     if args.json:
         import json
 
