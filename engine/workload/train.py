@@ -468,7 +468,8 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    node = os.environ.get("CHARLLM_NODE") or socket.gethostname()
+    # The same node name the sampler records telemetry under: the launcher's, Slurm's, the host's.
+    node = os.environ.get("CHARLLM_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     log = IterationLog(run_dir / "iterations.jsonl" if rank in (0, world - 1) else None, rank, node)
     log_holder.append(log)
     check(exp)   # the layout rules, as one line, before a slow import or any collective
