@@ -229,7 +229,7 @@ def test_sigterm_to_one_rank_stops_every_rank_with_cancelled_exit(tmp_path):
     """Ranks started as a launcher would without torchrun, so their exit codes are visible here."""
     run_dir = make_run(tmp_path, "tiny-pp2", "train_iters=500")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "CHARLLM_NODE": "node-a"}
     cmd = [sys.executable, "-m", TRAIN_MODULE, "--run-dir", str(run_dir)]
     procs = [start(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     try:
@@ -241,7 +241,9 @@ def test_sigterm_to_one_rank_stops_every_rank_with_cancelled_exit(tmp_path):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     assert codes == [CANCELLED_EXIT, CANCELLED_EXIT]
-    assert {r["status"] for r in read_log(run_dir) if r["event"] == "end"} == {"cancelled"}
+    records = read_log(run_dir)
+    assert {r["status"] for r in records if r["event"] == "end"} == {"cancelled"}
+    assert {r["node"] for r in records} == {"node-a"}                # the launcher's name for the node
 
 
 @pytest.mark.timeout(300)
