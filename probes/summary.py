@@ -24,8 +24,8 @@ units in column names. Statistics follow the CharLLM-PPT paper where it defines 
   memory, RAPL energy and network bytes; a run with host rows only (a local CPU run) has node
   and run rows with those and the iteration statistics.
 
-Summaries of finished runs are cached in RUN_DIR/summaries/ and recomputed when any of the
-run's files change.
+Summaries of finished runs are cached in RUN_DIR/summaries/ and recomputed when the
+experiment, the iteration log or a telemetry directory changes.
 
 Windows: "steady" spans the non-warm-up iterations of the log (falls back to "all", with a
 note, when there is no log); "all" is every sample; (start_s, end_s) are seconds after the
@@ -84,7 +84,7 @@ SUMMARY_VERSION = 1
 
 
 def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
-    """A finished run never changes, so its summaries are kept (keyed by its files' sizes and times).
+    """A finished run never changes, so its summaries are kept (keyed by its files and directories).
 
     Comparing runs, or reopening one in the TUI, then costs a Parquet read instead of a pass
     over every telemetry chunk. Running runs are always summarized afresh.
@@ -93,8 +93,13 @@ def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
 
     if run.status not in FINAL_STATUSES:
         return compute()
-    files = [run.experiment_path, run.iterations_path, *run.telemetry_files()]
-    stat = [[str(f.relative_to(run.path)), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.exists()]
+    # Chunks are added by atomic renames, which change their directory's mtime; listing a
+    # directory is far cheaper than a stat per chunk (a run holds one per node per second).
+    stat = [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
+            for f in (run.experiment_path, run.iterations_path) if f.exists()]
+    if run.telemetry_dir.is_dir():
+        stat += [[d.name, d.stat().st_mtime_ns, len(os.listdir(d))]
+                 for d in sorted(run.telemetry_dir.iterdir()) if d.is_dir()]
     key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
            "by": by, "files": stat}
     name = f"{by}-{window if isinstance(window, str) else f'{window[0]:g}-{window[1]:g}'}"

@@ -271,7 +271,9 @@ def test_finished_runs_are_cached_and_refreshed_when_files_change(square_run):
     marked = first.with_columns(notes=pl.lit("from the cache"))
     marked.write_parquet(cache)                          # prove the second read comes from the cache
     assert one(summarize(square_run, "all"), "notes") == "from the cache"
-    # new data (a rewritten chunk) invalidates the cache
+    # new data (chunks replaced, as the recorder does: by rename) invalidates the cache
+    for f in square_run.telemetry_files():
+        f.unlink()
     make_run(square_run.path.parent, [gpu_frame(T, power_w=SQUARE * 2, power_limit_w=250.0)])
     assert one(summarize(square_run, "all"), "power_mean_w") == pytest.approx(400.0)
 
