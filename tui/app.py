@@ -98,7 +98,7 @@ class CharllmApp(App[None]):
             experiment = catalog.load_experiment(DEFAULT_EXPERIMENT)
         self.experiment: Experiment = experiment
         self.experiment_serial = 0      # bumped when the experiment is replaced from outside Compose
-        self.run_path: Path | None = run
+        self.run_path: Path | None = Path(run) if run else None
         self.compare_refs: list[str] = []
         self._start_mode = start_mode or ("live" if run else self.DEFAULT_MODE)
 

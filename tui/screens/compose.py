@@ -10,10 +10,11 @@ import shlex
 import time
 from dataclasses import dataclass
 
+from rich.markup import escape
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 from textual.worker import get_current_worker
@@ -58,7 +59,7 @@ GROUPS: tuple[tuple[str, tuple[Field, ...]], ...] = (
         Field("context_parallel_size", "CP  context", "int"),
         Field("expert_model_parallel_size", "EP  expert", "int"),
         Field("expert_tensor_parallel_size", "ETP expert TP", "int?"),
-        Field("sequence_parallel", "sequence parallel", "bool"),
+        Field("sequence_parallel", "seq. parallel", "bool"),
         Field("use_distributed_optimizer", "dist. optimizer", "bool"),
     )),
     ("Batch", (
@@ -127,6 +128,7 @@ class ComposeScreen(WorkbenchScreen):
         problems: list            # engine.validate.Problem
         report: dict | None       # MemoryReport.to_dict(), None when it could not be computed
         error: str | None         # why there is no report
+        flags: list[str] | None = None   # engine.megatron.export_megatron_args(exp)
 
     def __init__(self):
         super().__init__()
@@ -152,7 +154,7 @@ class ComposeScreen(WorkbenchScreen):
                     yield Label(title, classes="group-title")
                     for field in group:
                         yield from self._row(field.wid, field.label, self._control(field))
-            with Vertical(id="plan"):
+            with VerticalScroll(id="plan"):
                 yield Static(id="summary")
                 yield MemoryBars(id="bars")
                 yield Static(id="verdict")
@@ -161,6 +163,7 @@ class ComposeScreen(WorkbenchScreen):
                     yield Button("Save ^s", id="save", compact=True)
                     yield Button("Flags ^g", id="export", compact=True)
                     yield Button("Launch ^l", id="launch", variant="primary", compact=True)
+                yield Static(id="flags")
 
     @staticmethod
     def _options(kind: str) -> list[tuple[str, str]]:
@@ -208,7 +211,7 @@ class ComposeScreen(WorkbenchScreen):
             err.remove_class("shown")
         self.typing_errors.clear()
         self.last_edited = None
-        self.refresh_plan()
+        self.call_after_refresh(self.refresh_plan)   # paint first; the estimate's imports come after
 
     def _set_select(self, wid: str, name: str) -> None:
         select = self.query_one(f"#{wid}", Select)
@@ -308,7 +311,12 @@ class ComposeScreen(WorkbenchScreen):
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - an estimator bug is shown, editing goes on
                 error = f"estimate failed: {exc!r}"
-        self.post_message(self.Estimated(serial, problems, report, error))
+        flags = None
+        try:
+            flags = api("engine.megatron").export_megatron_args(exp)
+        except (MissingAPI, UserError):
+            pass
+        self.post_message(self.Estimated(serial, problems, report, error, flags))
 
     def on_compose_screen_estimated(self, message: Estimated) -> None:
         if message.serial != self.edit_serial:
@@ -324,6 +332,9 @@ class ComposeScreen(WorkbenchScreen):
             self.query_one(f"#{wid}").set_class(wid in by_field, "invalid")
         self.query_one("#problems", Static).update("\n".join(f"[red]✗[/] {p}" for p in other))
         self.query_one("#bars", MemoryBars).report = message.report
+        if message.flags:
+            self.query_one("#flags", Static).update(
+                "[b]Megatron-LM arguments[/b] [dim](^g copies and writes them)[/]\n" + escape(shlex.join(message.flags)))
         verdict = self.query_one("#verdict", Static)
         if message.problems:
             verdict.update(f"[b red]INVALID[/] layout: {len(message.problems)} problem(s)")

@@ -11,7 +11,11 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import or_
 from pathlib import Path
+
+from rich.text import Text
 
 from textual import work
 from textual.app import ComposeResult
@@ -49,7 +53,7 @@ class Frame(Message):
     source: str                                     # run id, or "host telemetry: <host>"
     status: str                                     # run status / sampler state
     kind: str                                       # gpu | host | none
-    charts: dict[str, dict] = field(default_factory=dict)    # metric -> {label: (xs, ys)}
+    charts: dict[str, dict] | None = field(default_factory=dict)  # metric -> {label: (xs, ys)}; None: unchanged
     throttle: list[tuple[str, list[int]]] = field(default_factory=list)
     iterations: list[dict] = field(default_factory=list)     # every "iteration" event so far
     ranks: str = ""
@@ -226,6 +230,10 @@ class LiveScreen(WorkbenchScreen):
         iterations: list[dict] = []
         starts: dict = {}
         t0 = None
+        drawn_with = None      # (rows seen, view settings) of the last chart data sent
+        last_kind = "none"
+        rows_seen = 0
+        last_status = None
         try:
             while not worker.is_cancelled:
                 began = time.monotonic()
@@ -242,13 +250,26 @@ class LiveScreen(WorkbenchScreen):
                     elif event.get("event") == "start":
                         starts = event
                 if rows is not None and rows.height:
+                    rows_seen += rows.height
                     rows = rows.select([c for c in KEEP_COLUMNS if c in rows.columns])
                     history = rows if history is None else pl.concat([history, rows], how="diagonal_relaxed")
                     t0 = t0 or history["ts_ns"].min()
                     if run_dir is None or not isinstance(source, RunSource):
                         history = history.filter(pl.col("ts_ns") >= history["ts_ns"].max() - KEEP_S * 10**9)
-                frame = build_frame(history, t0, WINDOWS_S[self.window], self.group_nodes, self.strip_width)
-                frame.source, frame.status = source.name, source.status()
+                status = source.status()
+                if not events and not log_lines and status == last_status and (rows is None or not rows.height) \
+                        and (rows_seen, self.window, self.group_nodes, self.strip_width) == drawn_with:
+                    time.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
+                    continue    # nothing new: no message, no repaint
+                last_status = status
+                view = (rows_seen, self.window, self.group_nodes, self.strip_width)
+                if view != drawn_with:   # telemetry arrives about once a second (one chunk per node)
+                    frame = build_frame(history, t0, WINDOWS_S[self.window], self.group_nodes, self.strip_width)
+                    drawn_with = view
+                else:
+                    frame = Frame(source="", status="", kind=last_kind, charts=None)
+                last_kind = frame.kind
+                frame.source, frame.status = source.name, status
                 frame.iterations = iterations
                 frame.log_lines = log_lines
                 frame.ranks = ranks_text(iterations, starts)
@@ -263,8 +284,28 @@ class LiveScreen(WorkbenchScreen):
             self.query_one("#log-tail", Log).write_lines(frame.log_lines)
         if self.paused and self.last_frame is not None:
             return
+        if frame.charts is None and self.last_frame is not None:   # nothing new to plot
+            last = self.last_frame
+            frame.charts, frame.throttle, frame.simulated = last.charts, last.throttle, last.simulated
+            frame.grouped, frame.devices = last.grouped, last.devices
+            self.last_frame = frame
+            self._draw_text(frame)
+            return
+        frame.charts = frame.charts or {}
         self.last_frame = frame
         self.frames += 1
+        self._draw_text(frame)
+        charts = HOST_CHARTS if frame.kind == "host" else GPU_CHARTS
+        for (metric, title_text), chart in zip(charts, self.query(Chart)):
+            chart.title = title_text
+            series = frame.charts.get(metric, {})
+            empty = frame.kind != "none" and not any(v is not None for _, ys in series.values() for v in ys)
+            chart.show(series, note=" — not reported here" if empty else "")
+        self.query_one("#throttle", Static).update(
+            throttle_text(frame.throttle, frame.kind, max_rows=1 if self.compact else GROUP_ABOVE))
+
+    def _draw_text(self, frame: Frame) -> None:
+        """Title, badge, iterations and ranks: cheap, drawn on every frame."""
         window = WINDOWS_S[self.window]
         span = "all" if window is None else f"last {window} s"
         flags = [span, "PAUSED" if self.paused else "", "per node" if frame.grouped else ""]
@@ -275,15 +316,7 @@ class LiveScreen(WorkbenchScreen):
             title += " · waiting for telemetry…"
         self.query_one("#live-title", Static).update(title)
         self.query_one("#sim-badge").display = frame.simulated
-        charts = HOST_CHARTS if frame.kind == "host" else GPU_CHARTS
-        for (metric, title_text), chart in zip(charts, self.query(Chart)):
-            chart.title = title_text
-            series = frame.charts.get(metric, {})
-            empty = frame.kind != "none" and not any(v is not None for _, ys in series.values() for v in ys)
-            chart.show(series, note=" — not reported here" if empty else "")
         self.query_one("#live-bottom").display = frame.kind != "host" or bool(frame.iterations)
-        self.query_one("#throttle", Static).update(
-            throttle_text(frame.throttle, frame.kind, max_rows=1 if self.compact else GROUP_ABOVE))
         self.query_one("#iterations", Static).update(iterations_text(frame.iterations) + "\n" + frame.ranks)
 
     # -- actions -------------------------------------------------------------------------------
@@ -352,30 +385,22 @@ def build_frame(history, t0, window_s, group_nodes, strip_width) -> Frame:
                  simulated=bool(data["simulated"].any()), grouped=grouped, devices=devices)
 
 
-def throttle_text(rows: list[tuple[str, list[int]]], kind: str, max_rows: int = GROUP_ABOVE) -> str:
+def throttle_text(rows: list[tuple[str, list[int]]], kind: str, max_rows: int = GROUP_ABOVE) -> Text:
     """One strip per device (or node); more rows than fit are folded into one "any GPU" strip."""
-    from functools import reduce
-    from operator import or_
-
-    from rich.markup import escape
-
     if kind != "gpu":
-        return "[dim]throttle reasons: no GPU in this source[/]"
+        return Text("throttle reasons: no GPU in this source", "dim")
     if len(rows) > max_rows:
         rows = [(f"any of {len(rows)}", [reduce(or_, col) for col in zip(*(bits for _, bits in rows))])]
-    legend = "  ".join(f"[{style}]{glyph}[/] {meaning}" for _, glyph, style, meaning in THROTTLE_KINDS)
-    lines = [f"[b]throttle[/]  {legend}  [green]·[/] none"]
+    text = Text.assemble(("throttle", "bold"), "  ", no_wrap=True)
+    for _, glyph, style, meaning in THROTTLE_KINDS:
+        text.append_text(Text.assemble((glyph, style), f" {meaning}  "))
+    text.append_text(Text.assemble(("·", "green"), " none"))
     for label, bits in rows:
-        cells = []
+        text.append(f"\n{label[:12]:>12}  ")
         for b in bits:
-            for mask, glyph, style, _ in THROTTLE_KINDS:
-                if b & mask:
-                    cells.append(f"[{style}]{glyph}[/]")
-                    break
-            else:
-                cells.append("[green]·[/]")
-        lines.append(f"{escape(label)[:12]:>12}  {''.join(cells)}")
-    return "\n".join(lines)
+            glyph, style = next(((g, st) for mask, g, st, _ in THROTTLE_KINDS if b & mask), ("·", "green"))
+            text.append(glyph, style)
+    return text
 
 
 def iterations_text(events: list[dict]) -> str:

@@ -1,0 +1,158 @@
+"""Benchmark: the workbench's startup, the live view's CPU cost, and Compose's edit latency.
+
+    python benchmarks/bench_tui.py [--runs 5] [--seconds 30]
+
+1. Time from `charllm-tui` to the first frame, in a real terminal (tmux, 160x48): from the
+   process start until the pane shows the tab bar. Target: under 1 s.
+2. CPU used by the TUI process while the Live screen follows a run written by a real sampler
+   process (`python -m charllm.probes --backend sim --sim-gpus 8 --hz 20`); the sampler's own
+   CPU is not counted. Target: under 15 % of one core.
+3. Latency of one Compose edit (a new TP value) until the memory bars show the new estimate,
+   headless (App.run_test), including the 50 ms debounce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def env_for(tmp: Path) -> dict[str, str]:
+    return {"CHARLLM_CONFIG_DIR": str(tmp / "config"), "CHARLLM_DATA_DIR": str(tmp / "data"),
+            "CHARLLM_RUNS_DIR": str(tmp / "runs"), "TERM": "xterm-256color"}
+
+
+def tmux(sock: Path, *args: str) -> str:
+    return subprocess.run(["tmux", "-S", str(sock), *args], capture_output=True, text=True).stdout
+
+
+def start_in_tmux(sock: Path, env: dict[str, str], command: str) -> psutil.Process:
+    line = "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + command
+    tmux(sock, "new-session", "-d", "-s", "b", "-x", "160", "-y", "48", line)
+    return psutil.Process(int(tmux(sock, "display-message", "-p", "-t", "b", "#{pane_pid}").strip()))
+
+
+def stop_tmux(sock: Path) -> None:
+    pid = tmux(sock, "display-message", "-p", "-t", "b", "#{pid}").strip()
+    if pid:
+        psutil.Process(int(pid)).kill()
+
+
+def first_frame(runs: int) -> list[float]:
+    times = []
+    for i in range(runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            sock = Path(tmp) / "t.sock"
+            began = time.perf_counter()
+            start_in_tmux(sock, env_for(Path(tmp)), "charllm-tui")
+            while "Compose F2" not in tmux(sock, "capture-pane", "-p", "-t", "b"):
+                if time.perf_counter() - began > 30:
+                    raise SystemExit("no first frame within 30 s")
+                time.sleep(0.005)
+            times.append(time.perf_counter() - began)
+            stop_tmux(sock)
+        console.print(f"  first frame {i + 1}/{runs}: {times[-1] * 1000:.0f} ms")
+    return times
+
+
+def live_cpu(seconds: float) -> tuple[float, int]:
+    """CPU % of one core used by the TUI following an 8-GPU 20 Hz simulated run; frames drawn."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        env = env_for(tmp)
+        run = tmp / "runs" / "bench-live"
+        sampler = subprocess.Popen([sys.executable, "-m", "charllm.probes", "--backend", "sim", "--sim-gpus", "8",
+                                    "--hz", "20", "--out", str(run), "--node", "node0"],
+                                   env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sock = tmp / "t.sock"
+        try:
+            time.sleep(3)   # the first chunks exist
+            app = start_in_tmux(sock, env, f"{shlex.quote(sys.executable)} -c "
+                                + shlex.quote(f"from charllm.tui.app import CharllmApp; "
+                                              f"CharllmApp(run={str(run)!r}).run()"))
+            deadline = time.monotonic() + 60
+            while "SIMULATED" not in tmux(sock, "capture-pane", "-p", "-t", "b"):
+                if time.monotonic() > deadline:
+                    raise SystemExit("the live view never showed the run:\n" + tmux(sock, "capture-pane", "-p", "-t", "b"))
+                time.sleep(0.1)
+            time.sleep(3)   # past startup: measure the steady state
+            cpu0, t0 = app.cpu_times(), time.monotonic()
+            time.sleep(seconds)
+            cpu1, wall = app.cpu_times(), time.monotonic() - t0
+            screen = tmux(sock, "capture-pane", "-p", "-t", "b")
+            assert "GPU power" in screen, screen
+            return 100 * ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / wall, 0
+        finally:
+            stop_tmux(sock)
+            sampler.terminate()
+            sampler.wait(10)
+
+
+def compose_latency(edits: int) -> list[float]:
+    from charllm.tui.app import CharllmApp
+    from charllm.tui.widgets.memory_bars import MemoryBars
+
+    latencies: list[float] = []
+
+    async def run() -> None:
+        app = CharllmApp()
+        async with app.run_test(size=(160, 48)) as pilot:
+            screen = app.screen
+            while screen.last is None:
+                await pilot.pause(0.01)
+            bars = screen.query_one(MemoryBars)
+            tp = screen.query_one("#f-tensor_model_parallel_size")
+            for i in range(edits):
+                before = bars.report
+                began = time.perf_counter()
+                tp.value = "2" if i % 2 == 0 else "1"
+                while bars.report is before:
+                    await pilot.pause(0.001)
+                latencies.append(time.perf_counter() - began)
+
+    asyncio.run(run())
+    return latencies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="startups to time (default 5)")
+    parser.add_argument("--seconds", type=float, default=30, help="live-view measurement window (default 30)")
+    args = parser.parse_args()
+    if shutil.which("tmux") is None or shutil.which("charllm-tui") is None:
+        raise SystemExit("needs tmux and charllm-tui on PATH")
+    console.print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    with console.status("time to first frame…"):
+        frames = first_frame(args.runs)
+    with console.status(f"live view CPU over {args.seconds:g} s…"):
+        cpu, _ = live_cpu(args.seconds)
+    with console.status("Compose edit latency…"):
+        edits = compose_latency(20)
+    table = Table(title="charllm-tui workbench")
+    for column in ("measure", "result", "target"):
+        table.add_column(column)
+    table.add_row("first frame (median of %d)" % len(frames), f"{statistics.median(frames) * 1000:.0f} ms "
+                  f"(min {min(frames) * 1000:.0f}, max {max(frames) * 1000:.0f})", "< 1000 ms")
+    table.add_row("live view, 8 sim GPUs @ 20 Hz", f"{cpu:.1f} % of one core", "< 15 %")
+    table.add_row("Compose edit -> memory bars (median of 20)",
+                  f"{statistics.median(edits) * 1000:.0f} ms (p90 {sorted(edits)[17] * 1000:.0f} ms)", "—")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

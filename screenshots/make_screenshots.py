@@ -1,0 +1,124 @@
+"""Regenerate the README's SVG screenshots of every workbench screen.
+
+    python screenshots/make_screenshots.py [--out screenshots]
+
+The data is deterministic, as in tests/test_tui_snapshots.py: private config/data/runs directories
+in a temp dir, recorded runs from `charllm.tui.demo` (simulated backend, fixed seed and clock), the
+shipped tiny-local preset, and a dry run with this host's name and the free port pinned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+SIZE = (160, 48)
+
+
+async def until(pilot, condition, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit("a screen never got its data")
+        await pilot.pause(0.1)
+    await pilot.pause(0.5)
+
+
+async def shoot(name: str, app, prepare, out: Path, size=SIZE) -> Path:
+    async with app.run_test(size=size) as pilot:
+        await prepare(pilot)
+        path = out / f"{name}.svg"
+        app.save_screenshot(filename=path.name, path=str(out))
+    print(f"wrote {path}")
+    return path
+
+
+async def main(out: Path) -> None:
+    from charllm.tui.app import CharllmApp
+    from charllm.tui.demo import make_demo_run
+
+    runs_dir = Path(os.environ["CHARLLM_RUNS_DIR"])
+    capped = make_demo_run(runs_dir, "20251121-090000-demo-capped", seconds=30, power_limit_w=450.0, seed=3)
+    demo = make_demo_run(runs_dir, "20251121-080000-demo-8gpu", seconds=30)
+
+    async def compose(pilot):
+        screen = pilot.app.screen
+        await until(pilot, lambda: screen.last is not None and screen.last.serial == screen.edit_serial)
+
+    async def compose_big(pilot):
+        from charllm.engine import catalog
+
+        exp = catalog.load_experiment("tiny-local")
+        exp.name = "llama3-70b-h100-64"
+        exp.model, exp.hardware = catalog.load_model("llama3-70b"), catalog.load_hardware("h100-sxm-80gb")
+        exp.cluster.nodes, exp.cluster.gpus_per_node = 8, 8
+        exp.parallel.tensor_model_parallel_size, exp.parallel.pipeline_model_parallel_size = 8, 4
+        exp.parallel.sequence_parallel = exp.parallel.use_distributed_optimizer = True
+        exp.training.global_batch_size, exp.training.micro_batch_size = 128, 1
+        exp.training.bf16 = True
+        exp.training.recompute_granularity = "selective"
+        pilot.app.use_experiment(exp)
+        await compose(pilot)
+
+    async def sweep(pilot):
+        await pilot.press("f3")
+        await until(pilot, lambda: getattr(pilot.app.screen, "frame", None) is not None)
+
+    async def launch(pilot):
+        await pilot.press("f4")
+        text = pilot.app.screen.query_one("#dry-run-text")
+        await until(pilot, lambda: "Commands" in str(text.render()))
+
+    async def live(pilot):
+        screen = pilot.app.screen
+        await until(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "gpu")
+
+    async def runs(pilot):
+        await pilot.press("f6")
+        table = pilot.app.screen.query_one("#runs-table")
+        await until(pilot, lambda: table.row_count == 2 and all(
+            table.get_cell(r.name, "peak W") != "…" for r in (demo, capped)))
+
+    async def compare(pilot):
+        pilot.app.compare_refs = [str(demo), str(capped)]
+        await pilot.press("f7")
+        status = pilot.app.screen.query_one("#compare-status")
+        await until(pilot, lambda: str(status.render()) and "comparing" not in str(status.render()))
+
+    async def help_screen(pilot):
+        await pilot.press("f1")
+        await pilot.pause(0.5)
+
+    await shoot("compose", CharllmApp(), compose, out)
+    await shoot("compose-llama3-70b", CharllmApp(), compose_big, out)
+    await shoot("compose-80x24", CharllmApp(), compose, out, size=(80, 24))
+    await shoot("sweep", CharllmApp(), sweep, out)
+    await shoot("launch", CharllmApp(), launch, out)
+    await shoot("live", CharllmApp(run=demo), live, out)
+    await shoot("live-80x24", CharllmApp(run=demo), live, out, size=(80, 24))
+    await shoot("runs", CharllmApp(), runs, out)
+    await shoot("compare", CharllmApp(), compare, out)
+    await shoot("help", CharllmApp(), help_screen, out)
+
+
+def run() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("CONFIG", "DATA", "RUNS"):
+            os.environ[f"CHARLLM_{name}_DIR"] = str(Path(tmp) / name.lower())
+        import charllm.engine.launch as launch
+
+        socket.gethostname = lambda: "node0"       # the dry run names the host and a free port
+        launch._free_port = lambda: 29500
+        asyncio.run(main(args.out))
+
+
+if __name__ == "__main__":
+    run()
