@@ -10,6 +10,7 @@ import asyncio
 import functools
 import time
 
+import polars as pl
 import pytest
 
 from charllm.engine import catalog
@@ -249,7 +250,12 @@ async def test_runs_lists_headlines_and_compare_shows_both(charllm_dirs):
         await wait_for(pilot, lambda: cmp.query_one("#compare-status").render() and
                        "comparing" not in str(cmp.query_one("#compare-status").render()), timeout=60)
         curves = cmp.query_one("#cmp-power")._series
-        assert sorted(curves) == sorted([a.name[-24:], b.name[-24:]])
+        assert sorted(curves) == ["demo-a", "demo-b"]
+        assert cmp.result is not None and set(cmp.result.labels) == {a.name, b.name}
+        power = cmp.result.table.filter(pl.col("metric") == "power_peak_w")
+        other = next(label for label in cmp.result.labels if label != cmp.result.baseline)
+        # b is capped at 450 W: its peak power is better (lower) than a's, a's worse than b's.
+        assert power.filter(pl.col("ref") == other)["flag"][0] == ("better" if other == b.name else "worse")
         # Open a run from the list: Live follows it.
         await pilot.press("f6")
         await pilot.press("enter")
@@ -365,3 +371,23 @@ async def test_help_lists_binding_ids():
             assert binding_id in text
         await pilot.press("escape")
         assert app.current_mode == "compose"
+
+
+@pilot_test
+async def test_compare_a_run_against_a_saved_baseline(charllm_dirs):
+    from charllm.probes import baselines
+
+    a = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-a", seconds=12)
+    b = make_demo_run(charllm_dirs["runs"], "20251121-090000-demo-b", seconds=12, power_limit_w=450.0, seed=3)
+    baselines.save(str(b), "capped-450w", window="all")
+    app = CharllmApp()
+    app.compare_refs = [str(a)]
+    async with run_app(app) as pilot:
+        await pilot.press("f7")
+        screen = app.screen
+        select = screen.query_one("#baseline")
+        await wait_for(pilot, lambda: "capped-450w" in [v for _, v in select._options])
+        select.value = "capped-450w"
+        await wait_for(pilot, lambda: screen.result is not None and screen.result.baseline == "baseline:capped-450w",
+                       timeout=60)
+        assert screen.query_one("#compare-table").row_count > 5

@@ -23,6 +23,7 @@ from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
 from charllm.tui.widgets.charts import Chart
 
 NO_BASELINE = "(no baseline)"
+MAX_DIFF_LINES = 3
 
 
 @dataclass
@@ -64,9 +65,8 @@ class CompareScreen(WorkbenchScreen):
     def load_baselines(self) -> None:
         select = self.query_one("#baseline", Select)
         try:
-            names = [b if isinstance(b, str) else getattr(b, "name", str(b))
-                     for b in api("probes.baselines").list_baselines()]
-        except (MissingAPI, UserError, AttributeError):
+            names = [b["name"] for b in api("probes.baselines").list()]
+        except (MissingAPI, UserError):
             names = []
         current = select.value
         with self.prevent(Select.Changed):
@@ -116,26 +116,32 @@ class CompareScreen(WorkbenchScreen):
         if message.error:
             status.update(f"[yellow]{escape(message.error)}[/]")
         else:
-            self.result = message.result
-            frame = message.result.table
-            status.update(f"{len(self.refs)} run(s) · [green]green[/] better, [red]red[/] worse than the first")
-            for column in frame.columns:
+            result = self.result = message.result
+            flags = {(r["metric"], r["ref"]): r["flag"] for r in result.table.iter_rows(named=True)}
+            lines = [f"baseline [b]{escape(result.baseline)}[/b] · [green]better[/] / [red]worse[/] beyond "
+                     f"±{result.threshold_pct:g}%"]
+            diffs = result.experiment_diff.to_dicts()
+            for row in diffs[:MAX_DIFF_LINES]:
+                field = row.pop("field", "")
+                lines.append(f"[dim]{escape(str(field))}:[/] " + " | ".join(escape(str(v)) for v in row.values()))
+            if len(diffs) > MAX_DIFF_LINES:
+                lines.append(f"[dim]… {len(diffs) - MAX_DIFF_LINES} more experiment differences "
+                             f"(charllm-tui compare shows them all)[/]")
+            lines += [f"[yellow]note:[/] {escape(n)}" for n in result.notes]
+            status.update("\n".join(lines))
+            wide = result.wide()
+            for column in wide.columns:
                 table.add_column(column, key=column)
-            for row in frame.iter_rows(named=True):
-                table.add_row(*(self._cell(column, value, row) for column, value in row.items()))
+            for row in wide.iter_rows(named=True):
+                cells = []
+                for column, value in row.items():
+                    ref = column.removesuffix(" vs base")
+                    flag = flags.get((row["metric"], ref)) if column.endswith(" vs base") else None
+                    style = {"better": "green", "worse": "bold red", "changed": "yellow"}.get(flag or "", "")
+                    cells.append(Text("—" if value in (None, "") else str(value), style))
+                table.add_row(*cells)
         self.query_one("#cmp-power", Chart).show(message.curves.get("power_w", {}))
         self.query_one("#cmp-temp", Chart).show(message.curves.get("temp_gpu_c", {}))
-
-    @staticmethod
-    def _cell(column: str, value, row: dict) -> Text | str:
-        """Colour deltas by the table's own better/worse verdict when it gives one."""
-        if value is None:
-            return "—"
-        text = f"{value:.4g}" if isinstance(value, float) else str(value)
-        verdict = row.get(f"{column}_verdict") or (row.get("verdict") if "delta" in column else None)
-        if verdict in ("better", "worse"):
-            return Text(text, "green" if verdict == "better" else "red")
-        return text
 
 
 def per_iteration_curves(refs: list[str]) -> dict:
@@ -154,5 +160,12 @@ def per_iteration_curves(refs: list[str]) -> dict:
                   .group_by("iteration").agg(pl.col("power_w").mean(), pl.col("temp_gpu_c").mean())
                   .sort("iteration").collect())
         for metric in curves:
-            curves[metric][rd.id[-24:]] = (per_it["iteration"].to_list(), per_it[metric].to_list())
+            curves[metric][short_id(rd.id)] = (per_it["iteration"].to_list(), per_it[metric].to_list())
     return curves
+
+
+def short_id(run_id: str) -> str:
+    """A run id without its 'YYYYMMDD-HHMMSS-' stamp (chart legends are narrow)."""
+    stamp, _, rest = run_id.partition("-")
+    time_part, _, name = rest.partition("-")
+    return name if stamp.isdigit() and time_part.isdigit() and name else run_id[-24:]

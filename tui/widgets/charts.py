@@ -15,6 +15,7 @@ from textual_plotext import PlotextPlot
 
 MAX_FPS = 4.0
 MAX_LEGEND = 4
+SPARSE_POINTS = 400
 Series = dict[str, tuple[Sequence[float], Sequence[float]]]
 
 
@@ -73,10 +74,12 @@ class Chart(PlotextPlot):
             plt.xlabel(self.xlabel)
         buckets = max(10, (self.size.width - 8) * 2)
         legend = len(self._series) <= MAX_LEGEND       # more labels than that would cover the plot
-        for label, (xs, ys) in self._series.items():
-            dx, dy = downsample(xs, ys, buckets)
+        series = {label: downsample(xs, ys, buckets) for label, (xs, ys) in self._series.items()}
+        sparse = sum(len(dx) for dx, _ in series.values()) <= SPARSE_POINTS
+        draw = plt.plot if sparse else plt.scatter      # few points: join them; many: they join by density
+        for label, (dx, dy) in series.items():
             if dx:
-                plt.scatter(dx, dy, label=label if legend else None, marker="braille")
+                draw(dx, dy, label=label if legend else None, marker="braille")
         self.refresh()
 
     def on_resize(self) -> None:
