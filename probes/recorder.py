@@ -1,56 +1,120 @@
-"""Crash-safe telemetry recording: Arrow IPC chunk files that are complete or invisible.
+"""Crash-safe telemetry recording: Arrow IPC files that are complete or invisible.
 
 Every `write(df)` produces one chunk: written as a hidden `.NNNNNN.arrow.tmp`, fsynced, then
 atomically renamed to `NNNNNN.arrow`. A reader (polars, TelemetryTail) therefore only ever sees
 whole files, and `kill -9` of the sampler loses at most the rows not yet handed to `write` —
-the sampler hands over a batch at least every second. Nothing is buffered here, so memory stays
-flat however long the recording runs.
+the sampler hands over a batch at least every second.
+
+A chunk a second makes thousands of files an hour, and opening them dominates every later read,
+so every `compact_every` chunks the closed ones are merged, in order, into one compacted file
+`NNNNNN-MMMMMM.arrow` (chunks NNNNNN..MMMMMM; LZ4, which reads faster than zstd for its size).
+The merge is written hidden, fsynced and renamed into place *before* the chunks it holds are
+deleted, and readers (`rundir.node_chunks`) skip a chunk inside a compacted file's span, so a
+reader sees every row exactly once at any moment, and a crash at any point leaves a consistent
+set (a restarted writer deletes what a compacted file already holds and stale .tmp files).
+The merged chunks are deleted at the next compaction, not at once, so a reader that listed them
+just before still finds them; `close()` merges what is left and deletes at once.
+Memory stays flat: at most `compact_every` chunks are held, and only while merging.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import polars as pl
 
+from charllm.probes.rundir import chunk_span, node_chunks
 from charllm.probes.schema import TELEMETRY_SCHEMA, conform
 
-CHUNK_NAME = re.compile(r"^(\d{6,})\.arrow$")
+COMPACT_EVERY = 60  # chunks (seconds at the sampler's flush interval) per compacted file
 _SCHEMA = pl.Schema(TELEMETRY_SCHEMA)
 
 
 class ChunkWriter:
     """Writes numbered chunks into one node's telemetry directory, continuing after existing ones."""
 
-    def __init__(self, directory: str | os.PathLike, compression: str = "zstd") -> None:
+    def __init__(self, directory: str | os.PathLike, compression: str = "zstd",
+                 compact_every: int | None = COMPACT_EVERY) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.compression = compression
-        numbers = [int(m.group(1)) for p in self.dir.iterdir() if (m := CHUNK_NAME.match(p.name))]
-        self._next = max(numbers, default=-1) + 1
+        self.compact_every = compact_every
         self.rows_written = 0
         self.bytes_written = 0
         self.chunks_written = 0
+        self.compactions = 0
+        self._merged: list[Path] = []  # chunks already in a compacted file, deleted at the next compaction
+        self._recover()
+
+    def _recover(self) -> None:
+        """Continue after the files a previous writer left, finishing what a crash interrupted."""
+        names = os.listdir(self.dir)
+        for name in names:
+            if name.startswith(".") and name.endswith(".arrow.tmp"):
+                (self.dir / name).unlink(missing_ok=True)  # never renamed: no reader saw it
+        live = node_chunks(self.dir)
+        kept = {path.name for _, _, path in live}
+        for name in names:  # held by a compacted file that was renamed into place before the crash
+            if chunk_span(name) and name not in kept:
+                (self.dir / name).unlink(missing_ok=True)
+        self._next = max((last for _, last, _ in live), default=-1) + 1
+        self._open = [path for first, last, path in live if first == last]  # chunks not yet compacted
 
     def write(self, frame: pl.DataFrame) -> Path | None:
         """Write `frame` (conformed to TELEMETRY_SCHEMA) as the next chunk; returns its path."""
         if frame.is_empty():
             return None
-        name = f"{self._next:06d}.arrow"
-        final, tmp = self.dir / name, self.dir / f".{name}.tmp"
         if frame.schema != _SCHEMA:  # the sampler's frames already conform
             frame = conform(frame)
-        frame.write_ipc(tmp, compression=self.compression)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        final = self._write_atomic(frame, f"{self._next:06d}.arrow", self.compression)
         self._next += 1
         self.rows_written += frame.height
         self.bytes_written += final.stat().st_size
         self.chunks_written += 1
+        self._open.append(final)
+        if self.compact_every and len(self._open) >= self.compact_every:
+            self.compact()
         return final
 
+    def compact(self, delete_now: bool = False) -> Path | None:
+        """Merge the chunks not yet compacted into one file; returns it (None if under two chunks)."""
+        self._delete(self._merged)
+        self._merged = []
+        if len(self._open) < 2:
+            return None
+        first, last = chunk_span(self._open[0].name)[0], chunk_span(self._open[-1].name)[0]
+        frames = [pl.read_ipc(p) for p in self._open]
+        frame = pl.concat([f if f.schema == _SCHEMA else conform(f) for f in frames], rechunk=True)
+        merged = self._write_atomic(frame, f"{first:06d}-{last:06d}.arrow", "lz4")
+        self._fsync_dir()  # the compacted file is durable before any chunk it holds goes
+        self.compactions += 1
+        self._merged, self._open = self._open, []
+        if delete_now:
+            self._delete(self._merged)
+            self._merged = []
+        return merged
+
     def close(self) -> None:
-        """Nothing is held open between chunks; kept so callers can treat it like a file."""
+        """Compact what is left, so a finished recording is a few large files."""
+        self.compact(delete_now=True)
+
+    def _write_atomic(self, frame: pl.DataFrame, name: str, compression: str) -> Path:
+        final, tmp = self.dir / name, self.dir / f".{name}.tmp"
+        frame.write_ipc(tmp, compression=compression)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        return final
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _delete(paths: list[Path]) -> None:
+        for p in paths:
+            p.unlink(missing_ok=True)

@@ -5,7 +5,8 @@
         manifest.json        id, target, times, status, exact commands (atomic rewrites)
         iterations.jsonl     the workload's iteration log (probes.schema.ITERATION_FIELDS)
         logs/                one log file per rank / sampler / launcher
-        telemetry/<node>/    Arrow IPC chunks, NNNNNN.arrow, one sampler per node
+        telemetry/<node>/    Arrow IPC chunks, NNNNNN.arrow, one sampler per node; compacted
+                             NNNNNN-MMMMMM.arrow files hold chunks NNNNNN..MMMMMM (recorder.py)
 
 A run can be watched live, replayed, summarised and compared from any process, after a crash
 too: nothing important lives only in memory.
@@ -26,6 +27,38 @@ from charllm.probes.errors import UserError
 STATUSES = ("pending", "running", "completed", "failed", "cancelled")
 FINAL_STATUSES = ("completed", "failed", "cancelled")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A chunk (NNNNNN.arrow) or a compacted file holding chunks NNNNNN..MMMMMM in order (NNNNNN-MMMMMM.arrow).
+CHUNK_NAME = re.compile(r"^(\d{6,})(?:-(\d{6,}))?\.arrow$")
+
+
+def chunk_span(name: str) -> tuple[int, int] | None:
+    """(first, last) chunk number held by a telemetry file name; None for anything else (.tmp files)."""
+    m = CHUNK_NAME.match(name)
+    if not m:
+        return None
+    first = int(m.group(1))
+    return first, int(m.group(2) or first)
+
+
+def node_chunks(directory: Path) -> list[tuple[int, int, Path]]:
+    """(first, last, path) of the files that hold each of a node's chunks exactly once, in order.
+
+    The recorder renames a compacted file into place before it deletes the chunks it holds, so a
+    chunk inside a compacted file's span is skipped. The union of two listings makes this hold
+    even when a compaction happens while the directory is read: a chunk missing from the first
+    listing was deleted after its compacted file appeared, which the second listing then sees.
+    """
+    try:
+        names = set(os.listdir(directory)) | set(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    spans = sorted((s[0], -s[1], name) for name in names if (s := chunk_span(name)))
+    out, reach = [], -1
+    for first, neg_last, name in spans:  # by first, widest first: a span within an earlier one is covered
+        if -neg_last > reach:
+            out.append((first, -neg_last, directory / name))
+            reach = -neg_last
+    return out
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -113,21 +146,33 @@ class RunDir:
 
     # -- data -------------------------------------------------------------------------------
     def telemetry_files(self) -> list[Path]:
-        """Complete chunk files, oldest first per node (hidden *.tmp files are in progress)."""
+        """Complete telemetry files, per node oldest first, each chunk once (see node_chunks)."""
         if not self.telemetry_dir.is_dir():
             return []
-        return sorted(p for p in self.telemetry_dir.glob("*/*.arrow") if not p.name.startswith("."))
+        nodes = sorted(d for d in self.telemetry_dir.iterdir() if d.is_dir())
+        return [path for d in nodes for _, _, path in node_chunks(d)]
 
     def scan_telemetry(self):
-        """A polars LazyFrame over every telemetry chunk, conformed to the schema."""
+        """A polars LazyFrame over every telemetry file, conformed to the schema.
+
+        Files with the schema's exact columns (all the recorder writes) go into one scan, which is
+        far faster than a scan per file; others (older or imported files) are conformed one by one.
+        """
+        import itertools
+
         import polars as pl
 
-        from charllm.probes.schema import conform, empty_frame
+        from charllm.probes.schema import TELEMETRY_SCHEMA, conform, empty_frame
 
         files = self.telemetry_files()
         if not files:
             return empty_frame().lazy()
-        return pl.concat([conform(pl.scan_ipc(f)) for f in files], how="vertical")
+        schema = pl.Schema(TELEMETRY_SCHEMA)
+        parts = []
+        for same, group in itertools.groupby(files, key=lambda f: pl.read_ipc_schema(f) == schema):
+            group = list(group)
+            parts += [pl.scan_ipc(group, glob=False)] if same else [conform(pl.scan_ipc(f, glob=False)) for f in group]
+        return parts[0] if len(parts) == 1 else pl.concat(parts, how="vertical")
 
     def read_iterations(self):
         """The iteration log as a DataFrame (tolerates a half-written last line)."""

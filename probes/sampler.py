@@ -242,6 +242,8 @@ class Sampler:
                     if self.writer:
                         self.writer.write(pl.concat(pending) if len(pending) > 1 else pending[0])
                     pending, batches = [], 0
+                if final and self.writer:
+                    self.writer.close()  # a clean stop leaves compacted files (recorder.py)
             except BaseException as exc:  # noqa: BLE001 - surfaced by run()
                 self._flush_error = exc
             if final:

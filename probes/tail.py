@@ -12,31 +12,52 @@ from pathlib import Path
 
 import polars as pl
 
-from charllm.probes.rundir import RunDir
+from charllm.probes.rundir import RunDir, node_chunks
 from charllm.probes.schema import conform, empty_frame
 
 
 class TelemetryTail:
-    """`poll()` returns the rows of chunk files that appeared since the previous poll."""
+    """`poll()` returns the rows of telemetry files that appeared since the previous poll, each once.
+
+    Chunks are numbered in time order per node. A compacted file (recorder.py) holds chunks
+    first..last in order; when some of them were already read one by one, their rows (counted
+    here) are skipped in it.
+    """
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.run = RunDir(Path(run_dir))
-        self._last: dict[str, int] = {}  # node -> number of the newest chunk read (numbered in order)
+        self._last: dict[str, int] = {}  # node -> number of the newest chunk read
+        self._rows: dict[str, dict[int, int]] = {}  # node -> rows of each chunk read on its own
 
     def poll(self) -> pl.DataFrame:
         frames = []
-        for path in self.run.telemetry_files():
-            node, number = path.parent.name, int(path.name.split(".")[0])
-            if number <= self._last.get(node, -1):
-                continue
-            try:
-                frames.append(conform(pl.read_ipc(path)))
-            except FileNotFoundError:
-                continue  # removed between listing and reading
-            self._last[node] = number
+        if self.run.telemetry_dir.is_dir():
+            for directory in sorted(d for d in self.run.telemetry_dir.iterdir() if d.is_dir()):
+                frames += self._poll_node(directory)
         if not frames:
             return empty_frame()
         return pl.concat(frames, how="vertical").sort("ts_ns", maintain_order=True)
+
+    def _poll_node(self, directory: Path) -> list[pl.DataFrame]:
+        node, frames = directory.name, []
+        rows = self._rows.setdefault(node, {})
+        for first, last, path in node_chunks(directory):
+            done = self._last.get(node, -1)
+            if last <= done:
+                continue
+            try:
+                frame = conform(pl.read_ipc(path))
+            except FileNotFoundError:
+                break  # merged and deleted since the listing: the next poll reads the merged file
+            if first <= done:  # part of this compacted file was read chunk by chunk
+                frame = frame.slice(sum(rows.get(n, 0) for n in range(first, done + 1)))
+            if first == last:
+                rows[first] = frame.height
+            frames.append(frame)
+            self._last[node] = last
+        for n in [n for n in rows if n < self._last.get(node, -1) - 10_000]:
+            del rows[n]  # memory stays flat: counts are only needed for chunks not yet compacted
+        return frames
 
 
 class IterationTail:
