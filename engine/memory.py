@@ -20,7 +20,6 @@ not in `total_bytes`; they enter the fit verdict.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -489,72 +488,164 @@ def _act_key(exp: Experiment) -> tuple:
 
 def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool = True,
                 peak_candidates: bool = False) -> list[StageTerms]:
-    """Per-stage terms. `cache` may be shared by calls that differ only in layout/training
-    fields of the same model (the sweep); entries are keyed by every field they read.
-
-    `peak_candidates` leaves out middle stages that cannot be the peak: a stage whose chunks hold
-    the same layers as stage 0's holds no more weights (stage 0 adds the embedding) and no more
-    in-flight activations (fewer warm-up micro-batches) than stage 0."""
+    """Per-stage terms of one experiment (`stage_arrays` for a batch of one)."""
     cache = {} if cache is None else cache
+    chunks, plan, weights = layout_terms(exp, cache, peak_candidates)
+    out = []
+    for st in stage_arrays(len(chunks), plan, weights, activation_terms(exp, cache), exp.num_microbatches):
+        reports = [ChunkMemory(v, list(c.layers), c.embedding, c.loss, c.mtp, st.chunk_weights[v],
+                               int(st.chunk_acts[v])) for v, c in enumerate(chunks[st.pp_rank])] \
+            if with_chunks else []
+        out.append(StageTerms(st.pp_rank, st.dense_params, st.expert_params, float(st.held_loss),
+                              float(st.held_max), float(st.backward), float(st.loss_extra),
+                              st.fsdp_layer_params, int(st.in_flight), reports))
+    return out
+
+
+def layout_terms(exp: Experiment, cache: dict, peak_candidates: bool = False):
+    """(chunks, plan, weights): what each stage holds, and its parameters on one rank.
+
+    The plan depends only on the pipeline split (and block recompute); the weights also on TP/EP.
+    `cache` may be shared by calls on the same model (the sweep); entries are keyed by every field
+    they read. `peak_candidates` leaves out middle stages that cannot be the peak: a stage whose
+    chunks hold the same layers as stage 0's holds no more weights (stage 0 adds the embedding)
+    and no more in-flight activations (fewer warm-up micro-batches) than stage 0."""
     m, p, t = exp.model, exp.parallel, exp.training
-    pp, vp = p.pipeline_model_parallel_size, exp.virtual_stages
     tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, exp.expert_tensor_parallel_size
     split_key = _split_key(exp)
+    block = t.recompute_granularity == "full" and t.recompute_method == "block"
+    key = ("layout", split_key, block, peak_candidates, tp, ep, etp)
+    entry = cache.get(key)
+    if entry is not None:
+        return entry
     chunks = _split(*split_key)
-    pattern = cache.get("pattern")
-    if pattern is None:
-        pattern = cache["pattern"] = (m.moe_layer_pattern() + [False] * m.num_layers)[:m.num_layers]
-    kinds = (False, True) if m.is_moe else (False,)
+    pattern = _pattern(m, cache)
     pkey = ("params", tp, ep, etp)
     if pkey not in cache:
+        kinds = (False, True) if m.is_moe else (False,)
         cache[pkey] = ({k: layer_params(m, k, tp, ep, etp) for k in kinds},
                        mtp_layer_params(m, pattern[-1], tp, ep, etp) if m.mtp_num_layers else (0, 0),
                        embedding_params(m, tp), m.padded_vocab_size(tp))
     params, mtp_params, embedding, vocab = cache[pkey]
-    akey = _act_key(exp)
-    if akey not in cache:
-        shapes = _Shapes(exp)
-        acts = {k: shapes.layer(k) for k in kinds}
-        mtp_act = (acts[pattern[-1]].saved + 3 * shapes.ab * shapes.sbh + shapes.final_norm()) \
-            if m.mtp_num_layers else 0.0
-        lb, lf = shapes.logits(vocab)
-        loss_extra = lb + lf * (1 + (m.mtp_num_layers or 0) + (1 if t.cross_entropy_loss_fusion else 0))
-        cache[akey] = (shapes, acts, mtp_act, loss_extra, len(cache))
-    shapes, acts, mtp_act, loss_extra, aid = cache[akey]
-    num_mb = exp.num_microbatches
-    block = shapes.full_recompute and t.recompute_method == "block"
     plan_key = ("plan", split_key, block, peak_candidates)
     plan = cache.get(plan_key)
     if plan is None:
         plan = cache[plan_key] = _stage_plan(chunks, pattern, block, peak_candidates)
-    # weights per stage: same for every activation setting; activations per stage: same for any
-    # number of micro-batches
-    weights = cache.get((plan_key, pkey))
-    if weights is None:
-        output_weight = vocab * m.hidden_size // tp
-        tied = not m.untie_embeddings_and_output_weights
-        weights = cache[(plan_key, pkey)] = [
-            _chunk_params(m, kinds_r, params, mtp_params, embedding,
-                          output_weight if (not tied or pp > 1 or not any(c.embedding for c in chunks[r])) else 0)
-            for r, kinds_r, *_ in plan]
-    activations = cache.get((plan_key, aid))
-    if activations is None:
-        group = 1 if block else (t.recompute_num_layers or 1)
-        bwd_of = {k: acts[k].saved * group if shapes.full_recompute else acts[k].transient for k in acts}
-        activations = []
-        for r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags in plan:
-            values = [_chunk_activations(shapes, kind, acts, mtp_act) for kind in distinct]
-            activations.append((tuple([values[i] for i in index]), max([bwd_of[k] for k in stage_kinds], default=0.0),
-                                max([sum(params[k]) for k in stage_kinds], default=0)))
-        cache[(plan_key, aid)] = activations
+    output_weight = vocab * m.hidden_size // tp
+    tied = not m.untie_embeddings_and_output_weights
+    pp = p.pipeline_model_parallel_size
+    weights = [(*_chunk_params(m, kinds_r, params, mtp_params, embedding,
+                               output_weight if (not tied or pp > 1 or not any(c.embedding for c in chunks[r]))
+                               else 0),
+                max([sum(params[k]) for k in stage_kinds], default=0))
+               for r, kinds_r, _, _, stage_kinds, _, _ in plan]
+    entry = cache[key] = (chunks, plan, weights)
+    return entry
+
+
+def _pattern(m, cache: dict) -> list[bool]:
+    pattern = cache.get("pattern")
+    if pattern is None:
+        pattern = cache["pattern"] = (m.moe_layer_pattern() + [False] * m.num_layers)[:m.num_layers]
+    return pattern
+
+
+@dataclass
+class ActTerms:
+    """Activation sizes of one micro-batch for one activation setting (TP/CP/EP, micro batch,
+    sequence, precision, recompute, ...): floats, or arrays of them when stacked for a batch."""
+
+    saved: dict                     # layer kind (MoE?) -> bytes saved for backward
+    backward: dict                  # layer kind -> live extra while its backward runs
+    checkpoint_input: float
+    embedding: float
+    final_norm: float
+    mtp: float
+    loss_extra: float               # logits: bf16 + the fp32 copies kept for backward
+    full_recompute: bool
+    group: int                      # layers per full-recompute group
+
+
+def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
+    akey = _act_key(exp)
+    entry = cache.get(akey)
+    if entry is None:
+        m, t = exp.model, exp.training
+        pattern = _pattern(m, cache)
+        shapes = _Shapes(exp)
+        acts = {k: shapes.layer(k) for k in ((False, True) if m.is_moe else (False,))}
+        mtp_act = (acts[pattern[-1]].saved + 3 * shapes.ab * shapes.sbh + shapes.final_norm()) \
+            if m.mtp_num_layers else 0.0
+        lb, lf = shapes.logits(m.padded_vocab_size(shapes.tp))
+        loss_extra = lb + lf * (1 + (m.mtp_num_layers or 0) + (1 if t.cross_entropy_loss_fusion else 0))
+        block = shapes.full_recompute and t.recompute_method == "block"
+        group = t.recompute_num_layers or 1
+        entry = cache[akey] = ActTerms(
+            saved={k: a.saved for k, a in acts.items()},
+            backward={k: a.saved * (1 if block else group) if shapes.full_recompute else a.transient
+                      for k, a in acts.items()},
+            checkpoint_input=shapes.checkpoint_input(), embedding=shapes.embedding(),
+            final_norm=shapes.final_norm(), mtp=mtp_act, loss_extra=loss_extra,
+            full_recompute=shapes.full_recompute, group=group)
+    return entry
+
+
+def _stack(acts: list[ActTerms]) -> ActTerms:
+    """One ActTerms of arrays; the recompute setting must be the same for all."""
+    import numpy as np
+
+    first = acts[0]
+    assert all(a.full_recompute == first.full_recompute and a.group == first.group for a in acts)
+    return ActTerms(saved={k: np.array([a.saved[k] for a in acts]) for k in first.saved},
+                    backward={k: np.array([a.backward[k] for a in acts]) for k in first.backward},
+                    checkpoint_input=np.array([a.checkpoint_input for a in acts]),
+                    embedding=np.array([a.embedding for a in acts]),
+                    final_norm=np.array([a.final_norm for a in acts]), mtp=np.array([a.mtp for a in acts]),
+                    loss_extra=np.array([a.loss_extra for a in acts]),
+                    full_recompute=first.full_recompute, group=first.group)
+
+
+@dataclass
+class StageArrays:
+    """The terms of one pipeline stage for a batch of settings: one array entry per setting."""
+
+    pp_rank: int
+    dense_params: object
+    expert_params: object
+    fsdp_layer_params: object
+    chunk_weights: list[int]        # of the first setting (for the per-chunk report)
+    chunk_acts: list                # per chunk, bytes per micro-batch
+    held_loss: object
+    held_max: object
+    backward: object
+    loss_extra: object
+    in_flight: object
+
+
+def stage_arrays(pp: int, plan, weights, acts, num_microbatches) -> list[StageArrays]:
+    """Per stage of `plan` (of a `pp`-stage split), its terms for a batch of settings i: `weights[i]`
+    from `layout_terms` (its TP/EP), `acts[i]` from `activation_terms` (all with the same recompute
+    setting) and `num_microbatches[i]`; the terms are arrays. Given one setting's values instead of
+    lists, the terms are scalars. Either way the arithmetic is the same, in the same order."""
+    import numpy as np
+
+    batch = isinstance(acts, list)
+    a = _stack(acts) if batch else acts
+    zero = np.zeros(len(acts)) if batch else 0.0
+    num_mb = np.asarray(num_microbatches, dtype=np.int64) if batch else num_microbatches
+
+    def column(s: int, i: int):
+        return np.array([w[s][i] for w in weights]) if batch else weights[s][i]
+
     out = []
-    for (r, _, _, _, _, has_loss, loss_flags), (dense, expert, chunk_weights), (chunk_acts, bwd, fsdp_layer) \
-            in zip(plan, weights, activations):
-        (held_loss, held_max), units = _in_flight(chunk_acts, loss_flags, r, pp, vp, num_mb)
-        reports = [ChunkMemory(v, list(c.layers), c.embedding, c.loss, c.mtp, chunk_weights[v], int(chunk_acts[v]))
-                   for v, c in enumerate(chunks[r])] if with_chunks else []
-        out.append(StageTerms(r, dense, expert, held_loss, held_max, bwd, loss_extra if has_loss else 0.0,
-                              fsdp_layer, units, reports))
+    for s, (r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags) in enumerate(plan):
+        values = [zero + _chunk_activations(kind, a) for kind in distinct]
+        chunk_acts = [values[i] for i in index]
+        backward = functools.reduce(np.maximum if batch else max, [a.backward[k] for k in stage_kinds], zero)
+        held_loss, held_max, units = _in_flight(chunk_acts, loss_flags, r, pp, len(kinds_r), num_mb)
+        out.append(StageArrays(r, column(s, 0), column(s, 1), column(s, 3),
+                               weights[0][s][2] if batch else weights[s][2], chunk_acts, held_loss, held_max,
+                               backward, a.loss_extra if has_loss else zero, units))
     return out
 
 
@@ -604,25 +695,24 @@ def _chunk_params(m, kinds, params, mtp_params, embedding, output_weight):
     return dense, expert, per_chunk
 
 
-def _chunk_activations(shapes: _Shapes, kind, acts: dict[bool, _Act], mtp_act: float) -> float:
+def _chunk_activations(kind, a: ActTerms):
     """Saved activations of one chunk for one micro-batch, after recompute."""
     n_dense, n_moe, emb, loss, mtp, flags = kind
     n = n_dense + n_moe
     act = 0.0
-    if n and shapes.full_recompute:
-        group = shapes.exp.training.recompute_num_layers or 1
+    if n and a.full_recompute:
         if flags is not None:
             # block: the first `group` layers keep only their input, the rest keep everything
-            act = min(group, n) * shapes.checkpoint_input() + sum(acts[f].saved for f in flags[group:])
+            act = min(a.group, n) * a.checkpoint_input + sum(a.saved[f] for f in flags[a.group:])
         else:
-            act = math.ceil(n / group) * shapes.checkpoint_input()
+            act = math.ceil(n / a.group) * a.checkpoint_input
     elif n:
-        act = n_dense * acts[False].saved + (n_moe * acts[True].saved if n_moe else 0.0)
+        act = n_dense * a.saved[False] + (n_moe * a.saved[True] if n_moe else 0.0)
     if emb:
-        act += shapes.embedding()
+        act += a.embedding
     if loss:
-        act += shapes.final_norm()
-    return act + mtp * mtp_act
+        act += a.final_norm
+    return act + mtp * a.mtp
 
 
 @dataclass(frozen=True)
@@ -750,28 +840,38 @@ def fragmentation_margin(usable_bytes: int, outside_allocator_bytes: int) -> int
     return int(max(0, usable_bytes - outside_allocator_bytes) * FRAGMENTATION_FRACTION)
 
 
-@functools.lru_cache(maxsize=65536)
-def _in_flight(acts: tuple[float, ...], loss: tuple[bool, ...], r: int, pp: int, vp: int,
-               m: int) -> tuple[tuple[float, float], int]:
-    """Held activations over the pipeline schedule on rank r: ((at a loss step, max), units).
+def _in_flight(acts: list, loss: tuple[bool, ...], r: int, pp: int, vp: int, m):
+    """Held activations over the pipeline schedule on rank r, for arrays of settings: (at a loss
+    step, max, units), given each chunk's activations `acts[v]` and the micro-batch counts `m`.
 
     1F1B: min(PP - r, m) micro-batches. Interleaved: Megatron's warm-up of (PP - r - 1) * 2 +
     (VP - 1) * PP forward chunk-steps plus the current one, chunk c of step k being
     (k mod PP*VP) // PP; the held set is a sliding window of that many steps over the sequence.
     """
+    import numpy as np
+
+    minimum = np.minimum if np.ndim(m) else min
     if vp == 1:
-        n = min(pp - r, m)
-        return (n * acts[0], n * acts[0]), n
+        n = minimum(pp - r, m)
+        return n * acts[0], n * acts[0], n
     total = m * vp
-    if min(acts) == max(acts):                   # every window holds the same
-        n = min((pp - r - 1) * 2 + (vp - 1) * pp + 1, total)
-        return ((n * acts[0] if any(loss) else 0.0), n * acts[0]), n
-    n = min((pp - r - 1) * 2 + (vp - 1) * pp + 1, total)
+    n = minimum((pp - r - 1) * 2 + (vp - 1) * pp + 1, total)
+    held = n * acts[0]
+    held_loss = held if any(loss) else 0.0 * held
+    if all(a is acts[0] for a in acts):                    # chunks alike: every window holds the same
+        return held_loss, held, n
+    stacked = np.array(acts).reshape(vp, -1)               # chunks x settings
+    uniform = (stacked == stacked[:1]).all(axis=0)
     period = pp * vp
-    steps = min(total, n + period)          # after one period past the warm-up the windows repeat
-    seq = [(k % period) // pp for k in range(steps)]
-    prefix = [0.0, *itertools.accumulate(acts[c] for c in seq)]
-    ends = range(n - 1, steps)
-    windows = [prefix[e + 1] - prefix[e + 1 - n] for e in ends]
-    at_loss = max((w for w, e in zip(windows, ends) if loss[seq[e]]), default=0.0)
-    return (at_loss, max(windows)), n
+    steps = minimum(total, n + period)                     # after one period past the warm-up the windows repeat
+    seq = (np.arange(np.max(steps)) % period) // pp
+    prefix = np.zeros((len(seq) + 1, stacked.shape[1]))
+    np.cumsum(stacked[seq], axis=0, out=prefix[1:])        # running totals, added in step order
+    ends = np.arange(len(seq))[:, None]                    # the window of n steps ending at each step
+    windows = prefix[1:] - np.take_along_axis(prefix, np.maximum(ends + 1 - n, 0), axis=0)
+    valid = (ends >= n - 1) & (ends < steps)
+    at_loss = valid & np.asarray(loss)[seq][:, None]
+    window_loss = np.where(at_loss.any(axis=0), np.where(at_loss, windows, -np.inf).max(axis=0), 0.0)
+    held_loss = np.where(uniform, held_loss, window_loss)
+    held = np.where(uniform, held, np.where(valid, windows, -np.inf).max(axis=0))
+    return (held_loss, held, n) if np.ndim(m) else (held_loss[0], held[0], n)
