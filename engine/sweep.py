@@ -13,9 +13,14 @@ Ranking (the `rank` column, 1 = most promising):
      stages and virtual stages (point-to-point traffic);
   5. more memory headroom.
 
-The memory terms that do not depend on the distributed optimizer are computed once per layout and
-shared (`memory.stage_terms` with a cache); the bytes and the verdict for both optimizer settings
-are then computed for all layouts at once with numpy (`memory.combine`).
+How: `engine.validate` checks each layout (every micro batch shares one check: the micro batch
+only enters the batch rule, which the enumeration applies itself) with every recompute and
+optimizer choice. The memory model's pieces are computed once per distinct input and cached:
+what each stage holds per pipeline split and TP/EP (`memory.layout_terms`), the activation sizes
+per TP/CP/EP, micro batch and recompute (`memory.activation_terms`). The per-stage terms of all
+layouts sharing a pipeline split and recompute choice are then evaluated together as numpy arrays
+(`memory.stage_arrays`, the arithmetic `estimate` runs), and the bytes and verdicts for both
+optimizer settings of every layout at once (`memory.combine`).
 """
 
 from __future__ import annotations
@@ -91,8 +96,12 @@ def _apply(exp: Experiment, row: dict[str, Any]) -> None:
     p.sequence_parallel = bool(row.get("sequence_parallel", p.tensor_model_parallel_size > 1))
     p.use_distributed_optimizer = bool(row.get("use_distributed_optimizer", False))
     t.micro_batch_size = int(row["micro_batch_size"])
-    for key, value in RECOMPUTE[row.get("recompute", "none")].items():
-        setattr(t, key, value)
+    _set_recompute(exp, row.get("recompute", "none"))
+
+
+def _set_recompute(exp: Experiment, name: str) -> None:
+    for key, value in RECOMPUTE[name].items():
+        setattr(exp.training, key, value)
 
 
 def _divisors(n: int) -> list[int]:
@@ -107,13 +116,21 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES):
-    """Every (TP, PP, VP, CP, EP, micro batch) that `engine.validate` accepts, as dicts."""
+def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tuple(RECOMPUTE),
+            distributed_optimizer=(True, False)):
+    """Every layout `engine.validate` accepts: (rows, choices) per (TP, CP, PP, VP, EP), with one row
+    (a dict) per micro batch and choices {recompute: [distributed-optimizer settings]}.
+
+    `validate` sees each layout once, with its first micro batch (the micro batch only enters the
+    batch rule, applied here) and one recompute/optimizer choice. Which choices are valid is asked
+    for every combination once per pipeline shape (PP, VP), the layout sizes the recompute rules
+    read; tests/test_sweep.py checks the result against `validate` on every combination."""
     from charllm.engine.validate import validate
 
     m, world, gpn = base.model, base.world_size, base.cluster.gpus_per_node
     gbs, seq = base.training.global_batch_size, base.seq_length
     probe = base.copy()
+    by_pipeline: dict[tuple[int, int], dict[str, list[bool]]] = {}
     for tp in _powers_of_two(gpn):                                  # TP stays inside a node
         if m.num_attention_heads % tp or m.query_groups % tp:
             continue
@@ -135,10 +152,34 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES):
                                  "virtual_pipeline_model_parallel_size": vp, "context_parallel_size": cp,
                                  "expert_model_parallel_size": ep, "data_parallel_size": dp,
                                  "micro_batch_size": b, "sequence_parallel": tp > 1} for b in batches]
-                        # the micro batch only enters the batch rule, checked above
                         _apply(probe, rows[0])
-                        if not validate(probe):
-                            yield from rows
+                        choices = by_pipeline.get((pp, vp))
+                        if choices is None:
+                            choices = _valid_choices(probe, recompute, distributed_optimizer)
+                            if choices:              # else the layout may be at fault: ask again next time
+                                by_pipeline[pp, vp] = choices
+                        else:
+                            name, dists = next(iter(choices.items()))
+                            _set_recompute(probe, name)
+                            probe.parallel.use_distributed_optimizer = dists[0]
+                            if validate(probe):
+                                continue
+                        if choices:
+                            yield rows, choices
+
+
+def _valid_choices(exp: Experiment, recompute, distributed_optimizer) -> dict[str, list[bool]]:
+    """{recompute: [distributed-optimizer settings]} that `engine.validate` accepts for `exp`'s layout."""
+    from charllm.engine.validate import validate
+
+    choices: dict[str, list[bool]] = {}
+    for name in recompute:
+        _set_recompute(exp, name)
+        for dist in distributed_optimizer:
+            exp.parallel.use_distributed_optimizer = dist
+            if not validate(exp):
+                choices.setdefault(name, []).append(dist)
+    return choices
 
 
 def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per_node: int,
@@ -147,6 +188,8 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
           distributed_optimizer=(True, False), training: dict[str, Any] | None = None,
           fits_only: bool = False):
     """One row per valid layout with peak memory, verdict and headroom, most promising first."""
+    import dataclasses
+
     import numpy as np
     import polars as pl
 
@@ -163,53 +206,66 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
     problems = value_problems(base)          # a bad option would otherwise just leave no valid layout
     if problems:
         raise UserError(str(problems[0]))
-    hw = base.hardware
-    work = base.copy()
-    cache: dict = {}
-    rows: list[tuple] = []
-    stage_row: list[int] = []
-    stage_rank: list[int] = []
-    terms: list[tuple] = []
-    for layout in layouts(base, micro_batch_sizes):
-        _apply(work, layout)
-        pr = memory.precision(work, use_distributed_optimizer=True)      # recompute changes neither
-        ws = memory.workspace_bytes(work)
-        num_mb = work.num_microbatches
-        for name in recompute:
-            for key, value in RECOMPUTE[name].items():
-                setattr(work.training, key, value)
-            index = len(rows)
-            rows.append((*layout.values(), name, num_mb))
-            stages = memory.stage_terms(work, cache, with_chunks=False, peak_candidates=True)
-            stage_row.extend([index] * len(stages))
-            stage_rank.extend(st.pp_rank for st in stages)
-            terms.extend((st.dense_params, st.expert_params, st.held_loss, st.held_max, st.backward,
-                          st.loss_extra, pr.dp_shard, pr.edp_shard, ws) for st in stages)
-    if not rows:
+    work, cache = base.copy(), {}
+    table: list[tuple] = []                  # one row per (layout, recompute), before the optimizer choice
+    allowed: list[list[bool]] = []           # its valid distributed-optimizer settings
+    shards: list[tuple[int, int, float]] = []  # its (DP x CP, expert DP) sharding degrees and workspace
+    batches: dict[tuple, tuple] = {}         # rows sharing a stage plan and recompute setting: evaluated together
+    for rows, choices in layouts(base, micro_batch_sizes, recompute, distributed_optimizer):
+        _apply(work, rows[0])
+        pr = memory.precision(work)          # its sharding degrees: the same for every micro batch and recompute
+        per_batch = []
+        for row in rows:
+            work.training.micro_batch_size = row["micro_batch_size"]
+            per_batch.append((row, work.num_microbatches, memory.workspace_bytes(work)))
+        for name, dists in choices.items():
+            _set_recompute(work, name)
+            chunks, plan, weights = memory.layout_terms(work, cache, peak_candidates=True)
+            for row, num_mb, workspace in per_batch:
+                work.training.micro_batch_size = row["micro_batch_size"]
+                acts = memory.activation_terms(work, cache)
+                # plans are cached, so one plan is one object
+                batch = batches.setdefault((id(plan), acts.full_recompute, acts.group),
+                                           (len(chunks), plan, [], [], [], []))
+                for column, value in zip(batch[2:], (len(table), weights, acts, num_mb)):
+                    column.append(value)
+                table.append((*row.values(), name, num_mb))
+                allowed.append(dists)
+                shards.append((pr.dp_shard, pr.edp_shard, workspace))
+    if not table:
         flags = ("use_distributed_optimizer", "sequence_parallel", "fits")
         return pl.DataFrame(schema={name: pl.String if name == "recompute" else pl.Float64 if name == "bubble"
                                     else pl.Boolean if name in flags else pl.Int64 for name in ORDER})
-    layout_frame = pl.DataFrame(rows, schema=[*layout, "recompute", "num_microbatches"], orient="row")
-    stage_row = np.asarray(stage_row)
-    stage_rank = np.asarray(stage_rank)
-    dense, expert, held_loss, held_max, backward, loss_extra, dp_shard, edp_shard, workspace = \
-        np.asarray(terms, dtype=float).T
+    # per stage of every row: (row, pp rank, params, activation terms), grouped by row
+    stages = []
+    for pp, plan, index, weights, acts, num_mb in batches.values():
+        index = np.asarray(index)
+        for st in memory.stage_arrays(pp, plan, weights, acts, num_mb):
+            stages.append((index, np.full(len(index), st.pp_rank), st.dense_params, st.expert_params,
+                           st.held_loss, st.held_max, st.backward, st.loss_extra, st.fsdp_layer_params))
+    columns = [np.concatenate(c) for c in zip(*stages)]
+    order = np.argsort(columns[0], kind="stable")
+    stage_row, stage_rank, dense, expert, held_loss, held_max, backward, loss_extra, fsdp = \
+        (c[order] for c in columns)
     starts = np.flatnonzero(np.r_[True, stage_row[1:] != stage_row[:-1]])
     sizes = np.diff(np.r_[starts, len(stage_row)])
-    pr0 = memory.precision(work)
+    dp_shard, edp_shard, workspace = (np.asarray(c)[stage_row] for c in zip(*shards))
+    hw = base.hardware
     usable = int(hw.usable_bytes or hw.memory_bytes)
     margin = memory.fragmentation_margin(usable, int(hw.outside_allocator_bytes))
+    layout_frame = pl.DataFrame(table, schema=[*rows[0], "recompute", "num_microbatches"], orient="row")
     frames = []
     for dist in distributed_optimizer:
-        pr = memory.Precision(pr0.weight, pr0.grad, pr0.optimizer, dp_shard, edp_shard,
-                              shard_optimizer=dist, shard_grads=False, shard_weights=False)
-        w, g, o, a, x = memory.combine(dense, expert, held_loss, held_max, backward, loss_extra, 0,
-                                       workspace, pr)
-        total = w + g + o + a + x
+        # bytes per parameter and the sharding rules follow the base; the degrees follow each layout
+        pr = dataclasses.replace(memory.precision(work, use_distributed_optimizer=dist),
+                                 dp_shard=dp_shard, edp_shard=edp_shard)
+        parts = [np.trunc(v) for v in memory.combine(dense, expert, held_loss, held_max, backward, loss_extra,
+                                                     fsdp, workspace, pr)]   # whole bytes, as estimate() has them
+        total = sum(parts)
         peak = np.maximum.reduceat(total, starts)
         at_peak = total == np.repeat(peak, sizes)
         peak_stage = np.minimum.reduceat(np.where(at_peak, stage_rank, 1 << 30), starts)
-        static = np.maximum.reduceat(np.where(at_peak, w + g + o, 0), starts)
+        static = np.maximum.reduceat(np.where(at_peak, parts[0] + parts[1] + parts[2], 0), starts)
         headroom = usable - hw.outside_allocator_bytes - margin - peak
         frames.append(layout_frame.with_columns(
             pl.lit(dist).alias("use_distributed_optimizer"),
@@ -218,7 +274,7 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
             pl.Series("static_bytes", static.astype(np.int64)),
             pl.Series("headroom_bytes", headroom.astype(np.int64)),
             pl.Series("fits", headroom >= 0),
-        ))
+        ).filter(pl.Series([dist in dists for dists in allowed])))
     df = pl.concat(frames).with_columns(
         ((pl.col("pipeline_model_parallel_size") - 1)
          / (pl.col("num_microbatches") * pl.col("virtual_pipeline_model_parallel_size"))).alias("bubble"),

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import polars as pl
 import pytest
 
 from charllm.engine.memory import estimate
-from charllm.engine.sweep import REQUIRED_COLUMNS, base_experiment, layout_to_experiment, sweep
+from charllm.engine.sweep import (MICRO_BATCH_SIZES, RECOMPUTE, REQUIRED_COLUMNS, base_experiment,
+                                  layout_to_experiment, sweep)
 from charllm.engine.validate import validate
+
+KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "context_parallel_size", "expert_model_parallel_size", "micro_batch_size", "recompute",
+        "use_distributed_optimizer")
 from charllm.probes.errors import UserError
 
 
@@ -22,10 +28,7 @@ def llama():
 def test_columns_and_one_row_per_layout(llama):
     _, df = llama
     assert set(REQUIRED_COLUMNS) <= set(df.columns)
-    keys = ["tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-            "context_parallel_size", "expert_model_parallel_size", "micro_batch_size", "recompute",
-            "use_distributed_optimizer"]
-    assert df.select(keys).is_unique().all()
+    assert df.select(KEYS).is_unique().all()
     assert df["rank"].to_list() == list(range(1, df.height + 1))
     assert set(df["recompute"]) == {"none", "selective", "full"}
     assert set(df["use_distributed_optimizer"]) == {True, False}
@@ -46,6 +49,48 @@ def test_every_row_is_valid_and_its_peak_is_what_plan_says(llama):
         assert row["peak_stage"] == report.peak_stage
         assert row["fits"] == report.fits
         assert row["headroom_bytes"] == pytest.approx(report.headroom_bytes, abs=1)
+
+
+@pytest.mark.parametrize("args, training", [
+    (("llama3-8b", "h100-sxm-80gb", 1, 8, 64), None),                  # dense, interleaved schedules
+    (("deepseek-v3", "h200-141gb", 2, 8, 32), None),                    # MLA, MTP, dense/MoE layer pattern
+    (("tiny-moe", "cpu", 1, 4, 8), {"attention_backend": "unfused", "moe_expert_capacity_factor": 1.25,
+                                    "use_torch_fsdp2": True}),
+])
+@pytest.mark.timeout(120)
+def test_every_row_equals_estimate_exactly(args, training):
+    df = sweep(*args, training=training)
+    assert df.height > 0
+    base = base_experiment(*args, training=training)
+    for row in df.iter_rows(named=True):
+        report = estimate(layout_to_experiment(base, row))
+        assert (row["peak_bytes"], row["peak_stage"], row["fits"], row["headroom_bytes"]) == \
+            (report.peak_bytes, report.peak_stage, report.fits, report.headroom_bytes), row
+        assert row["static_bytes"] == report.stages[report.peak_stage].static_bytes
+
+
+@pytest.mark.parametrize("training", [
+    None,
+    {"optimizer": "muon"},                                              # no distributed optimizer
+    {"overlap_grad_reduce": True, "overlap_param_gather": True},        # only with the distributed optimizer
+    {"cuda_graph_impl": "local"},                                       # no full recompute
+    {"use_torch_fsdp2": True},                                          # PP = EP = 1, no distributed optimizer
+])
+@pytest.mark.timeout(120)
+def test_rows_are_exactly_what_validate_accepts(training):
+    """Brute force: every combination of a grid wider than the sweep's, through `validate`."""
+    args = ("tiny-moe", "cpu", 1, 4, 8)
+    base = base_experiment(*args, training=training)
+    expected = set()
+    for tp, cp, pp, vp, ep, mbs, name, dist in itertools.product(
+            (1, 2, 4), (1, 2, 4), range(1, 5), range(1, 5), range(1, 5), MICRO_BATCH_SIZES, RECOMPUTE,
+            (True, False)):
+        row = dict(zip(KEYS, (tp, pp, vp, cp, ep, mbs, name, dist)), sequence_parallel=tp > 1)
+        if not validate(layout_to_experiment(base, row)):
+            expected.add(tuple(row[k] for k in KEYS))
+    got = sweep(*args, training=training).select(KEYS).rows()
+    assert len(got) == len(set(got))
+    assert set(got) == expected
 
 
 def test_ranking_puts_fitting_layouts_without_recompute_and_small_bubbles_first(llama):
@@ -93,6 +138,9 @@ def test_layout_to_experiment_sets_the_layout():
     ({"nodes": 0}, "nodes = 0"),
     ({"global_batch_size": -4}, "global_batch_size = -4"),
     ({"recompute": ("sometimes",)}, "recompute = 'sometimes'"),
+    ({"training": {"micro_batch_size": 2}}, "the sweep varies micro_batch_size"),
+    ({"training": {"hidden_size": 128}}, "only training and parallel options"),
+    ({"training": {"seq_length": 0}}, "seq_length = 0: must be at least 1"),
 ])
 def test_bad_input_is_a_user_error(kwargs, message):
     args = {"model": "tiny-dense", "hardware": "cpu", "nodes": 1, "gpus_per_node": 2, "global_batch_size": 8}
