@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from charllm.engine.experiment import Experiment
 from charllm.probes.errors import UserError
@@ -488,7 +489,7 @@ def _act_key(exp: Experiment) -> tuple:
 
 def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool = True,
                 peak_candidates: bool = False) -> list[StageTerms]:
-    """Per-stage terms of one experiment (`stage_arrays` for a batch of one)."""
+    """Per-stage terms of one experiment (`stage_arrays` with one setting). `cache`: see `layout_terms`."""
     cache = {} if cache is None else cache
     chunks, plan, weights = layout_terms(exp, cache, peak_candidates)
     out = []
@@ -607,19 +608,20 @@ def _stack(acts: list[ActTerms]) -> ActTerms:
 
 @dataclass
 class StageArrays:
-    """The terms of one pipeline stage for a batch of settings: one array entry per setting."""
+    """The terms of one pipeline stage (see StageTerms) for a batch of settings, one array entry
+    per setting; scalars for a single setting."""
 
     pp_rank: int
-    dense_params: object
-    expert_params: object
-    fsdp_layer_params: object
+    dense_params: Any
+    expert_params: Any
+    fsdp_layer_params: Any
     chunk_weights: list[int]        # of the first setting (for the per-chunk report)
     chunk_acts: list                # per chunk, bytes per micro-batch
-    held_loss: object
-    held_max: object
-    backward: object
-    loss_extra: object
-    in_flight: object
+    held_loss: Any
+    held_max: Any
+    backward: Any
+    loss_extra: Any
+    in_flight: Any
 
 
 def stage_arrays(pp: int, plan, weights, acts, num_microbatches) -> list[StageArrays]:

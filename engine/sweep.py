@@ -225,10 +225,8 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
                 work.training.micro_batch_size = row["micro_batch_size"]
                 acts = memory.activation_terms(work, cache)
                 # plans are cached, so one plan is one object
-                batch = batches.setdefault((id(plan), acts.full_recompute, acts.group),
-                                           (len(chunks), plan, [], [], [], []))
-                for column, value in zip(batch[2:], (len(table), weights, acts, num_mb)):
-                    column.append(value)
+                batches.setdefault((id(plan), acts.full_recompute, acts.group), (len(chunks), plan, []))[2].append(
+                    (len(table), weights, acts, num_mb))
                 table.append((*row.values(), name, num_mb))
                 allowed.append(dists)
                 shards.append((pr.dp_shard, pr.edp_shard, workspace))
@@ -238,7 +236,8 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
                                     else pl.Boolean if name in flags else pl.Int64 for name in ORDER})
     # per stage of every row: (row, pp rank, params, activation terms), grouped by row
     stages = []
-    for pp, plan, index, weights, acts, num_mb in batches.values():
+    for pp, plan, members in batches.values():
+        index, weights, acts, num_mb = (list(column) for column in zip(*members))
         index = np.asarray(index)
         for st in memory.stage_arrays(pp, plan, weights, acts, num_mb):
             stages.append((index, np.full(len(index), st.pp_rank), st.dense_params, st.expert_params,
@@ -257,7 +256,7 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
     frames = []
     for dist in distributed_optimizer:
         # bytes per parameter and the sharding rules follow the base; the degrees follow each layout
-        pr = dataclasses.replace(memory.precision(work, use_distributed_optimizer=dist),
+        pr = dataclasses.replace(memory.precision(base, use_distributed_optimizer=dist),
                                  dp_shard=dp_shard, edp_shard=edp_shard)
         parts = [np.trunc(v) for v in memory.combine(dense, expert, held_loss, held_max, backward, loss_extra,
                                                      fsdp, workspace, pr)]   # whole bytes, as estimate() has them
