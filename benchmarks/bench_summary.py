@@ -6,8 +6,9 @@ and the CharLLM-PPT artifact's way (a per-file numpy loop over its CSVs) for ref
 
 Targets (2-core machine): summary per GPU and per run < 2 s and < 2 GB peak RSS each;
 compare of 4 runs < 3 s. Each measurement runs in a fresh process so peak RSS is its own.
-The recordings are generated once and cached (Arrow chunks in RunDir layout, closed every
---chunk-s seconds like the sampler; CSVs in the artifact's `{metric}_{rank}.csv` layout).
+The recordings are generated once and cached (written by the recorder's ChunkWriter, a chunk
+closed every --chunk-s seconds and compacted as the sampler does; CSVs in the artifact's
+`{metric}_{rank}.csv` layout).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def gpu_signals(seconds: int, gpu: int, rng: np.random.Generator) -> dict[str, n
 
 
 def make_run(root: Path, name: str, seconds: int, chunk_s: int, seed: int) -> Path:
+    from charllm.probes.recorder import ChunkWriter
     from charllm.probes.rundir import RunDir
     from charllm.probes.schema import conform
 
@@ -99,11 +101,12 @@ def make_run(root: Path, name: str, seconds: int, chunk_s: int, seed: int) -> Pa
             "uuid": np.tile([f"GPU-{node}-{g}" for g in range(GPUS_PER_NODE)], n),
             "backend": "sim", "simulated": True, **cols,
         }))
-        out = run.node_telemetry_dir(f"node{node}")
-        out.mkdir(parents=True, exist_ok=True)
+        # The recorder's own layout: a chunk every --chunk-s seconds, compacted as it goes.
+        writer = ChunkWriter(run.node_telemetry_dir(f"node{node}"))
         step = rows_per_chunk * GPUS_PER_NODE
-        for i, start in enumerate(range(0, frame.height, step)):
-            frame.slice(start, step).write_ipc(out / f"{i:06d}.arrow")
+        for start in range(0, frame.height, step):
+            writer.write(frame.slice(start, step))
+        writer.close()
     run.experiment_path.write_text(EXPERIMENT)
     with open(run.iterations_path, "w") as fh:
         for i in range(seconds // 12):
@@ -165,6 +168,11 @@ def child(kind: str, args: list[str]) -> None:
 
         result = compare(args)
         extra = {"metrics": result.table.height}
+    elif kind == "scan":
+        from charllm.probes.rundir import RunDir
+
+        frame = RunDir(Path(args[0])).scan_telemetry().select("ts_ns", "device", "power_w").collect()
+        extra = {"rows": frame.height}
     else:
         extra = {"gpus": artifact_way(Path(args[0]))}
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -212,13 +220,17 @@ def main() -> None:
     from rich.console import Console
 
     console = Console()
-    root = a.cache / f"{a.seconds}s-{a.chunk_s}s-chunks"
+    root = a.cache / f"{a.seconds}s-{a.chunk_s}s-chunks-compacted"
     root.mkdir(parents=True, exist_ok=True)
     with console.status("generating recordings (cached after the first time)..."):
         runs = [make_run(root, f"run{i}", a.seconds, a.chunk_s, seed=i) for i in range(4)]
-    rows = pl.scan_ipc(sorted(runs[0].glob("telemetry/*/*.arrow"))).select(pl.len()).collect().item()
-    files = len(list(runs[0].glob("telemetry/*/*.arrow")))
-    console.print(f"recording: {rows:,} rows, {files:,} chunk files per run, {NODES * GPUS_PER_NODE} GPUs, {HZ} Hz")
+    from charllm.probes.rundir import RunDir
+
+    files = len(RunDir(runs[0]).telemetry_files())
+    report = {"load_average_1min": os.getloadavg()[0]}
+    report["scan_telemetry"] = r = _measure("scan", [str(runs[0])])
+    console.print(f"recording: {r['rows']:,} rows in {files:,} files per run, {NODES * GPUS_PER_NODE} GPUs, {HZ} Hz; "
+                  f"RunDir.scan_telemetry() of 3 columns: {r['seconds']:.2f} s wall, {r['cpu_s']:.2f} s CPU")
 
     import shutil
 
@@ -226,7 +238,6 @@ def main() -> None:
         for p in runs:
             shutil.rmtree(p / "summaries", ignore_errors=True)
 
-    report = {"load_average_1min": os.getloadavg()[0]}
     for by in ("gpu", "run"):
         clear_caches()
         report[f"summary_by_{by}"] = r = _measure("summary", [str(runs[0]), by])

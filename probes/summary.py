@@ -60,6 +60,10 @@ _GPU_COLUMNS = [
 ]
 
 
+# What names a GPU's row (from its first sample in the files).
+_GPU_LABELS = {"node": pl.col("node").first(), "device": pl.col("device").first(), "uuid": pl.col("uuid").first(),
+               "backend": pl.col("backend").first(), "simulated": pl.col("simulated").any()}
+
 _HOST_COLUMNS = [
     "ts_ns", "node", "device", "simulated", "cpu_util_pct", "cpu_freq_mhz", "temp_cpu_c", "host_mem_used_bytes",
     "cpu_energy_j", "dram_energy_j", "ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes",
@@ -125,41 +129,34 @@ def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
 def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
     exp = read_experiment(run.experiment_path)
     iterations = read_iterations(run)
-    nodes = _files_by_node(run)
-    first_ns = min((t for t in (_first_ts(files) for files in nodes.values()) if t is not None), default=None)
+    scan = run.scan_telemetry()
+    first_ns, last_ns = scan.select(pl.col("ts_ns").min().alias("first"), pl.col("ts_ns").max().alias("last")) \
+        .collect().row(0)
     if first_ns is None:
         raise UserError(f"run {run.id}: no telemetry under {run.telemetry_dir} (nothing to summarize)")
     start_ns, end_ns, label, notes = _window(window, iterations, first_ns)
     temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
     max_clock = exp.max_sm_clock_mhz if exp else None
 
-    # One node at a time, so peak memory is one node's samples plus a slim power trace per GPU;
-    # each GPU's samples are a frame of their own, so no statistic needs a window function.
-    rows, traces, hosts, last_ns = [], [], [], None
-    for files in nodes.values():
-        # One contiguous buffer per column: a chunk per file would slow every later step.
-        node = _load(files, lambda lf: _in_window(lf, start_ns, end_ns).collect()).rechunk()
-        if node.height:
-            last_ns = max(last_ns or 0, node["ts_ns"].max())
-        is_host = node["device"] == "host"
-        if is_host.any():
-            hosts.append(_host_stats(_in_time_order(node.filter(is_host).select(_HOST_COLUMNS))))
-            node = node.filter(~is_host)
-        node = node.select(_GPU_COLUMNS)
-        keys = "device" if node["node"].n_unique() <= 1 else KEYS  # one node per directory, normally
-        gpus = [_in_time_order(g) for g in node.partition_by(keys, maintain_order=True)]
-        del node
-        rows += pl.collect_all([_gpu_stats(g, temp_limit, max_clock) for g in gpus])
-        traces += [g.select(*KEYS, "ts_ns", "power_w", "power_limit_w", _dt()) for g in gpus]
-    if last_ns is None:
-        last_ns = max(_load(f, lambda lf: lf.select(pl.col("ts_ns").max()).collect()).item() or first_ns
-                      for f in nodes.values())
+    # One pass over the files reads the columns the accelerator statistics use; host rows, when
+    # there are any, take a second pass for theirs.
+    samples = _in_window(scan, start_ns, end_ns)
+    gpu = samples.select(_GPU_COLUMNS).collect()
+    if gpu.height == 0:
         raise UserError(
             f"window {label}: no telemetry samples in it (the run's samples span "
             f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
         )
-    gpus = pl.concat(rows, how="vertical_relaxed") if rows else None
-    host = pl.concat(hosts, how="vertical_relaxed") if hosts else None
+    last_ns = gpu["ts_ns"].max()
+    host = None
+    if (is_host := gpu["device"] == "host").any():
+        gpu = gpu.filter(~is_host)
+        host = _host_stats(*_by_device(samples.filter(pl.col("device") == "host").select(_HOST_COLUMNS).collect(),
+                                       ["node"], {"node": pl.col("node").first()}))
+    gpus = None
+    if gpu.height:
+        gpu, names = _by_device(gpu, KEYS, _GPU_LABELS)
+        gpus = _gpu_stats(gpu, names, temp_limit, max_clock)
     durations = [f[c].max() for f, c in ((gpus, "duration_s"), (host, "host_duration_s")) if f is not None]
     if max(durations) == 0:
         raise UserError(
@@ -168,9 +165,9 @@ def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
     if end_ns is None:
         end_ns = last_ns
     if gpus is not None:
-        run_mean_w = gpus["power_mean_w"].mean()
-        spikes = pl.concat(pl.collect_all([_excursions(t, run_mean_w) for t in traces]), how="vertical_relaxed")
-        gpus = gpus.join(spikes, on=KEYS, how="left").sort(KEYS)
+        spikes = _excursions(gpu, gpus["power_mean_w"].mean())
+        del gpu
+        gpus = gpus.join(spikes, on="_dev", how="left").drop("_dev").sort(KEYS)
     elif by == "gpu":
         raise UserError(f"run {run.id}: no accelerator telemetry (host only); use --by node or --by run")
     else:
@@ -309,37 +306,7 @@ def _with_iteration_stats(table: pl.DataFrame, it: dict) -> pl.DataFrame:
 # --------------------------------------------------------------------------------------------
 # Per GPU
 # --------------------------------------------------------------------------------------------
-def _files_by_node(run: RunDir) -> dict[str, list[Path]]:
-    nodes: dict[str, list[Path]] = {}
-    for f in run.telemetry_files():
-        nodes.setdefault(f.parent.name, []).append(f)
-    return nodes
-
-
-def _load(files: list[Path], query):
-    """query(LazyFrame of these chunks), conformed to the schema.
-
-    One scan over all files is fast (a run holds a chunk per node per second); chunks
-    written with different columns make polars refuse it, and then each file is conformed
-    on its own (slower, same answer).
-    """
-    try:
-        return query(pl.scan_ipc(files, glob=False))
-    except (pl.exceptions.ColumnNotFoundError, pl.exceptions.SchemaError):
-        return query(pl.concat([conform(pl.scan_ipc(f, glob=False)) for f in files], how="vertical"))
-
-
-def _first_ts(files: list[Path]) -> int | None:
-    """The first sample of a node: chunks are numbered in time order, so look at the first few."""
-    for f in files[:10]:
-        first = _load([f], lambda lf: lf.select(pl.col("ts_ns").min()).collect())
-        if first.item() is not None:
-            return first.item()
-    return None
-
-
 def _in_window(lf: pl.LazyFrame, start_ns: int | None, end_ns: int | None) -> pl.LazyFrame:
-    lf = lf.select(list(dict.fromkeys(_GPU_COLUMNS + _HOST_COLUMNS)))
     if start_ns is not None:
         lf = lf.filter(pl.col("ts_ns") >= start_ns)
     if end_ns is not None:
@@ -347,49 +314,85 @@ def _in_window(lf: pl.LazyFrame, start_ns: int | None, end_ns: int | None) -> pl
     return lf
 
 
-def _in_time_order(gpu: pl.DataFrame) -> pl.DataFrame:
-    """One GPU's samples; chunks arrive in time order, so sort only if a clock step disordered them."""
-    return gpu.sort("ts_ns") if gpu.select((pl.col("ts_ns").diff() < 0).any()).item() else gpu
+def _by_device(samples: pl.DataFrame, keys: list[str], labels: dict[str, pl.Expr]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(samples grouped by device, each device's in time order; one row of `labels` per device).
+
+    Devices get an integer id `_dev` (a 64-bit hash of the key strings, far cheaper to sort and
+    group by than the strings), ascending in the samples frame, which keeps only the numbers:
+    every per-device statistic is then a column expression over the whole frame (shifts masked
+    at device boundaries) aggregated by contiguous slices, one group_by for all devices.
+    Files hold chunks in time order, so a stable sort by device suffices unless a clock step
+    disordered samples.
+    """
+    dev = pl.col(keys[0]).hash() if len(keys) == 1 else pl.struct(keys).hash()
+    samples = samples.with_columns(dev.alias("_dev"))
+    names = samples.lazy().group_by("_dev").agg(**labels, **{f"_{k}_max": pl.col(k).max() for k in keys})
+    names = names.collect()
+    if any((names[k] != names[f"_{k}_max"]).any() for k in keys):  # a hash collision: never seen, but be exact
+        samples = samples.with_columns(pl.struct(keys).rank("dense").cast(pl.UInt64).alias("_dev"))
+        names = samples.lazy().group_by("_dev").agg(**labels).collect()
+    strings = [c for c, t in samples.schema.items() if t == pl.String]
+    samples = samples.drop(strings).sort("_dev", maintain_order=True)
+    back = samples.select(((pl.col("_dev") == pl.col("_dev").shift(1)) & (pl.col("ts_ns").diff() < 0)).any()).item()
+    if back:
+        samples = samples.sort(["_dev", "ts_ns"], maintain_order=True)
+    return samples.with_columns(pl.col("_dev").set_sorted()), names.select("_dev", *labels)
+
+
+def _next(value: pl.Expr) -> pl.Expr:
+    """`value` at the device's next sample (null at its last)."""
+    return pl.when(pl.col("_dev") == pl.col("_dev").shift(-1)).then(value.shift(-1))
 
 
 def _dt() -> pl.Expr:
-    """The interval each sample owns: until the next sample (the last one owns none)."""
-    return ((pl.col("ts_ns").shift(-1) - pl.col("ts_ns")) / _NS).alias("dt_s")
+    """The interval each sample owns: until the next sample of its device (the last one owns none)."""
+    return ((_next(pl.col("ts_ns")) - pl.col("ts_ns")) / _NS).alias("dt_s")
 
 
 def _counter_delta(name: str) -> pl.Expr:
-    """Bytes counted from this sample to the next, across a 32- or 64-bit wrap."""
+    """Bytes counted from this sample to the device's next, across a 32- or 64-bit wrap."""
     cur = pl.col(name).reinterpret(signed=False)
-    nxt = pl.col(name).shift(-1).reinterpret(signed=False)
+    nxt = _next(pl.col(name)).reinterpret(signed=False)
     raw = nxt - cur  # UInt64 arithmetic wraps modulo 2**64
     wrapped32 = (nxt < cur) & (cur < _MOD32)
     return pl.when(wrapped32).then(raw % _MOD32).otherwise(raw).cast(pl.Float64)
 
 
-_TIME_WEIGHTED = {"power_w": "power_mean_w", "temp_gpu_c": "temp_gpu_mean_c", "temp_mem_c": "temp_mem_mean_c",
-                  "sm_clock_mhz": "sm_clock_mean_mhz", "util_gpu_pct": "util_gpu_mean_pct",
-                  "util_mem_pct": "util_mem_mean_pct"}
+def _per_device(frame: pl.DataFrame, columns: dict[str, pl.Expr], aggs: list[pl.Expr]) -> pl.DataFrame:
+    """`aggs` per device (`_dev`) after adding the per-sample `columns` (a `_by_device` frame)."""
+    return frame.lazy().with_columns(**columns).group_by("_dev", maintain_order=True).agg(aggs).collect()
 
 
-def _gpu_stats(gpu: pl.DataFrame, temp_limit: float, max_clock: float | None) -> pl.LazyFrame:
-    """One row of statistics for one GPU's samples (in time order)."""
+def _only(cond: pl.Expr, value: pl.Expr) -> pl.Expr:
+    return pl.when(cond).then(value)
+
+
+def _gpu_stats(gpu: pl.DataFrame, names: pl.DataFrame, temp_limit: float, max_clock: float | None) -> pl.DataFrame:
+    """One row of statistics per GPU (`_dev`), after its `names` (from `_by_device`)."""
     dt = pl.col("dt_s")
-    p, nxt_p = pl.col("power_w"), pl.col("power_w").shift(-1)
-    tw_mean = lambda c: pl.when(dt.filter(pl.col(c).is_not_null()).sum() > 0).then(  # noqa: E731
-        (pl.col(c) * dt).sum() / dt.filter(pl.col(c).is_not_null()).sum())
-    frac = lambda cond, c: pl.when(dt.filter(pl.col(c).is_not_null()).sum() > 0).then(  # noqa: E731
-        dt.filter(cond).sum() / dt.filter(pl.col(c).is_not_null()).sum())
+    p, nxt_p = pl.col("power_w"), pl.col("_next_power_w")
+    tw_mean = lambda c: pl.when(_only(pl.col(c).is_not_null(), dt).sum() > 0).then(  # noqa: E731
+        (pl.col(c) * dt).sum() / _only(pl.col(c).is_not_null(), dt).sum())
+    frac = lambda cond, c: pl.when(_only(pl.col(c).is_not_null(), dt).sum() > 0).then(  # noqa: E731
+        _only(cond, dt).sum() / _only(pl.col(c).is_not_null(), dt).sum())
     known = lambda value, *cols: pl.when(  # noqa: E731 - null, not 0, when nothing was measured
         pl.any_horizontal(pl.col(c).is_not_null().any() for c in cols)).then(value)
     # Without the hardware's maximum clock, the GPU's own highest clock stands in for it.
     clock_max = pl.lit(max_clock, pl.Float64) if max_clock else pl.col("sm_clock_mhz").max()
     throttle = pl.col("throttle_reasons")
     bits = {**{f"throttle_{n}_frac": b for n, b in THROTTLE_BITS.items()}, "throttle_perf_frac": THROTTLE_PERF_MASK}
-    d_energy = pl.col("energy_j").shift(-1) - pl.col("energy_j")
+    d_energy = pl.col("_energy_delta")
     counted = (d_energy >= 0) & dt.is_not_null()
     n_counted, n_intervals = counted.sum(), dt.is_not_null().sum()
-    return gpu.lazy().with_columns(_dt()).select(
-        pl.col(KEYS).first(), pl.col("uuid").first(), pl.col("backend").first(), pl.col("simulated").any(),
+    # Rolling windows need one ascending time axis: devices laid end to end, over a second apart.
+    span = pl.col("ts_ns").max() - pl.col("ts_ns").min() + 2 * int(_NS)
+    axis = pl.col("ts_ns") - pl.col("ts_ns").min() + pl.col("_dev").rle_id().cast(pl.Int64) * span
+    columns = {
+        "dt_s": _dt(), "_next_power_w": _next(p), "_energy_delta": _next(pl.col("energy_j")) - pl.col("energy_j"),
+        "_rise_w": p - p.rolling_min_by(axis, window_size=f"{int(_NS)}i"),
+        **{f"_nvlink_{d}": _counter_delta(f"nvlink_{d}_bytes") for d in ("tx", "rx")},
+    }
+    return names.join(_per_device(gpu, columns, [
         pl.len().alias("samples"), dt.sum().alias("duration_s"),
         tw_mean("power_w").alias("power_mean_w"), p.max().alias("power_peak_w"),
         p.quantile(0.99, "linear").alias("power_p99_w"),
@@ -399,75 +402,76 @@ def _gpu_stats(gpu: pl.DataFrame, temp_limit: float, max_clock: float | None) ->
               .then(pl.lit("counter")).otherwise(pl.lit("counter+trapezoid")), "power_w", "energy_j")
         .alias("energy_source"),
         pl.col("power_limit_w").max(),
-        (p - p.rolling_min_by("ts_ns", window_size=f"{int(_NS)}i")).max().alias("power_max_rise_w_per_s"),
+        pl.col("_rise_w").max().alias("power_max_rise_w_per_s"),
         tw_mean("temp_gpu_c").alias("temp_gpu_mean_c"), pl.col("temp_gpu_c").max().alias("temp_gpu_peak_c"),
         tw_mean("temp_mem_c").alias("temp_mem_mean_c"), pl.col("temp_mem_c").max().alias("temp_mem_peak_c"),
-        known(dt.filter(pl.col("temp_gpu_c") > temp_limit).sum(), "temp_gpu_c").alias("time_above_temp_limit_s"),
+        known(_only(pl.col("temp_gpu_c") > temp_limit, dt).sum(), "temp_gpu_c").alias("time_above_temp_limit_s"),
         tw_mean("sm_clock_mhz").alias("sm_clock_mean_mhz"), pl.col("sm_clock_mhz").min().alias("sm_clock_min_mhz"),
         clock_max.alias("max_sm_clock_mhz"),
         frac(pl.col("sm_clock_mhz") < clock_max, "sm_clock_mhz").alias("below_max_clock_frac"),
         *(frac((throttle & bit) != 0, "throttle_reasons").alias(name) for name, bit in bits.items()),
         tw_mean("util_gpu_pct").alias("util_gpu_mean_pct"), tw_mean("util_mem_pct").alias("util_mem_mean_pct"),
         pl.col("mem_used_bytes").max().alias("mem_used_peak_bytes"),
-        *(known(_counter_delta(f"nvlink_{d}_bytes").sum(), f"nvlink_{d}_bytes").alias(f"nvlink_{d}_bytes")
-          for d in ("tx", "rx")),
+        *(known(pl.col(f"_nvlink_{d}").sum(), f"nvlink_{d}_bytes").alias(f"nvlink_{d}_bytes") for d in ("tx", "rx")),
         *(known((pl.col(f"pcie_{d}_bytes_s") * dt).sum(), f"pcie_{d}_bytes_s").alias(f"pcie_{d}_bytes")
           for d in ("tx", "rx")),
         pl.lit(1).alias("gpus"),
-    )
+    ]), on="_dev")
 
 
-def _excursions(trace: pl.DataFrame, run_mean_w: float | None) -> pl.LazyFrame:
-    """Spikes above the run's mean power and above the GPU's power limit, for one GPU's trace.
+def _excursions(gpu: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:
+    """Spikes above the run's mean power and above each GPU's power limit, one row per GPU.
 
-    A spike is a run of consecutive samples above the threshold; its size is its highest excess.
+    A spike is a run of consecutive samples of a GPU above the threshold; its size is its
+    highest excess.
     """
-    parts = [trace.lazy().select(pl.col(KEYS).first())]
+    frame = gpu.lazy().select("_dev", "power_w", "power_limit_w", _dt())
+    aggs, sizes = [], []
     for name, threshold in {"mean": pl.lit(run_mean_w, pl.Float64), "limit": pl.col("power_limit_w")}.items():
-        excess = pl.col("power_w") - threshold
-        above = (excess > 0).fill_null(False)
-        starts = above & ~above.shift(1, fill_value=False)
-        known = (pl.col("power_w").is_not_null() & threshold.is_not_null()).any()
-        parts.append(trace.lazy().select(
-            pl.when(known).then(starts.sum()).alias(f"spikes_over_{name}_count"),
-            pl.when(known).then(pl.col("dt_s").filter(above).sum()).alias(f"time_over_{name}_s"),
-            excess.filter(above).max().alias(f"spikes_over_{name}_max_excess_w"),
+        excess, above, start, spike = (f"_{name}_{c}" for c in ("excess", "above", "start", "spike"))
+        frame = frame.with_columns(
+            (pl.col("power_w") - threshold).alias(excess), threshold.is_not_null().alias(f"_{name}_known"),
+        ).with_columns((pl.col(excess) > 0).fill_null(False).alias(above)).with_columns(
+            (pl.col(above) & ~(pl.col(above).shift(1, fill_value=False)
+                               & (pl.col("_dev") == pl.col("_dev").shift(1)))).alias(start)
+        ).with_columns(pl.col(start).cum_sum().alias(spike))  # numbered across GPUs: ids never shared
+        known = (pl.col("power_w").is_not_null() & pl.col(f"_{name}_known")).any()
+        aggs += [
+            pl.when(known).then(pl.col(start).sum()).alias(f"spikes_over_{name}_count"),
+            pl.when(known).then(_only(pl.col(above), pl.col("dt_s")).sum()).alias(f"time_over_{name}_s"),
+            _only(pl.col(above), pl.col(excess)).max().alias(f"spikes_over_{name}_max_excess_w"),
+        ]
+        sizes.append(lambda frame, excess=excess, above=above, spike=spike, name=name: (
+            frame.lazy().filter(above).group_by(spike).agg(pl.col("_dev").first(), pl.col(excess).max())
+            .group_by("_dev").agg(pl.col(excess).mean().alias(f"spikes_over_{name}_avg_excess_w"))
         ))
-        parts.append(
-            trace.lazy().select(excess.alias("excess"), above.alias("above"), starts.cum_sum().alias("spike"))
-            .filter("above").group_by("spike").agg(pl.col("excess").max())
-            .select(pl.col("excess").mean().alias(f"spikes_over_{name}_avg_excess_w"))
-        )
-    return pl.concat(parts, how="horizontal")
+    frame = frame.collect()
+    table = frame.lazy().group_by("_dev", maintain_order=True).agg(aggs)
+    for size in sizes:
+        table = table.join(size(frame), on="_dev", how="left")
+    order = [f"{stat}_over_{name}{unit}" for name in ("mean", "limit") for stat, unit in
+             (("spikes", "_count"), ("time", "_s"), ("spikes", "_max_excess_w"), ("spikes", "_avg_excess_w"))]
+    return table.select("_dev", *order).collect()
 
 
-def _host_stats(host: pl.DataFrame) -> pl.DataFrame:
-    """One row per node from its host samples: CPU, host memory, RAPL energy, network bytes."""
+def _host_stats(host: pl.DataFrame, names: pl.DataFrame) -> pl.DataFrame:
+    """One row per node from its host samples (from `_by_device`): CPU, memory, RAPL, network."""
     dt = pl.col("dt_s")
-    tw_mean = lambda c: pl.when(dt.filter(pl.col(c).is_not_null()).sum() > 0).then(  # noqa: E731
-        (pl.col(c) * dt).sum() / dt.filter(pl.col(c).is_not_null()).sum())
+    tw_mean = lambda c: pl.when(_only(pl.col(c).is_not_null(), dt).sum() > 0).then(  # noqa: E731
+        (pl.col(c) * dt).sum() / _only(pl.col(c).is_not_null(), dt).sum())
     known = lambda value, c: pl.when(pl.col(c).is_not_null().any()).then(value)  # noqa: E731
-
-    def energy(c: str) -> pl.Expr:
-        # RAPL counters wrap at a CPU-specific range: a wrapped interval is left out, not guessed.
-        delta = pl.col(c).shift(-1) - pl.col(c)
-        return known(delta.filter(delta >= 0).sum(), c)
-
-    return (
-        host.lazy().with_columns(_dt())
-        .select(
-            pl.col("node").first(), dt.sum().alias("host_duration_s"),
-            tw_mean("cpu_util_pct").alias("cpu_util_mean_pct"), tw_mean("cpu_freq_mhz").alias("cpu_freq_mean_mhz"),
-            tw_mean("temp_cpu_c").alias("temp_cpu_mean_c"), pl.col("temp_cpu_c").max().alias("temp_cpu_peak_c"),
-            pl.col("host_mem_used_bytes").max().alias("host_mem_used_peak_bytes"),
-            energy("cpu_energy_j").alias("cpu_energy_j"), energy("dram_energy_j").alias("dram_energy_j"),
-            *(known(_counter_delta(c).sum(), c).alias(c)
-              for c in ("ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes")),
-            pl.col("simulated").any().alias("host_simulated"),
-        )
-        .collect()
-        .with_columns(pl.col("node").cast(pl.String))
-    )
+    energy = ("cpu_energy_j", "dram_energy_j")
+    # RAPL counters wrap at a CPU-specific range: a wrapped interval is left out, not guessed.
+    columns = {"dt_s": _dt(), **{f"_{c}_delta": _next(pl.col(c)) - pl.col(c) for c in energy}}
+    return names.join(_per_device(host, columns, [
+        dt.sum().alias("host_duration_s"),
+        tw_mean("cpu_util_pct").alias("cpu_util_mean_pct"), tw_mean("cpu_freq_mhz").alias("cpu_freq_mean_mhz"),
+        tw_mean("temp_cpu_c").alias("temp_cpu_mean_c"), pl.col("temp_cpu_c").max().alias("temp_cpu_peak_c"),
+        pl.col("host_mem_used_bytes").max().alias("host_mem_used_peak_bytes"),
+        *(known(_only(pl.col(f"_{c}_delta") >= 0, pl.col(f"_{c}_delta")).sum(), c).alias(c) for c in energy),
+        *(known(_counter_delta(c).sum(), c).alias(c) for c in ("ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes")),
+        pl.col("simulated").any().alias("host_simulated"),
+    ]), on="_dev").drop("_dev").sort("node")
 
 
 def _combine(accelerators: pl.DataFrame | None, host: pl.DataFrame | None) -> pl.DataFrame:
