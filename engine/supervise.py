@@ -130,16 +130,31 @@ def describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
-def describe_failure(step: Step, rc: int, log_path: Path) -> str:
-    """Name the node and, from torchrun's error summary, the rank that failed first."""
+def root_cause(log_path: Path) -> tuple[int, int, int] | None:
+    """(rank, local rank, exit code) from torchrun's error summary in a node's log, if any."""
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
     match = _ROOT_CAUSE.search(text)
-    if match:
-        rank, local_rank, code = match.groups()
-        return f"node {step.node}, rank {rank} (local rank {local_rank}) {describe_exit(int(code))}"
+    return tuple(int(g) for g in match.groups()) if match else None
+
+
+def describe_failure(step: Step, rc: int, log_path: Path) -> str:
+    """Name the node and, from torchrun's error summary, the rank that failed first."""
+    cause = root_cause(log_path)
+    if cause:
+        rank, local_rank, code = cause
+        return f"node {step.node}, rank {rank} (local rank {local_rank}) {describe_exit(code)}"
     if step.host and rc == 255:
         return f"node {step.node}: lost the ssh connection (the node died or is unreachable)"
     return f"node {step.node}: torchrun {describe_exit(rc)}"
+
+
+def killed_first(logs: list[Path]) -> list[Path]:
+    """Order node logs so a rank killed by a signal comes before the peers that merely exited
+    non-zero because it vanished (they fail too, and may report first)."""
+    def key(log: Path) -> int:
+        cause = root_cause(log)
+        return 0 if cause and cause[2] < 0 else 1 if cause else 2
+    return sorted(logs, key=key)
 
 
 class Supervisor:
@@ -213,7 +228,8 @@ class Supervisor:
         failed = [p for p in trains if p.poll() not in (None, 0)]
         time.sleep(FAILURE_SETTLE_S)
         lost = [p for p in trains if p.step.host and p.poll() == 255]
-        culprit = (lost or failed)[0]
+        by_log = {p.log_path: p for p in failed}
+        culprit = (lost or [by_log[log] for log in killed_first(list(by_log))])[0]
         return describe_failure(culprit.step, culprit.poll(), culprit.log_path)
 
     def follow_slurm(self) -> str:
@@ -244,11 +260,9 @@ class Supervisor:
         return status
 
     def _slurm_failure(self, state: str, info: dict) -> str:
-        for log in sorted(self.rd.logs_dir.glob("train-*.log")):
-            node = log.stem.removeprefix("train-")
-            text = log.read_text(errors="replace")
-            if _ROOT_CAUSE.search(text):
-                return describe_failure(Step(node, "train", []), 1, log)
+        for log in killed_first(sorted(self.rd.logs_dir.glob("train-*.log"))):
+            if root_cause(log):
+                return describe_failure(Step(log.stem.removeprefix("train-"), "train", []), 1, log)
         details = f"exit code {info.get('ExitCode', '?')}, reason {info.get('Reason', '?')}"
         return f"slurm job {state.lower()} ({details}) on {info.get('NodeList', '?')}"
 

@@ -117,3 +117,27 @@ def test_slurm_script_has_directives_and_per_node_steps(tmp_path):
     assert "srun --overlap" in script and "--kill-on-bad-exit=1" in script
     assert '--node-rank="$SLURM_NODEID"' in script and '--node "$SLURMD_NODENAME"' in script
     assert not any(p in script for p in slurm.PLACEHOLDERS)
+
+
+def _torchrun_summary(rank: int, code: int) -> str:
+    # The tail of torchrun's ChildFailedError summary, as it lands in a node's train log.
+    return (
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "Root Cause (first observed failure):\n[0]:\n"
+        "  time      : 2026-11-21_07:00:00\n  host      : vm\n"
+        f"  rank      : {rank} (local_rank: 0)\n  exitcode  : {code} (pid: 4242)\n"
+    )
+
+
+def test_failure_names_the_killed_rank_not_the_peer_that_exited_after_it(tmp_path):
+    from charllm.engine.supervise import Step, describe_failure, killed_first
+
+    echo = tmp_path / "train-n1.log"      # rank 0 noticed its peer vanish and exited 1, first
+    killed = tmp_path / "train-n2.log"    # rank 1 was killed by SIGKILL
+    quiet = tmp_path / "train-n3.log"     # no summary at all
+    echo.write_text(_torchrun_summary(0, 1))
+    killed.write_text(_torchrun_summary(1, -9))
+    quiet.write_text("iter 3/20\n")
+    order = killed_first([echo, quiet, killed])
+    assert order == [killed, echo, quiet]
+    assert describe_failure(Step("n2", "train", []), 1, order[0]) == "node n2, rank 1 (local rank 0) was killed by SIGKILL"
