@@ -870,7 +870,7 @@ def _in_flight(acts: list, loss: tuple[bool, ...], r: int, pp: int, vp: int, m):
     prefix = np.zeros((len(seq) + 1, stacked.shape[1]))
     np.cumsum(stacked[seq], axis=0, out=prefix[1:])        # running totals, added in step order
     ends = np.arange(len(seq))[:, None]                    # the window of n steps ending at each step
-    windows = prefix[1:] - np.take_along_axis(prefix, np.maximum(ends + 1 - n, 0), axis=0)
+    windows = prefix[1:] - prefix[np.maximum(ends + 1 - n, 0), np.arange(prefix.shape[1])]
     valid = (ends >= n - 1) & (ends < steps)
     at_loss = valid & np.asarray(loss)[seq][:, None]
     window_loss = np.where(at_loss.any(axis=0), np.where(at_loss, windows, -np.inf).max(axis=0), 0.0)
