@@ -166,6 +166,9 @@ KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_p
     (["--set", "seq_length=-8"], "seq_length = -8: must be at least 1"),
     (["--set", "seq_length"], "expected key=value"),
     (["--recompute", "sometimes"], "recompute = 'sometimes'"),
+    (["--hardware", "a100-80gb", "--set", "fp8=e4m3"], "no valid layout: fp8 = 'e4m3': hardware a100-80gb has no FP8"),
+    (["--seq-length", "16384"], "no valid layout: seq_length = 16384: must not exceed max_position_embeddings"),
+    (["--recompute", "full", "--set", "cuda_graph_impl=local"], "none passes validation with --recompute full"),
 ])
 def test_sweep_bad_input_is_one_line_and_exit_2(capsys, extra, needle):
     code, out, err = run(capsys, *SWEEP, *extra)

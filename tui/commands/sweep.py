@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{flag.replace('_', '-')} = {value!r}: must be a positive integer")
     if args.top < 0:
         raise UserError(f"--top = {args.top!r}: must be 0 (all) or more")
+    import polars as pl
     from rich.console import Console
 
     from charllm.engine.experiment import parse_value
@@ -83,7 +84,11 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with console.status("sweeping layouts..."):
         df = sweep(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch_size,
-                   args.seq_length, recompute=recompute, training=options, fits_only=args.fits_only)
+                   args.seq_length, recompute=recompute, training=options)
+    if df.height == 0:
+        raise UserError(f"no valid layout: {why_none(args, recompute, options)}")
+    if args.fits_only:
+        df = df.filter(pl.col("fits"))
     if args.json:
         import json
 
@@ -101,6 +106,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         render(df, args)
     return 0
+
+
+def why_none(args: argparse.Namespace, recompute: tuple[str, ...], options: dict) -> str:
+    """What `engine.validate` says about the plainest layout (no parallelism, micro batch 1)."""
+    from charllm.engine.sweep import base_experiment
+    from charllm.engine.validate import validate
+
+    base = base_experiment(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch_size,
+                           args.seq_length, options)
+    problems = validate(base)
+    return str(problems[0]) if problems else f"none passes validation with --recompute {','.join(recompute)}"
 
 
 def render(df, args) -> None:
