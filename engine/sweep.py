@@ -13,9 +13,9 @@ Ranking (the `rank` column, 1 = most promising):
      stages and virtual stages (point-to-point traffic);
   5. more memory headroom.
 
-How: `engine.validate` checks each layout (every micro batch shares one check: the micro batch
-only enters the batch rule, which the enumeration applies itself) with every recompute and
-optimizer choice. The memory model's pieces are computed once per distinct input and cached:
+How: `engine.validate` checks each layout once (every micro batch shares the check: the micro
+batch only enters the batch rule, which the enumeration applies itself) and every recompute and
+optimizer choice once per pipeline shape (see `layouts`). The memory model's pieces are computed once per distinct input and cached:
 what each stage holds per pipeline split and TP/EP (`memory.layout_terms`), the activation sizes
 per TP/CP/EP, micro batch and recompute (`memory.activation_terms`). The per-stage terms of all
 layouts sharing a pipeline split and recompute choice are then evaluated together as numpy arrays
