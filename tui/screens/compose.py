@@ -188,9 +188,9 @@ class ComposeScreen(WorkbenchScreen):
     # -- state <-> widgets -----------------------------------------------------------------
     def on_screen_resume(self) -> None:
         if self.seen_app_serial != self.app.experiment_serial:
-            self.sync_from_app()
+            self.sync_from_app(first_paint=self.seen_app_serial < 0)
 
-    def sync_from_app(self) -> None:
+    def sync_from_app(self, first_paint: bool = False) -> None:
         """Show app.experiment in every control (without treating that as edits), then estimate."""
         self.seen_app_serial = self.app.experiment_serial
         exp = self.app.experiment
@@ -211,7 +211,10 @@ class ComposeScreen(WorkbenchScreen):
             err.remove_class("shown")
         self.typing_errors.clear()
         self.last_edited = None
-        self.call_after_refresh(self.refresh_plan)   # paint first; the estimate's imports come after
+        if first_paint:
+            self.call_after_refresh(self.refresh_plan)   # paint first; the estimate's imports come after
+        else:
+            self.refresh_plan()
 
     def _set_select(self, wid: str, name: str) -> None:
         select = self.query_one(f"#{wid}", Select)
