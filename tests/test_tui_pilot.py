@@ -391,3 +391,29 @@ async def test_compare_a_run_against_a_saved_baseline(charllm_dirs):
         await wait_for(pilot, lambda: screen.result is not None and screen.result.baseline == "baseline:capped-450w",
                        timeout=60)
         assert screen.query_one("#compare-table").row_count > 5
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pilot_test
+async def test_runs_cancel_stops_a_running_run(charllm_dirs):
+    from charllm.engine import launch, targets
+    from charllm.probes.rundir import RunDir
+
+    exp = catalog.load_experiment("tiny-local")
+    exp.training.train_iters = 100_000          # runs until cancelled
+    result = launch.launch(exp, targets.get_target("local"))
+    rd = RunDir(result.run_dir)
+    try:
+        app = CharllmApp(start_mode="runs")
+        async with run_app(app) as pilot:
+            table = app.screen.query_one("#runs-table")
+            await wait_for(pilot, lambda: table.row_count == 1)
+            await wait_for(pilot, lambda: rd.status == "running", timeout=120, what="the run to start")
+            table.focus()
+            await pilot.press("c")
+            await wait_for(pilot, lambda: rd.status == "cancelled", timeout=120, what="the cancel")
+            await wait_for(pilot, lambda: str(table.get_cell(rd.id, "status")) == "cancelled", timeout=30)
+    finally:
+        if rd.status not in ("completed", "failed", "cancelled"):
+            launch.cancel(rd.path)
