@@ -40,7 +40,6 @@ class HelpScreen(ModalScreen[None]):
         from charllm.tui.app import SCREENS, CharllmApp
 
         lines = [FLOW, *_rows("Everywhere", CharllmApp.BINDINGS)]
-        lines += [f"| `{key}` | {title} screen | `screen.{mode}` |" for mode, title, key, _ in SCREENS]
         for mode, title, _, target in SCREENS:
             module, _, cls = target.partition(":")
             screen = getattr(importlib.import_module(f"charllm.tui.screens.{module}"), cls)
