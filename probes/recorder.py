@@ -6,8 +6,12 @@ whole files, and `kill -9` of the sampler loses at most the rows not yet handed 
 the sampler hands over a batch at least every second.
 
 A chunk a second makes thousands of files an hour, and opening them dominates every later read,
-so every `compact_every` chunks the closed ones are merged, in order, into one compacted file
-`NNNNNN-MMMMMM.arrow` (chunks NNNNNN..MMMMMM; LZ4, which reads faster than zstd for its size).
+so every `compact_every` chunks the closed ones are merged into one compacted file
+`NNNNNN-MMMMMM.parquet` (chunks NNNNNN..MMMMMM): Parquet with LZ4 reads in about half the CPU
+time of LZ4 Arrow IPC at the same size (dictionary-encoded names), and its per-file
+statistics let a time window skip files.
+Its rows are grouped by device, each device's in chunk (time) order: whoever reads a device's
+series (summaries: every statistic) then copies long runs instead of gathering every row.
 The merge is written hidden, fsynced and renamed into place *before* the chunks it holds are
 deleted, and readers (`rundir.node_chunks`) skip a chunk inside a compacted file's span, so a
 reader sees every row exactly once at any moment, and a crash at any point leaves a consistent
@@ -27,6 +31,7 @@ import polars as pl
 from charllm.probes.rundir import chunk_span, node_chunks
 from charllm.probes.schema import TELEMETRY_SCHEMA, conform
 
+DEVICE_KEYS = ["node", "device"]
 COMPACT_EVERY = 60  # chunks (seconds at the sampler's flush interval) per compacted file
 _SCHEMA = pl.Schema(TELEMETRY_SCHEMA)
 
@@ -51,7 +56,7 @@ class ChunkWriter:
         """Continue after the files a previous writer left, finishing what a crash interrupted."""
         names = os.listdir(self.dir)
         for name in names:
-            if name.startswith(".") and name.endswith(".arrow.tmp"):
+            if name.startswith(".") and name.endswith((".arrow.tmp", ".parquet.tmp")):
                 (self.dir / name).unlink(missing_ok=True)  # never renamed: no reader saw it
         live = node_chunks(self.dir)
         kept = {path.name for _, _, path in live}
@@ -85,8 +90,9 @@ class ChunkWriter:
             return None
         first, last = chunk_span(self._open[0].name)[0], chunk_span(self._open[-1].name)[0]
         frames = [pl.read_ipc(p) for p in self._open]
-        frame = pl.concat([f if f.schema == _SCHEMA else conform(f) for f in frames], rechunk=True)
-        merged = self._write_atomic(frame, f"{first:06d}-{last:06d}.arrow", "lz4")
+        frame = pl.concat([f if f.schema == _SCHEMA else conform(f) for f in frames]).sort(
+            DEVICE_KEYS, maintain_order=True)
+        merged = self._write_atomic(frame, f"{first:06d}-{last:06d}.parquet", "lz4")
         self._fsync_dir()  # the compacted file is durable before any chunk it holds goes
         self.compactions += 1
         self._merged, self._open = self._open, []
@@ -101,7 +107,10 @@ class ChunkWriter:
 
     def _write_atomic(self, frame: pl.DataFrame, name: str, compression: str) -> Path:
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
-        frame.write_ipc(tmp, compression=compression)
+        if name.endswith(".parquet"):
+            frame.write_parquet(tmp, compression=compression)
+        else:
+            frame.write_ipc(tmp, compression=compression)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, final)

@@ -6,7 +6,7 @@
         iterations.jsonl     the workload's iteration log (probes.schema.ITERATION_FIELDS)
         logs/                one log file per rank / sampler / launcher
         telemetry/<node>/    Arrow IPC chunks, NNNNNN.arrow, one sampler per node; compacted
-                             NNNNNN-MMMMMM.arrow files hold chunks NNNNNN..MMMMMM (recorder.py)
+                             Parquet files NNNNNN-MMMMMM.parquet hold chunks NNNNNN..MMMMMM
 
 A run can be watched live, replayed, summarised and compared from any process, after a crash
 too: nothing important lives only in memory.
@@ -27,8 +27,9 @@ from charllm.probes.errors import UserError
 STATUSES = ("pending", "running", "completed", "failed", "cancelled")
 FINAL_STATUSES = ("completed", "failed", "cancelled")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-# A chunk (NNNNNN.arrow) or a compacted file holding chunks NNNNNN..MMMMMM in order (NNNNNN-MMMMMM.arrow).
-CHUNK_NAME = re.compile(r"^(\d{6,})(?:-(\d{6,}))?\.arrow$")
+# A chunk (NNNNNN.arrow, Arrow IPC) or a compacted file holding chunks NNNNNN..MMMMMM
+# (NNNNNN-MMMMMM.parquet); see probes/recorder.py.
+CHUNK_NAME = re.compile(r"^(\d{6,})(?:-(\d{6,}))?\.(?:arrow|parquet)$")
 
 
 def chunk_span(name: str) -> tuple[int, int] | None:
@@ -155,8 +156,9 @@ class RunDir:
     def scan_telemetry(self):
         """A polars LazyFrame over every telemetry file, conformed to the schema.
 
-        Files with the schema's exact columns (all the recorder writes) go into one scan, which is
-        far faster than a scan per file; others (older or imported files) are conformed one by one.
+        Files with the schema's exact columns (all the recorder writes) go into one scan per
+        format, far faster than a scan per file; others (older or imported files) are conformed
+        one by one.
         """
         import itertools
 
@@ -167,11 +169,14 @@ class RunDir:
         files = self.telemetry_files()
         if not files:
             return empty_frame().lazy()
-        schema = pl.Schema(TELEMETRY_SCHEMA)
+        schema = dict(TELEMETRY_SCHEMA)
+        parquet = lambda f: f.suffix == ".parquet"  # noqa: E731
+        kind = lambda f: (parquet(f), (pl.read_parquet_schema(f) if parquet(f) else pl.read_ipc_schema(f)) == schema)  # noqa: E731
         parts = []
-        for same, group in itertools.groupby(files, key=lambda f: pl.read_ipc_schema(f) == schema):
+        for (is_parquet, same), group in itertools.groupby(files, key=kind):
+            scan = pl.scan_parquet if is_parquet else pl.scan_ipc
             group = list(group)
-            parts += [pl.scan_ipc(group, glob=False)] if same else [conform(pl.scan_ipc(f, glob=False)) for f in group]
+            parts += [scan(group, glob=False)] if same else [conform(scan(f, glob=False)) for f in group]
         return parts[0] if len(parts) == 1 else pl.concat(parts, how="vertical")
 
     def read_iterations(self):

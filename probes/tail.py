@@ -12,6 +12,7 @@ from pathlib import Path
 
 import polars as pl
 
+from charllm.probes.recorder import DEVICE_KEYS
 from charllm.probes.rundir import RunDir, node_chunks
 from charllm.probes.schema import conform, empty_frame
 
@@ -20,14 +21,14 @@ class TelemetryTail:
     """`poll()` returns the rows of telemetry files that appeared since the previous poll, each once.
 
     Chunks are numbered in time order per node. A compacted file (recorder.py) holds chunks
-    first..last in order; when some of them were already read one by one, their rows (counted
-    here) are skipped in it.
+    first..last, grouped by device, each device's rows in chunk order; when some of those chunks
+    were already read one by one, as many leading rows of each device as they held are skipped.
     """
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.run = RunDir(Path(run_dir))
         self._last: dict[str, int] = {}  # node -> number of the newest chunk read
-        self._rows: dict[str, dict[int, int]] = {}  # node -> rows of each chunk read on its own
+        self._counts: dict[str, dict[int, pl.DataFrame]] = {}  # node -> chunk -> rows per device
 
     def poll(self) -> pl.DataFrame:
         frames = []
@@ -40,24 +41,36 @@ class TelemetryTail:
 
     def _poll_node(self, directory: Path) -> list[pl.DataFrame]:
         node, frames = directory.name, []
-        rows = self._rows.setdefault(node, {})
+        counts = self._counts.setdefault(node, {})
         for first, last, path in node_chunks(directory):
             done = self._last.get(node, -1)
             if last <= done:
                 continue
             try:
-                frame = conform(pl.read_ipc(path))
+                frame = conform(pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_ipc(path))
             except FileNotFoundError:
                 break  # merged and deleted since the listing: the next poll reads the merged file
             if first <= done:  # part of this compacted file was read chunk by chunk
-                frame = frame.slice(sum(rows.get(n, 0) for n in range(first, done + 1)))
+                frame = _skip_read(frame, [counts[n] for n in range(first, done + 1) if n in counts])
             if first == last:
-                rows[first] = frame.height
+                counts[first] = frame.group_by(DEVICE_KEYS).len()
             frames.append(frame)
             self._last[node] = last
-        for n in [n for n in rows if n < self._last.get(node, -1) - 10_000]:
-            del rows[n]  # memory stays flat: counts are only needed for chunks not yet compacted
+        for n in [n for n in counts if n < self._last.get(node, -1) - 10_000]:
+            del counts[n]  # memory stays flat: counts matter only until their chunks are compacted
         return frames
+
+
+def _skip_read(frame: pl.DataFrame, read: list[pl.DataFrame]) -> pl.DataFrame:
+    """`frame` less the leading rows of each device that the `read` chunks (counts) held."""
+    if not read:
+        return frame
+    skip = pl.concat(read).group_by(DEVICE_KEYS).agg(pl.col("len").sum().alias("_skip"))
+    return (
+        frame.join(skip, on=DEVICE_KEYS, how="left", nulls_equal=True, maintain_order="left")
+        .filter(pl.int_range(pl.len()).over(DEVICE_KEYS) >= pl.col("_skip").fill_null(0))
+        .drop("_skip")
+    )
 
 
 class IterationTail:

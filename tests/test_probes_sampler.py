@@ -277,10 +277,18 @@ def test_replay_of_an_empty_run_is_a_user_error(tmp_path):
 
 
 def _seq_frame(start: int, n: int = 3) -> pl.DataFrame:
-    """Rows numbered start..start+n-1 (in ts_ns), so a reader can tell a lost or doubled row."""
+    """Rows numbered start..start+n-1 (in ts_ns), so a reader can tell a lost or doubled row;
+    two devices take turns, as a sampler's rows do."""
     ts = list(range(start, start + n))
-    return pl.DataFrame({"ts_ns": ts, "mono_ns": ts, "node": ["n"] * n, "device": ["gpu0"] * n,
+    return pl.DataFrame({"ts_ns": ts, "mono_ns": ts, "node": ["n"] * n, "device": [f"gpu{t % 2}" for t in ts],
                          "uuid": ["u"] * n, "backend": ["sim"] * n, "simulated": [True] * n})
+
+
+def _rows(frame: pl.DataFrame) -> list[int]:
+    """Row numbers in order; compacted files group rows by device, each device's in time order."""
+    for _, device in frame.group_by("device"):
+        assert device["ts_ns"].is_sorted()
+    return sorted(frame["ts_ns"])
 
 
 def test_compaction_keeps_each_row_exactly_once_for_readers_and_tails(tmp_path):
@@ -289,19 +297,19 @@ def test_compaction_keeps_each_row_exactly_once_for_readers_and_tails(tmp_path):
     tail, late, tailed = TelemetryTail(run.path), TelemetryTail(run.path), []
     for k in range(8):
         writer.write(_seq_frame(3 * k))
-        assert run.scan_telemetry().collect()["ts_ns"].to_list() == list(range(3 * k + 3))
+        assert _rows(run.scan_telemetry().collect()) == list(range(3 * k + 3))
         tailed += tail.poll()["ts_ns"].to_list()
         if k == 4:
             tailed_late = late.poll()["ts_ns"].to_list()  # one compacted file, one chunk and a merged one
     assert tailed == list(range(24))
     names = sorted(os.listdir(run.node_telemetry_dir("n")))
     # chunks 0-2 were deleted at the second compaction; 3-5 still wait a compaction for late readers
-    assert names == ["000000-000002.arrow", "000003-000005.arrow", "000003.arrow", "000004.arrow",
+    assert names == ["000000-000002.parquet", "000003-000005.parquet", "000003.arrow", "000004.arrow",
                      "000005.arrow", "000006.arrow", "000007.arrow"]
     writer.close()
     assert sorted(os.listdir(run.node_telemetry_dir("n"))) == [
-        "000000-000002.arrow", "000003-000005.arrow", "000006-000007.arrow"]
-    assert tailed_late + late.poll()["ts_ns"].to_list() == list(range(24))
+        "000000-000002.parquet", "000003-000005.parquet", "000006-000007.parquet"]
+    assert sorted(tailed_late + late.poll()["ts_ns"].to_list()) == list(range(24))
     assert tail.poll().is_empty()
     assert ChunkWriter(run.node_telemetry_dir("n")).write(_seq_frame(24)).name == "000008.arrow"
 
@@ -312,18 +320,17 @@ def test_a_crash_mid_compaction_leaves_a_consistent_set(tmp_path):
     for k in range(4):
         writer.write(_seq_frame(3 * k))
     # crashed after renaming the compacted file, before deleting the chunks it holds,
-    (node / "000000-000002.arrow").write_bytes((node / "000000.arrow").read_bytes())
-    pl.concat([pl.read_ipc(node / f"00000{i}.arrow") for i in range(3)]).write_ipc(node / "000000-000002.arrow")
+    pl.concat([pl.read_ipc(node / f"00000{i}.arrow") for i in range(3)]).write_parquet(node / "000000-000002.parquet")
     # and with a half-written next compaction
-    (node / ".000003-000009.arrow.tmp").write_bytes(b"half")
+    (node / ".000003-000009.parquet.tmp").write_bytes(b"half")
     run = RunDir(tmp_path / "run")
-    assert run.scan_telemetry().collect()["ts_ns"].to_list() == list(range(12))
+    assert _rows(run.scan_telemetry().collect()) == list(range(12))
     again = ChunkWriter(node)  # a restarted writer finishes the cleanup and continues after it
-    assert sorted(os.listdir(node)) == ["000000-000002.arrow", "000003.arrow"]
+    assert sorted(os.listdir(node)) == ["000000-000002.parquet", "000003.arrow"]
     again.write(_seq_frame(12))
     again.close()
-    assert sorted(os.listdir(node)) == ["000000-000002.arrow", "000003-000004.arrow"]
-    assert run.scan_telemetry().collect()["ts_ns"].to_list() == list(range(15))
+    assert sorted(os.listdir(node)) == ["000000-000002.parquet", "000003-000004.parquet"]
+    assert _rows(run.scan_telemetry().collect()) == list(range(15))
 
 
 _WRITER_LOOP = """
@@ -338,7 +345,7 @@ writer = ChunkWriter(run.node_telemetry_dir("n"), compact_every=4)
 print("ready", flush=True)
 while True:
     writer.write(pl.DataFrame({"ts_ns": range(k, k + 5), "mono_ns": range(k, k + 5), "node": ["n"] * 5,
-                               "device": ["gpu0"] * 5, "uuid": ["u"] * 5, "backend": ["sim"] * 5}))
+                               "device": [f"gpu{t % 2}" for t in range(k, k + 5)], "uuid": ["u"] * 5}))
     k += 5
     time.sleep(0.002)
 """
@@ -366,9 +373,9 @@ def test_kill_9_at_any_moment_of_compaction_loses_and_doubles_nothing(tmp_path):
         finally:
             proc.kill()
             proc.wait()
-        rows = run.scan_telemetry().collect()["ts_ns"].to_list()
+        rows = _rows(run.scan_telemetry().collect())
         assert rows == list(range(len(rows))) and len(rows) % 5 == 0  # whole chunks, no gap, no double
         assert len(rows) >= seen
         seen = len(rows)
     assert seen > 0 and any("-" in p.name for p in run.telemetry_files())  # compactions happened
-    assert tailed + tail.poll()["ts_ns"].to_list() == list(range(seen))
+    assert sorted(tailed + tail.poll()["ts_ns"].to_list()) == list(range(seen))
