@@ -7,7 +7,8 @@
    Target: under 2 % of one core at 100 Hz x 8 devices.
 2. Rate accuracy over --seconds: achieved Hz, jitter of tick times against their deadlines,
    missed deadlines.
-3. Bytes on disk per device-sample (zstd Arrow IPC chunks, one per second).
+3. Bytes on disk per device-sample, as recorded: zstd Arrow IPC chunks, one per second, compacted
+   every minute into LZ4 Parquet files (recorder.py).
 4. Memory over a time-compressed --hours simulated recording at 20 Hz x 8 GPUs (the clock is
    injected and advanced instead of sleeping): RSS must stay flat.
 """
