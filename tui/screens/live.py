@@ -26,7 +26,7 @@ from textual.widgets import Log, Static
 from textual.worker import get_current_worker
 
 from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
-from charllm.tui.widgets.charts import Chart
+from charllm.tui.widgets.charts import MAX_POINTS, Chart
 
 POLL_S = 0.25
 WINDOWS_S = (15, 30, 60, 120, 300, 900, None)     # zoom steps; None: everything recorded
@@ -160,8 +160,10 @@ class LiveScreen(WorkbenchScreen):
         self.window = DEFAULT_WINDOW
         self.group_nodes: bool | None = None     # None: automatic (above GROUP_ABOVE devices)
         self.strip_width = 60
+        self.chart_points = 120                  # time buckets per series the feed averages into
         self.compact = False                     # small terminal: one chart at a time (c cycles)
         self.chart_index = 0
+        self._shown: dict[str, str] = {}
         self.frames = 0                          # frames drawn (tests and benchmarks read it)
         self.last_frame: Frame | None = None
 
@@ -189,6 +191,8 @@ class LiveScreen(WorkbenchScreen):
         self.compact = self.size.width < 110 or self.size.height < 36
         self.set_class(self.compact, "-compact")
         self.strip_width = max(10, self.size.width - 16)
+        chart_width = self.size.width if self.compact else self.size.width // 2
+        self.chart_points = max(10, (chart_width - 8) * 2)     # braille: two points per cell
         self._show_charts()
 
     def _show_charts(self) -> None:
@@ -206,6 +210,7 @@ class LiveScreen(WorkbenchScreen):
         self.frames = 0
         self.last_frame = None
         self.query_one("#log-tail", Log).clear()
+        self._shown.clear()
         finished = False
         if run_dir is not None:
             try:
@@ -258,13 +263,14 @@ class LiveScreen(WorkbenchScreen):
                         history = history.filter(pl.col("ts_ns") >= history["ts_ns"].max() - KEEP_S * 10**9)
                 status = source.status()
                 if not events and not log_lines and status == last_status and (rows is None or not rows.height) \
-                        and (rows_seen, self.window, self.group_nodes, self.strip_width) == drawn_with:
+                        and (rows_seen, self.window, self.group_nodes, self.strip_width, self.chart_points) == drawn_with:
                     time.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
                     continue    # nothing new: no message, no repaint
                 last_status = status
-                view = (rows_seen, self.window, self.group_nodes, self.strip_width)
+                view = (rows_seen, self.window, self.group_nodes, self.strip_width, self.chart_points)
                 if view != drawn_with:   # telemetry arrives about once a second (one chunk per node)
-                    frame = build_frame(history, t0, WINDOWS_S[self.window], self.group_nodes, self.strip_width)
+                    frame = build_frame(history, t0, WINDOWS_S[self.window], self.group_nodes, self.strip_width,
+                                        self.chart_points)
                     drawn_with = view
                 else:
                     frame = Frame(source="", status="", kind=last_kind, charts=None)
@@ -314,10 +320,16 @@ class LiveScreen(WorkbenchScreen):
             title = f"[b]{frame.source}[/b] · [yellow]{frame.error}[/]"
         elif frame.kind == "none":
             title += " · waiting for telemetry…"
-        self.query_one("#live-title", Static).update(title)
+        self._update("#live-title", title)
         self.query_one("#sim-badge").display = frame.simulated
         self.query_one("#live-bottom").display = frame.kind != "host" or bool(frame.iterations)
-        self.query_one("#iterations", Static).update(iterations_text(frame.iterations) + "\n" + frame.ranks)
+        self._update("#iterations", iterations_text(frame.iterations) + "\n" + frame.ranks)
+
+    def _update(self, selector: str, content: str) -> None:
+        """Update a Static only when its text changes (each update costs a repaint)."""
+        if self._shown.get(selector) != content:
+            self._shown[selector] = content
+            self.query_one(selector, Static).update(content)
 
     # -- actions -------------------------------------------------------------------------------
     def action_pause(self) -> None:
@@ -339,7 +351,7 @@ class LiveScreen(WorkbenchScreen):
 
 
 # -- frame computation (worker thread) -----------------------------------------------------------
-def build_frame(history, t0, window_s, group_nodes, strip_width) -> Frame:
+def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: int = 120) -> Frame:
     import polars as pl
 
     if history is None or history.height == 0:
@@ -369,10 +381,16 @@ def build_frame(history, t0, window_s, group_nodes, strip_width) -> Frame:
     charts: dict[str, dict] = {m: {} for m in metrics}
     throttle: list[tuple[str, list[int]]] = []
     lo, hi = (data["t_s"].min() or 0.0), (data["t_s"].max() or 0.0)
-    for (name,), part in sorted(data.partition_by("label", as_dict=True).items()):
-        xs = part["t_s"].to_list()
+    # Average into the time buckets the charts can show (the chart adapter would do it too, slower).
+    labels = data["label"].n_unique()
+    buckets = max(10, min(chart_points, MAX_POINTS // max(1, labels)))
+    bucket = ((pl.col("t_s") - lo) / ((hi - lo) or 1) * (buckets - 1)).round().cast(pl.Int64)
+    means = (data.group_by("label", bucket.alias("bucket")).agg(pl.col("t_s").mean(), *(pl.col(m).mean() for m in metrics))
+             .sort("label", "bucket"))
+    for (name,), part in means.partition_by("label", as_dict=True).items():
         for m in metrics:
-            charts[m][name] = (xs, part[m].to_list())
+            charts[m][name] = (part["t_s"].to_list(), part[m].to_list())
+    for (name,), part in sorted(data.partition_by("label", as_dict=True).items()):
         if kind == "gpu":
             cols = ((part["t_s"] - lo) / ((hi - lo) or 1) * (strip_width - 1)).cast(pl.Int64)
             bits = (part.select(cols.alias("c"), pl.col("throttle_reasons").fill_null(0))

@@ -16,6 +16,7 @@ from textual_plotext import PlotextPlot
 MAX_FPS = 4.0
 MAX_LEGEND = 4
 SPARSE_POINTS = 400
+MAX_POINTS = 400           # per chart: plotext's build time grows with points; many series share them
 Series = dict[str, tuple[Sequence[float], Sequence[float]]]
 
 
@@ -72,7 +73,8 @@ class Chart(PlotextPlot):
         plt.title(f"{self.title}{self._note}")
         if self.xlabel:
             plt.xlabel(self.xlabel)
-        buckets = max(10, (self.size.width - 8) * 2)
+        per_cell = max(10, (self.size.width - 8) * 2)
+        buckets = max(10, min(per_cell, MAX_POINTS // max(1, len(self._series))))
         legend = len(self._series) <= MAX_LEGEND       # more labels than that would cover the plot
         series = {label: downsample(xs, ys, buckets) for label, (xs, ys) in self._series.items()}
         sparse = sum(len(dx) for dx, _ in series.values()) <= SPARSE_POINTS
