@@ -377,10 +377,10 @@ def _gpu_stats(gpu: pl.DataFrame, names: pl.DataFrame, temp_limit: float, max_cl
     """One row of statistics per GPU (`_dev`), after its `names` (from `_by_device`)."""
     dt = pl.col("dt_s")
     p, nxt_p = pl.col("power_w"), pl.col("_next_power_w")
-    tw_mean = lambda c: pl.when(_only(pl.col(c).is_not_null(), dt).sum() > 0).then(  # noqa: E731
-        (pl.col(c) * dt).sum() / _only(pl.col(c).is_not_null(), dt).sum())
-    frac = lambda cond, c: pl.when(_only(pl.col(c).is_not_null(), dt).sum() > 0).then(  # noqa: E731
-        _only(cond, dt).sum() / _only(pl.col(c).is_not_null(), dt).sum())
+    # The time during which a metric was known (all of it for metrics with no gaps: most).
+    known_dt = lambda c: dt if gpu[c].null_count() == 0 else _only(pl.col(c).is_not_null(), dt)  # noqa: E731
+    tw_mean = lambda c: pl.when(known_dt(c).sum() > 0).then((pl.col(c) * dt).sum() / known_dt(c).sum())  # noqa: E731
+    frac = lambda cond, c: pl.when(known_dt(c).sum() > 0).then(_only(cond, dt).sum() / known_dt(c).sum())  # noqa: E731
     known = lambda value, *cols: pl.when(  # noqa: E731 - null, not 0, when nothing was measured
         pl.any_horizontal(pl.col(c).is_not_null().any() for c in cols)).then(value)
     # Without the hardware's maximum clock, the GPU's own highest clock stands in for it.
@@ -448,7 +448,8 @@ def _excursions(gpu: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:
             _only(pl.col(above), pl.col(excess)).max().alias(f"spikes_over_{name}_max_excess_w"),
         ]
         sizes.append(lambda frame, excess=excess, above=above, spike=spike, name=name: (
-            frame.lazy().filter(above).group_by(spike).agg(pl.col("_dev").first(), pl.col(excess).max())
+            frame.lazy().filter(above).group_by(spike, maintain_order=True)  # a reproducible mean
+            .agg(pl.col("_dev").first(), pl.col(excess).max())
             .group_by("_dev").agg(pl.col(excess).mean().alias(f"spikes_over_{name}_avg_excess_w"))
         ))
     frame = frame.collect()

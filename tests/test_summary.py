@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pytest
+from polars.testing import assert_frame_equal
 from runfactory import gpu_frame, iteration_rows, make_run
 
 from charllm.probes.errors import UserError
@@ -282,3 +283,50 @@ def test_running_runs_are_not_cached(square_run):
     square_run.update_manifest(status="running")
     summarize(square_run, "all")
     assert not (square_run.path / "summaries").exists()
+
+
+def _recording(rng: np.random.Generator) -> pl.DataFrame:
+    """Two nodes of three GPUs and a host, 20 Hz for 30 s, as a sampler writes them: each tick's
+    devices in turn. Noisy power, a wrapping NVLink counter, a metric with gaps, throttle bits."""
+    t = np.arange(600) / 20
+    frames = []
+    for node in ("n0", "n1"):
+        for g in range(3):
+            power = 300 + 200 * (np.floor(t / 3) % 2) + rng.normal(0, 30, t.size)
+            temp = np.where(rng.random(t.size) < 0.1, np.nan, 60 + 25 * t / 30 + g)
+            link = (np.cumsum(rng.integers(0, 2**28, t.size)) + 2**32 - 2**30) % 2**32
+            frames.append(gpu_frame(
+                t, node=node, device=f"gpu{g}", power_w=power, power_limit_w=450.0, temp_gpu_c=temp,
+                energy_j=np.cumsum(power) / 20, sm_clock_mhz=np.where(power > 450, 1500.0, 1980.0),
+                throttle_reasons=np.where(power > 450, THROTTLE_BITS["sw_power_cap"], 0), nvlink_tx_bytes=link,
+            ).with_columns(pl.col("temp_gpu_c").fill_nan(None)))
+        frames.append(gpu_frame(t[::2], node=node, device="host", cpu_util_pct=rng.uniform(0, 100, t.size // 2)))
+    return pl.concat(frames).sort("ts_ns", maintain_order=True)
+
+
+def test_summaries_do_not_depend_on_how_the_recording_is_laid_out(tmp_path):
+    """Devices interleaved in 1-s chunks, compacted files grouped by device, one file per node:
+    the same samples give the same statistics (device and time order are rebuilt, never assumed).
+    Equal to the last bits that float summation order allows: polars' sums vary there with the
+    memory layout of equal inputs."""
+    from charllm.probes.recorder import ChunkWriter
+
+    data = _recording(np.random.default_rng(3))
+    layouts = {"one file per node": make_run(tmp_path / "a", [data], chunks=1)}
+    for name, every in (("1-s chunks", None), ("compacted every 7 s", 7)):
+        run = make_run(tmp_path / name.replace(" ", "-"), [data.head(1)], chunks=1)
+        for f in run.telemetry_files():
+            f.unlink()
+        for (node,), part in data.group_by(["node"], maintain_order=True):
+            writer = ChunkWriter(run.node_telemetry_dir(node), compact_every=every)
+            second = (part["ts_ns"] - part["ts_ns"].min()) // 10**9
+            for _, chunk in part.group_by(second, maintain_order=True):
+                writer.write(chunk)
+            writer.close()
+        layouts[name] = run
+    assert any(f.suffix == ".parquet" for f in layouts["compacted every 7 s"].telemetry_files())
+    for by in ("gpu", "node", "run"):
+        first, *others = (summarize(run, "all", by=by) for run in layouts.values())
+        assert first.height == {"gpu": 6, "node": 2, "run": 1}[by]
+        for other in others:
+            assert_frame_equal(first, other, rel_tol=1e-12, abs_tol=0)
