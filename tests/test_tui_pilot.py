@@ -340,6 +340,9 @@ def test_bad_tui_toml_is_one_clear_error(charllm_dirs):
     (config / "tui.toml").write_text('[keymap]\n"screen.runs" = 9\n')
     with pytest.raises(UserError, match="keymap"):
         load_settings()
+    (config / "tui.toml").write_text('[keymap]\n"screen.lve" = "f9"\n')
+    with pytest.raises(UserError, match="'screen.lve': no such binding id; did you mean 'screen.live'"):
+        load_settings()
 
 
 @pilot_test

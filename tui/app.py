@@ -15,6 +15,7 @@ User settings come from `<config_dir>/tui.toml`:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import tomllib
 from pathlib import Path
@@ -43,12 +44,7 @@ DEFAULT_EXPERIMENT = "tiny-local"
 
 def _screen_factory(target: str) -> Callable[[], Screen]:
     """Import a screen module only when its mode is first shown (keeps the first frame fast)."""
-    module, _, cls = target.partition(":")
-
-    def make() -> Screen:
-        return getattr(importlib.import_module(f"charllm.tui.screens.{module}"), cls)()
-
-    return make
+    return lambda: _screen_class(target)()
 
 
 def load_settings(path: Path | None = None) -> dict:
@@ -69,7 +65,27 @@ def load_settings(path: Path | None = None) -> dict:
         raise UserError(f"{path}: theme = {theme!r}: must be a theme name (a string)")
     if not isinstance(keymap, dict) or not all(isinstance(v, str) for v in keymap.values()):
         raise UserError(f"{path}: [keymap] must map binding ids to key strings, e.g. \"screen.live\" = \"f9\"")
+    known = binding_ids() if keymap else set()
+    for binding_id in keymap:
+        if binding_id not in known:
+            close = difflib.get_close_matches(binding_id, sorted(known), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else "; the help screen (F1) lists the ids"
+            raise UserError(f"{path}: [keymap] {binding_id!r}: no such binding id{hint}")
     return {"theme": theme, "keymap": keymap}
+
+
+def binding_ids() -> set[str]:
+    """Every binding id of the app and its screens (what [keymap] may rebind)."""
+    from charllm.tui.screens.dialogs import AskName, Confirm
+    from charllm.tui.screens.help import HelpScreen
+
+    classes = [CharllmApp, HelpScreen, AskName, Confirm, *(_screen_class(target) for *_, target in SCREENS)]
+    return {b.id for cls in classes for b in cls.BINDINGS if isinstance(b, Binding) and b.id}
+
+
+def _screen_class(target: str) -> type[Screen]:
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(f"charllm.tui.screens.{module}"), cls)
 
 
 class CharllmApp(App[None]):
