@@ -156,9 +156,9 @@ class RunDir:
     def scan_telemetry(self):
         """A polars LazyFrame over every telemetry file, conformed to the schema.
 
-        Files with the schema's exact columns (all the recorder writes) go into one scan per
-        format, far faster than a scan per file; others (older or imported files) are conformed
-        one by one.
+        Compacted Parquet files go into one scan, given the schema (a file missing a column
+        gets nulls); Arrow chunks with the schema's exact columns likewise, others (older or
+        imported files) are conformed one by one. One scan is far faster than a scan per file.
         """
         import itertools
 
@@ -170,13 +170,22 @@ class RunDir:
         if not files:
             return empty_frame().lazy()
         schema = dict(TELEMETRY_SCHEMA)
-        parquet = lambda f: f.suffix == ".parquet"  # noqa: E731
-        kind = lambda f: (parquet(f), (pl.read_parquet_schema(f) if parquet(f) else pl.read_ipc_schema(f)) == schema)  # noqa: E731
+
+        def kind(f: Path) -> str:
+            if f.suffix == ".parquet":
+                return "parquet"
+            return "arrow" if pl.read_ipc_schema(f) == schema else "other"
+
         parts = []
-        for (is_parquet, same), group in itertools.groupby(files, key=kind):
-            scan = pl.scan_parquet if is_parquet else pl.scan_ipc
+        for k, group in itertools.groupby(files, key=kind):
             group = list(group)
-            parts += [scan(group, glob=False)] if same else [conform(scan(f, glob=False)) for f in group]
+            if k == "parquet":
+                parts.append(pl.scan_parquet(
+                    group, glob=False, schema=schema, missing_columns="insert", extra_columns="ignore",
+                    cast_options=pl.ScanCastOptions(integer_cast="upcast", float_cast="upcast")))
+            else:
+                parts += [pl.scan_ipc(group, glob=False)] if k == "arrow" else \
+                    [conform(pl.scan_ipc(f, glob=False)) for f in group]
         return parts[0] if len(parts) == 1 else pl.concat(parts, how="vertical")
 
     def read_iterations(self):
