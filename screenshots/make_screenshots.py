@@ -50,7 +50,7 @@ async def main(out: Path) -> None:
         screen = pilot.app.screen
         await until(pilot, lambda: screen.last is not None and screen.last.serial == screen.edit_serial)
 
-    async def compose_big(pilot):
+    def llama70b():
         from charllm.engine import catalog
 
         exp = catalog.load_experiment("tiny-local")
@@ -62,7 +62,10 @@ async def main(out: Path) -> None:
         exp.training.global_batch_size, exp.training.micro_batch_size = 128, 1
         exp.training.bf16 = True
         exp.training.recompute_granularity = "selective"
-        pilot.app.use_experiment(exp)
+        return exp
+
+    async def compose_big(pilot):
+        pilot.app.use_experiment(llama70b())
         await compose(pilot)
 
     async def sweep(pilot):
@@ -97,7 +100,7 @@ async def main(out: Path) -> None:
     await shoot("compose", CharllmApp(), compose, out)
     await shoot("compose-llama3-70b", CharllmApp(), compose_big, out)
     await shoot("compose-80x24", CharllmApp(), compose, out, size=(80, 24))
-    await shoot("sweep", CharllmApp(), sweep, out)
+    await shoot("sweep", CharllmApp(llama70b()), sweep, out)
     await shoot("launch", CharllmApp(), launch, out)
     await shoot("live", CharllmApp(run=demo), live, out)
     await shoot("live-80x24", CharllmApp(run=demo), live, out, size=(80, 24))

@@ -62,10 +62,10 @@ def test_compose_launch_watch_and_quit(tmp_path, charllm_dirs):
     app = psutil.Process(int(tmux("display-message", "-p", "-t", "tui", "#{pane_pid}").strip()))
     try:
         tmux.wait_for(r"Compose F2", timeout=60)
-        # Compose: the preset list has the focus; pick tiny-local from it.
+        # Compose: the preset list has the focus; open it, type to find tiny-local, pick it.
         tmux.keys("Enter")
         tmux.wait_for(r"tiny-local", timeout=10)
-        tmux.keys("Enter")
+        tmux.keys("t", "i", "n", "y", "-", "l", "Enter")
         tmux.wait_for(r"FITS", timeout=60)
         # Launch: the dry run, then launch on this machine.
         tmux.keys("F4")
