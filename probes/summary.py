@@ -27,6 +27,11 @@ units in column names. Statistics follow the CharLLM-PPT paper where it defines 
 Summaries of finished runs are cached in RUN_DIR/summaries/ and recomputed when the
 experiment, the iteration log or a telemetry directory changes.
 
+How it stays fast (an hour of 64 GPUs at 20 Hz is 4.6M rows): one scan of the run reads only
+the columns used; devices are ordered by copying the per-device runs of the recorder's
+compacted files (never assumed: interleaved chunks are sorted instead); every statistic of
+every GPU is then one group_by over contiguous slices, shifts masked at device boundaries.
+
 Windows: "steady" spans the non-warm-up iterations of the log (falls back to "all", with a
 note, when there is no log); "all" is every sample; (start_s, end_s) are seconds after the
 run's first sample.
@@ -138,24 +143,29 @@ def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
     temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
     max_clock = exp.max_sm_clock_mhz if exp else None
 
-    # One pass over the files reads the columns the accelerator statistics use; host rows, when
-    # there are any, take a second pass for theirs.
-    samples = _in_window(scan, start_ns, end_ns)
-    gpu = samples.select(_GPU_COLUMNS).collect()
-    if gpu.height == 0:
-        raise UserError(
-            f"window {label}: no telemetry samples in it (the run's samples span "
-            f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
-        )
-    last_ns = gpu["ts_ns"].max()
+    # One pass over the files reads the columns the accelerator statistics use, and the window
+    # is cut while ordering by device (a row filter here would copy every column); host rows,
+    # when there are any, take a second pass for theirs.
+    in_window = _in_window(start_ns, end_ns)
+    gpu = scan.select(_GPU_COLUMNS).collect()
     host = None
     if (is_host := gpu["device"] == "host").any():
         gpu = gpu.filter(~is_host)
-        host = _host_stats(*_by_device(samples.filter(pl.col("device") == "host").select(_HOST_COLUMNS).collect(),
-                                       ["node"], {"node": pl.col("node").first()}))
+        host = scan.filter(pl.col("device") == "host", in_window).select(_HOST_COLUMNS).collect()
+        host = _by_device(host, ["node"], {"node": pl.col("node").first()}) if host.height else None
+    gpu = _by_device(gpu, KEYS, _GPU_LABELS, in_window) if gpu.height else None
+    if gpu is None or gpu[0].height == 0:
+        gpu = None
+        if host is None:
+            raise UserError(
+                f"window {label}: no telemetry samples in it (the run's samples span "
+                f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
+            )
+    last_ns = max(f[0]["ts_ns"].max() for f in (gpu, host) if f is not None)
+    host = _host_stats(*host) if host is not None else None
     gpus = None
-    if gpu.height:
-        gpu, names = _by_device(gpu, KEYS, _GPU_LABELS)
+    if gpu is not None:
+        gpu, names = gpu
         gpus = _gpu_stats(gpu, names, temp_limit, max_clock)
     durations = [f[c].max() for f, c in ((gpus, "duration_s"), (host, "host_duration_s")) if f is not None]
     if max(durations) == 0:
@@ -306,16 +316,19 @@ def _with_iteration_stats(table: pl.DataFrame, it: dict) -> pl.DataFrame:
 # --------------------------------------------------------------------------------------------
 # Per GPU
 # --------------------------------------------------------------------------------------------
-def _in_window(lf: pl.LazyFrame, start_ns: int | None, end_ns: int | None) -> pl.LazyFrame:
+def _in_window(start_ns: int | None, end_ns: int | None) -> pl.Expr:
+    keep = pl.lit(True)
     if start_ns is not None:
-        lf = lf.filter(pl.col("ts_ns") >= start_ns)
+        keep &= pl.col("ts_ns") >= start_ns
     if end_ns is not None:
-        lf = lf.filter(pl.col("ts_ns") <= end_ns)
-    return lf
+        keep &= pl.col("ts_ns") <= end_ns
+    return keep
 
 
-def _by_device(samples: pl.DataFrame, keys: list[str], labels: dict[str, pl.Expr]) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(samples grouped by device, each device's in time order; one row of `labels` per device).
+def _by_device(samples: pl.DataFrame, keys: list[str], labels: dict[str, pl.Expr],
+               keep: pl.Expr = pl.lit(True)) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(the samples to `keep`, grouped by device, each device's in time order; one row of
+    `labels` per device).
 
     Devices get an integer id `_dev` (a 64-bit hash of the key strings, far cheaper to order and
     group by than the strings), ascending in the samples frame, which keeps only the numbers:
@@ -325,20 +338,31 @@ def _by_device(samples: pl.DataFrame, keys: list[str], labels: dict[str, pl.Expr
     dev = pl.col(keys[0]).hash(1)
     for k in keys[1:]:
         dev = dev ^ pl.col(k).hash(2)
-    samples = samples.with_columns(dev.alias("_dev"))
-    names = samples.lazy().group_by("_dev").agg(**labels, **{f"_{k}_max": pl.col(k).max() for k in keys}).collect()
+    samples = samples.with_columns(dev.alias("_dev"), keep.alias("_keep"))
+    names = samples.lazy().filter("_keep").group_by("_dev").agg(
+        **labels, **{f"_{k}_max": pl.col(k).max() for k in keys}).collect()
     if any((names[k] != names[f"_{k}_max"]).any() for k in keys):  # a hash collision: never seen, but be exact
         samples = samples.with_columns(pl.struct(keys).rank("dense").cast(pl.UInt64).alias("_dev"))
-        names = samples.lazy().group_by("_dev").agg(**labels).collect()
+        names = samples.lazy().filter("_keep").group_by("_dev").agg(**labels).collect()
     samples = samples.drop(c for c, t in samples.schema.items() if t == pl.String)
     # Compacted files group rows by device (recorder.py), each device's in time order: copying
-    # those runs in device order is a stable sort by device at a third of a sort's cost.
-    runs = samples.select(pl.col("_dev").rle()).unnest("_dev").with_row_index()
-    if runs.height <= max(1024, samples.height // 256):
-        runs = runs.with_columns((pl.col("len").cum_sum() - pl.col("len")).alias("offset")).sort("value", "index")
-        samples = pl.concat([samples.slice(o, n) for o, n in zip(runs["offset"], runs["len"])], rechunk=True)
+    # the kept part of those runs in device order is a stable sort by device and a row filter
+    # at a fraction of their cost.
+    runs = (
+        samples.lazy().select(pl.col("_dev").rle_id().alias("run"), "_dev", "_keep",
+                              pl.int_range(pl.len(), dtype=pl.UInt32).alias("row"))
+        .filter("_keep").group_by("run", maintain_order=True)
+        .agg(pl.col("_dev").first(), pl.col("row").first().alias("offset"), pl.len(),
+             (pl.col("row").last() - pl.col("row").first() + 1 == pl.len()).alias("contiguous"))
+        .collect()
+    )
+    if runs.height <= max(1024, samples.height // 256) and runs["contiguous"].all():
+        runs = runs.sort("_dev", "run")
+        samples = pl.concat([samples.slice(o, n) for o, n in zip(runs["offset"], runs["len"])] or
+                            [samples.clear()], rechunk=True)
     else:  # 1-s chunks, devices interleaved
-        samples = samples.sort("_dev", maintain_order=True)
+        samples = samples.filter("_keep").sort("_dev", maintain_order=True)
+    samples = samples.drop("_keep")
     # Files hold chunks in time order; only a clock step disorders a device's samples.
     if samples.select(((pl.col("_dev") == pl.col("_dev").shift(1)) & (pl.col("ts_ns").diff() < 0)).any()).item():
         samples = samples.sort(["_dev", "ts_ns"], maintain_order=True)

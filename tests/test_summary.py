@@ -325,8 +325,8 @@ def test_summaries_do_not_depend_on_how_the_recording_is_laid_out(tmp_path):
             writer.close()
         layouts[name] = run
     assert any(f.suffix == ".parquet" for f in layouts["compacted every 7 s"].telemetry_files())
-    for by in ("gpu", "node", "run"):
-        first, *others = (summarize(run, "all", by=by) for run in layouts.values())
+    for by, window in (("gpu", "all"), ("node", "all"), ("run", "all"), ("gpu", (5.0, 20.0))):
+        first, *others = (summarize(run, window, by=by) for run in layouts.values())
         assert first.height == {"gpu": 6, "node": 2, "run": 1}[by]
         for other in others:
             assert_frame_equal(first, other, rel_tol=1e-12, abs_tol=0)
