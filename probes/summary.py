@@ -134,20 +134,18 @@ def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
 def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
     exp = read_experiment(run.experiment_path)
     iterations = read_iterations(run)
-    scan = run.scan_telemetry()
-    first_ns, last_ns = scan.select(pl.col("ts_ns").min().alias("first"), pl.col("ts_ns").max().alias("last")) \
-        .collect().row(0)
-    if first_ns is None:
-        raise UserError(f"run {run.id}: no telemetry under {run.telemetry_dir} (nothing to summarize)")
-    start_ns, end_ns, label, notes = _window(window, iterations, first_ns)
-    temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
-    max_clock = exp.max_sm_clock_mhz if exp else None
-
     # One pass over the files reads the columns the accelerator statistics use, and the window
     # is cut while ordering by device (a row filter here would copy every column); host rows,
     # when there are any, take a second pass for theirs.
-    in_window = _in_window(start_ns, end_ns)
+    scan = run.scan_telemetry()
     gpu = scan.select(_GPU_COLUMNS).collect()
+    if gpu.height == 0:
+        raise UserError(f"run {run.id}: no telemetry under {run.telemetry_dir} (nothing to summarize)")
+    first_ns, last_ns = gpu["ts_ns"].min(), gpu["ts_ns"].max()
+    start_ns, end_ns, label, notes = _window(window, iterations, first_ns)
+    temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
+    max_clock = exp.max_sm_clock_mhz if exp else None
+    in_window = _in_window(start_ns, end_ns)
     host = None
     if (is_host := gpu["device"] == "host").any():
         gpu = gpu.filter(~is_host)
