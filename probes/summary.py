@@ -48,7 +48,7 @@ import polars as pl
 from charllm.probes.errors import UserError
 from charllm.probes.flops import RunExperiment, read_experiment
 from charllm.probes.rundir import RunDir, resolve_run
-from charllm.probes.schema import THROTTLE_BITS, THROTTLE_PERF_MASK, conform
+from charllm.probes.schema import THROTTLE_BITS, THROTTLE_PERF_MASK
 
 BY = ("gpu", "node", "run")
 FORMATS = ("table", "markdown", "csv", "json", "parquet")
@@ -498,7 +498,8 @@ def _host_stats(host: pl.DataFrame, names: pl.DataFrame) -> pl.DataFrame:
         tw_mean("temp_cpu_c").alias("temp_cpu_mean_c"), pl.col("temp_cpu_c").max().alias("temp_cpu_peak_c"),
         pl.col("host_mem_used_bytes").max().alias("host_mem_used_peak_bytes"),
         *(known(_only(pl.col(f"_{c}_delta") >= 0, pl.col(f"_{c}_delta")).sum(), c).alias(c) for c in energy),
-        *(known(_counter_delta(c).sum(), c).alias(c) for c in ("ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes")),
+        *(known(_counter_delta(c).sum(), c).alias(c)
+          for c in ("ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes")),
         pl.col("simulated").any().alias("host_simulated"),
     ]), on="_dev").drop("_dev").sort("node")
 
