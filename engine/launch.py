@@ -201,7 +201,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         return result
 
     if target.kind == "ssh":
-        for host in {s.host for s in steps}:
+        for host in dict.fromkeys(s.host for s in steps):  # in node order: the first bad host is named
             say(f"checking ssh to {host}")
             ssh.check(target, host)
     if target.kind == "slurm" and shutil.which("sbatch") is None:

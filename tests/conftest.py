@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
+@pytest.fixture
+def _pristine_environ():
+    """Restore os.environ after each test. Megatron-Core writes NVTE_* variables into os.environ
+    when a test builds a model in-process; later torchrun children would inherit them and refuse
+    a different attention backend."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True)
-def charllm_dirs(tmp_path, monkeypatch):
+def charllm_dirs(_pristine_environ, tmp_path, monkeypatch):
     """Isolate CHARLLM_* locations so tests never touch the user's real config or runs."""
     dirs = {
         "config": tmp_path / "charllm-config",

@@ -35,7 +35,8 @@ def test_dp2_trains_and_records_iterations_and_host_telemetry():
     telemetry = rd.scan_telemetry().collect()
     host = telemetry.filter(telemetry["device"] == "host")
     assert host.height > 0 and host["cpu_util_pct"].drop_nulls().len() > 0
-    assert run_processes(str(rd.path)) == []
+    # the supervisor writes the final status just before it exits itself
+    wait_for(lambda: run_processes(str(rd.path)) == [], 15, "every process of the run to exit")
     check_cli_on_finished_run(rd)
 
 

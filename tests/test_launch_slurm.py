@@ -41,7 +41,8 @@ def test_submitted_job_runs_and_completes(slurm_cluster):
     assert set(steps["rank"].to_list()) == {0, 1} and steps["iteration"].max() == 4
     telemetry = rd.scan_telemetry().collect()
     assert set(telemetry["node"].to_list()) == {"n1", "n2"}, "one sampler step per node"
-    assert run_processes(rd.id) == []
+    # the supervisor writes the final status just before it exits itself
+    wait_for(lambda: run_processes(rd.id) == [], 15, "every process of the run to exit")
 
 
 @pytest.mark.timeout(400)
