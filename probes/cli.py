@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--hz", type=float, default=20.0, help="samples per second, at most 100 (default: 20)")
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds (default: until signalled)")
     parser.add_argument("--out", metavar="RUN_DIR",
-                        help="run directory; chunks go to RUN_DIR/telemetry/<node>/NNNNNN.arrow")
+                        help="run directory; 1-s chunks go to RUN_DIR/telemetry/<node>/NNNNNN.arrow and are compacted into NNNNNN-MMMMMM.parquet every minute")
     parser.add_argument("--node", help="node name in the data (default: this host's name)")
     parser.add_argument("--stream", action="store_true", help="also write Arrow batches to stdout (for SSH)")
     parser.add_argument("--follow", action="store_true", help="show a live table on the terminal")

@@ -43,7 +43,7 @@ def test_two_node_job_streams_logs_iterations_and_telemetry_home(ssh_nodes):
     telemetry = rd.scan_telemetry().collect()
     assert set(telemetry["node"].to_list()) == set(ssh_nodes.hosts)
     for host in ssh_nodes.hosts:
-        assert list(rd.node_telemetry_dir(host).glob("*.arrow")), f"no local telemetry from {host}"
+        assert [f for f in rd.telemetry_files() if f.parent.name == host], f"no local telemetry from {host}"
         assert (rd.logs_dir / f"train-{host}.log").is_file() and (rd.logs_dir / f"sampler-{host}.log").is_file()
     assert "iter 4/4" in (rd.logs_dir / f"train-{ssh_nodes.hosts[0]}.log").read_text()  # rank 0's stdout
     assert all(p["remote_pgid"] for p in manifest["processes"])
