@@ -14,7 +14,8 @@ from rich.markup import escape
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, VerticalScroll
+from textual.containers import Grid, Horizontal, VerticalScroll
+from textual.lazy import Lazy
 from textual.message import Message
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 from textual.worker import get_current_worker
@@ -112,6 +113,14 @@ def set_value(exp: Experiment, field: Field, raw) -> None:
     exp.set(field.key, value)
 
 
+class Form(Grid):
+    """The form's grid; once mounted (lazily) it shows the app's experiment."""
+
+    def on_mount(self) -> None:
+        self.screen.query_one("#preset").focus()     # the form is where keyboard work starts
+        self.screen.sync_from_app(first_paint=True)
+
+
 class ComposeScreen(WorkbenchScreen):
     MODE = "compose"
     BINDINGS = [
@@ -141,7 +150,8 @@ class ComposeScreen(WorkbenchScreen):
     # -- layout ------------------------------------------------------------------------------
     def compose_body(self) -> ComposeResult:
         with Horizontal(id="compose"):
-            with VerticalScroll(id="form"):
+            # The form (~130 widgets) mounts just after the first frame: the screen appears at once.
+            with Lazy(VerticalScroll(id="form")), Form(id="form-grid"):
                 yield from self._row("preset", "preset",
                                      Select(self._options("experiments"), id="preset", compact=True,
                                             prompt="(load a preset)"))
@@ -171,9 +181,9 @@ class ComposeScreen(WorkbenchScreen):
 
     @staticmethod
     def _row(wid: str, label: str, control) -> ComposeResult:
-        with Horizontal(classes="field"):
-            yield Label(label, classes="field-label")
-            yield control
+        """Label and control side by side in the form's grid; the error (hidden) spans the row below."""
+        yield Label(label, classes="field-label")
+        yield control
         yield Static(id=f"err-{wid}", classes="field-error")
 
     @staticmethod
@@ -187,11 +197,13 @@ class ComposeScreen(WorkbenchScreen):
 
     # -- state <-> widgets -----------------------------------------------------------------
     def on_screen_resume(self) -> None:
-        if self.seen_app_serial != self.app.experiment_serial:
-            self.sync_from_app(first_paint=self.seen_app_serial < 0)
+        if self.seen_app_serial != self.app.experiment_serial and self.query(Form):
+            self.sync_from_app()
 
     def sync_from_app(self, first_paint: bool = False) -> None:
         """Show app.experiment in every control (without treating that as edits), then estimate."""
+        if not self.query(Form):
+            return  # not mounted yet: the form syncs itself when it mounts
         self.seen_app_serial = self.app.experiment_serial
         exp = self.app.experiment
         with self.prevent(Input.Changed, Select.Changed, Checkbox.Changed):
