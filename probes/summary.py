@@ -79,13 +79,24 @@ _HOST_COLUMNS = [
 # Entry point
 # --------------------------------------------------------------------------------------------
 def summarize(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu") -> pl.DataFrame:
-    """The run's summary; a finished run's summary is cached in RUN_DIR/summaries/ (see _cached)."""
+    """The run's summary; a finished run's summary is cached in RUN_DIR/summaries/ (see _cached).
+
+    `by="auto"` means per GPU, or per node when the run has no accelerator telemetry (a CPU run).
+    """
     run = run if isinstance(run, RunDir) else resolve_run(run)
+    if by == "auto":
+        by = "gpu" if has_accelerators(run) else "node"
     if by not in BY:
         raise UserError(f"by = {by!r}: expected one of {', '.join(BY)}")
     if isinstance(window, str) and window not in ("steady", "all"):
         window = parse_window(window)
     return _cached(run, window, by, lambda: _summarize(run, window, by))
+
+
+def has_accelerators(run: RunDir) -> bool:
+    """Whether the run recorded any device besides the host (reads one column)."""
+    devices = run.scan_telemetry().select("device").filter(pl.col("device") != "host").head(1)
+    return devices.collect().height > 0
 
 
 # Bump when a statistic changes meaning, so cached summaries of finished runs are recomputed.

@@ -257,6 +257,11 @@ def test_host_only_run_has_host_statistics(tmp_path):
     assert "host statistics only" in one(s, "notes")
     steady = summarize(run, "steady", by="node")
     assert steady["node"].to_list() == ["n0"] and one(steady, "samples_per_s") == pytest.approx(8.0)
+    assert summarize(run, "steady", by="auto").equals(steady)   # the CLI's default for a CPU run
+
+
+def test_auto_means_per_gpu_when_the_run_has_gpus(square_run):
+    assert summarize(square_run, "all", by="auto").equals(summarize(square_run, "all", by="gpu"))
 
 
 def test_bad_by_is_a_user_error(square_run):

@@ -17,7 +17,8 @@ def register(subparsers) -> None:
     p.add_argument("--window", default="steady", metavar="steady|all|START:END",
                    help="steady iterations (default; 'all' when the run has no iteration log), the whole "
                         "run, or seconds after the first sample")
-    p.add_argument("--by", choices=("gpu", "node", "run"), default="gpu")
+    p.add_argument("--by", choices=("gpu", "node", "run"), default="auto",
+                   help="default: gpu, or node when the run has no GPU telemetry (a CPU run)")
     p.add_argument("--format", choices=FORMATS, default=None, help="default: table, or from --out's suffix")
     p.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     p.set_defaults(func=run)
