@@ -145,6 +145,19 @@ class RunDir:
     def status(self) -> str:
         return self.read_manifest().get("status", "unknown")
 
+    def check_deletable(self) -> None:
+        """A run still pending or running must be cancelled first (its processes own the files)."""
+        status = self.status
+        if status not in FINAL_STATUSES and status != "unknown":
+            raise UserError(f"run {self.id!r} is {status}; cancel it first "
+                            f"(charllm-tui runs cancel {self.id}, or c on the Runs screen)")
+
+    def delete(self) -> None:
+        import shutil
+
+        self.check_deletable()
+        shutil.rmtree(self.path)
+
     # -- data -------------------------------------------------------------------------------
     def telemetry_files(self) -> list[Path]:
         """Complete telemetry files, per node oldest first, each chunk once (see node_chunks)."""

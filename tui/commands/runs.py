@@ -120,14 +120,6 @@ def _cancel(rd, args) -> int:
 
 
 def _delete(rd, args) -> int:
-    import shutil
-
-    from charllm.probes.errors import UserError
-    from charllm.probes.rundir import FINAL_STATUSES
-
-    status = rd.status
-    if status not in FINAL_STATUSES and status != "unknown":
-        raise UserError(f"run {rd.id!r} is {status}; cancel it first (charllm-tui runs cancel {rd.id})")
-    shutil.rmtree(rd.path)
+    rd.delete()
     print(f"run {rd.id}: deleted")
     return 0

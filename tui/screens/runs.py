@@ -6,7 +6,6 @@ The list comes from `probes.rundir.list_runs`; the headline numbers from `probes
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,20 +184,27 @@ class RunsScreen(WorkbenchScreen):
         self.app.call_from_thread(self.action_refresh)
 
     def action_delete(self) -> None:
-        from charllm.probes.rundir import FINAL_STATUSES, RunDir
+        from charllm.probes.errors import UserError
+        from charllm.probes.rundir import RunDir
         from charllm.tui.screens.dialogs import Confirm
 
         run_id = self.current_run()
         if not run_id:
             return
         rd = RunDir(self.runs[run_id])
-        if rd.status not in FINAL_STATUSES and rd.status != "unknown":
-            self.notify(f"run {run_id!r} is {rd.status}; cancel it first (c)", severity="error")
+        try:
+            rd.check_deletable()
+        except UserError as exc:
+            self.notify(str(exc), severity="error")
             return
 
         def answer(yes: bool | None) -> None:
             if yes:
-                shutil.rmtree(rd.path, ignore_errors=True)
+                try:
+                    rd.delete()
+                except UserError as exc:  # it started running while the dialog was open
+                    self.notify(str(exc), severity="error")
+                    return
                 self.marked = [m for m in self.marked if m != run_id]
                 self.notify(f"run {run_id}: deleted")
                 self.action_refresh()
