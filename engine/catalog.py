@@ -8,7 +8,6 @@ same name as a shipped one takes precedence.
 from __future__ import annotations
 
 import difflib
-import tomllib
 from importlib import resources
 from pathlib import Path
 
@@ -53,17 +52,10 @@ def find(kind: str, name: str) -> Path:
     raise UserError(f"{singular} {name!r}: no such preset{hint}")
 
 
-def read_toml(path: Path) -> dict:
-    try:
-        return tomllib.loads(Path(path).read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: invalid TOML ({exc})") from None
-
-
 def load_model(name: str):
     from charllm.engine.experiment import ModelSpec, build
 
-    data = read_toml(find("models", name))
+    data = paths.read_toml(find("models", name), "preset")
     data.setdefault("name", name)
     return build(ModelSpec, data, f"model preset {name!r}")
 
@@ -71,7 +63,7 @@ def load_model(name: str):
 def load_hardware(name: str):
     from charllm.engine.experiment import Hardware, build
 
-    data = read_toml(find("hardware", name))
+    data = paths.read_toml(find("hardware", name), "preset")
     data.setdefault("name", name)
     return build(Hardware, data, f"hardware preset {name!r}")
 
@@ -83,6 +75,6 @@ def load_experiment(ref: str):
     path = Path(ref).expanduser()
     if path.suffix == ".toml" or path.is_file():
         return Experiment.load(path)
-    data = read_toml(find("experiments", ref))
+    data = paths.read_toml(find("experiments", ref), "preset")
     data.setdefault("name", ref)
     return Experiment.from_dict(data, source=f"experiment preset {ref!r}")

@@ -353,14 +353,9 @@ class Experiment:
 
     @classmethod
     def load(cls, path: Path) -> "Experiment":
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"experiment file {str(path)!r}: no such file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise UserError(f"experiment file {str(path)!r}: invalid TOML ({exc})") from None
-        return cls.from_dict(data, source=str(path))
+        from charllm.probes.paths import read_toml
+
+        return cls.from_dict(read_toml(path, "experiment file"), source=str(path))
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ import dataclasses
 import difflib
 import re
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,12 +159,7 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
 
 def load_file(path: Path) -> dict[str, Target]:
     path = Path(path).expanduser()
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"targets file {str(path)!r}: no such file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"targets file {str(path)!r}: invalid TOML ({exc})") from None
+    data = paths.read_toml(path, "targets file")
     out = {}
     for name, table in data.items():
         if name == "local":

@@ -96,10 +96,7 @@ def read_experiment(path: Path) -> RunExperiment | None:
     path = Path(path)
     if not path.is_file():
         return None
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"experiment file {str(path)!r}: invalid TOML ({exc})") from None
+    data = paths.read_toml(path, "experiment file")
     for section, kind in (("model", "models"), ("hardware", "hardware")):
         value = data.get(section)
         if isinstance(value, str):

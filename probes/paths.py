@@ -20,6 +20,20 @@ def _dir(env: str, default) -> Path:
     return Path(value).expanduser() if value else Path(default())
 
 
+def read_toml(path: Path, what: str = "file") -> dict:
+    """A TOML file as a dict; a missing file or bad syntax is one UserError line naming the file."""
+    import tomllib
+
+    from charllm.probes.errors import UserError
+
+    try:
+        return tomllib.loads(Path(path).expanduser().read_text())
+    except FileNotFoundError:
+        raise UserError(f"{what} {str(path)!r}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{what} {str(path)!r}: invalid TOML ({exc})") from None
+
+
 def config_dir() -> Path:
     from platformdirs import user_config_dir
 

@@ -52,3 +52,12 @@ def test_copy_is_deep_per_section():
     other = exp.copy()
     other.set("tensor_model_parallel_size", 2)
     assert exp.parallel.tensor_model_parallel_size == 1
+
+
+def test_a_missing_or_broken_file_is_one_line_naming_it(tmp_path):
+    with pytest.raises(UserError, match=r"experiment file '.*/nope.toml': no such file"):
+        Experiment.load(tmp_path / "nope.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[parallel\n")
+    with pytest.raises(UserError, match=r"experiment file '.*/broken.toml': invalid TOML"):
+        Experiment.load(broken)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import tomllib
 from pathlib import Path
 from typing import Callable
 
@@ -52,10 +51,7 @@ def load_settings(path: Path | None = None) -> dict:
     path = path or paths.config_dir() / "tui.toml"
     if not path.is_file():
         return {"theme": None, "keymap": {}}
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: invalid TOML ({exc})") from None
+    data = paths.read_toml(path, "settings file")
     unknown = set(data) - {"theme", "keymap"}
     if unknown:
         raise UserError(f"{path}: unknown key {sorted(unknown)[0]!r}; expected 'theme' or [keymap]")
