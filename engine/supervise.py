@@ -120,8 +120,8 @@ def stop(procs: list[Proc], grace: float) -> None:
             pass
 
 
-_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
-                         re.S)
+# One failure entry of torchrun's ChildFailedError summary ("Failures:" and "Root Cause" alike).
+_FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
 def describe_exit(code: int) -> str:
@@ -131,10 +131,14 @@ def describe_exit(code: int) -> str:
 
 
 def root_cause(log_path: Path) -> tuple[int, int, int] | None:
-    """(rank, local rank, exit code) from torchrun's error summary in a node's log, if any."""
+    """(rank, local rank, exit code) of the cause in torchrun's error summary in a node's log.
+
+    torchrun's "first observed failure" can be a peer that exited 1 because the killed rank
+    vanished; a rank killed by a signal is the cause whenever the summary lists one."""
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-    match = _ROOT_CAUSE.search(text)
-    return tuple(int(g) for g in match.groups()) if match else None
+    summary = text[text.rfind("ChildFailedError"):] if "ChildFailedError" in text else ""
+    failures = [tuple(int(g) for g in m.groups()) for m in _FAILED_RANK.finditer(summary)]
+    return min(failures, key=lambda f: f[2] >= 0) if failures else None
 
 
 def describe_failure(step: Step, rc: int, log_path: Path) -> str:

@@ -1,4 +1,5 @@
-"""The memory estimate against measured Megatron-LM runs (../shared/validation/memory_dev.json).
+"""The memory estimate against measured Megatron-LM runs (tests/data/memory_dev/, a copy of the
+team's ../shared/validation/memory_dev.json with its README).
 
 Every case is imported from its exact Megatron command line and estimated; the last pipeline stage
 is compared with rank world_size-1's allocator figures: `steady_bytes` (weights + grads + optimizer +
@@ -19,8 +20,7 @@ import pytest
 from charllm.engine.megatron import import_megatron_args
 from charllm.engine.memory import estimate
 
-DATA = Path(os.environ.get("CHARLLM_MEMORY_DEV", Path(__file__).resolve().parents[2]
-                           / "shared" / "validation" / "memory_dev.json"))
+DATA = Path(os.environ.get("CHARLLM_MEMORY_DEV", Path(__file__).parent / "data" / "memory_dev" / "memory_dev.json"))
 
 # Achieved on the 39 cases (mean / max absolute relative error, share within ±5%).
 STATIC_MEAN, STATIC_MAX = 0.035, 0.25
