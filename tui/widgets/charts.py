@@ -50,6 +50,17 @@ class Chart(PlotextPlot):
         self._pending = False
         self._stale = False
         self._note = ""
+        self._drawn = 0                   # bumped by every _draw: the figure's data changed
+        self._built: tuple | None = None  # (drawn, size, theme) -> the figure textual-plotext built
+
+    def render(self):
+        # textual-plotext rebuilds the whole plotext figure on every repaint, and a layout
+        # refresh anywhere on the screen repaints every chart: keep the last build until the
+        # data, the size or the theme change.
+        key = (self._drawn, self.size, self.app.theme)
+        if self._built is None or self._built[0] != key:
+            self._built = (key, super().render())
+        return self._built[1]
 
     def show(self, series: Series, *, note: str = "") -> None:
         self._series = series
@@ -67,6 +78,7 @@ class Chart(PlotextPlot):
     def _draw(self) -> None:
         self._pending = self._stale = False
         self._last_draw = time.monotonic()
+        self._drawn += 1
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
