@@ -7,12 +7,11 @@ same name as a shipped one takes precedence.
 
 from __future__ import annotations
 
-import difflib
 from importlib import resources
 from pathlib import Path
 
 from charllm.probes import paths
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, did_you_mean
 
 KINDS = ("models", "hardware", "experiments")
 
@@ -47,8 +46,7 @@ def find(kind: str, name: str) -> Path:
     if name in table:
         return table[name]
     singular = {"models": "model", "hardware": "hardware", "experiments": "experiment"}[kind]
-    close = difflib.get_close_matches(name, list(table), n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; see `charllm-tui presets list {kind}`"
+    hint = did_you_mean(name, table, f"; see `charllm-tui presets list {kind}`", cutoff=0.5)
     raise UserError(f"{singular} {name!r}: no such preset{hint}")
 
 

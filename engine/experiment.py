@@ -17,7 +17,6 @@ Validation of the layout lives in `engine.validate`; this module only parses, st
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import tomllib
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, did_you_mean
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,9 +463,7 @@ def parse_value(raw: str) -> Any:
 
 
 def _unknown(where: str, key: str, valid) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"{where}: unknown key {key!r}{hint}"
+    return f"{where}: unknown key {key!r}{did_you_mean(key, valid)}"
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:

@@ -30,14 +30,13 @@ target; `local` is built in:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from charllm.probes import paths
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, did_you_mean
 
 KINDS = ("local", "ssh", "slurm")
 _HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")  # names and addresses; never an ssh option
@@ -110,14 +109,12 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
         raise UserError(f"{where}: must be a table with kind = \"ssh\" or \"slurm\"")
     kind = data.get("kind")
     if kind not in KINDS:
-        close = difflib.get_close_matches(str(kind), KINDS, n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(kind, KINDS, cutoff=0.5)
         raise UserError(f"{where}.kind = {kind!r}: must be one of {', '.join(KINDS)}{hint}")
     allowed = KEYS[kind]
     for key in data:
         if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else f" for kind {kind!r}"
+            hint = did_you_mean(key, allowed, f" for kind {kind!r}")
             raise UserError(f"{where}: unknown key {key!r}{hint}")
     values: dict = {"name": name, "kind": kind}
     text = "a string"
@@ -181,8 +178,7 @@ def get_target(name: str = "local", target_file: Path | None = None) -> Target:
     targets = load_targets(target_file)
     if name in targets:
         return targets[name]
-    close = difflib.get_close_matches(name, list(targets), n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; define it in {target_file or paths.targets_file()}"
+    hint = did_you_mean(name, targets, f"; define it in {target_file or paths.targets_file()}", cutoff=0.5)
     raise UserError(f"--target {name!r}: no such target{hint}")
 
 

@@ -15,7 +15,6 @@ User settings come from `<config_dir>/tui.toml`:
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from pathlib import Path
 from typing import Callable
@@ -26,7 +25,7 @@ from textual.screen import Screen
 
 from charllm.engine.experiment import Experiment
 from charllm.probes import paths
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, did_you_mean
 from charllm.tui.providers import ActionsProvider, PresetsProvider, RunsProvider, ScreensProvider
 
 # (mode, title, key, module:class) in tab-bar order.
@@ -64,8 +63,7 @@ def load_settings(path: Path | None = None) -> dict:
     known = binding_ids() if keymap else set()
     for binding_id in keymap:
         if binding_id not in known:
-            close = difflib.get_close_matches(binding_id, sorted(known), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else "; the help screen (F1) lists the ids"
+            hint = did_you_mean(binding_id, sorted(known), "; the help screen (F1) lists the ids")
             raise UserError(f"{path}: [keymap] {binding_id!r}: no such binding id{hint}")
     return {"theme": theme, "keymap": keymap}
 

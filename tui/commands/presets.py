@@ -119,7 +119,7 @@ def _list(kind: str | None, as_json: bool) -> int:
 # --------------------------------------------------------------------------------------------
 def _find_kind(name: str) -> str:
     from charllm.engine import catalog
-    from charllm.probes.errors import UserError
+    from charllm.probes.errors import UserError, did_you_mean
 
     kinds = [k for k in KINDS if name in catalog.entries(k)]
     if len(kinds) == 1:
@@ -127,11 +127,8 @@ def _find_kind(name: str) -> str:
     if kinds:
         raise UserError(f"preset {name!r} is a {' and a '.join(SINGULAR[k] for k in kinds)} preset; "
                         f"pass --kind {'|'.join(kinds)}")
-    import difflib
-
     every = [n for k in KINDS for n in catalog.entries(k)]
-    close = difflib.get_close_matches(name, every, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else "; see `charllm-tui presets list`"
+    hint = did_you_mean(name, every, "; see `charllm-tui presets list`", cutoff=0.5)
     raise UserError(f"preset {name!r}: no such model, hardware or experiment preset{hint}")
 
 
