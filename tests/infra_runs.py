@@ -1,7 +1,8 @@
-"""Helpers for launch tests: waiting on a run, and finding its processes on this machine."""
+"""Helpers for launch tests: waiting on a run, finding its processes, stopping test daemons."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import psutil
@@ -32,6 +33,16 @@ def rank_process(marker: str, rank: int) -> psutil.Process:
         except psutil.Error:
             pass
     raise AssertionError(f"no rank {rank} process for {marker}")
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 10) -> None:
+    """Terminate a daemon we started, killing it if it ignores SIGTERM for `grace` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def wait_for(predicate, timeout: float, what: str):

@@ -13,11 +13,11 @@ import random
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from infra_runs import stop_process, wait_for
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel")
 NODES = ("n1", "n2")
@@ -107,8 +107,8 @@ def start_cluster(root: Path, cleanups: list) -> SlurmCluster:
          f"--pid-file={root}/munge/munged.pid", f"--log-file={root}/munge/munged.log",
          f"--seed-file={root}/munge/munged.seed"],
         user=munge.pw_uid, group=munge.pw_gid, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    cleanups.append(lambda: _stop(munged))
-    _wait(lambda: (root / "munge" / "munge.socket").exists(), 10, "munged")
+    cleanups.append(lambda: stop_process(munged))
+    wait_for(lambda: (root / "munge" / "munge.socket").exists(), 10, "munged")
 
     base = random.randint(20000, 60000 - 10)
     conf = root / "slurm.conf"
@@ -119,33 +119,15 @@ def start_cluster(root: Path, cleanups: list) -> SlurmCluster:
     env = {**os.environ, "SLURM_CONF": str(conf)}
     log = open(root / "daemons.out", "ab")
     ctld = subprocess.Popen([_binary("slurmctld"), "-D", "-c", "-f", str(conf)], env=env, stdout=log, stderr=log)
-    cleanups.append(lambda: _stop(ctld))
+    cleanups.append(lambda: stop_process(ctld))
     cluster = SlurmCluster(root=root, conf=conf, env=env)
-    _wait(lambda: "n1" in cluster.scontrol("show", "nodes"), 20, "slurmctld")
+    wait_for(lambda: "n1" in cluster.scontrol("show", "nodes"), 20, "slurmctld")
     for node in NODES:
         slurmd = subprocess.Popen([_binary("slurmd"), "-D", "-N", node, "-f", str(conf)], env=env,
                                   stdout=log, stderr=log)
-        cleanups.append(lambda slurmd=slurmd: _stop(slurmd))
-    _wait(lambda: cluster.scontrol("show", "nodes").count("State=IDLE") == len(NODES), 30, "idle nodes")
+        cleanups.append(lambda slurmd=slurmd: stop_process(slurmd))
+    wait_for(lambda: cluster.scontrol("show", "nodes").count("State=IDLE") == len(NODES), 30, "idle nodes")
     return cluster
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} did not come up within {timeout} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")

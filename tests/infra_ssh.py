@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from infra_runs import stop_process
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
@@ -136,7 +137,7 @@ def start_nodes(root: Path, cleanups: list, count: int = 2) -> SshNodes:
         log = open(root / f"sshd_{i}.log", "ab")
         # `ip netns exec` execs sshd, so this PID is sshd's own.
         proc = subprocess.Popen(prefix + [SSHD, "-D", "-e", "-f", str(config)], stdout=log, stderr=log)
-        cleanups.append(lambda proc=proc: _stop(proc))
+        cleanups.append(lambda proc=proc: stop_process(proc, grace=5))
         _wait_port(host, port, None)
     nodes.known_hosts.write_text("\n".join(known) + "\n")
     if use_netns:
@@ -150,15 +151,6 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
