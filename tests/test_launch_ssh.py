@@ -47,7 +47,9 @@ def test_two_node_job_streams_logs_iterations_and_telemetry_home(ssh_nodes):
         assert (rd.logs_dir / f"train-{host}.log").is_file() and (rd.logs_dir / f"sampler-{host}.log").is_file()
     assert "iter 4/4" in (rd.logs_dir / f"train-{ssh_nodes.hosts[0]}.log").read_text()  # rank 0's stdout
     assert all(p["remote_pgid"] for p in manifest["processes"])
-    assert remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == []
+    # the supervisor writes the final status just before it exits itself
+    wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 15,
+             "every process of the run to exit, here and on both nodes")
 
 
 def test_wrong_host_key_is_refused_with_the_command_to_trust_it(ssh_nodes, tmp_path, charllm_dirs):
