@@ -282,6 +282,28 @@ async def test_runs_delete_asks_first(charllm_dirs):
         assert table.row_count == 0
 
 
+@pilot_test
+async def test_runs_save_as_baseline_then_bad_name_is_refused(charllm_dirs):
+    from charllm.probes import baselines
+
+    make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-base", seconds=6)
+    app = CharllmApp(start_mode="runs")
+    async with run_app(app) as pilot:
+        table = app.screen.query_one("#runs-table")
+        await wait_for(pilot, lambda: table.row_count == 1)
+        table.focus()
+        await pilot.press("b")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "AskName")
+        await pilot.press(*"h100-demo", "enter")
+        await wait_for(pilot, lambda: baselines.exists("h100-demo"), timeout=60)
+        assert baselines.show("h100-demo").summary.height == 1
+        await pilot.press("b")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "AskName")
+        await pilot.press(*"no good", "enter")   # a name with a space: one error line, nothing saved
+        await wait_for(pilot, lambda: any("no good" in str(n.message) for n in app._notifications), timeout=30)
+        assert [b["name"] for b in baselines.list() if b["name"] == "no good"] == []
+
+
 # -- Launch: a tiny local run, end to end ----------------------------------------------------------
 @pytest.mark.integration
 @pytest.mark.slow

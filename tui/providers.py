@@ -80,6 +80,8 @@ class ActionsProvider(_ListProvider):
              partial(self._on, "compose", "export")),
             ("Compare marked runs", "compare the runs marked on the Runs screen",
              partial(self._on, "runs", "compare")),
+            ("Save run as baseline", "keep the selected run's summary as a named baseline (Runs: b)",
+             partial(self._on, "runs", "save_baseline")),
         ]
 
     def _on(self, mode: str, action: str) -> None:

@@ -49,6 +49,7 @@ class RunsScreen(WorkbenchScreen):
         Binding("space", "mark", "Mark", id="runs.mark"),
         Binding("m", "compare", "Compare marked", id="runs.compare"),
         Binding("c", "cancel_run", "Cancel run", id="runs.cancel"),
+        Binding("b", "save_baseline", "Save as baseline", id="runs.baseline", show=False),  # hint line + help: the 80-column footer is full
         Binding("delete,d", "delete", "Delete", id="runs.delete"),
         Binding("r", "refresh", "Refresh", id="runs.refresh"),
     ]
@@ -93,7 +94,7 @@ class RunsScreen(WorkbenchScreen):
             table.move_cursor(row=table.get_row_index(cursor))
         self.query_one("#runs-detail", Static).update(
             "no runs yet: launch one from the Launch screen (F4)" if not self.runs else
-            "Enter open · Space mark for compare · m compare · c cancel · d delete")
+            "Enter open · Space mark for compare · m compare · b save as baseline · c cancel · d delete")
         self.headlines(list(self.runs.items()))
 
     def _mark(self, run_id: str) -> Text:
@@ -183,8 +184,26 @@ class RunsScreen(WorkbenchScreen):
             self.app.call_from_thread(self.notify, str(exc), severity="error")
         self.app.call_from_thread(self.action_refresh)
 
+    def action_save_baseline(self) -> None:
+        from charllm.tui.screens.dialogs import AskName
+
+        run_id = self.current_run()
+        if run_id:
+            self.app.push_screen(AskName(f"Save run {run_id} as baseline:"),
+                                 lambda name: name and self.save_baseline(self.runs[run_id], name))
+
+    @work(thread=True, group="baseline")
+    def save_baseline(self, path: Path, name: str) -> None:
+        """`charllm-tui baseline save` (a summary pass over the run: off the UI thread)."""
+        from charllm.probes import baselines
+
+        try:
+            baselines.save(str(path), name)
+            self.app.call_from_thread(self.notify, f"saved baseline {name!r}; pick it on Compare with b")
+        except UserError as exc:
+            self.app.call_from_thread(self.notify, str(exc), severity="error")
+
     def action_delete(self) -> None:
-        from charllm.probes.errors import UserError
         from charllm.probes.rundir import RunDir
         from charllm.tui.screens.dialogs import Confirm
 
