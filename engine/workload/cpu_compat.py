@@ -178,7 +178,7 @@ class CudaToCpuMode(TorchFunctionMode):
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import mappings, random
     from megatron.core.transformer import torch_norm
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import token_dispatcher
 
     # 3. tensor_parallel.random has private copies of torch.cuda's RNG getters/setters that go
     #    straight to torch.cuda.default_generators (empty without CUDA).
@@ -188,10 +188,6 @@ def _patch_megatron() -> None:
     # the same generator, so it always moves: the warning says nothing.
     logging.getLogger(random.__name__).addFilter(
         lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
-
-    # 5a. Without Transformer Engine, moe_utils never defines `te_general_gemm` but the router
-    #     still tests `te_general_gemm is not None` (upstream NameError).
-    moe_utils.te_general_gemm = None
 
     # 5b. The alltoall dispatcher moves split sizes to the host as numpy arrays, but only when
     #     they are CUDA tensors; gloo's all_to_all needs them as lists/arrays, never tensors.

@@ -191,6 +191,7 @@ def transformer_config(exp, *, use_te: bool):
 
 def build_model(exp, config, *, use_te: bool):
     """One GPTModel chunk per virtual stage on this rank, wrapped in Float16Module and DDP."""
+    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -214,6 +215,9 @@ def build_model(exp, config, *, use_te: bool):
             position_embedding_type=m.position_embedding_type,
             vp_stage=stage,
         )
+        # As Megatron-LM's get_model: onto this rank's GPU first (the local spec's torch norms are
+        # built on the host), then the half-precision wrapper, whose optimizer wants CUDA tensors.
+        model.cuda(torch.cuda.current_device())
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
         chunks.append(model)
@@ -491,6 +495,7 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
+    define_te_general_gemm()
 
     setup_started = time.monotonic()
     trainer = Trainer(exp, cuda=cuda, use_te=use_te, local_rank=local_rank)
@@ -523,6 +528,16 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
             return CANCELLED_EXIT
     log.write("end", end_ns=time.time_ns(), iteration=t.train_iters, status="completed")
     return 0
+
+
+def define_te_general_gemm() -> None:
+    """megatron-core 0.16.1's MoE router tests `te_general_gemm is not None`, but moe_utils defines
+    that name only when Transformer Engine imports: every MoE model without TE dies with a
+    NameError, on GPUs as on CPUs. Without TE the router's own torch.mm path is the right one."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def peak_memory_bytes(cuda: bool) -> int:
