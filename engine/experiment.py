@@ -126,6 +126,7 @@ class Hardware:
     tdp_w: float = 0.0
     devices_per_package: int = 1        # MI250X: 2 GCDs per package
     max_sm_clock_mhz: float = 0.0
+    compute_capability: str | None = None   # NVIDIA "major.minor" ("9.0": Hopper); what kernels it can run
     temp_limit_c: float = 85.0          # GPU temperature above which time is counted as hot
     interconnect: str = ""
 
@@ -166,6 +167,8 @@ class Training:
     warmup_iters: int = 2               # iterations marked warm-up in the iteration log (not LR warm-up)
     bf16: bool = True
     fp16: bool = False
+    loss_scale: float | None = None     # fp16: a static loss scale; None: dynamic, from initial_loss_scale
+    initial_loss_scale: float = 4294967296.0   # fp16 dynamic loss scaling starts here (Megatron: 2**32)
     fp8: str | None = None              # None | e4m3 | hybrid
     fp8_recipe: str = "delayed"         # delayed | tensorwise | blockwise | mxfp8
     recompute_granularity: str | None = None   # None | full | selective
@@ -175,8 +178,8 @@ class Training:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
-    attention_backend: str = "auto"     # auto | flash | fused | unfused | local
-    transformer_impl: str = "transformer_engine"   # transformer_engine | local
+    attention_backend: str = "auto"     # auto | flash | fused | unfused | local (see engine.runtime)
+    transformer_impl: str = "auto"      # auto (TE where it imports, else local) | transformer_engine | local
     grad_reduce_in_bf16: bool = False   # default: fp32 main grads and fp32 reduction
     # Memory-relevant Megatron flags (defaults are Megatron's):
     fp8_param_gather: bool = False      # keep compute weights in FP8 (no bf16 copy)

@@ -72,7 +72,9 @@ class LaunchResult:
 # Checks
 # --------------------------------------------------------------------------------------------
 def problems(exp) -> list[str]:
-    """Why this layout should not run: validation problems, else a memory overflow."""
+    """Why this layout should not run: validation problems, else what the node it is planned for
+    cannot run (engine.runtime) and a memory overflow. The workload checks the first two again
+    on the node itself, against the software it finds there."""
     from charllm.engine.memory import estimate
     from charllm.engine.validate import validate
 
@@ -80,11 +82,13 @@ def problems(exp) -> list[str]:
     if found:
         return found  # the memory model assumes a valid layout
     report = estimate(exp)
+    found = list(report.runtime_problems)
     if not report.fits:
         stage = report.peak_stage
-        return [f"memory: peak {_size(report.peak_bytes)} on pipeline stage {stage} exceeds the "
-                f"usable {_size(report.usable_bytes)} per device of {exp.hardware.name!r}"]
-    return []
+        found.append(f"memory: peak {_size(report.peak_bytes)} on pipeline stage {stage} exceeds the "
+                     f"{_size(report.budget.allocator_bytes)} the allocator may use per device of "
+                     f"{exp.hardware.name!r} (charllm-tui plan shows the arithmetic)")
+    return found
 
 
 def _size(n: float) -> str:
@@ -112,7 +116,7 @@ def _fit_to_target(exp, target: Target, nproc: int | None):
 # --------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -140,7 +144,7 @@ def plan(exp, target: Target, run_dir: Path) -> tuple[list[Step], str | None]:
         node = socket.gethostname()
         steps = [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node)),
                  Step(node, "train", train_argv(python, exp, str(run_dir), node_rank=0,
-                                                master_addr="127.0.0.1", master_port=_free_port()))]
+                                                master_addr="127.0.0.1", master_port=free_port()))]
         return steps, None
     if target.kind == "ssh":
         hosts = target.hosts[: exp.cluster.nodes]

@@ -29,12 +29,14 @@ DEFAULT_HARDWARE = "h100-sxm-80gb"
 
 # Fields an import resolves the way Megatron does, so an export/import round trip returns the
 # resolved value: explicit FFN and max-position sizes, the sequence length on the model, a
-# virtual-pipeline size of 1 as none, sequence parallelism off at TP 1, MLA sizes only with MLA.
+# virtual-pipeline size of 1 as none, sequence parallelism off at TP 1, MLA sizes only with MLA,
+# transformer_impl "auto" as the implementation it becomes, and on the local path SDPA attention
+# as Megatron's own (unfused) attention, since Megatron-LM has no SDPA path.
 ROUND_TRIP_NORMALIZED = (
     "model.ffn_hidden_size", "model.max_position_embeddings", "model.seq_length", "training.seq_length",
     "parallel.virtual_pipeline_model_parallel_size", "parallel.sequence_parallel",
     "model.q_lora_rank", "model.kv_lora_rank", "model.qk_head_dim", "model.qk_pos_emb_head_dim",
-    "model.v_head_dim",
+    "model.v_head_dim", "training.transformer_impl", "training.attention_backend",
 )
 
 # Megatron's defaults for MLA sizes when `--multi-latent-attention` is given without them.
@@ -215,6 +217,8 @@ TRAINING_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
     "--train-iters": ("train_iters", Value(_int)),
     "--bf16": ("bf16", Switch(True)),
     "--fp16": ("fp16", Switch(True)),
+    "--loss-scale": ("loss_scale", Value(_float)),
+    "--initial-loss-scale": ("initial_loss_scale", Value(_float)),
     "--fp8-format": ("fp8", Value(str)),
     "--fp8-recipe": ("fp8_recipe", Value(str)),
     "--recompute-granularity": ("recompute_granularity", Value(str)),
@@ -353,7 +357,8 @@ def import_megatron_args(
     result = MegatronImport(experiment=Experiment(name="megatron-import"))
     exp = result.experiment
     exp.model = ModelSpec(name="megatron")
-    exp.training = Training(bf16=False)          # Megatron trains in fp32 unless told otherwise
+    # Megatron trains in fp32 unless told otherwise, with Transformer Engine layers unless told otherwise.
+    exp.training = Training(bf16=False, transformer_impl="transformer_engine")
     if stray:
         result.warnings.append(f"ignored words before the first flag: {' '.join(stray)}")
     special = _read_flags(groups, exp, result)
@@ -362,10 +367,14 @@ def import_megatron_args(
     _check_sizes(exp, given)
     _resolve_model(exp.model, special, given, result)
     _resolve_virtual_pipeline(exp, special)
-    p = exp.parallel
+    p, t = exp.parallel, exp.training
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         p.sequence_parallel = False
         result.warnings.append("--sequence-parallel is switched off at tensor parallel size 1 (as Megatron does)")
+    if t.transformer_impl == "local" and t.attention_backend in ("auto", "flash", "fused"):
+        # Megatron-LM's local spec computes attention with DotProductAttention whatever the backend
+        # says; charllm's local path would use SDPA for these, so keep Megatron's meaning.
+        t.attention_backend = "unfused"
 
     if hardware is None:
         hardware = DEFAULT_HARDWARE
@@ -580,8 +589,15 @@ def export_megatron_args(exp: Experiment) -> list[str]:
         add("--data-path", *t.data_path.split())
     else:
         add("--mock-data")
-    _add_non_default(add, t, Training(bf16=False), TRAINING_FLAGS, skip={
-        "micro_batch_size", "global_batch_size", "train_iters", "lr", "data_path"})
+    # Megatron has no "auto": say what it becomes on the node planned for (engine.runtime).
+    from charllm.engine import runtime
+
+    skip = {"micro_batch_size", "global_batch_size", "train_iters", "lr", "data_path", "transformer_impl"}
+    if runtime.transformer_impl(exp, runtime.for_planning(exp.hardware)) == "local":
+        add("--transformer-impl", "local")
+        if t.attention_backend != "local":
+            skip.add("attention_backend")   # Megatron's local spec has one attention, whatever this says
+    _add_non_default(add, t, Training(bf16=False), TRAINING_FLAGS, skip=skip)
     return out
 
 

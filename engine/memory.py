@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from charllm.engine import runtime
 from charllm.engine.experiment import Experiment
 from charllm.probes.errors import UserError
 
@@ -131,6 +132,10 @@ class MemoryReport:
     fragmentation_margin_bytes: int
     ignored_args: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    budget: "Budget | None" = None
+    implementation: "runtime.Implementation | None" = None   # what the plan assumes will run
+    runtime_problems: list[str] = field(default_factory=list)  # why it would not launch on that stack
+    stack_source: str = ""                                    # where that stack comes from
 
     @property
     def peak_stage(self) -> int:
@@ -154,6 +159,10 @@ class MemoryReport:
                 "stages": [s.to_dict() for s in self.stages],
                 "outside_allocator_bytes": self.outside_allocator_bytes,
                 "fragmentation_margin_bytes": self.fragmentation_margin_bytes,
+                "usable_source": self.budget.usable_source if self.budget else None,
+                "outside_allocator_source": self.budget.outside_source if self.budget else None,
+                "implementation": self.implementation.to_dict() if self.implementation else None,
+                "stack": self.stack_source, "cannot_run": list(self.runtime_problems),
                 "ignored_args": list(self.ignored_args), "warnings": list(self.warnings)}
 
 
@@ -332,12 +341,14 @@ class _Act:
     transient: float
 
 
+def implementation(exp: Experiment) -> "runtime.Implementation":
+    """What the plan assumes will run: the experiment resolved on its hardware's node stack."""
+    return runtime.resolve(exp, runtime.for_planning(exp.hardware))
+
+
 def _attention_impl(exp: Experiment) -> str:
-    t = exp.training
-    if t.attention_backend in ("unfused", "local") or (
-            t.transformer_impl == "local" and t.attention_backend == "auto"):
-        return "unfused"
-    return "flash"
+    impl = implementation(exp)
+    return "unfused" if impl.unfused_attention else impl.attention
 
 
 class _Shapes:
@@ -354,7 +365,12 @@ class _Shapes:
         self.s = exp.seq_length / self.cp
         self.ab = 4 if not (t.bf16 or t.fp16) else 2          # activation element bytes
         self.lin = 1 if t.fp8 else self.ab                     # linear inputs saved in FP8
-        self.unfused = _attention_impl(exp) == "unfused"
+        impl = implementation(exp)
+        self.unfused = impl.unfused_attention
+        # SDPA hands GQA to the kernel only in half precision on a GPU (FlashAttention-2); in fp32
+        # (or on CPU) engine/workload/attention.py expands K and V to every head first, and the
+        # kernel keeps the expanded copies for backward.
+        self.expanded_kv = impl.attention.startswith("sdpa") and (impl.device == "cpu" or self.ab == 4)
         self.attn_dropout = m.attention_dropout > 0
         self.hid_dropout = m.hidden_dropout > 0
         self.modules = set(t.recompute_modules or ["core_attn"]) \
@@ -388,7 +404,7 @@ class _Shapes:
         else:
             d, g = m.head_dim, m.query_groups
             q = o = ab * s * b * a * d / tp
-            k = v = ab * s * b * g * d / tp
+            k = v = ab * s * b * (a if self.expanded_kv else g) * d / tp
         core_recompute = "core_attn" in self.modules
         scores = a * s * s * b / tp                        # elements of one s x s tensor of the local heads
         attn_transient = 0.0
@@ -482,7 +498,7 @@ def _act_key(exp: Experiment) -> tuple:
     p, t = exp.parallel, exp.training
     return (p.tensor_model_parallel_size, p.context_parallel_size, exp.expert_tensor_parallel_size,
             p.expert_model_parallel_size, p.sequence_parallel, t.micro_batch_size, exp.seq_length, t.bf16,
-            t.fp16, t.fp8, t.attention_backend, t.transformer_impl, t.recompute_granularity,
+            t.fp16, t.fp8, _attention_impl(exp), t.recompute_granularity,
             t.recompute_method, t.recompute_num_layers, tuple(t.recompute_modules or ()),
             t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity, t.cross_entropy_loss_fusion)
 
@@ -768,7 +784,7 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
 def workspace_bytes(exp: Experiment) -> float:
     """Allocator memory that stays between iterations beyond weights, grads and optimizer state."""
     m, p, t = exp.model, exp.parallel, exp.training
-    te = t.transformer_impl == "transformer_engine"
+    te = implementation(exp).transformer == "transformer_engine"
     total = BASE_WORKSPACE_BYTES + (TE_WORKSPACE_BYTES if te else 0)
     if te and m.is_moe and t.moe_grouped_gemm:
         total += GROUPED_GEMM_WORKSPACE_BYTES
@@ -803,6 +819,53 @@ def combine(dense, expert, held_loss, held_max, backward, loss_extra, fsdp_layer
     return weights, grads, optimizer, activations, other
 
 
+@dataclass(frozen=True)
+class Budget:
+    """What one device offers the caching allocator, and where each figure comes from."""
+
+    usable_bytes: int               # what the framework can allocate
+    outside_allocator_bytes: int    # held outside the allocator (CUDA context, NCCL buffers)
+    fragmentation_margin_bytes: int
+    usable_source: str              # "calibrated on NODE, DATE" | "hardware preset"
+    outside_source: str
+
+    @property
+    def allocator_bytes(self) -> int:
+        """What the allocator's peak may reach."""
+        return self.usable_bytes - self.outside_allocator_bytes - self.fragmentation_margin_bytes
+
+    def describe(self) -> str:
+        """The arithmetic of the verdict, with where each figure comes from."""
+        def gib(n: int) -> str:
+            return f"{n / GIB:.2f} GiB"
+
+        return (f"usable {gib(self.usable_bytes)} per device ({self.usable_source}) - "
+                f"{gib(self.outside_allocator_bytes)} outside the allocator (CUDA context, NCCL; "
+                f"{self.outside_source}) - fragmentation margin {gib(self.fragmentation_margin_bytes)} = "
+                f"{gib(self.allocator_bytes)} for the allocator peak")
+
+
+def budget(exp: Experiment) -> Budget:
+    """The device's memory budget for `exp`: a calibration of its hardware (`charllm-tui doctor`)
+    where there is one, else the hardware preset's figures."""
+    from charllm.engine import calibration
+
+    hw = exp.hardware
+    usable, outside = int(hw.usable_bytes or hw.memory_bytes), int(hw.outside_allocator_bytes)
+    usable_source = outside_source = "hardware preset"
+    cal = calibration.load(hw.name)
+    if cal is not None and cal.usable_bytes:
+        usable, usable_source = cal.usable_bytes, cal.source
+    if cal is not None and cal.outside_allocator_bytes is not None:
+        # A calibration job on one device had no NCCL peers: its figure leaves out the
+        # communicator buffers that every multi-device run holds, so it stands only for one device.
+        if cal.devices > 1 or exp.world_size == 1:
+            outside, outside_source = cal.outside_allocator_bytes, cal.source
+        else:
+            outside_source = f"hardware preset (the calibration on {cal.node} ran on one device, without NCCL peers)"
+    return Budget(usable, outside, fragmentation_margin(usable, outside), usable_source, outside_source)
+
+
 def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
              warnings: list[str] | None = None) -> MemoryReport:
     """Peak allocator bytes per pipeline stage, with a fit verdict on `exp.hardware`."""
@@ -819,11 +882,11 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
         stages.append(StageMemory(pp_rank=st.pp_rank, weights=int(w), gradients=int(g), optimizer=int(o),
                                   activations=int(a), other=int(x), in_flight=st.in_flight,
                                   workspace=int(workspace), chunks=chunks))
-    usable = int(hw.usable_bytes or hw.memory_bytes)
-    margin = fragmentation_margin(usable, int(hw.outside_allocator_bytes))
+    room = budget(exp)
+    usable = room.usable_bytes
     for s in stages:
         s.usable_bytes, s.outside_allocator_bytes, s.fragmentation_margin_bytes = \
-            usable, int(hw.outside_allocator_bytes), margin
+            usable, room.outside_allocator_bytes, room.fragmentation_margin_bytes
     if not usable:
         notes.append(f"hardware {hw.name!r} has no usable_bytes: no fit verdict possible")
     if t.optimizer not in ("adam", "sgd"):
@@ -833,8 +896,10 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
     if t.cuda_graph_impl != "none":
         notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the graphs' static buffers are not modelled "
                      "(measured up to +25% steady memory on a small MoE)")
-    return MemoryReport(stages, usable, int(hw.outside_allocator_bytes), margin,
-                        list(ignored_args or []), notes)
+    return MemoryReport(stages, usable, room.outside_allocator_bytes, room.fragmentation_margin_bytes,
+                        list(ignored_args or []), notes, budget=room, implementation=implementation(exp),
+                        runtime_problems=[str(p) for p in runtime.problems(exp, runtime.for_planning(hw))],
+                        stack_source=runtime.for_planning(hw).source)
 
 
 def fragmentation_margin(usable_bytes: int, outside_allocator_bytes: int) -> int:

@@ -210,7 +210,8 @@ class Supervisor:
         exits = {f"{p.step.role}@{p.step.node}": p.poll() for p in started}
         if self.cancel_requested:
             status, failure = "cancelled", None
-        self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), exit_codes=exits)
+        self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), exit_codes=exits,
+                                runtime=self.rd.runtime())
         return status
 
     def wait(self, trains: list[Proc]) -> tuple[str, str | None]:
@@ -260,7 +261,8 @@ class Supervisor:
         else:
             status = "failed"
             failure = self._slurm_failure(state, info)
-        self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state)
+        self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state,
+                                runtime=self.rd.runtime())
         return status
 
     def _slurm_failure(self, state: str, info: dict) -> str:

@@ -130,11 +130,12 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
     m, world, gpn = base.model, base.world_size, base.cluster.gpus_per_node
     gbs, seq = base.training.global_batch_size, base.seq_length
     probe = base.copy()
+    sp_runs, cp_runs = _node_runs(base)
     by_pipeline: dict[tuple[int, int], dict[str, list[bool]]] = {}
     for tp in _powers_of_two(gpn):                                  # TP stays inside a node
         if m.num_attention_heads % tp or m.query_groups % tp:
             continue
-        for cp in _powers_of_two(world // tp):
+        for cp in _powers_of_two(world // tp) if cp_runs else [1]:
             if world % (tp * cp) or seq % (2 * cp if cp > 1 else 1):
                 continue
             for pp in _divisors(world // (tp * cp)):
@@ -151,7 +152,8 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
                         rows = [{"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                  "virtual_pipeline_model_parallel_size": vp, "context_parallel_size": cp,
                                  "expert_model_parallel_size": ep, "data_parallel_size": dp,
-                                 "micro_batch_size": b, "sequence_parallel": tp > 1} for b in batches]
+                                 "micro_batch_size": b, "sequence_parallel": tp > 1 and sp_runs}
+                                for b in batches]
                         _apply(probe, rows[0])
                         choices = by_pipeline.get((pp, vp))
                         if choices is None:
@@ -166,6 +168,19 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
                                 continue
                         if choices:
                             yield rows, choices
+
+
+def _node_runs(base: Experiment) -> tuple[bool, bool]:
+    """(sequence parallelism, context parallelism): whether the node planned for can run them
+    (engine.runtime's rules, on the calibrated or assumed stack of the hardware). Without
+    Transformer Engine neither runs, so the sweep proposes TP without SP and no CP there."""
+    from charllm.engine import runtime
+
+    probe = base.copy()
+    probe.parallel.tensor_model_parallel_size, probe.parallel.sequence_parallel = 2, True
+    probe.parallel.context_parallel_size = 2
+    refused = {p.field for p in runtime.problems(probe, runtime.for_planning(base.hardware))}
+    return "sequence_parallel" not in refused, "context_parallel_size" not in refused
 
 
 def _valid_choices(exp: Experiment, recompute, distributed_optimizer) -> dict[str, list[bool]]:
@@ -249,9 +264,7 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
     starts = np.flatnonzero(np.r_[True, stage_row[1:] != stage_row[:-1]])
     sizes = np.diff(np.r_[starts, len(stage_row)])
     dp_shard, edp_shard, workspace = (np.asarray(c)[stage_row] for c in zip(*shards))
-    hw = base.hardware
-    usable = int(hw.usable_bytes or hw.memory_bytes)
-    margin = memory.fragmentation_margin(usable, int(hw.outside_allocator_bytes))
+    room = memory.budget(base)
     layout_frame = pl.DataFrame(table, schema=[*rows[0], "recompute", "num_microbatches"], orient="row")
     frames = []
     for dist in distributed_optimizer:
@@ -265,7 +278,7 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
         at_peak = total == np.repeat(peak, sizes)
         peak_stage = np.minimum.reduceat(np.where(at_peak, stage_rank, 1 << 30), starts)
         static = np.maximum.reduceat(np.where(at_peak, parts[0] + parts[1] + parts[2], 0), starts)
-        headroom = usable - hw.outside_allocator_bytes - margin - peak
+        headroom = room.allocator_bytes - peak
         frames.append(layout_frame.with_columns(
             pl.lit(dist).alias("use_distributed_optimizer"),
             pl.Series("peak_bytes", peak.astype(np.int64)),

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from charllm.engine.experiment import Experiment
+from charllm.engine.experiment import Experiment, Training
+from charllm.engine.runtime import parse_capability
 from charllm.probes.errors import UserError
 
 
@@ -34,7 +35,7 @@ CHOICES: dict[str, tuple[str, tuple]] = {
     "recompute_granularity": ("training", (None, "full", "selective")),
     "recompute_method": ("training", (None, "uniform", "block")),
     "attention_backend": ("training", ("auto", "flash", "fused", "unfused", "local")),
-    "transformer_impl": ("training", ("transformer_engine", "local")),
+    "transformer_impl": ("training", ("auto", "transformer_engine", "local")),
     "optimizer": ("training", ("adam", "sgd", "muon")),
     "moe_token_dispatcher_type": ("training", ("allgather", "alltoall", "flex")),
     "cuda_graph_impl": ("training", ("none", "local", "transformer_engine")),
@@ -100,6 +101,13 @@ def value_problems(exp: Experiment) -> list[Problem]:
         out.append(Problem("warmup_iters", t.warmup_iters, "must be 0 or more"))
     if t.lr <= 0:
         out.append(Problem("lr", t.lr, "must be greater than 0"))
+    for name in ("loss_scale", "initial_loss_scale"):
+        value = getattr(t, name)
+        if value is not None and value <= 0:
+            out.append(Problem(name, value, "must be greater than 0"))
+    capability = exp.hardware.compute_capability
+    if capability is not None and parse_capability(capability) is None:
+        out.append(Problem("compute_capability", capability, "must be major.minor, e.g. \"9.0\""))
     if t.moe_expert_capacity_factor is not None and t.moe_expert_capacity_factor <= 0:
         out.append(Problem("moe_expert_capacity_factor", t.moe_expert_capacity_factor, "must be greater than 0"))
     if t.moe_aux_loss_coeff < 0:
@@ -138,6 +146,10 @@ def _layout(exp: Experiment) -> list[Problem]:
         out.append(Problem("world_size", exp.world_size,
                            f"must be a multiple of tensor x pipeline x context parallel sizes "
                            f"({tp} x {pp} x {cp} = {tp * pp * cp}) for a whole data-parallel size"))
+    if exp.training.attention_backend == "local" and exp.training.transformer_impl == "transformer_engine":
+        # Megatron-LM asserts --spec local for it: it is megatron-core's own attention module.
+        out.append(Problem("attention_backend", "local", "is megatron-core's local attention: it needs "
+                                                         "transformer_impl = \"local\" or \"auto\""))
     if p.sequence_parallel and tp == 1:
         out.append(Problem("sequence_parallel", True, "needs tensor_model_parallel_size > 1"))
     if exp.training.tp_comm_overlap and not p.sequence_parallel:
@@ -297,6 +309,10 @@ def _sequence(exp: Experiment) -> list[Problem]:
 def _precision(exp: Experiment) -> list[Problem]:
     t, hw = exp.training, exp.hardware
     out = []
+    if not t.fp16:
+        for name in ("loss_scale", "initial_loss_scale"):
+            if getattr(t, name) != getattr(Training, name):
+                out.append(Problem(name, getattr(t, name), "applies only with fp16 = true (loss scaling)"))
     if t.fp16 and t.bf16:
         out.append(Problem("fp16", True, "cannot be combined with bf16 (choose one)"))
     if t.fp8 is not None and not hw.fp8:
@@ -359,6 +375,11 @@ def _optimizer(exp: Experiment) -> list[Problem]:
                 out.append(Problem(name, getattr(t, name), "applies only with use_precision_aware_optimizer = true"))
         if t.optimizer_cpu_offload:
             out.append(Problem("optimizer_cpu_offload", True, "needs use_precision_aware_optimizer = true"))
+    if t.use_precision_aware_optimizer:   # megatron.core.optimizer.OptimizerConfig asserts these
+        if t.optimizer != "adam":
+            out.append(Problem("use_precision_aware_optimizer", True, f"works only with optimizer = adam, not {t.optimizer}"))
+        if not p.use_distributed_optimizer:
+            out.append(Problem("use_precision_aware_optimizer", True, "needs use_distributed_optimizer = true"))
     if t.optimizer == "muon" and (p.use_distributed_optimizer or p.use_megatron_fsdp or p.use_torch_fsdp2):
         out.append(Problem("optimizer", "muon", "does not support the distributed optimizer or FSDP"))
     return out

@@ -201,6 +201,28 @@ class RunDir:
                     [conform(pl.scan_ipc(f, glob=False)) for f in group]
         return parts[0] if len(parts) == 1 else pl.concat(parts, how="vertical")
 
+    def runtime(self) -> dict | None:
+        """What actually ran (the workload's record: engine.runtime's implementation, stack,
+        versions, devices): the manifest's copy once the run ended, else the iteration log's
+        start event. None before the workload started, or for a probe-only run."""
+        saved = self.read_manifest().get("runtime")
+        if saved:
+            return saved
+        try:
+            with open(self.iterations_path) as fh:
+                for line in fh:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if record.get("event") == "start" and isinstance(record.get("runtime"), dict):
+                        return record["runtime"]
+                    if record.get("event") == "iteration":
+                        return None    # start events come first; this run's workload wrote none
+        except OSError:
+            return None
+        return None
+
     def read_iterations(self):
         """The iteration log as a DataFrame (tolerates a half-written last line)."""
         import polars as pl
@@ -219,6 +241,27 @@ class RunDir:
             return pl.DataFrame(schema=ITERATION_SCHEMA)
         clean = [{k: r.get(k) for k in ITERATION_SCHEMA} for r in rows]
         return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
+
+
+def runtime_line(record: dict | None) -> str:
+    """One line saying what ran: implementation, attention, fusions, devices, versions."""
+    if not record:
+        return "not recorded (the workload has not started, or predates this record)"
+    impl, versions = record.get("implementation") or {}, record.get("versions") or {}
+    transformer = {"transformer_engine": f"Transformer Engine {versions.get('transformer_engine') or ''}".strip(),
+                   "local": "local layers"}.get(impl.get("transformer_impl"), "?")
+    devices = record.get("devices") or []
+    if devices:
+        names = sorted({d.get("name", "?") for d in devices})
+        where = f"{len(devices)}x {'/'.join(names)}" + (f" (driver {record['driver']})" if record.get("driver") else "")
+    else:
+        where = "CPU"
+    torch = f"torch {versions.get('torch', '?')}"
+    if versions.get("cuda"):
+        torch += f" (CUDA {versions['cuda']}" + (f", NCCL {versions['nccl']})" if versions.get("nccl") else ")")
+    return " · ".join([transformer, f"attention {impl.get('attention', '?')}",
+                       f"fusions {', '.join(f.removesuffix('_fusion') for f in impl.get('fusions', [])) or 'none'}",
+                       where, torch, f"megatron-core {versions.get('megatron_core', '?')}"])
 
 
 def list_runs(root: Path | None = None) -> list[RunDir]:

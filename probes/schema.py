@@ -102,7 +102,9 @@ def conform(frame: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame | pl.LazyFrame:
 
 # The iteration log (run_dir/iterations.jsonl): one JSON object per line, written by rank 0 and
 # by the last rank. `event` is "iteration" for a finished training step; other events are
-# "start" (workload begins; carries world_size, layout) and "end" (carries status).
+# "start" (workload begins; carries world_size, layout, seed, and runtime: what actually runs,
+# see engine.runtime) and "end" (carries status and memory: per pipeline stage, the highest
+# allocated and reserved peaks of its ranks).
 ITERATION_FIELDS: dict[str, type] = {
     "event": str,              # "start" | "iteration" | "end"
     "iteration": int,          # 1-based training step
@@ -114,13 +116,14 @@ ITERATION_FIELDS: dict[str, type] = {
     "grad_norm": float,
     "samples": int,            # global batch size of this step
     "tokens": int,             # samples * seq_length
-    "mem_peak_bytes": int,     # CUDA allocator peak on GPU; process max RSS on CPU
+    "mem_peak_bytes": int,     # highest CUDA allocator peak of any rank so far; max process RSS on CPU
+    "mem_reserved_bytes": int, # highest CUDA allocator reserved peak of any rank; null on CPU
     "tflops_per_gpu": float,   # model TFLOP/s per GPU (Megatron's FLOP count)
     "warmup": bool,            # True for the warm-up iterations (excluded from steady state)
 }
 ITERATION_SCHEMA: dict[str, pl.DataType] = {
     "event": pl.String(), "iteration": pl.Int64(), "rank": pl.Int64(), "node": pl.String(),
     "start_ns": pl.Int64(), "end_ns": pl.Int64(), "loss": pl.Float64(), "grad_norm": pl.Float64(),
-    "samples": pl.Int64(), "tokens": pl.Int64(), "mem_peak_bytes": pl.Int64(),
+    "samples": pl.Int64(), "tokens": pl.Int64(), "mem_peak_bytes": pl.Int64(), "mem_reserved_bytes": pl.Int64(),
     "tflops_per_gpu": pl.Float64(), "warmup": pl.Boolean(),
 }

@@ -1,11 +1,15 @@
-"""Helpers for launch tests: waiting on a run, finding its processes, stopping test daemons."""
+"""Helpers for launch tests: starting and finishing test processes, waiting on a run, finding its
+processes, stopping test daemons."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 
 import psutil
+import pytest
 
 from charllm.probes.rundir import FINAL_STATUSES, RunDir
 
@@ -33,6 +37,23 @@ def rank_process(marker: str, rank: int) -> psutil.Process:
         except psutil.Error:
             pass
     raise AssertionError(f"no rank {rank} process for {marker}")
+
+
+def start(cmd: list[str], **kw) -> subprocess.Popen:
+    """A process in its own session (so a test can signal its whole tree), output captured."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr); past `timeout` the whole session is killed and the test fails."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    return proc.returncode, out, err
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 10) -> None:

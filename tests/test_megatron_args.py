@@ -24,6 +24,7 @@ from charllm.engine.megatron import (
     parse_layer_pattern,
     parse_pipeline_layout,
 )
+from charllm.engine import runtime
 from charllm.probes.errors import UserError
 
 VALIDATION = Path("/work/shared/validation")
@@ -264,6 +265,10 @@ def _megatron_resolved(exp: Experiment) -> Experiment:
     if not m.multi_latent_attention:
         for name in MLA_DEFAULTS:
             setattr(m, name, getattr(ModelSpec, name))
+    # "auto" has no Megatron flag: it leaves as what it becomes on the planned node's software.
+    out.training.transformer_impl = runtime.transformer_impl(exp, runtime.for_planning(exp.hardware))
+    if out.training.transformer_impl == "local" and out.training.attention_backend in ("auto", "flash", "fused"):
+        out.training.attention_backend = "unfused"   # Megatron's local spec has only its unfused attention
     return out
 
 

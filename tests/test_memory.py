@@ -29,7 +29,7 @@ def gpt(*, tp=1, pp=1, vp=None, cp=1, sp=False, dp=1, mbs=B, gbs=None, dist_opt=
     world = tp * pp * cp * dp
     return Experiment(
         model=ModelSpec(**spec),
-        hardware=Hardware(name="test-80g", usable_bytes=80 * GIB, memory_bytes=80 * GIB,
+        hardware=Hardware(name="test-80g", vendor="nvidia", usable_bytes=80 * GIB, memory_bytes=80 * GIB,
                           outside_allocator_bytes=2 * GIB),
         cluster=Cluster(nodes=1, gpus_per_node=world),
         parallel=Parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

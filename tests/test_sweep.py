@@ -8,6 +8,7 @@ import random
 import polars as pl
 import pytest
 
+from charllm.engine import runtime
 from charllm.engine.memory import estimate
 from charllm.engine.sweep import (MICRO_BATCH_SIZES, RECOMPUTE, REQUIRED_COLUMNS, base_experiment,
                                   layout_to_experiment, sweep)
@@ -69,24 +70,32 @@ def test_every_row_equals_estimate_exactly(args, training):
         assert row["static_bytes"] == report.stages[report.peak_stage].static_bytes
 
 
-@pytest.mark.parametrize("training", [
-    None,
-    {"optimizer": "muon"},                                              # no distributed optimizer
-    {"overlap_grad_reduce": True, "overlap_param_gather": True},        # only with the distributed optimizer
-    {"cuda_graph_impl": "local"},                                       # no full recompute
-    {"use_torch_fsdp2": True},                                          # PP = EP = 1, no distributed optimizer
+@pytest.mark.parametrize("hardware, training", [
+    ("cpu", None),
+    ("h100-sxm-80gb", None),
+    ("cpu", {"optimizer": "muon"}),                                              # no distributed optimizer
+    ("cpu", {"overlap_grad_reduce": True, "overlap_param_gather": True}),        # only with the distributed optimizer
+    ("cpu", {"cuda_graph_impl": "local"}),                                       # no full recompute
+    ("h100-sxm-80gb", {"use_torch_fsdp2": True}),                                # PP = EP = 1, no distributed optimizer
 ])
 @pytest.mark.timeout(120)
-def test_rows_are_exactly_what_validate_accepts(training):
-    """Brute force: every combination of a grid wider than the sweep's, through `validate`."""
-    args = ("tiny-moe", "cpu", 1, 4, 8)
+def test_rows_are_exactly_what_validate_accepts(hardware, training):
+    """Brute force: every combination of a grid wider than the sweep's, through `validate`, with
+    sequence and context parallelism only where the node planned for runs them (engine.runtime:
+    a CPU node has no Transformer Engine, an H100 is assumed to have it)."""
+    args = ("tiny-moe", hardware, 1, 4, 8)
     base = base_experiment(*args, training=training)
+    stack = runtime.for_planning(base.hardware)
     expected = set()
     for tp, cp, pp, vp, ep, mbs, name, dist in itertools.product(
             (1, 2, 4), (1, 2, 4), range(1, 5), range(1, 5), range(1, 5), MICRO_BATCH_SIZES, RECOMPUTE,
             (True, False)):
         row = dict(zip(KEYS, (tp, pp, vp, cp, ep, mbs, name, dist)), sequence_parallel=tp > 1)
-        if not validate(layout_to_experiment(base, row)):
+        exp = layout_to_experiment(base, row)
+        if tp > 1 and any(p.field == "sequence_parallel" for p in runtime.problems(exp, stack)):
+            exp.parallel.sequence_parallel = False           # TP without SP where SP cannot run
+        refused = {p.field for p in runtime.problems(exp, stack)}
+        if not validate(exp) and not refused & {"sequence_parallel", "context_parallel_size"}:
             expected.add(tuple(row[k] for k in KEYS))
     got = sweep(*args, training=training).select(KEYS).rows()
     assert len(got) == len(set(got))
@@ -147,3 +156,22 @@ def test_bad_input_is_a_user_error(kwargs, message):
     args.update(kwargs)
     with pytest.raises(UserError, match=message):
         sweep(**args)
+
+
+def test_a_node_without_transformer_engine_is_offered_what_it_can_run():
+    """A calibrated H100 node without TE: TP without sequence parallelism, no context parallelism,
+    and every row launchable there."""
+    from charllm.engine import calibration
+
+    calibration.save({"hardware": "h100-sxm-80gb", "node": "plain-pip", "date": "2026-11-20",
+                      "stack": {"cuda": True, "capability": [9, 0], "extensions": []},
+                      "memory": {"usable_bytes": 80 * 2**30, "outside_allocator_bytes": 2**30, "devices": 8}})
+    args = ("llama3-8b", "h100-sxm-80gb", 2, 8, 64)
+    df = sweep(*args)
+    assert df["tensor_model_parallel_size"].max() > 1 and not df["sequence_parallel"].any()
+    assert set(df["context_parallel_size"]) == {1}
+    base = base_experiment(*args)
+    stack = runtime.for_planning(base.hardware)
+    assert stack.source == "calibrated on plain-pip, 2026-11-20"
+    for row in df.head(50).iter_rows(named=True):
+        assert runtime.problems(layout_to_experiment(base, row), stack) == []

@@ -329,6 +329,9 @@ async def test_launch_tiny_local_then_live_runs_and_compare(charllm_dirs):
         await wait_for(pilot, lambda: live.last_frame is not None and live.last_frame.iterations
                        and live.last_frame.kind == "host", timeout=180, what="iterations and host telemetry")
         assert "iteration" in str(live.query_one("#iterations").render())
+        # What ran, as the workload recorded it: never a silent downgrade.
+        ran = str(live.query_one("#live-runtime").render())
+        assert ran.startswith("ran as local layers · attention sdpa · fusions none · CPU · torch "), ran
         run_dir = done.result.run_dir
         from charllm.probes.rundir import RunDir
 
@@ -338,6 +341,7 @@ async def test_launch_tiny_local_then_live_runs_and_compare(charllm_dirs):
         table = app.screen.query_one("#runs-table")
         await wait_for(pilot, lambda: table.row_count == 1)
         assert str(table.get_cell(run_dir.name, "status")) == "completed"
+        assert RunDir(run_dir).read_manifest()["runtime"]["implementation"]["attention"] == "sdpa"
 
 
 # -- settings, palette -------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def pinned_host(monkeypatch):
     import charllm.engine.launch as launch
 
     monkeypatch.setattr(socket, "gethostname", lambda: "node0")
-    monkeypatch.setattr(launch, "_free_port", lambda: 29500)
+    monkeypatch.setattr(launch, "free_port", lambda: 29500)
 
 
 async def until(pilot, condition, timeout: float = 60.0) -> None:

@@ -17,10 +17,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from charllm.engine import runtime
 from charllm.engine.catalog import load_experiment
 from charllm.engine.experiment import Experiment
 from charllm.engine.workload import CANCELLED_EXIT
 from charllm.probes.schema import ITERATION_FIELDS
+from infra_runs import finish, start
 
 pytestmark = pytest.mark.integration
 
@@ -40,22 +42,6 @@ def make_run(tmp_path: Path, preset: str, *assignments: str) -> Path:
 def torchrun_cmd(run_dir: Path, nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", TRAIN_MODULE, "--run-dir", str(run_dir)]
-
-
-def start(cmd: list[str], **kw) -> subprocess.Popen:
-    # Own session, so a test can signal the whole tree and clean up after a failure.
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kw)
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
-    return proc.returncode, out, err
 
 
 def train(run_dir: Path, nproc: int, timeout: float = 240) -> tuple[str, str]:
@@ -109,6 +95,15 @@ def check_log(run_dir: Path, world: int, iters: int, *, loss_falls: bool = True)
     assert sorted(r["rank"] for r in starts) == writers
     assert all(r["world_size"] == world for r in starts)
     assert starts[0]["layout"]["tensor_model_parallel_size"] == exp.parallel.tensor_model_parallel_size
+    # What ran, as engine.runtime resolved it on this (CPU) node, with the versions behind it.
+    ran = starts[0]["runtime"]
+    assert ran["implementation"] == runtime.resolve(exp, runtime.detect()).to_dict()
+    assert ran["stack"]["cuda"] is False and ran["implementation"]["fusions"] == []
+    assert ran["versions"]["torch"] and ran["versions"]["megatron_core"] == "0.16.1"
+    # Megatron-LM's seeds: each pipeline stage its own.
+    pp = exp.parallel.pipeline_model_parallel_size
+    for r in starts:
+        assert r["seed"] == exp.training.seed + 100 * (r["rank"] * pp // world)
     steps = [r for r in records if r["event"] == "iteration"]
     for r in steps:
         assert set(r) == set(ITERATION_FIELDS), set(r) ^ set(ITERATION_FIELDS)
@@ -119,6 +114,7 @@ def check_log(run_dir: Path, world: int, iters: int, *, loss_falls: bool = True)
         assert r["samples"] == exp.training.global_batch_size
         assert r["tokens"] == exp.training.global_batch_size * exp.seq_length
         assert r["mem_peak_bytes"] > 100 * 2**20          # RSS with torch + megatron loaded
+        assert r["mem_reserved_bytes"] is None            # no caching allocator on CPU
         assert r["tflops_per_gpu"] > 0 and r["grad_norm"] > 0
         assert r["warmup"] == (r["iteration"] <= exp.training.warmup_iters)
     for rank in writers:
@@ -129,6 +125,9 @@ def check_log(run_dir: Path, world: int, iters: int, *, loss_falls: bool = True)
         assert sum(last[-3:]) / 3 < last[0], f"loss did not fall: {last}"
     ends = [r for r in records if r["event"] == "end"]
     assert sorted(r["rank"] for r in ends) == writers and {r["status"] for r in ends} == {"completed"}
+    # Every stage's peak, gathered from all ranks (not only the two that write the log).
+    assert [s["pp_rank"] for s in ends[0]["memory"]] == list(range(pp))
+    assert all(s["allocated_bytes"] > 100 * 2**20 for s in ends[0]["memory"])
     return records
 
 
@@ -153,30 +152,49 @@ def test_layout_trains_and_logs(tmp_path, preset, assignments):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("assignments", [
     ["pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2"],        # interleaved 1F1B
-    ["tensor_model_parallel_size=2", "sequence_parallel=true", "normalization=RMSNorm", "swiglu=true",
+    ["tensor_model_parallel_size=2", "normalization=RMSNorm", "swiglu=true",
      "position_embedding_type=rope", "untie_embeddings_and_output_weights=true", "num_query_groups=2",
      "recompute_granularity=full", "recompute_method=uniform", "recompute_num_layers=1", "bf16=true"],
-], ids=["pp2-vp2", "tp2-sp-llama-like-recompute-bf16"])
+], ids=["pp2-vp2", "tp2-llama-like-recompute-bf16"])
 def test_more_layouts_train(tmp_path, assignments):
     run_dir = make_run(tmp_path, "tiny-local", "train_iters=8", *assignments)
     train(run_dir, nproc=2)
     check_log(run_dir, world=2, iters=8)
 
 
-@pytest.mark.timeout(300)
-def test_sequence_parallel_matches_plain_tensor_parallel(tmp_path):
-    """cpu_compat builds SP norms without SP and tags their parameters; if their gradients were
-    not all-reduced over TP, the gradient norm would drift from plain TP2's (by ~1e-4 here)."""
-    def trajectory(name, *assignments):
-        run_dir = make_run(tmp_path / name, "tiny-tp2", "train_iters=6", *assignments)
-        train(run_dir, nproc=2)
-        steps = [r for r in read_log(run_dir) if r["event"] == "iteration" and r["rank"] == 1]
-        return [r["loss"] for r in steps], [r["grad_norm"] for r in steps]
+def trajectory(run_dir: Path, nproc: int = 1) -> tuple[list, list]:
+    """Train, then (loss, grad norm) per iteration as the last rank logged them."""
+    train(run_dir, nproc=nproc)
+    steps = [r for r in read_log(run_dir) if r["event"] == "iteration" and r["rank"] == nproc - 1]
+    return [r["loss"] for r in steps], [r["grad_norm"] for r in steps]
 
-    plain_loss, plain_norm = trajectory("tp2")
-    sp_loss, sp_norm = trajectory("tp2-sp", "sequence_parallel=true")
-    assert sp_loss == pytest.approx(plain_loss, rel=1e-6)
-    assert sp_norm == pytest.approx(plain_norm, rel=1e-6)
+
+@pytest.mark.timeout(300)
+def test_sdpa_attention_trains_like_megatrons_own(tmp_path):
+    """The local path's SDPA core attention (engine/workload/attention.py) against megatron-core's
+    DotProductAttention, the same GQA model under TP2 in fp32: the same losses and gradients."""
+    common = ("tensor_model_parallel_size=2", "num_query_groups=2", "train_iters=4")
+    sdpa = make_run(tmp_path / "sdpa", "tiny-tp2", *common)
+    unfused = make_run(tmp_path / "unfused", "tiny-tp2", *common, "attention_backend=unfused")
+    sdpa_loss, sdpa_norm = trajectory(sdpa, 2)
+    ref_loss, ref_norm = trajectory(unfused, 2)
+    ran = {r["runtime"]["implementation"]["attention"] for d in (sdpa, unfused)
+           for r in read_log(d) if r["event"] == "start"}
+    assert ran == {"sdpa", "megatron-unfused"}
+    assert sdpa_loss == pytest.approx(ref_loss, rel=1e-5)
+    assert sdpa_norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_fp16_scales_the_loss_so_its_gradients_match_fp32(tmp_path):
+    """fp16 needs the optimizer's loss scale applied in the backward (config.grad_scale_func, as
+    Megatron-LM sets it); without it, unscaling divides every gradient by the scale (64 here)."""
+    fp32_loss, fp32_norm = trajectory(make_run(tmp_path / "fp32", "tiny-local", "gpus_per_node=1", "train_iters=3"))
+    for name, scale in (("static", "loss_scale=64.0"), ("dynamic", "initial_loss_scale=256.0")):
+        loss, norm = trajectory(make_run(tmp_path / name, "tiny-local", "gpus_per_node=1", "train_iters=3",
+                                         "fp16=true", scale))
+        assert norm == pytest.approx(fp32_norm, rel=1e-2), name
+        assert loss == pytest.approx(fp32_loss, rel=1e-3), name
 
 
 @pytest.mark.timeout(300)
@@ -280,15 +298,19 @@ def test_exception_in_a_rank_is_failed_with_traceback_and_exit_1(tmp_path):
 # --------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("assignments, message", [
-    (["context_parallel_size=2"], "parallel.context_parallel_size = 2: context parallelism needs Transformer Engine layers"),
-    (["training.fp8='e4m3'", "hardware.fp8=true"],
-     "training.fp8 = 'e4m3': FP8 needs Transformer Engine layers (transformer_impl = \"transformer_engine\", "
-     "TE installed, CUDA); this process has no CUDA"),
+    (["context_parallel_size=2"], "context_parallel_size = 2: context parallelism needs Transformer Engine on a "
+                                  "CUDA GPU, and this node has no CUDA"),
+    (["training.fp8='e4m3'", "hardware.fp8=true"], "fp8 = 'e4m3': FP8 needs Transformer Engine on a CUDA GPU"),
+    (["tensor_model_parallel_size=2", "sequence_parallel=true"],
+     "sequence_parallel = True: sequence parallelism needs Transformer Engine on a CUDA GPU"),
+    (["transformer_impl=transformer_engine"], "transformer_impl = 'transformer_engine': needs Transformer Engine"),
     (["num_layers=3", "pipeline_model_parallel_size=2"], "num_layers = 3: must be divisible by pipeline"),
     (["gpus_per_node=4"], "cluster: the experiment needs 4 processes"),
     (["num_moe_experts=4", "moe_grouped_gemm=true", "bf16=true"],
-     "training.moe_grouped_gemm = true: needs Transformer Engine layers"),
-], ids=["cp2-without-te", "fp8-without-cuda", "invalid-layout", "world-size-mismatch", "grouped-gemm-without-te"])
+     "moe_grouped_gemm = True: the grouped GEMM needs Transformer Engine"),
+    (["cuda_graph_impl=local"], "cuda_graph_impl = 'local': CUDA graphs are not supported by the training workload"),
+], ids=["cp2-without-te", "fp8-without-cuda", "sp-without-te", "te-without-te", "invalid-layout",
+        "world-size-mismatch", "grouped-gemm-without-te", "cuda-graphs"])
 def test_unsupported_experiment_is_one_line(tmp_path, assignments, message):
     run_dir = make_run(tmp_path, "tiny-local", *assignments)
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
@@ -317,44 +339,54 @@ def test_two_writers_never_interleave_within_a_line(tmp_path):
     assert len(records) == 400 and {r["rank"] for r in records} == {0, 1}
 
 
-# --------------------------------------------------------------------------------------------
-# cpu_compat, in two real gloo ranks (it patches torch globally, so never in this process)
-# --------------------------------------------------------------------------------------------
-COMPAT_CHECK = '''
-import os, torch, warnings
-warnings.simplefilter("ignore")
-from charllm.engine.workload import cpu_compat
-assert cpu_compat.apply()
-import torch.distributed as dist
-from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-dist.init_process_group("gloo")
-ps.initialize_model_parallel(tensor_model_parallel_size=2)
-rank = dist.get_rank()
-# device="cuda" lands on the CPU; CPU tensors report CUDA type names
-assert torch.empty(3, device="cuda").device.type == "cpu"
-assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
-assert torch.ones(2).cuda().device.type == "cpu" and torch.ones(2).to("cuda").device.type == "cpu"
-assert torch.ones(2).type() == "torch.cuda.FloatTensor"
-assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
-from concurrent.futures import ThreadPoolExecutor   # the mode is thread-local: new threads get it too
-assert ThreadPoolExecutor(1).submit(lambda: torch.empty(1, device="cuda").device.type).result() == "cpu"
-# uneven all-gather (rank r holds r+1 rows), forward and its reduce-scatter backward
-x = torch.full((rank + 1, 3), float(rank + 1), requires_grad=True)
-y = gather_from_sequence_parallel_region(x, group=ps.get_tensor_model_parallel_group(), output_split_sizes=[1, 2])
-assert y.shape == (3, 3) and y[:1].eq(1).all() and y[1:].eq(2).all(), y
-y.sum().backward()
-assert x.grad.eq(2).all(), x.grad   # each row's gradient summed over the 2 TP ranks
-os.write(1, f"compat ok {rank}\\n".encode())   # one write: the ranks share the pipe
+# --------------------------------------------------------------------------------------------
+# How a rank is set up, as Megatron-LM sets it up (checked inside two real ranks)
+# --------------------------------------------------------------------------------------------
+SETUP_CHECK = '''
+import os, sys, warnings
+from pathlib import Path
+warnings.simplefilter("ignore")
+import torch
+from charllm.engine import runtime
+from charllm.engine.experiment import Experiment
+from charllm.engine.workload import cpu_compat, train
+from megatron.core import parallel_state as ps
+
+exp = Experiment.load(Path(sys.argv[1]))
+stack = runtime.detect()
+cpu_compat.apply()
+train.define_te_general_gemm()
+trainer = train.Trainer(exp, runtime.resolve(exp, stack), cuda=False, local_rank=int(os.environ["LOCAL_RANK"]))
+pp = ps.get_pipeline_model_parallel_rank()
+# Megatron-LM's _set_random_seed: seed + 100 x the pipeline rank.
+assert torch.initial_seed() == exp.training.seed + 100 * pp == trainer.seed, torch.initial_seed()
+# No gloo copies of the process groups: the workload saves no distributed-optimizer checkpoint.
+for getter in (ps.get_data_parallel_group_gloo, ps.get_expert_data_parallel_group_gloo):
+    try:
+        getter()
+    except AssertionError:
+        pass
+    else:
+        raise SystemExit(f"{getter.__name__}: a gloo group was created")
+# Every parameter of every chunk on the (virtual) device, as megatron's optimizer requires.
+params = [p for chunk in trainer.model for p in chunk.parameters()]
+assert params and all(p.type().startswith("torch.cuda.") for p in params), {p.type() for p in params}
+config = trainer.model[0].config
+assert config.grad_scale_func == trainer.optimizer.scale_loss                # fp16 loss scaling
+assert config.overlap_p2p_comm and not config.batch_p2p_comm                # the interleaved schedule
+assert config.no_sync_func is None                                          # no overlapped grad reduce
+os.write(1, f"setup ok {torch.distributed.get_rank()}\\n".encode())
 '''
 
 
 @pytest.mark.timeout(200)
-def test_cpu_compat_devices_type_names_and_uneven_all_gather(tmp_path):
-    script = tmp_path / "compat_check.py"
-    script.write_text(COMPAT_CHECK)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+def test_ranks_are_set_up_as_megatron_lm_sets_them_up(tmp_path):
+    run_dir = make_run(tmp_path, "tiny-pp2", "virtual_pipeline_model_parallel_size=2")
+    script = tmp_path / "setup_check.py"
+    script.write_text(SETUP_CHECK)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(run_dir / "experiment.toml")]
     rc, out, err = finish(start(cmd), timeout=180)
     assert rc == 0, err[-3000:]
-    assert sorted(line for line in out.splitlines() if line.startswith("compat ok")) == ["compat ok 0", "compat ok 1"]
+    assert sorted(line for line in out.splitlines() if line.startswith("setup ok")) == ["setup ok 0", "setup ok 1"]

@@ -5,8 +5,10 @@
 Reads RUN_DIR/experiment.toml, trains `training.train_iters` steps of GPTModel (dense or MoE)
 with Megatron's DDP, optimizer and pipeline schedules, on synthetic tokens or a Megatron indexed
 dataset (`training.data_path`), and appends the iteration log RUN_DIR/iterations.jsonl (rank 0
-and the last rank). With CUDA it runs on GPUs with NCCL (Transformer Engine when installed);
-without, on CPU with gloo through `cpu_compat`.
+and the last rank). With CUDA it runs on GPUs with NCCL, built the way `engine.runtime` resolves
+the experiment on this node (Transformer Engine where it imports, else megatron-core's local layers
+with SDPA attention); without, on CPU with gloo through `cpu_compat`. It follows Megatron-LM's
+training.py, arguments.py and initialize.py; where it departs, a comment says why.
 
 Exit status: 0 completed, CANCELLED_EXIT (143) after SIGTERM (the current iteration finishes
 first, on every rank), 2 for an experiment this workload cannot run, 1 for any other failure.
@@ -15,7 +17,6 @@ first, on every rank), 2 for an experiment this workload cannot run, 1 for any o
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
@@ -50,11 +51,11 @@ class IterationLog:
         os.write(self.fd, (json.dumps(record) + "\n").encode())
 
     def iteration(self, iteration, start_ns, end_ns, loss, grad_norm, samples, tokens,
-                  mem_peak_bytes, tflops_per_gpu, warmup) -> None:
+                  mem_peak_bytes, mem_reserved_bytes, tflops_per_gpu, warmup) -> None:
         # Exactly probes.schema.ITERATION_FIELDS.
         self.write("iteration", iteration=iteration, start_ns=start_ns, end_ns=end_ns, loss=loss,
-                   grad_norm=grad_norm, samples=samples, tokens=tokens,
-                   mem_peak_bytes=mem_peak_bytes, tflops_per_gpu=tflops_per_gpu, warmup=warmup)
+                   grad_norm=grad_norm, samples=samples, tokens=tokens, mem_peak_bytes=mem_peak_bytes,
+                   mem_reserved_bytes=mem_reserved_bytes, tflops_per_gpu=tflops_per_gpu, warmup=warmup)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -76,57 +77,49 @@ class StopFlag:
 # --------------------------------------------------------------------------------------------
 # What this workload can run
 # --------------------------------------------------------------------------------------------
-def check_supported(exp, *, cuda: bool, use_te: bool) -> None:
-    """Refuse, before any collective, what megatron-core cannot run here (one line each).
-    `use_te`: CUDA, Transformer Engine importable and transformer_impl = "transformer_engine"."""
-    p, t, m = exp.parallel, exp.training, exp.model
-    te_needed = ("needs Transformer Engine layers (transformer_impl = \"transformer_engine\", TE installed, "
-                 "CUDA)" + ("" if cuda else "; this process has no CUDA"))
-    if m.multi_latent_attention:
-        raise UserError("model.multi_latent_attention = true: not supported by the training workload yet")
-    if m.mtp_num_layers:
-        raise UserError(f"model.mtp_num_layers = {m.mtp_num_layers}: not supported by the training workload yet")
-    if p.use_megatron_fsdp or p.use_torch_fsdp2:
-        raise UserError("parallel.use_megatron_fsdp / use_torch_fsdp2 = true: not supported by the training "
-                        "workload yet (use use_distributed_optimizer)")
-    if p.context_parallel_size > 1 and not use_te:
-        raise UserError(f"parallel.context_parallel_size = {p.context_parallel_size}: context parallelism "
-                        f"{te_needed}; megatron-core's local attention supports only 1")
-    if t.fp8 and not use_te:
-        raise UserError(f"training.fp8 = {t.fp8!r}: FP8 {te_needed}")
-    if t.fp8 and not fp8_capable_gpu():
-        raise UserError(f"training.fp8 = {t.fp8!r}: this GPU has no FP8 (needs compute capability 8.9 or newer)")
-    if t.tp_comm_overlap and not use_te:
-        raise UserError(f"training.tp_comm_overlap = true: {te_needed}")
-    if t.moe_grouped_gemm and not use_te and not (cuda and importlib.util.find_spec("grouped_gemm")):
-        raise UserError(f"training.moe_grouped_gemm = true: {te_needed}, or the grouped_gemm package on CUDA")
+def check_supported(exp, stack) -> None:
+    """Refuse, before any collective, what cannot run on this node (engine.runtime's rules)."""
+    from charllm.engine import runtime
+
+    found = runtime.problems(exp, stack)
+    if found:
+        raise UserError(str(found[0]))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != exp.world_size:
         raise UserError(f"cluster: the experiment needs {exp.world_size} processes "
                         f"(nodes x gpus_per_node), torchrun started {world}")
-    if world % exp.model_parallel_size:
-        raise UserError(f"parallel: TP*PP*CP = {exp.model_parallel_size} does not divide the world size {world}")
-
-
-def fp8_capable_gpu() -> bool:
-    import torch
-
-    return torch.cuda.get_device_capability() >= (8, 9)   # Ada, Hopper, Blackwell
 
 
 # --------------------------------------------------------------------------------------------
 # Model, optimizer, data
 # --------------------------------------------------------------------------------------------
-def transformer_config(exp, *, use_te: bool):
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "uint8"}   # Megatron-LM's map
+
+
+def params_dtype(t):
     import torch
-    import torch.nn.functional as F
+
+    return torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+
+
+def transformer_config(exp, impl):
     from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(**transformer_settings(exp, impl))
+
+
+def transformer_settings(exp, impl) -> dict:
+    """Megatron-LM's core_transformer_config_from_args for this experiment and implementation:
+    the TransformerConfig arguments."""
+    import torch.nn.functional as F
+    from megatron.core.activations import squared_relu
     from megatron.core.transformer.enums import AttnBackend
 
     m, p, t = exp.model, exp.parallel, exp.training
-    dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
-    fused = use_te   # the fused kernels come with TE on GPUs; off on CPU and with local layers
-    return TransformerConfig(
+    dtype = params_dtype(t)
+    fused = set(impl.fusions)
+    vp = p.virtual_pipeline_model_parallel_size
+    return dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn,
@@ -134,16 +127,17 @@ def transformer_config(exp, *, use_te: bool):
         num_query_groups=m.query_groups,
         kv_channels=m.head_dim,
         gated_linear_unit=m.swiglu,
-        activation_func=F.silu if m.swiglu else (lambda x: F.relu(x) ** 2) if m.squared_relu else F.gelu,
+        activation_func=F.silu if m.swiglu else squared_relu if m.squared_relu else F.gelu,
         normalization=m.normalization,
         add_bias_linear=m.add_bias_linear,
-        add_qkv_bias=m.add_qkv_bias,
+        add_qkv_bias=m.add_qkv_bias or m.add_bias_linear,   # Megatron-LM keeps them in sync
         qk_layernorm=m.qk_layernorm,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
+        attention_softmax_in_fp32=t.attention_softmax_in_fp32,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vp,
         context_parallel_size=p.context_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=exp.expert_tensor_parallel_size,
@@ -153,6 +147,15 @@ def transformer_config(exp, *, use_te: bool):
         account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
         pipeline_model_parallel_layout=p.pipeline_model_parallel_layout,
+        # Megatron-LM: the interleaved schedule overlaps its P2P (--overlap-p2p-communication is on
+        # by default, and required at PP 2), and batch_p2p_comm = not overlap_p2p_comm; batched
+        # sends between the same two ranks would pair activations with gradients.
+        overlap_p2p_comm=vp is not None,
+        batch_p2p_comm=vp is None,
+        # Megatron-LM frees each stage's sent output (the receiver holds the copy). NCCL keeps a
+        # posted send's memory alive; gloo reads a tensor when its send runs, after the free, so
+        # on CPU the output stays until its backward.
+        deallocate_pipeline_outputs=impl.device == "cuda",
         num_moe_experts=m.num_moe_experts,
         moe_router_topk=m.moe_router_topk,
         moe_ffn_hidden_size=m.moe_ffn if m.is_moe else None,
@@ -173,15 +176,19 @@ def transformer_config(exp, *, use_te: bool):
         pipeline_dtype=dtype,
         fp8=t.fp8,
         fp8_recipe=t.fp8_recipe if t.fp8 else "delayed",
-        attention_backend=AttnBackend[t.attention_backend] if use_te else AttnBackend.local,
-        cross_entropy_loss_fusion=t.cross_entropy_loss_fusion and fused,
+        fp8_param=t.fp8_param_gather,
+        attention_backend=AttnBackend[impl.attention.removeprefix("te-")] if impl.transformer == "transformer_engine"
+        else AttnBackend.local,
         tp_comm_overlap=t.tp_comm_overlap,
-        bias_activation_fusion=fused,
-        bias_dropout_fusion=fused,
-        masked_softmax_fusion=fused,
-        apply_rope_fusion=fused,
-        # Megatron's own linear layers (the output layer even under TE) need apex's extension for it.
-        gradient_accumulation_fusion=fused and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        bias_activation_fusion="bias_activation_fusion" in fused,
+        bias_dropout_fusion="bias_dropout_fusion" in fused,
+        masked_softmax_fusion="masked_softmax_fusion" in fused,
+        apply_rope_fusion="apply_rope_fusion" in fused,
+        gradient_accumulation_fusion="gradient_accumulation_fusion" in fused,
+        cross_entropy_loss_fusion="cross_entropy_loss_fusion" in fused,
+        # persist_layer_norm (on in Megatron-LM) is read only by Apex's FusedLayerNorm; torch's norms
+        # assert it is off, and TE's ignore it.
+        persist_layer_norm=False,
         # Per-token loss: megatron divides grads by the tokens of the whole global batch, which
         # is right for any DP, CP and microbatch count.
         calculate_per_token_loss=True,
@@ -189,24 +196,36 @@ def transformer_config(exp, *, use_te: bool):
     )
 
 
-def build_model(exp, config, *, use_te: bool):
+def layer_spec(exp, config, impl, vp_stage):
+    """Megatron-LM's decoder block spec (gpt_builders.py), with SDPA core attention on the local
+    path where engine.runtime chose it."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=impl.transformer == "transformer_engine",
+                                      normalization=exp.model.normalization, vp_stage=vp_stage)
+    if impl.attention.startswith("sdpa"):
+        from charllm.engine.workload.attention import with_sdpa
+
+        spec = with_sdpa(spec, impl.sdpa_kernels)
+    return spec
+
+
+def build_model(exp, config, impl):
     """One GPTModel chunk per virtual stage on this rank, wrapped in Float16Module and DDP."""
     import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.module import Float16Module
 
-    m, p, t = exp.model, exp.parallel, exp.training
+    m, p = exp.model, exp.parallel
     vp = p.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vp or 1):
         stage = vp_stage if vp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_decoder_block_spec(
-                config, use_transformer_engine=use_te, normalization=m.normalization, vp_stage=stage),
+            transformer_layer_spec=layer_spec(exp, config, impl, stage),
             vocab_size=m.padded_vocab_size(p.tensor_model_parallel_size),
             max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -222,31 +241,66 @@ def build_model(exp, config, *, use_te: bool):
             model = Float16Module(config, model)
         chunks.append(model)
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=not t.grad_reduce_in_bf16,
-        overlap_grad_reduce=t.overlap_grad_reduce,
-        overlap_param_gather=t.overlap_param_gather,
-        use_distributed_optimizer=p.use_distributed_optimizer,
-        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
-        average_in_collective=False,
-    )
+    ddp = ddp_config(exp, ps.get_data_parallel_world_size(with_context_parallel=True))
     return [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+        DistributedDataParallel(config=config, ddp_config=ddp, module=chunk,
                                 disable_bucketing=i > 0)   # as Megatron-LM: bucket the first chunk only
         for i, chunk in enumerate(chunks)
     ]
 
 
-def build_optimizer(exp, config, model):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def ddp_config(exp, dp_cp_size: int):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(**ddp_settings(exp, dp_cp_size))
+
+
+def ddp_settings(exp, dp_cp_size: int) -> dict:
+    """Megatron-LM's DistributedDataParallelConfig arguments (training.py get_model)."""
+    p, t = exp.parallel, exp.training
+    return dict(
+        # Megatron-LM: bf16 accumulates and reduces grads in fp32 unless --grad-reduce-in-bf16 (or
+        # a narrower --main-grads-dtype); fp16 and fp32 keep the parameters' own dtype.
+        grad_reduce_in_fp32=t.bf16 and not t.grad_reduce_in_bf16 and t.main_grads_dtype == "fp32",
+        overlap_grad_reduce=t.overlap_grad_reduce,
+        overlap_param_gather=t.overlap_param_gather,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+        fp8_param_gather=t.fp8_param_gather,
+        # Megatron-LM's bucket size: large enough to stay bandwidth-bound at scale; one bucket
+        # when grads are reduced after the backward anyway.
+        bucket_size=max(40_000_000, 1_000_000 * dp_cp_size) if t.overlap_grad_reduce else None,
+        average_in_collective=False,
+    )
+
+
+def optimizer_config(exp):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(**optimizer_settings(exp))
+
+
+def optimizer_settings(exp) -> dict:
+    """Megatron-LM's OptimizerConfig arguments (get_megatron_optimizer_config)."""
+    import torch
 
     t = exp.training
-    opt_config = OptimizerConfig(
+    dtype = {name: getattr(torch, DTYPES[getattr(t, name)])
+             for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")}
+    return dict(
+        # A constant learning rate and no weight decay (Megatron-LM: 0.01): a characterization run
+        # measures the step, not the model; neither changes the step's work or memory.
         optimizer=t.optimizer, lr=t.lr, min_lr=t.lr, weight_decay=0.0, clip_grad=1.0,
-        bf16=t.bf16, fp16=t.fp16, params_dtype=config.params_dtype,
+        bf16=t.bf16, fp16=t.fp16, params_dtype=params_dtype(t),
+        loss_scale=t.loss_scale, initial_loss_scale=t.initial_loss_scale,
         use_distributed_optimizer=exp.parallel.use_distributed_optimizer,
+        overlap_param_gather=t.overlap_param_gather,
+        use_precision_aware_optimizer=t.use_precision_aware_optimizer,
+        optimizer_cpu_offload=t.optimizer_cpu_offload,
+        optimizer_offload_fraction=1.0 if t.optimizer_cpu_offload else 0.0,   # Megatron-LM's default
+        fp8_recipe=t.fp8_recipe if t.fp8 else None,
+        **dtype,
     )
-    return get_megatron_optimizer(opt_config, model)
 
 
 def synthetic_batches(exp, rank_seed: int):
@@ -304,7 +358,7 @@ def indexed_batches(exp, dp_rank: int, dp_size: int):
     return batches()
 
 
-def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int, explicit_mask: bool):
+def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int):
     import torch
 
     batch = next(data_iterator)
@@ -317,10 +371,9 @@ def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int, 
     positions = slice_for_context_parallel(full_positions[None], cp_rank, cp_size) if cp_size > 1 \
         else full_positions[None]
     positions = positions.expand(tokens.shape[0], -1)
-    # megatron's local attention needs an explicit causal mask (True = masked); TE's builds its own.
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None] \
-        if explicit_mask else None
-    output = model(tokens, positions, mask, labels=batch["labels"])
+    # No attention mask: every attention the workload builds is causal by its layer spec (TE's and
+    # SDPA's kernels mask inside; megatron's unfused softmax builds its causal mask itself).
+    output = model(tokens, positions, None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -344,18 +397,30 @@ def slice_for_context_parallel(tensor, cp_rank: int, cp_size: int):
 
 
 def flops_per_iteration(exp) -> float:
-    """Model FLOPs of one global batch (forward + backward), Megatron-LM's formula
-    (`num_floating_point_operations` in megatron/training/training.py, without recompute)."""
-    m = exp.model
-    batch, seq, h, layers = exp.training.global_batch_size, exp.seq_length, m.hidden_size, m.num_layers
-    q_ratio = m.head_dim * m.num_attention_heads / h
-    gated = 1.5 if m.swiglu else 1.0
-    moe = m.moe_layer_pattern()
-    mlp = sum((m.moe_ffn * m.moe_router_topk + (m.moe_shared_expert_intermediate_size or 0)) if is_moe
-              else m.ffn for is_moe in moe) / layers / h * gated
-    attention = (1 + m.query_groups / m.num_attention_heads + seq / h) * q_ratio
-    logits = m.padded_vocab_size(exp.parallel.tensor_model_parallel_size) / (2 * layers * h)
-    return 12 * batch * seq * layers * h * h * (attention + mlp + logits)
+    """Model FLOPs of one global batch: Megatron-LM's count, the one probes.flops keeps."""
+    import dataclasses
+
+    from charllm.probes.flops import num_floating_point_operations
+
+    return num_floating_point_operations(dataclasses.asdict(exp.model), exp.training.global_batch_size,
+                                         exp.seq_length, exp.parallel.tensor_model_parallel_size)
+
+
+def initialize_userbuffers(exp) -> None:
+    """As Megatron-LM's _initialize_tp_communicators (initialize.py): Transformer Engine's
+    userbuffers for TP communication/GEMM overlap, for one micro-batch of [s*b/cp, h]."""
+    from transformer_engine.pytorch import module as te_module
+
+    t, p = exp.training, exp.parallel
+    shape = [exp.seq_length * t.micro_batch_size // p.context_parallel_size, exp.model.hidden_size]
+    base = te_module.base
+    if hasattr(base, "UserBufferQuantizationMode"):   # TE >= 2.7
+        mode = base.UserBufferQuantizationMode.FP8 if t.fp8 else base.UserBufferQuantizationMode.NONE
+        base.initialize_ub(shape=shape, tp_size=p.tensor_model_parallel_size, quantization_modes=[mode],
+                           bootstrap_backend="nccl")
+    else:
+        base.initialize_ub(shape=shape, tp_size=p.tensor_model_parallel_size, use_fp8=t.fp8 is not None,
+                           bootstrap_backend="nccl")
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,7 +429,10 @@ def flops_per_iteration(exp) -> float:
 class Trainer:
     """Megatron's pieces for one rank, wired the way Megatron-LM's training loop wires them."""
 
-    def __init__(self, exp, *, cuda: bool, use_te: bool, local_rank: int):
+    def __init__(self, exp, impl, *, cuda: bool, local_rank: int):
+        import random
+
+        import numpy as np
         import torch
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
@@ -373,6 +441,7 @@ class Trainer:
 
         p, t = exp.parallel, exp.training
         self.exp = exp
+        self.cuda = cuda
         torch.distributed.init_process_group(backend="nccl" if cuda else "gloo")
         ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -382,18 +451,33 @@ class Trainer:
             expert_model_parallel_size=p.expert_model_parallel_size,
             expert_tensor_parallel_size=exp.expert_tensor_parallel_size,
             num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+            # Megatron-LM also makes gloo copies of the groups, for saving distributed-optimizer
+            # checkpoints; this workload saves none.
+            create_gloo_process_groups=False,
         )
-        torch.manual_seed(t.seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        # Megatron-LM's _set_random_seed: each pipeline stage its own seed.
+        self.seed = t.seed + 100 * self.pp_rank
+        random.seed(self.seed)
+        np.random.seed(self.seed)
+        torch.manual_seed(self.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
+        if t.tp_comm_overlap:
+            initialize_userbuffers(exp)
 
-        config = transformer_config(exp, use_te=use_te)
-        self.model = build_model(exp, config, use_te=use_te)
-        self.optimizer = build_optimizer(exp, config, self.model)
-        # DDP hooks for the schedules: one callable per model chunk, or the callable itself.
+        config = transformer_config(exp, impl)
+        self.model = build_model(exp, config, impl)
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        self.optimizer = get_megatron_optimizer(optimizer_config(exp), self.model,
+                                                use_gloo_process_groups=False)   # none were made
+        # Megatron-LM's train(): the schedules scale the loss (fp16), and with overlapped grad
+        # reduction hold it back until the last micro-batch and start it per bucket.
         one = (lambda funcs: funcs[0]) if len(self.model) == 1 else (lambda funcs: funcs)
+        config.grad_scale_func = self.optimizer.scale_loss
         config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = one([chunk.no_sync for chunk in self.model])
         if t.overlap_grad_reduce:
+            config.no_sync_func = one([chunk.no_sync for chunk in self.model])
             config.grad_sync_func = one([chunk.start_grad_sync for chunk in self.model])
 
         self.dp_rank = ps.get_data_parallel_rank()
@@ -405,11 +489,12 @@ class Trainer:
             data = [synthetic_batches(exp, t.seed + self.dp_rank) for _ in self.model]
         self.data = one(data)
         self.forward_step = partial(forward_step, seq=exp.seq_length, cp_rank=ps.get_context_parallel_rank(),
-                                    cp_size=ps.get_context_parallel_world_size(), explicit_mask=not use_te)
+                                    cp_size=ps.get_context_parallel_world_size())
         self.forward_backward = get_forward_backward_func()
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        self.device_memory = DeviceMemory(local_rank if cuda else None)
 
     def layout(self) -> dict:
         p = self.exp.parallel
@@ -453,18 +538,29 @@ class Trainer:
         torch.distributed.all_reduce(total, group=self.dp_cp_group)
         return (total[0] / total[1]).item(), grad_norm
 
-    def agree(self, stop_requested: bool, loss: float | None) -> tuple[bool, float]:
-        """One all-reduce: did any rank get SIGTERM (so all leave the loop after the same step and
-        none waits in a collective), and the last rank's loss, for rank 0's progress line."""
+    def agree(self, stop_requested: bool, loss: float | None) -> tuple[bool, float, list[tuple]]:
+        """One all-gather per iteration: did any rank get SIGTERM (so all leave the loop after the
+        same step and none waits in a collective), the last rank's loss for rank 0's progress
+        line, and every rank's memory: (pipeline stage, allocator peak, reserved peak, most
+        memory seen outside the allocator)."""
         import torch
 
-        last_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-        shared = torch.tensor([float(stop_requested), loss if last_rank else 0.0], device=self.device)
-        torch.distributed.all_reduce(shared)
-        return bool(shared[0].item()), shared[1].item()
+        allocated, reserved = memory_peaks(self.cuda)
+        outside = self.device_memory.outside_allocator()
+        nan = float("nan")
+        row = torch.tensor([float(stop_requested), loss if loss is not None else 0.0, float(self.pp_rank),
+                            float(allocated), nan if reserved is None else float(reserved),
+                            nan if outside is None else float(outside)], dtype=torch.float64, device=self.device)
+        rows = [torch.empty_like(row) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(rows, row)
+        table = torch.stack(rows).cpu().tolist()
+        known = lambda x: None if x != x else int(x)   # noqa: E731 - NaN marks "not measured here"
+        peaks = [(int(r[2]), int(r[3]), known(r[4]), known(r[5])) for r in table]
+        return any(r[0] for r in table), table[-1][1], peaks
 
 
 def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
+    from charllm.engine import runtime
     from charllm.engine.experiment import Experiment
     from charllm.engine.validate import check
 
@@ -477,14 +573,21 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     log = IterationLog(run_dir / "iterations.jsonl" if rank in (0, world - 1) else None, rank, node)
     log_holder.append(log)
     check(exp)   # the layout rules, as one line, before a slow import or any collective
+    p = exp.parallel
+    if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1:
+        # Megatron-LM asserts this for TP and CP (before Blackwell): one hardware work queue keeps
+        # each TP/CP communication kernel ahead of the compute that waits for it. Set, not
+        # defaulted: a value inherited from the shell would break that order. CUDA reads it when
+        # it creates the context, so it is set before torch is imported.
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 
     import_started = time.monotonic()
     import torch
 
-    cuda = torch.cuda.is_available()
-    have_te = importlib.util.find_spec("transformer_engine") is not None
-    use_te = cuda and have_te and exp.training.transformer_impl == "transformer_engine"
-    check_supported(exp, cuda=cuda, use_te=use_te)
+    stack = runtime.detect()
+    check_supported(exp, stack)
+    impl = runtime.resolve(exp, stack)
+    cuda = stack.cuda
     if cuda:
         torch.cuda.set_device(local_rank)
     else:
@@ -498,36 +601,54 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     define_te_general_gemm()
 
     setup_started = time.monotonic()
-    trainer = Trainer(exp, cuda=cuda, use_te=use_te, local_rank=local_rank)
-    log.write("start", start_ns=time.time_ns(), world_size=world, layout=trainer.layout(), startup_s={
-        "import": round(setup_started - import_started, 3),      # torch, megatron (+ TE)
-        "setup": round(time.monotonic() - setup_started, 3),     # process groups, model, optimizer
-    })
+    trainer = Trainer(exp, impl, cuda=cuda, local_rank=local_rank)
+    if log.fd is not None:   # what ran, as the run directory, `runs show` and Live report it
+        log.write("start", start_ns=time.time_ns(), world_size=world, layout=trainer.layout(), seed=trainer.seed,
+                  runtime={"implementation": impl.to_dict(), **runtime.describe(stack)},
+                  startup_s={
+                      "import": round(setup_started - import_started, 3),      # torch, megatron (+ TE)
+                      "setup": round(time.monotonic() - setup_started, 3),     # process groups, model, optimizer
+                  })
 
     t = exp.training
     flops = flops_per_iteration(exp)
+    peaks: list[tuple] = []
     for iteration in range(1, t.train_iters + 1):
         start_ns = time.time_ns()
         loss, grad_norm = trainer.step()
-        stop_all, last_loss = trainer.agree(stop.requested, loss)
+        stop_all, last_loss, peaks = trainer.agree(stop.requested, loss)
         if cuda:
             torch.cuda.synchronize()
         end_ns = time.time_ns()
         seconds = (end_ns - start_ns) / 1e9
+        reserved = [r for _, _, r, _ in peaks if r is not None]
         log.iteration(
             iteration=iteration, start_ns=start_ns, end_ns=end_ns, loss=loss, grad_norm=grad_norm,
             samples=t.global_batch_size, tokens=t.global_batch_size * exp.seq_length,
-            mem_peak_bytes=peak_memory_bytes(cuda), tflops_per_gpu=flops / seconds / world / 1e12,
-            warmup=iteration <= t.warmup_iters,
+            mem_peak_bytes=max(a for _, a, _, _ in peaks), mem_reserved_bytes=max(reserved) if reserved else None,
+            tflops_per_gpu=flops / seconds / world / 1e12, warmup=iteration <= t.warmup_iters,
         )
         if rank == 0:
             print(f"iter {iteration}/{t.train_iters} loss {last_loss:.4f} {seconds * 1e3:.0f} ms", flush=True)
         if stop_all:
-            log.write("end", end_ns=time.time_ns(), iteration=iteration, status="cancelled")
+            log.write("end", end_ns=time.time_ns(), iteration=iteration, status="cancelled", memory=stage_peaks(peaks))
             print(f"cancelled after iteration {iteration} (SIGTERM)", file=sys.stderr, flush=True)
             return CANCELLED_EXIT
-    log.write("end", end_ns=time.time_ns(), iteration=t.train_iters, status="completed")
+    log.write("end", end_ns=time.time_ns(), iteration=t.train_iters, status="completed", memory=stage_peaks(peaks))
     return 0
+
+
+def stage_peaks(peaks: list[tuple]) -> list[dict]:
+    """Per pipeline stage, the highest of its ranks' allocator peak, reserved peak and memory
+    outside the allocator (None where not measured: CPU, or no NVML)."""
+    out: dict[int, dict] = {}
+    for stage, *values in peaks:
+        entry = out.setdefault(stage, {"pp_rank": stage, "allocated_bytes": None, "reserved_bytes": None,
+                                       "outside_allocator_bytes": None})
+        for key, value in zip(("allocated_bytes", "reserved_bytes", "outside_allocator_bytes"), values):
+            if value is not None:
+                entry[key] = max(entry[key] or 0, value)
+    return [out[stage] for stage in sorted(out)]
 
 
 def define_te_general_gemm() -> None:
@@ -540,12 +661,51 @@ def define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def peak_memory_bytes(cuda: bool) -> int:
+class DeviceMemory:
+    """What this rank holds on its GPU beyond the caching allocator's pool (CUDA context, NCCL
+    buffers, library handles): NVML's figure for this process minus torch's reserved bytes, the
+    most seen so far. None without a GPU or where NVML cannot attribute memory to this process."""
+
+    def __init__(self, local_rank: int | None):
+        self.handle, self.most = None, None
+        if local_rank is None:
+            return
+        try:
+            import pynvml
+            import torch
+
+            pynvml.nvmlInit()
+            uuid = str(torch.cuda.get_device_properties(local_rank).uuid)
+            self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        except Exception:   # noqa: BLE001 - no NVML (or an old torch): not measured, never fatal
+            self.handle = None
+
+    def outside_allocator(self) -> int | None:
+        if self.handle is None:
+            return None
+        import os
+
+        import pynvml
+        import torch
+
+        try:
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        except pynvml.NVMLError:
+            return self.most
+        mine = [p for p in procs if p.pid == os.getpid()] or (procs if len(procs) == 1 else [])   # PID namespaces
+        if mine and mine[0].usedGpuMemory:
+            now = int(mine[0].usedGpuMemory) - int(torch.cuda.memory_reserved())
+            self.most = now if self.most is None else max(self.most, now)
+        return self.most
+
+
+def memory_peaks(cuda: bool) -> tuple[int, int | None]:
+    """(peak allocated, peak reserved) of the CUDA caching allocator; on CPU (max RSS, None)."""
     if cuda:
         import torch
 
-        return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+        return int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None   # Linux reports KiB
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -556,8 +716,6 @@ def main(argv: list[str] | None = None) -> int:
     # implementation ourselves (transformer_impl), so the warning is noise in every rank's log.
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     warnings.filterwarnings("ignore", message="Apex is not installed")
-    # Megatron asks for this with TP (one CUDA work queue keeps TP comms ordered before compute).
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     stop = StopFlag()
     logs: list[IterationLog] = []
     status = 1

@@ -14,7 +14,13 @@ what the numbers mean:
              workspaces, pipeline buffers, backward temporaries)
   headroom   usable memory - memory outside the allocator (CUDA context, NCCL) - fragmentation
              margin - total; a stage fits when headroom >= 0. The fragmentation margin is 30% of
-             what the allocator could use (runs allocating 58.8 GB on an 80 GB H100 have OOMed)
+             what the allocator could use (runs allocating 58.8 GB on an 80 GB H100 have OOMed).
+             Usable and outside-allocator memory come from the hardware preset, or from a node
+             calibrated with `charllm-tui doctor --train` (said as "calibrated on NODE, DATE")
+  runs as    the transformer implementation, attention kernel and fusions the plan assumes: what
+             transformer_impl / attention_backend become on the calibrated node's software, or on
+             an assumed one (NVIDIA: Transformer Engine); "will not launch" lines say what that
+             node cannot run
 
 exit status: 0 every stage fits, 1 some stage does not fit, 2 bad input (one line on stderr)
 
@@ -110,14 +116,13 @@ def render(exp, report) -> None:
                       gib(s.activations), gib(s.other), gib(s.total_bytes), gib(s.headroom_bytes),
                       "[green]yes[/]" if s.fits else "[red]NO[/]")
     console.print(table)
-    console.print(f"usable {gib(report.usable_bytes)} GiB per device - outside the allocator "
-                  f"{gib(report.outside_allocator_bytes)} GiB (CUDA context, NCCL) - fragmentation margin "
-                  f"{gib(report.fragmentation_margin_bytes)} GiB = "
-                  f"{gib(report.usable_bytes - report.outside_allocator_bytes - report.fragmentation_margin_bytes)}"
-                  f" GiB for the allocator peak")
+    console.print(report.budget.describe(), highlight=False)
+    console.print(f"runs as: {report.implementation.describe()} ({report.stack_source})", highlight=False)
     verdict = "[green]fits[/]" if report.fits else "[red]does NOT fit[/]"
     console.print(f"peak {gib(report.peak_bytes)} GiB on stage {report.peak_stage}: {verdict} "
                   f"(headroom {gib(report.headroom_bytes)} GiB)")
+    for problem in report.runtime_problems:
+        console.print(f"[red]will not launch:[/] {problem}", highlight=False)
     for warning in report.warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     if report.ignored_args:

@@ -73,6 +73,8 @@ def _duration(m: dict) -> str:
 
 
 def _show(rd, args) -> int:
+    from charllm.probes.rundir import runtime_line
+
     m = rd.read_manifest()
     print(f"run       {rd.id}")
     print(f"path      {rd.path}")
@@ -85,6 +87,8 @@ def _show(rd, args) -> int:
         print(f"slurm job {m['slurm_job_id']} ({m.get('slurm_state', '')})")
     print(f"nodes     {', '.join(m.get('nodes', [])) or '-'}")
     print(f"started   {_time(m.get('started_ns'))}   duration {_duration(m)}")
+    if m.get("kind", "train") == "train":
+        print(f"ran as    {runtime_line(rd.runtime())}")
     for reason in m.get("forced", []):
         print(f"forced    {reason}")
     print("commands")

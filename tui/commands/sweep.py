@@ -105,7 +105,18 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"wrote {df.height} layouts to {args.parquet}")
     else:
         render(df, args)
+        print(basis(args, options))
     return 0
+
+
+def basis(args: argparse.Namespace, options: dict) -> str:
+    """What every row's verdict assumes: the device budget and where its figures come from."""
+    from charllm.engine.memory import budget
+    from charllm.engine.sweep import base_experiment
+
+    base = base_experiment(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch_size,
+                           args.seq_length, options)
+    return budget(base).describe()
 
 
 def why_none(args: argparse.Namespace, recompute: tuple[str, ...], options: dict) -> str:

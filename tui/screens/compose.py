@@ -361,9 +361,13 @@ class ComposeScreen(WorkbenchScreen):
             head = peak["headroom_bytes"]
             word = "[b green]FITS[/]" if r["fits"] else "[b red]DOES NOT FIT[/]"
             notes = "".join(f"\n[yellow]![/] {w}" for w in r.get("warnings", []))
+            blocked = "".join(f"\n[red]✗ will not launch:[/] {escape(p)}" for p in r.get("cannot_run", []))
+            impl = r["implementation"]
             verdict.update(f"{word}  peak {gib(r['peak_bytes'])} on PP{r['peak_stage']} of "
-                           f"{gib(r['usable_bytes'])} usable · headroom "
-                           f"{'+' if head >= 0 else ''}{gib(head)}{notes}")
+                           f"{gib(r['usable_bytes'])} usable [dim]({r['usable_source']})[/] · headroom "
+                           f"{'+' if head >= 0 else ''}{gib(head)}\n"
+                           f"[dim]runs as {impl['transformer_impl']} · attention {impl['attention']} "
+                           f"({escape(r['stack'])})[/]{blocked}{notes}")
 
     # -- actions -------------------------------------------------------------------------
     def on_button_pressed(self, event: Button.Pressed) -> None:

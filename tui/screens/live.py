@@ -61,6 +61,7 @@ class Frame(Message):
     simulated: bool = False
     grouped: bool = False
     devices: int = 0
+    runtime: str = ""                                         # what ran (the workload's start record)
     error: str | None = None
 
 
@@ -172,6 +173,7 @@ class LiveScreen(WorkbenchScreen):
             with Horizontal(id="live-top"):
                 yield Static(id="live-title")
                 yield Static("SIMULATED", id="sim-badge", classes="badge-sim")
+            yield Static(id="live-runtime", classes="hint")
             with Vertical(id="charts"):
                 for metric, title in GPU_CHARTS:
                     yield Chart(title, id=f"chart-{metric}")
@@ -279,6 +281,8 @@ class LiveScreen(WorkbenchScreen):
                 frame.iterations = iterations
                 frame.log_lines = log_lines
                 frame.ranks = ranks_text(iterations, starts)
+                if starts.get("runtime"):
+                    frame.runtime = api("probes.rundir").runtime_line(starts["runtime"])
                 self.post_message(frame)
                 time.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
         finally:
@@ -294,6 +298,7 @@ class LiveScreen(WorkbenchScreen):
             last = self.last_frame
             frame.charts, frame.throttle, frame.simulated = last.charts, last.throttle, last.simulated
             frame.grouped, frame.devices = last.grouped, last.devices
+            frame.runtime = frame.runtime or last.runtime
             self.last_frame = frame
             self._draw_text(frame)
             return
@@ -321,6 +326,8 @@ class LiveScreen(WorkbenchScreen):
         elif frame.kind == "none":
             title += " · waiting for telemetry…"
         self._update("#live-title", title)
+        self._update("#live-runtime", f"ran as {frame.runtime}" if frame.runtime else "")
+        self.query_one("#live-runtime").display = bool(frame.runtime)
         self.query_one("#sim-badge").display = frame.simulated
         self.query_one("#live-bottom").display = frame.kind != "host" or bool(frame.iterations)
         self._update("#iterations", iterations_text(frame.iterations) + "\n" + frame.ranks)

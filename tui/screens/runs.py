@@ -130,9 +130,13 @@ class RunsScreen(WorkbenchScreen):
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         run_id = event.row_key.value if event.row_key else None
         if run_id in self.runs:
+            from charllm.probes.rundir import RunDir, runtime_line
+
             note = self.notes.get(run_id)
+            ran = RunDir(self.runs[run_id]).runtime()
             self.query_one("#runs-detail", Static).update(
-                f"[b]{run_id}[/b]" + (f"  [dim]{note}[/]" if note else ""))
+                f"[b]{run_id}[/b]" + (f"  [dim]{note}[/]" if note else "")
+                + (f"\nran as {runtime_line(ran)}" if ran else ""))
 
     def current_run(self) -> str | None:
         table = self.query_one(DataTable)

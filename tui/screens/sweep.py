@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from rich.markup import escape
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
@@ -42,6 +43,7 @@ class SweepDone(Message):
     frame: object | None        # polars DataFrame
     seconds: float
     error: str | None = None
+    basis: str = ""             # the device budget every verdict assumes, and its sources
 
 
 def headroom_text(value: float | None, fits: bool | None) -> Text:
@@ -115,7 +117,8 @@ class SweepScreen(WorkbenchScreen):
         try:
             frame = api("engine.sweep").sweep(exp.model, exp.hardware, exp.cluster.nodes, exp.cluster.gpus_per_node,
                                               exp.training.global_batch_size, seq_length=exp.seq_length)
-            self.post_message(SweepDone(frame, time.perf_counter() - began))
+            basis = api("engine.memory").budget(exp).describe()
+            self.post_message(SweepDone(frame, time.perf_counter() - began, basis=basis))
         except (MissingAPI, UserError) as exc:
             self.post_message(SweepDone(None, time.perf_counter() - began, str(exc)))
         except Exception as exc:  # noqa: BLE001 - an engine bug is reported on screen, the app stays up
@@ -130,7 +133,8 @@ class SweepScreen(WorkbenchScreen):
         self.frame = message.frame
         fits = int(self.frame["fits"].sum()) if self.frame.height else 0
         status.update(f"{self.frame.height} valid layouts, [green]{fits} fit[/] · "
-                      "Enter loads a layout into Compose · s sorts · f fitting only")
+                      "Enter loads a layout into Compose · s sorts · f fitting only\n"
+                      f"[dim]{escape(message.basis)}[/]")
         with self.prevent(Select.Changed):
             for wid, column in (("mbs", "micro_batch_size"), ("recompute", "recompute")):
                 values = sorted(self.frame[column].unique().to_list(), key=str) if self.frame.height else []
