@@ -12,13 +12,8 @@ import pytest
 from charllm.engine import catalog
 from charllm.engine.experiment import Experiment
 from charllm.engine.megatron import import_megatron_args
-from charllm.tui.cli import main
+from infra_cli import run
 
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_one_line_error(code: int, err: str, *fragments: str) -> None:

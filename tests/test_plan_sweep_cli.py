@@ -8,6 +8,7 @@ import polars as pl
 import pytest
 
 from charllm.tui.cli import main
+from infra_cli import one_error_line, run
 
 MEGATRON = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
             "--max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 16 --bf16 "
@@ -15,16 +16,6 @@ MEGATRON = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-leng
             "--use-distributed-optimizer --vocab-size 50257 --log-interval 1 --weight-decay 0.1")
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("charllm-tui: error: ") and "Traceback" not in err
-    return lines[0]
 
 
 # -- plan -------------------------------------------------------------------------------------
