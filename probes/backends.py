@@ -101,6 +101,18 @@ def hostname() -> str:
     return socket.gethostname().split(".")[0]
 
 
+def inventory(backends: list[Backend]) -> list[dict]:
+    """Each device with its backend, name, uuid and the metrics it supports (what `probe --list`
+    and `doctor` show). One sample first: unsupported metrics are found out on the first read."""
+    out = []
+    for backend in backends:
+        backend.sample()
+        for dev in backend.devices():
+            out.append({"device": dev.label, "backend": backend.name, "simulated": backend.simulated,
+                        "name": dev.name, "uuid": dev.uuid, "metrics": backend.supported_metrics(dev)})
+    return out
+
+
 def open_backend(name: str, **kw) -> Backend:
     """The backend called `name` (see BACKEND_NAMES); `auto` picks one and sets `.reason`.
 

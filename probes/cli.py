@@ -116,13 +116,13 @@ def _console(file):
 def _print_list(console, backends, reason: str) -> None:
     from rich.table import Table
 
+    from charllm.probes.backends import inventory
+
     console.print(f"backend: {', '.join(b.name for b in backends)} — {reason}")
     table = Table("device", "backend", "name", "uuid", "metrics", show_lines=False)
-    for backend in backends:
-        backend.sample()  # one sample finds out what each device does not support
-        for dev in backend.devices():
-            label = f"{backend.name} (SIMULATED)" if backend.simulated else backend.name
-            table.add_row(dev.label, label, dev.name, dev.uuid, " ".join(backend.supported_metrics(dev)))
+    for dev in inventory(backends):
+        label = f"{dev['backend']} (SIMULATED)" if dev["simulated"] else dev["backend"]
+        table.add_row(dev["device"], label, dev["name"], dev["uuid"], " ".join(dev["metrics"]))
     console.print(table)
 
 

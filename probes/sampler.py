@@ -103,6 +103,10 @@ class Sampler:
         self._flush_error: BaseException | None = None
         self._failed_backends: set[str] = set()
 
+    def backend_hz(self, backend: Backend) -> float:
+        """The rate `backend` is actually sampled at (a slow backend only every n-th tick)."""
+        return self.hz / self._every[self.backends.index(backend)]
+
     # -- consumers -------------------------------------------------------------------------
     def subscribe(self, maxsize: int = 256) -> queue.Queue:
         """A queue receiving each tick's rows; when full, the oldest tick is dropped."""

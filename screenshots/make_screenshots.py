@@ -1,10 +1,11 @@
 """Regenerate the README's SVG screenshots of every workbench screen.
 
-    python screenshots/make_screenshots.py [--out screenshots]
+    python screenshots/make_screenshots.py [--out screenshots] [--only NAME ...]
 
 The data is deterministic, as in tests/test_tui_snapshots.py: private config/data/runs directories
 in a temp dir, recorded runs from `charllm.tui.demo` (simulated backend, fixed seed and clock), the
-shipped tiny-local preset, and a dry run with this host's name and the free port pinned.
+shipped tiny-local preset, a dry run with this host's name and the free port pinned, and a fixed
+saved calibration of a CPU node (`charllm.tui.demo.save_demo_calibration`) for the Doctor screen.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ async def shoot(name: str, app, prepare, out: Path, size=SIZE) -> Path:
     return path
 
 
-async def main(out: Path) -> None:
+async def main(out: Path, only: set[str]) -> None:
     from charllm.tui.app import CharllmApp
-    from charllm.tui.demo import make_demo_run
+    from charllm.tui.demo import make_demo_run, save_demo_calibration
 
     runs_dir = Path(os.environ["CHARLLM_RUNS_DIR"])
     capped = make_demo_run(runs_dir, "20251121-090000-demo-capped", seconds=30, power_limit_w=450.0, seed=3)
@@ -97,21 +98,32 @@ async def main(out: Path) -> None:
         await pilot.press("f1")
         await pilot.pause(0.5)
 
-    await shoot("compose", CharllmApp(), compose, out)
-    await shoot("compose-llama3-70b", CharllmApp(), compose_big, out)
-    await shoot("compose-80x24", CharllmApp(), compose, out, size=(80, 24))
-    await shoot("sweep", CharllmApp(llama70b()), sweep, out)
-    await shoot("launch", CharllmApp(), launch, out)
-    await shoot("live", CharllmApp(run=demo), live, out)
-    await shoot("live-80x24", CharllmApp(run=demo), live, out, size=(80, 24))
-    await shoot("runs", CharllmApp(), runs, out)
-    await shoot("compare", CharllmApp(), compare, out)
-    await shoot("help", CharllmApp(), help_screen, out)
+    async def doctor(pilot):
+        await pilot.press("f8")
+        status = pilot.app.screen.query_one("#doctor-status")
+        await until(pilot, lambda: "Saved calibrations" in str(status.render()))
+
+    save_demo_calibration()
+    shots = [
+        ("compose", CharllmApp(), compose, SIZE), ("compose-llama3-70b", CharllmApp(), compose_big, SIZE),
+        ("compose-80x24", CharllmApp(), compose, (80, 24)), ("sweep", CharllmApp(llama70b()), sweep, SIZE),
+        ("launch", CharllmApp(), launch, SIZE), ("live", CharllmApp(run=demo), live, SIZE),
+        ("live-80x24", CharllmApp(run=demo), live, (80, 24)), ("runs", CharllmApp(), runs, SIZE),
+        ("compare", CharllmApp(), compare, SIZE), ("help", CharllmApp(), help_screen, SIZE),
+        ("doctor", CharllmApp(), doctor, SIZE),
+    ]
+    unknown = only - {name for name, *_ in shots}
+    if unknown:
+        raise SystemExit(f"--only: no screenshot named {', '.join(sorted(unknown))}")
+    for name, app, prepare, size in shots:
+        if not only or name in only:
+            await shoot(name, app, prepare, out, size=size)
 
 
 def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    parser.add_argument("--only", nargs="+", default=[], metavar="NAME", help="only these screenshots (e.g. doctor)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("CONFIG", "DATA", "RUNS"):
@@ -119,8 +131,8 @@ def run() -> None:
         import charllm.engine.launch as launch
 
         socket.gethostname = lambda: "node0"       # the dry run names the host and a free port
-        launch._free_port = lambda: 29500
-        asyncio.run(main(args.out))
+        launch.free_port = lambda: 29500
+        asyncio.run(main(args.out, set(args.only)))
 
 
 if __name__ == "__main__":

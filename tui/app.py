@@ -1,7 +1,7 @@
 """The workbench: `charllm-tui` with no arguments.
 
-One Textual mode per screen (Compose, Sweep, Launch, Live, Runs, Compare), each with its own
-screen stack, switched with F2..F7, the tab bar or the command palette. The app holds the state
+One Textual mode per screen (Compose, Sweep, Launch, Live, Runs, Compare, Doctor), each with its
+own screen stack, switched with F2..F8, the tab bar or the command palette. The app holds the state
 the screens share: the experiment being composed and the run being watched. Every screen is a
 face on the headless API (`charllm.engine`, `charllm.probes`); blocking calls run in workers.
 
@@ -36,6 +36,7 @@ SCREENS: tuple[tuple[str, str, str, str], ...] = (
     ("live", "Live", "f5", "live:LiveScreen"),
     ("runs", "Runs", "f6", "runs:RunsScreen"),
     ("compare", "Compare", "f7", "compare:CompareScreen"),
+    ("doctor", "Doctor", "f8", "doctor:DoctorScreen"),
 )
 DEFAULT_EXPERIMENT = "tiny-local"
 

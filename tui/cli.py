@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "import_results",
     "launch",
     "runs",
+    "doctor",
 )
 
 DESCRIPTION = """\

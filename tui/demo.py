@@ -44,7 +44,8 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
         end = start + int((iteration_s - 0.1 - 0.02 * (i % 3)) * ns)
         events.append({"event": "iteration", "iteration": i, "rank": 0, "node": "node0", "start_ns": start,
                        "end_ns": end, "loss": round(10.5 - 0.12 * i, 4), "grad_norm": 1.0, "samples": 64,
-                       "tokens": tokens, "mem_peak_bytes": 61 * 1024**3, "tflops_per_gpu": 410.0 + i % 5,
+                       "tokens": tokens, "mem_peak_bytes": 61 * 1024**3, "mem_reserved_bytes": 64 * 1024**3,
+                       "tflops_per_gpu": 410.0 + i % 5,
                        "warmup": i <= 2})
     events.append({"event": "end", "status": status, "rank": 0, "node": "node0",
                    "end_ns": T0_NS + int(seconds * ns)})
@@ -76,3 +77,43 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
                        "target": {"name": "local", "kind": "local"},
                        "nodes": [f"node{n}" for n in range(nodes)], "world_size": nodes * gpus})
     return rd.path
+
+
+def save_demo_calibration(node: str = "node0", date: str = "2025-11-21") -> Path:
+    """A fixed CPU-node calibration, as `charllm-tui doctor --train` saved it on a 2-core CPU machine
+    (its figures rounded), for the Doctor screen's snapshot and screenshot. No GPU is claimed."""
+    from charllm.engine import calibration, doctor
+
+    host = {"device": "host", "backend": "host", "target_hz": 10.0, "rows": 20, "achieved_hz": 10.0}
+    report = {
+        "node": node, "date": date, "hardware": "cpu", "hardware_reason": "no GPU: training runs on the CPU",
+        "errors": [], "driver": None, "devices": [], "stack": {"cuda": False, "capability": None, "extensions": []},
+        "versions": {"python": "3.11.7", "torch": "2.13.0+cpu", "cuda": None, "nccl": None,
+                     "megatron_core": "0.16.1", "transformer_engine": None},
+        "implementation": {"transformer_impl": "local", "attention": "sdpa", "fusions": [], "device": "cpu",
+                           "describe": "local (megatron-core), attention sdpa, fusions none, on CPU"},
+        "telemetry": {"backend": "host", "reason": "nvml: NVML Shared Library Not Found; amdsmi: libamd_smi.so "
+                                                   "not found; using host only",
+                      "devices": [{"device": "host", "backend": "host", "simulated": False, "name": node,
+                                   "uuid": f"host-{node}", "metrics": ["cpu_util_pct", "cpu_freq_mhz",
+                                   "host_mem_used_bytes", "host_mem_total_bytes", "net_tx_bytes", "net_rx_bytes"]}]},
+        "sampling": [
+            {"hz": 20.0, "seconds": 2.0, "ticks": 40, "missed_deadlines": 0,
+             "devices": [{**host, "interval_ms": {"median": 100.0, "p99": 100.2, "max": 100.2}}]},
+            {"hz": 100.0, "seconds": 2.0, "ticks": 200, "missed_deadlines": 0,
+             "devices": [{**host, "interval_ms": {"median": 100.0, "p99": 101.6, "max": 101.6}}]},
+        ],
+        "train": {
+            "node": node, "date": date, "world_size": 2, "device": "cpu",
+            "experiment": "tiny-dense: 4 layers, hidden 64, FFN 256, 4/4 heads, sequence 32, micro-batch 2, "
+                          "global batch 8, fp32, DP2",
+            "implementation": {"transformer_impl": "local", "attention": "sdpa", "fusions": [], "device": "cpu",
+                               "describe": "local (megatron-core), attention sdpa, fusions none, on CPU"},
+            "iterations": 10, "steady_iterations": 8, "iteration_ms_median": 87.0, "tflops_per_gpu": 0.00239,
+            "peak_tflops": 0.5, "mfu_pct": 0.478, "planned_bytes": 39447040, "rss_bytes": 430080000,
+            "outside_allocator_bytes": None,
+            "stages": [{"pp_rank": 0, "allocated_bytes": 430080000, "reserved_bytes": None,
+                        "outside_allocator_bytes": None}],
+        },
+    }
+    return calibration.save(doctor.calibration_record(report))

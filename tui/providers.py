@@ -82,6 +82,10 @@ class ActionsProvider(_ListProvider):
              partial(self._on, "runs", "compare")),
             ("Save run as baseline", "keep the selected run's summary as a named baseline (Runs: b)",
              partial(self._on, "runs", "save_baseline")),
+            ("Check this node", "versions, devices, telemetry and sampling rate (Doctor: r)",
+             partial(self._on, "doctor", "check")),
+            ("Calibrate this node", "a short training job, then save the node calibration (Doctor: t)",
+             partial(self._on, "doctor", "check(True)")),
         ]
 
     def _on(self, mode: str, action: str) -> None:

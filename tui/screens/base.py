@@ -26,7 +26,7 @@ def api(module: str) -> ModuleType:
 
 
 class ScreenTabs(Tabs):
-    """The screen switcher (mouse); F2..F7 do the same from the keyboard."""
+    """The screen switcher (mouse); F2..F8 do the same from the keyboard."""
 
     can_focus = False
 

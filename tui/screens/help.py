@@ -19,6 +19,8 @@ Enter on a row loads it into Compose. **Launch** shows the dry run and starts th
 SSH or Slurm). **Live** shows power, temperatures, SM clock and throttling per GPU, iteration
 speed and the log; with no run it shows this machine's host telemetry. **Runs** lists runs
 (open, cancel, delete, mark for compare). **Compare** puts runs and a baseline side by side.
+**Doctor** checks this node (versions, devices, telemetry, sampling rate) and, with a short
+training job, saves the calibration that Compose, Sweep and plan use for its hardware.
 
 Ctrl+P opens the command palette (screens, presets, runs, actions). Keys can be changed in
 `<config>/tui.toml` under `[keymap]` by binding id; `theme = "..."` picks a theme.

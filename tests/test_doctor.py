@@ -1,0 +1,226 @@
+"""`charllm-tui doctor` on this CPU machine, end to end: the real stack, the real sampler, a real
+torchrun training job, the saved calibration and `plan` using it. GPU-side paths run against the
+fake NVML behind the real pynvml module (no GPU is claimed to have run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import tempfile
+
+import pytest
+
+from charllm.engine import calibration, catalog, doctor
+from charllm.tui.cli import build_parser, main
+from charllm.tui.commands.doctor import EPILOG
+from infra_cli import one_error_line, run
+from infra_runs import run_processes, wait_for
+from tests.fakes_nvml import FakeGpu, FakeNvml
+
+pytestmark = pytest.mark.timeout(300)
+
+FAST = ("--sample-seconds", "0.5")
+
+
+
+
+# -- this node -----------------------------------------------------------------------------------
+def test_doctor_on_this_cpu_node_says_no_gpu_and_measures_host_sampling(capsys, charllm_dirs):
+    code, out, err = run(capsys, "doctor", "--no-save", "--sample-seconds", "1")
+    assert code == 0, err
+    assert "hardware cpu" in out and "no GPU" in out
+    assert re.search(r"torch 2\.\d+", out) and "megatron-core" in out and "runs as" in out
+    assert "on CPU" in out and "host" in out and "cpu_util_pct" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s*(20|100) Hz\s+host", line)]
+    assert [r[0] for r in rows] == ["20", "100"], out
+    for row in rows:   # asked, device, target, achieved: the host is asked at most 10 times a second
+        assert row[3:5] == ["10", "Hz"] and 5 <= float(row[5]) <= 10.5, row
+    assert "no calibration saved (--no-save)" in out
+    assert "sampling at 20 Hz" in err and "sampling at 100 Hz" in err   # progress, a line per phase
+    assert not (charllm_dirs["data"] / "calibrations").exists()
+
+
+def test_doctor_json_is_the_whole_report(capsys):
+    code, out, _ = run(capsys, "doctor", "--json", "--no-save", *FAST)
+    assert code == 0
+    report = json.loads(out)
+    assert report["hardware"] == "cpu" and report["devices"] == [] and report["errors"] == []
+    assert report["stack"]["cuda"] is False and report["versions"]["torch"]
+    assert report["implementation"]["device"] == "cpu" and report["implementation"]["transformer_impl"] == "local"
+    assert report["telemetry"]["backend"] == "host"
+    assert "cpu_util_pct" in report["telemetry"]["devices"][0]["metrics"]
+    assert [s["hz"] for s in report["sampling"]] == [20.0, 100.0]
+    for run_ in report["sampling"]:
+        host = run_["devices"][0]
+        assert host["target_hz"] == 10.0 and host["rows"] >= 3
+        assert 50 <= host["interval_ms"]["median"] <= 200 and run_["ticks"] >= 0.5 * run_["hz"] * 0.5
+    assert report["saved_calibration"] is None and "train" not in report
+
+
+@pytest.mark.integration
+def test_train_check_saves_a_calibration_that_plan_then_uses(capsys, charllm_dirs):
+    code, out, err = run(capsys, "doctor", "--train", "--iters", "3", *FAST)
+    assert code == 0, err
+    assert "train check" in out and "peak RSS" in out and "TFLOP/s per device" in out and "MFU" in out
+    assert "iteration 3/3" in err
+    saved = charllm_dirs["data"] / "calibrations" / "cpu.json"
+    assert f"calibration saved: {saved}" in out
+    record = json.loads(saved.read_text())
+    node, date = record["node"], record["date"]
+    assert record["hardware"] == "cpu" and record["stack"]["cuda"] is False
+    assert record["memory"] == {"usable_bytes": None, "outside_allocator_bytes": None, "devices": 2}
+    train = record["train"]
+    assert train["device"] == "cpu" and train["world_size"] == 2 and train["iterations"] == 3
+    assert train["implementation"]["transformer_impl"] == "local" and train["tflops_per_gpu"] > 0
+    assert train["rss_bytes"] > train["planned_bytes"] > 0 and record["sampling"] and record["versions"]
+
+    code, out, _ = run(capsys, "plan", "tiny-local")
+    assert f"(calibrated on {node}, {date})" in out
+    code, out, _ = run(capsys, "doctor", "--show", "cpu")
+    assert code == 0 and f"calibration for cpu: node {node}, {date}" in out and "train check" in out
+
+    # A check without --train refreshes the stack and keeps what --train measured on it.
+    assert main(["doctor", *FAST]) == 0
+    again = json.loads(saved.read_text())
+    assert again["train"] == train and again["memory"]["devices"] == 2
+
+
+@pytest.mark.integration
+def test_a_failing_train_job_is_one_line_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    exp, plan = doctor.train_experiment(catalog.load_hardware("cpu"), 0, iters=3)
+    exp.training.data_path = str(tmp_path / "no-such-dataset")   # the workload refuses it on every rank
+    with pytest.raises(doctor.CheckFailed) as failed:
+        doctor.run_train(exp, plan, node="n0", progress=lambda line: None)
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith("train check failed: rank ")
+    assert "training.data_path" in message and "no-such-dataset.bin" in message
+    assert list(tmp_path.glob("charllm-doctor-*")) == []
+    wait_for(lambda: run_processes(str(tmp_path)) == [], 10, "no process of the job left")
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys, charllm_dirs):
+    for argv, says in ((["--hardware", "h100"], "hardware 'h100': no such preset"),
+                       (["--target", "nowhere"], "--target 'nowhere': no such target"),
+                       (["--iters", "0"], "--iters = 0"),
+                       (["--nodes", "2"], "--nodes = 2: only for a slurm target"),
+                       (["--show", "h100-sxm-80gb"], "no calibration for this hardware")):
+        code, _, err = run(capsys, "doctor", *argv)
+        assert code == 2 and says in one_error_line(err), (argv, err)
+
+
+def test_a_gpu_preset_on_this_cpu_node_is_refused(capsys):
+    code, _, err = run(capsys, "doctor", "--hardware", "h100-sxm-80gb", *FAST)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == ("charllm-tui: error: --hardware 'h100-sxm-80gb': a nvidia preset, "
+                                            "and this node has no GPU")
+
+
+def test_every_epilog_example_runs_as_written(capsys):
+    commands = [shlex.split(re.split(r"\s{2,}", line.strip())[0])[1:] for line in EPILOG.splitlines()
+                if line.strip().startswith("charllm-tui doctor")]
+    assert ["doctor", "--train"] in commands and ["doctor", "--show"] in commands
+    for argv in commands:
+        build_parser().parse_args(argv)
+        if "--train" not in argv:   # the train check runs in its own test, with fewer iterations
+            code, _, err = run(capsys, *argv, *([] if "--show" in argv else FAST))
+            assert code == 0, (argv, err)
+
+
+# -- hardware presets from the device -------------------------------------------------------------
+def gpus(name: str, gib: float, n: int = 8) -> list[dict]:
+    return [{"index": i, "name": name, "total_bytes": int(gib * 2**30), "capability": "9.0"} for i in range(n)]
+
+
+@pytest.mark.parametrize("devices, preset", [
+    (gpus("NVIDIA H100 80GB HBM3", 79.11), "h100-sxm-80gb"),
+    (gpus("NVIDIA H200", 139.81), "h200-141gb"),
+    (gpus("NVIDIA A100-SXM4-80GB", 79.15), "a100-80gb"),
+    (gpus("NVIDIA B200", 178.35), "b200"),
+    (gpus("AMD Instinct MI250X", 63.98), "mi250x"),
+    (gpus("AMD Instinct MI300X", 191.98), "mi300x"),
+    ([], "cpu"),
+    (gpus("NVIDIA H100 PCIe", 79.11), None),       # another board than the SXM preset
+    (gpus("NVIDIA A100-SXM4-40GB", 39.39), None),  # the memory tells
+    (gpus("NVIDIA GeForce RTX 4090", 23.6), None),
+    (gpus("NVIDIA H100 80GB HBM3", 79.11, 1) + gpus("NVIDIA H200", 139.81, 1), None),
+])
+def test_devices_map_to_hardware_presets(devices, preset):
+    found, why = doctor.match_hardware(devices)
+    assert found == preset
+    if preset is None:
+        assert "--hardware" in why and "\n" not in why
+
+
+# -- GPU-side paths against the fake NVML ---------------------------------------------------------
+def test_telemetry_and_sampling_on_nvml_gpus(monkeypatch):
+    FakeNvml([FakeGpu(0), FakeGpu(1, name="NVIDIA H100 80GB HBM3")]).install(monkeypatch)
+    from charllm.probes.backends import open_backends
+
+    backends, reason = open_backends("auto")
+    try:
+        telemetry = doctor.telemetry_check(backends, reason)
+        sampled = doctor.sampling_check(backends, 100.0, 0.5, "n0")
+    finally:
+        for backend in backends:
+            backend.close()
+    assert telemetry["backend"] == "nvml, host" and "2 device(s) found" in telemetry["reason"]
+    gpu0 = telemetry["devices"][0]
+    assert gpu0["device"] == "gpu0" and "power_w" in gpu0["metrics"] and "throttle_reasons" in gpu0["metrics"]
+    by_device = {d["device"]: d for d in sampled["devices"]}
+    assert by_device["gpu0"]["target_hz"] == 100.0 and by_device["host"]["target_hz"] == 10.0
+    assert by_device["gpu0"]["rows"] > by_device["host"]["rows"] >= 3
+    assert by_device["gpu1"]["interval_ms"]["median"] < 50
+
+
+def test_gpu_train_figures_from_an_iteration_log():
+    """The figures a CUDA job's iteration log gives (the workload's own event shapes)."""
+    hw = catalog.load_hardware("h100-sxm-80gb")
+    exp, plan = doctor.train_experiment(hw, gpus=8, iters=4)
+    assert exp.world_size == 8 and exp.model.num_layers == 16 and plan.fits
+    planned = plan.stages[-1].total_bytes
+    implementation = {"transformer_impl": "local", "attention": "sdpa", "fusions": [], "device": "cuda"}
+    events = [{"event": "start", "world_size": 8, "layout": {"device": "cuda"},
+               "runtime": {"implementation": implementation}}]
+    events += [{"event": "iteration", "iteration": i, "start_ns": 0, "end_ns": 500_000_000, "warmup": i <= 2,
+                "tflops_per_gpu": 400.0 + i} for i in range(1, 5)]
+    events.append({"event": "end", "memory": [{"pp_rank": 0, "allocated_bytes": int(planned * 1.1),
+                                               "reserved_bytes": int(planned * 1.2),
+                                               "outside_allocator_bytes": 3 * 2**30}]})
+    figures = doctor.measurements(exp, plan, events, "n0")
+    assert figures["plan_error_pct"] == pytest.approx(10.0, abs=0.01)
+    assert figures["reserved_over_allocated"] == pytest.approx(1.2 / 1.1, rel=1e-6)
+    assert figures["outside_allocator_bytes"] == 3 * 2**30
+    assert figures["tflops_per_gpu"] == 403.5 and figures["mfu_pct"] == pytest.approx(100 * 403.5 / 989.4)
+    report = {"hardware": "h100-sxm-80gb", "node": "n0", "date": "2026-01-02", "errors": [],
+              "stack": {"cuda": True, "capability": [9, 0], "extensions": []},
+              "devices": gpus("NVIDIA H100 80GB HBM3", 79.11), "train": figures}
+    record = doctor.calibration_record(report)
+    assert record["memory"] == {"usable_bytes": int(79.11 * 2**30), "outside_allocator_bytes": 3 * 2**30, "devices": 8}
+
+
+def test_small_gpus_get_a_smaller_job():
+    import dataclasses
+
+    h100 = catalog.load_hardware("h100-sxm-80gb")
+    for gib, layers in ((24, 4), (12, 2)):
+        small = dataclasses.replace(h100, name=f"gpu-{gib}", usable_bytes=gib * 2**30, memory_bytes=gib * 2**30)
+        exp, plan = doctor.train_experiment(small, gpus=1)
+        assert plan.fits and exp.model.num_layers == layers and exp.training.micro_batch_size == 1
+    tiny = dataclasses.replace(h100, name="tiny-gpu", usable_bytes=2**30, memory_bytes=2**30)
+    with pytest.raises(doctor.CheckFailed, match="does not fit tiny-gpu"):
+        doctor.train_experiment(tiny, gpus=1)
+
+
+def test_the_doctor_module_keeps_torch_out_of_this_process():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom charllm.engine import doctor\nr = doctor.gather(rates=(20.0,), sample_seconds=0.2)\n"
+            "print(r['hardware'], 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ})
+    assert done.stdout.split() == ["cpu", "False"], done.stderr
+    assert calibration.directory().exists() is False
