@@ -869,8 +869,10 @@ def budget(exp: Experiment) -> Budget:
 def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
              warnings: list[str] | None = None) -> MemoryReport:
     """Peak allocator bytes per pipeline stage, with a fit verdict on `exp.hardware`."""
+    from charllm.engine.validate import ignored
+
     hw, t = exp.hardware, exp.training
-    notes = list(warnings or [])
+    notes = list(warnings or []) + ignored(exp)
     pr = precision(exp)
     workspace = workspace_bytes(exp)
     stages = []

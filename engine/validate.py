@@ -20,9 +20,10 @@ class Problem:
     field: str
     value: Any
     rule: str
+    fix: str | None = None      # "field=value" that resolves it, where one value clearly does
 
     def __str__(self) -> str:
-        return f"{self.field} = {self.value!r}: {self.rule}"
+        return f"{self.field} = {self.value!r}: {self.rule}" + (f"; {self.fix} works" if self.fix else "")
 
 
 # Choices, as Megatron-LM's argument parser (or our own tooling, for telemetry/vendor) lists them.
@@ -151,9 +152,10 @@ def _layout(exp: Experiment) -> list[Problem]:
         out.append(Problem("attention_backend", "local", "is megatron-core's local attention: it needs "
                                                          "transformer_impl = \"local\" or \"auto\""))
     if p.sequence_parallel and tp == 1:
-        out.append(Problem("sequence_parallel", True, "needs tensor_model_parallel_size > 1"))
+        out.append(Problem("sequence_parallel", True, "needs tensor_model_parallel_size > 1",
+                           "sequence_parallel=false"))
     if exp.training.tp_comm_overlap and not p.sequence_parallel:
-        out.append(Problem("tp_comm_overlap", True, "needs sequence_parallel = true"))
+        out.append(Problem("tp_comm_overlap", True, "needs sequence_parallel = true", "sequence_parallel=true"))
     if p.use_megatron_fsdp and p.use_torch_fsdp2:
         out.append(Problem("use_torch_fsdp2", True, "cannot be combined with use_megatron_fsdp"))
     if p.data_parallel_sharding_strategy != "no_shard" and not p.use_megatron_fsdp:
@@ -258,9 +260,11 @@ def _batch(exp: Experiment) -> list[Problem]:
     t = exp.training
     dp = exp.data_parallel_size
     if t.global_batch_size % (t.micro_batch_size * dp):
+        step = t.micro_batch_size * dp
         return [Problem("global_batch_size", t.global_batch_size,
                         f"must be divisible by micro_batch_size x data-parallel size "
-                        f"({t.micro_batch_size} x {dp} = {t.micro_batch_size * dp})")]
+                        f"({t.micro_batch_size} x {dp} = {step})",
+                        f"global_batch_size={max(step, t.global_batch_size // step * step)}")]
     return []
 
 
@@ -288,8 +292,8 @@ def _experts(exp: Experiment) -> list[Problem]:
         out.append(Problem("moe_ffn_hidden_size", m.moe_ffn,
                            f"must be divisible by expert_tensor_parallel_size ({etp})"))
     if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
-        out.append(Problem("sequence_parallel", False,
-                           "a mixture-of-experts model with tensor_model_parallel_size > 1 needs sequence_parallel = true"))
+        out.append(Problem("sequence_parallel", False, "a mixture-of-experts model with "
+                           "tensor_model_parallel_size > 1 needs sequence_parallel = true", "sequence_parallel=true"))
     if exp.training.fp16 and ep > 1:
         out.append(Problem("fp16", True, "expert parallelism does not support fp16 training"))
     return out
@@ -321,7 +325,8 @@ def _precision(exp: Experiment) -> list[Problem]:
         out.append(Problem("moe_grouped_gemm", True, "needs bf16 = true"))
     if t.fp8_param_gather and not (exp.parallel.use_distributed_optimizer or exp.parallel.use_megatron_fsdp
                                    or exp.parallel.use_torch_fsdp2):
-        out.append(Problem("fp8_param_gather", True, "needs use_distributed_optimizer = true (or FSDP)"))
+        out.append(Problem("fp8_param_gather", True, "needs use_distributed_optimizer = true (or FSDP)",
+                           "use_distributed_optimizer=true"))
     return out
 
 
@@ -329,16 +334,16 @@ def _recompute(exp: Experiment) -> list[Problem]:
     t, m, p = exp.training, exp.model, exp.parallel
     g = t.recompute_granularity
     out = []
-    if g != "full":
+    # Without a granularity Megatron ignores the method and layer count (engine.validate.ignored
+    # lists them); selective recompute refuses both: Megatron-LM's arguments.py asserts on the
+    # method, megatron-core's TransformerConfig on the layer count.
+    if g == "selective":
         if t.recompute_method is not None:
             out.append(Problem("recompute_method", t.recompute_method,
-                               "applies only with recompute_granularity = 'full'"))
+                               "is not supported with recompute_granularity = 'selective' (only with 'full')"))
         if t.recompute_num_layers is not None:
             out.append(Problem("recompute_num_layers", t.recompute_num_layers,
-                               "applies only with recompute_granularity = 'full'"))
-    if g != "selective" and t.recompute_modules is not None:
-        out.append(Problem("recompute_modules", t.recompute_modules,
-                           "applies only with recompute_granularity = 'selective'"))
+                               "must be unset with recompute_granularity = 'selective' (it applies to 'full')"))
     if g == "full" and t.cuda_graph_impl != "none":
         out.append(Problem("cuda_graph_impl", t.cuda_graph_impl, "CUDA graphs cannot be combined with full recompute"))
     if g == "full":
@@ -353,7 +358,21 @@ def _recompute(exp: Experiment) -> list[Problem]:
         if even and t.recompute_num_layers is not None and t.recompute_num_layers > per_chunk:
             out.append(Problem("recompute_num_layers", t.recompute_num_layers,
                                f"cannot exceed the {per_chunk} layers of one pipeline stage "
-                               f"({m.num_layers} layers / {chunks} model chunks)"))
+                               f"({m.num_layers} layers / {chunks} model chunks)", f"recompute_num_layers={per_chunk}"))
+    return out
+
+
+def ignored(exp: Experiment) -> list[str]:
+    """Settings Megatron accepts here but does not use: one line each, for plan and Compose."""
+    t = exp.training
+    out = []
+    if t.recompute_granularity is None:
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(t, name) is not None:
+                out.append(f"{name} = {getattr(t, name)!r}: ignored without recompute_granularity (as Megatron does)")
+    if t.recompute_granularity != "selective" and t.recompute_modules is not None:
+        out.append(f"recompute_modules = {t.recompute_modules!r}: ignored without recompute_granularity = "
+                   "'selective' (as Megatron does)")
     return out
 
 
@@ -363,9 +382,11 @@ def _optimizer(exp: Experiment) -> list[Problem]:
     if t.overlap_param_gather:
         if not (p.use_distributed_optimizer or p.use_megatron_fsdp):
             out.append(Problem("overlap_param_gather", True,
-                               "needs use_distributed_optimizer = true (or use_megatron_fsdp)"))
+                               "needs use_distributed_optimizer = true (or use_megatron_fsdp)",
+                               "use_distributed_optimizer=true"))
         if not t.overlap_grad_reduce:
-            out.append(Problem("overlap_param_gather", True, "needs overlap_grad_reduce = true"))
+            out.append(Problem("overlap_param_gather", True, "needs overlap_grad_reduce = true",
+                               "overlap_grad_reduce=true"))
     if p.num_distributed_optimizer_instances > 1 and not p.use_distributed_optimizer:
         out.append(Problem("num_distributed_optimizer_instances", p.num_distributed_optimizer_instances,
                            "applies only with use_distributed_optimizer = true"))
@@ -379,7 +400,8 @@ def _optimizer(exp: Experiment) -> list[Problem]:
         if t.optimizer != "adam":
             out.append(Problem("use_precision_aware_optimizer", True, f"works only with optimizer = adam, not {t.optimizer}"))
         if not p.use_distributed_optimizer:
-            out.append(Problem("use_precision_aware_optimizer", True, "needs use_distributed_optimizer = true"))
+            out.append(Problem("use_precision_aware_optimizer", True, "needs use_distributed_optimizer = true",
+                               "use_distributed_optimizer=true"))
     if t.optimizer == "muon" and (p.use_distributed_optimizer or p.use_megatron_fsdp or p.use_torch_fsdp2):
         out.append(Problem("optimizer", "muon", "does not support the distributed optimizer or FSDP"))
     return out

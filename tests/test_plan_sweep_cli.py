@@ -179,3 +179,13 @@ def test_sweep_help_explains_the_ranking(capsys):
         main(["sweep", "--help"])
     out = capsys.readouterr().out
     assert "ranking" in out and "bubble" in out and "recompute" in out
+
+
+def test_a_set_that_breaks_another_field_names_it_and_a_value_that_works(capsys):
+    """The README's example: PP 8 leaves 10 layers per stage, below the preset's recompute count."""
+    name = "ppt-h100-llama3-70b-1-01000"
+    code, _, err = run(capsys, "plan", name, "--set", "pipeline_model_parallel_size=8", "--json")
+    assert code == 2 and one_error_line(err).endswith("recompute_num_layers=10 works")
+    code, out, _ = run(capsys, "plan", name, "--set", "pipeline_model_parallel_size=8",
+                       "--set", "recompute_num_layers=10", "--json")
+    assert code in (0, 1) and json.loads(out)["stages"][0]["pp_rank"] == 0

@@ -82,7 +82,7 @@ RULES = {
         "pipeline_model_parallel_layout = 'Etx|L': unknown layer letter(s) 'x'; known: E, t, m, L"),
     "global batch divisible by micro x DP": (
         ["global_batch_size=20"],
-        "global_batch_size = 20: must be divisible by micro_batch_size x data-parallel size (2 x 4 = 8)"),
+        "global_batch_size = 20: must be divisible by micro_batch_size x data-parallel size (2 x 4 = 8); global_batch_size=16 works"),
     "experts divisible by EP": (
         moe("num_moe_experts=6", "expert_model_parallel_size=4"),
         "num_moe_experts = 6: must be divisible by expert_model_parallel_size (4)"),
@@ -99,11 +99,11 @@ RULES = {
         moe("moe_ffn_hidden_size=255"),
         "moe_ffn_hidden_size = 255: must be divisible by expert_tensor_parallel_size (2)"),
     "SP needs TP > 1": (
-        ["tensor_model_parallel_size=1"], "sequence_parallel = True: needs tensor_model_parallel_size > 1"),
+        ["tensor_model_parallel_size=1"], "sequence_parallel = True: needs tensor_model_parallel_size > 1; sequence_parallel=false works"),
     "MoE with TP > 1 needs SP": (
         moe("sequence_parallel=false"),
         "sequence_parallel = False: a mixture-of-experts model with tensor_model_parallel_size > 1 needs "
-        "sequence_parallel = true"),
+        "sequence_parallel = true; sequence_parallel=true works"),
     "EP without fp16": (
         moe("fp16=true", "bf16=false"), "fp16 = True: expert parallelism does not support fp16 training"),
     "seq divisible by 2 x CP": (
@@ -118,15 +118,12 @@ RULES = {
         ["fp16=true", "bf16=true"], "fp16 = True: cannot be combined with bf16 (choose one)"),
     "grouped GEMM needs bf16": (
         ["moe_grouped_gemm=true", "bf16=false"], "moe_grouped_gemm = True: needs bf16 = true"),
-    "recompute method only with full": (
+    "no recompute method under selective": (
         ["recompute_granularity='selective'", "recompute_method='uniform'"],
-        "recompute_method = 'uniform': applies only with recompute_granularity = 'full'"),
-    "recompute layers only with full": (
-        ["recompute_num_layers=1"], "recompute_num_layers = 1: applies only with recompute_granularity = 'full'"),
-    "recompute modules only with selective": (
-        ["recompute_granularity='full'", "recompute_method='block'", "recompute_num_layers=1",
-         "recompute_modules=['mlp']"],
-        "recompute_modules = ['mlp']: applies only with recompute_granularity = 'selective'"),
+        "recompute_method = 'uniform': is not supported with recompute_granularity = 'selective' (only with 'full')"),
+    "no recompute layer count under selective": (
+        ["recompute_granularity='selective'", "recompute_num_layers=1"],
+        "recompute_num_layers = 1: must be unset with recompute_granularity = 'selective' (it applies to 'full')"),
     "full recompute needs a method": (
         ["recompute_granularity='full'", "recompute_num_layers=1"],
         "recompute_method = None: full recompute needs a method: uniform or block"),
@@ -135,17 +132,19 @@ RULES = {
         "recompute_num_layers = None: full recompute needs the number of layers"),
     "recompute layers within a stage": (
         ["recompute_granularity='full'", "recompute_method='block'", "recompute_num_layers=5"],
-        "recompute_num_layers = 5: cannot exceed the 4 layers of one pipeline stage (8 layers / 2 model chunks)"),
+        "recompute_num_layers = 5: cannot exceed the 4 layers of one pipeline stage (8 layers / 2 model chunks); "
+        "recompute_num_layers=4 works"),
     "recompute module names": (
         ["recompute_granularity='selective'", "recompute_modules=['attention']"],
         "recompute_modules = ['attention']: 'attention' is not one of core_attn, moe_act, layernorm, "
         "mla_up_proj, mlp, moe, shared_experts"),
     "param gather needs the distributed optimizer": (
         ["overlap_param_gather=true", "overlap_grad_reduce=true"],
-        "overlap_param_gather = True: needs use_distributed_optimizer = true (or use_megatron_fsdp)"),
+        "overlap_param_gather = True: needs use_distributed_optimizer = true (or use_megatron_fsdp); "
+        "use_distributed_optimizer=true works"),
     "param gather needs grad reduce overlap": (
         ["overlap_param_gather=true", "use_distributed_optimizer=true"],
-        "overlap_param_gather = True: needs overlap_grad_reduce = true"),
+        "overlap_param_gather = True: needs overlap_grad_reduce = true; overlap_grad_reduce=true works"),
     "optimizer instances need the distributed optimizer": (
         ["num_distributed_optimizer_instances=2"],
         "num_distributed_optimizer_instances = 2: applies only with use_distributed_optimizer = true"),
@@ -157,7 +156,8 @@ RULES = {
     "optimizer offload needs the precision-aware optimizer": (
         ["optimizer_cpu_offload=true"], "optimizer_cpu_offload = True: needs use_precision_aware_optimizer = true"),
     "FP8 param gather needs the distributed optimizer": (
-        ["fp8_param_gather=true"], "fp8_param_gather = True: needs use_distributed_optimizer = true (or FSDP)"),
+        ["fp8_param_gather=true"], "fp8_param_gather = True: needs use_distributed_optimizer = true (or FSDP); "
+         "use_distributed_optimizer=true works"),
     "CUDA graphs without full recompute": (
         ["cuda_graph_impl='transformer_engine'", "recompute_granularity='full'", "recompute_method='block'",
          "recompute_num_layers=1"],
@@ -166,7 +166,8 @@ RULES = {
         ["use_precision_aware_optimizer=true", "main_grads_dtype='fp16'"],
         "main_grads_dtype = 'fp16': must be one of fp32, bf16"),
     "TP comm overlap needs SP": (
-        ["tp_comm_overlap=true", "sequence_parallel=false"], "tp_comm_overlap = True: needs sequence_parallel = true"),
+        ["tp_comm_overlap=true", "sequence_parallel=false"], "tp_comm_overlap = True: needs sequence_parallel = true; "
+         "sequence_parallel=true works"),
     "sharding strategy needs Megatron-FSDP": (
         ["data_parallel_sharding_strategy='optim_grads_params'"],
         "data_parallel_sharding_strategy = 'optim_grads_params': applies only with use_megatron_fsdp = true"),
@@ -256,3 +257,30 @@ def test_unknown_keys_in_toml_suggest_the_nearest(tmp_path):
     with pytest.raises(UserError, match="unknown key 'tensor_model_paralel_size'; did you mean "
                                         "'tensor_model_parallel_size'"):
         Experiment.load(path)
+
+
+def test_what_megatron_ignores_is_accepted_and_listed():
+    """Megatron takes recompute settings that do not apply (no granularity, or modules outside
+    selective recompute) and ignores them; so do validate and plan, which say so."""
+    from charllm.engine.memory import estimate
+    from charllm.engine.validate import ignored
+
+    exp = catalog.load_experiment("tiny-local").apply(["recompute_method='uniform'", "recompute_num_layers=1",
+                                                 "recompute_modules=['mlp']"])
+    assert validate(exp) == []
+    assert ignored(exp) == [
+        "recompute_method = 'uniform': ignored without recompute_granularity (as Megatron does)",
+        "recompute_num_layers = 1: ignored without recompute_granularity (as Megatron does)",
+        "recompute_modules = ['mlp']: ignored without recompute_granularity = 'selective' (as Megatron does)"]
+    assert ignored(exp)[1] in estimate(exp).warnings
+    assert estimate(exp).peak_bytes == estimate(catalog.load_experiment("tiny-local")).peak_bytes
+
+
+@pytest.mark.parametrize("sets", [s for s, message in RULES.values() if message.endswith(" works")],
+                         ids=[n for n, (_, message) in RULES.items() if message.endswith(" works")])
+def test_a_suggested_fix_resolves_its_problem(sets):
+    """A rule that names a value that works: applying that value removes the problem."""
+    exp = base().apply(sets)
+    problem = next(p for p in validate(exp) if p.fix)
+    exp.apply([problem.fix])
+    assert (problem.field, problem.rule) not in {(p.field, p.rule) for p in validate(exp)}
