@@ -9,7 +9,9 @@ from pathlib import Path
 EPILOG = """\
 layouts: TP (powers of two within a node) x CP x PP x VP x EP (MoE) x micro batch (1, 2, 4, 8),
 each with recompute none / selective / full and the distributed optimizer on / off; sequence
-parallelism is on whenever TP > 1. Only layouts that `engine.validate` accepts are listed.
+parallelism is on whenever TP > 1 and the node planned for runs it (with Transformer Engine; a node
+calibrated without it, see `charllm-tui doctor`, gets TP without SP and no CP). Only layouts that
+`engine.validate` accepts are listed.
 
 ranking (rank 1 = most promising):
   1. layouts that fit first;
@@ -21,7 +23,9 @@ ranking (rank 1 = most promising):
   5. more memory headroom.
 
 peak/headroom are per device, in GiB in the table and in bytes in --json/--parquet; headroom is
-usable memory minus memory outside the allocator, the fragmentation margin and the peak.
+usable memory minus memory outside the allocator, the fragmentation margin and the peak. The line
+under the table gives that arithmetic and where each figure comes from (the hardware preset, or a
+node calibrated with `charllm-tui doctor`).
 
 --set KEY=VALUE fixes a training or parallel option of every layout (what the sweep varies itself,
 listed above, cannot be fixed; --recompute narrows the recompute choices).
