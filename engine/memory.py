@@ -898,10 +898,10 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
     if t.cuda_graph_impl != "none":
         notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the graphs' static buffers are not modelled "
                      "(measured up to +25% steady memory on a small MoE)")
+    stack = runtime.for_planning(hw)
     return MemoryReport(stages, usable, room.outside_allocator_bytes, room.fragmentation_margin_bytes,
-                        list(ignored_args or []), notes, budget=room, implementation=implementation(exp),
-                        runtime_problems=[str(p) for p in runtime.problems(exp, runtime.for_planning(hw))],
-                        stack_source=runtime.for_planning(hw).source)
+                        list(ignored_args or []), notes, budget=room, implementation=runtime.resolve(exp, stack),
+                        runtime_problems=[str(p) for p in runtime.problems(exp, stack)], stack_source=stack.source)
 
 
 def fragmentation_margin(usable_bytes: int, outside_allocator_bytes: int) -> int:

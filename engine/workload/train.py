@@ -683,8 +683,6 @@ class DeviceMemory:
     def outside_allocator(self) -> int | None:
         if self.handle is None:
             return None
-        import os
-
         import pynvml
         import torch
 

@@ -298,7 +298,6 @@ class LiveScreen(WorkbenchScreen):
             last = self.last_frame
             frame.charts, frame.throttle, frame.simulated = last.charts, last.throttle, last.simulated
             frame.grouped, frame.devices = last.grouped, last.devices
-            frame.runtime = frame.runtime or last.runtime
             self.last_frame = frame
             self._draw_text(frame)
             return
