@@ -36,6 +36,8 @@ class Calibration:
     usable_bytes: int | None          # what the framework could allocate (torch's total capacity)
     outside_allocator_bytes: int | None   # device memory in use outside the caching allocator
     devices: int                      # devices the calibration job trained on (NCCL peers: devices - 1)
+    reserve_fraction: float | None    # reserved beyond the allocated peak, per byte of churn (memory.Budget)
+    expandable_segments: bool | None  # the allocator setting that figure was measured with
     data: dict                        # the whole record (versions, devices, measurements)
 
     @property
@@ -82,7 +84,14 @@ def _parse(target: Path, data: dict) -> Calibration:
                        stack=Stack.from_dict(data["stack"], source=f"calibrated on {node}, {date}"),
                        usable_bytes=_int(memory.get("usable_bytes")),
                        outside_allocator_bytes=_int(memory.get("outside_allocator_bytes")),
-                       devices=int(memory.get("devices") or 1), data=data)
+                       devices=int(memory.get("devices") or 1),
+                       reserve_fraction=_fraction(memory.get("reserve_fraction")),
+                       expandable_segments=memory.get("expandable_segments") if isinstance(
+                           memory.get("expandable_segments"), bool) else None, data=data)
+
+
+def _fraction(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and 0 <= value < 10 else None
 
 
 def _int(value) -> int | None:

@@ -377,10 +377,16 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
     if out["device"] == "cuda":
         allocated, reserved = last["allocated_bytes"], last["reserved_bytes"]
         planned = out["planned_bytes"]
+        # the allocator's reserve beyond the allocated peak, per byte of the iteration's churn (the
+        # peak less what stays allocated between iterations): what engine.memory.Budget assumes
+        churn = allocated - plan.stages[-1].steady_bytes
         out.update(allocated_bytes=allocated, plan_error_pct=100 * (allocated - planned) / planned,
                    reserved_bytes=reserved,
                    reserved_over_allocated=reserved / allocated if reserved and allocated else None,
                    fragmentation_bytes=reserved - allocated if reserved is not None else None,
+                   reserve_fraction=max(0.0, (reserved - allocated) / churn) if reserved is not None and churn > 0
+                   else None,
+                   expandable_segments=exp.training.expandable_segments,
                    outside_allocator_bytes=max(outside) if outside else None)
     else:
         # No caching allocator on a CPU: the workload records each process's peak RSS instead.
@@ -483,12 +489,16 @@ def calibration_record(report: dict, previous: dict | None = None) -> dict:
         "usable_bytes": min(d["total_bytes"] for d in gpus) if gpus else None,   # torch's total capacity
         "outside_allocator_bytes": train.get("outside_allocator_bytes") if train else None,
         "devices": train["world_size"] if train else max(1, len(gpus)),
+        "reserve_fraction": train.get("reserve_fraction") if train else None,
+        "expandable_segments": train.get("expandable_segments") if train else None,
     }
     if train is None and previous and previous.get("train") and previous.get("stack") == report.get("stack"):
         train = previous["train"]
         old = previous.get("memory") or {}
         memory["outside_allocator_bytes"] = old.get("outside_allocator_bytes")
         memory["devices"] = old.get("devices", memory["devices"])
+        memory["reserve_fraction"] = old.get("reserve_fraction")
+        memory["expandable_segments"] = old.get("expandable_segments")
     record = {key: report[key] for key in RECORD_KEYS if key in report}
     record.update(memory=memory, train=train)
     return record

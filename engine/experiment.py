@@ -193,6 +193,9 @@ class Training:
     optimizer_cpu_offload: bool = False    # optimizer state on the host
     optimizer: str = "adam"             # adam | sgd
     cross_entropy_loss_fusion: bool = False
+    # PYTORCH_CUDA_ALLOC_CONF expandable_segments for the workload (PyTorch's own default is off): the
+    # caching allocator then reserves little beyond its allocated peak (see engine.memory.Budget)
+    expandable_segments: bool = True
     moe_token_dispatcher_type: str = "allgather"   # allgather | alltoall | flex
     moe_expert_capacity_factor: float | None = None
     moe_pad_expert_input_to_capacity: bool = False

@@ -83,7 +83,7 @@ def problems(exp) -> list[str]:
         return found  # the memory model assumes a valid layout
     report = estimate(exp)
     found = list(report.runtime_problems)
-    if not report.fits:
+    if report.verdict == "does not fit":   # a tight plan launches: the allocator may still manage
         stage = report.peak_stage
         found.append(f"memory: peak {_size(report.peak_bytes)} on pipeline stage {stage} exceeds the "
                      f"{_size(report.budget.allocator_bytes)} the allocator may use per device of "

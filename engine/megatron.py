@@ -358,7 +358,9 @@ def import_megatron_args(
     exp = result.experiment
     exp.model = ModelSpec(name="megatron")
     # Megatron trains in fp32 unless told otherwise, with Transformer Engine layers unless told otherwise.
-    exp.training = Training(bf16=False, transformer_impl="transformer_engine")
+    # PyTorch's allocator runs with fixed segments unless the environment says otherwise.
+    exp.training = Training(bf16=False, transformer_impl="transformer_engine",
+                            expandable_segments=_expandable_segments(launcher))
     if stray:
         result.warnings.append(f"ignored words before the first flag: {' '.join(stray)}")
     special = _read_flags(groups, exp, result)
@@ -388,6 +390,27 @@ def import_megatron_args(
         result.warnings.append(f"no --global-batch-size: Megatron uses micro batch x data parallel = "
                                f"{t.global_batch_size}")
     return result
+
+
+def _expandable_segments(launcher: list[str]) -> bool:
+    """Whether a `PYTORCH_CUDA_ALLOC_CONF=...` assignment before the script turns them on."""
+    for token in launcher:
+        name, _, value = token.partition("=")
+        if name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+            options = dict(o.partition(":")[::2] for o in value.split(","))
+            return options.get("expandable_segments", "").strip().lower() == "true"
+    return False
+
+
+def export_environment(exp: Experiment) -> dict[str, str]:
+    """The environment pretrain_gpt.py needs for `exp`, besides its flags."""
+    p = exp.parallel
+    env = {}
+    if (p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1) and not p.use_megatron_fsdp:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"      # Megatron asserts it for TP/CP (validate_args)
+    if exp.training.expandable_segments:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"   # what the memory plan assumes
+    return env
 
 
 def _read_flags(groups, exp: Experiment, result: MegatronImport) -> dict[str, list[str]]:

@@ -13,8 +13,9 @@ micro-batches of 1F1B and of the interleaved schedule (walked chunk by chunk), r
 last stage's logits: the bf16 logits plus the fp32 copy that the cross-entropy keeps for backward.
 Calibrated against measured Megatron-LM runs (tests/test_memory_validation.py).
 
-Memory outside the allocator (CUDA context, NCCL buffers) and an allocator fragmentation margin are
-not in `total_bytes`; they enter the fit verdict.
+Memory outside the allocator (CUDA context, NCCL buffers) and what the allocator reserves beyond
+its allocated peak are not in `total_bytes`; they enter the fit verdict (`Budget`), which is one of
+fits / tight / does not fit, with its arithmetic (`Budget.explain`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,6 @@ from charllm.engine.experiment import Experiment
 from charllm.probes.errors import UserError
 
 GIB = 1 << 30
-
-# The caching allocator cannot use all that is left after the memory outside it: blocks cached for
-# one tensor size sit free while a different size is requested (fragmentation), and the reserved pool
-# grows past the allocated peak. Runs whose allocator peak was 58.8 GB (54.8 GiB) have OOMed on an
-# 80 GB H100 (79.1 GiB usable, ~2 GiB outside the allocator); keeping 30% of the remainder free puts
-# the limit at 54.0 GiB there, which that observation requires.
-FRAGMENTATION_FRACTION = 0.30
 
 # Allocations that stay between iterations beyond weights/grads/optimizer state (measured on H100,
 # see tests/test_memory_validation.py): RNG states, autograd/NCCL-registered buffers, loss-scaler
@@ -68,6 +62,10 @@ class ChunkMemory:
     activation_bytes: int           # per micro-batch
 
 
+FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does not fit"
+SEVERITY = {FITS: 0, TIGHT: 1, DOES_NOT_FIT: 2}
+
+
 @dataclass
 class StageMemory:
     pp_rank: int
@@ -79,9 +77,8 @@ class StageMemory:
     in_flight: int                  # micro-batch chunks whose activations are held at the peak
     workspace: int = 0              # the part of `other` that stays allocated between iterations
     chunks: list[ChunkMemory] = field(default_factory=list)
-    usable_bytes: int = 0
-    outside_allocator_bytes: int = 0
-    fragmentation_margin_bytes: int = 0
+    allocator_bytes: int = 0        # what the allocator may hold on this device (Budget)
+    reserve_bytes: int = 0          # what it reserves beyond the allocated peak (Budget.reserve)
 
     @property
     def static_bytes(self) -> int:
@@ -93,6 +90,11 @@ class StageMemory:
         return self.static_bytes + self.workspace
 
     @property
+    def churn_bytes(self) -> int:
+        """Allocated and freed again within each iteration (what fragments the allocator's pool)."""
+        return self.total_bytes - self.steady_bytes
+
+    @property
     def activation_bytes(self) -> int:
         return self.activations
 
@@ -102,11 +104,16 @@ class StageMemory:
 
     @property
     def headroom_bytes(self) -> int:
-        return self.usable_bytes - self.outside_allocator_bytes - self.fragmentation_margin_bytes - self.total_bytes
+        """Left after the allocated peak and the allocator's reserve; < 0 is tight or does not fit."""
+        return self.allocator_bytes - self.total_bytes - self.reserve_bytes
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.allocator_bytes, self.total_bytes, self.reserve_bytes)
 
     @property
     def fits(self) -> bool:
-        return self.headroom_bytes >= 0
+        return self.verdict == FITS
 
     @property
     def breakdown(self) -> dict[str, int]:
@@ -116,7 +123,8 @@ class StageMemory:
     def to_dict(self) -> dict:
         return {"pp_rank": self.pp_rank, "static_bytes": self.static_bytes,
                 "activation_bytes": self.activation_bytes, "total_bytes": self.total_bytes,
-                "breakdown": self.breakdown, "fits": self.fits, "headroom_bytes": self.headroom_bytes,
+                "breakdown": self.breakdown, "verdict": self.verdict, "fits": self.fits,
+                "reserve_bytes": self.reserve_bytes, "headroom_bytes": self.headroom_bytes,
                 "steady_bytes": self.steady_bytes, "in_flight": self.in_flight,
                 "chunks": [{"virtual_rank": c.virtual_rank, "num_layers": len(c.layers),
                             "has_embedding": c.has_embedding, "has_loss": c.has_loss,
@@ -124,18 +132,29 @@ class StageMemory:
                            for c in self.chunks]}
 
 
+def verdict(allocator_bytes, peak_bytes, reserve_bytes):
+    """fits: the allocated peak and the allocator's reserve beyond it fit; tight: only the allocated
+    peak fits; does not fit. Works on numpy arrays (the sweep) as on numbers."""
+    import numpy as np
+
+    out = np.where(peak_bytes + reserve_bytes <= allocator_bytes, FITS,
+                   np.where(peak_bytes <= allocator_bytes, TIGHT, DOES_NOT_FIT))
+    return str(out) if out.ndim == 0 else out
+
+
 @dataclass
 class MemoryReport:
     stages: list[StageMemory]
-    usable_bytes: int
-    outside_allocator_bytes: int
-    fragmentation_margin_bytes: int
+    budget: "Budget"
     ignored_args: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    budget: "Budget | None" = None
     implementation: "runtime.Implementation | None" = None   # what the plan assumes will run
     runtime_problems: list[str] = field(default_factory=list)  # why it would not launch on that stack
     stack_source: str = ""                                    # where that stack comes from
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.budget.usable_bytes
 
     @property
     def peak_stage(self) -> int:
@@ -146,21 +165,36 @@ class MemoryReport:
         return max(s.total_bytes for s in self.stages)
 
     @property
+    def worst(self) -> StageMemory:
+        """The stage the verdict is about: the worst verdict, then the least headroom."""
+        return min(self.stages, key=lambda s: (-SEVERITY[s.verdict], s.headroom_bytes))
+
+    @property
+    def verdict(self) -> str:
+        return self.worst.verdict
+
+    @property
     def fits(self) -> bool:
-        return all(s.fits for s in self.stages)
+        return self.verdict == FITS
 
     @property
     def headroom_bytes(self) -> int:
         return min(s.headroom_bytes for s in self.stages)
 
+    def explain(self) -> list[str]:
+        """The verdict's arithmetic, line by line, with where each figure comes from."""
+        return self.budget.explain(self.worst)
+
     def to_dict(self) -> dict:
-        return {"fits": self.fits, "usable_bytes": self.usable_bytes, "peak_bytes": self.peak_bytes,
-                "peak_stage": self.peak_stage, "headroom_bytes": self.headroom_bytes,
-                "stages": [s.to_dict() for s in self.stages],
-                "outside_allocator_bytes": self.outside_allocator_bytes,
-                "fragmentation_margin_bytes": self.fragmentation_margin_bytes,
-                "usable_source": self.budget.usable_source if self.budget else None,
-                "outside_allocator_source": self.budget.outside_source if self.budget else None,
+        b = self.budget
+        return {"verdict": self.verdict, "fits": self.fits, "usable_bytes": b.usable_bytes,
+                "peak_bytes": self.peak_bytes, "peak_stage": self.peak_stage, "verdict_stage": self.worst.pp_rank,
+                "headroom_bytes": self.headroom_bytes, "stages": [s.to_dict() for s in self.stages],
+                "outside_allocator_bytes": b.outside_allocator_bytes, "allocator_bytes": b.allocator_bytes,
+                "reserve_bytes": self.worst.reserve_bytes, "reserve_fraction": b.reserve_fraction,
+                "expandable_segments": b.expandable_segments,
+                "usable_source": b.usable_source, "outside_allocator_source": b.outside_source,
+                "reserve_source": b.reserve_source, "arithmetic": self.explain(),
                 "implementation": self.implementation.to_dict() if self.implementation else None,
                 "stack": self.stack_source, "cannot_run": list(self.runtime_problems),
                 "ignored_args": list(self.ignored_args), "warnings": list(self.warnings)}
@@ -819,40 +853,92 @@ def combine(dense, expert, held_loss, held_max, backward, loss_extra, fsdp_layer
     return weights, grads, optimizer, activations, other
 
 
+# -- The caching allocator ------------------------------------------------------------------
+# `torch.cuda.max_memory_allocated`, what the stages add up to, counts bytes in live tensors. The
+# device must also hold what PyTorch's caching allocator has reserved and not handed out at that
+# moment (c10/cuda/CUDACachingAllocator.cpp): segments are rounded up (large requests to 2 MiB,
+# 1-10 MiB requests share 20 MiB segments) and blocks freed by one micro-batch sit cached and split
+# while the next asks for other sizes. Only what is allocated and freed within an iteration (the
+# churn: activations, logits, backward buffers) fragments: weights, gradients and optimizer state
+# live in Megatron's contiguous buffers from the first step on. On an allocation failure the
+# allocator frees its unused cached segments and retries, so what counts is the cache it cannot
+# free: free blocks inside segments that still hold live tensors. With expandable_segments a
+# stream's memory is one segment that grows and shrinks in 2 MiB pages, so that cache is small.
+#
+# The share of the churn reserved beyond the allocated peak, where no calibration measured it
+# (`charllm-tui doctor --train` does, as reserved minus allocated over the churn of its job):
+RESERVE_FRACTION = {True: 0.03, False: 0.15}       # expandable segments on / off (assumed)
+
+
 @dataclass(frozen=True)
 class Budget:
     """What one device offers the caching allocator, and where each figure comes from."""
 
     usable_bytes: int               # what the framework can allocate
     outside_allocator_bytes: int    # held outside the allocator (CUDA context, NCCL buffers)
-    fragmentation_margin_bytes: int
     usable_source: str              # "calibrated on NODE, DATE" | "hardware preset"
     outside_source: str
+    expandable_segments: bool
+    reserve_fraction: float         # reserved beyond the allocated peak, per byte of churn
+    reserve_source: str
 
     @property
     def allocator_bytes(self) -> int:
-        """What the allocator's peak may reach."""
-        return self.usable_bytes - self.outside_allocator_bytes - self.fragmentation_margin_bytes
+        """What the allocator's pool (allocated + reserved) may reach."""
+        return self.usable_bytes - self.outside_allocator_bytes
+
+    def reserve(self, churn_bytes):
+        """Bytes the allocator reserves beyond the allocated peak (numbers or numpy arrays)."""
+        return churn_bytes * self.reserve_fraction
 
     def describe(self) -> str:
-        """The arithmetic of the verdict, with where each figure comes from."""
-        def gib(n: int) -> str:
-            return f"{n / GIB:.2f} GiB"
+        """The device side of every verdict, with where each figure comes from."""
+        return (f"usable {_gib(self.usable_bytes)} per device ({self.usable_source}) - "
+                f"{_gib(self.outside_allocator_bytes)} outside the allocator (CUDA context, NCCL; "
+                f"{self.outside_source}) = {_gib(self.allocator_bytes)} for the allocator; it reserves "
+                f"{self.reserve_fraction:.0%} of each iteration's churn beyond the allocated peak "
+                f"({self.segments_text()}; {self.reserve_source})")
 
-        return (f"usable {gib(self.usable_bytes)} per device ({self.usable_source}) - "
-                f"{gib(self.outside_allocator_bytes)} outside the allocator (CUDA context, NCCL; "
-                f"{self.outside_source}) - fragmentation margin {gib(self.fragmentation_margin_bytes)} = "
-                f"{gib(self.allocator_bytes)} for the allocator peak")
+    def segments_text(self) -> str:
+        return "expandable segments" if self.expandable_segments else "fixed segments"
+
+    def explain(self, stage: StageMemory) -> list[str]:
+        """The verdict for `stage`, in three lines of arithmetic."""
+        total, reserve = stage.total_bytes, stage.reserve_bytes
+        lines = [
+            f"allocator: usable {_gib(self.usable_bytes)} ({self.usable_source}) - "
+            f"{_gib(self.outside_allocator_bytes)} outside it: CUDA context, NCCL ({self.outside_source}) "
+            f"= {_gib(self.allocator_bytes)}",
+            f"stage {stage.pp_rank}: allocated peak {_gib(total)} + reserved beyond it {_gib(reserve)} "
+            f"({self.reserve_fraction:.0%} of {_gib(stage.churn_bytes)} allocated and freed each iteration, "
+            f"{self.segments_text()}; {self.reserve_source}) = {_gib(total + reserve)}",
+        ]
+        room = self.allocator_bytes - total
+        if stage.verdict == FITS:
+            lines.append(f"fits: {_gib(stage.headroom_bytes)} to spare")
+        elif stage.verdict == TIGHT:
+            lines.append(f"tight: the allocated peak fits with {_gib(room)} left, less than the "
+                         f"{_gib(reserve)} the allocator reserves beyond it; it may run out of memory")
+        else:
+            lines.append(f"does not fit: the allocated peak alone is {_gib(-room)} over")
+        return lines
+
+
+def _gib(n: float) -> str:
+    """Bytes for the arithmetic lines: GiB, or MiB below one GiB (a CPU run's model is small)."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
 
 
 def budget(exp: Experiment) -> Budget:
     """The device's memory budget for `exp`: a calibration of its hardware (`charllm-tui doctor`)
-    where there is one, else the hardware preset's figures."""
+    where there is one, else the hardware preset's figures and the assumed allocator reserve."""
     from charllm.engine import calibration
 
     hw = exp.hardware
     usable, outside = int(hw.usable_bytes or hw.memory_bytes), int(hw.outside_allocator_bytes)
     usable_source = outside_source = "hardware preset"
+    expandable = exp.training.expandable_segments
+    fraction, reserve_source = RESERVE_FRACTION[expandable], "assumed"
     cal = calibration.load(hw.name)
     if cal is not None and cal.usable_bytes:
         usable, usable_source = cal.usable_bytes, cal.source
@@ -863,7 +949,9 @@ def budget(exp: Experiment) -> Budget:
             outside, outside_source = cal.outside_allocator_bytes, cal.source
         else:
             outside_source = f"hardware preset (the calibration on {cal.node} ran on one device, without NCCL peers)"
-    return Budget(usable, outside, fragmentation_margin(usable, outside), usable_source, outside_source)
+    if cal is not None and cal.reserve_fraction is not None and cal.expandable_segments == expandable:
+        fraction, reserve_source = cal.reserve_fraction, f"measured: {cal.source}"
+    return Budget(usable, outside, usable_source, outside_source, expandable, fraction, reserve_source)
 
 
 def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
@@ -875,21 +963,19 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
     notes = list(warnings or []) + ignored(exp)
     pr = precision(exp)
     workspace = workspace_bytes(exp)
+    room = budget(exp)
     stages = []
     for st in stage_terms(exp):
         w, g, o, a, x = combine(st.dense_params, st.expert_params, st.held_loss, st.held_max, st.backward,
                                 st.loss_extra, st.fsdp_layer_params, workspace, pr)
         chunks = [ChunkMemory(c.virtual_rank, c.layers, c.has_embedding, c.has_loss, c.mtp_layers,
                               int(c.weights * pr.weight), c.activation_bytes) for c in st.chunks]
-        stages.append(StageMemory(pp_rank=st.pp_rank, weights=int(w), gradients=int(g), optimizer=int(o),
-                                  activations=int(a), other=int(x), in_flight=st.in_flight,
-                                  workspace=int(workspace), chunks=chunks))
-    room = budget(exp)
-    usable = room.usable_bytes
-    for s in stages:
-        s.usable_bytes, s.outside_allocator_bytes, s.fragmentation_margin_bytes = \
-            usable, room.outside_allocator_bytes, room.fragmentation_margin_bytes
-    if not usable:
+        stage = StageMemory(pp_rank=st.pp_rank, weights=int(w), gradients=int(g), optimizer=int(o),
+                            activations=int(a), other=int(x), in_flight=st.in_flight,
+                            workspace=int(workspace), chunks=chunks, allocator_bytes=room.allocator_bytes)
+        stage.reserve_bytes = int(room.reserve(stage.churn_bytes))
+        stages.append(stage)
+    if not room.usable_bytes:
         notes.append(f"hardware {hw.name!r} has no usable_bytes: no fit verdict possible")
     if t.optimizer not in ("adam", "sgd"):
         notes.append(f"optimizer {t.optimizer!r}: optimizer state counted as Adam's")
@@ -899,14 +985,8 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
         notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the graphs' static buffers are not modelled "
                      "(measured up to +25% steady memory on a small MoE)")
     stack = runtime.for_planning(hw)
-    return MemoryReport(stages, usable, room.outside_allocator_bytes, room.fragmentation_margin_bytes,
-                        list(ignored_args or []), notes, budget=room, implementation=runtime.resolve(exp, stack),
+    return MemoryReport(stages, room, list(ignored_args or []), notes, implementation=runtime.resolve(exp, stack),
                         runtime_problems=[str(p) for p in runtime.problems(exp, stack)], stack_source=stack.source)
-
-
-def fragmentation_margin(usable_bytes: int, outside_allocator_bytes: int) -> int:
-    """Bytes kept free for allocator fragmentation (see FRAGMENTATION_FRACTION)."""
-    return int(max(0, usable_bytes - outside_allocator_bytes) * FRAGMENTATION_FRACTION)
 
 
 def _in_flight(acts: list, loss: tuple[bool, ...], r: int, pp: int, vp: int, m):

@@ -1,11 +1,15 @@
-"""Layout sweep: every valid parallel layout of a model on a cluster, with its peak memory.
+"""Layout sweep: every valid parallel layout of an experiment on its cluster, with its peak memory.
 
-`sweep(...)` enumerates TP (within a node), CP, PP, VP, EP, micro batch, recompute (none /
-selective / full) and the distributed optimizer (on / off), keeps the layouts `engine.validate`
-accepts, and estimates each with the memory model (`engine.memory`): one row per layout, ranked.
+`sweep(base)` enumerates TP (within a node), CP, PP, VP, EP and the micro batch of the experiment
+`base`, keeps the layouts `engine.validate` accepts, and estimates each with the memory model
+(`engine.memory`): one row per layout, ranked. Everything else (model, hardware, precision,
+attention, recompute settings, optimizer options) is `base`'s, so a row loaded back with
+`layout_to_experiment(base, row)` plans to the same bytes. Recompute and the distributed optimizer
+stay as `base` has them unless the caller asks to vary them too (`recompute=`, `distributed_optimizer=`);
+a varied recompute choice other than `base`'s own uses the plain settings in RECOMPUTE.
 
 Ranking (the `rank` column, 1 = most promising):
-  1. layouts that fit first;
+  1. layouts that fit first, then tight ones, then those that do not fit;
   2. less recompute (none, then selective, then full: full recompute re-runs the forward);
   3. a smaller pipeline bubble, (PP - 1) / (micro-batches x VP), in whole percent;
   4. fewer ranks in the communication-heavy dimensions, TP x CP (their collectives sit on the
@@ -53,15 +57,20 @@ COLUMNS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
            "recompute", "use_distributed_optimizer", "sequence_parallel")
 
 ORDER = ("rank", *COLUMNS, "num_microbatches", "bubble", "peak_bytes", "peak_stage", "static_bytes",
-         "headroom_bytes", "fits")
+         "headroom_bytes", "verdict", "fits")
+VERDICTS = (memory.FITS, memory.TIGHT, memory.DOES_NOT_FIT)     # by severity
 
 
 def base_experiment(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per_node: int,
                     global_batch_size: int, seq_length: int | None = None,
                     training: dict[str, Any] | None = None) -> Experiment:
-    """The experiment every layout of a sweep starts from."""
+    """The experiment every layout of a sweep starts from, when there is no composed one."""
     from charllm.engine import catalog
 
+    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node),
+                        ("global_batch_size", global_batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise UserError(f"{name} = {value!r}: must be a positive integer")
     exp = Experiment(name="sweep")
     exp.model = catalog.load_model(model) if isinstance(model, str) else model
     exp.hardware = catalog.load_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -78,14 +87,28 @@ def base_experiment(model: ModelSpec | str, hardware: Hardware | str, nodes: int
     return exp
 
 
+def recompute_name(exp: Experiment) -> str:
+    """The experiment's recompute choice as a sweep names it: none, selective or full."""
+    return exp.training.recompute_granularity or "none"
+
+
 def layout_to_experiment(base: Experiment, row: dict[str, Any]) -> Experiment:
     """`base` with the layout of one sweep row applied."""
     exp = base.copy()
-    _apply(exp, row)
+    _apply(exp, row, _recompute_settings(base))
     return exp
 
 
-def _apply(exp: Experiment, row: dict[str, Any]) -> None:
+def _recompute_settings(base: Experiment) -> dict[str, dict[str, Any]]:
+    """Each recompute choice's settings: `base`'s own for its choice, RECOMPUTE's for the others."""
+    t = base.training
+    own = {"recompute_granularity": t.recompute_granularity, "recompute_method": t.recompute_method,
+           "recompute_num_layers": t.recompute_num_layers, "recompute_modules": t.recompute_modules}
+    plain = {name: {**settings, "recompute_modules": None} for name, settings in RECOMPUTE.items()}
+    return {**plain, recompute_name(base): own}
+
+
+def _apply(exp: Experiment, row: dict[str, Any], recompute: dict[str, dict[str, Any]]) -> None:
     p, t = exp.parallel, exp.training
     p.tensor_model_parallel_size = int(row["tensor_model_parallel_size"])
     p.pipeline_model_parallel_size = int(row["pipeline_model_parallel_size"])
@@ -96,11 +119,11 @@ def _apply(exp: Experiment, row: dict[str, Any]) -> None:
     p.sequence_parallel = bool(row.get("sequence_parallel", p.tensor_model_parallel_size > 1))
     p.use_distributed_optimizer = bool(row.get("use_distributed_optimizer", False))
     t.micro_batch_size = int(row["micro_batch_size"])
-    _set_recompute(exp, row.get("recompute", "none"))
+    _set_recompute(exp, row.get("recompute", "none"), recompute)
 
 
-def _set_recompute(exp: Experiment, name: str) -> None:
-    for key, value in RECOMPUTE[name].items():
+def _set_recompute(exp: Experiment, name: str, recompute: dict[str, dict[str, Any]]) -> None:
+    for key, value in recompute[name].items():
         setattr(exp.training, key, value)
 
 
@@ -130,7 +153,10 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
     m, world, gpn = base.model, base.world_size, base.cluster.gpus_per_node
     gbs, seq = base.training.global_batch_size, base.seq_length
     probe = base.copy()
+    settings = _recompute_settings(base)
     sp_runs, cp_runs = _node_runs(base)
+    # SP with TP > 1 unless the experiment runs TP without it
+    sp_runs &= base.parallel.sequence_parallel or base.parallel.tensor_model_parallel_size == 1
     by_pipeline: dict[tuple[int, int], dict[str, list[bool]]] = {}
     for tp in _powers_of_two(gpn):                                  # TP stays inside a node
         if m.num_attention_heads % tp or m.query_groups % tp:
@@ -154,15 +180,15 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
                                  "expert_model_parallel_size": ep, "data_parallel_size": dp,
                                  "micro_batch_size": b, "sequence_parallel": tp > 1 and sp_runs}
                                 for b in batches]
-                        _apply(probe, rows[0])
+                        _apply(probe, rows[0], settings)
                         choices = by_pipeline.get((pp, vp))
                         if choices is None:
-                            choices = _valid_choices(probe, recompute, distributed_optimizer)
+                            choices = _valid_choices(probe, recompute, distributed_optimizer, settings)
                             if choices:              # else the layout may be at fault: ask again next time
                                 by_pipeline[pp, vp] = choices
                         else:
                             name, dists = next(iter(choices.items()))
-                            _set_recompute(probe, name)
+                            _set_recompute(probe, name, settings)
                             probe.parallel.use_distributed_optimizer = dists[0]
                             if validate(probe):
                                 continue
@@ -183,13 +209,13 @@ def _node_runs(base: Experiment) -> tuple[bool, bool]:
     return "sequence_parallel" not in refused, "context_parallel_size" not in refused
 
 
-def _valid_choices(exp: Experiment, recompute, distributed_optimizer) -> dict[str, list[bool]]:
+def _valid_choices(exp: Experiment, recompute, distributed_optimizer, settings) -> dict[str, list[bool]]:
     """{recompute: [distributed-optimizer settings]} that `engine.validate` accepts for `exp`'s layout."""
     from charllm.engine.validate import validate
 
     choices: dict[str, list[bool]] = {}
     for name in recompute:
-        _set_recompute(exp, name)
+        _set_recompute(exp, name, settings)
         for dist in distributed_optimizer:
             exp.parallel.use_distributed_optimizer = dist
             if not validate(exp):
@@ -197,12 +223,10 @@ def _valid_choices(exp: Experiment, recompute, distributed_optimizer) -> dict[st
     return choices
 
 
-def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per_node: int,
-          global_batch_size: int, seq_length: int | None = None, *,
-          micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tuple(RECOMPUTE),
-          distributed_optimizer=(True, False), training: dict[str, Any] | None = None,
-          fits_only: bool = False):
-    """One row per valid layout with peak memory, verdict and headroom, most promising first."""
+def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: tuple[str, ...] | None = None,
+          distributed_optimizer: tuple[bool, ...] | None = None, fits_only: bool = False):
+    """One row per valid layout of `base` with peak memory, verdict and headroom, most promising
+    first. `recompute` and `distributed_optimizer`: the choices to vary (default: `base`'s own)."""
     import dataclasses
 
     import numpy as np
@@ -210,31 +234,30 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
 
     from charllm.engine.validate import value_problems
 
+    recompute = (recompute_name(base),) if recompute is None else tuple(recompute)
+    distributed_optimizer = (base.parallel.use_distributed_optimizer,) if distributed_optimizer is None \
+        else tuple(distributed_optimizer)
     for name in recompute:
         if name not in RECOMPUTE:
             raise UserError(f"recompute = {name!r}: expected one of {', '.join(RECOMPUTE)}")
-    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node),
-                        ("global_batch_size", global_batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise UserError(f"{name} = {value!r}: must be a positive integer")
-    base = base_experiment(model, hardware, nodes, gpus_per_node, global_batch_size, seq_length, training)
     problems = value_problems(base)          # a bad option would otherwise just leave no valid layout
     if problems:
         raise UserError(str(problems[0]))
+    settings = _recompute_settings(base)
     work, cache = base.copy(), {}
     table: list[tuple] = []                  # one row per (layout, recompute), before the optimizer choice
     allowed: list[list[bool]] = []           # its valid distributed-optimizer settings
     shards: list[tuple[int, int, float]] = []  # its (DP x CP, expert DP) sharding degrees and workspace
     batches: dict[tuple, tuple] = {}         # rows sharing a stage plan and recompute setting: evaluated together
     for rows, choices in layouts(base, micro_batch_sizes, recompute, distributed_optimizer):
-        _apply(work, rows[0])
+        _apply(work, rows[0], settings)
         pr = memory.precision(work)          # its sharding degrees: the same for every micro batch and recompute
         per_batch = []
         for row in rows:
             work.training.micro_batch_size = row["micro_batch_size"]
             per_batch.append((row, work.num_microbatches, memory.workspace_bytes(work)))
         for name, dists in choices.items():
-            _set_recompute(work, name)
+            _set_recompute(work, name, settings)
             chunks, plan, weights = memory.layout_terms(work, cache, peak_candidates=True)
             for row, num_mb, workspace in per_batch:
                 work.training.micro_batch_size = row["micro_batch_size"]
@@ -247,7 +270,7 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
                 shards.append((pr.dp_shard, pr.edp_shard, workspace))
     if not table:
         flags = ("use_distributed_optimizer", "sequence_parallel", "fits")
-        return pl.DataFrame(schema={name: pl.String if name == "recompute" else pl.Float64 if name == "bubble"
+        return pl.DataFrame(schema={name: pl.String if name in ("recompute", "verdict") else pl.Float64 if name == "bubble"
                                     else pl.Boolean if name in flags else pl.Int64 for name in ORDER})
     # per stage of every row: (row, pp rank, params, activation terms), grouped by row
     stages = []
@@ -274,18 +297,26 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
         parts = [np.trunc(v) for v in memory.combine(dense, expert, held_loss, held_max, backward, loss_extra,
                                                      fsdp, workspace, pr)]   # whole bytes, as estimate() has them
         total = sum(parts)
+        static_parts = parts[0] + parts[1] + parts[2]
+        # per stage, as estimate() has it: the allocator's reserve on its churn, the room left, the verdict
+        reserve = np.trunc(room.reserve(total - static_parts - np.trunc(workspace)))
+        room_left = room.allocator_bytes - total - reserve
+        severity = np.where(total > room.allocator_bytes, 2, np.where(room_left < 0, 1, 0))
         peak = np.maximum.reduceat(total, starts)
         at_peak = total == np.repeat(peak, sizes)
         peak_stage = np.minimum.reduceat(np.where(at_peak, stage_rank, 1 << 30), starts)
-        static = np.maximum.reduceat(np.where(at_peak, parts[0] + parts[1] + parts[2], 0), starts)
-        headroom = room.allocator_bytes - peak
+        static = np.maximum.reduceat(np.where(at_peak, static_parts, 0), starts)
+        headroom = np.minimum.reduceat(room_left, starts)
+        worst = np.maximum.reduceat(severity, starts)
         frames.append(layout_frame.with_columns(
             pl.lit(dist).alias("use_distributed_optimizer"),
             pl.Series("peak_bytes", peak.astype(np.int64)),
             pl.Series("peak_stage", peak_stage.astype(np.int64)),
             pl.Series("static_bytes", static.astype(np.int64)),
             pl.Series("headroom_bytes", headroom.astype(np.int64)),
-            pl.Series("fits", headroom >= 0),
+            pl.Series("verdict", np.array(VERDICTS)[worst]),
+            pl.Series("fits", worst == 0),
+            pl.Series("_severity", worst),
         ).filter(pl.Series([dist in dists for dists in allowed])))
     df = pl.concat(frames).with_columns(
         ((pl.col("pipeline_model_parallel_size") - 1)
@@ -294,10 +325,10 @@ def sweep(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per
         (pl.col("tensor_model_parallel_size") * pl.col("context_parallel_size")).alias("_comm"),
     )
     df = df.with_columns((pl.col("bubble") * 100).round(0).alias("_bubble_pct")).sort(
-        ["fits", "_recompute_cost", "_bubble_pct", "_comm", "expert_model_parallel_size",
+        ["_severity", "_recompute_cost", "_bubble_pct", "_comm", "expert_model_parallel_size",
          "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "headroom_bytes"],
-        descending=[True, False, False, False, False, False, False, True])
-    df = df.drop("_recompute_cost", "_comm", "_bubble_pct").with_row_index("rank", offset=1)
+        descending=[False, False, False, False, False, False, False, True])
+    df = df.drop("_recompute_cost", "_comm", "_bubble_pct", "_severity").with_row_index("rank", offset=1)
     df = df.with_columns(pl.col("rank").cast(pl.Int64))
     if fits_only:
         df = df.filter(pl.col("fits"))

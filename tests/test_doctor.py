@@ -12,6 +12,8 @@ import tempfile
 
 import pytest
 
+from charllm.engine.memory import estimate
+
 from charllm.engine import calibration, catalog, doctor
 from charllm.tui.cli import build_parser, main
 from charllm.tui.commands.doctor import EPILOG
@@ -70,7 +72,8 @@ def test_train_check_saves_a_calibration_that_plan_then_uses(capsys, charllm_dir
     record = json.loads(saved.read_text())
     node, date = record["node"], record["date"]
     assert record["hardware"] == "cpu" and record["stack"]["cuda"] is False
-    assert record["memory"] == {"usable_bytes": None, "outside_allocator_bytes": None, "devices": 2}
+    assert record["memory"] == {"usable_bytes": None, "outside_allocator_bytes": None, "devices": 2,
+                                "reserve_fraction": None, "expandable_segments": None}
     train = record["train"]
     assert train["device"] == "cpu" and train["world_size"] == 2 and train["iterations"] == 3
     assert train["implementation"]["transformer_impl"] == "local" and train["tflops_per_gpu"] > 0
@@ -198,17 +201,25 @@ def test_gpu_train_figures_from_an_iteration_log():
               "stack": {"cuda": True, "capability": [9, 0], "extensions": []},
               "devices": gpus("NVIDIA H100 80GB HBM3", 79.11), "train": figures}
     record = doctor.calibration_record(report)
-    assert record["memory"] == {"usable_bytes": int(79.11 * 2**30), "outside_allocator_bytes": 3 * 2**30, "devices": 8}
+    churn = int(planned * 1.1) - plan.stages[-1].steady_bytes
+    assert figures["reserve_fraction"] == pytest.approx((int(planned * 1.2) - int(planned * 1.1)) / churn)
+    assert record["memory"] == {"usable_bytes": int(79.11 * 2**30), "outside_allocator_bytes": 3 * 2**30, "devices": 8,
+                                "reserve_fraction": figures["reserve_fraction"], "expandable_segments": True}
 
 
 def test_small_gpus_get_a_smaller_job():
     import dataclasses
 
     h100 = catalog.load_hardware("h100-sxm-80gb")
-    for gib, layers in ((24, 4), (12, 2)):
+    for gib in (24, 12, 8):
         small = dataclasses.replace(h100, name=f"gpu-{gib}", usable_bytes=gib * 2**30, memory_bytes=gib * 2**30)
         exp, plan = doctor.train_experiment(small, gpus=1)
-        assert plan.fits and exp.model.num_layers == layers and exp.training.micro_batch_size == 1
+        m = exp.model
+        chosen = doctor.TRAIN_SHAPES.index((m.num_layers, exp.training.micro_batch_size, exp.seq_length,
+                                            m.vocab_size))
+        assert chosen > 0 and plan.fits                       # smaller than the H100's job, and it fits
+        larger = doctor.llama_experiment(small, 1, *doctor.TRAIN_SHAPES[chosen - 1], doctor.TRAIN_ITERS)
+        assert not estimate(larger).fits                      # the largest shape that fits
     tiny = dataclasses.replace(h100, name="tiny-gpu", usable_bytes=2**30, memory_bytes=2**30)
     with pytest.raises(doctor.CheckFailed, match="does not fit tiny-gpu"):
         doctor.train_experiment(tiny, gpus=1)

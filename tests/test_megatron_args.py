@@ -17,6 +17,7 @@ from charllm.engine.experiment import Experiment, ModelSpec
 from charllm.engine.megatron import (
     MLA_DEFAULTS,
     ROUND_TRIP_NORMALIZED,
+    export_environment,
     export_megatron_args,
     format_layer_pattern,
     format_megatron_args,
@@ -273,7 +274,9 @@ def _megatron_resolved(exp: Experiment) -> Experiment:
 
 
 def _round_trip(exp: Experiment) -> Experiment:
-    back = import_megatron_args(export_megatron_args(exp), world_size=exp.world_size,
+    # the environment export names goes before the script, as in the line it prints
+    env = [f"{name}={value}" for name, value in export_environment(exp).items()]
+    back = import_megatron_args([*env, "pretrain_gpt.py", *export_megatron_args(exp)], world_size=exp.world_size,
                                 gpus_per_node=exp.cluster.gpus_per_node, hardware=exp.hardware).experiment
     # What a command line does not carry: names, telemetry, our iteration-marker setting.
     back.name, back.description, back.model.name, back.model.description = \

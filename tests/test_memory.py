@@ -21,7 +21,8 @@ GIB = 1 << 30
 
 
 def gpt(*, tp=1, pp=1, vp=None, cp=1, sp=False, dp=1, mbs=B, gbs=None, dist_opt=False, dropout=0.1,
-        backend="unfused", recompute=None, method=None, recompute_layers=None, **model) -> Experiment:
+        backend="unfused", recompute=None, method=None, recompute_layers=None, expandable_segments=True,
+        **model) -> Experiment:
     """A GPT-3-style model (LayerNorm, biases, GELU 4h MLP, learned positions, tied embeddings)."""
     spec = dict(num_layers=L, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=A, seq_length=S,
                 max_position_embeddings=S, vocab_size=50257, hidden_dropout=dropout, attention_dropout=dropout)
@@ -37,7 +38,7 @@ def gpt(*, tp=1, pp=1, vp=None, cp=1, sp=False, dp=1, mbs=B, gbs=None, dist_opt=
                           use_distributed_optimizer=dist_opt),
         training=Training(micro_batch_size=mbs, global_batch_size=gbs or mbs * dp, attention_backend=backend,
                           recompute_granularity=recompute, recompute_method=method,
-                          recompute_num_layers=recompute_layers),
+                          recompute_num_layers=recompute_layers, expandable_segments=expandable_segments),
     )
 
 
@@ -197,26 +198,69 @@ def test_pipeline_layout_string():
     assert chunks[0][0].embedding and chunks[1][1].loss
 
 
-def test_verdict_uses_outside_allocator_memory_and_the_fragmentation_margin():
+def test_verdict_arithmetic_outside_memory_and_the_allocator_reserve():
     r = estimate(gpt())
     stage = r.stages[0]
-    assert r.outside_allocator_bytes == 2 * GIB
-    assert r.fragmentation_margin_bytes == int(0.3 * 78 * GIB)
-    assert stage.headroom_bytes == 80 * GIB - 2 * GIB - r.fragmentation_margin_bytes - stage.total_bytes
-    assert stage.fits and r.fits
+    assert r.budget.outside_allocator_bytes == 2 * GIB and r.budget.allocator_bytes == 78 * GIB
+    # expandable segments (the default): the allocator reserves 3% of the churn beyond its peak
+    assert stage.churn_bytes == stage.total_bytes - stage.static_bytes - stage.workspace > 0
+    assert stage.reserve_bytes == int(0.03 * stage.churn_bytes)
+    assert stage.headroom_bytes == 78 * GIB - stage.total_bytes - stage.reserve_bytes
+    assert stage.verdict == r.verdict == "fits" and r.fits
+    allocator, peak, verdict = r.explain()
+    assert "usable 80.00 GiB (hardware preset) - 2.00 GiB outside it" in allocator and "= 78.00 GiB" in allocator
+    assert f"allocated peak {stage.total_bytes / GIB:.2f} GiB + reserved beyond it" in peak
+    assert "3% of" in peak and "expandable segments; assumed" in peak
+    assert verdict == f"fits: {stage.headroom_bytes / GIB:.2f} GiB to spare"
 
 
-def test_a_58_8_gb_allocation_does_not_fit_an_80_gb_h100():
+def _with_room(exp: Experiment, allocator_bytes: int) -> Experiment:
+    exp.hardware.usable_bytes = allocator_bytes + exp.hardware.outside_allocator_bytes
+    return exp
+
+
+def test_three_verdicts_fits_tight_does_not_fit():
+    """tight: the allocated peak fits, the allocator's reserve beyond it does not."""
+    probe = estimate(gpt(expandable_segments=False)).stages[0]
+    total, reserve = probe.total_bytes, probe.reserve_bytes
+    assert reserve == int(0.15 * probe.churn_bytes) > 0          # fixed segments reserve more
+    for room, expected, exit_word in ((total + reserve, "fits", "to spare"),
+                                      (total + reserve // 2, "tight", "may run out of memory"),
+                                      (total - 1, "does not fit", "alone is")):
+        r = estimate(_with_room(gpt(expandable_segments=False), room))
+        assert r.verdict == expected and r.fits == (expected == "fits")
+        assert exit_word in r.explain()[-1]
+        assert r.to_dict()["verdict"] == expected
+
+
+def test_a_calibrated_reserve_replaces_the_assumed_one_for_the_same_allocator_setting():
+    from charllm.engine import calibration
+
+    exp = gpt()
+    calibration.save({"hardware": exp.hardware.name, "node": "n7", "date": "2026-11-20",
+                      "stack": {"cuda": True, "capability": [9, 0], "extensions": ["transformer_engine"]},
+                      "memory": {"usable_bytes": 80 * GIB, "outside_allocator_bytes": 2 * GIB, "devices": 8,
+                                 "reserve_fraction": 0.07, "expandable_segments": True}})
+    r = estimate(exp)
+    assert r.budget.reserve_fraction == 0.07 and r.budget.reserve_source == "measured: calibrated on n7, 2026-11-20"
+    assert r.stages[0].reserve_bytes == int(0.07 * r.stages[0].churn_bytes)
+    other = estimate(gpt(expandable_segments=False))              # measured with the other setting: not used
+    assert other.budget.reserve_fraction == 0.15 and other.budget.reserve_source == "assumed"
+
+
+def test_a_plan_of_55_gib_fits_an_80_gb_h100():
+    """The flat 30% margin judged 55.6 GiB on one H100 as not fitting; the allocator model does not."""
     exp = gpt()
     exp.hardware = catalog.load_hardware("h100-sxm-80gb")
     r = estimate(exp)
-    assert 58.8e9 > r.usable_bytes - r.outside_allocator_bytes - r.fragmentation_margin_bytes
+    churn = 0.55 * 55.6 * GIB                                      # a plan at 55.6 GiB, half of it churn
+    assert 55.6 * GIB + r.budget.reserve(churn) < r.budget.allocator_bytes
 
 
 def test_to_dict_shape():
     d = estimate(gpt(pp=2)).to_dict()
-    assert {"fits", "usable_bytes", "peak_bytes", "peak_stage", "stages", "outside_allocator_bytes",
-            "fragmentation_margin_bytes", "ignored_args", "warnings"} <= set(d)
+    assert {"verdict", "fits", "usable_bytes", "peak_bytes", "peak_stage", "stages", "outside_allocator_bytes",
+            "allocator_bytes", "reserve_bytes", "reserve_fraction", "arithmetic", "ignored_args", "warnings"} <= set(d)
     stage = d["stages"][1]
     assert stage["pp_rank"] == 1
     assert stage["static_bytes"] == sum(stage["breakdown"][k] for k in ("weights", "gradients", "optimizer"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -22,9 +23,10 @@ MEGATRON = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-leng
 def test_plan_prints_a_per_stage_table(capsys):
     code, out, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000")
     assert code == 0
-    for word in ("weights", "grads", "optim", "acts", "other", "total", "headroom", "fragmentation margin",
-                 "outside the allocator", "peak"):
+    for word in ("weights", "grads", "optim", "acts", "other", "total", "reserve", "headroom", "verdict",
+                 "outside it", "allocated peak", "reserved beyond it"):
         assert word in out
+    assert out.rstrip().splitlines()[-1].startswith("fits: ")
     assert len([line for line in out.splitlines() if line.strip().startswith(("0 ", "1 ", "2 ", "3 "))]) == 4
 
 
@@ -85,7 +87,7 @@ def test_plan_help_documents_exit_codes(capsys):
         main(["plan", "--help"])
     out = capsys.readouterr().out
     assert exc.value.code == 0
-    assert "0 every stage fits, 1 some stage does not fit, 2 bad input" in out
+    assert "0 every stage fits, 1 some stage does not fit, 3 tight, 2 bad input" in out
 
 
 # -- sweep ------------------------------------------------------------------------------------
@@ -159,7 +161,9 @@ KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_p
     (["--recompute", "sometimes"], "recompute = 'sometimes'"),
     (["--hardware", "a100-80gb", "--set", "fp8=e4m3"], "no valid layout: fp8 = 'e4m3': hardware a100-80gb has no FP8"),
     (["--seq-length", "16384"], "no valid layout: seq_length = 16384: must not exceed max_position_embeddings"),
-    (["--recompute", "full", "--set", "cuda_graph_impl=local"], "none passes validation with --recompute full"),
+    (["--recompute", "full", "--set", "cuda_graph_impl=local"], "cuda_graph_impl"),
+    (["--distributed-optimizer", "maybe"], "--distributed-optimizer = 'maybe': expected one of on, off"),
+    (["ppt-h100-llama3-70b-1-01000"], "sweep: --model goes with --model, not with an experiment"),
 ])
 def test_sweep_bad_input_is_one_line_and_exit_2(capsys, extra, needle):
     code, out, err = run(capsys, *SWEEP, *extra)
@@ -188,4 +192,41 @@ def test_a_set_that_breaks_another_field_names_it_and_a_value_that_works(capsys)
     assert code == 2 and one_error_line(err).endswith("recompute_num_layers=10 works")
     code, out, _ = run(capsys, "plan", name, "--set", "pipeline_model_parallel_size=8",
                        "--set", "recompute_num_layers=10", "--json")
-    assert code in (0, 1) and json.loads(out)["stages"][0]["pp_rank"] == 0
+    assert code == 0 and json.loads(out)["verdict"] == "fits"
+
+
+def test_plan_exit_status_follows_the_verdict(capsys, tmp_path):
+    """0 fits, 3 tight, 1 does not fit: the same plan on CPU "devices" sized around its peak."""
+    from charllm.probes import paths
+
+    code, out, _ = run(capsys, "plan", "tiny-local", "--json")
+    report = json.loads(out)
+    worst = next(s for s in report["stages"] if s["pp_rank"] == report["verdict_stage"])
+    assert worst["reserve_bytes"] > 0
+    (paths.config_dir() / "hardware").mkdir(parents=True, exist_ok=True)
+    cpu = (Path(__file__).parents[1] / "presets" / "hardware" / "cpu.toml").read_text()
+    for room, expected, status in ((worst["total_bytes"] + worst["reserve_bytes"] + 1, "fits", 0),
+                                   (worst["total_bytes"] + worst["reserve_bytes"] // 2, "tight", 3),
+                                   (worst["total_bytes"] - 1, "does not fit", 1)):
+        name = f"cpu-{expected.replace(' ', '-')}"
+        (paths.config_dir() / "hardware" / f"{name}.toml").write_text(
+            cpu.replace("usable_bytes = 4294967296", f"usable_bytes = {room}"))
+        experiment = tmp_path / f"{name}.toml"
+        experiment.write_text((Path(__file__).parents[1] / "presets" / "experiments" / "tiny-local.toml")
+                              .read_text().replace('hardware = "cpu"', f'hardware = "{name}"'))
+        code, out, _ = run(capsys, "plan", str(experiment), "--json")
+        assert (code, json.loads(out)["verdict"]) == (status, expected)
+
+
+def test_sweep_of_an_experiment_keeps_its_settings(capsys):
+    code, out, _ = run(capsys, "sweep", "ppt-h100-llama3-70b-1-01000", "--set", "attention_backend=unfused", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert {r["recompute"] for r in rows} == {"full"} and {r["use_distributed_optimizer"] for r in rows} == {True}
+    from charllm.engine import catalog
+    from charllm.engine.memory import estimate
+    from charllm.engine.sweep import layout_to_experiment
+
+    composed = catalog.load_experiment("ppt-h100-llama3-70b-1-01000").apply(["attention_backend=unfused"])
+    for row in [r for r in rows if r["fits"]][:20]:
+        assert estimate(layout_to_experiment(composed, row)).peak_bytes == row["peak_bytes"]

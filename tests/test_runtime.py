@@ -174,7 +174,7 @@ ALTERNATIVES = {
 }
 # Read by the training loop itself (train.py), not through a Megatron config.
 LOOP_FIELDS = ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "warmup_iters", "seed",
-               "data_path")
+               "data_path", "expandable_segments")
 
 
 def _settings(e, stack) -> dict:

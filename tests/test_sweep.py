@@ -20,10 +20,18 @@ KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_p
 from charllm.probes.errors import UserError
 
 
+ALL = {"recompute": tuple(RECOMPUTE), "distributed_optimizer": (True, False)}   # vary these too
+
+
+def sweep_model(*args, training=None, **kwargs):
+    """The sweep of a model with no composed experiment (`charllm-tui sweep --model ...`)."""
+    return sweep(base_experiment(*args, training=training), **{**ALL, **kwargs})
+
+
 @pytest.fixture(scope="module")
 def llama():
     args = ("llama3-70b", "h100-sxm-80gb", 8, 8, 128)
-    return args, sweep(*args)
+    return args, sweep_model(*args)
 
 
 def test_columns_and_one_row_per_layout(llama):
@@ -48,7 +56,7 @@ def test_every_row_is_valid_and_its_peak_is_what_plan_says(llama):
         report = estimate(exp)
         assert row["peak_bytes"] == report.peak_bytes
         assert row["peak_stage"] == report.peak_stage
-        assert row["fits"] == report.fits
+        assert (row["fits"], row["verdict"]) == (report.fits, report.verdict)
         assert row["headroom_bytes"] == pytest.approx(report.headroom_bytes, abs=1)
 
 
@@ -60,13 +68,13 @@ def test_every_row_is_valid_and_its_peak_is_what_plan_says(llama):
 ])
 @pytest.mark.timeout(120)
 def test_every_row_equals_estimate_exactly(args, training):
-    df = sweep(*args, training=training)
+    df = sweep_model(*args, training=training)
     assert df.height > 0
     base = base_experiment(*args, training=training)
     for row in df.iter_rows(named=True):
         report = estimate(layout_to_experiment(base, row))
-        assert (row["peak_bytes"], row["peak_stage"], row["fits"], row["headroom_bytes"]) == \
-            (report.peak_bytes, report.peak_stage, report.fits, report.headroom_bytes), row
+        assert (row["peak_bytes"], row["peak_stage"], row["verdict"], row["headroom_bytes"]) == \
+            (report.peak_bytes, report.peak_stage, report.verdict, report.headroom_bytes), row
         assert row["static_bytes"] == report.stages[report.peak_stage].static_bytes
 
 
@@ -97,7 +105,7 @@ def test_rows_are_exactly_what_validate_accepts(hardware, training):
         refused = {p.field for p in runtime.problems(exp, stack)}
         if not validate(exp) and not refused & {"sequence_parallel", "context_parallel_size"}:
             expected.add(tuple(row[k] for k in KEYS))
-    got = sweep(*args, training=training).select(KEYS).rows()
+    got = sweep_model(*args, training=training).select(KEYS).rows()
     assert len(got) == len(set(got))
     assert set(got) == expected
 
@@ -116,14 +124,14 @@ def test_ranking_puts_fitting_layouts_without_recompute_and_small_bubbles_first(
 
 
 def test_fits_only_and_a_model_that_fits_nowhere():
-    df = sweep("llama3-70b", "h100-sxm-80gb", 1, 8, 8, fits_only=True)
+    df = sweep_model("llama3-70b", "h100-sxm-80gb", 1, 8, 8, fits_only=True)
     assert df.height == 0 or df["fits"].all()
-    one_gpu = sweep("llama3-70b", "h100-sxm-80gb", 1, 1, 8)
-    assert one_gpu.height > 0 and not one_gpu["fits"].any()
+    one_gpu = sweep_model("llama3-70b", "h100-sxm-80gb", 1, 1, 8)
+    assert one_gpu.height > 0 and set(one_gpu["verdict"]) == {"does not fit"}
 
 
 def test_moe_sweep_includes_expert_parallel_layouts():
-    df = sweep("tiny-moe", "cpu", 1, 4, 8)
+    df = sweep_model("tiny-moe", "cpu", 1, 4, 8)
     assert set(df["expert_model_parallel_size"]) == {1, 2, 4}
     exp = layout_to_experiment(base_experiment("tiny-moe", "cpu", 1, 4, 8), df.row(0, named=True))
     assert exp.parallel.expert_model_parallel_size == df["expert_model_parallel_size"][0]
@@ -147,6 +155,7 @@ def test_layout_to_experiment_sets_the_layout():
     ({"nodes": 0}, "nodes = 0"),
     ({"global_batch_size": -4}, "global_batch_size = -4"),
     ({"recompute": ("sometimes",)}, "recompute = 'sometimes'"),
+    ({"gpus_per_node": 0}, "gpus_per_node = 0"),
     ({"training": {"micro_batch_size": 2}}, "the sweep varies micro_batch_size"),
     ({"training": {"hidden_size": 128}}, "only training and parallel options"),
     ({"training": {"seq_length": 0}}, "seq_length = 0: must be at least 1"),
@@ -154,8 +163,9 @@ def test_layout_to_experiment_sets_the_layout():
 def test_bad_input_is_a_user_error(kwargs, message):
     args = {"model": "tiny-dense", "hardware": "cpu", "nodes": 1, "gpus_per_node": 2, "global_batch_size": 8}
     args.update(kwargs)
+    recompute = args.pop("recompute", None)
     with pytest.raises(UserError, match=message):
-        sweep(**args)
+        sweep(base_experiment(**args), recompute=recompute)
 
 
 def test_a_node_without_transformer_engine_is_offered_what_it_can_run():
@@ -167,7 +177,7 @@ def test_a_node_without_transformer_engine_is_offered_what_it_can_run():
                       "stack": {"cuda": True, "capability": [9, 0], "extensions": []},
                       "memory": {"usable_bytes": 80 * 2**30, "outside_allocator_bytes": 2**30, "devices": 8}})
     args = ("llama3-8b", "h100-sxm-80gb", 2, 8, 64)
-    df = sweep(*args)
+    df = sweep_model(*args)
     assert df["tensor_model_parallel_size"].max() > 1 and not df["sequence_parallel"].any()
     assert set(df["context_parallel_size"]) == {1}
     base = base_experiment(*args)
@@ -175,3 +185,34 @@ def test_a_node_without_transformer_engine_is_offered_what_it_can_run():
     assert stack.source == "calibrated on plain-pip, 2026-11-20"
     for row in df.head(50).iter_rows(named=True):
         assert runtime.problems(layout_to_experiment(base, row), stack) == []
+
+
+def test_a_composed_experiment_is_swept_with_everything_but_its_layout_kept():
+    """One estimator, one input: the sweep of a composed experiment keeps its precision, attention,
+    recompute and optimizer settings, and every fitting row, loaded back, plans to the same bytes."""
+    from charllm.engine import catalog
+
+    composed = catalog.load_experiment("ppt-h100-llama3-70b-1-01000").apply([
+        "attention_backend=unfused", "attention_softmax_in_fp32=true", "grad_reduce_in_bf16=true",
+        "cross_entropy_loss_fusion=true", "recompute_granularity=selective",
+        "recompute_method=none", "recompute_num_layers=none", "recompute_modules=['core_attn','mlp']",
+        "expandable_segments=false"])
+    df = sweep(composed)
+    assert df.height > 0 and set(df["recompute"]) == {"selective"}
+    assert set(df["use_distributed_optimizer"]) == {composed.parallel.use_distributed_optimizer}
+    fitting = df.filter(pl.col("fits"))
+    assert fitting.height > 0
+    for row in fitting.iter_rows(named=True):
+        exp = layout_to_experiment(composed, row)
+        t = exp.training
+        assert (t.attention_backend, t.recompute_modules, t.grad_reduce_in_bf16, t.expandable_segments) == \
+            ("unfused", ["core_attn", "mlp"], True, False)
+        report = estimate(exp)
+        assert (report.peak_bytes, report.verdict, report.headroom_bytes) == \
+            (row["peak_bytes"], row["verdict"], row["headroom_bytes"]), row
+    # the same layouts planned without the composed settings come out different: they are not ignored
+    plain = sweep(base_experiment("llama3-70b", "h100-sxm-80gb", 8, 8, composed.training.global_batch_size),
+                  recompute=("selective",), distributed_optimizer=(composed.parallel.use_distributed_optimizer,))
+    keys = list(KEYS)
+    joined = df.join(plain, on=keys, suffix="_plain")
+    assert joined.height > 0 and (joined["peak_bytes"] != joined["peak_bytes_plain"]).any()

@@ -149,6 +149,8 @@ async def test_sweep_runs_and_a_pick_loads_into_compose():
     exp.hardware = catalog.load_hardware("h100-sxm-80gb")
     exp.cluster.gpus_per_node = 8
     exp.training.global_batch_size = 64
+    exp.training.attention_backend = "unfused"             # composed: the sweep must keep it
+    exp.training.bf16 = True
     app = CharllmApp(exp)
     async with run_app(app, messages) as pilot:
         await pilot.press("f3")
@@ -167,7 +169,12 @@ async def test_sweep_runs_and_a_pick_loads_into_compose():
         assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (
             first["tensor_model_parallel_size"], first["pipeline_model_parallel_size"])
         assert app.experiment.training.micro_batch_size == first["micro_batch_size"]
+        assert app.experiment.training.attention_backend == "unfused"
         assert app.screen.query_one("#f-tensor_model_parallel_size").value == str(p.tensor_model_parallel_size)
+        compose = app.screen                                  # Compose plans the row to the same bytes
+        await wait_for(pilot, lambda: compose.last.serial == compose.edit_serial and compose.last.report is not None)
+        report = compose.last.report
+        assert (report["peak_bytes"], report["verdict"]) == (first["peak_bytes"], first["verdict"])
 
 
 # -- Live, Runs, Compare on recorded (simulated) runs --------------------------------------------

@@ -559,6 +559,14 @@ class Trainer:
         return any(r[0] for r in table), table[-1][1], peaks
 
 
+def alloc_conf(inherited: str, expandable: bool) -> str:
+    """PYTORCH_CUDA_ALLOC_CONF with the experiment's expandable_segments (the memory plan assumes
+    it), keeping any other allocator option the environment sets. Read at the first CUDA
+    allocation, so it is set before torch is imported."""
+    options = [o for o in inherited.split(",") if o.strip() and not o.strip().startswith("expandable_segments")]
+    return ",".join([*options, f"expandable_segments:{expandable}"])
+
+
 def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     from charllm.engine import runtime
     from charllm.engine.experiment import Experiment
@@ -580,6 +588,8 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
         # defaulted: a value inherited from the shell would break that order. CUDA reads it when
         # it creates the context, so it is set before torch is imported.
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                                                       exp.training.expandable_segments)
 
     import_started = time.monotonic()
     import torch

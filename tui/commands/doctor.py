@@ -316,7 +316,9 @@ def _render_train(train: dict, report: dict):
         if train.get("reserved_bytes") is not None:
             grid.add_row("reserved", f"{_size(train['reserved_bytes'])} = {train['reserved_over_allocated']:.2f} x "
                                      f"allocated ({_size(train['fragmentation_bytes'])} cached, not in tensors: "
-                                     "fragmentation)")
+                                     "fragmentation)" + (f"; {train['reserve_fraction']:.1%} of the iteration's "
+                                     "churn, what plans on this hardware assume" if train.get("reserve_fraction")
+                                     is not None else ""))
         outside = train.get("outside_allocator_bytes")
         grid.add_row("outside allocator", "not measured (NVML could not attribute memory to the process)"
                      if outside is None else f"{_size(outside)} (NVML process memory - torch reserved)")

@@ -41,9 +41,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         _write_atomically(args.out, text)
         print(f"wrote {args.out}", file=sys.stderr)
-    if args.format == "megatron":  # the world size is the launcher's business, not a flag
+    if args.format == "megatron":  # the world size and environment are the launcher's business, not flags
+        from charllm.engine.megatron import export_environment
+
+        env = "".join(f"{name}={value} " for name, value in export_environment(exp).items())
         print(f"# world size {exp.world_size} = {exp.cluster.nodes} node(s) x {exp.cluster.gpus_per_node}: "
-              f"torchrun --nnodes {exp.cluster.nodes} --nproc-per-node {exp.cluster.gpus_per_node} "
+              f"{env}torchrun --nnodes {exp.cluster.nodes} --nproc-per-node {exp.cluster.gpus_per_node} "
               "pretrain_gpt.py <flags>", file=sys.stderr)
     return 0
 

@@ -12,17 +12,21 @@ what the numbers mean:
              iteration on the stage's most loaded rank = weights + gradients + optimizer state +
              activations + other (logits and loss on the last stage, embedding input on the first,
              workspaces, pipeline buffers, backward temporaries)
-  headroom   usable memory - memory outside the allocator (CUDA context, NCCL) - fragmentation
-             margin - total; a stage fits when headroom >= 0. The fragmentation margin is 30% of
-             what the allocator could use (runs allocating 58.8 GB on an 80 GB H100 have OOMed).
+  reserve    what the caching allocator holds beyond its allocated peak (cached blocks it cannot
+             reuse): a share of what each iteration allocates and frees (activations, logits,
+             backward buffers), 3% with expandable segments (the workload's default), 15% without;
+             `charllm-tui doctor --train` measures it on a node
+  headroom   usable memory - memory outside the allocator (CUDA context, NCCL) - total - reserve.
              Usable and outside-allocator memory come from the hardware preset, or from a node
              calibrated with `charllm-tui doctor --train` (said as "calibrated on NODE, DATE")
+  verdict    fits: total + reserve fit; tight: the total fits but not the reserve (it may run out
+             of memory); does not fit. The lines under the table give the arithmetic
   runs as    the transformer implementation, attention kernel and fusions the plan assumes: what
              transformer_impl / attention_backend become on the calibrated node's software, or on
              an assumed one (NVIDIA: Transformer Engine); "will not launch" lines say what that
              node cannot run
 
-exit status: 0 every stage fits, 1 some stage does not fit, 2 bad input (one line on stderr)
+exit status: 0 every stage fits, 1 some stage does not fit, 3 tight, 2 bad input (one line on stderr)
 
 examples:
   charllm-tui plan ppt-h100-llama3-70b-1-00000 --set micro_batch_size=2 --json
@@ -84,7 +88,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         render(exp, report)
-    return 0 if report.fits else 1
+    return EXIT[report.verdict]
+
+
+EXIT = {"fits": 0, "does not fit": 1, "tight": 3}
+VERDICT_STYLE = {"fits": "green", "tight": "yellow", "does not fit": "red"}   # the TUI's colours too
 
 
 def gib(n: float) -> str:
@@ -106,21 +114,22 @@ def render(exp, report) -> None:
                   caption_justify="left", title=f"{exp.name}: {exp.model.name} on {exp.world_size} x {exp.hardware.name} ({layout}), "
                         f"micro batch {exp.training.micro_batch_size}, {exp.num_microbatches} micro-batches, GiB",
                   title_justify="left")
-    columns = ("PP", "layers", "mb", "weights", "grads", "optim", "acts", "other", "total", "headroom", "fits")
+    columns = ("PP", "layers", "mb", "weights", "grads", "optim", "acts", "other", "total", "reserve", "headroom",
+               "verdict")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("layers", "fits") else "right", no_wrap=True)
+        table.add_column(column, justify="left" if column in ("layers", "verdict") else "right", no_wrap=True)
     for s in report.stages:
         sizes = [len(c.layers) for c in s.chunks]
         layers = f"{sizes[0]}x{len(sizes)}" if len(sizes) > 1 and len(set(sizes)) == 1 else "+".join(map(str, sizes))
         table.add_row(str(s.pp_rank), layers, str(s.in_flight), gib(s.weights), gib(s.gradients), gib(s.optimizer),
-                      gib(s.activations), gib(s.other), gib(s.total_bytes), gib(s.headroom_bytes),
-                      "[green]yes[/]" if s.fits else "[red]NO[/]")
+                      gib(s.activations), gib(s.other), gib(s.total_bytes), gib(s.reserve_bytes),
+                      gib(s.headroom_bytes), f"[{VERDICT_STYLE[s.verdict]}]{s.verdict}[/]")
     console.print(table)
-    console.print(report.budget.describe(), highlight=False)
     console.print(f"runs as: {report.implementation.describe()} ({report.stack_source})", highlight=False)
-    verdict = "[green]fits[/]" if report.fits else "[red]does NOT fit[/]"
-    console.print(f"peak {gib(report.peak_bytes)} GiB on stage {report.peak_stage}: {verdict} "
-                  f"(headroom {gib(report.headroom_bytes)} GiB)")
+    *arithmetic, conclusion = report.explain()
+    for line in arithmetic:
+        console.print(line, highlight=False)
+    console.print(f"[b {VERDICT_STYLE[report.verdict]}]{conclusion}[/]", highlight=False)
     for problem in report.runtime_problems:
         console.print(f"[red]will not launch:[/] {problem}", highlight=False)
     for warning in report.warnings:

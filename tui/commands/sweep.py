@@ -1,4 +1,4 @@
-"""`charllm-tui sweep`: every valid parallel layout of a model on a cluster, with its peak memory."""
+"""`charllm-tui sweep`: every valid parallel layout of an experiment or a model on a cluster, with its peak memory."""
 
 from __future__ import annotations
 
@@ -7,14 +7,20 @@ import sys
 from pathlib import Path
 
 EPILOG = """\
-layouts: TP (powers of two within a node) x CP x PP x VP x EP (MoE) x micro batch (1, 2, 4, 8),
-each with recompute none / selective / full and the distributed optimizer on / off; sequence
-parallelism is on whenever TP > 1 and the node planned for runs it (with Transformer Engine; a node
-calibrated without it, see `charllm-tui doctor`, gets TP without SP and no CP). Only layouts that
-`engine.validate` accepts are listed.
+what is swept: the layout of an experiment (a preset or TOML file, as Compose and `plan` take it),
+or of a model given with --model, --hardware, --nodes, --gpus-per-node and --global-batch-size:
+TP (powers of two within a node) x CP x PP x VP x EP (MoE) x micro batch (1, 2, 4, 8). Everything
+else (precision, attention, recompute settings, optimizer options) is the experiment's, so a row
+loaded into Compose or `plan` gives the same peak. --recompute and --distributed-optimizer vary
+those two as well (default: an experiment's own settings; with --model, recompute none / selective
+/ full and the distributed optimizer on / off). Sequence parallelism is on whenever TP > 1 and the
+node planned for runs it (with Transformer Engine; a node calibrated without it, see `charllm-tui
+doctor`, gets TP without SP and no CP), unless the experiment runs TP without it. Only layouts
+that `engine.validate` accepts are listed.
 
 ranking (rank 1 = most promising):
-  1. layouts that fit first;
+  1. layouts that fit first, then tight ones (the allocated peak fits, not the allocator's
+     reserve beyond it), then those that do not fit;
   2. less recompute (none, then selective, then full: full recompute re-runs the forward pass);
   3. a smaller pipeline bubble, (PP - 1) / (micro-batches x VP), in whole percent;
   4. fewer ranks in the communication-heavy dimensions TP x CP (their collectives sit on the
@@ -23,14 +29,16 @@ ranking (rank 1 = most promising):
   5. more memory headroom.
 
 peak/headroom are per device, in GiB in the table and in bytes in --json/--parquet; headroom is
-usable memory minus memory outside the allocator, the fragmentation margin and the peak. The line
-under the table gives that arithmetic and where each figure comes from (the hardware preset, or a
-node calibrated with `charllm-tui doctor`).
+usable memory minus memory outside the allocator, the peak and the allocator's reserve beyond it
+(see `charllm-tui plan --help`), on the stage with the least. The line under the table gives that
+arithmetic and where each figure comes from (the hardware preset, or a node calibrated with
+`charllm-tui doctor`).
 
 --set KEY=VALUE fixes a training or parallel option of every layout (what the sweep varies itself,
-listed above, cannot be fixed; --recompute narrows the recompute choices).
+listed above, cannot be fixed).
 
 examples:
+  charllm-tui sweep ppt-h100-llama3-70b-1-01000
   charllm-tui sweep --model llama3-70b --hardware h100-sxm-80gb --nodes 8 --gpus-per-node 8 --global-batch-size 128
   charllm-tui sweep --model mixtral-8x7b --hardware h200-141gb --nodes 4 --gpus-per-node 8 \\
       --global-batch-size 128 --fits-only --parquet layouts.parquet
@@ -44,22 +52,31 @@ def register(sub) -> None:
                        description="Enumerate the valid parallel layouts of a model on a cluster and estimate "
                                    "the peak memory of each.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="M", help="model preset")
-    p.add_argument("--hardware", required=True, metavar="H", help="hardware preset")
-    p.add_argument("--nodes", required=True, type=int, metavar="N")
-    p.add_argument("--gpus-per-node", required=True, type=int, metavar="G")
-    p.add_argument("--global-batch-size", required=True, type=int, metavar="B")
+    p.add_argument("experiment", nargs="?", metavar="EXPERIMENT_OR_PRESET",
+                   help="sweep this experiment's layout (else give --model ... --global-batch-size)")
+    p.add_argument("--model", metavar="M", help="model preset")
+    p.add_argument("--hardware", metavar="H", help="hardware preset")
+    p.add_argument("--nodes", type=int, metavar="N")
+    p.add_argument("--gpus-per-node", type=int, metavar="G")
+    p.add_argument("--global-batch-size", type=int, metavar="B")
     p.add_argument("--seq-length", type=int, metavar="S", help="default: the model's")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="fix a training/parallel option of every layout, e.g. --set seq_length=4096 (repeatable)")
-    p.add_argument("--recompute", default="none,selective,full", metavar="LIST",
-                   help="recompute choices to sweep, comma-separated (default none,selective,full)")
+    p.add_argument("--recompute", metavar="LIST",
+                   help="recompute choices to sweep, comma-separated from none,selective,full (default: the "
+                        "experiment's own; with --model all three)")
+    p.add_argument("--distributed-optimizer", metavar="LIST",
+                   help="distributed optimizer settings to sweep, comma-separated from on,off (default: the "
+                        "experiment's own; with --model both)")
     p.add_argument("--top", type=int, default=20, metavar="K", help="rows in the table (default 20; 0 = all)")
     p.add_argument("--fits-only", action="store_true", help="only layouts that fit")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print every row as JSON records")
     out.add_argument("--parquet", type=Path, metavar="FILE", help="write every row to a Parquet file")
     p.set_defaults(func=run)
+
+
+MODEL_FLAGS = ("model", "hardware", "nodes", "gpus_per_node", "global_batch_size")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,23 +91,19 @@ def run(args: argparse.Namespace) -> int:
     import polars as pl
     from rich.console import Console
 
-    from charllm.engine.experiment import parse_value
     from charllm.engine.sweep import sweep
 
-    options = {}
-    for item in args.sets:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--set {item!r}: expected key=value, e.g. seq_length=4096")
-        options[key.strip()] = parse_value(raw.strip())
-    recompute = tuple(name.strip() for name in args.recompute.split(",") if name.strip())
-
+    base, from_model = load(args)
+    recompute = _choices("--recompute", args.recompute, {"none": "none", "selective": "selective", "full": "full"})
+    dists = _choices("--distributed-optimizer", args.distributed_optimizer, {"on": True, "off": False})
+    if from_model:
+        recompute = recompute or ("none", "selective", "full")
+        dists = dists or (True, False)
     console = Console(stderr=True)
     with console.status("sweeping layouts..."):
-        df = sweep(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch_size,
-                   args.seq_length, recompute=recompute, training=options)
+        df = sweep(base, recompute=recompute, distributed_optimizer=dists)
     if df.height == 0:
-        raise UserError(f"no valid layout: {why_none(args, recompute, options)}")
+        raise UserError(f"no valid layout: {why_none(base, recompute, dists)}")
     if args.fits_only:
         df = df.filter(pl.col("fits"))
     if args.json:
@@ -108,52 +121,95 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--parquet {str(args.parquet)!r}: cannot write ({exc.strerror})") from None
         console.print(f"wrote {df.height} layouts to {args.parquet}")
     else:
-        render(df, args)
-        print(basis(args, options))
+        from charllm.engine.memory import budget
+
+        render(df, args, base)
+        print(budget(base).describe())
     return 0
 
 
-def basis(args: argparse.Namespace, options: dict) -> str:
-    """What every row's verdict assumes: the device budget and where its figures come from."""
-    from charllm.engine.memory import budget
+def load(args: argparse.Namespace):
+    """(the experiment whose layouts are swept, whether it was built from --model and friends)."""
+    from charllm.engine.experiment import parse_value
     from charllm.engine.sweep import base_experiment
+    from charllm.probes.errors import UserError
 
-    base = base_experiment(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch_size,
-                           args.seq_length, options)
-    return budget(base).describe()
+    options = {}
+    for item in args.sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--set {item!r}: expected key=value, e.g. seq_length=4096")
+        options[key.strip()] = parse_value(raw.strip())
+    if args.experiment:
+        given = [f"--{f.replace('_', '-')}" for f in (*MODEL_FLAGS, "seq_length") if getattr(args, f) is not None]
+        if given:
+            raise UserError(f"sweep: {given[0]} goes with --model, not with an experiment (use --set on the experiment)")
+        from charllm.engine import catalog
+        from charllm.engine.sweep import SWEPT
+
+        exp = catalog.load_experiment(args.experiment)
+        for key, value in options.items():
+            if key.rpartition(".")[2] in SWEPT:
+                raise UserError(f"{key} = {value!r}: the sweep varies {key.rpartition('.')[2]} itself; it cannot be fixed")
+        return exp.apply(args.sets), False
+    missing = [f"--{f.replace('_', '-')}" for f in MODEL_FLAGS if getattr(args, f) is None]
+    if missing:
+        raise UserError(f"sweep: give an EXPERIMENT_OR_PRESET, or {' '.join(missing)}")
+    return base_experiment(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch_size,
+                           args.seq_length, options), True
 
 
-def why_none(args: argparse.Namespace, recompute: tuple[str, ...], options: dict) -> str:
-    """What `engine.validate` says about the plainest layout (no parallelism, micro batch 1)."""
-    from charllm.engine.sweep import base_experiment
+def _choices(flag: str, text: str | None, allowed: dict) -> tuple | None:
+    from charllm.probes.errors import UserError
+
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name not in allowed:
+            raise UserError(f"{flag} = {name!r}: expected one of {', '.join(allowed)}")
+    if not names:
+        raise UserError(f"{flag} = {text!r}: expected one or more of {', '.join(allowed)}")
+    return tuple(dict.fromkeys(allowed[name] for name in names))
+
+
+def why_none(base, recompute: tuple | None, dists: tuple | None) -> str:
+    """What `engine.validate` says about the plainest layout (no parallelism, micro batch 1) with the
+    first recompute and optimizer choice swept."""
+    from charllm.engine.sweep import layout_to_experiment, recompute_name
     from charllm.engine.validate import validate
 
-    base = base_experiment(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch_size,
-                           args.seq_length, options)
-    problems = validate(base)
-    return str(problems[0]) if problems else f"none passes validation with --recompute {','.join(recompute)}"
+    plain = layout_to_experiment(base, {
+        "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "micro_batch_size": 1,
+        "recompute": (recompute or (recompute_name(base),))[0],
+        "use_distributed_optimizer": (dists or (base.parallel.use_distributed_optimizer,))[0]})
+    problems = validate(plain)
+    return str(problems[0]) if problems else "none passes validation with these recompute and optimizer choices"
 
 
-def render(df, args) -> None:
+def render(df, args, base) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
+    from charllm.tui.commands.plan import VERDICT_STYLE
+
     fitting = int(df["fits"].sum()) if df.height else 0
     shown = df if args.top == 0 else df.head(args.top)
     table = Table(box=box.SIMPLE_HEAD, title_justify="left",
-                  title=f"{args.model} on {args.nodes} x {args.gpus_per_node} {args.hardware}, global batch "
-                        f"{args.global_batch_size}: {df.height} layouts, {fitting} fit (GiB)")
+                  title=f"{base.model.name} on {base.cluster.nodes} x {base.cluster.gpus_per_node} "
+                        f"{base.hardware.name}, global batch {base.training.global_batch_size}: {df.height} layouts, "
+                        f"{fitting} fit (GiB)")
     for column in ("rank", "TP", "PP", "VP", "CP", "EP", "DP", "mbs", "recompute", "dist-opt", "bubble",
-                   "peak", "stage", "headroom", "fits"):
-        table.add_column(column, justify="left" if column in ("recompute", "fits") else "right", no_wrap=True)
+                   "peak", "stage", "headroom", "verdict"):
+        table.add_column(column, justify="left" if column in ("recompute", "verdict") else "right", no_wrap=True)
     for r in shown.iter_rows(named=True):
         table.add_row(str(r["rank"]), str(r["tensor_model_parallel_size"]), str(r["pipeline_model_parallel_size"]),
                       str(r["virtual_pipeline_model_parallel_size"]), str(r["context_parallel_size"]),
                       str(r["expert_model_parallel_size"]), str(r["data_parallel_size"]),
                       str(r["micro_batch_size"]), r["recompute"], "on" if r["use_distributed_optimizer"] else "off",
                       f"{r['bubble']:.1%}", f"{r['peak_bytes'] / (1 << 30):.1f}", str(r["peak_stage"]),
-                      f"{r['headroom_bytes'] / (1 << 30):.1f}", "[green]yes[/]" if r["fits"] else "[red]no[/]")
+                      f"{r['headroom_bytes'] / (1 << 30):.1f}", f"[{VERDICT_STYLE[r['verdict']]}]{r['verdict']}[/]")
     Console(width=None if sys.stdout.isatty() else 120).print(table)
     if shown.height < df.height:
         print(f"({df.height - shown.height} more; --top 0 shows all, --json/--parquet give every column)")

@@ -352,21 +352,22 @@ class ComposeScreen(WorkbenchScreen):
                 "[b]Megatron-LM arguments[/b] [dim](^g copies and writes them)[/]\n" + escape(shlex.join(message.flags)))
         verdict = self.query_one("#verdict", Static)
         if message.problems:
-            verdict.update(f"[b red]INVALID[/] layout: {len(message.problems)} problem(s)")
+            more = len(message.problems) - 1
+            verdict.update(f"[b red]INVALID[/] layout: {escape(str(message.problems[0]))}"
+                           + (f" [dim](+{more} more; each is marked at its field)[/]" if more else ""))
         elif message.report is None:
             verdict.update(f"[yellow]{message.error}[/]")
         else:
             r = message.report
-            peak = next(s for s in r["stages"] if s["pp_rank"] == r["peak_stage"])
-            head = peak["headroom_bytes"]
-            word = "[b green]FITS[/]" if r["fits"] else "[b red]DOES NOT FIT[/]"
+            word = {"fits": "[b green]FITS[/]", "tight": "[b yellow]TIGHT[/]",
+                    "does not fit": "[b red]DOES NOT FIT[/]"}[r["verdict"]]
+            *arithmetic, conclusion = r["arithmetic"]
             notes = "".join(f"\n[yellow]![/] {w}" for w in r.get("warnings", []))
             blocked = "".join(f"\n[red]✗ will not launch:[/] {escape(p)}" for p in r.get("cannot_run", []))
             impl = r["implementation"]
-            verdict.update(f"{word}  peak {gib(r['peak_bytes'])} on PP{r['peak_stage']} of "
-                           f"{gib(r['usable_bytes'])} usable [dim]({r['usable_source']})[/] · headroom "
-                           f"{'+' if head >= 0 else ''}{gib(head)}\n"
-                           f"[dim]runs as {impl['transformer_impl']} · attention {impl['attention']} "
+            verdict.update(f"{word}  {escape(conclusion)}\n"
+                           + "".join(f"[dim]{escape(line)}[/]\n" for line in arithmetic)
+                           + f"[dim]runs as {impl['transformer_impl']} · attention {impl['attention']} "
                            f"({escape(r['stack'])})[/]{blocked}{notes}")
 
     # -- actions -------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Sweep: which layouts of the whole space fit, for the composed model, hardware and cluster.
+"""Sweep: which layouts of the whole space fit, for the composed experiment.
 
-`engine.sweep.sweep` runs in a thread worker; the result (a polars DataFrame, one row per valid
+`engine.sweep.sweep` varies the layout of the experiment composed in Compose (its precision,
+attention, recompute and optimizer settings stay), in a thread worker; the result (a polars DataFrame, one row per valid
 layout) feeds a TP × PP feasibility map (per micro batch and recompute choice, coloured by the best
 headroom in that cell) and a sortable table. Enter on a map cell or a table row loads that layout
 into Compose through `engine.sweep.layout_to_experiment`.
@@ -21,6 +22,7 @@ from textual.message import Message
 from textual.widgets import DataTable, Label, ProgressBar, Select, Static
 
 from charllm.probes.errors import UserError
+from charllm.tui.commands.plan import VERDICT_STYLE
 from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
 
 GIB = 1024**3
@@ -31,8 +33,9 @@ TABLE_COLUMNS = {
     "virtual_pipeline_model_parallel_size": "VP", "context_parallel_size": "CP",
     "expert_model_parallel_size": "EP", "data_parallel_size": "DP", "micro_batch_size": "mbs",
     "recompute": "recompute", "use_distributed_optimizer": "dist-opt", "sequence_parallel": "SP",
-    "peak_bytes": "peak GiB", "headroom_bytes": "headroom GiB", "fits": "fits",
+    "peak_bytes": "peak GiB", "headroom_bytes": "headroom GiB", "verdict": "verdict",
 }
+TABLE_LIMIT = 2000              # rows drawn; the status line says when there are more
 # what `s` cycles through: (column, descending)
 SORTS = (("headroom_bytes", True), ("peak_bytes", False), ("data_parallel_size", True),
          ("tensor_model_parallel_size", False), ("pipeline_model_parallel_size", False), ("rank", False))
@@ -46,10 +49,10 @@ class SweepDone(Message):
     basis: str = ""             # the device budget every verdict assumes, and its sources
 
 
-def headroom_text(value: float | None, fits: bool | None) -> Text:
+def headroom_text(value: float | None, verdict: str | None) -> Text:
     if value is None:
         return Text("·", "dim")
-    style = "bold green" if fits and value >= 8 * GIB else "green" if fits else "bold red"
+    style = "bold green" if verdict == "fits" and value >= 8 * GIB else VERDICT_STYLE[verdict]
     return Text(f"{value / GIB:+.1f}", style)
 
 
@@ -68,6 +71,8 @@ class SweepScreen(WorkbenchScreen):
         self.sort_reverse = False
         self.sort_index = -1
         self.swept_serial = None
+        self.basis = ""
+        self.table_frame = None
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="sweep"):
@@ -94,10 +99,8 @@ class SweepScreen(WorkbenchScreen):
         if self.swept_serial != self._experiment_key():
             self.action_run_sweep()
 
-    def _experiment_key(self):
-        exp = self.app.experiment
-        return (exp.model.name, exp.hardware.name, exp.cluster.nodes, exp.cluster.gpus_per_node,
-                exp.training.global_batch_size, exp.seq_length)
+    def _experiment_key(self) -> str:
+        return self.app.experiment.to_toml()     # any change in Compose changes what the sweep plans
 
     # -- running --------------------------------------------------------------------------------
     def action_run_sweep(self) -> None:
@@ -115,8 +118,7 @@ class SweepScreen(WorkbenchScreen):
     def run_sweep(self, exp) -> None:
         began = time.perf_counter()
         try:
-            frame = api("engine.sweep").sweep(exp.model, exp.hardware, exp.cluster.nodes, exp.cluster.gpus_per_node,
-                                              exp.training.global_batch_size, seq_length=exp.seq_length)
+            frame = api("engine.sweep").sweep(exp)
             basis = api("engine.memory").budget(exp).describe()
             self.post_message(SweepDone(frame, time.perf_counter() - began, basis=basis))
         except (MissingAPI, UserError) as exc:
@@ -131,16 +133,26 @@ class SweepScreen(WorkbenchScreen):
             status.update(f"[yellow]{message.error}[/]")
             return
         self.frame = message.frame
-        fits = int(self.frame["fits"].sum()) if self.frame.height else 0
-        status.update(f"{self.frame.height} valid layouts, [green]{fits} fit[/] · "
-                      "Enter loads a layout into Compose · s sorts · f fitting only\n"
-                      f"[dim]{escape(message.basis)}[/]")
+        self.basis = message.basis
+        self.show_status()
         with self.prevent(Select.Changed):
             for wid, column in (("mbs", "micro_batch_size"), ("recompute", "recompute")):
                 values = sorted(self.frame[column].unique().to_list(), key=str) if self.frame.height else []
                 select = self.query_one(f"#{wid}", Select)
                 select.set_options([(str(v), v) for v in values])
         self.redraw()
+
+    def show_status(self) -> None:
+        frame = self.frame
+        counts = frame["verdict"].value_counts() if frame.height else None
+        count = {} if counts is None else dict(counts.iter_rows())
+        table = self.table_frame.height if getattr(self, "table_frame", None) is not None else frame.height
+        cut = f" · the first {TABLE_LIMIT} of {table} rows" if table > TABLE_LIMIT else ""
+        shown = "fitting layouts only (f shows all)" if self.fitting_only else "all layouts (f: fitting only)"
+        self.query_one("#sweep-status", Static).update(
+            f"{frame.height} valid layouts: [green]{count.get('fits', 0)} fit[/], "
+            f"[yellow]{count.get('tight', 0)} tight[/] · table: {shown}{cut} · Enter loads a layout into "
+            f"Compose · s sorts\n[dim]{escape(self.basis)}[/]")
 
     @on(Select.Changed)
     def redraw(self) -> None:
@@ -161,8 +173,10 @@ class SweepScreen(WorkbenchScreen):
         pps = sorted(self.frame["pipeline_model_parallel_size"].unique().to_list())
         best = {}
         if frame.height:
-            cells = frame.group_by("tensor_model_parallel_size", "pipeline_model_parallel_size").agg(
-                pl.col("headroom_bytes").max(), pl.col("fits").any())
+            best_first = frame.sort("headroom_bytes", descending=True)
+            cells = best_first.group_by("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                        maintain_order=True).agg(pl.col("headroom_bytes").first(),
+                                                                 pl.col("verdict").first())
             best = {(r[0], r[1]): (r[2], r[3]) for r in cells.iter_rows()}
         fmap.add_column("PP\\TP", key="pp")
         for tp in tps:
@@ -178,19 +192,23 @@ class SweepScreen(WorkbenchScreen):
         table.clear()
         if self.fitting_only:
             frame = frame.filter(pl.col("fits"))
-        for i, row in enumerate(frame.head(2000).iter_rows(named=True)):
+        self.table_frame = frame
+        for i, row in enumerate(frame.head(TABLE_LIMIT).iter_rows(named=True)):
             cells = []
             for column in TABLE_COLUMNS:
                 value = row.get(column)
                 if column == "peak_bytes":
                     value = round(value / GIB, 1)
                 elif column == "headroom_bytes":
-                    value = headroom_text(value, row.get("fits"))
+                    value = headroom_text(value, row.get("verdict"))
+                elif column == "verdict":
+                    value = Text(value, VERDICT_STYLE[value])
                 elif value is None:
                     value = "-"
                 cells.append(value)
             table.add_row(*cells, key=str(i))
-        self.table_rows = frame.head(2000).to_dicts()
+        self.table_rows = frame.head(TABLE_LIMIT).to_dicts()
+        self.show_status()
 
     # -- choosing ----------------------------------------------------------------------------------
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

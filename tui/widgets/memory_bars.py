@@ -1,4 +1,4 @@
-"""Per-pipeline-stage stacked memory bars against the device's usable memory.
+"""Per-pipeline-stage stacked memory bars against what the allocator may hold on the device.
 
 Input is `engine.memory.estimate(exp).to_dict()`; nothing is computed here but the drawing.
 """
@@ -9,6 +9,8 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from charllm.tui.commands.plan import VERDICT_STYLE
+
 GIB = 1024**3
 # breakdown key -> (legend name, colour)
 PARTS = {
@@ -18,6 +20,7 @@ PARTS = {
     "activations": ("activ", "green3"),
     "other": ("other", "grey50"),
 }
+RESERVE = "yellow3"
 
 
 def gib(n: float) -> str:
@@ -26,7 +29,8 @@ def gib(n: float) -> str:
 
 
 class MemoryBars(Widget):
-    """One line per PP stage: weights | gradients | optimizer | activations | other, and a │ at capacity."""
+    """One line per PP stage: weights | gradients | optimizer | activations | other | the allocator's
+    reserve beyond its peak, and a │ where the allocator's room ends (usable less memory outside it)."""
 
     DEFAULT_CSS = "MemoryBars { height: auto; text-wrap: nowrap; text-overflow: clip; }"
     report: reactive[dict | None] = reactive(None, layout=True)
@@ -35,13 +39,14 @@ class MemoryBars(Widget):
         return 1 + (len(self.report["stages"]) if self.report else 1)
 
     def render(self) -> Text:
-        legend = Text.assemble(*((f"■ {name} ", colour) for name, colour in PARTS.values()), no_wrap=True)
+        legend = Text.assemble(*((f"■ {name} ", colour) for name, colour in PARTS.values()),
+                               ("░ reserve ", RESERVE), no_wrap=True)
         if not self.report:
             return legend + Text("\n(no estimate yet)", style="dim")
         report = self.report
-        usable = report["usable_bytes"]
+        usable = report["allocator_bytes"]
         stages = report["stages"]
-        scale = max([usable, *(s["total_bytes"] for s in stages)]) or 1
+        scale = max([usable, *(s["total_bytes"] + s["reserve_bytes"] for s in stages)]) or 1
         label_w, suffix_w = 5, 24
         bar_w = max(10, self.size.width - label_w - suffix_w)
         cap_col = min(bar_w - 1, round(usable / scale * bar_w))
@@ -55,8 +60,10 @@ class MemoryBars(Widget):
                 n = round(acc_next / scale * bar_w) - round(acc / scale * bar_w)
                 cells.extend([("█", colour)] * n)
                 acc = acc_next
+            n = round((acc + stage["reserve_bytes"]) / scale * bar_w) - round(acc / scale * bar_w)
+            cells.extend([("░", RESERVE)] * n)
             cells.extend([(" ", "")] * (bar_w - len(cells)))
-            over = not stage["fits"]
+            over = stage["verdict"] != "fits"
             if cap_col < len(cells):
                 glyph = cells[cap_col][0] if cells[cap_col][0] != " " else "│"
                 cells[cap_col] = (glyph if over else "│", "bold red" if over else "bold")
@@ -64,6 +71,6 @@ class MemoryBars(Widget):
                 line.append(glyph, style)
             headroom = stage["headroom_bytes"]
             line.append(f" {gib(stage['total_bytes']):>9} ", "")
-            line.append(f"{'+' if headroom >= 0 else ''}{gib(headroom)}", "green" if headroom >= 0 else "bold red")
+            line.append(f"{'+' if headroom >= 0 else ''}{gib(headroom)}", VERDICT_STYLE[stage["verdict"]])
             lines.append(line)
         return Text("\n").join(lines)
