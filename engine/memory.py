@@ -735,7 +735,9 @@ def _chunk_params(m, kinds, params, mtp_params, embedding, output_weight):
     for n_dense, n_moe, emb, loss, mtp, _ in kinds:
         cd = n_dense * params[False][0] + (n_moe * params[True][0] if n_moe else 0)
         ce = n_moe * params[True][1] if n_moe else 0
-        if emb:
+        if emb or mtp:
+            # the MTP stage builds its own copy of the embedding (megatron-core GPTModel: `if
+            # self.pre_process or self.mtp_process: self.embedding = ...`, gpt_model.py in core_v0.16.1)
             cd += embedding
         if loss:
             cd += _norm(m, m.hidden_size) + output_weight

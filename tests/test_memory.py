@@ -339,3 +339,15 @@ def test_precision_aware_optimizer_dtypes_and_host_offload():
     t.optimizer_cpu_offload = True
     report = estimate(exp)
     assert report.stages[0].optimizer == 0 and any("offloaded" in w for w in report.warnings)
+
+
+def test_the_mtp_stage_holds_its_own_embedding_copy():
+    """megatron-core builds the embedding on the stage that runs the MTP layers too; with PP = 1
+    that stage is the first one and the copy is the same module."""
+    from charllm.engine.memory import embedding_params
+
+    plain, mtp = estimate(gpt(pp=2)), estimate(gpt(pp=2, mtp_num_layers=1))
+    one_mtp_layer = estimate(gpt(mtp_num_layers=1)).stages[0].weights - estimate(gpt()).stages[0].weights
+    added = mtp.stages[1].weights - plain.stages[1].weights
+    assert added - one_mtp_layer == embedding_params(gpt().model) * 2      # bf16 weights
+    assert mtp.stages[0].weights == plain.stages[0].weights                 # the first stage is unchanged
