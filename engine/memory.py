@@ -375,21 +375,27 @@ class _Act:
     transient: float
 
 
-def implementation(exp: Experiment) -> "runtime.Implementation":
-    """What the plan assumes will run: the experiment resolved on its hardware's node stack."""
-    return runtime.resolve(exp, runtime.for_planning(exp.hardware))
+def implementation(exp: Experiment, cache: dict | None = None) -> "runtime.Implementation":
+    """What the plan assumes will run: the experiment resolved on its hardware's node stack.
+    `cache` (one hardware, see `layout_terms`) keeps that stack: finding it reads the calibration."""
+    if cache is None:
+        return runtime.resolve(exp, runtime.for_planning(exp.hardware))
+    stack = cache.get("stack")
+    if stack is None:
+        stack = cache["stack"] = runtime.for_planning(exp.hardware)
+    return runtime.resolve(exp, stack)
 
 
-def _attention_impl(exp: Experiment) -> str:
-    impl = implementation(exp)
+def _attention_impl(impl: "runtime.Implementation") -> str:
     return "unfused" if impl.unfused_attention else impl.attention
 
 
 class _Shapes:
     """Per-layer activation sizes for one experiment (computed once, reused per stage)."""
 
-    def __init__(self, exp: Experiment):
+    def __init__(self, exp: Experiment, impl: "runtime.Implementation | None" = None):
         m, p, t = exp.model, exp.parallel, exp.training
+        impl = impl or implementation(exp)
         self.exp = exp
         self.tp = p.tensor_model_parallel_size
         self.cp = p.context_parallel_size
@@ -399,7 +405,6 @@ class _Shapes:
         self.s = exp.seq_length / self.cp
         self.ab = 4 if not (t.bf16 or t.fp16) else 2          # activation element bytes
         self.lin = 1 if t.fp8 else self.ab                     # linear inputs saved in FP8
-        impl = implementation(exp)
         self.unfused = impl.unfused_attention
         # SDPA hands GQA to the kernel only in half precision on a GPU (FlashAttention-2); in fp32
         # (or on CPU) engine/workload/attention.py expands K and V to every head first, and the
@@ -528,11 +533,11 @@ class StageTerms:
     chunks: list[ChunkMemory]
 
 
-def _act_key(exp: Experiment) -> tuple:
+def _act_key(exp: Experiment, impl: "runtime.Implementation") -> tuple:
     p, t = exp.parallel, exp.training
     return (p.tensor_model_parallel_size, p.context_parallel_size, exp.expert_tensor_parallel_size,
             p.expert_model_parallel_size, p.sequence_parallel, t.micro_batch_size, exp.seq_length, t.bf16,
-            t.fp16, t.fp8, _attention_impl(exp), t.recompute_granularity,
+            t.fp16, t.fp8, _attention_impl(impl), t.recompute_granularity,
             t.recompute_method, t.recompute_num_layers, tuple(t.recompute_modules or ()),
             t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity, t.cross_entropy_loss_fusion)
 
@@ -618,12 +623,13 @@ class ActTerms:
 
 
 def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
-    akey = _act_key(exp)
+    impl = implementation(exp, cache)
+    akey = _act_key(exp, impl)
     entry = cache.get(akey)
     if entry is None:
         m, t = exp.model, exp.training
         pattern = _pattern(m, cache)
-        shapes = _Shapes(exp)
+        shapes = _Shapes(exp, impl)
         acts = {k: shapes.layer(k) for k in ((False, True) if m.is_moe else (False,))}
         mtp_act = (acts[pattern[-1]].saved + 3 * shapes.ab * shapes.sbh + shapes.final_norm()) \
             if m.mtp_num_layers else 0.0
@@ -817,10 +823,10 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
         shard_weights=fsdp and strategy == "optim_grads_params")
 
 
-def workspace_bytes(exp: Experiment) -> float:
+def workspace_bytes(exp: Experiment, cache: dict | None = None) -> float:
     """Allocator memory that stays between iterations beyond weights, grads and optimizer state."""
     m, p, t = exp.model, exp.parallel, exp.training
-    te = implementation(exp).transformer == "transformer_engine"
+    te = implementation(exp, cache).transformer == "transformer_engine"
     total = BASE_WORKSPACE_BYTES + (TE_WORKSPACE_BYTES if te else 0)
     if te and m.is_moe and t.moe_grouped_gemm:
         total += GROUPED_GEMM_WORKSPACE_BYTES

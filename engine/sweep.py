@@ -255,7 +255,7 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
         per_batch = []
         for row in rows:
             work.training.micro_batch_size = row["micro_batch_size"]
-            per_batch.append((row, work.num_microbatches, memory.workspace_bytes(work)))
+            per_batch.append((row, work.num_microbatches, memory.workspace_bytes(work, cache)))
         for name, dists in choices.items():
             _set_recompute(work, name, settings)
             chunks, plan, weights = memory.layout_terms(work, cache, peak_candidates=True)
