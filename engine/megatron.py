@@ -24,6 +24,16 @@ from typing import Any, Callable
 from charllm.engine.experiment import Experiment, Hardware, ModelSpec, Parallel, Training
 from charllm.probes.errors import UserError
 
+# Megatron-LM defaults that changed between the releases charllm supports (core_v0.16.1 to
+# core_v0.19.0): flag -> (first release with the default, default), newest first. Import gives a
+# flag the command line leaves out the default of the user's release; export always writes these
+# flags where they apply, so the line means the same on every release.
+VERSIONED_DEFAULTS: dict[str, tuple[tuple[str, Any], ...]] = {
+    # megatron/training/arguments.py: 'no_shard' up to core_v0.17.1, 'optim_grads_params' from core_v0.18.0
+    "--data-parallel-sharding-strategy": (("0.18.0", "optim_grads_params"), ("0.0", "no_shard")),
+}
+SUPPORTED_VERSIONS = ("0.16.1", "0.19.0")      # what charllm's import, export and workload are checked against
+
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_HARDWARE = "h100-sxm-80gb"
 
@@ -345,8 +355,11 @@ def import_megatron_args(
     world_size: int | None = None,
     gpus_per_node: int | None = None,
     hardware: str | Hardware | None = None,
+    version: str | None = None,
 ) -> MegatronImport:
-    """Build an Experiment from a Megatron-LM command line (see the module docstring)."""
+    """Build an Experiment from a Megatron-LM command line (see the module docstring). A flag whose
+    default changed between Megatron releases (VERSIONED_DEFAULTS) and that the line leaves out
+    takes the default of `version`, else of the installed megatron-core."""
     from charllm.engine import catalog
 
     tokens = split_command_line(args)
@@ -370,6 +383,11 @@ def import_megatron_args(
     _resolve_model(exp.model, special, given, result)
     _resolve_virtual_pipeline(exp, special)
     p, t = exp.parallel, exp.training
+    if p.use_megatron_fsdp and "--data-parallel-sharding-strategy" not in given:
+        release, source = megatron_version(version)
+        p.data_parallel_sharding_strategy = versioned_default("--data-parallel-sharding-strategy", release)
+        result.warnings.append(f"no --data-parallel-sharding-strategy: {p.data_parallel_sharding_strategy}, the "
+                               f"default of megatron-core {release} ({source})")
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         p.sequence_parallel = False
         result.warnings.append("--sequence-parallel is switched off at tensor parallel size 1 (as Megatron does)")
@@ -390,6 +408,40 @@ def import_megatron_args(
         result.warnings.append(f"no --global-batch-size: Megatron uses micro batch x data parallel = "
                                f"{t.global_batch_size}")
     return result
+
+
+def installed_version() -> str | None:
+    """The megatron-core release installed here (without importing it), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    if not match:
+        raise UserError(f"megatron_version = {version!r}: expected a release such as 0.16.1 or 0.19.0")
+    return tuple(int(part or 0) for part in match.groups())
+
+
+def megatron_version(version: str | None = None) -> tuple[str, str]:
+    """(release, where it comes from): the one given, else the installed one, else the newest supported."""
+    if version:
+        _release(version)
+        return version, "given"
+    installed = installed_version()
+    if installed:
+        return installed, "installed"
+    return SUPPORTED_VERSIONS[-1], "the newest supported; megatron-core is not installed here"
+
+
+def versioned_default(flag: str, version: str) -> Any:
+    """Megatron's default for `flag` in `version` (a flag of VERSIONED_DEFAULTS)."""
+    release = _release(version)
+    return next(default for since, default in VERSIONED_DEFAULTS[flag] if release >= _release(since))
 
 
 def _expandable_segments(launcher: list[str]) -> bool:
@@ -601,8 +653,11 @@ def export_megatron_args(exp: Experiment) -> list[str]:
         add("--pipeline-model-parallel-layout", p.pipeline_model_parallel_layout)
     elif p.virtual_pipeline_model_parallel_size not in (None, 1):
         add("--num-virtual-stages-per-pipeline-rank", p.virtual_pipeline_model_parallel_size)
+    if p.use_megatron_fsdp:     # its default depends on the release (VERSIONED_DEFAULTS): always said
+        add("--data-parallel-sharding-strategy", p.data_parallel_sharding_strategy)
     _add_non_default(add, p, Parallel(), PARALLEL_FLAGS, skip={
-        "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_model_parallel_layout"})
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_model_parallel_layout",
+        "data_parallel_sharding_strategy"})
 
     add("--micro-batch-size", t.micro_batch_size)
     add("--global-batch-size", t.global_batch_size)

@@ -388,3 +388,46 @@ def test_random_experiments_round_trip(exp):
                for f in dataclasses.fields(getattr(exp, section))
                if getattr(getattr(exp, section), f.name) != getattr(getattr(back, section), f.name)}
     assert changed <= set(ROUND_TRIP_NORMALIZED)
+
+
+FSDP_70B = ("--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 "
+            "--group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 "
+            "--vocab-size 128256 --swiglu --untie-embeddings-and-output-weights --normalization RMSNorm "
+            "--position-embedding-type rope --disable-bias-linear --micro-batch-size 1 --global-batch-size 128 "
+            "--bf16 --use-megatron-fsdp --ckpt-format fsdp_dtensor --recompute-granularity full "
+            "--recompute-method uniform --recompute-num-layers 1")
+
+
+@pytest.mark.parametrize("version, strategy", [("0.16.1", "no_shard"), ("0.17.1", "no_shard"),
+                                               ("0.18.0", "optim_grads_params"), ("0.19.0", "optim_grads_params")])
+def test_a_default_that_changed_between_releases_follows_the_users_release(version, strategy):
+    """megatron-core 0.18 made Megatron-FSDP shard optimizer, gradients and parameters by default."""
+    imported = import_megatron_args(FSDP_70B, world_size=32, hardware="h200-141gb", version=version)
+    assert imported.experiment.parallel.data_parallel_sharding_strategy == strategy
+    assert any(f"the default of megatron-core {version} (given)" in w for w in imported.warnings)
+
+
+def test_the_installed_release_is_the_default():
+    from charllm.engine.megatron import installed_version, megatron_version
+
+    release, source = megatron_version()
+    assert (release, source) == ((installed_version(), "installed") if installed_version()
+                                 else ("0.19.0", "the newest supported; megatron-core is not installed here"))
+    with pytest.raises(UserError, match="megatron_version = 'latest': expected a release"):
+        import_megatron_args(FSDP_70B, world_size=32, version="latest")
+
+
+def test_fsdp_70b_on_32_h200s_plans_sharded_on_current_megatron():
+    """The issue's case: 76 GiB planned as no_shard; about 40 GiB measured on megatron-core 0.19."""
+    from charllm.engine.memory import estimate
+
+    old = estimate(import_megatron_args(FSDP_70B, world_size=32, hardware="h200-141gb", version="0.16.1").experiment)
+    new = estimate(import_megatron_args(FSDP_70B, world_size=32, hardware="h200-141gb", version="0.19.0").experiment)
+    assert new.peak_bytes < 0.6 * old.peak_bytes
+
+
+def test_export_always_says_the_sharding_strategy_of_megatron_fsdp():
+    exp = catalog.load_experiment("tiny-local").apply(["use_megatron_fsdp=true", "data_parallel_sharding_strategy=no_shard"])
+    flags = export_megatron_args(exp)
+    assert flags[flags.index("--data-parallel-sharding-strategy") + 1] == "no_shard"
+    assert "--data-parallel-sharding-strategy" not in export_megatron_args(catalog.load_experiment("tiny-local"))

@@ -46,6 +46,9 @@ def register(sub) -> None:
     p.add_argument("--world-size", type=int, metavar="N", help="number of GPUs (with --megatron-args)")
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs per node (with --megatron-args; default 8)")
     p.add_argument("--hardware", metavar="NAME", help="hardware preset (with --megatron-args)")
+    p.add_argument("--megatron-version", metavar="V",
+                   help="the megatron-core release the line is for, for defaults that changed between releases "
+                        "(with --megatron-args; default: the installed one)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -64,11 +67,12 @@ def load(args: argparse.Namespace):
         from charllm.engine.megatron import import_megatron_args
 
         imported = import_megatron_args(args.megatron_args, world_size=args.world_size,
-                                        gpus_per_node=args.gpus_per_node, hardware=args.hardware)
+                                        gpus_per_node=args.gpus_per_node, hardware=args.hardware,
+                                        version=args.megatron_version)
         return imported.experiment.apply(args.sets), imported.ignored, imported.warnings
     if not args.experiment:
         raise UserError("plan: an EXPERIMENT_OR_PRESET or --megatron-args is required")
-    for flag in ("world_size", "gpus_per_node", "hardware"):
+    for flag in ("world_size", "gpus_per_node", "hardware", "megatron_version"):
         if getattr(args, flag) is not None:
             raise UserError(f"plan: --{flag.replace('_', '-')} only goes with --megatron-args "
                             f"(use --set for an experiment)")
