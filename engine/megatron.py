@@ -653,11 +653,11 @@ def export_megatron_args(exp: Experiment) -> list[str]:
         add("--pipeline-model-parallel-layout", p.pipeline_model_parallel_layout)
     elif p.virtual_pipeline_model_parallel_size not in (None, 1):
         add("--num-virtual-stages-per-pipeline-rank", p.virtual_pipeline_model_parallel_size)
+    skip = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_model_parallel_layout"}
     if p.use_megatron_fsdp:     # its default depends on the release (VERSIONED_DEFAULTS): always said
         add("--data-parallel-sharding-strategy", p.data_parallel_sharding_strategy)
-    _add_non_default(add, p, Parallel(), PARALLEL_FLAGS, skip={
-        "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_model_parallel_layout",
-        "data_parallel_sharding_strategy"})
+        skip.add("data_parallel_sharding_strategy")
+    _add_non_default(add, p, Parallel(), PARALLEL_FLAGS, skip=skip)
 
     add("--micro-batch-size", t.micro_batch_size)
     add("--global-batch-size", t.global_batch_size)
