@@ -196,6 +196,13 @@ class Training:
     # PYTORCH_CUDA_ALLOC_CONF expandable_segments for the workload (PyTorch's own default is off): the
     # caching allocator then reserves little beyond its allocated peak (see engine.memory.Budget)
     expandable_segments: bool = True
+    # Activation offloading to the host (megatron-core). Layer-level: > 0 sends the activations of this
+    # many layers to the host (Megatron then sets cpu_offloading; activations only, as its CLI offers)
+    cpu_offloading_num_layers: int = 0
+    # Module-level: the inputs of offload_modules (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm,
+    # expert_fc1, moe_act), in every layer
+    fine_grained_activation_offloading: bool = False
+    offload_modules: list[str] | None = None
     moe_token_dispatcher_type: str = "allgather"   # allgather | alltoall | flex
     moe_expert_capacity_factor: float | None = None
     moe_pad_expert_input_to_capacity: bool = False

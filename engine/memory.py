@@ -415,6 +415,8 @@ class _Shapes:
         self.modules = set(t.recompute_modules or ["core_attn"]) \
             if t.recompute_granularity == "selective" else set()
         self.full_recompute = t.recompute_granularity == "full"
+        # fine-grained activation offloading: these modules' inputs leave the GPU in every layer
+        self.offload = set(t.offload_modules or []) if t.fine_grained_activation_offloading else set()
         # sequence-sharded ("full" per rank unless SP) and TP-sharded sizes, elements
         self.sbh = self.s * self.b * m.hidden_size / (self.tp if self.sp else 1)
         self._cache: dict[bool, _Act] = {}
@@ -429,10 +431,21 @@ class _Shapes:
         m, ab, lin, sbh = self.exp.model, self.ab, self.lin, self.sbh
         s, b, tp = self.s, self.b, self.tp
         mask = 1 if self.hid_dropout else 0
+        off = self.offload
+        offloaded = 0.0                                    # bytes of this layer's saved tensors on the host
+
+        def kept(module: str, size: float) -> float:
+            """`size` saved bytes that stay on the GPU unless `module`'s input is offloaded."""
+            nonlocal offloaded
+            if module in off:
+                offloaded += size
+                return 0.0
+            return size
+
         # -- attention block
-        saved = ab * sbh                                   # input norm's input (the residual)
+        saved = kept("attn_norm", ab * sbh)                # input norm's input (the residual)
         if "layernorm" not in self.modules:
-            saved += lin * sbh                             # norm output = QKV input
+            saved += kept("qkv_linear", lin * sbh)         # norm output = QKV input
         a = m.num_attention_heads
         if m.multi_latent_attention:
             qk = m.qk_head_dim + m.qk_pos_emb_head_dim
@@ -457,9 +470,9 @@ class _Shapes:
             saved += q + k                                 # Q/K norm inputs
         if self.cp > 1:
             saved += q + k + v                             # CP ring: Q and the exchanged K/V per step
-        saved += q + k + v + core + (lin / ab) * o + mask * sbh
+        saved += kept("core_attn", q + k + v) + core + kept("attn_proj", (lin / ab) * o) + mask * sbh
         # -- MLP / MoE block
-        saved += ab * sbh                                  # pre-MLP norm's input
+        saved += kept("mlp_norm", ab * sbh)                # pre-MLP norm's input
         if "layernorm" not in self.modules:
             saved += lin * sbh                             # norm output = FC1 / router input
         gate = 2 if m.swiglu else 1
@@ -481,7 +494,7 @@ class _Shapes:
                 routed *= MOE_DROPLESS_IMBALANCE
             effn = routed * m.moe_ffn / self.etp
             router = 4 * s * b * m.num_moe_experts * 2 / (tp if self.sp else 1)  # fp32 logits + probs
-            experts = lin * routed * m.hidden_size + ab * effn * gate \
+            experts = kept("expert_fc1", lin * routed * m.hidden_size) + kept("moe_act", ab * effn * gate) \
                 + (0 if "moe_act" in self.modules else lin * effn) + ab * routed * m.hidden_size
             shared = 0.0
             if m.moe_shared_expert_intermediate_size:
@@ -495,7 +508,8 @@ class _Shapes:
             saved += moe_saved
             mlp_transient = 2 * ab * effn * gate + 2 * ab * routed * m.hidden_size
         saved += mask * sbh
-        transient = max(attn_transient, mlp_transient)
+        # in backward the offloaded inputs of the next layer come back ahead of its turn
+        transient = max(attn_transient, mlp_transient) + offloaded
         return _Act(saved, transient)
 
     def checkpoint_input(self) -> float:
@@ -539,7 +553,8 @@ def _act_key(exp: Experiment, impl: "runtime.Implementation") -> tuple:
             p.expert_model_parallel_size, p.sequence_parallel, t.micro_batch_size, exp.seq_length, t.bf16,
             t.fp16, t.fp8, _attention_impl(impl), t.recompute_granularity,
             t.recompute_method, t.recompute_num_layers, tuple(t.recompute_modules or ()),
-            t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity, t.cross_entropy_loss_fusion)
+            t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity, t.cross_entropy_loss_fusion,
+            t.cpu_offloading_num_layers, t.fine_grained_activation_offloading, tuple(t.offload_modules or ()))
 
 
 def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool = True,
@@ -620,6 +635,7 @@ class ActTerms:
     loss_extra: float               # logits: bf16 + the fp32 copies kept for backward
     full_recompute: bool
     group: int                      # layers per full-recompute group
+    offloaded_layers: int = 0       # layer offloading: layers whose activations wait on the host
 
 
 def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
@@ -637,13 +653,15 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
         loss_extra = lb + lf * (1 + (m.mtp_num_layers or 0) + (1 if t.cross_entropy_loss_fusion else 0))
         block = shapes.full_recompute and t.recompute_method == "block"
         group = t.recompute_num_layers or 1
+        offloaded = t.cpu_offloading_num_layers
         entry = cache[akey] = ActTerms(
             saved={k: a.saved for k, a in acts.items()},
-            backward={k: a.saved * (1 if block else group) if shapes.full_recompute else a.transient
-                      for k, a in acts.items()},
+            # layer offloading brings a layer's activations back ahead of its backward
+            backward={k: a.saved * (1 if block else group) if shapes.full_recompute
+                      else a.transient + (a.saved if offloaded else 0.0) for k, a in acts.items()},
             checkpoint_input=shapes.checkpoint_input(), embedding=shapes.embedding(),
             final_norm=shapes.final_norm(), mtp=mtp_act, loss_extra=loss_extra,
-            full_recompute=shapes.full_recompute, group=group)
+            full_recompute=shapes.full_recompute, group=group, offloaded_layers=offloaded)
     return entry
 
 
@@ -652,14 +670,16 @@ def _stack(acts: list[ActTerms]) -> ActTerms:
     import numpy as np
 
     first = acts[0]
-    assert all(a.full_recompute == first.full_recompute and a.group == first.group for a in acts)
+    assert all((a.full_recompute, a.group, a.offloaded_layers) == (first.full_recompute, first.group,
+                                                                     first.offloaded_layers) for a in acts)
     return ActTerms(saved={k: np.array([a.saved[k] for a in acts]) for k in first.saved},
                     backward={k: np.array([a.backward[k] for a in acts]) for k in first.backward},
                     checkpoint_input=np.array([a.checkpoint_input for a in acts]),
                     embedding=np.array([a.embedding for a in acts]),
                     final_norm=np.array([a.final_norm for a in acts]), mtp=np.array([a.mtp for a in acts]),
                     loss_extra=np.array([a.loss_extra for a in acts]),
-                    full_recompute=first.full_recompute, group=first.group)
+                    full_recompute=first.full_recompute, group=first.group,
+                    offloaded_layers=first.offloaded_layers)
 
 
 @dataclass
@@ -768,6 +788,8 @@ def _chunk_activations(kind, a: ActTerms):
             act = math.ceil(n / a.group) * a.checkpoint_input
     elif n:
         act = n_dense * a.saved[False] + (n_moe * a.saved[True] if n_moe else 0.0)
+        if a.offloaded_layers:     # megatron-core: the first cpu_offloading_num_layers layers' activations
+            act = act * (1 - min(a.offloaded_layers, n) / n)
     if emb:
         act += a.embedding
     if loss:

@@ -266,6 +266,12 @@ def problems(exp, stack: Stack) -> list:
         needs("use_precision_aware_optimizer", True, "needs Transformer Engine's FusedAdam, which this node lacks")
     if t.optimizer_cpu_offload and not stack.cuda:
         needs("optimizer_cpu_offload", True, "moves optimizer state from a GPU to the host, and this node has no CUDA")
+    if t.cpu_offloading_num_layers and not (stack.cuda and stack.has("transformer_engine")):
+        needs("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
+              "layer offloading uses Transformer Engine's CPU offload on a CUDA GPU, which this node lacks")
+    if t.fine_grained_activation_offloading and not stack.cuda:
+        needs("fine_grained_activation_offloading", True,
+              "moves activations from a GPU to the host on side streams, and this node has no CUDA")
     if m.is_moe and t.moe_token_dispatcher_type == "flex" and not (stack.cuda and stack.has("deep_ep")):
         needs("moe_token_dispatcher_type", "flex", "the flex dispatcher needs DeepEP (deep_ep) on a CUDA GPU, "
                                                    "which this node lacks")

@@ -47,6 +47,8 @@ CHOICES: dict[str, tuple[str, tuple]] = {
     "vendor": ("hardware", ("nvidia", "amd", "cpu")),
 }
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+# megatron-core TransformerConfig.offload_modules (core_v0.16.1 and core_v0.19.0)
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 TELEMETRY_BACKENDS = ("auto", "nvml", "amdsmi", "host", "sim")
 
 # Sizes that must be at least 1 (None = not set, allowed where the field is optional).
@@ -77,7 +79,7 @@ def validate(exp: Experiment) -> list[Problem]:
     if problems:  # the layout rules below divide by these sizes
         return problems
     for rules in (_layout, _model, _pipeline, _batch, _experts, _sequence, _precision, _recompute,
-                  _optimizer):
+                  _offloading, _optimizer):
         problems.extend(rules(exp))
     return problems
 
@@ -123,6 +125,12 @@ def value_problems(exp: Experiment) -> list[Problem]:
         if value not in choices:
             listed = ", ".join("none" if c is None else c for c in choices)
             out.append(Problem(name, value, f"must be one of {listed}"))
+    for module in t.offload_modules or []:
+        if module not in OFFLOAD_MODULES:
+            out.append(Problem("offload_modules", t.offload_modules,
+                               f"{module!r} is not one of {', '.join(OFFLOAD_MODULES)}"))
+    if t.cpu_offloading_num_layers < 0:
+        out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers, "must be 0 (off) or more"))
     for module in t.recompute_modules or []:
         if module not in RECOMPUTE_MODULES:
             out.append(Problem("recompute_modules", t.recompute_modules,
@@ -373,6 +381,42 @@ def ignored(exp: Experiment) -> list[str]:
     if t.recompute_granularity != "selective" and t.recompute_modules is not None:
         out.append(f"recompute_modules = {t.recompute_modules!r}: ignored without recompute_granularity = "
                    "'selective' (as Megatron does)")
+    if t.offload_modules and not t.fine_grained_activation_offloading:
+        out.append(f"offload_modules = {t.offload_modules!r}: ignored without fine_grained_activation_offloading "
+                   "(as Megatron does)")
+    return out
+
+
+def _offloading(exp: Experiment) -> list[Problem]:
+    """megatron-core TransformerConfig's rules for activation offloading (core_v0.16.1)."""
+    t, m, p = exp.training, exp.model, exp.parallel
+    out = []
+    if t.cpu_offloading_num_layers:
+        if t.cpu_offloading_num_layers >= m.num_layers:
+            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
+                               f"must be below num_layers ({m.num_layers})", f"cpu_offloading_num_layers={m.num_layers - 1}"))
+        if p.pipeline_model_parallel_size > 1:
+            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
+                               "layer offloading does not support pipeline parallelism", "pipeline_model_parallel_size=1"))
+        if t.recompute_granularity is not None:
+            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
+                               "layer offloading does not work with activation recompute", "recompute_granularity=none"))
+        if t.cuda_graph_impl != "none":
+            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
+                               "layer offloading does not work with CUDA graphs", "cuda_graph_impl=none"))
+        if t.fine_grained_activation_offloading:
+            out.append(Problem("fine_grained_activation_offloading", True,
+                               "cannot be combined with layer offloading (cpu_offloading_num_layers)",
+                               "cpu_offloading_num_layers=0"))
+    if t.fine_grained_activation_offloading:
+        modules = t.offload_modules or []
+        if not modules:
+            out.append(Problem("offload_modules", t.offload_modules,
+                               "fine-grained offloading needs the modules whose inputs leave the GPU",
+                               "offload_modules=['core_attn']"))
+        if "attn_proj" in modules and "core_attn" not in modules:
+            out.append(Problem("offload_modules", modules, "attn_proj needs core_attn too (its input is core "
+                                                           "attention's output, which core attention's backward reads)"))
     return out
 
 

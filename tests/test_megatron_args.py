@@ -431,3 +431,15 @@ def test_export_always_says_the_sharding_strategy_of_megatron_fsdp():
     flags = export_megatron_args(exp)
     assert flags[flags.index("--data-parallel-sharding-strategy") + 1] == "no_shard"
     assert "--data-parallel-sharding-strategy" not in export_megatron_args(catalog.load_experiment("tiny-local"))
+
+
+def test_activation_offloading_flags_import():
+    tiny = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
+            "--max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 16 --bf16 ")
+    layer = import_megatron_args(tiny + "--cpu-offloading-num-layers 2", world_size=8).experiment.training
+    assert layer.cpu_offloading_num_layers == 2
+    fine = import_megatron_args(tiny + "--fine-grained-activation-offloading --offload-modules core_attn attn_proj",
+                                world_size=8)
+    t = fine.experiment.training
+    assert t.fine_grained_activation_offloading and t.offload_modules == ["core_attn", "attn_proj"]
+    assert not fine.ignored

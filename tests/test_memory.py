@@ -22,6 +22,7 @@ GIB = 1 << 30
 
 def gpt(*, tp=1, pp=1, vp=None, cp=1, sp=False, dp=1, mbs=B, gbs=None, dist_opt=False, dropout=0.1,
         backend="unfused", recompute=None, method=None, recompute_layers=None, expandable_segments=True,
+        cpu_offloading_num_layers=0, fine_grained_activation_offloading=False, offload_modules=None,
         **model) -> Experiment:
     """A GPT-3-style model (LayerNorm, biases, GELU 4h MLP, learned positions, tied embeddings)."""
     spec = dict(num_layers=L, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=A, seq_length=S,
@@ -38,7 +39,10 @@ def gpt(*, tp=1, pp=1, vp=None, cp=1, sp=False, dp=1, mbs=B, gbs=None, dist_opt=
                           use_distributed_optimizer=dist_opt),
         training=Training(micro_batch_size=mbs, global_batch_size=gbs or mbs * dp, attention_backend=backend,
                           recompute_granularity=recompute, recompute_method=method,
-                          recompute_num_layers=recompute_layers, expandable_segments=expandable_segments),
+                          recompute_num_layers=recompute_layers, expandable_segments=expandable_segments,
+                          cpu_offloading_num_layers=cpu_offloading_num_layers,
+                          fine_grained_activation_offloading=fine_grained_activation_offloading,
+                          offload_modules=offload_modules),
     )
 
 
@@ -351,3 +355,23 @@ def test_the_mtp_stage_holds_its_own_embedding_copy():
     added = mtp.stages[1].weights - plain.stages[1].weights
     assert added - one_mtp_layer == embedding_params(gpt().model) * 2      # bf16 weights
     assert mtp.stages[0].weights == plain.stages[0].weights                 # the first stage is unchanged
+
+
+def test_layer_offloading_keeps_the_other_layers_activations_on_the_gpu():
+    """cpu_offloading_num_layers = k: k of the n layers' saved activations wait on the host."""
+    n = gpt().model.num_layers
+    on_gpu, offloaded = estimate(gpt()).stages[0], estimate(gpt(cpu_offloading_num_layers=1)).stages[0]
+    layers = _Shapes(gpt()).layer(False).saved * n
+    assert on_gpu.activations - offloaded.activations == pytest.approx(layers / n, abs=2)
+
+
+@pytest.mark.parametrize("module", ["attn_norm", "core_attn", "mlp_norm"])
+def test_fine_grained_offloading_removes_exactly_the_modules_inputs(module):
+    """The inputs of offload_modules leave the GPU in every layer: attn_norm and mlp_norm each take
+    the residual stream (2 bytes x s x b x h in bf16), core_attn takes Q, K and V."""
+    plain = _Shapes(gpt()).layer(False)
+    off = _Shapes(gpt(fine_grained_activation_offloading=True, offload_modules=[module])).layer(False)
+    sbh = S * B * H
+    expected = {"attn_norm": 2 * sbh, "mlp_norm": 2 * sbh, "core_attn": 3 * 2 * sbh}[module]
+    assert plain.saved - off.saved == pytest.approx(expected)
+    assert off.transient - plain.transient == pytest.approx(expected)     # brought back ahead of backward

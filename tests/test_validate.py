@@ -210,6 +210,34 @@ RULES = {
         "mtp_num_layers = 1: multi-token prediction needs position_embedding_type rope or none, not learned_absolute"),
     "one MLP activation": (
         ["swiglu=true", "squared_relu=true"], "squared_relu = True: cannot be combined with swiglu (one MLP activation)"),
+    "layer offloading: fewer layers than the model": (
+        ["pipeline_model_parallel_size=1", "cpu_offloading_num_layers=8"],
+        "cpu_offloading_num_layers = 8: must be below num_layers (8); cpu_offloading_num_layers=7 works"),
+    "layer offloading: no pipeline parallelism": (
+        ["cpu_offloading_num_layers=2"],
+        "cpu_offloading_num_layers = 2: layer offloading does not support pipeline parallelism; "
+        "pipeline_model_parallel_size=1 works"),
+    "layer offloading: no recompute": (
+        ["pipeline_model_parallel_size=1", "cpu_offloading_num_layers=2", "recompute_granularity=selective"],
+        "cpu_offloading_num_layers = 2: layer offloading does not work with activation recompute; "
+        "recompute_granularity=none works"),
+    "fine-grained offloading needs modules": (
+        ["fine_grained_activation_offloading=true"],
+        "offload_modules = None: fine-grained offloading needs the modules whose inputs leave the GPU; "
+        "offload_modules=['core_attn'] works"),
+    "attn_proj offloading needs core_attn": (
+        ["fine_grained_activation_offloading=true", "offload_modules=['attn_proj']"],
+        "offload_modules = ['attn_proj']: attn_proj needs core_attn too (its input is core attention's output, "
+        "which core attention's backward reads)"),
+    "offload modules are Megatron's": (
+        ["fine_grained_activation_offloading=true", "offload_modules=['mlp']"],
+        "offload_modules = ['mlp']: 'mlp' is not one of attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, "
+        "expert_fc1, moe_act"),
+    "one kind of offloading": (
+        ["pipeline_model_parallel_size=1", "cpu_offloading_num_layers=2", "fine_grained_activation_offloading=true",
+         "offload_modules=['core_attn']"],
+        "fine_grained_activation_offloading = True: cannot be combined with layer offloading "
+        "(cpu_offloading_num_layers); cpu_offloading_num_layers=0 works"),
 }
 
 
@@ -284,3 +312,12 @@ def test_a_suggested_fix_resolves_its_problem(sets):
     problem = next(p for p in validate(exp) if p.fix)
     exp.apply([problem.fix])
     assert (problem.field, problem.rule) not in {(p.field, p.rule) for p in validate(exp)}
+
+
+def test_offload_modules_without_fine_grained_offloading_are_listed_as_ignored():
+    from charllm.engine.validate import ignored
+
+    exp = base().apply(["offload_modules=['core_attn']"])
+    assert validate(exp) == []
+    assert ignored(exp) == ["offload_modules = ['core_attn']: ignored without fine_grained_activation_offloading "
+                            "(as Megatron does)"]

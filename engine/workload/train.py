@@ -170,6 +170,10 @@ def transformer_settings(exp, impl) -> dict:
         recompute_method=t.recompute_method,
         recompute_num_layers=t.recompute_num_layers,
         recompute_modules=t.recompute_modules,
+        cpu_offloading=t.cpu_offloading_num_layers > 0,        # as Megatron's arguments.py sets it
+        cpu_offloading_num_layers=t.cpu_offloading_num_layers,
+        fine_grained_activation_offloading=t.fine_grained_activation_offloading,
+        offload_modules=list(t.offload_modules or []),
         bf16=t.bf16,
         fp16=t.fp16,
         params_dtype=dtype,
