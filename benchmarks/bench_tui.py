@@ -10,6 +10,9 @@
    CPU is not counted. Target: under 15 % of one core.
 3. Latency of one Compose edit (a new TP value) until the memory bars show the new estimate,
    headless (App.run_test), including the 50 ms debounce.
+4. The Sweep screen on Llama-3 70B x 64 H100 (ppt-h100-llama3-70b-1-01000), headless: from the
+   key that opens it (F3, which sweeps the composed experiment) until the table is filled, and
+   from the key that toggles "fitting only" (f) until the table is redrawn. Target: under 300 ms.
 """
 
 from __future__ import annotations
@@ -138,6 +141,36 @@ def compose_latency(edits: int) -> list[float]:
     return latencies
 
 
+def sweep_latency(runs: int) -> tuple[list[float], list[float]]:
+    from charllm.engine import catalog
+    from charllm.tui.app import CharllmApp
+    from charllm.tui.screens.sweep import SweepScreen
+
+    opened, toggled = [], []
+
+    async def run() -> None:
+        for _ in range(runs):
+            app = CharllmApp(catalog.load_experiment("ppt-h100-llama3-70b-1-01000"))
+            async with app.run_test(size=(160, 48)) as pilot:
+                await pilot.pause(0.2)
+                began = time.perf_counter()
+                await pilot.press("f3")
+                while not (isinstance(app.screen, SweepScreen) and app.screen.query_one("#sweep-table").row_count):
+                    await pilot.pause(0.001)
+                opened.append(time.perf_counter() - began)
+                table = app.screen.query_one("#sweep-table")
+                for _ in range(4):
+                    before = table.row_count
+                    began = time.perf_counter()
+                    await pilot.press("f")
+                    while table.row_count == before:
+                        await pilot.pause(0.001)
+                    toggled.append(time.perf_counter() - began)
+
+    asyncio.run(run())
+    return opened, toggled
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="startups to time (default 5)")
@@ -152,6 +185,8 @@ def main() -> None:
         cpu, _ = live_cpu(args.seconds)
     with console.status("Compose edit latency…"):
         edits = compose_latency(20)
+    with console.status("Sweep screen latency…"):
+        opened, toggled = sweep_latency(3)
     table = Table(title="charllm-tui workbench")
     for column in ("measure", "result", "target"):
         table.add_column(column)
@@ -161,6 +196,10 @@ def main() -> None:
     table.add_row("live view, 8 sim GPUs @ 20 Hz", f"{cpu:.1f} % of one core", "< 15 %")
     table.add_row("Compose edit -> memory bars (median of 20)",
                   f"{statistics.median(edits) * 1000:.0f} ms (p90 {sorted(edits)[17] * 1000:.0f} ms)", "—")
+    table.add_row("F3 -> Sweep table, Llama-3 70B x 64 H100 (median)", f"{statistics.median(opened) * 1000:.0f} ms",
+                  "< 300 ms")
+    table.add_row("f (fitting only) -> table redrawn (median)", f"{statistics.median(toggled) * 1000:.0f} ms",
+                  "< 300 ms")
     console.print(table)
 
 
