@@ -406,6 +406,10 @@ class _Shapes:
         self.ab = 4 if not (t.bf16 or t.fp16) else 2          # activation element bytes
         self.lin = 1 if t.fp8 else self.ab                     # linear inputs saved in FP8
         self.unfused = impl.unfused_attention
+        # megatron-core's unfused softmax without its fused kernel (FusedScaleMaskSoftmax's torch path)
+        # upcasts the scores: softmax keeps its fp32 output for backward, the bf16 cast feeds P x V
+        self.upcast_softmax = (impl.attention == "megatron-unfused" and "masked_softmax_fusion" not in impl.fusions
+                               and t.attention_softmax_in_fp32 and self.ab == 2)
         # SDPA hands GQA to the kernel only in half precision on a GPU (FlashAttention-2); in fp32
         # (or on CPU) engine/workload/attention.py expands K and V to every head first, and the
         # kernel keeps the expanded copies for backward.
@@ -461,9 +465,10 @@ class _Shapes:
         scores = a * s * s * b / tp                        # elements of one s x s tensor of the local heads
         attn_transient = 0.0
         if self.unfused:
-            # softmax output; with dropout also its 1-byte mask and its output
-            core = 0.0 if core_recompute else ab * scores + ((1 + ab) * scores if self.attn_dropout else 0)
-            attn_transient = 2 * ab * scores               # softmax grad in + out
+            # softmax output (and its fp32 original when upcast); with dropout also its 1-byte mask and output
+            probs = (ab + (4 if self.upcast_softmax else 0)) * scores
+            core = 0.0 if core_recompute else probs + ((1 + ab) * scores if self.attn_dropout else 0)
+            attn_transient = 2 * (4 if self.upcast_softmax else ab) * scores   # softmax grad in + out
         else:
             core = 0.0 if core_recompute else 4 * a * s * b / tp     # fp32 log-sum-exp
         if m.qk_layernorm:
@@ -551,7 +556,7 @@ def _act_key(exp: Experiment, impl: "runtime.Implementation") -> tuple:
     p, t = exp.parallel, exp.training
     return (p.tensor_model_parallel_size, p.context_parallel_size, exp.expert_tensor_parallel_size,
             p.expert_model_parallel_size, p.sequence_parallel, t.micro_batch_size, exp.seq_length, t.bf16,
-            t.fp16, t.fp8, _attention_impl(impl), t.recompute_granularity,
+            t.fp16, t.fp8, _attention_impl(impl), impl.fusions, t.attention_softmax_in_fp32, t.recompute_granularity,
             t.recompute_method, t.recompute_num_layers, tuple(t.recompute_modules or ()),
             t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity, t.cross_entropy_loss_fusion,
             t.cpu_offloading_num_layers, t.fine_grained_activation_offloading, tuple(t.offload_modules or ()))

@@ -32,6 +32,10 @@ EXTENSIONS = (
     "scaled_upper_triang_masked_softmax_cuda",   # megatron's fused causal softmax kernel
 )
 
+# What NVIDIA's PyTorch container (nvcr.io/nvidia/pytorch) ships of these.
+NVIDIA_CONTAINER = frozenset({"transformer_engine", "apex", "fused_weight_gradient_mlp_cuda",
+                              "scaled_upper_triang_masked_softmax_cuda"})
+
 # torch.nn.attention.SDPBackend names behind each backend choice on the local path.
 SDPA_KERNELS = {"auto": None, "flash": ("FLASH_ATTENTION",), "fused": ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")}
 
@@ -89,15 +93,15 @@ def detect() -> Stack:
 
 
 def assumed(hardware) -> Stack:
-    """The stack assumed for hardware no node was calibrated for: NVIDIA GPUs with Transformer
-    Engine (Megatron-LM's default implementation, and what NVIDIA's containers ship), other GPUs
-    without it, and no CUDA for the CPU."""
+    """The stack assumed for hardware no node was calibrated for: NVIDIA GPUs as NVIDIA's PyTorch
+    container has them (Megatron-LM's recommended environment: Transformer Engine, and Apex with its
+    fused kernels), other GPUs without either, and no CUDA for the CPU."""
     if hardware.vendor == "cpu":
         return Stack(cuda=False, source=f"assumed for {hardware.name}: no GPU")
     capability = parse_capability(hardware.compute_capability)
     if hardware.vendor == "nvidia":
-        return Stack(cuda=True, capability=capability, extensions=frozenset({"transformer_engine"}),
-                     source=f"assumed for {hardware.name}: CUDA with Transformer Engine")
+        return Stack(cuda=True, capability=capability, extensions=NVIDIA_CONTAINER,
+                     source=f"assumed for {hardware.name}: NVIDIA's PyTorch container (Transformer Engine, Apex)")
     return Stack(cuda=True, capability=capability, source=f"assumed for {hardware.name}: GPU without Transformer Engine")
 
 

@@ -375,3 +375,18 @@ def test_fine_grained_offloading_removes_exactly_the_modules_inputs(module):
     expected = {"attn_norm": 2 * sbh, "mlp_norm": 2 * sbh, "core_attn": 3 * 2 * sbh}[module]
     assert plain.saved - off.saved == pytest.approx(expected)
     assert off.transient - plain.transient == pytest.approx(expected)     # brought back ahead of backward
+
+
+def test_unfused_softmax_in_fp32_keeps_an_fp32_copy_without_the_fused_kernel():
+    """megatron-core's FusedScaleMaskSoftmax: with its CUDA kernel the scores stay bf16; without it
+    attention_softmax_in_fp32 upcasts them, and softmax keeps its fp32 output for backward."""
+    from charllm.engine.runtime import Implementation
+
+    exp = gpt(dropout=0.0)
+    exp.training.bf16, exp.training.attention_softmax_in_fp32 = True, True
+    fused = Implementation("local", "megatron-unfused", ("masked_softmax_fusion",), "cuda")
+    plain = Implementation("local", "megatron-unfused", (), "cuda")
+    scores = A * S * S * B                                       # one s x s score tensor of every head
+    assert _Shapes(exp, plain).layer(False).saved - _Shapes(exp, fused).layer(False).saved == 4 * scores
+    exp.training.attention_softmax_in_fp32 = False
+    assert _Shapes(exp, plain).layer(False).saved == _Shapes(exp, fused).layer(False).saved
