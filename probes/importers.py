@@ -21,8 +21,12 @@ artifact's files hold, and what they become here:
 | system_memory_used_R / system_memory_free_R | MemTotal (sic) / MemFree | bytes | host_mem_total_bytes / host_mem_used_bytes |
 
 The artifact writes -1 for a failed read; that becomes null. Rank r is node r // gpus_per_node,
-device gpu{r % gpus_per_node}. What the files cannot tell us is listed in the manifest
-(`limitations`) and in LIMITATIONS below.
+device gpu{r % gpus_per_node}. The artifact exports ZEUS_MONITOR_SYS=1 on every rank, so each rank
+of a node wrote the same host files: the node's lowest rank gives its host row. What the files
+cannot tell us is listed in the manifest (`limitations`) and in LIMITATIONS below.
+
+A results tree (the artifact's `results/<sweep>/<model>/<run>/`) is imported one run per folder
+that holds such files (`import_charllm_ppt_tree`), named after its path under the tree.
 """
 
 from __future__ import annotations
@@ -113,10 +117,13 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
             nodes.setdefault(node, []).append(_gpu_rank(files, node, device, rank, simulated))
             if on_progress:
                 on_progress(i + 1, len(gpu_files))
-        for rank, files in sorted(sys_files.items()):
-            host = _host(files, f"node{rank // gpus_per_node}", simulated)
+        first_rank: dict[str, int] = {}          # every rank wrote its node's host files: keep one
+        for rank in sorted(sys_files):
+            first_rank.setdefault(f"node{rank // gpus_per_node}", rank)
+        for node, rank in first_rank.items():
+            host = _host(sys_files[rank], node, simulated)
             if host is not None:
-                nodes.setdefault(f"node{rank // gpus_per_node}", []).append(host)
+                nodes.setdefault(node, []).append(host)
         first = last = None
         for node, frames in nodes.items():
             frame = conform(pl.concat(frames, how="diagonal_relaxed")).sort("ts_ns", "device")
@@ -142,12 +149,53 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
     return RunDir(final)
 
 
+def is_result_folder(folder: Path) -> bool:
+    """Whether `folder` itself holds a result ({metric}_{rank}.csv files of a known metric)."""
+    return any((m := _GPU_FILE.match(f.name)) and m["metric"] in GPU_METRICS for f in folder.iterdir()
+               if f.is_file())
+
+
+def result_folders(root: str | Path) -> list[Path]:
+    """Every folder under `root` (itself included) that holds a result, in path order."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise UserError(f"charllm-ppt directory {str(root)!r}: no such directory")
+    return sorted(d for d in [root, *root.rglob("*")] if d.is_dir() and is_result_folder(d))
+
+
+def import_charllm_ppt_tree(root: str | Path, *, prefix: str | None = None, gpus_per_node: int = 8,
+                            simulated: bool = False, on_folder=None) -> list[tuple[Path, RunDir | UserError]]:
+    """Import every result folder under `root` as its own run, named after its path under `root`
+    (`<sweep>-<model>-<run>` for the artifact's tree; `prefix`-… when given). A folder that fails is
+    returned with its error and does not stop the others. `on_folder(done, total, folder)` reports progress."""
+    root = Path(root).expanduser()
+    folders = result_folders(root)
+    if not folders:
+        raise UserError(f"charllm-ppt directory {str(root)!r}: no result folder under it (none holds "
+                        f"{{metric}}_{{rank}}.csv files of {', '.join(GPU_METRICS)})")
+    if gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
+    out: list[tuple[Path, RunDir | UserError]] = []
+    for i, folder in enumerate(folders):
+        relative = "-".join(folder.relative_to(root).parts) or root.name
+        name = f"{prefix}-{relative}" if prefix else relative
+        try:
+            out.append((folder, import_charllm_ppt(folder, name=name, gpus_per_node=gpus_per_node,
+                                                   simulated=simulated)))
+        except UserError as exc:
+            out.append((folder, exc))
+        if on_folder:
+            on_folder(i + 1, len(folders), folder)
+    return out
+
+
 def _read(path: Path) -> pl.DataFrame:
     """`unix_time_s,value` rows -> ts_ns, v (-1, the artifact's failed read, -> null)."""
     try:
         df = pl.read_csv(path, has_header=False, new_columns=["t", "v"],
                          schema_overrides={"t": pl.Float64, "v": pl.Float64})
-    except (pl.exceptions.ComputeError, pl.exceptions.NoDataError, pl.exceptions.ShapeError) as exc:
+    except (pl.exceptions.ComputeError, pl.exceptions.NoDataError, pl.exceptions.ShapeError,
+            pl.exceptions.SchemaError) as exc:
         if path.stat().st_size == 0:
             return pl.DataFrame(schema={"ts_ns": pl.Int64, "v": pl.Float64})
         first = str(exc).strip().splitlines()[0]

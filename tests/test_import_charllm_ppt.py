@@ -116,3 +116,41 @@ def test_cli_prints_the_run_id(tmp_path, capsys):
     assert "no iteration log" in capsys.readouterr().out
     assert main(["import", "charllm-ppt", str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.startswith("charllm-tui: error: charllm-ppt directory")
+
+
+def test_a_results_tree_imports_one_run_per_folder_and_a_bad_folder_costs_only_itself(tmp_path, capsys):
+    """The artifact's layout, results/<sweep>/<model>/<run>/: every run folder becomes a run named
+    after its path; a damaged folder is reported on stderr and the others still import."""
+    root = tmp_path / "results"
+    make_results(root / "power-sweep" / "gpt3-175b" / "run0")
+    make_results(root / "power-sweep" / "gpt3-175b" / "run1")
+    make_results(root / "base" / "llama3-70b" / "run0")
+    bad = make_results(root / "base" / "llama3-70b" / "run1")
+    (bad / "gpu_power_0.csv").write_text("garbage\n")
+    (root / "notes").mkdir()
+    (root / "notes" / "readme.txt").write_text("not a result")
+    code = main(["import", "charllm-ppt", str(root), "--gpus-per-node", "1"])
+    out, err = capsys.readouterr()
+    ids = out.split()
+    assert code == 1 and len(ids) == 3
+    assert sorted(i.split("-", 2)[2] for i in ids) == ["base-llama3-70b-run0", "power-sweep-gpt3-175b-run0",
+                                                       "power-sweep-gpt3-175b-run1"]
+    assert all(resolve_run(i).status == "completed" for i in ids)
+    assert "llama3-70b/run1" in err and "gpu_power_0.csv" in err and "1 of 4 folders not imported" in err
+    assert main(["import", "charllm-ppt", str(root / "notes")]) == 2
+    assert "no result folder under it" in capsys.readouterr().err
+
+
+def test_host_files_written_by_every_rank_give_one_host_stream_per_node(tmp_path):
+    """ZEUS_MONITOR_SYS=1 on every rank: each rank of a node wrote the same system_* files."""
+    src = make_results(tmp_path / "res", ranks=2)
+    for f in list(src.glob("system_*rank_0_*.csv")):
+        (src / f.name.replace("rank_0_", "rank_1_")).write_text(f.read_text())
+    for f in list(src.glob("system_memory_*_0.csv")):
+        (src / f.name.replace("_0.csv", "_1.csv")).write_text(f.read_text())
+    run = import_charllm_ppt(src, gpus_per_node=2)          # both ranks on node0
+    import polars as pl
+
+    frame = pl.concat([pl.read_ipc(p) for p in (run.path / "telemetry").rglob("*.arrow")])
+    host = frame.filter(pl.col("device") == "host")
+    assert host.height == host["ts_ns"].n_unique() > 0

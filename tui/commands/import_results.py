@@ -10,26 +10,53 @@ def register(subparsers) -> None:
                               description="Import results recorded by other tools into a new run directory, "
                                           "so they can be summarized and compared with new runs.")
     sub = p.add_subparsers(dest="import_format", metavar="FORMAT", required=True)
-    ppt = sub.add_parser("charllm-ppt", help="a CharLLM-PPT / Zeus result directory ({metric}_{rank}.csv)",
+    ppt = sub.add_parser("charllm-ppt", help="a CharLLM-PPT / Zeus result directory ({metric}_{rank}.csv), or a "
+                                             "tree of them",
                          description="Import a CharLLM-PPT / Zeus result directory: {metric}_{rank}.csv files "
-                                     "of unix_time_s,value rows, plus system_* host files. Units are mapped "
-                                     "(KiB and KB/s to bytes); what the files cannot tell (throttle reasons, "
-                                     "energy counter, power limit, memory use, all NVLink links) is listed in "
-                                     "the run's manifest. Prints the new run id.")
+                                     "of unix_time_s,value rows, plus system_* host files (one host stream per "
+                                     "node, however many ranks wrote it). Units are mapped (KiB and KB/s to "
+                                     "bytes); what the files cannot tell (throttle reasons, energy counter, power "
+                                     "limit, memory use, all NVLink links) is listed in the run's manifest. "
+                                     "Prints the new run id. Given a tree such as the artifact's "
+                                     "results/<sweep>/<model>/<run>/, imports every folder that holds such files "
+                                     "as its own run named <sweep>-<model>-<run>, prints one run id per line, and "
+                                     "reports a folder that fails on stderr without stopping the others (exit 1 "
+                                     "if any failed).")
     ppt.add_argument("dir", metavar="DIR")
-    ppt.add_argument("--name", help="run name (default: the directory's name)")
+    ppt.add_argument("--name", help="run name (default: the directory's name); for a tree, a prefix of every name")
     ppt.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="rank r is on node r // N (8)")
     ppt.set_defaults(func=_charllm_ppt)
 
 
 def _charllm_ppt(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
     from rich.progress import Progress
 
-    from charllm.probes.importers import import_charllm_ppt
+    from charllm.probes.importers import import_charllm_ppt, import_charllm_ppt_tree, is_result_folder
 
+    src = Path(args.dir).expanduser()
+    if not src.is_dir() or is_result_folder(src):
+        with Progress(transient=True) as progress:
+            task = progress.add_task("importing ranks", total=None)
+            run = import_charllm_ppt(src, name=args.name, gpus_per_node=args.gpus_per_node,
+                                     on_progress=lambda done, total: progress.update(task, completed=done, total=total))
+        print(run.id)
+        return 0
     with Progress(transient=True) as progress:
-        task = progress.add_task("importing ranks", total=None)
-        run = import_charllm_ppt(args.dir, name=args.name, gpus_per_node=args.gpus_per_node,
-                                 on_progress=lambda done, total: progress.update(task, completed=done, total=total))
-    print(run.id)
-    return 0
+        task = progress.add_task("importing run folders", total=None)
+        results = import_charllm_ppt_tree(
+            src, prefix=args.name, gpus_per_node=args.gpus_per_node,
+            on_folder=lambda done, total, folder: progress.update(task, completed=done, total=total,
+                                                                  description=f"imported {folder.name}"))
+    failed = 0
+    for folder, outcome in results:
+        if isinstance(outcome, Exception):
+            failed += 1
+            print(f"charllm-tui: error: {folder}: {outcome}", file=sys.stderr)
+        else:
+            print(outcome.id)
+    if failed:
+        print(f"charllm-tui: {failed} of {len(results)} folders not imported (above)", file=sys.stderr)
+    return 1 if failed else 0
