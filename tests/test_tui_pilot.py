@@ -249,6 +249,11 @@ async def test_runs_lists_headlines_and_compare_shows_both(charllm_dirs):
         await wait_for(pilot, lambda: table.get_cell(b.name, "peak W") != "…", what="headline numbers")
         assert float(table.get_cell(b.name, "peak W")) <= 460     # capped at 450 W (+ sensor noise)
         assert float(table.get_cell(a.name, "peak W")) > float(table.get_cell(b.name, "peak W"))
+        # one tokens/s per run: the Runs list shows the steady window, as summarize and compare do
+        from charllm.probes.summary import summarize
+
+        steady = summarize(b, "steady", by="run")["tokens_per_s"][0]
+        assert table.get_cell(b.name, "tokens/s") == f"{steady:,.0f}"
         table.focus()
         await pilot.press("space", "down", "space", "m")
         await wait_for(pilot, lambda: app.current_mode == "compare")

@@ -428,7 +428,8 @@ def throttle_text(rows: list[tuple[str, list[int]]], kind: str, max_rows: int = 
 
 
 def iterations_text(events: list[dict]) -> str:
-    """The latest iteration and the recent mean of iteration time and tokens/s."""
+    """The latest iteration and the recent mean of iteration time and tokens/s, named as such: the
+    last 10 steady steps (Runs, Compare and `summarize` give the whole steady window)."""
     done = {}
     for e in events:   # one line per step (rank 0 and the last rank both write one)
         done.setdefault(e.get("iteration"), e)
@@ -442,7 +443,8 @@ def iterations_text(events: list[dict]) -> str:
     mean_s = sum(secs) / len(secs) if secs else 0.0
     tps = sum(tokens) / sum(secs) if secs and sum(secs) else 0.0
     loss = next((e["loss"] for e in reversed(steps) if e.get("loss") is not None), None)
-    return (f"[b]iteration {last.get('iteration')}[/]\n{mean_s * 1000:.0f} ms/it · {tps:,.0f} tokens/s"
+    window = f"last {len(recent)} steps"
+    return (f"[b]iteration {last.get('iteration')}[/]\n{mean_s * 1000:.0f} ms/it · {tps:,.0f} tokens/s ({window})"
             + (f"\nloss {loss:.3f}" if loss is not None else ""))
 
 

@@ -33,6 +33,9 @@ HEADLINE = {
     "throttle_perf_frac": ("throttled", "{:.0%}"),
 }
 COLUMNS = ("run", "status", *(h for h, _ in HEADLINE.values()), "target", "experiment", "started")
+# The headline figures' window: the steady state (non-warm-up iterations), as `summarize` and
+# `compare` give them by default, so one run shows one tokens/s everywhere.
+WINDOW = "steady"
 
 
 @dataclass
@@ -94,6 +97,7 @@ class RunsScreen(WorkbenchScreen):
             table.move_cursor(row=table.get_row_index(cursor))
         self.query_one("#runs-detail", Static).update(
             "no runs yet: launch one from the Launch screen (F4)" if not self.runs else
+            "figures over each run's steady window (non-warm-up iterations), as summarize and compare give them\n"
             "Enter open · Space mark for compare · m compare · b save as baseline · c cancel · d delete")
         self.headlines(list(self.runs.items()))
 
@@ -111,7 +115,7 @@ class RunsScreen(WorkbenchScreen):
             return
         for run_id, path in runs:
             try:
-                row = summary.summarize(path, window="all", by="run").row(0, named=True)
+                row = summary.summarize(path, window=WINDOW, by="run").row(0, named=True)
                 self.post_message(Headline(run_id, row))
             except UserError as exc:
                 self.post_message(Headline(run_id, {}, str(exc)))
