@@ -36,6 +36,7 @@ COLUMNS = ("run", "status", *(h for h, _ in HEADLINE.values()), "target", "exper
 # The headline figures' window: the steady state (non-warm-up iterations), as `summarize` and
 # `compare` give them by default, so one run shows one tokens/s everywhere.
 WINDOW = "steady"
+WINDOW_TEXT = "figures over each run's steady window (non-warm-up iterations), as summarize and compare give them"
 
 
 @dataclass
@@ -97,8 +98,7 @@ class RunsScreen(WorkbenchScreen):
             table.move_cursor(row=table.get_row_index(cursor))
         self.query_one("#runs-detail", Static).update(
             "no runs yet: launch one from the Launch screen (F4)" if not self.runs else
-            "figures over each run's steady window (non-warm-up iterations), as summarize and compare give them\n"
-            "Enter open · Space mark for compare · m compare · b save as baseline · c cancel · d delete")
+            f"{WINDOW_TEXT}\nEnter open · Space mark for compare · m compare · b save as baseline · c cancel · d delete")
         self.headlines(list(self.runs.items()))
 
     def _mark(self, run_id: str) -> Text:
@@ -140,7 +140,7 @@ class RunsScreen(WorkbenchScreen):
             ran = RunDir(self.runs[run_id]).runtime()
             self.query_one("#runs-detail", Static).update(
                 f"[b]{run_id}[/b]" + (f"  [dim]{note}[/]" if note else "")
-                + (f"\nran as {runtime_line(ran)}" if ran else ""))
+                + (f"\nran as {runtime_line(ran)}" if ran else "") + f"\n[dim]{WINDOW_TEXT}[/]")
 
     def current_run(self) -> str | None:
         table = self.query_one(DataTable)
