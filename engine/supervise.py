@@ -105,7 +105,9 @@ class Proc:
 
 
 def stop(procs: list[Proc], grace: float) -> None:
-    """SIGTERM, then SIGKILL to every group after `grace` seconds (stragglers outlive leaders)."""
+    """SIGTERM, then SIGKILL to every group after `grace` seconds (stragglers outlive leaders).
+    A step never started (a cancel came in first) has nothing to stop."""
+    procs = [p for p in procs if p.popen is not None]
     live = [p for p in procs if p.poll() is None]
     with ThreadPoolExecutor(max_workers=8) as pool:  # remote signals are one ssh connection each
         list(pool.map(lambda p: p.signal(signal.SIGTERM), live))
@@ -203,7 +205,7 @@ class Supervisor:
 
         status, failure = self.wait(trains)
         stop(trains, CANCEL_GRACE_S)
-        stop([p for p in helpers if p.popen], CANCEL_GRACE_S / 2)
+        stop(helpers, CANCEL_GRACE_S / 2)
         for p in started:
             if p.reader:
                 p.reader.join(timeout=10)

@@ -123,3 +123,20 @@ def test_killed_rank_fails_the_run_naming_node_and_rank():
     assert f"node {node}, rank 1" in manifest["failure"] and "SIGKILL" in manifest["failure"]
     wait_for(lambda: run_processes(str(rd.path)) == [], 15, "the other rank and the sampler to stop")
     assert rd.experiment_path.is_file() and rd.iterations_path.is_file() and rd.telemetry_files()
+
+
+def test_stopping_steps_skips_one_a_cancel_kept_from_starting(tmp_path):
+    """A cancel between the samplers' start and torchrun's: the supervisor stops what started and
+    records "cancelled" (it once died on the step that never started and recorded "failed")."""
+    import sys
+
+    from charllm.engine.launch import Step
+    from charllm.engine.supervise import Proc, stop
+
+    rd = RunDir(tmp_path / "run")
+    rd.logs_dir.mkdir(parents=True)
+    started = Proc(rd, LOCAL, Step("n0", "sampler", [sys.executable, "-c", "import time; time.sleep(60)"]))
+    started.start()
+    never = Proc(rd, LOCAL, Step("n0", "train", ["true"]))
+    stop([started, never], grace=5)
+    assert started.poll() is not None and never.popen is None
