@@ -406,6 +406,10 @@ class _Shapes:
         self.ab = 4 if not (t.bf16 or t.fp16) else 2          # activation element bytes
         self.lin = 1 if t.fp8 else self.ab                     # linear inputs saved in FP8
         self.unfused = impl.unfused_attention
+        # megatron-core applies the router probabilities to the expert activation: inside the fused
+        # weighted SwiGLU kernel where bias_activation_fusion is on, else as a multiply that keeps the
+        # activation's output for its backward (moe/experts.py, bias_act_func, core_v0.16.1)
+        self.fused_probs = m.swiglu and "bias_activation_fusion" in impl.fusions
         # megatron-core's unfused softmax without its fused kernel (FusedScaleMaskSoftmax's torch path)
         # upcasts the scores: softmax keeps its fp32 output for backward, the bf16 cast feeds P x V
         self.upcast_softmax = (impl.attention == "megatron-unfused" and "masked_softmax_fusion" not in impl.fusions
@@ -499,8 +503,11 @@ class _Shapes:
                 routed *= MOE_DROPLESS_IMBALANCE
             effn = routed * m.moe_ffn / self.etp
             router = 4 * s * b * m.num_moe_experts * 2 / (tp if self.sp else 1)  # fp32 logits + probs
+            # fc1 input, fc1 output, fc2 input (+ the activation output the probability multiply keeps),
+            # and the fp32 routing probabilities; permute and unpermute keep only index maps
+            act_out = 0.0 if "moe_act" in self.modules else lin * effn + (0.0 if self.fused_probs else ab * effn)
             experts = kept("expert_fc1", lin * routed * m.hidden_size) + kept("moe_act", ab * effn * gate) \
-                + (0 if "moe_act" in self.modules else lin * effn) + ab * routed * m.hidden_size
+                + act_out + 4 * routed
             shared = 0.0
             if m.moe_shared_expert_intermediate_size:
                 sffn = s * b * m.moe_shared_expert_intermediate_size / tp

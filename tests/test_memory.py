@@ -390,3 +390,26 @@ def test_unfused_softmax_in_fp32_keeps_an_fp32_copy_without_the_fused_kernel():
     assert _Shapes(exp, plain).layer(False).saved - _Shapes(exp, fused).layer(False).saved == 4 * scores
     exp.training.attention_softmax_in_fp32 = False
     assert _Shapes(exp, plain).layer(False).saved == _Shapes(exp, fused).layer(False).saved
+
+
+def test_moe_routing_probabilities_cost_what_megatron_keeps_for_them():
+    """megatron-core multiplies the routing probabilities into the expert activation: inside the fused
+    weighted SwiGLU when bias_activation_fusion is on (nothing extra kept), else as a multiply that
+    keeps the activation's output (one bf16 tensor of routed tokens x moe_ffn). Unpermute keeps no
+    copy of the expert output; the fp32 probabilities are 4 bytes per routed token."""
+    from charllm.engine.runtime import Implementation
+
+    exp = gpt(dropout=0.0, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=1024, swiglu=True)
+    exp.training.bf16 = True
+    fused = Implementation("transformer_engine", "te-flash", ("bias_activation_fusion",), "cuda")
+    plain = Implementation("transformer_engine", "te-flash", (), "cuda")
+    routed = S * B * 2                                        # tokens x top-k, EP 1: no imbalance factor
+    kept_output = _Shapes(exp, plain).layer(True).saved - _Shapes(exp, fused).layer(True).saved
+    assert kept_output == 2 * routed * 1024
+    dense = _Shapes(exp, fused).layer(False).saved
+    moe = _Shapes(exp, fused).layer(True).saved
+    router = 4 * S * B * 4 * 2                                # fp32 logits and probabilities over 4 experts
+    # the MoE block instead of the dense MLP: fc1 input, fc1 output (gate and up), fc2 input, probabilities
+    dense_mlp = 2 * S * B * FFN * 2 + 2 * S * B * FFN
+    assert moe - dense == pytest.approx(router + 2 * routed * H + 2 * routed * 1024 * 2 + 2 * routed * 1024
+                                        + 4 * routed - dense_mlp)
