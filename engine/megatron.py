@@ -18,6 +18,7 @@ import ast
 import math
 import re
 import shlex
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -414,9 +415,23 @@ def import_megatron_args(
 
 
 def installed_version() -> str | None:
-    """The megatron-core release installed here (without importing it), or None."""
-    from importlib import metadata
+    """The megatron-core release `import megatron.core` would load here, or None, without importing
+    it (that imports torch). Its package_info.py first: a Megatron-LM checkout on PYTHONPATH, the
+    usual way to run pretrain_gpt.py, shadows the installed distribution; else the distribution's."""
+    from importlib import metadata, util
 
+    try:
+        spec = util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        try:
+            info = ast.parse((Path(spec.origin).parent / "package_info.py").read_text())
+            parts = {t.id: node.value.value for node in info.body if isinstance(node, ast.Assign)
+                     for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, ast.Constant)}
+            return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts.get('PRE_RELEASE', '')}"
+        except (OSError, SyntaxError, KeyError):
+            pass
     try:
         return metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
@@ -461,8 +476,11 @@ def export_environment(exp: Experiment) -> dict[str, str]:
     """The environment pretrain_gpt.py needs for `exp`, besides its flags."""
     p = exp.parallel
     env = {}
-    if (p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1) and not p.use_megatron_fsdp:
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"      # Megatron asserts it for TP/CP (validate_args)
+    if (p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1) \
+            and not (p.use_megatron_fsdp or p.use_torch_fsdp2):
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"      # Megatron asserts it for TP/CP, and refuses it with FSDP
+    if exp.training.fine_grained_activation_offloading:
+        env["NVTE_CPU_OFFLOAD_V1"] = "1"              # Megatron asks for it with TE >= 2.10 (validate_args)
     if exp.training.expandable_segments:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"   # what the memory plan assumes
     return env

@@ -47,7 +47,7 @@ CHOICES: dict[str, tuple[str, tuple]] = {
     "vendor": ("hardware", ("nvidia", "amd", "cpu")),
 }
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-# megatron-core TransformerConfig.offload_modules (core_v0.16.1 and core_v0.19.0)
+# megatron-core TransformerConfig.offload_modules in core_v0.16.1 (core_v0.19.0 adds fused_group_mlp)
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 TELEMETRY_BACKENDS = ("auto", "nvml", "amdsmi", "host", "sim")
 

@@ -443,3 +443,31 @@ def test_activation_offloading_flags_import():
     t = fine.experiment.training
     assert t.fine_grained_activation_offloading and t.offload_modules == ["core_attn", "attn_proj"]
     assert not fine.ignored
+
+
+def test_a_megatron_lm_checkout_on_the_path_is_the_release_that_counts(tmp_path):
+    """pretrain_gpt.py runs from a Megatron-LM checkout on PYTHONPATH, which shadows the installed
+    megatron-core: its package_info.py says the release (read, not imported: no torch)."""
+    import os
+    import subprocess
+    import sys
+
+    core = tmp_path / "Megatron-LM" / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 1\nPRE_RELEASE = ''\n")
+    code = ("import sys; from charllm.engine.megatron import installed_version; "
+            "print(installed_version(), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "Megatron-LM")})
+    assert done.stdout.split() == ["0.19.1", "False"], done.stderr
+
+
+@pytest.mark.parametrize("sets, env", [
+    (["tensor_model_parallel_size=2"], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+    (["tensor_model_parallel_size=2", "use_torch_fsdp2=true"], {}),        # FSDP refuses a single connection
+    (["fine_grained_activation_offloading=true", "offload_modules=['core_attn']"], {"NVTE_CPU_OFFLOAD_V1": "1"}),
+])
+def test_the_exported_environment_is_what_megatron_asks_for(sets, env):
+    exp = catalog.load_experiment("tiny-local").apply(["expandable_segments=false", *sets])
+    assert export_environment(exp) == env
