@@ -42,7 +42,10 @@ GROUPED_GEMM_WORKSPACE_BYTES = 128 * MIB
 # TE's TP communication overlap (userbuffers) keeps one 32 MiB workspace per stream, 3 streams.
 TP_OVERLAP_WORKSPACE_BYTES = 96 * MIB
 # Dropless MoE with expert parallelism: the running peak sees the most loaded rank's tokens, not
-# the mean. Measured: 15-40% more routed tokens than balanced; with EP = 1 every rank sees all.
+# the mean. Measured: 15-40% more routed tokens than balanced in one micro-batch; with EP = 1 every
+# rank sees all. The excess is a fluctuation of the routing, not a fixed skew (the load-balancing
+# loss keeps the mean even), so over n micro-batches held at once it averages out as 1/sqrt(n): the
+# held activations carry n x the mean plus sqrt(n) x one micro-batch's excess.
 MOE_DROPLESS_IMBALANCE = 1.3
 
 
@@ -393,8 +396,9 @@ def _attention_impl(impl: "runtime.Implementation") -> str:
 class _Shapes:
     """Per-layer activation sizes for one experiment (computed once, reused per stage)."""
 
-    def __init__(self, exp: Experiment, impl: "runtime.Implementation | None" = None):
+    def __init__(self, exp: Experiment, impl: "runtime.Implementation | None" = None, imbalance: bool = True):
         m, p, t = exp.model, exp.parallel, exp.training
+        self.imbalance = imbalance          # plan routed tokens for the busiest rank (see MOE_DROPLESS_IMBALANCE)
         impl = impl or implementation(exp)
         self.exp = exp
         self.tp = p.tensor_model_parallel_size
@@ -497,10 +501,11 @@ class _Shapes:
             cf = self.exp.training.moe_expert_capacity_factor
             # tokens reaching one rank's experts: its expert-TP group's sequence shards, top-k each
             routed = s * b * topk * self.etp / tp
+            busiest = MOE_DROPLESS_IMBALANCE if self.imbalance else 1.0
             if cf:
-                routed *= cf if self.exp.training.moe_pad_expert_input_to_capacity else min(cf, MOE_DROPLESS_IMBALANCE)
+                routed *= cf if self.exp.training.moe_pad_expert_input_to_capacity else min(cf, busiest)
             elif self.exp.parallel.expert_model_parallel_size > 1:
-                routed *= MOE_DROPLESS_IMBALANCE
+                routed *= busiest
             effn = routed * m.moe_ffn / self.etp
             router = 4 * s * b * m.num_moe_experts * 2 / (tp if self.sp else 1)  # fp32 logits + probs
             # fc1 input, fc1 output, fc2 input (+ the activation output the probability multiply keeps),
@@ -648,6 +653,8 @@ class ActTerms:
     full_recompute: bool
     group: int                      # layers per full-recompute group
     offloaded_layers: int = 0       # layer offloading: layers whose activations wait on the host
+    moe_excess: float = 0.0         # of saved[True]: the busiest rank's routed tokens above the mean
+    mtp_excess: float = 0.0         # ... of mtp
 
 
 def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
@@ -661,6 +668,7 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
         acts = {k: shapes.layer(k) for k in ((False, True) if m.is_moe else (False,))}
         mtp_act = (acts[pattern[-1]].saved + 3 * shapes.ab * shapes.sbh + shapes.final_norm()) \
             if m.mtp_num_layers else 0.0
+        excess = acts[True].saved - _Shapes(exp, impl, imbalance=False).layer(True).saved if m.is_moe else 0.0
         lb, lf = shapes.logits(m.padded_vocab_size(shapes.tp))
         loss_extra = lb + lf * (1 + (m.mtp_num_layers or 0) + (1 if t.cross_entropy_loss_fusion else 0))
         block = shapes.full_recompute and t.recompute_method == "block"
@@ -673,7 +681,8 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
                       else a.transient + (a.saved if offloaded else 0.0) for k, a in acts.items()},
             checkpoint_input=shapes.checkpoint_input(), embedding=shapes.embedding(),
             final_norm=shapes.final_norm(), mtp=mtp_act, loss_extra=loss_extra,
-            full_recompute=shapes.full_recompute, group=group, offloaded_layers=offloaded)
+            full_recompute=shapes.full_recompute, group=group, offloaded_layers=offloaded,
+            moe_excess=excess, mtp_excess=excess if m.mtp_num_layers and pattern[-1] else 0.0)
     return entry
 
 
@@ -684,6 +693,7 @@ def _stack(acts: list[ActTerms]) -> ActTerms:
     first = acts[0]
     assert all((a.full_recompute, a.group, a.offloaded_layers) == (first.full_recompute, first.group,
                                                                      first.offloaded_layers) for a in acts)
+    moe_excess, mtp_excess = (np.array([a.moe_excess for a in acts]), np.array([a.mtp_excess for a in acts]))
     return ActTerms(saved={k: np.array([a.saved[k] for a in acts]) for k in first.saved},
                     backward={k: np.array([a.backward[k] for a in acts]) for k in first.backward},
                     checkpoint_input=np.array([a.checkpoint_input for a in acts]),
@@ -691,7 +701,7 @@ def _stack(acts: list[ActTerms]) -> ActTerms:
                     final_norm=np.array([a.final_norm for a in acts]), mtp=np.array([a.mtp for a in acts]),
                     loss_extra=np.array([a.loss_extra for a in acts]),
                     full_recompute=first.full_recompute, group=first.group,
-                    offloaded_layers=first.offloaded_layers)
+                    offloaded_layers=first.offloaded_layers, moe_excess=moe_excess, mtp_excess=mtp_excess)
 
 
 @dataclass
@@ -732,7 +742,11 @@ def stage_arrays(pp: int, plan, weights, acts, num_microbatches) -> list[StageAr
         values = [zero + _chunk_activations(kind, a) for kind in distinct]
         chunk_acts = [values[i] for i in index]
         backward = functools.reduce(np.maximum if batch else max, [a.backward[k] for k in stage_kinds], zero)
-        held_loss, held_max, units = _in_flight(chunk_acts, loss_flags, r, pp, len(kinds_r), num_mb)
+        # held at once: the busiest rank's routing excess averages over the micro-batches held
+        units = _in_flight_units(r, pp, len(kinds_r), num_mb)
+        averaged = 1 - 1 / np.sqrt(units)
+        held = [values[i] - averaged * _chunk_excess(kind, a) for i, kind in enumerate(distinct)]
+        held_loss, held_max = _in_flight([held[i] for i in index], loss_flags, r, pp, len(kinds_r), num_mb, units)
         out.append(StageArrays(r, column(s, 0), column(s, 1), column(s, 3),
                                weights[0][s][2] if batch else weights[s][2], chunk_acts, held_loss, held_max,
                                backward, a.loss_extra if has_loss else zero, units))
@@ -785,6 +799,17 @@ def _chunk_params(m, kinds, params, mtp_params, embedding, output_weight):
         expert += ce
         per_chunk.append(cd + ce)
     return dense, expert, per_chunk
+
+
+def _chunk_excess(kind, a: ActTerms):
+    """Of `_chunk_activations`: the busiest rank's routed tokens above the mean (MOE_DROPLESS_IMBALANCE)."""
+    n_dense, n_moe, emb, loss, mtp, flags = kind
+    if a.full_recompute:       # only block recompute keeps whole layers: those past the first `group`
+        excess = sum(flags[a.group:]) * a.moe_excess if flags is not None else 0.0
+    else:
+        n = n_dense + n_moe
+        excess = n_moe * a.moe_excess * (1 - min(a.offloaded_layers, n) / n) if n_moe else 0.0
+    return excess + mtp * a.mtp_excess
 
 
 def _chunk_activations(kind, a: ActTerms):
@@ -1025,7 +1050,8 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
         notes.append("optimizer state is offloaded to the host: not counted on the GPU")
     if exp.model.is_moe and not t.moe_expert_capacity_factor and exp.parallel.expert_model_parallel_size > 1:
         notes.append(f"dropless MoE: expert activations planned for the busiest rank, {MOE_DROPLESS_IMBALANCE:g}x "
-                     "the mean routed tokens (measured 1.15-1.4x on small models)")
+                     "the mean routed tokens in one micro-batch (measured 1.15-1.4x on small models); over n "
+                     "micro-batches held at once the excess averages out as 1/sqrt(n)")
     if t.cuda_graph_impl != "none":
         notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the graphs' static buffers are not modelled "
                      "(measured up to +25% steady memory on a small MoE)")
@@ -1034,26 +1060,35 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
                         runtime_problems=[str(p) for p in runtime.problems(exp, stack)], stack_source=stack.source)
 
 
-def _in_flight(acts: list, loss: tuple[bool, ...], r: int, pp: int, vp: int, m):
-    """Held activations over the pipeline schedule on rank r, for arrays of settings: (at a loss
-    step, max, units), given each chunk's activations `acts[v]` and the micro-batch counts `m`.
+def _in_flight_units(r: int, pp: int, vp: int, m):
+    """Micro-batch chunks whose activations rank r holds at once, for arrays of micro-batch counts `m`.
 
     1F1B: min(PP - r, m) micro-batches. Interleaved: Megatron's warm-up of (PP - r - 1) * 2 +
-    (VP - 1) * PP forward chunk-steps plus the current one, chunk c of step k being
-    (k mod PP*VP) // PP; the held set is a sliding window of that many steps over the sequence.
+    (VP - 1) * PP forward chunk-steps plus the current one."""
+    import numpy as np
+
+    minimum = np.minimum if np.ndim(m) else min
+    if vp == 1:
+        return minimum(pp - r, m)
+    return minimum((pp - r - 1) * 2 + (vp - 1) * pp + 1, m * vp)
+
+
+def _in_flight(acts: list, loss: tuple[bool, ...], r: int, pp: int, vp: int, m, n):
+    """Held activations over the pipeline schedule on rank r, for arrays of settings: (at a loss
+    step, max), given each chunk's activations `acts[v]`, the micro-batch counts `m` and the units
+    held at once `n` (`_in_flight_units`). Interleaved, chunk c of step k is (k mod PP*VP) // PP,
+    and the held set is a sliding window of n steps over the sequence.
     """
     import numpy as np
 
     minimum = np.minimum if np.ndim(m) else min
     if vp == 1:
-        n = minimum(pp - r, m)
-        return n * acts[0], n * acts[0], n
+        return n * acts[0], n * acts[0]
     total = m * vp
-    n = minimum((pp - r - 1) * 2 + (vp - 1) * pp + 1, total)
     held = n * acts[0]
     held_loss = held if any(loss) else 0.0 * held
     if all(a is acts[0] for a in acts):                    # chunks alike: every window holds the same
-        return held_loss, held, n
+        return held_loss, held
     stacked = np.array(acts).reshape(vp, -1)               # chunks x settings
     uniform = (stacked == stacked[:1]).all(axis=0)
     period = pp * vp
@@ -1068,4 +1103,4 @@ def _in_flight(acts: list, loss: tuple[bool, ...], r: int, pp: int, vp: int, m):
     window_loss = np.where(at_loss.any(axis=0), np.where(at_loss, windows, -np.inf).max(axis=0), 0.0)
     held_loss = np.where(uniform, held_loss, window_loss)
     held = np.where(uniform, held, np.where(valid, windows, -np.inf).max(axis=0))
-    return (held_loss, held, n) if np.ndim(m) else (held_loss[0], held[0], n)
+    return (held_loss, held) if np.ndim(m) else (held_loss[0], held[0])

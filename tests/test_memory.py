@@ -413,3 +413,28 @@ def test_moe_routing_probabilities_cost_what_megatron_keeps_for_them():
     dense_mlp = 2 * S * B * FFN * 2 + 2 * S * B * FFN
     assert moe - dense == pytest.approx(router + 2 * routed * H + 2 * routed * 1024 * 2 + 2 * routed * 1024
                                         + 4 * routed - dense_mlp)
+
+
+def test_busiest_rank_routing_excess_averages_over_the_micro_batches_held():
+    """Dropless MoE with EP > 1: one micro-batch is planned with the busiest rank's routed tokens
+    (MOE_DROPLESS_IMBALANCE x the mean); n micro-batches held at once carry n x the mean plus
+    sqrt(n) x that excess, since the excess is a fluctuation of the routing that averages out."""
+    from charllm.engine.memory import stage_terms
+
+    def held(pp, ep):
+        exp = gpt(pp=pp, dp=2, dropout=0.0, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=1024,
+                  gbs=B * 2 * 8)
+        exp.parallel.expert_model_parallel_size = ep
+        return exp, stage_terms(exp)[0]
+
+    exp, first = held(pp=4, ep=2)                 # stage 0 of 4 holds 4 micro-batches of its one layer
+    assert first.in_flight == 4
+    busiest = _Shapes(exp).layer(True).saved
+    mean = _Shapes(exp, imbalance=False).layer(True).saved
+    assert busiest > mean and first.chunks[0].activation_bytes == pytest.approx(busiest + 8 * S * B, abs=1)
+    excess = busiest - mean
+    embedding = 8 * S * B                          # token ids on the first stage
+    assert first.held_max == pytest.approx(4 * (mean + embedding) + 2 * excess, rel=1e-9)
+    # EP 1: every rank sees every token, no excess to average
+    exp1, first1 = held(pp=4, ep=1)
+    assert first1.held_max == pytest.approx(4 * (_Shapes(exp1).layer(True).saved + embedding), rel=1e-9)
