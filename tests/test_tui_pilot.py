@@ -141,7 +141,7 @@ async def test_compose_export_writes_megatron_flags_and_copies_them(charllm_dirs
 @pilot_test
 async def test_sweep_runs_and_a_pick_loads_into_compose():
     pytest.importorskip("charllm.engine.sweep", reason="engine.sweep is not in this build")
-    from charllm.tui.screens.sweep import SweepDone
+    from charllm.tui.screens.sweep import TABLE_PAGE, SweepDone
 
     messages: list = []
     exp = catalog.load_experiment("tiny-local")
@@ -160,8 +160,9 @@ async def test_sweep_runs_and_a_pick_loads_into_compose():
         assert done.error is None and done.frame.height > 0
         screen = app.screen
         table = screen.query_one("#sweep-table")
-        assert table.row_count == int(done.frame["fits"].sum())
-        first = screen.table_rows[0]
+        fitting = int(done.frame["fits"].sum())
+        assert table.row_count == min(fitting, TABLE_PAGE) and screen.table_frame.height == fitting
+        first = screen.table_row(0)
         table.focus()
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.current_mode == "compose")
@@ -175,6 +176,45 @@ async def test_sweep_runs_and_a_pick_loads_into_compose():
         await wait_for(pilot, lambda: compose.last.serial == compose.edit_serial and compose.last.report is not None)
         report = compose.last.report
         assert (report["peak_bytes"], report["verdict"]) == (first["peak_bytes"], first["verdict"])
+
+
+@pilot_test
+async def test_sweep_table_adds_rows_a_page_at_a_time_as_the_cursor_nears_the_end():
+    """All layouts of Llama-3 8B on 8 H100s (220 rows): the table starts with one page and the rest
+    comes as the cursor moves down, in the frame's order; a row picked from a later page is that row."""
+    from charllm.tui.screens.sweep import TABLE_PAGE, SweepDone
+
+    messages: list = []
+    exp = catalog.load_experiment("tiny-local")
+    exp.model = catalog.load_model("llama3-8b")
+    exp.hardware = catalog.load_hardware("h100-sxm-80gb")
+    exp.cluster.gpus_per_node = 8
+    exp.training.global_batch_size = 64
+    exp.training.bf16 = True
+    app = CharllmApp(exp)
+    async with run_app(app, messages) as pilot:
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: any(isinstance(m, SweepDone) for m in messages), timeout=120, what="the sweep")
+        screen = app.screen
+        table = screen.query_one("#sweep-table")
+        await pilot.press("f")                               # all layouts, not only the fitting ones
+        await wait_for(pilot, lambda: screen.table_frame.height > 2 * TABLE_PAGE, what="all layouts listed")
+        assert table.row_count == TABLE_PAGE
+        assert "220 rows" in str(screen.query_one("#sweep-status").render())
+        table.focus()
+        table.move_cursor(row=TABLE_PAGE - 5)
+        await wait_for(pilot, lambda: table.row_count == 2 * TABLE_PAGE, what="the second page")
+        table.move_cursor(row=2 * TABLE_PAGE - 1)
+        await wait_for(pilot, lambda: table.row_count == screen.table_frame.height, what="the last page")
+        last = screen.table_frame.height - 1
+        table.move_cursor(row=last)
+        await pilot.pause(0.05)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.current_mode == "compose")
+        row = screen.table_frame.row(last, named=True)
+        p = app.experiment.parallel
+        assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, app.experiment.training.micro_batch_size) \
+            == (row["tensor_model_parallel_size"], row["pipeline_model_parallel_size"], row["micro_batch_size"])
 
 
 # -- Live, Runs, Compare on recorded (simulated) runs --------------------------------------------

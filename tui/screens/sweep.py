@@ -35,7 +35,10 @@ TABLE_COLUMNS = {
     "recompute": "recompute", "use_distributed_optimizer": "dist-opt", "sequence_parallel": "SP",
     "peak_bytes": "peak GiB", "headroom_bytes": "headroom GiB", "verdict": "verdict",
 }
-TABLE_LIMIT = 2000              # rows drawn; the status line says when there are more
+# Rows are added to the table a page at a time, the next page as the cursor or the scroll nears
+# the end: a DataTable formats and measures every cell it is given, which for thousands of rows
+# takes longer than the sweep itself.
+TABLE_PAGE = 100
 # what `s` cycles through: (column, descending)
 SORTS = (("headroom_bytes", True), ("peak_bytes", False), ("data_parallel_size", True),
          ("tensor_model_parallel_size", False), ("pipeline_model_parallel_size", False), ("rank", False))
@@ -72,7 +75,8 @@ class SweepScreen(WorkbenchScreen):
         self.sort_index = -1
         self.swept_serial = None
         self.basis = ""
-        self.table_frame = None
+        self.table_frame = None         # what the table lists (after the fitting-only filter), in order
+        self.loaded = 0                 # rows of it added to the table so far
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="sweep"):
@@ -94,6 +98,7 @@ class SweepScreen(WorkbenchScreen):
         table = self.query_one("#sweep-table", DataTable)
         for column, heading in TABLE_COLUMNS.items():
             table.add_column(heading, key=column)
+        self.watch(table, "scroll_y", self._scrolled, init=False)
 
     def on_screen_resume(self) -> None:
         if self.swept_serial != self._experiment_key():
@@ -146,13 +151,12 @@ class SweepScreen(WorkbenchScreen):
         frame = self.frame
         counts = frame["verdict"].value_counts() if frame.height else None
         count = {} if counts is None else dict(counts.iter_rows())
-        table = self.table_frame.height if getattr(self, "table_frame", None) is not None else frame.height
-        cut = f" · the first {TABLE_LIMIT} of {table} rows" if table > TABLE_LIMIT else ""
+        listed = self.table_frame.height if self.table_frame is not None else frame.height
         shown = "fitting layouts only (f shows all)" if self.fitting_only else "all layouts (f: fitting only)"
         self.query_one("#sweep-status", Static).update(
             f"{frame.height} valid layouts: [green]{count.get('fits', 0)} fit[/], "
-            f"[yellow]{count.get('tight', 0)} tight[/] · table: {shown}{cut} · Enter loads a layout into "
-            f"Compose · s sorts\n[dim]{escape(self.basis)}[/]")
+            f"[yellow]{count.get('tight', 0)} tight[/] · table: {listed} rows, {shown} · Enter loads a layout "
+            f"into Compose · s sorts\n[dim]{escape(self.basis)}[/]")
 
     @on(Select.Changed)
     def redraw(self) -> None:
@@ -188,12 +192,18 @@ class SweepScreen(WorkbenchScreen):
     def fill_table(self, frame) -> None:
         import polars as pl
 
-        table = self.query_one("#sweep-table", DataTable)
-        table.clear()
+        self.query_one("#sweep-table", DataTable).clear()
         if self.fitting_only:
             frame = frame.filter(pl.col("fits"))
-        self.table_frame = frame
-        for i, row in enumerate(frame.head(TABLE_LIMIT).iter_rows(named=True)):
+        self.table_frame, self.loaded = frame, 0
+        self.load_rows()
+        self.show_status()
+
+    def load_rows(self) -> None:
+        """Add the next page of `table_frame` to the table."""
+        table = self.query_one("#sweep-table", DataTable)
+        start = self.loaded
+        for i, row in enumerate(self.table_frame.slice(start, TABLE_PAGE).iter_rows(named=True), start):
             cells = []
             for column in TABLE_COLUMNS:
                 value = row.get(column)
@@ -207,13 +217,28 @@ class SweepScreen(WorkbenchScreen):
                     value = "-"
                 cells.append(value)
             table.add_row(*cells, key=str(i))
-        self.table_rows = frame.head(TABLE_LIMIT).to_dicts()
-        self.show_status()
+        self.loaded = table.row_count
+
+    def _near_the_end(self, row: int) -> None:
+        if self.table_frame is not None and self.loaded < self.table_frame.height and row >= self.loaded - 10:
+            self.load_rows()
+
+    def _scrolled(self, scroll_y: float) -> None:
+        table = self.query_one("#sweep-table", DataTable)
+        self._near_the_end(int(scroll_y) + table.size.height)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if event.data_table.id == "sweep-table":
+            self._near_the_end(event.cursor_row)
+
+    def table_row(self, index: int) -> dict:
+        """The sweep row shown at `index` in the table."""
+        return self.table_frame.row(index, named=True)
 
     # -- choosing ----------------------------------------------------------------------------------
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if event.data_table.id == "sweep-table":
-            self.pick(self.table_rows[int(event.row_key.value)])
+            self.pick(self.table_row(int(event.row_key.value)))
 
     def on_data_table_cell_selected(self, event: DataTable.CellSelected) -> None:
         import polars as pl
