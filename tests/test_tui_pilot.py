@@ -217,6 +217,31 @@ async def test_sweep_table_adds_rows_a_page_at_a_time_as_the_cursor_nears_the_en
             == (row["tensor_model_parallel_size"], row["pipeline_model_parallel_size"], row["micro_batch_size"])
 
 
+@pilot_test
+async def test_sweep_screen_opens_on_the_sweep_made_ahead_and_resweeps_after_an_edit():
+    """Once idle after start-up the app sweeps the composed experiment in the background: F3 then
+    shows that table without sweeping again; after an edit in Compose, F3 sweeps the new experiment."""
+    from charllm.tui.screens.sweep import SweepDone
+
+    messages: list = []
+    app = CharllmApp(catalog.load_experiment("ppt-h100-llama3-70b-1-01000"))
+    async with run_app(app, messages) as pilot:
+        await wait_for(pilot, lambda: app.swept_ahead is not None, timeout=60, what="the sweep ahead")
+        key, ahead = app.swept_ahead
+        assert key == app.experiment.to_toml() and ahead.error is None and ahead.frame.height > 0
+        await pilot.press("f3")
+        await pilot.pause(0.05)
+        screen = app.screen
+        assert screen.frame is ahead.frame and screen.query_one("#sweep-table").row_count > 0
+        assert not any(isinstance(m, SweepDone) for m in messages)          # no sweep on the key
+        app.experiment.training.global_batch_size *= 2                     # as a Compose edit does
+        await pilot.press("f2")
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: any(isinstance(m, SweepDone) for m in messages), timeout=60,
+                       what="the sweep of the edited experiment")
+        await wait_for(pilot, lambda: screen.frame is not ahead.frame, what="the new table")
+
+
 # -- Live, Runs, Compare on recorded (simulated) runs --------------------------------------------
 @pilot_test
 async def test_live_replays_a_recorded_run_labelled_simulated(charllm_dirs):

@@ -39,6 +39,9 @@ SCREENS: tuple[tuple[str, str, str, str], ...] = (
     ("doctor", "Doctor", "f8", "doctor:DoctorScreen"),
 )
 DEFAULT_EXPERIMENT = "tiny-local"
+# Once the first screen is up and idle, the composed experiment is swept in the background so that
+# the Sweep screen (F3) opens on a ready table.
+SWEEP_AHEAD_AFTER_S = 1.0
 
 
 def _screen_factory(target: str) -> Callable[[], Screen]:
@@ -111,6 +114,7 @@ class CharllmApp(App[None]):
         self.experiment_serial = 0      # bumped when the experiment is replaced from outside Compose
         self.run_path: Path | None = Path(run) if run else None
         self.compare_refs: list[str] = []
+        self.swept_ahead = None         # (experiment TOML, SweepDone) from the background sweep
         self._start_mode = start_mode or ("live" if run else self.DEFAULT_MODE)
 
     def on_mount(self) -> None:
@@ -123,6 +127,13 @@ class CharllmApp(App[None]):
             else:
                 self.theme = self.settings["theme"]
         self.switch_mode(self._start_mode)
+        self.set_timer(SWEEP_AHEAD_AFTER_S, self._sweep_ahead)
+
+    def _sweep_ahead(self) -> None:
+        from charllm.tui.screens.sweep import sweep_ahead
+
+        if self.current_mode != "sweep":
+            sweep_ahead(self)
 
     # -- shared state, changed by any screen ------------------------------------------------
     def use_experiment(self, experiment: Experiment, *, show: bool = True) -> None:

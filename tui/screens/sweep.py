@@ -1,7 +1,10 @@
 """Sweep: which layouts of the whole space fit, for the composed experiment.
 
 `engine.sweep.sweep` varies the layout of the experiment composed in Compose (its precision,
-attention, recompute and optimizer settings stay), in a thread worker; the result (a polars DataFrame, one row per valid
+attention, recompute and optimizer settings stay), in a thread worker, or ahead of time: the app
+sweeps the composed experiment once the workbench is idle after start-up (`sweep_ahead`), so that
+F3 finds the table ready (the first sweep of a process also pays for importing polars and numpy).
+The result (a polars DataFrame, one row per valid
 layout) feeds a TP × PP feasibility map (per micro batch and recompute choice, coloured by the best
 headroom in that cell) and a sortable table. Enter on a map cell or a table row loads that layout
 into Compose through `engine.sweep.layout_to_experiment`.
@@ -50,6 +53,31 @@ class SweepDone(Message):
     seconds: float
     error: str | None = None
     basis: str = ""             # the device budget every verdict assumes, and its sources
+
+
+def sweep_experiment(exp) -> SweepDone:
+    """Sweep `exp` (a copy the caller does not change) and say so as a message; errors included."""
+    began = time.perf_counter()
+    try:
+        frame = api("engine.sweep").sweep(exp)
+        basis = api("engine.memory").budget(exp).describe()
+        return SweepDone(frame, time.perf_counter() - began, basis=basis)
+    except (MissingAPI, UserError) as exc:
+        return SweepDone(None, time.perf_counter() - began, str(exc))
+    except Exception as exc:  # noqa: BLE001 - an engine bug is reported on screen, the app stays up
+        return SweepDone(None, time.perf_counter() - began, f"sweep failed: {exc!r}")
+
+
+def sweep_ahead(app) -> None:
+    """Sweep the app's composed experiment in a background thread; the Sweep screen takes the result
+    when it opens on the same experiment (`app.swept_ahead`: (experiment TOML, SweepDone))."""
+    exp = app.experiment.copy()
+    key = exp.to_toml()
+
+    def run() -> None:
+        app.swept_ahead = (key, sweep_experiment(exp))
+
+    app.run_worker(run, thread=True, group="sweep-ahead", exit_on_error=False)
 
 
 def headroom_text(value: float | None, verdict: str | None) -> Text:
@@ -101,7 +129,14 @@ class SweepScreen(WorkbenchScreen):
         self.watch(table, "scroll_y", self._scrolled, init=False)
 
     def on_screen_resume(self) -> None:
-        if self.swept_serial != self._experiment_key():
+        key = self._experiment_key()
+        if self.swept_serial == key:
+            return
+        ahead = getattr(self.app, "swept_ahead", None)
+        if ahead is not None and ahead[0] == key:
+            self.swept_serial = key
+            self.on_sweep_done(ahead[1])
+        else:
             self.action_run_sweep()
 
     def _experiment_key(self) -> str:
@@ -121,15 +156,7 @@ class SweepScreen(WorkbenchScreen):
 
     @work(thread=True, exclusive=True, group="sweep")
     def run_sweep(self, exp) -> None:
-        began = time.perf_counter()
-        try:
-            frame = api("engine.sweep").sweep(exp)
-            basis = api("engine.memory").budget(exp).describe()
-            self.post_message(SweepDone(frame, time.perf_counter() - began, basis=basis))
-        except (MissingAPI, UserError) as exc:
-            self.post_message(SweepDone(None, time.perf_counter() - began, str(exc)))
-        except Exception as exc:  # noqa: BLE001 - an engine bug is reported on screen, the app stays up
-            self.post_message(SweepDone(None, time.perf_counter() - began, f"sweep failed: {exc!r}"))
+        self.post_message(sweep_experiment(exp))
 
     def on_sweep_done(self, message: SweepDone) -> None:
         self.query_one("#sweep-progress").display = False
