@@ -193,7 +193,8 @@ class MemoryReport:
         return {"verdict": self.verdict, "fits": self.fits, "usable_bytes": b.usable_bytes,
                 "peak_bytes": self.peak_bytes, "peak_stage": self.peak_stage, "verdict_stage": self.worst.pp_rank,
                 "headroom_bytes": self.headroom_bytes, "stages": [s.to_dict() for s in self.stages],
-                "outside_allocator_bytes": b.outside_allocator_bytes, "allocator_bytes": b.allocator_bytes,
+                "outside_allocator_bytes": b.outside_allocator_bytes, "dispatcher_buffer_bytes": b.dispatcher_bytes,
+                "allocator_bytes": b.allocator_bytes,
                 "reserve_bytes": self.worst.reserve_bytes, "reserve_fraction": b.reserve_fraction,
                 "expandable_segments": b.expandable_segments,
                 "usable_source": b.usable_source, "outside_allocator_source": b.outside_source,
@@ -920,6 +921,36 @@ def combine(dense, expert, held_loss, held_max, backward, loss_extra, fsdp_layer
     return weights, grads, optimizer, activations, other
 
 
+# DeepEP's communication buffers, for the flex MoE dispatcher (its default backend in megatron-core
+# 0.16, `moe_flex_dispatcher_backend = "deepep"`, with `moe_deepep_num_sms = 20`): DeepEP allocates
+# them itself (cudaMalloc for the NVLink buffer, NVSHMEM for the RDMA one), outside the caching
+# allocator, over the EP x expert-TP group (token_dispatcher.py, fused_a2a.get_buffer). Their sizes
+# follow DeepEP v1.2.1's Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint (csrc/config.hpp)
+# under the configs Buffer.get_dispatch_config / get_combine_config recommend (deep_ep/buffer.py):
+# tokens received per channel and peer over NVLink, by group size (RDMA: 128), 8 NVLink peers per node.
+DEEPEP_NVL_RECV_TOKENS = {2: 256, 4: 256, 8: 256, 16: 288, 24: 288, 32: 288, 64: 288, 128: 560, 144: 720, 160: 720}
+DEEPEP_RDMA_RECV_TOKENS, DEEPEP_NUM_SMS, DEEPEP_NVL_PEERS = 128, 20, 8
+
+
+def dispatcher_buffer_bytes(exp: Experiment) -> int:
+    """Device memory the MoE token dispatcher holds outside the caching allocator (DeepEP's buffers)."""
+    m, t = exp.model, exp.training
+    ranks = exp.parallel.expert_model_parallel_size * exp.expert_tensor_parallel_size
+    if not (m.is_moe and t.moe_token_dispatcher_type == "flex") or ranks < 2:
+        return 0
+    recv = DEEPEP_NVL_RECV_TOKENS[min((k for k in DEEPEP_NVL_RECV_TOKENS if k >= ranks),
+                                      default=max(DEEPEP_NVL_RECV_TOKENS))]
+    channels = DEEPEP_NUM_SMS // 2
+    nvl_ranks, rdma_ranks = min(ranks, DEEPEP_NVL_PEERS), max(ranks // DEEPEP_NVL_PEERS, 1)
+    # per token: hidden states (bf16 at least), 8 B source metadata, 128 top-k indices (int64),
+    # weights and scales (fp32)
+    token = m.hidden_size * 2 + 8 + 128 * 8 + 128 * 4 + 128 * 4
+    nvl = channels * nvl_ranks * ((2 * rdma_ranks + 3) * 4 + recv * token)
+    rdma = channels * rdma_ranks * ((DEEPEP_NVL_PEERS * 2 + 2) * 2 * 4
+                                    + DEEPEP_RDMA_RECV_TOKENS * (token + 16) * 2) if ranks > DEEPEP_NVL_PEERS else 0
+    return -(-nvl // 128) * 128 + -(-rdma // 128) * 128
+
+
 # -- The caching allocator ------------------------------------------------------------------
 # `torch.cuda.max_memory_allocated`, what the stages add up to, counts bytes in live tensors. The
 # device must also hold what PyTorch's caching allocator has reserved and not handed out at that
@@ -948,11 +979,15 @@ class Budget:
     expandable_segments: bool
     reserve_fraction: float         # reserved beyond the allocated peak, per byte of churn
     reserve_source: str
+    dispatcher_bytes: int = 0       # the MoE dispatcher's own buffers (DeepEP), also outside the allocator
 
     @property
     def allocator_bytes(self) -> int:
         """What the allocator's pool (allocated + reserved) may reach."""
-        return self.usable_bytes - self.outside_allocator_bytes
+        return self.usable_bytes - self.outside_allocator_bytes - self.dispatcher_bytes
+
+    def dispatcher_text(self) -> str:
+        return f" - {_gib(self.dispatcher_bytes)} DeepEP buffers (flex dispatcher)" if self.dispatcher_bytes else ""
 
     def reserve(self, churn_bytes):
         """Bytes the allocator reserves beyond the allocated peak (numbers or numpy arrays)."""
@@ -962,7 +997,7 @@ class Budget:
         """The device side of every verdict, with where each figure comes from."""
         return (f"usable {_gib(self.usable_bytes)} per device ({self.usable_source}) - "
                 f"{_gib(self.outside_allocator_bytes)} outside the allocator (CUDA context, NCCL; "
-                f"{self.outside_source}) = {_gib(self.allocator_bytes)} for the allocator; it reserves "
+                f"{self.outside_source}){self.dispatcher_text()} = {_gib(self.allocator_bytes)} for the allocator; it reserves "
                 f"{self.reserve_fraction:.0%} of each iteration's churn beyond the allocated peak "
                 f"({self.segments_text()}; {self.reserve_source})")
 
@@ -974,8 +1009,8 @@ class Budget:
         total, reserve = stage.total_bytes, stage.reserve_bytes
         lines = [
             f"allocator: usable {_gib(self.usable_bytes)} ({self.usable_source}) - "
-            f"{_gib(self.outside_allocator_bytes)} outside it: CUDA context, NCCL ({self.outside_source}) "
-            f"= {_gib(self.allocator_bytes)}",
+            f"{_gib(self.outside_allocator_bytes)} outside it: CUDA context, NCCL ({self.outside_source})"
+            f"{self.dispatcher_text()} = {_gib(self.allocator_bytes)}",
             f"stage {stage.pp_rank}: allocated peak {_gib(total)} + reserved beyond it {_gib(reserve)} "
             f"({self.reserve_fraction:.0%} of {_gib(stage.churn_bytes)} allocated and freed each iteration, "
             f"{self.segments_text()}; {self.reserve_source}) = {_gib(total + reserve)}",
@@ -1018,7 +1053,8 @@ def budget(exp: Experiment) -> Budget:
             outside_source = f"hardware preset (the calibration on {cal.node} ran on one device, without NCCL peers)"
     if cal is not None and cal.reserve_fraction is not None and cal.expandable_segments == expandable:
         fraction, reserve_source = cal.reserve_fraction, f"measured: {cal.source}"
-    return Budget(usable, outside, usable_source, outside_source, expandable, fraction, reserve_source)
+    return Budget(usable, outside, usable_source, outside_source, expandable, fraction, reserve_source,
+                  dispatcher_buffer_bytes(exp))
 
 
 def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,

@@ -247,11 +247,13 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
     work, cache = base.copy(), {}
     table: list[tuple] = []                  # one row per (layout, recompute), before the optimizer choice
     allowed: list[list[bool]] = []           # its valid distributed-optimizer settings
-    shards: list[tuple[int, int, float]] = []  # its (DP x CP, expert DP) sharding degrees and workspace
+    shards: list[tuple[int, int, float, int]] = []  # its (DP x CP, expert DP) sharding degrees, workspace
+    #                                                 and dispatcher buffers (outside the allocator)
     batches: dict[tuple, tuple] = {}         # rows sharing a stage plan and recompute setting: evaluated together
     for rows, choices in layouts(base, micro_batch_sizes, recompute, distributed_optimizer):
         _apply(work, rows[0], settings)
         pr = memory.precision(work)          # its sharding degrees: the same for every micro batch and recompute
+        dispatcher = memory.dispatcher_buffer_bytes(work)
         per_batch = []
         for row in rows:
             work.training.micro_batch_size = row["micro_batch_size"]
@@ -267,7 +269,7 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
                     (len(table), weights, acts, num_mb))
                 table.append((*row.values(), name, num_mb))
                 allowed.append(dists)
-                shards.append((pr.dp_shard, pr.edp_shard, workspace))
+                shards.append((pr.dp_shard, pr.edp_shard, workspace, dispatcher))
     if not table:
         flags = ("use_distributed_optimizer", "sequence_parallel", "fits")
         return pl.DataFrame(schema={name: pl.String if name in ("recompute", "verdict") else pl.Float64 if name == "bubble"
@@ -286,8 +288,9 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
         (c[order] for c in columns)
     starts = np.flatnonzero(np.r_[True, stage_row[1:] != stage_row[:-1]])
     sizes = np.diff(np.r_[starts, len(stage_row)])
-    dp_shard, edp_shard, workspace = (np.asarray(c)[stage_row] for c in zip(*shards))
+    dp_shard, edp_shard, workspace, dispatcher = (np.asarray(c)[stage_row] for c in zip(*shards))
     room = memory.budget(base)
+    allocator = room.allocator_bytes + room.dispatcher_bytes - dispatcher      # each layout's own EP group
     layout_frame = pl.DataFrame(table, schema=[*rows[0], "recompute", "num_microbatches"], orient="row")
     frames = []
     for dist in distributed_optimizer:
@@ -300,12 +303,13 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
         static_parts = parts[0] + parts[1] + parts[2]
         # per stage, as estimate() has it: the allocator's reserve on its churn, the room left, the verdict
         reserve = np.trunc(room.reserve(total - static_parts - np.trunc(workspace)))
-        room_left = room.allocator_bytes - total - reserve
-        severity = np.where(total > room.allocator_bytes, 2, np.where(room_left < 0, 1, 0))
+        room_left = allocator - total - reserve
+        severity = np.where(total > allocator, 2, np.where(room_left < 0, 1, 0))
         peak = np.maximum.reduceat(total, starts)
         at_peak = total == np.repeat(peak, sizes)
         peak_stage = np.minimum.reduceat(np.where(at_peak, stage_rank, 1 << 30), starts)
-        static = np.maximum.reduceat(np.where(at_peak, static_parts, 0), starts)
+        # the static bytes of that stage (stages may tie on the peak with different static bytes)
+        static = np.maximum.reduceat(np.where(stage_rank == np.repeat(peak_stage, sizes), static_parts, 0), starts)
         headroom = np.minimum.reduceat(room_left, starts)
         worst = np.maximum.reduceat(severity, starts)
         frames.append(layout_frame.with_columns(

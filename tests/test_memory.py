@@ -438,3 +438,25 @@ def test_busiest_rank_routing_excess_averages_over_the_micro_batches_held():
     # EP 1: every rank sees every token, no excess to average
     exp1, first1 = held(pp=4, ep=1)
     assert first1.held_max == pytest.approx(4 * (_Shapes(exp1).layer(True).saved + embedding), rel=1e-9)
+
+
+def test_deepep_buffers_of_the_flex_dispatcher_sit_outside_the_allocator():
+    """DeepEP v1.2.1 sizes (csrc/config.hpp, deep_ep/buffer.py) for hidden 7168 over 16 EP ranks:
+    10 channels (20 SMs), 8 NVLink peers, 2 RDMA ranks, 288 tokens per channel and peer over
+    NVLink, 128 over RDMA; a token is 2 x 7168 hidden bytes + 8 metadata + 128 x (8 + 4 + 4)."""
+    from charllm.engine.memory import budget, dispatcher_buffer_bytes
+
+    exp = gpt(dp=16, hidden_size=7168, num_attention_heads=56, num_moe_experts=64, moe_router_topk=8,
+              moe_ffn_hidden_size=2048)
+    exp.parallel.expert_model_parallel_size = 16
+    token = 2 * 7168 + 8 + 128 * 16
+    nvl = 10 * 8 * ((2 * 2 + 3) * 4 + 288 * token)
+    rdma = 10 * 2 * ((8 * 2 + 2) * 2 * 4 + 128 * (token + 16) * 2)
+    assert exp.training.moe_token_dispatcher_type != "flex" and dispatcher_buffer_bytes(exp) == 0
+    exp.training.moe_token_dispatcher_type = "flex"
+    assert dispatcher_buffer_bytes(exp) == -(-nvl // 128) * 128 + -(-rdma // 128) * 128
+    room = budget(exp)
+    assert room.allocator_bytes == room.usable_bytes - room.outside_allocator_bytes - dispatcher_buffer_bytes(exp)
+    assert "DeepEP buffers" in estimate(exp).explain()[0]
+    exp.parallel.expert_model_parallel_size = 8            # one node: NVLink only, 256 tokens
+    assert dispatcher_buffer_bytes(exp) == -(-(10 * 8 * (5 * 4 + 256 * token)) // 128) * 128
