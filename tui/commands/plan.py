@@ -16,7 +16,8 @@ what the numbers mean:
              reuse): a share of what each iteration allocates and frees (activations, logits,
              backward buffers), 3% with expandable segments (the workload's default), 15% without;
              `charllm-tui doctor --train` measures it on a node
-  headroom   usable memory - memory outside the allocator (CUDA context, NCCL) - total - reserve.
+  headroom   usable memory - memory outside the allocator (CUDA context, NCCL; with the flex MoE
+             dispatcher also DeepEP's buffers) - total - reserve.
              Usable and outside-allocator memory come from the hardware preset, or from a node
              calibrated with `charllm-tui doctor --train` (said as "calibrated on NODE, DATE")
   verdict    fits: total + reserve fit; tight: the total fits but not the reserve (it may run out
