@@ -138,19 +138,24 @@ async def test_compose_export_writes_megatron_flags_and_copies_them(charllm_dirs
 
 
 # -- Sweep -----------------------------------------------------------------------------------------
+def llama3_8b_on_8_h100():
+    exp = catalog.load_experiment("tiny-local")
+    exp.model = catalog.load_model("llama3-8b")
+    exp.hardware = catalog.load_hardware("h100-sxm-80gb")
+    exp.cluster.gpus_per_node = 8
+    exp.training.global_batch_size = 64
+    exp.training.bf16 = True
+    return exp
+
+
 @pilot_test
 async def test_sweep_runs_and_a_pick_loads_into_compose():
     pytest.importorskip("charllm.engine.sweep", reason="engine.sweep is not in this build")
     from charllm.tui.screens.sweep import TABLE_PAGE, SweepDone
 
     messages: list = []
-    exp = catalog.load_experiment("tiny-local")
-    exp.model = catalog.load_model("llama3-8b")
-    exp.hardware = catalog.load_hardware("h100-sxm-80gb")
-    exp.cluster.gpus_per_node = 8
-    exp.training.global_batch_size = 64
+    exp = llama3_8b_on_8_h100()
     exp.training.attention_backend = "unfused"             # composed: the sweep must keep it
-    exp.training.bf16 = True
     app = CharllmApp(exp)
     async with run_app(app, messages) as pilot:
         await pilot.press("f3")
@@ -185,13 +190,7 @@ async def test_sweep_table_adds_rows_a_page_at_a_time_as_the_cursor_nears_the_en
     from charllm.tui.screens.sweep import TABLE_PAGE, SweepDone
 
     messages: list = []
-    exp = catalog.load_experiment("tiny-local")
-    exp.model = catalog.load_model("llama3-8b")
-    exp.hardware = catalog.load_hardware("h100-sxm-80gb")
-    exp.cluster.gpus_per_node = 8
-    exp.training.global_batch_size = 64
-    exp.training.bf16 = True
-    app = CharllmApp(exp)
+    app = CharllmApp(llama3_8b_on_8_h100())
     async with run_app(app, messages) as pilot:
         await pilot.press("f3")
         await wait_for(pilot, lambda: any(isinstance(m, SweepDone) for m in messages), timeout=120, what="the sweep")
