@@ -7,6 +7,7 @@ same name as a shipped one takes precedence.
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -35,6 +36,22 @@ def entries(kind: str) -> dict[str, Path]:
     """name -> file for one kind, user files over shipped ones, sorted by name."""
     merged = {**_shipped(kind), **_user(kind)}
     return dict(sorted(merged.items()))
+
+
+PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def new_user_preset(kind: str, name: str) -> Path:
+    """Where a preset of the user's named `name` goes: a plain file name that no shipped preset
+    has (the user's file would hide the shipped one everywhere)."""
+    singular = {"models": "model", "hardware": "hardware", "experiments": "experiment"}[kind]
+    if not PRESET_NAME.match(name or ""):
+        raise UserError(f"{singular} preset name {name!r}: use letters, digits, '.', '_' and '-' "
+                        "(at most 128, not starting with '.' or '-')")
+    if name in _shipped(kind):
+        raise UserError(f"{singular} preset name {name!r}: a shipped preset has that name, and yours would "
+                        "hide it; choose another name")
+    return paths.config_dir() / kind / f"{name}.toml"
 
 
 def is_user(kind: str, name: str) -> bool:

@@ -125,6 +125,37 @@ async def test_compose_save_preset_round_trips(charllm_dirs):
 
 
 @pilot_test
+async def test_compose_edit_renames_the_experiment_and_save_refuses_a_shipped_or_unsafe_name(charllm_dirs):
+    """An edited preset is no longer that preset: its title, exported flags file and suggested name say
+    so; saving under a shipped preset's name (which would hide it) or a path is refused, nothing written."""
+    app = CharllmApp()
+    copied: list[str] = []
+    app.copy_to_clipboard = copied.append
+    notes: list[str] = []
+    app.notify = lambda message, **kw: notes.append(str(message))
+    async with run_app(app) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last is not None)
+        screen.query_one("#f-training-seq_length").value = "64"
+        await wait_for(pilot, lambda: app.experiment.seq_length == 64)
+        assert app.experiment.name == "tiny-local-edited"
+        await wait_for(pilot, lambda: "tiny-local-edited" in str(screen.query_one("#summary").render()),
+                       what="the title")
+        await pilot.press("ctrl+g")
+        await wait_for(pilot, lambda: (charllm_dirs["data"] / "exports" / "tiny-local-edited.megatron-args").is_file())
+        for name in ("tiny-local", "../outside"):
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: app.screen is not screen, what="the name dialog")
+            assert app.screen.query_one("#name").value == "tiny-local-edited"
+            app.screen.query_one("#name").value = name
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.screen is screen)
+            await wait_for(pilot, lambda: any(repr(name) in n for n in notes), what="the refusal")
+    assert "a shipped preset has that name" in next(n for n in notes if "'tiny-local'" in n)
+    assert not (charllm_dirs["config"] / "experiments").exists() and not (charllm_dirs["config"] / "outside.toml").exists()
+
+
+@pilot_test
 async def test_compose_export_writes_megatron_flags_and_copies_them(charllm_dirs):
     app = CharllmApp()
     copied: list[str] = []

@@ -25,6 +25,12 @@ def api(module: str) -> ModuleType:
         raise
 
 
+def edited_name(name: str) -> str:
+    """The name of an experiment changed in the workbench from one named `name`: no longer that preset
+    (its title, its exported flags file and the name suggested when saving say so)."""
+    return name if name.endswith("-edited") else f"{name}-edited"
+
+
 class ScreenTabs(Tabs):
     """The screen switcher (mouse); F2..F8 do the same from the keyboard."""
 

@@ -24,7 +24,7 @@ from charllm.engine import catalog
 from charllm.engine.experiment import Experiment, resolve_key
 from charllm.probes import paths
 from charllm.probes.errors import UserError
-from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api, edited_name
 from charllm.tui.widgets.memory_bars import MemoryBars, gib
 
 DEBOUNCE_S = 0.05
@@ -261,7 +261,10 @@ class ComposeScreen(WorkbenchScreen):
             self._field_error(wid, str(exc))
             return
         self._field_error(wid, "")
+        if exp == self.app.experiment:
+            return                      # a control set to what the experiment already has
         self.last_edited = wid
+        exp.name = edited_name(exp.name)
         self.app.experiment = exp
         self.refresh_plan()
 
@@ -382,8 +385,8 @@ class ComposeScreen(WorkbenchScreen):
                 return
             exp = self.app.experiment.copy()
             exp.name = name
-            path = paths.user_experiments_dir() / f"{name}.toml"
             try:
+                path = catalog.new_user_preset("experiments", name)
                 exp.save(path)
             except (UserError, OSError) as exc:
                 self.notify(f"save {name!r}: {exc}", severity="error")

@@ -26,7 +26,7 @@ from textual.widgets import DataTable, Label, ProgressBar, Select, Static
 
 from charllm.probes.errors import UserError
 from charllm.tui.commands.plan import VERDICT_STYLE
-from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api, edited_name
 
 GIB = 1024**3
 ANY = "any"
@@ -286,6 +286,7 @@ class SweepScreen(WorkbenchScreen):
         except (MissingAPI, UserError) as exc:
             self.notify(str(exc), severity="error")
             return
+        exp.name = edited_name(exp.name)
         self.app.use_experiment(exp)
         self.notify(f"loaded TP{row['tensor_model_parallel_size']} PP{row['pipeline_model_parallel_size']} "
                     f"mbs {row['micro_batch_size']} into Compose")
