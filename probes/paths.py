@@ -50,10 +50,6 @@ def runs_dir() -> Path:
     return _dir("CHARLLM_RUNS_DIR", lambda: data_dir() / "runs")
 
 
-def user_experiments_dir() -> Path:
-    return config_dir() / "experiments"
-
-
 def baselines_dir() -> Path:
     return data_dir() / "baselines"
 
