@@ -110,3 +110,29 @@ def test_megatron_refuses_what_export_avoids(release, small):
     assert not refused
     for (argv, _), got in zip(FIXED, results[len(RULES):]):
         assert "error" not in got, (argv, got)
+
+
+def test_megatron_lms_own_gpt_test_configs_import():
+    """Every model_config.yaml of Megatron-LM's GPT functional tests (core_v0.16.1) imports, or is refused
+    with one UserError line (a shell variable where a number belongs, a config without --num-layers)."""
+    import subprocess
+
+    from charllm.engine.megatron import import_megatron_args
+    from charllm.probes.errors import UserError
+    from tests.infra_megatron_lm import MIRROR
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(MIRROR), *args], capture_output=True, text=True, check=True).stdout
+
+    paths = [p for p in git("ls-tree", "-r", "--name-only", "core_v0.16.1", "tests/functional_tests/test_cases/gpt")
+             .split() if p.endswith("model_config.yaml")]
+    imported, refused = 0, []
+    for path in paths:
+        try:
+            import_megatron_args(git("show", f"core_v0.16.1:{path}"), world_size=8, hardware="h100-sxm-80gb",
+                                 version="0.16.1")
+            imported += 1
+        except UserError as exc:
+            refused.append(str(exc))
+    assert len(paths) > 100 and imported >= len(paths) - 5, refused
+    assert all("\n" not in r for r in refused)
