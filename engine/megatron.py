@@ -1,14 +1,16 @@
 """Megatron-LM command lines in and out.
 
 `import_megatron_args` reads `pretrain_gpt.py` flags as people keep them in launch scripts
-(`\\`-continued lines, comments, `--flag=value`, a `torchrun ... pretrain_gpt.py` prefix) and builds an
-Experiment from the flags that shape memory and speed; every other flag is listed in `ignored`, never an
-error. Flags that are absent take Megatron-LM's own defaults (`megatron/training/arguments.py`), which
+(`\\`-continued lines, comments, `--flag=value`, `NAME=value` and `export` lines, a `torchrun ...
+pretrain_gpt.py` prefix that gives the world size) or in a Megatron-LM functional test's
+`model_config.yaml`, and builds an Experiment from the flags that shape memory and speed; flags known to
+change nothing it plans are listed in `no_effect` with why, every other flag in `ignored`, never an error. Flags that are absent take Megatron-LM's own defaults (`megatron/training/arguments.py`), which
 are not always ours: dropout 0.1, biases on, 4h FFN (SwiGLU: `int(8h/3/64)*64`), `--kv-lora-rank` 32,
 fp32 unless `--bf16`/`--fp16`, and sequence parallelism switched off at TP 1.
 
-`export_megatron_args` writes the flags back (a token list for `subprocess`; `format_megatron_args`
-lays them out one per line). Importing an export gives the same experiment except where Megatron
+`export_megatron_args` writes the flags back for the user's megatron-core (a token list for
+`subprocess`; `format_megatron_args` lays them out one per line; `export_script` wraps them with the
+environment and torchrun into a launch script), with what pretrain_gpt.py needs to start. Importing an export gives the same experiment except where Megatron
 itself resolves a value (see `ROUND_TRIP_NORMALIZED`).
 """
 
