@@ -29,7 +29,14 @@ python3 -m pytest "$@" || status=$?
 # allows, in their own virtualenv (CHARLLM_PY312_VENV). There is no CPU torch wheel for 3.12 here, so
 # pip fetches the CUDA build (about 4.7 GB installed; measured 65 s). Skipped, with the reason, where
 # no Python 3.12 is found, or with CHARLLM_SKIP_PY312=1.
-py312=$(command -v python3.12 || ls -d "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || true)
+py312=
+for candidate in python3.12 "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12; do
+    # (a pyenv shim exists whether or not it can run 3.12 here: ask the interpreter itself)
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+        py312=$candidate
+        break
+    fi
+done
 if (($# == 0)) && [ -z "${CHARLLM_SKIP_PY312:-}" ]; then
     if [ -z "$py312" ]; then
         echo "tests/run.sh: no python3.12 found: skipping the workload and launch tests on Python 3.12"
