@@ -208,6 +208,8 @@ class Training:
     moe_pad_expert_input_to_capacity: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_grouped_gemm: bool = False
+    moe_router_dtype: str | None = None          # None | fp32 | fp64: routing and the weighted expert sum
+    moe_flex_dispatcher_backend: str = "deepep"  # deepep | hybridep (with moe_token_dispatcher_type "flex")
     lr: float = 1.0e-4
     seed: int = 1234
     data_path: str | None = None        # Megatron indexed dataset prefix; None: synthetic tokens

@@ -1,14 +1,16 @@
 """Megatron-LM command lines in and out.
 
 `import_megatron_args` reads `pretrain_gpt.py` flags as people keep them in launch scripts
-(`\\`-continued lines, comments, `--flag=value`, a `torchrun ... pretrain_gpt.py` prefix) and builds an
-Experiment from the flags that shape memory and speed; every other flag is listed in `ignored`, never an
-error. Flags that are absent take Megatron-LM's own defaults (`megatron/training/arguments.py`), which
+(`\\`-continued lines, comments, `--flag=value`, `NAME=value` and `export` lines, a `torchrun ...
+pretrain_gpt.py` prefix that gives the world size) or in a Megatron-LM functional test's
+`model_config.yaml`, and builds an Experiment from the flags that shape memory and speed; flags known to
+change nothing it plans are listed in `no_effect` with why, every other flag in `ignored`, never an error. Flags that are absent take Megatron-LM's own defaults (`megatron/training/arguments.py`), which
 are not always ours: dropout 0.1, biases on, 4h FFN (SwiGLU: `int(8h/3/64)*64`), `--kv-lora-rank` 32,
 fp32 unless `--bf16`/`--fp16`, and sequence parallelism switched off at TP 1.
 
-`export_megatron_args` writes the flags back (a token list for `subprocess`; `format_megatron_args`
-lays them out one per line). Importing an export gives the same experiment except where Megatron
+`export_megatron_args` writes the flags back for the user's megatron-core (a token list for
+`subprocess`; `format_megatron_args` lays them out one per line; `export_script` wraps them with the
+environment and torchrun into a launch script), with what pretrain_gpt.py needs to start. Importing an export gives the same experiment except where Megatron
 itself resolves a value (see `ROUND_TRIP_NORMALIZED`).
 """
 
@@ -26,12 +28,20 @@ from charllm.engine.experiment import Experiment, Hardware, ModelSpec, Parallel,
 from charllm.probes.errors import UserError
 
 # Megatron-LM defaults that changed between the releases charllm supports (core_v0.16.1 to
-# core_v0.19.0): flag -> (first release with the default, default), newest first. Import gives a
-# flag the command line leaves out the default of the user's release; export always writes these
-# flags where they apply, so the line means the same on every release.
+# core_v0.19.0): key -> (first release with the default, default), newest first. Import gives what the
+# command line leaves out the default of the user's release; export writes what the user's release
+# needs for the same experiment. Found by comparing parse_args() defaults of core_v0.16.1, 0.17.1, 0.18.0
+# and 0.19.0, and the TransformerConfig, DistributedDataParallelConfig and OptimizerConfig field
+# defaults: of the changes, only these two reach the memory plan or a flag charllm writes
+# (tests/test_megatron_lm.py checks the table against each release's own code where a mirror is at hand).
 VERSIONED_DEFAULTS: dict[str, tuple[tuple[str, Any], ...]] = {
     # megatron/training/arguments.py: 'no_shard' up to core_v0.17.1, 'optim_grads_params' from core_v0.18.0
     "--data-parallel-sharding-strategy": (("0.18.0", "optim_grads_params"), ("0.0", "no_shard")),
+    # Tokens NullTokenizer has beyond --vocab-size: its end-of-document token up to core_v0.17.1
+    # (megatron/core/tokenizers/text/libraries/null_tokenizer.py and, in 0.16.1, the legacy
+    # megatron/training/tokenizer/tokenizer.py: vocab_size = _vocab_size_without_eod + 1); none from
+    # core_v0.18.0 (vocab_size = _vocab_size). Megatron pads the tokenizer's vocabulary, not --vocab-size.
+    "--tokenizer-type NullTokenizer": (("0.18.0", 0), ("0.0", 1)),
 }
 SUPPORTED_VERSIONS = ("0.16.1", "0.19.0")      # what charllm's import, export and workload are checked against
 
@@ -60,6 +70,7 @@ class MegatronImport:
     experiment: Experiment
     ignored: list[str] = field(default_factory=list)    # flags we do not model, as written
     warnings: list[str] = field(default_factory=list)   # assumptions made and values Megatron overrides
+    no_effect: list[str] = field(default_factory=list)  # flags read that change nothing charllm plans, and why
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,6 +276,9 @@ TRAINING_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
     "--moe-pad-expert-input-to-capacity": ("moe_pad_expert_input_to_capacity", Switch(True)),
     "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", Value(_float)),
     "--moe-grouped-gemm": ("moe_grouped_gemm", Switch(True)),
+    "--moe-router-dtype": ("moe_router_dtype", Value(str)),
+    "--moe-flex-dispatcher-backend": ("moe_flex_dispatcher_backend", Value(str)),
+    "--moe-enable-deepep": ("moe_flex_dispatcher_backend", Switch("deepep")),   # deprecated alias (0.16.1+)
     "--lr": ("lr", Value(_float)),
     "--seed": ("seed", Value(_int)),
     "--data-path": ("data_path", Many(str, join=True)),
@@ -275,7 +289,17 @@ TRAINING_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
 SPECIAL_FLAGS = {
     "--group-query-attention", "--num-query-groups",
     "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
-    "--world-size",
+    "--world-size", "--train-samples", "--tokenizer-type",
+}
+
+# Flags Megatron reads that change nothing charllm plans (memory, layout, steps), and why: an import
+# says so instead of listing them as ignored.
+NO_MEMORY_EFFECT = {
+    "--ckpt-format": "the checkpoint files' format",
+    "--apply-layernorm-1p": "LayerNorm keeps its weight as w - 1 (zero-centred gamma): the same tensors",
+    "--no-gradient-accumulation-fusion": "a kernel choice: the same fp32 main-gradient buffer",
+    "--spec": "a layer-spec module: charllm plans Megatron's own GPT layers",
+    "--tokenizer-model": "the tokenizer's file (its vocabulary size is --vocab-size here)",
 }
 
 FLAGS: dict[str, tuple[str, str, Switch | Value | Many]] = {
@@ -292,14 +316,45 @@ _TYPE_WORDS = {_int: "an integer", _float: "a number", parse_layer_pattern:
 # Import
 # --------------------------------------------------------------------------------------------
 def split_command_line(args: str | list[str]) -> list[str]:
-    """Shell words of a launch script's command: `\\`-newlines joined, `#` comments dropped."""
+    """Shell words of a launch script's command: `\\`-newlines joined, `#` comments dropped; or the
+    words of a Megatron-LM `model_config.yaml`."""
     if isinstance(args, list):
         return [str(a) for a in args]
+    from_yaml = model_config_tokens(args)
+    if from_yaml is not None:
+        return from_yaml
     text = re.sub(r"\\\r?\n", " ", args)
     try:
         return shlex.split(text, comments=True)
     except ValueError as exc:  # unbalanced quotes
         raise UserError(f"megatron args: cannot split the command line ({exc})") from None
+
+
+def model_config_tokens(text: str) -> list[str] | None:
+    """A Megatron-LM functional-test `model_config.yaml` (ENV_VARS, MODEL_ARGS) as a launch line's words,
+    or None if `text` is not one. As tests/functional_tests/shell_test_utils/_run_training.sh reads it:
+    `--flag: true` is the bare flag, other values follow the flag; false or empty leave it out."""
+    if "MODEL_ARGS" not in text:
+        return None
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UserError(f"model_config.yaml: not YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("MODEL_ARGS"), dict):
+        return None
+    env = data.get("ENV_VARS") or {}
+    if not isinstance(env, dict):
+        raise UserError("model_config.yaml: ENV_VARS must be a mapping of NAME: value")
+    words = [f"{name}={value}" for name, value in env.items()] + ["pretrain_gpt.py"]
+    for flag, value in data["MODEL_ARGS"].items():
+        if value is True:
+            words.append(str(flag))
+        elif value is not False and value is not None and value != "":
+            values = value if isinstance(value, list) else str(value).split()
+            words += [str(flag), *map(str, values)]
+    return words
 
 
 def _is_flag(token: str) -> bool:
@@ -317,6 +372,18 @@ def _group(tokens: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
         else:
             groups[-1][1].append(token)
     return head, groups
+
+
+def _split_launcher(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """(words up to and including the script, the script's arguments): `torchrun ... pretrain_gpt.py`."""
+    script = next((i for i, t in enumerate(tokens) if t.endswith(".py")), -1)
+    return tokens[: script + 1], tokens[script + 1:]
+
+
+def launcher_world_size(args: str | list[str]) -> int | None:
+    """The world size a `torchrun --nnodes N --nproc-per-node G ... x.py` prefix gives, else None."""
+    launcher, _ = _split_launcher(split_command_line(args))
+    return _launcher_world(launcher)[0]
 
 
 def _launcher_world(head: list[str]) -> tuple[int | None, int | None]:
@@ -366,9 +433,7 @@ def import_megatron_args(
     takes the default of `version`, else of the installed megatron-core."""
     from charllm.engine import catalog
 
-    tokens = split_command_line(args)
-    script = next((i for i, t in enumerate(tokens) if t.endswith(".py")), -1)   # `torchrun ... pretrain_gpt.py`
-    launcher, tokens = tokens[: script + 1], tokens[script + 1:]
+    launcher, tokens = _split_launcher(split_command_line(args))
     stray, groups = _group(tokens)
 
     result = MegatronImport(experiment=Experiment(name="megatron-import"))
@@ -387,11 +452,16 @@ def import_megatron_args(
     _resolve_model(exp.model, special, given, result)
     _resolve_virtual_pipeline(exp, special)
     p, t = exp.parallel, exp.training
+    release, source = megatron_version(version)
     if p.use_megatron_fsdp and "--data-parallel-sharding-strategy" not in given:
-        release, source = megatron_version(version)
         p.data_parallel_sharding_strategy = versioned_default("--data-parallel-sharding-strategy", release)
         result.warnings.append(f"no --data-parallel-sharding-strategy: {p.data_parallel_sharding_strategy}, the "
                                f"default of megatron-core {release} ({source})")
+    _resolve_tokenizer(exp.model, special, given, release, source, result)
+    if "--moe-enable-deepep" in given and t.moe_token_dispatcher_type != "flex":
+        # TransformerConfig.__post_init__ (core_v0.16.1+): "DeepEP backend is only supported with flex token dispatcher."
+        raise UserError(f"--moe-enable-deepep: needs --moe-token-dispatcher-type flex (got "
+                        f"{t.moe_token_dispatcher_type}), as Megatron requires")
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         p.sequence_parallel = False
         result.warnings.append("--sequence-parallel is switched off at tensor parallel size 1 (as Megatron does)")
@@ -411,7 +481,70 @@ def import_megatron_args(
         t.global_batch_size = t.micro_batch_size * exp.data_parallel_size
         result.warnings.append(f"no --global-batch-size: Megatron uses micro batch x data parallel = "
                                f"{t.global_batch_size}")
+    _resolve_train_samples(exp, special, given, result)
+    _read_environment(exp, launcher, result)
     return result
+
+
+def _resolve_tokenizer(m: ModelSpec, special: dict, given: set[str], release: str, source: str,
+                       result: MegatronImport) -> None:
+    """The vocabulary Megatron pads is the tokenizer's: NullTokenizer's is --vocab-size plus, before
+    megatron-core 0.18, its end-of-document token (VERSIONED_DEFAULTS)."""
+    if "--tokenizer-type" not in special:
+        return
+    kind = " ".join(special["--tokenizer-type"])
+    if kind == "NullTokenizer" and "--vocab-size" in given:
+        extra = versioned_default("--tokenizer-type NullTokenizer", release)
+        m.vocab_size += extra
+        if extra:
+            result.warnings.append(f"--tokenizer-type NullTokenizer: vocabulary {m.vocab_size} (--vocab-size plus "
+                                   f"its end-of-document token in megatron-core {release}, {source})")
+    elif kind != "NullTokenizer":
+        result.warnings.append(f"--tokenizer-type {kind}: its vocabulary is not read; the plan uses --vocab-size "
+                               f"{m.vocab_size}{'' if '--vocab-size' in given else ' (not given: the default)'}")
+
+
+def _resolve_train_samples(exp: Experiment, special: dict, given: set[str], result: MegatronImport) -> None:
+    """--train-samples instead of --train-iters: Megatron runs train_samples // global_batch_size
+    iterations (megatron/training/training.py, without a batch-size ramp-up)."""
+    if "--train-samples" not in special:
+        return
+    if "--train-iters" in given:
+        raise UserError("megatron args: --train-iters and --train-samples cannot be combined (Megatron takes one)")
+    samples = _one_int("--train-samples", special["--train-samples"])
+    t = exp.training
+    if samples < t.global_batch_size:
+        raise UserError(f"--train-samples = {samples}: fewer than one global batch ({t.global_batch_size})")
+    t.train_iters = samples // t.global_batch_size
+    result.warnings.append(f"--train-samples {samples} / global batch {t.global_batch_size} = {t.train_iters} "
+                           "iterations")
+
+
+# Environment variables before the script that charllm models, with what they set.
+def _read_environment(exp: Experiment, launcher: list[str], result: MegatronImport) -> None:
+    """`NAME=value` words before the script: the allocator's expandable segments (read earlier) and
+    Transformer Engine's attention switches; the others change nothing charllm plans."""
+    env = _assignments(launcher)
+    t = exp.training
+    flash, fused = env.get("NVTE_FLASH_ATTN"), env.get("NVTE_FUSED_ATTN")
+    if t.attention_backend == "auto" and t.transformer_impl != "local" and "0" in (flash, fused):
+        # With --attention-backend auto Transformer Engine picks among the backends these leave on.
+        t.attention_backend = "unfused" if flash == fused == "0" else "fused" if flash == "0" else "flash"
+        result.warnings.append(f"NVTE_FLASH_ATTN={flash or '(unset)'} NVTE_FUSED_ATTN={fused or '(unset)'}: "
+                               f"attention backend {t.attention_backend}")
+    for name, value in env.items():
+        if name not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN"):
+            result.no_effect.append(f"{name}={value}: an environment variable charllm does not plan with")
+
+
+def _assignments(launcher: list[str]) -> dict[str, str]:
+    """`NAME=value` words (also after `export`) before the script, the last one of a name winning."""
+    out = {}
+    for token in launcher:
+        name, eq, value = token.partition("=")
+        if eq and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            out[name] = value
+    return out
 
 
 def installed_version() -> str | None:
@@ -464,12 +597,10 @@ def versioned_default(flag: str, version: str) -> Any:
 
 def _expandable_segments(launcher: list[str]) -> bool:
     """Whether a `PYTORCH_CUDA_ALLOC_CONF=...` assignment before the script turns them on."""
-    for token in launcher:
-        name, _, value = token.partition("=")
-        if name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-            options = dict(o.partition(":")[::2] for o in value.split(","))
-            return options.get("expandable_segments", "").strip().lower() == "true"
-    return False
+    env = _assignments(launcher)
+    value = env.get("PYTORCH_CUDA_ALLOC_CONF", env.get("PYTORCH_ALLOC_CONF", ""))
+    options = dict(o.partition(":")[::2] for o in value.split(","))
+    return options.get("expandable_segments", "").strip().lower() == "true"
 
 
 def export_environment(exp: Experiment) -> dict[str, str]:
@@ -499,6 +630,8 @@ def _read_flags(groups, exp: Experiment, result: MegatronImport) -> dict[str, li
             setattr(getattr(exp, section), name, False)
         elif flag in SPECIAL_FLAGS:
             special[flag] = values
+        elif flag in NO_MEMORY_EFFECT:
+            result.no_effect.append(f"{' '.join([flag, *values])}: {NO_MEMORY_EFFECT[flag]}")
         else:
             result.ignored.append(" ".join([flag, *values]))
     return special
@@ -589,7 +722,8 @@ def _resolve_cluster(exp: Experiment, launcher: list[str], special: dict, world_
         launch_world, launch_gpn = _launcher_world(launcher)
         if launch_world is not None:
             world_size, gpus_per_node = launch_world, gpus_per_node or launch_gpn
-            result.warnings.append(f"world size {world_size} read from the launcher ({' '.join(launcher)})")
+            result.warnings.append(f"world size {world_size} = {world_size // launch_gpn} node(s) x {launch_gpn}, "
+                                   "from the torchrun prefix")
     if world_size is None:
         stage = p.tensor_model_parallel_size * p.context_parallel_size
         expert = (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) * p.expert_model_parallel_size
@@ -609,10 +743,12 @@ def _resolve_cluster(exp: Experiment, launcher: list[str], special: dict, world_
 # --------------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------------
-def export_megatron_args(exp: Experiment) -> list[str]:
-    """`pretrain_gpt.py` flags for `exp`, as argv tokens. Values that equal Megatron's defaults are
-    left out, except the sizes a reader wants to see (layers, hidden, heads, FFN, TP, PP, batches)."""
+def export_megatron_args(exp: Experiment, version: str | None = None) -> list[str]:
+    """`pretrain_gpt.py` flags for `exp`, as argv tokens, for megatron-core `version` (default: the
+    installed one). Values that equal Megatron's defaults are left out, except the sizes a reader wants
+    to see (layers, hidden, heads, FFN, TP, PP, batches) and what a release's default would change."""
     m, p, t = exp.model, exp.parallel, exp.training
+    release, _ = megatron_version(version)
     out: list[str] = []
 
     def add(flag: str, *values: Any) -> None:
@@ -630,7 +766,11 @@ def export_megatron_args(exp: Experiment) -> list[str]:
         add("--kv-channels", m.kv_channels)
     add("--seq-length", exp.seq_length)
     add("--max-position-embeddings", m.max_position_embeddings or m.seq_length)
-    add("--vocab-size", m.vocab_size)
+    # pretrain_gpt.py builds a tokenizer before anything else; NullTokenizer (synthetic tokens, no file)
+    # needs only the vocabulary size, which it counts with or without its end-of-document token
+    # depending on the release (VERSIONED_DEFAULTS). Megatron pads the tokenizer's vocabulary.
+    add("--tokenizer-type", "NullTokenizer")
+    add("--vocab-size", m.vocab_size - versioned_default("--tokenizer-type NullTokenizer", release))
     if m.make_vocab_size_divisible_by != 128:
         add("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)
     for flag, on in (("--swiglu", m.swiglu), ("--squared-relu", m.squared_relu),
@@ -679,6 +819,13 @@ def export_megatron_args(exp: Experiment) -> list[str]:
         add("--data-parallel-sharding-strategy", p.data_parallel_sharding_strategy)
         skip.add("data_parallel_sharding_strategy")
     _add_non_default(add, p, Parallel(), PARALLEL_FLAGS, skip=skip)
+    if p.use_megatron_fsdp:
+        # validate_args: "Megatron FSDP only supports fsdp_dtensor checkpoint format" (core_v0.16.1+)
+        add("--ckpt-format", "fsdp_dtensor")
+    if p.use_torch_fsdp2:
+        # validate_args: "--use-torch-fsdp2 is not supported with gradient accumulation fusion", which
+        # is on by default (core_v0.16.1+)
+        add("--no-gradient-accumulation-fusion")
 
     add("--micro-batch-size", t.micro_batch_size)
     add("--global-batch-size", t.global_batch_size)
@@ -694,10 +841,33 @@ def export_megatron_args(exp: Experiment) -> list[str]:
     skip = {"micro_batch_size", "global_batch_size", "train_iters", "lr", "data_path", "transformer_impl"}
     if runtime.transformer_impl(exp, runtime.for_planning(exp.hardware)) == "local":
         add("--transformer-impl", "local")
-        if t.attention_backend != "local":
-            skip.add("attention_backend")   # Megatron's local spec has one attention, whatever this says
+        # Megatron's local spec has one attention (DotProductAttention), whatever the backend says. And
+        # `--attention-backend local` would not start: validate_args asserts `--spec local` with it
+        # (core_v0.16.1 to 0.19.0), which pretrain_gpt.py then cannot load (spec_utils.import_module
+        # wants a module and a name).
+        skip.add("attention_backend")
     _add_non_default(add, t, Training(bf16=False), TRAINING_FLAGS, skip=skip)
     return out
+
+
+def export_script(exp: Experiment, version: str | None = None) -> str:
+    """A bash launch script for `exp`: the environment Megatron needs, then torchrun pretrain_gpt.py with
+    the flags of `export_megatron_args`. Run it on every node, with MEGATRON_LM pointing at the
+    Megatron-LM checkout (default: here) and, across nodes, NODE_RANK, MASTER_ADDR and MASTER_PORT set."""
+    release, source = megatron_version(version)
+    c = exp.cluster
+    lines = ["#!/usr/bin/env bash",
+             f"# {exp.name}: {exp.world_size} processes = {c.nodes} node(s) x {c.gpus_per_node}; "
+             f"flags for megatron-core {release} ({source}). Written by charllm-tui export megatron --script.",
+             "set -euo pipefail"]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in export_environment(exp).items()]
+    launcher = ["torchrun", "--nnodes", str(c.nodes), "--nproc-per-node", str(c.gpus_per_node)]
+    if c.nodes > 1:
+        launcher += ["--node-rank", '"${NODE_RANK:?set NODE_RANK on each node}"',
+                     "--master-addr", '"${MASTER_ADDR:?set MASTER_ADDR}"', "--master-port", '"${MASTER_PORT:-6000}"']
+    launcher.append('"${MEGATRON_LM:-.}/pretrain_gpt.py"')
+    flags = format_megatron_args(export_megatron_args(exp, release))
+    return "\n".join(lines) + "\n" + " ".join(launcher) + " \\\n    " + flags + "\n"
 
 
 def _add_non_default(add, obj, defaults, table, *, skip: set[str]) -> None:

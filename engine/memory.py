@@ -936,7 +936,8 @@ def dispatcher_buffer_bytes(exp: Experiment) -> int:
     """Device memory the MoE token dispatcher holds outside the caching allocator (DeepEP's buffers)."""
     m, t = exp.model, exp.training
     ranks = exp.parallel.expert_model_parallel_size * exp.expert_tensor_parallel_size
-    if not (m.is_moe and t.moe_token_dispatcher_type == "flex") or ranks < 2:
+    if not (m.is_moe and t.moe_token_dispatcher_type == "flex" and t.moe_flex_dispatcher_backend == "deepep") \
+            or ranks < 2:
         return 0
     recv = DEEPEP_NVL_RECV_TOKENS[min((k for k in DEEPEP_NVL_RECV_TOKENS if k >= ranks),
                                       default=max(DEEPEP_NVL_RECV_TOKENS))]
@@ -1088,6 +1089,9 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
         notes.append(f"dropless MoE: expert activations planned for the busiest rank, {MOE_DROPLESS_IMBALANCE:g}x "
                      "the mean routed tokens in one micro-batch (measured 1.15-1.4x on small models); over n "
                      "micro-batches held at once the excess averages out as 1/sqrt(n)")
+    if exp.model.is_moe and t.moe_token_dispatcher_type == "flex" and t.moe_flex_dispatcher_backend == "hybridep":
+        notes.append("moe_flex_dispatcher_backend = 'hybridep': HybridEP's buffers (outside the allocator) are not "
+                     "modelled")
     if t.cuda_graph_impl != "none":
         notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the graphs' static buffers are not modelled "
                      "(measured up to +25% steady memory on a small MoE)")

@@ -276,6 +276,8 @@ def problems(exp, stack: Stack) -> list:
     if t.fine_grained_activation_offloading and not stack.cuda:
         needs("fine_grained_activation_offloading", True,
               "moves activations from a GPU to the host on side streams, and this node has no CUDA")
+    if m.is_moe and t.moe_token_dispatcher_type == "flex" and t.moe_flex_dispatcher_backend == "hybridep":
+        needs("moe_flex_dispatcher_backend", "hybridep", "not supported by the training workload yet (deepep is)")
     if m.is_moe and t.moe_token_dispatcher_type == "flex" and not (stack.cuda and stack.has("deep_ep")):
         needs("moe_token_dispatcher_type", "flex", "the flex dispatcher needs DeepEP (deep_ep) on a CUDA GPU, "
                                                    "which this node lacks")

@@ -39,6 +39,8 @@ CHOICES: dict[str, tuple[str, tuple]] = {
     "transformer_impl": ("training", ("auto", "transformer_engine", "local")),
     "optimizer": ("training", ("adam", "sgd", "muon")),
     "moe_token_dispatcher_type": ("training", ("allgather", "alltoall", "flex")),
+    "moe_router_dtype": ("training", (None, "fp32", "fp64")),
+    "moe_flex_dispatcher_backend": ("training", ("deepep", "hybridep")),
     "cuda_graph_impl": ("training", ("none", "local", "transformer_engine")),
     "main_grads_dtype": ("training", ("fp32", "bf16")),
     "main_params_dtype": ("training", ("fp32", "fp16")),
@@ -177,6 +179,9 @@ def _layout(exp: Experiment) -> list[Problem]:
                                  not p.use_distributed_optimizer)):
             if not ok:
                 out.append(Problem(name, value, "is not supported with use_torch_fsdp2"))
+        if not exp.model.untie_embeddings_and_output_weights:     # Megatron's validate_args (0.16.1+)
+            out.append(Problem("untie_embeddings_and_output_weights", False, "use_torch_fsdp2 needs untied "
+                               "embeddings", "untie_embeddings_and_output_weights=true"))
     return out
 
 

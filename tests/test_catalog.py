@@ -125,47 +125,7 @@ def test_hardware_known_values():
     assert "GCD" in mi250x.description
 
 
-# The CharLLM-PPT layouts (shared/charllm-ppt-configs.md): (gpu, model, index) -> TP, PP, EP, DP
-PPT_LAYOUTS = {
-    ("h200", "gpt3-175b", 1): (2, 16, 1, 1), ("h200", "gpt3-175b", 4): (1, 32, 1, 1),
-    ("h200", "gpt3-175b", 5): (8, 1, 1, 4), ("h200", "llama3-70b", 1): (8, 2, 1, 2),
-    ("h200", "llama3-70b", 4): (1, 16, 1, 2), ("h200", "mixtral-8x7b", 1): (1, 1, 8, 32),
-    ("h200", "mixtral-8x7b", 2): (2, 1, 4, 16), ("h200", "mixtral-8x22b", 3): (4, 1, 8, 8),
-    ("h100", "gpt3-175b", 3): (8, 8, 1, 1), ("h100", "gpt3-175b", 5): (8, 1, 1, 8),
-    ("h100", "llama3-70b", 3): (2, 16, 1, 2), ("h100", "mixtral-8x7b", 4): (1, 4, 4, 16),
-    ("h100", "mixtral-8x22b", 4): (1, 8, 8, 8),
-}
-
-
-@pytest.mark.parametrize("key", list(PPT_LAYOUTS), ids=["-".join(map(str, k)) for k in PPT_LAYOUTS])
-def test_charllm_ppt_experiments(key):
-    gpu, model, index = key
-    variants = {code: catalog.load_experiment(f"ppt-{gpu}-{model}-{index}-{code}")
-                for code in ("00000", "10000", "01000", "11000")}
-    for code, exp in variants.items():
-        p, t = exp.parallel, exp.training
-        assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
-                exp.data_parallel_size) == PPT_LAYOUTS[key]
-        assert exp.world_size == (32 if gpu == "h200" else 64) and exp.cluster.gpus_per_node == 8
-        assert (t.global_batch_size, t.micro_batch_size, t.bf16, p.context_parallel_size) == (128, 1, True, 1)
-        assert p.virtual_pipeline_model_parallel_size is None
-        assert p.sequence_parallel == (p.tensor_model_parallel_size > 1)
-        assert p.use_distributed_optimizer
-        assert p.use_megatron_fsdp == (index == 5 and model in ("gpt3-175b", "llama3-70b"))
-        recompute = code[1] == "1"
-        assert t.recompute_granularity == ("full" if recompute else None)
-        if recompute:
-            assert t.recompute_method == "block"
-            assert t.recompute_num_layers == exp.model.num_layers // p.pipeline_model_parallel_size
-        overlap = code[0] == "1"
-        assert t.tp_comm_overlap == (overlap and p.tensor_model_parallel_size > 1)
-        dense_mp = not exp.model.is_moe and not p.use_megatron_fsdp
-        assert t.overlap_grad_reduce == t.overlap_param_gather == (overlap and dense_mp)
-        if exp.model.is_moe:
-            assert (t.moe_token_dispatcher_type, t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity,
-                    t.moe_aux_loss_coeff) == ("alltoall", 1.0, True, 0.01)
-
-
+# The presets against the artifact's tables: tests/test_ppt_presets.py
 def test_ppt_presets_are_what_the_generator_writes(tmp_path, monkeypatch):
     """The committed files are the generator's output (nobody edited one by hand)."""
     import importlib.util

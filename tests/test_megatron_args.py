@@ -143,7 +143,7 @@ def test_launch_script_syntax():
             exp.training.recompute_num_layers) == ("full", "block", 2)
     assert result.ignored == ["--lr-decay-style cosine", "--no-rope-fusion", "--eval-iters 10",
                               "--use-checkpoint-args"]
-    assert any("launcher" in w for w in result.warnings)
+    assert "world size 8 = 2 node(s) x 4, from the torchrun prefix" in result.warnings
     elastic = import_megatron_args("torchrun --nnodes 1:4 --nproc-per-node=8 pretrain_gpt.py " + BASE, hardware="cpu")
     assert any("no world size given" in w for w in elastic.warnings)   # an elastic node range says nothing
 
@@ -471,3 +471,187 @@ def test_a_megatron_lm_checkout_on_the_path_is_the_release_that_counts(tmp_path)
 def test_the_exported_environment_is_what_megatron_asks_for(sets, env):
     exp = catalog.load_experiment("tiny-local").apply(["expandable_segments=false", *sets])
     assert export_environment(exp) == env
+
+
+# --------------------------------------------------------------------------------------------
+# Exports that start and imports of whole launch lines (tests/test_megatron_lm.py checks the same
+# rules against Megatron-LM's own code where a mirror is at hand)
+# --------------------------------------------------------------------------------------------
+def _flag(tokens: list[str], flag: str) -> str | None:
+    return tokens[tokens.index(flag) + 1] if flag in tokens else None
+
+
+@pytest.mark.parametrize("version, vocab_flag", [("0.16.1", 50256), ("0.17.1", 50256), ("0.18.0", 50257),
+                                                 ("0.19.0", 50257)])
+def test_export_names_a_tokenizer_whose_vocabulary_is_the_models(version, vocab_flag):
+    """pretrain_gpt.py builds a tokenizer first (none: NotImplementedError in 0.16.1, ValueError in 0.19).
+    NullTokenizer counts its end-of-document token on top of --vocab-size up to 0.17.1 (null_tokenizer.py)."""
+    exp = catalog.load_experiment("ppt-h100-gpt3-175b-1-00000")
+    tokens = export_megatron_args(exp, version)
+    assert _flag(tokens, "--tokenizer-type") == "NullTokenizer"
+    assert int(_flag(tokens, "--vocab-size")) == vocab_flag == exp.model.vocab_size - (version < "0.18")
+    back = import_megatron_args(tokens, world_size=exp.world_size, hardware=exp.hardware, version=version)
+    assert back.experiment.model.vocab_size == exp.model.vocab_size
+
+
+def test_export_writes_what_megatron_asserts_for_fsdp():
+    """validate_args: Megatron-FSDP only with --ckpt-format fsdp_dtensor; torch FSDP2 not with gradient
+    accumulation fusion (on by default) and only with untied embeddings (charllm's validate says so)."""
+    from charllm.engine.validate import validate as problems
+
+    tiny = catalog.load_experiment("tiny-local")
+    mfsdp = export_megatron_args(tiny.copy().apply(["use_megatron_fsdp=true"]))
+    assert _flag(mfsdp, "--ckpt-format") == "fsdp_dtensor"
+    fsdp2 = tiny.copy().apply(["use_torch_fsdp2=true", "model.untie_embeddings_and_output_weights=true"])
+    assert "--no-gradient-accumulation-fusion" in export_megatron_args(fsdp2)
+    assert "--ckpt-format" not in export_megatron_args(fsdp2)            # torch_dist, the default, is allowed
+    tied = [str(p) for p in problems(tiny.copy().apply(["use_torch_fsdp2=true"]))]
+    assert any(p.startswith("untie_embeddings_and_output_weights = False: use_torch_fsdp2 needs untied") for p in tied)
+
+
+@pytest.mark.parametrize("backend", ["auto", "unfused", "local"])
+def test_export_never_writes_local_attention(backend):
+    """`--attention-backend local` makes validate_args demand `--spec local`, which pretrain_gpt.py cannot
+    load; Megatron's local layers have one attention whatever the backend, so none is written."""
+    exp = catalog.load_experiment("tiny-local").apply([f"attention_backend={backend}", "transformer_impl=local"])
+    tokens = export_megatron_args(exp)
+    assert _flag(tokens, "--transformer-impl") == "local" and "--attention-backend" not in tokens
+    assert "--spec" not in tokens
+
+
+def test_the_launch_script_runs_and_imports_back(tmp_path):
+    import subprocess
+
+    from charllm.engine.megatron import export_script
+
+    exp = catalog.load_experiment("ppt-h100-llama3-70b-1-01000")
+    script = export_script(exp, "0.16.1")
+    path = tmp_path / "train.sh"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1\n" in script       # TP 8
+    # A dry run with pretrain_gpt.py replaced by a script that prints its arguments and environment.
+    (tmp_path / "pretrain_gpt.py").write_text("import os, sys; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'], "
+                                              "os.environ['NODE_RANK'], len(sys.argv))\n")
+    fake_torchrun = tmp_path / "bin" / "torchrun"
+    fake_torchrun.parent.mkdir()
+    fake_torchrun.write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift 2; done\n'
+                             'exec python3 "$@"\n')
+    fake_torchrun.chmod(0o755)
+    import os
+
+    done = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{fake_torchrun.parent}:{os.environ['PATH']}",
+                               "MEGATRON_LM": str(tmp_path), "NODE_RANK": "3", "MASTER_ADDR": "n0"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "3", str(len(export_megatron_args(exp, "0.16.1")) + 1)]
+    # The script is a launch line import reads whole: world size from torchrun, environment, flags.
+    back = import_megatron_args(script, hardware=exp.hardware, version="0.16.1")
+    assert back.experiment.world_size == 64 and back.experiment.parallel == exp.parallel
+    assert back.experiment.training.expandable_segments and not back.ignored
+
+
+def test_export_cli_writes_an_executable_script(tmp_path, capsys):
+    from tests.infra_cli import run
+
+    out = tmp_path / "train.sh"
+    code, _, err = run(capsys, "export", "megatron", "tiny-tp2", "--script", "--megatron-version", "0.19.0",
+                       "--out", str(out))
+    assert code == 0 and out.stat().st_mode & 0o111
+    assert "flags for megatron-core 0.19.0 (given)" in out.read_text()
+    assert "--vocab-size 1024" in out.read_text()
+
+
+LAUNCH = """
+# from a launch script
+export NVTE_FLASH_ATTN=0
+NCCL_DEBUG=WARN PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True NVTE_FUSED_ATTN=0 \\
+torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK pretrain_gpt.py \\
+    --num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024 \\
+    --micro-batch-size 2 --global-batch-size 64 --train-samples 6400 --bf16 \\
+    --tokenizer-type NullTokenizer --vocab-size 32000 --apply-layernorm-1p --ckpt-format torch_dist \\
+    --num-experts 8 --moe-token-dispatcher-type flex --moe-enable-deepep --moe-router-dtype fp32
+"""
+
+
+def test_a_whole_launch_line_imports():
+    imported = import_megatron_args(LAUNCH, hardware="h100-sxm-80gb", version="0.19.0")
+    exp = imported.experiment
+    assert (exp.cluster.nodes, exp.cluster.gpus_per_node) == (2, 8)      # from torchrun, no --world-size
+    assert exp.training.train_iters == 100                                # 6400 samples / 64 per batch
+    assert exp.training.expandable_segments
+    assert exp.training.attention_backend == "unfused"                    # NVTE_FLASH_ATTN=0 NVTE_FUSED_ATTN=0
+    assert exp.model.vocab_size == 32000                                  # 0.19's NullTokenizer: --vocab-size
+    assert import_megatron_args(LAUNCH, hardware="h100-sxm-80gb", version="0.16.1").experiment.model.vocab_size == 32001
+    t = exp.training
+    assert (t.moe_token_dispatcher_type, t.moe_flex_dispatcher_backend, t.moe_router_dtype) == ("flex", "deepep", "fp32")
+    assert not imported.ignored
+    said = " | ".join(imported.no_effect)
+    assert "--apply-layernorm-1p: LayerNorm keeps its weight as w - 1" in said and "NCCL_DEBUG=WARN" in said
+    assert "--ckpt-format torch_dist" in said
+
+
+@pytest.mark.parametrize("line, message", [
+    (LAUNCH.replace("--train-samples 6400", "--train-samples 6400 --train-iters 5"),
+     "--train-iters and --train-samples cannot be combined"),
+    (LAUNCH.replace("--train-samples 6400", "--train-samples 10"), "--train-samples = 10: fewer than one global batch"),
+    (LAUNCH.replace("--moe-token-dispatcher-type flex", ""), "--moe-enable-deepep: needs --moe-token-dispatcher-type flex"),
+])
+def test_launch_lines_megatron_would_refuse_say_why(line, message):
+    with pytest.raises(UserError, match=message):
+        import_megatron_args(line, hardware="h100-sxm-80gb")
+
+
+MODEL_CONFIG = """\
+ENV_VARS:
+  CUDA_DEVICE_MAX_CONNECTIONS: 1
+  NVTE_ALLOW_NONDETERMINISTIC_ALGO: 0
+TEST_TYPE: regular
+MODEL_ARGS:
+  --num-layers: 12
+  --hidden-size: 512
+  --num-attention-heads: 8
+  --seq-length: 1024
+  --max-position-embeddings: 1024
+  --tensor-model-parallel-size: 2
+  --sequence-parallel: true
+  --use-distributed-optimizer: true
+  --untie-embeddings-and-output-weights: false
+  --micro-batch-size: 4
+  --global-batch-size: 32
+  --recompute-granularity: selective
+  --recompute-modules: "core_attn mlp"
+  --data-path: ${DATA_PATH}/text_document
+  --log-interval: 1
+  --bf16: true
+"""
+
+
+def test_a_functional_test_model_config_imports():
+    """Megatron-LM's functional tests keep a launch as model_config.yaml (ENV_VARS, MODEL_ARGS), read by
+    tests/functional_tests/shell_test_utils/_run_training.sh: `true` is the bare flag."""
+    imported = import_megatron_args(MODEL_CONFIG, world_size=8, hardware="h100-sxm-80gb")
+    exp = imported.experiment
+    p, t = exp.parallel, exp.training
+    assert (p.tensor_model_parallel_size, p.sequence_parallel, p.use_distributed_optimizer) == (2, True, True)
+    assert not exp.model.untie_embeddings_and_output_weights             # `false`: the flag is left out
+    assert t.recompute_modules == ["core_attn", "mlp"] and t.bf16
+    assert t.data_path == "${DATA_PATH}/text_document"
+    assert imported.ignored == ["--log-interval 1"]
+    assert any(n.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1") for n in imported.no_effect)
+    with pytest.raises(UserError, match="model_config.yaml: ENV_VARS must be a mapping"):
+        import_megatron_args("ENV_VARS: [1]\nMODEL_ARGS: {--num-layers: 2}\n", world_size=1)
+
+
+def test_plan_takes_the_world_size_from_the_launch_line(capsys):
+    from tests.infra_cli import one_error_line, run
+
+    code, out, _ = run(capsys, "plan", "--megatron-args", LAUNCH, "--hardware", "h100-sxm-80gb", "--json")
+    warnings = json.loads(out)["warnings"]
+    assert "world size 16 = 2 node(s) x 8, from the torchrun prefix" in warnings
+    assert any(w.startswith("no memory effect: --apply-layernorm-1p") for w in warnings)
+    bare = LAUNCH.split("pretrain_gpt.py", 1)[1]
+    code, _, err = run(capsys, "plan", "--megatron-args", bare, "--hardware", "h100-sxm-80gb")
+    assert code == 2 and one_error_line(err) == (
+        "charllm-tui: error: plan --megatron-args: --world-size is required unless the line starts with "
+        "torchrun --nnodes N --nproc-per-node G")

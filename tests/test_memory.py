@@ -460,3 +460,6 @@ def test_deepep_buffers_of_the_flex_dispatcher_sit_outside_the_allocator():
     assert "DeepEP buffers" in estimate(exp).explain()[0]
     exp.parallel.expert_model_parallel_size = 8            # one node: NVLink only, 256 tokens
     assert dispatcher_buffer_bytes(exp) == -(-(10 * 8 * (5 * 4 + 256 * token)) // 128) * 128
+    exp.training.moe_flex_dispatcher_backend = "hybridep"     # its own buffers: not modelled, and said so
+    assert dispatcher_buffer_bytes(exp) == 0
+    assert any("HybridEP" in w for w in estimate(exp).warnings)

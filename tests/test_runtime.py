@@ -89,7 +89,8 @@ def test_gpu_configs_of_every_shipped_experiment_are_accepted_by_megatron_core()
     for name in catalog.entries("experiments"):
         e = exp(name, "sequence_parallel=false", "tp_comm_overlap=false", "fp8_param_gather=false", "fp8=none",
                 "moe_grouped_gemm=false", "moe_token_dispatcher_type=alltoall", "context_parallel_size=1")
-        if e.model.multi_latent_attention or e.model.mtp_num_layers or e.parallel.use_megatron_fsdp:
+        if (e.model.multi_latent_attention or e.model.mtp_num_layers or e.parallel.use_megatron_fsdp
+                or e.parallel.use_torch_fsdp2):
             continue   # the workload does not build these yet (runtime.problems says so)
         if validate(e):
             continue   # CP 1 can leave a layout that no longer divides
@@ -175,6 +176,9 @@ ALTERNATIVES = {
                                          ["moe_pad_expert_input_to_capacity=true"]),
     "moe_aux_loss_coeff": (["num_moe_experts=4"], ["moe_aux_loss_coeff=0.01"]),
     "moe_grouped_gemm": (["num_moe_experts=4", "bf16=true"], ["moe_grouped_gemm=true"]),
+    "moe_router_dtype": (["num_moe_experts=4"], ["moe_router_dtype=fp32"]),
+    "moe_flex_dispatcher_backend": (["num_moe_experts=4", "moe_token_dispatcher_type=flex"],
+                                    ["moe_flex_dispatcher_backend=hybridep"]),
     "lr": ([], ["lr=0.001"]),
 }
 # Read by the training loop itself (train.py), not through a Megatron config.

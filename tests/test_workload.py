@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import psutil
@@ -99,7 +100,7 @@ def check_log(run_dir: Path, world: int, iters: int, *, loss_falls: bool = True)
     ran = starts[0]["runtime"]
     assert ran["implementation"] == runtime.resolve(exp, runtime.detect()).to_dict()
     assert ran["stack"]["cuda"] is False and ran["implementation"]["fusions"] == []
-    assert ran["versions"]["torch"] and ran["versions"]["megatron_core"] == "0.16.1"
+    assert ran["versions"]["torch"] and ran["versions"]["megatron_core"] == metadata.version("megatron-core")
     # Megatron-LM's seeds: each pipeline stage its own.
     pp = exp.parallel.pipeline_model_parallel_size
     for r in starts:

@@ -166,6 +166,8 @@ def transformer_settings(exp, impl) -> dict:
         moe_pad_expert_input_to_capacity=t.moe_pad_expert_input_to_capacity,
         moe_aux_loss_coeff=t.moe_aux_loss_coeff,
         moe_grouped_gemm=t.moe_grouped_gemm,
+        moe_router_dtype=t.moe_router_dtype,
+        moe_flex_dispatcher_backend=t.moe_flex_dispatcher_backend,
         recompute_granularity=t.recompute_granularity,
         recompute_method=t.recompute_method,
         recompute_num_layers=t.recompute_num_layers,

@@ -1,4 +1,5 @@
-"""`charllm-tui export megatron|toml EXPERIMENT_OR_PRESET [--set key=value ...] [--out FILE] [--no-validate]`."""
+"""`charllm-tui export megatron|toml EXPERIMENT_OR_PRESET [--set key=value ...] [--out FILE] [--no-validate]`;
+megatron also takes `--script` (a runnable launch script) and `--megatron-version V`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ def register(sub) -> None:
                        help="override a field, e.g. --set tensor_model_parallel_size=4 (repeatable)")
         f.add_argument("--out", type=Path, metavar="FILE", help="write to FILE (atomically) instead of stdout")
         f.add_argument("--no-validate", action="store_true", help="export even if the layout is invalid")
+        if name == "megatron":
+            f.add_argument("--script", action="store_true",
+                           help="write a bash launch script: the environment Megatron needs, then torchrun "
+                                "pretrain_gpt.py with the flags (run it from a Megatron-LM checkout, or set "
+                                "MEGATRON_LM; across nodes set NODE_RANK and MASTER_ADDR on each)")
+            f.add_argument("--megatron-version", metavar="V",
+                           help="the megatron-core release the flags are for, where releases differ "
+                                "(default: the installed one)")
     p.set_defaults(func=run)
 
 
@@ -32,16 +41,20 @@ def run(args: argparse.Namespace) -> int:
         check(exp)
     if args.format == "toml":
         text = exp.to_toml()
+    elif args.script:
+        from charllm.engine.megatron import export_script
+
+        text = export_script(exp, args.megatron_version)
     else:
         from charllm.engine.megatron import export_megatron_args, format_megatron_args
 
-        text = format_megatron_args(export_megatron_args(exp)) + "\n"
+        text = format_megatron_args(export_megatron_args(exp, args.megatron_version)) + "\n"
     if args.out is None:
         sys.stdout.write(text)
     else:
-        _write_atomically(args.out, text)
+        _write_atomically(args.out, text, executable=args.format == "megatron" and args.script)
         print(f"wrote {args.out}", file=sys.stderr)
-    if args.format == "megatron":  # the world size and environment are the launcher's business, not flags
+    if args.format == "megatron" and not args.script:   # the world size and environment are the launcher's
         from charllm.engine.megatron import export_environment
 
         env = "".join(f"{name}={value} " for name, value in export_environment(exp).items())
@@ -51,13 +64,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, text: str, *, executable: bool = False) -> None:
     from charllm.probes.errors import UserError
 
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text)
+        if executable:
+            tmp.chmod(0o755)
         tmp.replace(path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

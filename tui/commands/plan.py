@@ -32,6 +32,7 @@ exit status: 0 every stage fits, 1 some stage does not fit, 3 tight, 2 bad input
 examples:
   charllm-tui plan ppt-h100-llama3-70b-1-00000 --set micro_batch_size=2 --json
   charllm-tui plan --megatron-args "--num-layers 32 --hidden-size 4096 ..." --world-size 64 --hardware h100-sxm-80gb
+  charllm-tui plan --megatron-args "$(cat train.sh)" --hardware h100-sxm-80gb   # torchrun line, env, flags
 """
 
 
@@ -44,7 +45,8 @@ def register(sub) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set tensor_model_parallel_size=4 (repeatable)")
     p.add_argument("--megatron-args", metavar="FLAGS", help="a pretrain_gpt.py command line instead of an experiment")
-    p.add_argument("--world-size", type=int, metavar="N", help="number of GPUs (with --megatron-args)")
+    p.add_argument("--world-size", type=int, metavar="N",
+                   help="number of GPUs (with --megatron-args; default: what a torchrun prefix in the line says)")
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs per node (with --megatron-args; default 8)")
     p.add_argument("--hardware", metavar="NAME", help="hardware preset (with --megatron-args)")
     p.add_argument("--megatron-version", metavar="V",
@@ -61,16 +63,20 @@ def load(args: argparse.Namespace):
     if args.megatron_args is not None:
         if args.experiment:
             raise UserError("plan: give either EXPERIMENT_OR_PRESET or --megatron-args, not both")
-        if args.world_size is None or args.hardware is None:
-            raise UserError("plan --megatron-args: --world-size and --hardware are required")
-        if args.world_size < 1:
+        if args.hardware is None:
+            raise UserError("plan --megatron-args: --hardware is required")
+        if args.world_size is not None and args.world_size < 1:
             raise UserError(f"--world-size = {args.world_size!r}: must be a positive integer")
-        from charllm.engine.megatron import import_megatron_args
+        from charllm.engine.megatron import import_megatron_args, launcher_world_size
 
+        if args.world_size is None and launcher_world_size(args.megatron_args) is None:
+            raise UserError("plan --megatron-args: --world-size is required unless the line starts with "
+                            "torchrun --nnodes N --nproc-per-node G")
         imported = import_megatron_args(args.megatron_args, world_size=args.world_size,
                                         gpus_per_node=args.gpus_per_node, hardware=args.hardware,
                                         version=args.megatron_version)
-        return imported.experiment.apply(args.sets), imported.ignored, imported.warnings
+        notes = [f"no memory effect: {line}" for line in imported.no_effect]
+        return imported.experiment.apply(args.sets), imported.ignored, imported.warnings + notes
     if not args.experiment:
         raise UserError("plan: an EXPERIMENT_OR_PRESET or --megatron-args is required")
     for flag in ("world_size", "gpus_per_node", "hardware", "megatron_version"):
