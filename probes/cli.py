@@ -73,9 +73,17 @@ def run(args: argparse.Namespace) -> int:
                     sampler.run(args.duration)
             else:
                 sampler.run(args.duration)
-        except BaseException:
-            if own_manifest:
-                run_dir.update_manifest(status="failed")
+        except BaseException as exc:
+            from charllm.probes.recorder import DiskFull
+
+            changes = {"status": "failed"} if own_manifest else {}
+            if isinstance(exc, DiskFull):
+                changes["telemetry_stopped"] = {"node": sampler.node, "reason": str(exc)}
+            try:
+                if changes:
+                    run_dir.update_manifest(**changes)
+            except OSError:
+                pass  # the full disk may refuse even the manifest; the error line still says why
             raise
         finally:
             for sig, handler in previous.items():

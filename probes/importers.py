@@ -41,6 +41,7 @@ import polars as pl
 
 from charllm.probes import paths
 from charllm.probes.errors import UserError
+from charllm.probes.recorder import write_parquet
 from charllm.probes.rundir import RunDir, check_run_id, new_run_id
 from charllm.probes.schema import conform
 
@@ -129,7 +130,7 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
             frame = conform(pl.concat(frames, how="diagonal_relaxed")).sort("ts_ns", "device")
             out = run.node_telemetry_dir(node)
             out.mkdir(parents=True, exist_ok=True)
-            frame.write_ipc(out / "000000.arrow")
+            write_parquet(frame, out / "000000.parquet")
             lo, hi = frame["ts_ns"].min(), frame["ts_ns"].max()
             first = lo if first is None else min(first, lo)
             last = hi if last is None else max(last, hi)

@@ -148,12 +148,14 @@ def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
     # One pass over the files reads the columns the accelerator statistics use, and the window
     # is cut while ordering by device (a row filter here would copy every column); host rows,
     # when there are any, take a second pass for theirs.
-    scan = run.scan_telemetry()
+    skipped: list[str] = []
+    scan = run.scan_telemetry(skipped)
     gpu = scan.select(_GPU_COLUMNS).collect()
     if gpu.height == 0:
         raise UserError(f"run {run.id}: no telemetry under {run.telemetry_dir} (nothing to summarize)")
     first_ns, last_ns = gpu["ts_ns"].min(), gpu["ts_ns"].max()
     start_ns, end_ns, label, notes = _window(window, iterations, first_ns)
+    notes = skipped + notes
     temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
     max_clock = exp.max_sm_clock_mhz if exp else None
     in_window = _in_window(start_ns, end_ns)

@@ -151,6 +151,6 @@ def test_host_files_written_by_every_rank_give_one_host_stream_per_node(tmp_path
     run = import_charllm_ppt(src, gpus_per_node=2)          # both ranks on node0
     import polars as pl
 
-    frame = pl.concat([pl.read_ipc(p) for p in (run.path / "telemetry").rglob("*.arrow")])
+    frame = run.scan_telemetry().collect()
     host = frame.filter(pl.col("device") == "host")
     assert host.height == host["ts_ns"].n_unique() > 0
