@@ -166,15 +166,16 @@ class RunDir:
         nodes = sorted(d for d in self.telemetry_dir.iterdir() if d.is_dir())
         return [path for d in nodes for _, _, path in node_chunks(d)]
 
-    def scan_telemetry(self, skipped: list[str] | None = None):
+    def scan_telemetry(self, skipped: list[str] | None = None, *, columns: set[str] | None = None):
         """A polars LazyFrame over every readable telemetry file, conformed to the schema.
 
         A file that cannot be read (truncated, garbage, empty, a column of the wrong type) is
         left out; when `skipped` is given, one line saying what was lost is appended to it
-        (`damage_note`). Compacted Parquet files go into one scan, given the schema (a file
-        missing a column gets nulls); Arrow chunks with the schema's exact columns likewise,
-        others (older or imported files) are conformed one by one. One scan is far faster than
-        a scan per file.
+        (`damage_note`). `columns`, when given, receives the names of the columns the files
+        hold (finished files leave out all-null ones: a reader may skip what none holds).
+        Compacted Parquet files go into one scan, given the schema (a file missing a column
+        gets nulls); Arrow chunks with the schema's exact columns likewise, others (older or
+        imported files) are conformed one by one. One scan is far faster than a scan per file.
         """
         import itertools
 
@@ -186,7 +187,9 @@ class RunDir:
         kinds, damaged = {}, []
         for f in files:
             try:
-                kinds[f] = _telemetry_kind(f)
+                kinds[f], held = _telemetry_kind(f)
+                if columns is not None:
+                    columns.update(held)
             except _Unreadable as exc:
                 damaged.append((f, str(exc)))
         if damaged and skipped is not None:
@@ -250,9 +253,10 @@ class _Unreadable(Exception):
     """A telemetry file that cannot be read as what its name says."""
 
 
-def _telemetry_kind(path: Path) -> str:
-    """"parquet", "arrow" (exactly the schema) or "other" (conformable); raises _Unreadable for a
-    file whose footer or schema cannot be read, or whose columns have types the schema's cannot take."""
+def _telemetry_kind(path: Path) -> tuple[str, list[str]]:
+    """("parquet", "arrow" (exactly the schema) or "other" (conformable), the file's columns);
+    raises _Unreadable for a file whose footer or schema cannot be read, or whose columns have
+    types the schema's cannot take."""
     import polars as pl
 
     from charllm.probes.schema import TELEMETRY_SCHEMA
@@ -269,8 +273,8 @@ def _telemetry_kind(path: Path) -> str:
         if want is not None and dtype != want and not _widens(dtype, want):
             raise _Unreadable(f"column {name} is {dtype}, expected {want}")
     if path.suffix == ".parquet":
-        return "parquet"
-    return "arrow" if schema == dict(TELEMETRY_SCHEMA) else "other"
+        return "parquet", list(schema)
+    return "arrow" if schema == dict(TELEMETRY_SCHEMA) else "other", list(schema)
 
 
 def _widens(have, want) -> bool:

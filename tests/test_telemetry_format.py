@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from polars.testing import assert_frame_equal
 from runfactory import T0_NS, gpu_frame, iteration_rows
 
 from charllm.probes import baselines
@@ -195,3 +196,30 @@ def test_a_full_disk_stops_the_probe_with_one_line_and_keeps_what_was_written(sm
     rows = run.scan_telemetry(skipped).collect()
     assert skipped == [] and rows.height > 0  # every file written before the disk filled is whole
     assert rows["ts_ns"].min() > T0_NS
+
+
+# --------------------------------------------------------------------------------------------
+# Summaries in bounded memory
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch_rows", [450, 150])  # whole nodes per batch; a node's devices split
+def test_a_summary_in_batches_equals_the_summary_in_one(tmp_path, monkeypatch, batch_rows):
+    from charllm.probes import summary
+
+    run = RunDir(tmp_path / "big")
+    for n in range(3):
+        frames = [gpu_frame(T, node=f"n{n}", device=f"gpu{g}", power_w=100.0 + 40 * g + 20 * np.sin(T * (n + 1)),
+                            temp_gpu_c=50.0 + n + 3 * g, energy_j=np.cumsum(np.full(len(T), 5.0)))
+                  for g in range(2)]
+        frames.append(conform(gpu_frame(T, node=f"n{n}", device="host").with_columns(
+            pl.lit(30.0 + n).alias("cpu_util_pct"))))
+        writer = ChunkWriter(run.node_telemetry_dir(f"n{n}"), compact_every=4)
+        data = pl.concat(frames).sort("ts_ns", maintain_order=True)
+        for start in range(0, data.height, 60):
+            writer.write(data.slice(start, 60))
+        writer.close()
+    run.write_manifest({"id": "big", "status": "running"})  # never cached
+    whole = {by: summarize(run, "all", by=by) for by in ("gpu", "node", "run")}
+    monkeypatch.setattr(summary, "BATCH_ROWS", batch_rows)
+    assert len(summary._batches(summary._devices(run.scan_telemetry()))) > (3 if batch_rows < 200 else 1)
+    for by, expected in whole.items():  # the same numbers, up to the order floats are summed in
+        assert_frame_equal(summarize(run, "all", by=by), expected, rel_tol=1e-12)
