@@ -56,8 +56,8 @@ def test_doctor_json_is_the_whole_report(capsys):
     assert [s["hz"] for s in report["sampling"]] == [20.0, 100.0]
     for run_ in report["sampling"]:
         host = run_["devices"][0]
-        assert host["target_hz"] == 10.0 and host["rows"] >= 3
-        assert 50 <= host["interval_ms"]["median"] <= 200 and run_["ticks"] >= 0.5 * run_["hz"] * 0.5
+        assert host["target_hz"] == 20.0 and host["rows"] >= 3
+        assert 25 <= host["interval_ms"]["median"] <= 200 and run_["ticks"] >= 0.5 * run_["hz"] * 0.5
     assert report["saved_calibration"] is None and "train" not in report
 
 
