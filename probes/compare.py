@@ -54,6 +54,16 @@ class CompareResult:
     experiment_diff: pl.DataFrame          # field + one column per ref, only the fields that differ
     threshold_pct: float
     notes: list[str] = field(default_factory=list)
+    windows: dict[str, str] = field(default_factory=dict)  # ref -> its summary's window label
+
+    @property
+    def window_text(self) -> str:
+        """The window every figure covers, in words (or what each ref's is, when they differ)."""
+        from charllm.probes.summary import window_phrase
+
+        if len(set(self.windows.values())) == 1:
+            return f"figures over {window_phrase(next(iter(self.windows.values())))}"
+        return "figures over different windows: " + ", ".join(f"{k}: {v}" for k, v in self.windows.items())
 
     def wide(self) -> pl.DataFrame:
         """Display form: one row per metric; each ref's value, and for the others the % change and flag."""
@@ -123,7 +133,7 @@ def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: floa
         if "notes" in s.columns and s["notes"][0]:
             notes.append(f"{label}: {s['notes'][0]}")
     return CompareResult(labels, base_label, table, _experiment_diff(labels, [e for _, _, e in loaded]),
-                         threshold_pct, notes)
+                         threshold_pct, notes, windows)
 
 
 def _load(ref: str, window) -> tuple[str, pl.DataFrame, dict]:
@@ -190,7 +200,7 @@ def render(result: CompareResult, fmt: str = "table") -> str:
         return json.dumps({
             "baseline": result.baseline, "refs": result.labels, "threshold_pct": result.threshold_pct,
             "experiment_diff": result.experiment_diff.to_dicts(), "metrics": result.table.to_dicts(),
-            "notes": result.notes,
+            "windows": result.windows, "notes": result.notes,
         }, indent=2) + "\n"
     if fmt not in ("table", "markdown"):
         raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
@@ -199,7 +209,8 @@ def render(result: CompareResult, fmt: str = "table") -> str:
     if result.experiment_diff.height:
         parts.append(("## Experiment differences\n\n" if md else "Experiment differences\n")
                      + text_table(result.experiment_diff, md))
-    heading = f"Metrics (baseline {result.baseline}; flagged beyond ±{result.threshold_pct:g}%)"
+    heading = (f"Metrics, {result.window_text} (baseline {result.baseline}; "
+               f"flagged beyond ±{result.threshold_pct:g}%)")
     parts.append((f"## {heading}\n\n" if md else f"{heading}\n") + text_table(result.wide(), md))
     if result.notes:
         parts.append("\n".join(("- " if md else "note: ") + n for n in result.notes) + "\n")

@@ -266,6 +266,16 @@ def read_iterations(run: RunDir) -> pl.DataFrame:
     )
 
 
+def window_phrase(label: str) -> str:
+    """What a summary's `window` label covers, in words (every figure shown names its window)."""
+    if label == "steady":
+        return "the steady window (non-warm-up iterations)"
+    if label == "all":
+        return "all samples"
+    start, _, end = label.partition(":")
+    return f"seconds {start} to {end} after the first sample"
+
+
 def parse_window(text: str):
     """The CLI's --window: steady | all | START:END (seconds after the run's first sample)."""
     if text in ("steady", "all"):
