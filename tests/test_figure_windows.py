@@ -73,3 +73,12 @@ def test_each_surface_names_the_window_of_its_figures(charllm_dirs, capsys):
     assert "steady window" in runs_screen.WINDOW_TEXT
     assert main(["summarize", run.id, "--by", "gpu", "--window", "all"]) == 0
     assert re.search(r"│ window\s+┆ all", capsys.readouterr().out)
+
+
+def test_the_launch_follow_lines_name_their_windows():
+    from charllm.tui.commands.launch import _iteration_line, _telemetry_line
+
+    rows = gpu_frame(np.arange(0, 5.05, 0.05), power_w=300.0)
+    assert _telemetry_line(rows).startswith("telemetry 101 rows, means over the last 5 s:  GPU power 300 W")
+    step = {"event": "iteration", "iteration": 3, "rank": 0, "start_ns": 0, "end_ns": 10**9, "tflops_per_gpu": 1.5}
+    assert "1.500 TFLOP/s/gpu (this step)" in _iteration_line(step)
