@@ -7,6 +7,7 @@
         logs/                one log file per rank / sampler / launcher
         telemetry/<node>/    Arrow IPC chunks, NNNNNN.arrow, one sampler per node; compacted
                              Parquet files NNNNNN-MMMMMM.parquet hold chunks NNNNNN..MMMMMM
+                             (finished telemetry: recorder.write_parquet; imports write it too)
 
 A run can be watched live, replayed, summarised and compared from any process, after a crash
 too: nothing important lives only in memory.

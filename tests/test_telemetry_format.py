@@ -160,6 +160,16 @@ def test_one_damaged_file_is_skipped_and_named_everywhere(charllm_dirs, kind, ho
     assert f"telemetry/n0/{victim.name}" in replay.reason and replay._frame.height == 400 - lost.height
 
 
+def test_live_follows_past_a_damaged_chunk(tmp_path):
+    from charllm.probes.tail import TelemetryTail
+
+    run, written = _recorded_run(tmp_path, "live", compact_every=None, finished=False)
+    victim = run.telemetry_files()[2]
+    lost = pl.read_ipc(victim).height
+    victim.write_bytes(b"not arrow")
+    assert TelemetryTail(run.path).poll().height == written.height - lost
+
+
 # --------------------------------------------------------------------------------------------
 # A full disk
 # --------------------------------------------------------------------------------------------
