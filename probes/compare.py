@@ -14,7 +14,9 @@ A ref is a run (id, prefix/suffix or directory) or a baseline name; `baseline:NA
 from __future__ import annotations
 
 import json
+import os
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -89,7 +91,10 @@ def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: floa
         raise UserError("compare: give at least two runs or baselines (or one and --baseline NAME)")
     if threshold_pct < 0:
         raise UserError(f"--threshold {threshold_pct}: must be 0 or more (percent)")
-    loaded = [_load(ref, window) for ref in refs]
+    # Runs are summarized side by side (polars frees the GIL while it works); each ref once.
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        futures = {ref: pool.submit(_load, ref, window) for ref in dict.fromkeys(refs)}
+        loaded = [futures[ref].result() for ref in refs]
     labels = _unique([label for label, _, _ in loaded])
     base_label = labels[refs.index(baseline)] if baseline is not None else labels[0]
 
