@@ -563,8 +563,16 @@ def _excursions(gpu: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:
     highest excess.
     """
     frame = gpu.lazy().select("_dev", "power_w", "power_limit_w", _dt())
-    aggs, sizes = [], []
-    for name, threshold in {"mean": pl.lit(run_mean_w, pl.Float64), "limit": pl.col("power_limit_w")}.items():
+    aggs, sizes, unknown = [], [], []
+    thresholds = {"mean": pl.lit(run_mean_w, pl.Float64), "limit": pl.col("power_limit_w")}
+    for name, known in {"mean": run_mean_w is not None,
+                        "limit": gpu["power_limit_w"].null_count() < gpu.height}.items():
+        if not known:  # no threshold, no spikes to count (null, as counting would give): not computed
+            del thresholds[name]
+            unknown += [pl.lit(None, pl.UInt32).alias(f"spikes_over_{name}_count"),
+                        *(pl.lit(None, pl.Float64).alias(f"{stat}_over_{name}{unit}") for stat, unit in
+                          (("time", "_s"), ("spikes", "_max_excess_w"), ("spikes", "_avg_excess_w")))]
+    for name, threshold in thresholds.items():
         excess, above, start, spike = (f"_{name}_{c}" for c in ("excess", "above", "start", "spike"))
         frame = frame.with_columns(
             (pl.col("power_w") - threshold).alias(excess), threshold.is_not_null().alias(f"_{name}_known"),
@@ -589,7 +597,7 @@ def _excursions(gpu: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:
         table = table.join(size(frame), on="_dev", how="left")
     order = [f"{stat}_over_{name}{unit}" for name in ("mean", "limit") for stat, unit in
              (("spikes", "_count"), ("time", "_s"), ("spikes", "_max_excess_w"), ("spikes", "_avg_excess_w"))]
-    return table.select("_dev", *order).collect()
+    return table.with_columns(unknown).select("_dev", *order).collect()
 
 
 def _host_stats(host: pl.DataFrame, names: pl.DataFrame) -> pl.DataFrame:
