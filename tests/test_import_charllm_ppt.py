@@ -59,7 +59,7 @@ def test_import_maps_units_and_summarizes(tmp_path):
     m = run.read_manifest()
     assert m["kind"] == "import" and m["imported_from"]["format"] == "charllm-ppt"
     assert m["limitations"] == LIMITATIONS and m["simulated"] is False
-    assert sorted(p.parent.name for p in run.telemetry_files()) == ["node0", "node1"]
+    assert sorted({p.parent.name for p in run.telemetry_files()}) == ["node0", "node1"]
     s = summarize(run, "all")
     assert s["node"].to_list() == ["node0", "node1"] and s["backend"][0] == "import:charllm-ppt"
     r0 = s.row(0, named=True)
