@@ -25,6 +25,7 @@ Memory stays flat: at most `compact_every` chunks are held, and only while mergi
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -34,6 +35,8 @@ import polars as pl
 from charllm.probes.errors import UserError
 from charllm.probes.rundir import chunk_span, node_chunks
 from charllm.probes.schema import ID_COLUMNS, TELEMETRY_SCHEMA, conform
+
+log = logging.getLogger(__name__)
 
 DEVICE_KEYS = ["node", "device"]
 COMPACT_EVERY = 60  # chunks (seconds at the sampler's flush interval) per compacted file
@@ -146,8 +149,15 @@ class ChunkWriter:
         if not self._open:
             return None
         first, last = chunk_span(self._open[0].name)[0], chunk_span(self._open[-1].name)[0]
-        frames = [pl.read_ipc(p) for p in self._open]
-        frame = pl.concat([f if f.schema == _SCHEMA else conform(f) for f in frames])
+        frames = []
+        for p in self._open:
+            try:
+                frames.append(conform(pl.read_ipc(p)))
+            except Exception:  # noqa: BLE001 - a damaged chunk (left by a crash) costs only itself
+                log.warning("telemetry chunk %s is unreadable; left out of %s's compaction", p, self.dir)
+        if not frames:
+            return None
+        frame = pl.concat(frames)
         merged = write_parquet(frame, self.dir / f"{first:06d}-{last:06d}.parquet")
         self._fsync_dir()  # the compacted file is durable before any chunk it holds goes
         self.compactions += 1

@@ -161,6 +161,16 @@ def test_one_damaged_file_is_skipped_and_named_everywhere(charllm_dirs, kind, ho
     assert f"telemetry/n0/{victim.name}" in replay.reason and replay._frame.height == 400 - lost.height
 
 
+def test_a_restarted_recorder_compacts_past_a_damaged_chunk(tmp_path):
+    run, written = _recorded_run(tmp_path, "restart", compact_every=None, finished=False)
+    victim = run.telemetry_files()[2]
+    lost = pl.read_ipc(victim).height
+    _damage(victim, "garbage")
+    ChunkWriter(run.node_telemetry_dir("n0")).close()  # a writer that continues, then finishes
+    assert all(f.suffix == ".parquet" for f in run.telemetry_files())
+    assert run.scan_telemetry().collect().height == written.height - lost
+
+
 def test_live_follows_past_a_damaged_chunk(tmp_path):
     from charllm.probes.tail import TelemetryTail
 
