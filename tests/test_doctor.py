@@ -37,8 +37,8 @@ def test_doctor_on_this_cpu_node_says_no_gpu_and_measures_host_sampling(capsys, 
     assert "on CPU" in out and "host" in out and "cpu_util_pct" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s*(20|100) Hz\s+host", line)]
     assert [r[0] for r in rows] == ["20", "100"], out
-    for row in rows:   # asked, device, target, achieved: the host is asked at most 10 times a second
-        assert row[3:5] == ["10", "Hz"] and 5 <= float(row[5]) <= 10.5, row
+    for row in rows:   # asked, device, target, achieved: the host is asked at most 20 times a second
+        assert row[3:5] == ["20", "Hz"] and 10 <= float(row[5]) <= 21, row
     assert "no calibration saved (--no-save)" in out
     assert "sampling at 20 Hz" in err and "sampling at 100 Hz" in err   # progress, a line per phase
     assert not (charllm_dirs["data"] / "calibrations").exists()
