@@ -173,7 +173,7 @@ def test_telemetry_and_sampling_on_nvml_gpus(monkeypatch):
     gpu0 = telemetry["devices"][0]
     assert gpu0["device"] == "gpu0" and "power_w" in gpu0["metrics"] and "throttle_reasons" in gpu0["metrics"]
     by_device = {d["device"]: d for d in sampled["devices"]}
-    assert by_device["gpu0"]["target_hz"] == 100.0 and by_device["host"]["target_hz"] == 10.0
+    assert by_device["gpu0"]["target_hz"] == 100.0 and by_device["host"]["target_hz"] == 20.0
     assert by_device["gpu0"]["rows"] > by_device["host"]["rows"] >= 3
     assert by_device["gpu1"]["interval_ms"]["median"] < 50
 
