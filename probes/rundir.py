@@ -320,7 +320,8 @@ def scan_runs(root: Path | None = None):
 
     from charllm.probes.schema import empty_frame
 
-    files = sorted((root or paths.runs_dir()).glob("*/telemetry/*/*.parquet"))
+    files = sorted(f for f in (root or paths.runs_dir()).glob("*/telemetry/*/*.parquet")
+                   if not f.parents[2].name.startswith("."))  # not an import still being written
     if not files:
         return empty_frame().lazy().select(pl.lit(None, pl.String).alias("run"), pl.all())
     scan = scan_parquet(files, include_file_paths="_path")

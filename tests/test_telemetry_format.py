@@ -99,6 +99,7 @@ def test_a_campaign_is_one_scan_in_polars_and_in_duckdb_as_the_readme_shows(char
     _recorded_run(runs, "run-a", node="n0")
     _recorded_run(runs, "run-b", node="n1")
     RunDir(runs / "run-c").node_telemetry_dir("n0").mkdir(parents=True)  # a run with no telemetry yet
+    _recorded_run(runs, ".run-d.importing")  # an import still being written: not yet a run
     campaign = scan_runs().group_by("run", "node", "device").agg(pl.len()).sort("run", "device").collect()
     assert campaign.rows() == [("run-a", "n0", "gpu0", 200), ("run-a", "n0", "gpu1", 200),
                                ("run-b", "n1", "gpu0", 200), ("run-b", "n1", "gpu1", 200)]
