@@ -188,6 +188,7 @@ def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
     batches = _batches(devices)
     gpu_parts, host_parts, loaded = [], [], None
     for batch in batches:
+        loaded = gpu = host = None  # one batch in memory at a time
         loaded = load(batch)
         gpu, host = loaded
         if gpu is not None:
@@ -211,8 +212,11 @@ def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
     if gpu_parts:
         run_mean_w = pl.concat(gpu_parts)["power_mean_w"].mean()
         spikes = []
+        gpu = None
         for batch in batches:
-            gpu = (loaded if len(batches) == 1 else load(batch))[0]
+            if len(batches) > 1:
+                loaded = gpu = None
+            gpu = (loaded or load(batch))[0]
             if gpu is not None:
                 spikes.append(_excursions(gpu[0], run_mean_w))
         del loaded, gpu
