@@ -8,7 +8,8 @@
 2. Rate accuracy over --seconds: achieved Hz, jitter of tick times against their deadlines,
    missed deadlines.
 3. Bytes on disk per device-sample, as recorded: zstd Arrow IPC chunks, one per second, compacted
-   every minute into LZ4 Parquet files (recorder.py).
+   every minute into zstd Parquet files (recorder.py). The simulated values have full float
+   precision, unlike a real device's (NVML: whole mW, degrees and MHz), so they compress less.
 4. Memory over a time-compressed --hours simulated recording at 20 Hz x 8 GPUs (the clock is
    injected and advanced instead of sleeping): RSS must stay flat.
 """

@@ -27,12 +27,13 @@ class ReplayBackend(Backend):
         if not speed > 0:
             raise UserError(f"speed = {speed!r}: must be > 0")
         run = resolve_run(ref)
-        frame = run.scan_telemetry().sort("ts_ns", "device", maintain_order=True).collect()
+        skipped: list[str] = []
+        frame = run.scan_telemetry(skipped).sort("ts_ns", "device", maintain_order=True).collect()
         if frame.is_empty():
             raise UserError(f"replay run {ref!r}: no telemetry recorded in {run.telemetry_dir}")
         backends = frame["backend"].unique().to_list()
         self.name = f"replay:{backends[0]}" if len(backends) == 1 else "replay"
-        self.reason = f"replay: {frame.height} rows from {run.path} at {speed:g}x"
+        self.reason = f"replay: {frame.height} rows from {run.path} at {speed:g}x" + "".join(f"; {s}" for s in skipped)
         offsets = ((frame["ts_ns"] - frame["ts_ns"].min()) / speed).cast(pl.Int64)
         self._frame = frame.with_columns(
             pl.when(pl.col("backend").str.starts_with("replay:")).then(pl.col("backend"))

@@ -48,6 +48,7 @@ class Backend(abc.ABC):
     simulated: bool = False
     metrics: tuple[str, ...] = ()       # the metrics this backend can report at best
     max_hz: float | None = None         # sample at most this often (None: every tick)
+    max_hz_why: str = ""                # why, said when a faster rate is asked for
 
     def __init__(self) -> None:
         self._devices: list[Device] = []

@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Execute the probe command; raises UserError for bad input."""
     import signal
+    import time
 
     from charllm.probes.backends import open_backends
     from charllm.probes.errors import UserError
@@ -65,24 +66,36 @@ def run(args: argparse.Namespace) -> int:
         previous = {sig: signal.signal(sig, lambda *_: sampler.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
         devices = sum(len(b.devices()) for b in backends)
         target = f" -> {sampler.writer.dir}" if sampler.writer else ""
+        slower = "".join(f"; {s}" for s in sampler.slower_backends())
+        if own_manifest:
+            run_dir.update_manifest(rates={b.name: sampler.backend_hz(b) for b in backends})
         if not view:
-            err.print(f"probe: {devices} device(s) at {args.hz:g} Hz{target} ({reason}); SIGTERM/Ctrl-C stops")
+            err.print(f"probe: {devices} device(s) at {args.hz:g} Hz{slower}{target} ({reason}); SIGTERM/Ctrl-C stops")
+        started = time.monotonic()
         try:
             if view:
                 with view:
                     sampler.run(args.duration)
             else:
                 sampler.run(args.duration)
-        except BaseException:
-            if own_manifest:
-                run_dir.update_manifest(status="failed")
+        except BaseException as exc:
+            from charllm.probes.recorder import DiskFull
+
+            changes = {"status": "failed"} if own_manifest else {}
+            if isinstance(exc, DiskFull):
+                changes["telemetry_stopped"] = {"node": sampler.node, "reason": str(exc)}
+            try:
+                if changes:
+                    run_dir.update_manifest(**changes)
+            except OSError:
+                pass  # the full disk may refuse even the manifest; the error line still says why
             raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         chunks = f", {sampler.writer.chunks_written} chunk(s)" if sampler.writer else ""
-        err.print(f"probe: {sampler.rows} rows in {sampler.ticks} ticks, "
-                  f"{sampler.missed_deadlines} missed deadline(s){chunks}")
+        err.print(f"probe: {sampler.rows} rows in {sampler.ticks} ticks at "
+                  f"{sampler.achieved(time.monotonic() - started)}{slower}{chunks}")
         if own_manifest:
             run_dir.update_manifest(status="completed")
         return 0

@@ -14,7 +14,9 @@ A ref is a run (id, prefix/suffix or directory) or a baseline name; `baseline:NA
 from __future__ import annotations
 
 import json
+import os
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -54,6 +56,16 @@ class CompareResult:
     experiment_diff: pl.DataFrame          # field + one column per ref, only the fields that differ
     threshold_pct: float
     notes: list[str] = field(default_factory=list)
+    windows: dict[str, str] = field(default_factory=dict)  # ref -> its summary's window label
+
+    @property
+    def window_text(self) -> str:
+        """The window every figure covers, in words (or what each ref's is, when they differ)."""
+        from charllm.probes.summary import window_phrase
+
+        if len(set(self.windows.values())) == 1:
+            return f"figures over {window_phrase(next(iter(self.windows.values())))}"
+        return "figures over different windows: " + ", ".join(f"{k}: {v}" for k, v in self.windows.items())
 
     def wide(self) -> pl.DataFrame:
         """Display form: one row per metric; each ref's value, and for the others the % change and flag."""
@@ -79,7 +91,10 @@ def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: floa
         raise UserError("compare: give at least two runs or baselines (or one and --baseline NAME)")
     if threshold_pct < 0:
         raise UserError(f"--threshold {threshold_pct}: must be 0 or more (percent)")
-    loaded = [_load(ref, window) for ref in refs]
+    # Runs are summarized side by side (polars frees the GIL while it works); each ref once.
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        futures = {ref: pool.submit(_load, ref, window) for ref in dict.fromkeys(refs)}
+        loaded = [futures[ref].result() for ref in refs]
     labels = _unique([label for label, _, _ in loaded])
     base_label = labels[refs.index(baseline)] if baseline is not None else labels[0]
 
@@ -123,7 +138,7 @@ def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: floa
         if "notes" in s.columns and s["notes"][0]:
             notes.append(f"{label}: {s['notes'][0]}")
     return CompareResult(labels, base_label, table, _experiment_diff(labels, [e for _, _, e in loaded]),
-                         threshold_pct, notes)
+                         threshold_pct, notes, windows)
 
 
 def _load(ref: str, window) -> tuple[str, pl.DataFrame, dict]:
@@ -190,7 +205,7 @@ def render(result: CompareResult, fmt: str = "table") -> str:
         return json.dumps({
             "baseline": result.baseline, "refs": result.labels, "threshold_pct": result.threshold_pct,
             "experiment_diff": result.experiment_diff.to_dicts(), "metrics": result.table.to_dicts(),
-            "notes": result.notes,
+            "windows": result.windows, "notes": result.notes,
         }, indent=2) + "\n"
     if fmt not in ("table", "markdown"):
         raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
@@ -199,7 +214,8 @@ def render(result: CompareResult, fmt: str = "table") -> str:
     if result.experiment_diff.height:
         parts.append(("## Experiment differences\n\n" if md else "Experiment differences\n")
                      + text_table(result.experiment_diff, md))
-    heading = f"Metrics (baseline {result.baseline}; flagged beyond ±{result.threshold_pct:g}%)"
+    heading = (f"Metrics, {result.window_text} (baseline {result.baseline}; "
+               f"flagged beyond ±{result.threshold_pct:g}%)")
     parts.append((f"## {heading}\n\n" if md else f"{heading}\n") + text_table(result.wide(), md))
     if result.notes:
         parts.append("\n".join(("- " if md else "note: ") + n for n in result.notes) + "\n")

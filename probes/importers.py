@@ -41,6 +41,7 @@ import polars as pl
 
 from charllm.probes import paths
 from charllm.probes.errors import UserError
+from charllm.probes.recorder import write_parquet
 from charllm.probes.rundir import RunDir, check_run_id, new_run_id
 from charllm.probes.schema import conform
 
@@ -111,28 +112,37 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
     shutil.rmtree(tmp, ignore_errors=True)
     run = RunDir(tmp)
     try:
-        nodes: dict[str, list[pl.DataFrame]] = {}
-        for i, (rank, files) in enumerate(sorted(gpu_files.items())):
-            node, device = f"node{rank // gpus_per_node}", f"gpu{rank % gpus_per_node}"
-            nodes.setdefault(node, []).append(_gpu_rank(files, node, device, rank, simulated))
-            if on_progress:
-                on_progress(i + 1, len(gpu_files))
+        # One file per device (numbered as chunks), each written before the next is read: memory
+        # holds one rank's samples however long or wide the run.
+        ranks: dict[str, list[int]] = {}
+        for rank in sorted(gpu_files):
+            ranks.setdefault(f"node{rank // gpus_per_node}", []).append(rank)
         first_rank: dict[str, int] = {}          # every rank wrote its node's host files: keep one
         for rank in sorted(sys_files):
             first_rank.setdefault(f"node{rank // gpus_per_node}", rank)
-        for node, rank in first_rank.items():
-            host = _host(sys_files[rank], node, simulated)
-            if host is not None:
-                nodes.setdefault(node, []).append(host)
         first = last = None
-        for node, frames in nodes.items():
-            frame = conform(pl.concat(frames, how="diagonal_relaxed")).sort("ts_ns", "device")
+        done = 0
+        for node in sorted({*ranks, *first_rank}, key=lambda n: int(n.removeprefix("node"))):
             out = run.node_telemetry_dir(node)
             out.mkdir(parents=True, exist_ok=True)
-            frame.write_ipc(out / "000000.arrow")
-            lo, hi = frame["ts_ns"].min(), frame["ts_ns"].max()
-            first = lo if first is None else min(first, lo)
-            last = hi if last is None else max(last, hi)
+            parts = [lambda rank=rank: _gpu_rank(gpu_files[rank], node, f"gpu{rank % gpus_per_node}", rank, simulated)
+                     for rank in ranks.get(node, [])]
+            if node in first_rank:
+                parts.append(lambda: _host(sys_files[first_rank[node]], node, simulated))
+            chunk = 0
+            for part in parts:
+                frame = part()
+                if frame is None:
+                    continue
+                write_parquet(conform(frame), out / f"{chunk:06d}.parquet")
+                chunk += 1
+                lo, hi = frame["ts_ns"].min(), frame["ts_ns"].max()
+                first = lo if first is None else min(first, lo)
+                last = hi if last is None else max(last, hi)
+                if frame["device"][0] != "host":
+                    done += 1
+                    if on_progress:
+                        on_progress(done, len(gpu_files))
         run.write_manifest({
             "id": run_id, "name": name or src.name, "kind": "import", "status": "completed",
             "simulated": simulated, "started_at": first / 1e9, "ended_at": last / 1e9,

@@ -7,9 +7,10 @@ the sampler hands over a batch at least every second.
 
 A chunk a second makes thousands of files an hour, and opening them dominates every later read,
 so every `compact_every` chunks the closed ones are merged into one compacted file
-`NNNNNN-MMMMMM.parquet` (chunks NNNNNN..MMMMMM): Parquet with LZ4 reads in about half the CPU
-time of LZ4 Arrow IPC at the same size (dictionary-encoded names), and its per-file
-statistics let a time window skip files.
+`NNNNNN-MMMMMM.parquet` (chunks NNNNNN..MMMMMM) in the one format of finished telemetry
+(`write_parquet`, which importers use too): zstd Parquet with dictionary-encoded names and
+without the all-null columns (a reader inserts them), about 12 bytes per sample of three NVML
+metrics, and row-group statistics that let a time window or a device skip data.
 Its rows are grouped by device, each device's in chunk (time) order: whoever reads a device's
 series (summaries: every statistic) then copies long runs instead of gathering every row.
 The merge is written hidden, fsynced and renamed into place *before* the chunks it holds are
@@ -23,17 +24,75 @@ Memory stays flat: at most `compact_every` chunks are held, and only while mergi
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import shutil
 from pathlib import Path
 
 import polars as pl
 
+from charllm.probes.errors import UserError
 from charllm.probes.rundir import chunk_span, node_chunks
-from charllm.probes.schema import TELEMETRY_SCHEMA, conform
+from charllm.probes.schema import ID_COLUMNS, TELEMETRY_SCHEMA, conform
+
+log = logging.getLogger(__name__)
 
 DEVICE_KEYS = ["node", "device"]
 COMPACT_EVERY = 60  # chunks (seconds at the sampler's flush interval) per compacted file
+ROW_GROUP_ROWS = 1 << 17  # a few MB a column: parallel reads and statistics worth pruning by
 _SCHEMA = pl.Schema(TELEMETRY_SCHEMA)
+
+
+def compact_frame(frame: pl.DataFrame) -> pl.DataFrame:
+    """`frame` as finished telemetry holds it: grouped by device, each device's rows in the order
+    given (time order), without the metric columns that hold no value (ID columns always stay)."""
+    frame = frame if frame.schema == _SCHEMA else conform(frame)
+    counts = frame.null_count().row(0, named=True)
+    keep = [c for c in frame.columns if c in ID_COLUMNS or counts[c] < frame.height]
+    return frame.select(keep).sort(DEVICE_KEYS, maintain_order=True)
+
+
+def write_parquet(frame: pl.DataFrame, path: Path) -> Path:
+    """Write finished telemetry (`compact_frame`) to `path` atomically: hidden, fsynced, renamed.
+
+    A failed write (a full disk) removes its hidden file and raises; nothing half-written stays.
+    """
+    return _write_atomic(path, lambda tmp: compact_frame(frame).write_parquet(
+        tmp, compression="zstd", row_group_size=ROW_GROUP_ROWS, statistics=True))
+
+
+class DiskFull(UserError):
+    """The telemetry's disk is full: recording stops, and what was written before stays readable."""
+
+    def __init__(self, directory: Path) -> None:
+        mount = directory.resolve()
+        while not os.path.ismount(mount) and mount != mount.parent:
+            mount = mount.parent
+        super().__init__(f"disk full: cannot write telemetry to {directory} (filesystem {mount}, "
+                         f"{shutil.disk_usage(mount).free} bytes free); recording stopped, what was "
+                         "written before is kept")
+
+
+def _write_atomic(final: Path, write) -> Path:
+    tmp = final.with_name(f".{final.name}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if _is_disk_full(exc):
+            raise DiskFull(final.parent) from None
+        raise
+    return final
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """Python sets errno; polars raises an OSError (or its own error) carrying only the OS message."""
+    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
+        any(os.strerror(code) in str(exc) for code in (errno.ENOSPC, errno.EDQUOT))
 
 
 class ChunkWriter:
@@ -64,7 +123,7 @@ class ChunkWriter:
             if chunk_span(name) and name not in kept:
                 (self.dir / name).unlink(missing_ok=True)
         self._next = max((last for _, last, _ in live), default=-1) + 1
-        self._open = [path for first, last, path in live if first == last]  # chunks not yet compacted
+        self._open = [path for first, last, path in live if path.suffix == ".arrow"]  # not yet compacted
 
     def write(self, frame: pl.DataFrame) -> Path | None:
         """Write `frame` (conformed to TELEMETRY_SCHEMA) as the next chunk; returns its path."""
@@ -72,7 +131,8 @@ class ChunkWriter:
             return None
         if frame.schema != _SCHEMA:  # the sampler's frames already conform
             frame = conform(frame)
-        final = self._write_atomic(frame, f"{self._next:06d}.arrow", self.compression)
+        final = _write_atomic(self.dir / f"{self._next:06d}.arrow",
+                              lambda tmp: frame.write_ipc(tmp, compression=self.compression))
         self._next += 1
         self.rows_written += frame.height
         self.bytes_written += final.stat().st_size
@@ -83,16 +143,22 @@ class ChunkWriter:
         return final
 
     def compact(self, delete_now: bool = False) -> Path | None:
-        """Merge the chunks not yet compacted into one file; returns it (None if under two chunks)."""
+        """Merge the chunks not yet compacted into one file; returns it (None if there are none)."""
         self._delete(self._merged)
         self._merged = []
-        if len(self._open) < 2:
+        if not self._open:
             return None
         first, last = chunk_span(self._open[0].name)[0], chunk_span(self._open[-1].name)[0]
-        frames = [pl.read_ipc(p) for p in self._open]
-        frame = pl.concat([f if f.schema == _SCHEMA else conform(f) for f in frames]).sort(
-            DEVICE_KEYS, maintain_order=True)
-        merged = self._write_atomic(frame, f"{first:06d}-{last:06d}.parquet", "lz4")
+        frames = []
+        for p in self._open:
+            try:
+                frames.append(conform(pl.read_ipc(p)))
+            except Exception:  # noqa: BLE001 - a damaged chunk (left by a crash) costs only itself
+                log.warning("telemetry chunk %s is unreadable; left out of %s's compaction", p, self.dir)
+        if not frames:
+            return None
+        frame = pl.concat(frames)
+        merged = write_parquet(frame, self.dir / f"{first:06d}-{last:06d}.parquet")
         self._fsync_dir()  # the compacted file is durable before any chunk it holds goes
         self.compactions += 1
         self._merged, self._open = self._open, []
@@ -104,17 +170,6 @@ class ChunkWriter:
     def close(self) -> None:
         """Compact what is left, so a finished recording is a few large files."""
         self.compact(delete_now=True)
-
-    def _write_atomic(self, frame: pl.DataFrame, name: str, compression: str) -> Path:
-        final, tmp = self.dir / name, self.dir / f".{name}.tmp"
-        if name.endswith(".parquet"):
-            frame.write_parquet(tmp, compression=compression)
-        else:
-            frame.write_ipc(tmp, compression=compression)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-        return final
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.dir, os.O_RDONLY)

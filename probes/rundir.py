@@ -7,6 +7,7 @@
         logs/                one log file per rank / sampler / launcher
         telemetry/<node>/    Arrow IPC chunks, NNNNNN.arrow, one sampler per node; compacted
                              Parquet files NNNNNN-MMMMMM.parquet hold chunks NNNNNN..MMMMMM
+                             (finished telemetry: recorder.write_parquet; imports write it too)
 
 A run can be watched live, replayed, summarised and compared from any process, after a crash
 too: nothing important lives only in memory.
@@ -166,9 +167,13 @@ class RunDir:
         nodes = sorted(d for d in self.telemetry_dir.iterdir() if d.is_dir())
         return [path for d in nodes for _, _, path in node_chunks(d)]
 
-    def scan_telemetry(self):
-        """A polars LazyFrame over every telemetry file, conformed to the schema.
+    def scan_telemetry(self, skipped: list[str] | None = None, *, columns: set[str] | None = None):
+        """A polars LazyFrame over every readable telemetry file, conformed to the schema.
 
+        A file that cannot be read (truncated, garbage, empty, a column of the wrong type) is
+        left out; when `skipped` is given, one line saying what was lost is appended to it
+        (`damage_note`). `columns`, when given, receives the names of the columns the files
+        hold (finished files leave out all-null ones: a reader may skip what none holds).
         Compacted Parquet files go into one scan, given the schema (a file missing a column
         gets nulls); Arrow chunks with the schema's exact columns likewise, others (older or
         imported files) are conformed one by one. One scan is far faster than a scan per file.
@@ -180,22 +185,24 @@ class RunDir:
         from charllm.probes.schema import TELEMETRY_SCHEMA, conform, empty_frame
 
         files = self.telemetry_files()
+        kinds, damaged = {}, []
+        for f in files:
+            try:
+                kinds[f], held = _telemetry_kind(f)
+                if columns is not None:
+                    columns.update(held)
+            except _Unreadable as exc:
+                damaged.append((f, str(exc)))
+        if damaged and skipped is not None:
+            skipped.append(damage_note(self, damaged, len(files)))
+        files = [f for f in files if f in kinds]
         if not files:
             return empty_frame().lazy()
-        schema = dict(TELEMETRY_SCHEMA)
-
-        def kind(f: Path) -> str:
-            if f.suffix == ".parquet":
-                return "parquet"
-            return "arrow" if pl.read_ipc_schema(f) == schema else "other"
-
         parts = []
-        for k, group in itertools.groupby(files, key=kind):
+        for k, group in itertools.groupby(files, key=kinds.get):
             group = list(group)
             if k == "parquet":
-                parts.append(pl.scan_parquet(
-                    group, glob=False, schema=schema, missing_columns="insert", extra_columns="ignore",
-                    cast_options=pl.ScanCastOptions(integer_cast="upcast", float_cast="upcast")))
+                parts.append(scan_parquet(group))
             else:
                 parts += [pl.scan_ipc(group, glob=False)] if k == "arrow" else \
                     [conform(pl.scan_ipc(f, glob=False)) for f in group]
@@ -241,6 +248,85 @@ class RunDir:
             return pl.DataFrame(schema=ITERATION_SCHEMA)
         clean = [{k: r.get(k) for k in ITERATION_SCHEMA} for r in rows]
         return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
+
+
+class _Unreadable(Exception):
+    """A telemetry file that cannot be read as what its name says."""
+
+
+def _telemetry_kind(path: Path) -> tuple[str, list[str]]:
+    """("parquet", "arrow" (exactly the schema) or "other" (conformable), the file's columns);
+    raises _Unreadable for a file whose footer or schema cannot be read, or whose columns have
+    types the schema's cannot take."""
+    import polars as pl
+
+    from charllm.probes.schema import TELEMETRY_SCHEMA
+
+    try:
+        schema = pl.read_parquet_schema(path) if path.suffix == ".parquet" else pl.read_ipc_schema(path)
+    except FileNotFoundError:
+        raise  # merged and deleted since the listing: not damage
+    except Exception as exc:  # noqa: BLE001 - polars raises many kinds for a damaged file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise _Unreadable(f"not {'Parquet' if path.suffix == '.parquet' else 'Arrow IPC'} ({first[:80]})") from None
+    for name, dtype in schema.items():
+        want = TELEMETRY_SCHEMA.get(name)
+        if want is not None and dtype != want and not _widens(dtype, want):
+            raise _Unreadable(f"column {name} is {dtype}, expected {want}")
+    if path.suffix == ".parquet":
+        return "parquet", list(schema)
+    return "arrow" if schema == dict(TELEMETRY_SCHEMA) else "other", list(schema)
+
+
+def _widens(have, want) -> bool:
+    """Whether a column of type `have` is read as `want` without loss (what the scans cast)."""
+    import polars as pl
+
+    if want == pl.Int64():
+        return have.is_integer() and have != pl.UInt64()
+    if want == pl.Float64():
+        return have.is_float() or have.is_integer()
+    if want == pl.String():
+        return isinstance(have, (pl.Categorical, pl.Enum))
+    return False
+
+
+def damage_note(run: RunDir, damaged: list[tuple[Path, str]], total: int) -> str:
+    """One line: how many telemetry files were skipped, which, why, and about how much time they held."""
+    chunks = sum(last - first + 1 for f, _ in damaged for first, last in [chunk_span(f.name)])
+    names = ", ".join(f"{f.relative_to(run.path)} ({why})" for f, why in damaged[:3])
+    more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
+    return (f"{len(damaged)} of {total} telemetry files unreadable, skipped: {names}{more}; "
+            f"{chunks} chunk(s) lost, about {chunks * 1.0:.1f} s at the sampler's 1 s chunks")
+
+
+def scan_parquet(files: list[Path], **options):
+    """One polars scan of finished telemetry files, conformed to the schema (the compact files
+    leave out all-null columns, and a file may hold narrower numbers: both are filled in)."""
+    import polars as pl
+
+    from charllm.probes.schema import TELEMETRY_SCHEMA
+
+    return pl.scan_parquet(
+        files, glob=False, schema=dict(TELEMETRY_SCHEMA), missing_columns="insert", extra_columns="ignore",
+        cast_options=pl.ScanCastOptions(integer_cast="upcast", float_cast="upcast"), **options)
+
+
+def scan_runs(root: Path | None = None):
+    """The finished telemetry of every run under `root` (the runs directory) as one polars
+    LazyFrame with a `run` column first: the campaign-wide scan the layout is made for
+    (`<runs>/<run>/telemetry/<node>/*.parquet`; the README shows the same in DuckDB)."""
+    import polars as pl
+
+    from charllm.probes.schema import empty_frame
+
+    files = sorted(f for f in (root or paths.runs_dir()).glob("*/telemetry/*/*.parquet")
+                   if not f.parents[2].name.startswith("."))  # not an import still being written
+    if not files:
+        return empty_frame().lazy().select(pl.lit(None, pl.String).alias("run"), pl.all())
+    scan = scan_parquet(files, include_file_paths="_path")
+    run = pl.col("_path").str.split(os.sep).list.get(-4)  # <run>/telemetry/<node>/<file>
+    return scan.select(run.alias("run"), pl.exclude("_path"))
 
 
 def runtime_line(record: dict | None) -> str:

@@ -20,6 +20,7 @@ after "end" none.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -89,7 +90,8 @@ class Sampler:
         self.marker = IterationMarker(self.run_dir) if self.run_dir else None
         self._consumers: list[Callable[[list[dict]], object]] = [on_sample] if on_sample else []
         # A backend slower than the tick rate (the host: psutil costs ~0.3 ms) is sampled every n-th tick.
-        self._every = [max(1, round(self.hz / b.max_hz)) if getattr(b, "max_hz", None) else 1 for b in backends]
+        self._every = [max(1, math.ceil(self.hz / b.max_hz - 1e-9)) if getattr(b, "max_hz", None) else 1
+                       for b in backends]
         self.ticks = 0
         self.missed_deadlines = 0
         self.rows = 0
@@ -106,6 +108,17 @@ class Sampler:
     def backend_hz(self, backend: Backend) -> float:
         """The rate `backend` is actually sampled at (a slow backend only every n-th tick)."""
         return self.hz / self._every[self.backends.index(backend)]
+
+    def slower_backends(self) -> list[str]:
+        """One phrase per backend sampled below the asked rate: its rate and why."""
+        return [f"{b.name} at {self.backend_hz(b):g} Hz ({b.max_hz_why or f'at most {b.max_hz:g} Hz'})"
+                for b, every in zip(self.backends, self._every) if every > 1]
+
+    def achieved(self, seconds: float) -> str:
+        """What the loop achieved over `seconds`: its tick rate, and why it fell short if it did."""
+        rate = f"{self.ticks / seconds:.4g} Hz" if seconds > 0 else "no time"
+        why = ": a tick took longer than its period (a busy machine or a slow backend)" if self.missed_deadlines else ""
+        return f"{rate} ({self.hz:g} Hz asked, {self.missed_deadlines} missed deadline(s){why})"
 
     # -- consumers -------------------------------------------------------------------------
     def subscribe(self, maxsize: int = 256) -> queue.Queue:

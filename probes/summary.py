@@ -48,7 +48,7 @@ import polars as pl
 from charllm.probes.errors import UserError
 from charllm.probes.flops import RunExperiment, read_experiment
 from charllm.probes.rundir import RunDir, resolve_run
-from charllm.probes.schema import THROTTLE_BITS, THROTTLE_PERF_MASK
+from charllm.probes.schema import ID_COLUMNS, TELEMETRY_SCHEMA, THROTTLE_BITS, THROTTLE_PERF_MASK
 
 BY = ("gpu", "node", "run")
 FORMATS = ("table", "markdown", "csv", "json", "parquet")
@@ -58,16 +58,16 @@ _NS = 1e9
 _MOD32 = 2**32
 
 _GPU_COLUMNS = [
-    "ts_ns", "node", "device", "uuid", "backend", "simulated", "power_w", "energy_j",
+    "ts_ns", "node", "device", "power_w", "energy_j",
     "temp_gpu_c", "temp_mem_c", "sm_clock_mhz", "util_gpu_pct", "util_mem_pct", "mem_used_bytes",
     "power_limit_w", "throttle_reasons", "pcie_tx_bytes_s", "pcie_rx_bytes_s",
     "nvlink_tx_bytes", "nvlink_rx_bytes",
 ]
 
 
-# What names a GPU's row (from its first sample in the files).
-_GPU_LABELS = {"node": pl.col("node").first(), "device": pl.col("device").first(), "uuid": pl.col("uuid").first(),
-               "backend": pl.col("backend").first(), "simulated": pl.col("simulated").any()}
+# What names a GPU's row besides node and device (read in the first pass, `_devices`).
+_GPU_LABELS = {"uuid": pl.col("uuid").first(), "backend": pl.col("backend").first(),
+               "simulated": pl.col("simulated").any()}
 
 _HOST_COLUMNS = [
     "ts_ns", "node", "device", "simulated", "cpu_util_pct", "cpu_freq_mhz", "temp_cpu_c", "host_mem_used_bytes",
@@ -145,48 +145,83 @@ def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
 def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
     exp = read_experiment(run.experiment_path)
     iterations = read_iterations(run)
-    # One pass over the files reads the columns the accelerator statistics use, and the window
-    # is cut while ordering by device (a row filter here would copy every column); host rows,
-    # when there are any, take a second pass for theirs.
-    scan = run.scan_telemetry()
-    gpu = scan.select(_GPU_COLUMNS).collect()
-    if gpu.height == 0:
+    skipped: list[str] = []
+    held: set[str] = set()
+    scan = run.scan_telemetry(skipped, columns=held)
+    devices = _devices(scan)
+    if devices.height == 0:
         raise UserError(f"run {run.id}: no telemetry under {run.telemetry_dir} (nothing to summarize)")
-    first_ns, last_ns = gpu["ts_ns"].min(), gpu["ts_ns"].max()
+    first_ns, last_ns = devices["first_ns"].min(), devices["last_ns"].max()
     start_ns, end_ns, label, notes = _window(window, iterations, first_ns)
+    notes = skipped + notes
     temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
     max_clock = exp.max_sm_clock_mhz if exp else None
     in_window = _in_window(start_ns, end_ns)
-    host = None
-    if (is_host := gpu["device"] == "host").any():
-        gpu = gpu.filter(~is_host)
-        host = scan.filter(pl.col("device") == "host", in_window).select(_HOST_COLUMNS).collect()
-        host = _by_device(host, ["node"], {"node": pl.col("node").first()}) if host.height else None
-    gpu = _by_device(gpu, KEYS, _GPU_LABELS, in_window) if gpu.height else None
-    if gpu is None or gpu[0].height == 0:
-        gpu = None
-        if host is None:
-            raise UserError(
-                f"window {label}: no telemetry samples in it (the run's samples span "
-                f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
-            )
-    last_ns = max(f[0]["ts_ns"].max() for f in (gpu, host) if f is not None)
-    host = _host_stats(*host) if host is not None else None
+    key, keyed = _device_key(devices)
+    gpu_names = keyed.filter(pl.col("device") != "host").select("_key", *KEYS, *_GPU_LABELS)
+    host_names = keyed.filter(pl.col("device") == "host").select("_key", "node")
+    metrics = [c for c in {*_GPU_COLUMNS, *_HOST_COLUMNS} - {"node", "device"} if c in held]
+
+    def load(batch):
+        """((GPU samples by device, their names), or None; host samples likewise) of one batch."""
+        nodes, devs = batch
+        rows = scan.filter(in_window, pl.col("node").is_in(nodes))  # pushed down to the files' statistics
+        if devs is not None:
+            rows = rows.filter(pl.col("device").is_in(devs))
+        frame = rows.select(key.alias("_key"), (pl.col("device") == "host").alias("_host"),
+                            *sorted(metrics)).collect(engine="streaming")
+        # Columns no file holds are all null: never read, added as (unallocated) constants.
+        frame = frame.with_columns(pl.lit(None, dtype).alias(c) for c, dtype in TELEMETRY_SCHEMA.items()
+                                   if c not in frame.columns and c in {*_GPU_COLUMNS, *_HOST_COLUMNS})
+        gpu_cols, host_cols = (["_key", *(c for c in cols if c not in KEYS)] for cols in (_GPU_COLUMNS, _HOST_COLUMNS))
+        if not frame["_host"].any():
+            gpu, host = frame.select(gpu_cols), frame.clear().select(host_cols)
+        else:
+            gpu, host = frame.filter(~pl.col("_host")).select(gpu_cols), frame.filter("_host").select(host_cols)
+        del frame
+        return (_by_device(gpu, gpu_names) if gpu.height else None,
+                _by_device(host, host_names) if host.height else None)
+
+    # Devices are summarized a batch at a time (whole nodes, or a big node's devices in groups),
+    # so memory stays bounded however long or wide the run; spikes above the run's mean power
+    # need that mean first, so a run of several batches is read twice.
+    batches = _batches(devices)
+    gpu_parts, host_parts, loaded = [], [], None
+    for batch in batches:
+        loaded = gpu = host = None  # one batch in memory at a time
+        loaded = load(batch)
+        gpu, host = loaded
+        if gpu is not None:
+            gpu_parts.append(_gpu_stats(*gpu, temp_limit, max_clock))
+        if host is not None:
+            host_parts.append(_host_stats(*host))
+    if not gpu_parts and not host_parts:
+        raise UserError(
+            f"window {label}: no telemetry samples in it (the run's samples span "
+            f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
+        )
+    host = pl.concat(host_parts).sort("node") if host_parts else None
     gpus = None
-    if gpu is not None:
-        gpu, names = gpu
-        gpus = _gpu_stats(gpu, names, temp_limit, max_clock)
-    durations = [f[c].max() for f, c in ((gpus, "duration_s"), (host, "host_duration_s")) if f is not None]
+    durations = [f["duration_s"].max() for f in gpu_parts] + [f["host_duration_s"].max() for f in host_parts]
     if max(durations) == 0:
         raise UserError(
             f"window {label}: only one sample per device; at least two are needed to weight by time"
         )
     if end_ns is None:
         end_ns = last_ns
-    if gpus is not None:
-        spikes = _excursions(gpu, gpus["power_mean_w"].mean())
-        del gpu
-        gpus = gpus.join(spikes, on="_dev", how="left").drop("_dev").sort(KEYS)
+    if gpu_parts:
+        run_mean_w = pl.concat(gpu_parts)["power_mean_w"].mean()
+        spikes = []
+        gpu = None
+        for batch in batches:
+            if len(batches) > 1:
+                loaded = gpu = None
+            gpu = (loaded or load(batch))[0]
+            if gpu is not None:
+                spikes.append(_excursions(gpu[0], run_mean_w))
+        del loaded, gpu
+        gpus = pl.concat(stats.join(s, on="_dev", how="left").drop("_dev")
+                         for stats, s in zip(gpu_parts, spikes)).sort(KEYS)
     elif by == "gpu":
         raise UserError(f"run {run.id}: no accelerator telemetry (host only); use --by node or --by run")
     else:
@@ -233,6 +268,16 @@ def read_iterations(run: RunDir) -> pl.DataFrame:
         .drop_nulls(["start_ns", "end_ns"])
         .sort("iteration")
     )
+
+
+def window_phrase(label: str) -> str:
+    """What a summary's `window` label covers, in words (every figure shown names its window)."""
+    if label == "steady":
+        return "the steady window (non-warm-up iterations)"
+    if label == "all":
+        return "all samples"
+    start, _, end = label.partition(":")
+    return f"seconds {start} to {end} after the first sample"
 
 
 def parse_window(text: str):
@@ -334,48 +379,88 @@ def _in_window(start_ns: int | None, end_ns: int | None) -> pl.Expr:
     return keep
 
 
-def _by_device(samples: pl.DataFrame, keys: list[str], labels: dict[str, pl.Expr],
-               keep: pl.Expr = pl.lit(True)) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(the samples to `keep`, grouped by device, each device's in time order; one row of
-    `labels` per device).
+BATCH_ROWS = 5_000_000  # samples summarized at once: an hour of 64 GPUs at 20 Hz in a few hundred MB
 
-    Devices get an integer id `_dev` (a 64-bit hash of the key strings, far cheaper to order and
-    group by than the strings), ascending in the samples frame, which keeps only the numbers:
-    every per-device statistic is then a column expression over the whole frame (shifts masked
+
+def _devices(scan: pl.LazyFrame) -> pl.DataFrame:
+    """One row per device: its samples, first and last time, and names (a streaming pass over
+    the identity columns only)."""
+    return scan.group_by("node", "device").agg(
+        pl.len().alias("rows"), pl.col("ts_ns").min().alias("first_ns"), pl.col("ts_ns").max().alias("last_ns"),
+        **_GPU_LABELS,
+    ).sort("node", "device").collect(engine="streaming")
+
+
+def _batches(devices: pl.DataFrame) -> list[tuple[list[str], list[str] | None]]:
+    """(nodes, their devices or None for all) to summarize together, each batch at most
+    BATCH_ROWS samples where a node allows (one device is never split)."""
+    batches: list[tuple[list[str], list[str] | None]] = []
+    size = BATCH_ROWS + 1
+    for (d,), part in devices.group_by("node", maintain_order=True):
+        rows = part["rows"].sum()
+        if rows > BATCH_ROWS:  # a big node: its devices in groups
+            group, group_rows = [], 0
+            for device, n in part.group_by("device", maintain_order=True).agg(pl.col("rows").sum()).iter_rows():
+                if group and group_rows + n > BATCH_ROWS:
+                    batches.append(([d], group))
+                    group, group_rows = [], 0
+                group.append(device)
+                group_rows += n
+            batches.append(([d], group))
+            size = BATCH_ROWS + 1
+        elif size + rows > BATCH_ROWS or batches[-1][1] is not None:
+            batches.append(([d], None))
+            size = rows
+        else:
+            batches[-1][0].append(d)
+            size += rows
+    return batches
+
+
+def _device_key(devices: pl.DataFrame) -> tuple[pl.Expr, pl.DataFrame]:
+    """(an expression giving each sample its device's key `_key`, the devices with theirs).
+
+    The key is a 64-bit hash of the node and device names: far cheaper than the strings, which
+    are then never held per sample.
+    """
+    key = pl.col("node").hash(1) ^ pl.col("device").hash(2)
+    keyed = devices.with_columns(key.alias("_key"))
+    if keyed["_key"].n_unique() < keyed.height:  # a hash collision: never seen, but be exact
+        key = pl.concat_str("node", pl.lit("\0"), "device")
+        keyed = devices.with_columns(key.alias("_key"))
+    return key, keyed
+
+
+def _by_device(samples: pl.DataFrame, devices: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(the samples (keyed by `_key`, see _device_key) grouped by device, each device's in time
+    order, with a device id `_dev` counting from 0 in place of the key; the `devices` rows
+    (with `_key`) of those ids).
+
+    Every per-device statistic is then a column expression over the whole frame (shifts masked
     at device boundaries) aggregated by contiguous slices, one group_by for all devices.
     """
-    dev = pl.col(keys[0]).hash(1)
-    for k in keys[1:]:
-        dev = dev ^ pl.col(k).hash(2)
-    samples = samples.with_columns(dev.alias("_dev"), keep.alias("_keep"))
-    names = samples.lazy().filter("_keep").group_by("_dev").agg(
-        **labels, **{f"_{k}_max": pl.col(k).max() for k in keys}).collect()
-    if any((names[k] != names[f"_{k}_max"]).any() for k in keys):  # a hash collision: never seen, but be exact
-        samples = samples.with_columns(pl.struct(keys).rank("dense").cast(pl.UInt64).alias("_dev"))
-        names = samples.lazy().filter("_keep").group_by("_dev").agg(**labels).collect()
-    samples = samples.drop(c for c, t in samples.schema.items() if t == pl.String)
-    # Compacted files group rows by device (recorder.py), each device's in time order: copying
-    # the kept part of those runs in device order is a stable sort by device and a row filter
-    # at a fraction of their cost.
+    # Finished files group rows by device (recorder.py): an import's samples arrive grouped
+    # already; a recording's compacted files hold a minute each, whose runs are copied together
+    # (a stable sort by device at a fraction of its cost).
     runs = (
-        samples.lazy().select(pl.col("_dev").rle_id().alias("run"), "_dev", "_keep",
+        samples.lazy().select(pl.col("_key").rle_id().alias("run"), "_key",
                               pl.int_range(pl.len(), dtype=pl.UInt32).alias("row"))
-        .filter("_keep").group_by("run", maintain_order=True)
-        .agg(pl.col("_dev").first(), pl.col("row").first().alias("offset"), pl.len(),
-             (pl.col("row").last() - pl.col("row").first() + 1 == pl.len()).alias("contiguous"))
+        .group_by("run", maintain_order=True).agg(pl.col("_key").first(), pl.col("row").first().alias("offset"), pl.len())
         .collect()
     )
-    if runs.height <= max(1024, samples.height // 256) and runs["contiguous"].all():
-        runs = runs.sort("_dev", "run")
-        samples = pl.concat([samples.slice(o, n) for o, n in zip(runs["offset"], runs["len"])] or
-                            [samples.clear()], rechunk=True)
-    else:  # 1-s chunks, devices interleaved
-        samples = samples.filter("_keep").sort("_dev", maintain_order=True)
-    samples = samples.drop("_keep")
+    if runs["_key"].n_unique() < runs.height:  # a device's samples lie in several runs
+        if runs.height <= max(1024, samples.height // 256):
+            runs = runs.with_columns(pl.col("run").min().over("_key").alias("first")).sort("first", "run")
+            samples = pl.concat([samples.slice(o, n) for o, n in zip(runs["offset"], runs["len"])], rechunk=True)
+        else:  # 1-s chunks, devices interleaved
+            samples = samples.sort("_key", maintain_order=True)
+    keys = samples.select(pl.col("_key").rle().struct.field("value").alias("_key"))
+    samples = samples.with_columns(pl.col("_key").rle_id().alias("_key")).rename({"_key": "_dev"})
     # Files hold chunks in time order; only a clock step disorders a device's samples.
     if samples.select(((pl.col("_dev") == pl.col("_dev").shift(1)) & (pl.col("ts_ns").diff() < 0)).any()).item():
         samples = samples.sort(["_dev", "ts_ns"], maintain_order=True)
-    return samples.with_columns(pl.col("_dev").set_sorted()), names.select("_dev", *labels)
+    names = keys.with_row_index("_dev").join(devices, on="_key", how="left", maintain_order="left").drop("_key")
+    return samples.with_columns(pl.col("_dev").set_sorted()), names
 
 
 def _next(value: pl.Expr) -> pl.Expr:
@@ -398,7 +483,24 @@ def _counter_delta(name: str) -> pl.Expr:
 
 
 def _per_device(frame: pl.DataFrame, columns: dict[str, pl.Expr], aggs: list[pl.Expr]) -> pl.DataFrame:
-    """`aggs` per device (`_dev`) after adding the per-sample `columns` (a `_by_device` frame)."""
+    """`aggs` per device (`_dev`) after adding the per-sample `columns` (a `_by_device` frame).
+
+    What only uses metrics this frame never measured (all null: most of an import's columns)
+    is null without being computed, as computing it would give.
+    """
+    empty = {c for c in frame.columns if frame[c].null_count() == frame.height}
+    schema = pl.LazyFrame(schema=frame.schema).with_columns(**columns).group_by("_dev").agg(aggs).collect_schema()
+
+    def unmeasured(expr: pl.Expr) -> bool:
+        metrics = set(expr.meta.root_names()) - {"_dev", "ts_ns", "dt_s"}
+        return bool(metrics) and metrics <= empty
+
+    for name, expr in columns.items():
+        if unmeasured(expr):
+            columns = {**columns, name: pl.lit(None, pl.Float64)}
+            empty.add(name)
+    aggs = [pl.lit(None, schema[e.meta.output_name()]).alias(e.meta.output_name()) if unmeasured(e) else e
+            for e in aggs]
     return frame.lazy().with_columns(**columns).group_by("_dev", maintain_order=True).agg(aggs).collect()
 
 
@@ -465,8 +567,16 @@ def _excursions(gpu: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:
     highest excess.
     """
     frame = gpu.lazy().select("_dev", "power_w", "power_limit_w", _dt())
-    aggs, sizes = [], []
-    for name, threshold in {"mean": pl.lit(run_mean_w, pl.Float64), "limit": pl.col("power_limit_w")}.items():
+    aggs, sizes, unknown = [], [], []
+    thresholds = {"mean": pl.lit(run_mean_w, pl.Float64), "limit": pl.col("power_limit_w")}
+    for name, known in {"mean": run_mean_w is not None,
+                        "limit": gpu["power_limit_w"].null_count() < gpu.height}.items():
+        if not known:  # no threshold, no spikes to count (null, as counting would give): not computed
+            del thresholds[name]
+            unknown += [pl.lit(None, pl.UInt32).alias(f"spikes_over_{name}_count"),
+                        *(pl.lit(None, pl.Float64).alias(f"{stat}_over_{name}{unit}") for stat, unit in
+                          (("time", "_s"), ("spikes", "_max_excess_w"), ("spikes", "_avg_excess_w")))]
+    for name, threshold in thresholds.items():
         excess, above, start, spike = (f"_{name}_{c}" for c in ("excess", "above", "start", "spike"))
         frame = frame.with_columns(
             (pl.col("power_w") - threshold).alias(excess), threshold.is_not_null().alias(f"_{name}_known"),
@@ -491,7 +601,7 @@ def _excursions(gpu: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:
         table = table.join(size(frame), on="_dev", how="left")
     order = [f"{stat}_over_{name}{unit}" for name in ("mean", "limit") for stat, unit in
              (("spikes", "_count"), ("time", "_s"), ("spikes", "_max_excess_w"), ("spikes", "_avg_excess_w"))]
-    return table.select("_dev", *order).collect()
+    return table.with_columns(unknown).select("_dev", *order).collect()
 
 
 def _host_stats(host: pl.DataFrame, names: pl.DataFrame) -> pl.DataFrame:

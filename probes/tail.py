@@ -50,6 +50,8 @@ class TelemetryTail:
                 frame = conform(pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_ipc(path))
             except FileNotFoundError:
                 break  # merged and deleted since the listing: the next poll reads the merged file
+            except Exception:  # noqa: BLE001 - a damaged file costs only itself (summaries name it)
+                frame = empty_frame()
             if first <= done:  # part of this compacted file was read chunk by chunk
                 frame = _skip_read(frame, [counts[n] for n in range(first, done + 1) if n in counts])
             if first == last:

@@ -59,7 +59,7 @@ def test_import_maps_units_and_summarizes(tmp_path):
     m = run.read_manifest()
     assert m["kind"] == "import" and m["imported_from"]["format"] == "charllm-ppt"
     assert m["limitations"] == LIMITATIONS and m["simulated"] is False
-    assert sorted(p.parent.name for p in run.telemetry_files()) == ["node0", "node1"]
+    assert sorted({p.parent.name for p in run.telemetry_files()}) == ["node0", "node1"]
     s = summarize(run, "all")
     assert s["node"].to_list() == ["node0", "node1"] and s["backend"][0] == "import:charllm-ppt"
     r0 = s.row(0, named=True)
@@ -151,6 +151,6 @@ def test_host_files_written_by_every_rank_give_one_host_stream_per_node(tmp_path
     run = import_charllm_ppt(src, gpus_per_node=2)          # both ranks on node0
     import polars as pl
 
-    frame = pl.concat([pl.read_ipc(p) for p in (run.path / "telemetry").rglob("*.arrow")])
+    frame = run.scan_telemetry().collect()
     host = frame.filter(pl.col("device") == "host")
     assert host.height == host["ts_ns"].n_unique() > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +60,22 @@ def test_record_for_a_duration_into_a_new_run_dir(tmp_path, capsys):
     assert frame.filter(pl.col("device") == "gpu0").height == 20
     assert (out_dir / "telemetry" / "n7").is_dir()
     assert "0 missed deadline(s)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hz", [20, 100])
+def test_every_backend_keeps_the_default_rate_and_a_slower_one_says_its_rate_and_why(tmp_path, capsys, hz):
+    out_dir = tmp_path / "run"
+    assert main(["probe", "--backend", "sim", "--sim-gpus", "1", "--hz", str(hz), "--duration", "2",
+                 "--out", str(out_dir), "--node", "n0"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    rows = RunDir(out_dir).scan_telemetry().group_by("device").len().sort("device").collect().rows()
+    (_, gpu), (_, host) = rows
+    ticks = int(re.search(r"rows in (\d+) ticks", err).group(1))
+    assert gpu == ticks and 30 <= host <= 41  # the host at 20 Hz (it was 10 Hz when 20 Hz was asked)
+    assert json.loads((out_dir / "manifest.json").read_text())["rates"] == {"sim": hz, "host": 20.0}
+    slower = "host at 20 Hz (psutil reads /proc and /sys, ~0.3 ms a sample, and host counters change slowly)"
+    assert (slower in err) == (hz > 20)
+    assert re.search(rf"{gpu + host} rows in {ticks} ticks at [\d.]+ Hz \({hz} Hz asked, \d+ missed deadline", err)
 
 
 def test_existing_manifest_is_left_to_its_owner(tmp_path):

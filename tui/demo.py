@@ -84,7 +84,7 @@ def save_demo_calibration(node: str = "node0", date: str = "2025-11-21") -> Path
     (its figures rounded), for the Doctor screen's snapshot and screenshot. No GPU is claimed."""
     from charllm.engine import calibration, doctor
 
-    host = {"device": "host", "backend": "host", "target_hz": 10.0, "rows": 20, "achieved_hz": 10.0}
+    host = {"device": "host", "backend": "host", "target_hz": 20.0, "rows": 40, "achieved_hz": 20.0}
     report = {
         "node": node, "date": date, "hardware": "cpu", "hardware_reason": "no GPU: training runs on the CPU",
         "errors": [], "driver": None, "devices": [], "stack": {"cuda": False, "capability": None, "extensions": []},
@@ -99,9 +99,9 @@ def save_demo_calibration(node: str = "node0", date: str = "2025-11-21") -> Path
                                    "host_mem_used_bytes", "host_mem_total_bytes", "net_tx_bytes", "net_rx_bytes"]}]},
         "sampling": [
             {"hz": 20.0, "seconds": 2.0, "ticks": 40, "missed_deadlines": 0,
-             "devices": [{**host, "interval_ms": {"median": 100.0, "p99": 100.2, "max": 100.2}}]},
+             "devices": [{**host, "interval_ms": {"median": 50.0, "p99": 50.2, "max": 50.2}}]},
             {"hz": 100.0, "seconds": 2.0, "ticks": 200, "missed_deadlines": 0,
-             "devices": [{**host, "interval_ms": {"median": 100.0, "p99": 101.6, "max": 101.6}}]},
+             "devices": [{**host, "interval_ms": {"median": 50.0, "p99": 51.6, "max": 51.6}}]},
         ],
         "train": {
             "node": node, "date": date, "world_size": 2, "device": "cpu",

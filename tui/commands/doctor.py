@@ -19,7 +19,7 @@ what the figures mean:
   telemetry      the backend `auto` picks (NVML, AMD SMI, else the host alone) and the metrics each
                  device reports (`probe --list` shows the same)
   sampling       the real sampler run for a few seconds at 20 and at 100 Hz. target: the rate a device
-                 is asked at (the host only every n-th tick, at most 10 Hz); achieved: rows per device
+                 is asked at (the host only every n-th tick, at most 20 Hz); achieved: rows per device
                  per second; median/p99/max: time between one device's rows; missed: ticks skipped
                  because a tick ran past the next deadline
   train (--train)  a short real training job (torchrun, the workload) sized to the device:

@@ -111,15 +111,16 @@ def _iteration_line(row: dict) -> str:
     if start and end:
         parts.append(f"{(end - start) / 1e6:8.1f} ms")
     if row.get("tflops_per_gpu") is not None:
-        parts.append(f"{row['tflops_per_gpu']:.3f} TFLOP/s/gpu")
+        parts.append(f"{row['tflops_per_gpu']:.3f} TFLOP/s/gpu (this step)")
     if row.get("warmup"):
         parts.append("(warm-up)")
     return "  ".join(parts)
 
 
 def _telemetry_line(rows) -> str:
-    """The mean of the headline metrics over the rows new since the last line."""
-    parts = [f"telemetry {rows.height} rows"]
+    """The mean of the headline metrics over the rows new since the last line (its window, said)."""
+    span = (rows["ts_ns"].max() - rows["ts_ns"].min()) / 1e9 if "ts_ns" in rows.columns and rows.height else 0.0
+    parts = [f"telemetry {rows.height} rows, means over the last {span:.0f} s:"]
     for column, label, scale in (("power_w", "GPU power {:.0f} W", 1), ("temp_gpu_c", "GPU {:.0f} C", 1),
                                  ("cpu_util_pct", "CPU {:.0f} %", 1), ("temp_cpu_c", "CPU {:.0f} C", 1),
                                  ("host_mem_used_bytes", "host memory {:.1f} GiB", 2**30)):

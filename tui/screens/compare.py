@@ -118,8 +118,8 @@ class CompareScreen(WorkbenchScreen):
         else:
             result = self.result = message.result
             flags = {(r["metric"], r["ref"]): r["flag"] for r in result.table.iter_rows(named=True)}
-            lines = [f"baseline [b]{escape(result.baseline)}[/b] · [green]better[/] / [red]worse[/] beyond "
-                     f"±{result.threshold_pct:g}%"]
+            lines = [f"baseline [b]{escape(result.baseline)}[/b] · {escape(result.window_text)} · "
+                     f"[green]better[/] / [red]worse[/] beyond ±{result.threshold_pct:g}%"]
             diffs = result.experiment_diff.to_dicts()
             for row in diffs[:MAX_DIFF_LINES]:
                 field = row.pop("field", "")
