@@ -25,8 +25,8 @@ from typing import Callable, Iterator
 from charllm.engine import slurm, ssh
 from charllm.engine.targets import Target, from_record
 from charllm.probes import paths
-from charllm.probes.errors import UserError
-from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id
+from charllm.probes.errors import UserError, is_disk_full, os_error_line
+from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id, status_line
 
 TRAIN_MODULE = "charllm.engine.workload.train"
 SAMPLER_MODULE = "charllm.probes"
@@ -275,12 +275,66 @@ def _process(info: dict | None):
     return None
 
 
+def reconcile(rd: RunDir) -> str:
+    """The run's status, after finishing it if whoever owned it died without saying so.
+
+    A launched run is owned by its supervisor, a probe-only run by its sampler. When that
+    process is gone but the status is not final, stop what it recorded (the ranks die with
+    torchrun, see engine.lifeline; under Slurm, cancel the job) and record what happened:
+    completed if every node's workload said so, else failed, naming the lost owner."""
+    manifest = rd.read_manifest()
+    status = manifest.get("status")
+    if status in FINAL_STATUSES or status == "unknown":
+        return status
+    probe_only = manifest.get("kind") == "probe"
+    owner = manifest.get("sampler" if probe_only else "supervisor")
+    if owner is None or _process(owner) is not None:
+        return status       # not started yet (launch records it within moments), or alive
+    manifest = rd.read_manifest()
+    if manifest.get("status") in FINAL_STATUSES:  # it wrote its last word just now
+        return manifest["status"]
+    found = time.strftime("%H:%M:%S")
+    if probe_only:
+        return rd.update_manifest(status="failed", ended_ns=time.time_ns(),
+                                  failure=f"the sampler died (found at {found}); telemetry up to then is kept")["status"]
+    if manifest.get("target", {}).get("kind") == "slurm" and manifest.get("slurm_job_id"):
+        slurm.cancel(manifest["slurm_job_id"])
+    else:
+        _kill_recorded(manifest, grace=2.0)
+    ended = [r.get("status") for r in _end_events(rd)]
+    done = bool(ended) and all(s == "completed" for s in ended)
+    return rd.update_manifest(
+        status="completed" if done else "failed", ended_ns=time.time_ns(),
+        failure=manifest.get("failure") or (None if done else
+                                            f"the supervisor died (found at {found}); its processes were stopped"),
+        note=f"the supervisor died (found at {found})")["status"]
+
+
+def _end_events(rd: RunDir) -> list[dict]:
+    import json
+
+    out = []
+    try:
+        with open(rd.iterations_path, "rb") as fh:
+            for line in fh:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("event") == "end":
+                    out.append(record)
+    except OSError:
+        pass
+    return out
+
+
 def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str:
     """Stop every process of the run on every node; returns the final status."""
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    reconcile(rd)
     manifest = rd.read_manifest()
     if manifest.get("status") in FINAL_STATUSES:
-        raise UserError(f"run {rd.id!r} is already {manifest['status']}")
+        raise UserError(f"run {rd.id!r} is already {status_line(manifest)}")
     kind = manifest.get("target", {}).get("kind")
     sup = None
     if kind == "slurm":
@@ -302,8 +356,13 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
     if sup is not None:
         sup.kill()
     _kill_recorded(manifest, grace)
-    rd.update_manifest(status="cancelled", ended_ns=time.time_ns(),
-                       failure=None, note="cancelled without its supervisor")
+    try:
+        rd.update_manifest(status="cancelled", ended_ns=time.time_ns(), note="cancelled without its supervisor")
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise UserError(f"run {rd.id!r}: its processes were stopped, but the status could not be "
+                            f"recorded: {os_error_line(exc)}") from None
+        raise
     return "cancelled"
 
 
@@ -354,7 +413,7 @@ def watch(run_dir, *, interval: float = 0.5) -> Iterator[tuple[str, object]]:
     iterations, telemetry = IterationTail(rd.path), TelemetryTail(rd.path)
     last_status = None
     while True:
-        status = rd.status
+        status = reconcile(rd)
         if status != last_status:
             yield "status", status
             last_status = status

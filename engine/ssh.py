@@ -49,9 +49,18 @@ def shell_line(target: Target, argv: list[str], cwd: str | None = None) -> str:
     return " ".join(parts)
 
 
+# Reads the connection's stdin until it closes (the local client or its parent died, or the
+# caller closed it), then stops the group: TERM, up to 10 s for its leader to end, KILL. It ignores TERM itself, and its
+# output goes nowhere so it never holds the channel open after the command ends.
+_STOP_WITH_CONNECTION = ('{ trap "" TERM; cat >/dev/null; kill -TERM -- -$$; '
+                         'for _ in $(seq 20); do kill -0 $$ || break; sleep 0.5; done; kill -KILL -- -$$; } '
+                         '<&0 >/dev/null 2>&1 & exec </dev/null; ')
+
+
 def in_process_group(line: str) -> str:
-    """Run `line` as leader of a new session (pgid = its pid), printing that pgid first."""
-    return "setsid -w bash -c " + shlex.quote("echo $$; " + line)
+    """Run `line` as leader of a new session (pgid = its pid), printing that pgid first. The
+    group lives as long as the connection's stdin stays open: callers keep it open as a pipe."""
+    return "setsid -w bash -c " + shlex.quote("echo $$; " + _STOP_WITH_CONNECTION + line)
 
 
 def trust_hint(target: Target, host: str) -> str:

@@ -115,8 +115,10 @@ def value_problems(exp: Experiment) -> list[Problem]:
         out.append(Problem("moe_expert_capacity_factor", t.moe_expert_capacity_factor, "must be greater than 0"))
     if t.moe_aux_loss_coeff < 0:
         out.append(Problem("moe_aux_loss_coeff", t.moe_aux_loss_coeff, "must be 0 or more"))
-    if exp.telemetry.hz <= 0:
-        out.append(Problem("hz", exp.telemetry.hz, "telemetry sampling rate must be greater than 0"))
+    from charllm.probes.sampler import MAX_HZ
+
+    if not 0 < exp.telemetry.hz <= MAX_HZ:  # what the sampler accepts (probes.sampler.check_hz)
+        out.append(Problem("hz", exp.telemetry.hz, f"telemetry sampling rate must be > 0 and at most {MAX_HZ:g}"))
     backend = exp.telemetry.backend
     if backend not in TELEMETRY_BACKENDS and not backend.startswith("replay:"):
         out.append(Problem("backend", backend, f"must be one of {', '.join(TELEMETRY_BACKENDS)} or replay:RUN"))

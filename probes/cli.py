@@ -101,8 +101,12 @@ def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
 
     run = RunDir(Path(out).expanduser().resolve())
     if not run.manifest_path.exists():
+        import psutil
+
+        me = psutil.Process()  # who owns the run: if it dies, the next reader finishes the run
         run.write_manifest({"id": run.id, "kind": "probe", "status": "running", "backend": args.backend,
-                            "backend_reason": reason, "hz": args.hz, "created_ns": time.time_ns()})
+                            "backend_reason": reason, "hz": args.hz, "created_ns": time.time_ns(),
+                            "sampler": {"pid": me.pid, "create_time": me.create_time()}})
         return run, True
     return run, False
 

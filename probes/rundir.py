@@ -62,6 +62,33 @@ def node_chunks(directory: Path) -> list[tuple[int, int, Path]]:
     return out
 
 
+# The manifest fields readers rely on, and their JSON types (others are left to their writers).
+_MANIFEST_TYPES = {
+    "id": str, "kind": str, "name": str, "status": str, "failure": (str, type(None)), "note": str,
+    "target": dict, "nodes": list, "steps": list, "commands": list, "forced": list, "processes": list,
+    "supervisor": dict, "sampler": dict, "created_ns": int, "started_ns": (int, type(None)),
+    "ended_ns": (int, type(None)), "world_size": int, "slurm_job_id": str, "telemetry_lost": list,
+    "exit_codes": dict, "runtime": (dict, type(None)),
+}
+_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", list: "a list",
+               dict: "an object", type(None): "null"}
+
+
+def manifest_problem(data) -> str | None:
+    """What is wrong with a manifest's shape, or None."""
+    if not isinstance(data, dict):
+        return f"{_JSON_NAMES.get(type(data), type(data).__name__)} instead of an object"
+    for name, kinds in _MANIFEST_TYPES.items():
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        value = data.get(name)
+        if name in data and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+            want = " or ".join(_JSON_NAMES[k] for k in kinds)
+            return f"field {name!r} is {_JSON_NAMES.get(type(value), type(value).__name__)}, expected {want}"
+    if "status" in data and data["status"] not in STATUSES + ("unknown",):
+        return f"field 'status' = {data['status']!r}, expected one of {', '.join(STATUSES)}"
+    return None
+
+
 def write_json_atomic(path: Path, data) -> None:
     """Write JSON so a reader never sees half a file (write a sibling, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -124,12 +151,23 @@ class RunDir:
 
     # -- manifest ---------------------------------------------------------------------------
     def read_manifest(self) -> dict:
+        """The manifest; a damaged one (not JSON, not an object, a field of the wrong type) is
+        one UserError naming the file, so it costs only this run."""
         try:
-            return json.loads(self.manifest_path.read_text())
+            data = json.loads(self.manifest_path.read_bytes())
         except FileNotFoundError:
             return {"id": self.id, "status": "unknown"}
         except json.JSONDecodeError as exc:
-            raise UserError(f"{self.manifest_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            raise UserError(f"{self.manifest_path}: damaged manifest, not valid JSON "
+                            f"({exc.msg} at line {exc.lineno})") from None
+        except ValueError:  # UnicodeDecodeError: binary content
+            raise UserError(f"{self.manifest_path}: damaged manifest, not UTF-8 text") from None
+        except OSError as exc:
+            raise UserError(f"{self.manifest_path}: cannot read the manifest ({exc.strerror})") from None
+        problem = manifest_problem(data)
+        if problem:
+            raise UserError(f"{self.manifest_path}: damaged manifest, {problem}")
+        return data
 
     def write_manifest(self, manifest: dict) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -206,21 +244,15 @@ class RunDir:
         versions, devices): the manifest's copy once the run ended, else the iteration log's
         start event. None before the workload started, or for a probe-only run."""
         saved = self.read_manifest().get("runtime")
-        if saved:
+        if isinstance(saved, dict) and saved:
             return saved
-        try:
-            with open(self.iterations_path) as fh:
-                for line in fh:
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if record.get("event") == "start" and isinstance(record.get("runtime"), dict):
-                        return record["runtime"]
-                    if record.get("event") == "iteration":
-                        return None    # start events come first; this run's workload wrote none
-        except OSError:
-            return None
+        for record in self.iteration_records():
+            if not isinstance(record, dict):
+                continue
+            if record.get("event") == "start" and isinstance(record.get("runtime"), dict):
+                return record["runtime"]
+            if record.get("event") == "iteration":
+                return None    # start events come first; this run's workload wrote none
         return None
 
     def read_iterations(self):
@@ -229,18 +261,52 @@ class RunDir:
 
         from charllm.probes.schema import ITERATION_SCHEMA
 
-        rows = []
-        if self.iterations_path.is_file():
-            with open(self.iterations_path) as fh:
-                for line in fh:
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        continue  # a line still being written
+        rows = [r for r in self.iteration_records() if isinstance(r, dict)]
         if not rows:
             return pl.DataFrame(schema=ITERATION_SCHEMA)
-        clean = [{k: r.get(k) for k in ITERATION_SCHEMA} for r in rows]
+        clean = [{k: _typed(r.get(k), dtype) for k, dtype in ITERATION_SCHEMA.items()} for r in rows]
         return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
+
+    def iteration_records(self):
+        """Each JSON line of the iteration log; a damaged line (half-written, binary, not JSON)
+        is skipped, costing only itself."""
+        try:
+            with open(self.iterations_path, "rb") as fh:
+                for line in fh:
+                    try:
+                        yield json.loads(line)
+                    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                        continue
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return
+
+
+def _typed(value, dtype):
+    """A value of the column's type, else null (a wrong-typed field costs only that field)."""
+    import polars as pl
+
+    if value is None or isinstance(value, bool) and dtype != pl.Boolean:
+        return None
+    if dtype == pl.Boolean:
+        return value if isinstance(value, bool) else None
+    if dtype.is_integer():
+        return value if isinstance(value, int) and -2**63 <= value < 2**63 else None
+    if dtype.is_float():
+        return float(value) if isinstance(value, (int, float)) and abs(value) < 2**1023 else None
+    if dtype == pl.String:
+        return value if isinstance(value, str) else None
+    return value
+
+
+def status_line(manifest: dict) -> str:
+    """The status as the user should read it: "completed, telemetry lost at 12:03:04 (node n1)"."""
+    line = str(manifest.get("status", "unknown"))
+    lost = manifest.get("telemetry_lost")
+    for entry in lost if isinstance(lost, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("at_ns"), int):
+            at = time.strftime("%H:%M:%S", time.localtime(entry["at_ns"] / 1e9))
+            line += f", telemetry lost at {at} (node {entry.get('node', '?')})"
+    return line
 
 
 def runtime_line(record: dict | None) -> str:

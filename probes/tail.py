@@ -101,7 +101,9 @@ class IterationTail:
             if not line.strip():
                 continue
             try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
+                event = json.loads(line)
+            except ValueError:  # not JSON, or not UTF-8
                 continue  # a corrupt line never blocks the ones after it
+            if isinstance(event, dict):
+                events.append(event)
         return events

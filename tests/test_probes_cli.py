@@ -63,9 +63,9 @@ def test_record_for_a_duration_into_a_new_run_dir(tmp_path, capsys):
 
 def test_existing_manifest_is_left_to_its_owner(tmp_path):
     run = RunDir(tmp_path / "run")
-    run.write_manifest({"id": "run", "status": "running", "target": "local"})
+    run.write_manifest({"id": "run", "status": "running", "target": {"name": "local", "kind": "local"}})
     assert main(["probe", "--backend", "sim", "--sim-gpus", "1", "--duration", "0.2", "--out", str(run.path)]) == 0
-    assert run.read_manifest() == {"id": "run", "status": "running", "target": "local"}
+    assert run.read_manifest() == {"id": "run", "status": "running", "target": {"name": "local", "kind": "local"}}
 
 
 @pytest.mark.integration
