@@ -295,19 +295,29 @@ def reconcile(rd: RunDir) -> str:
         return manifest["status"]
     found = time.strftime("%H:%M:%S")
     if probe_only:
-        return rd.update_manifest(status="failed", ended_ns=time.time_ns(),
-                                  failure=f"the sampler died (found at {found}); telemetry up to then is kept")["status"]
+        return _record(rd, status="failed", ended_ns=time.time_ns(),
+                       failure=f"the sampler died (found at {found}); telemetry up to then is kept")
     if manifest.get("target", {}).get("kind") == "slurm" and manifest.get("slurm_job_id"):
         slurm.cancel(manifest["slurm_job_id"])
     else:
         _kill_recorded(manifest, grace=2.0)
     ended = [r.get("status") for r in _end_events(rd)]
     done = bool(ended) and all(s == "completed" for s in ended)
-    return rd.update_manifest(
-        status="completed" if done else "failed", ended_ns=time.time_ns(),
-        failure=manifest.get("failure") or (None if done else
-                                            f"the supervisor died (found at {found}); its processes were stopped"),
-        note=f"the supervisor died (found at {found})")["status"]
+    return _record(rd, status="completed" if done else "failed", ended_ns=time.time_ns(),
+                   failure=manifest.get("failure") or (None if done else
+                                                       f"the supervisor died (found at {found}); its processes were stopped"),
+                   note=f"the supervisor died (found at {found})")
+
+
+def _record(rd: RunDir, **fields) -> str:
+    """Record a final status; a full disk is one line saying the processes are stopped regardless."""
+    try:
+        return rd.update_manifest(**fields)["status"]
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise UserError(f"run {rd.id!r}: its processes were stopped, but its status ({fields['status']}) "
+                            f"could not be recorded: {os_error_line(exc, rd.path)}") from None
+        raise
 
 
 def _end_events(rd: RunDir) -> list[dict]:
@@ -356,14 +366,7 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
     if sup is not None:
         sup.kill()
     _kill_recorded(manifest, grace)
-    try:
-        rd.update_manifest(status="cancelled", ended_ns=time.time_ns(), note="cancelled without its supervisor")
-    except OSError as exc:
-        if is_disk_full(exc):
-            raise UserError(f"run {rd.id!r}: its processes were stopped, but the status could not be "
-                            f"recorded: {os_error_line(exc)}") from None
-        raise
-    return "cancelled"
+    return _record(rd, status="cancelled", ended_ns=time.time_ns(), note="cancelled without its supervisor")
 
 
 def _alive(proc) -> bool:

@@ -227,6 +227,17 @@ class Supervisor:
         self.lines_lock = threading.Lock()
         self.procs: list[Proc] = []
         self.samplers_lost: dict[Proc, dict] = {}
+        self.reserve = Reserve(rd.path / ".reserve")
+
+    def record_final(self, **fields) -> None:
+        """Write the final status; on a full disk, give back the reserve and say so."""
+        try:
+            self.rd.update_manifest(**fields)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self.reserve.release()
+            self.rd.update_manifest(**{"disk_full": os_error_line(exc, self.rd.path), **fields})
 
     def _on_signal(self, signum, frame) -> None:
         self.cancel_requested = True
@@ -269,8 +280,8 @@ class Supervisor:
         exits = {f"{p.step.role}@{p.step.node}": p.poll() for p in started}
         if self.cancel_requested:
             status, failure = "cancelled", None
-        self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), exit_codes=exits,
-                                runtime=self.rd.runtime())
+        self.record_final(status=status, failure=failure, ended_ns=time.time_ns(), exit_codes=exits,
+                          runtime=self.rd.runtime())
         return status
 
     def watch_samplers(self, helpers: list[Proc]) -> None:
@@ -330,8 +341,8 @@ class Supervisor:
         else:
             status = "failed"
             failure = self._slurm_failure(state, info)
-        self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state,
-                                runtime=self.rd.runtime())
+        self.record_final(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state,
+                          runtime=self.rd.runtime())
         return status
 
     def _slurm_failure(self, state: str, info: dict) -> str:
@@ -348,22 +359,23 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m charllm.engine.supervise RUN_DIR", file=sys.stderr)
         return 2
     rd = RunDir(Path(argv[0]))
-    reserve = Reserve(rd.path / ".reserve")
     supervisor = Supervisor(rd)
     try:
         status = supervisor.run()
     except BaseException as exc:
         # Never leave a run "running" forever, nor its processes orphaned.
         stop([p for p in supervisor.procs if p.popen], CANCEL_GRACE_S)
-        why = os_error_line(exc) if is_disk_full(exc) else f"supervisor error: {exc!r}"
-        reserve.release()  # room for the final status on a full disk
-        rd.update_manifest(status="failed", failure=why, ended_ns=time.time_ns())
-        if is_disk_full(exc):
-            print(f"run {rd.id}: failed: {why}", flush=True)
-            return 1
-        raise
-    reserve.release()
-    print(f"run {rd.id}: {status}")
+        if not is_disk_full(exc):
+            supervisor.record_final(status="failed", failure=f"supervisor error: {exc!r}", ended_ns=time.time_ns())
+            raise
+        why = os_error_line(exc, rd.path)
+        supervisor.record_final(status="failed", failure=why, ended_ns=time.time_ns(), disk_full=why)
+        status = f"failed: {why}"
+    supervisor.reserve.release()
+    try:
+        print(f"run {rd.id}: {status}", flush=True)
+    except OSError:
+        pass  # the log is on the full disk; the manifest says it
     return 0
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from charllm.probes import baselines
+from charllm.probes import baselines, paths
 from charllm.probes.errors import UserError
 from charllm.probes.rundir import resolve_run
 
@@ -140,7 +140,7 @@ def _load(ref: str, window) -> tuple[str, pl.DataFrame, dict]:
                 raise UserError(f"{ref!r}: neither a run nor a baseline (see `charllm-tui runs` and "
                                 "`charllm-tui baseline list`)") from None
         else:
-            exp = tomllib.loads(run.experiment_path.read_text()) if run.experiment_path.is_file() else {}
+            exp = paths.read_toml(run.experiment_path, "experiment file") if run.experiment_path.is_file() else {}
             return run.id, summarize(run, window, by="run"), exp
     b = baselines.show(name)
     return f"baseline:{name}", b.summary, tomllib.loads(b.experiment_toml) if b.experiment_toml else {}

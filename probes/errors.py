@@ -34,9 +34,10 @@ def mount_point(path) -> str:
     return str(path)
 
 
-def os_error_line(exc: OSError) -> str:
-    """One line for an operating-system error on a file: a full disk names the disk."""
-    where = exc.filename or "?"
+def os_error_line(exc: OSError, where=None) -> str:
+    """One line for an operating-system error on a file (`where` when the error names none):
+    a full disk names the disk."""
+    path = exc.filename or where
     if is_disk_full(exc):
-        return f"disk full on {mount_point(where) if exc.filename else '?'} (writing {where})"
-    return f"{where}: {exc.strerror or exc}"
+        return f"disk full on {mount_point(path)} (writing {path})" if path else "disk full (no space left on device)"
+    return f"{path}: {exc.strerror or exc}" if path else str(exc.strerror or exc)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 APP = "charllm"
+MAX_TOML_BYTES = 4 * 2**20
 
 
 def _dir(env: str, default) -> Path:
@@ -27,11 +28,23 @@ def read_toml(path: Path, what: str = "file") -> dict:
     from charllm.probes.errors import UserError
 
     try:
-        return tomllib.loads(Path(path).expanduser().read_text())
+        text = Path(path).expanduser().read_bytes()
     except FileNotFoundError:
         raise UserError(f"{what} {str(path)!r}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(f"{what} {str(path)!r}: is a directory, not a TOML file") from None
+    except OSError as exc:
+        raise UserError(f"{what} {str(path)!r}: cannot read ({exc.strerror})") from None
+    if len(text) > MAX_TOML_BYTES:  # a preset is a few KiB; refuse before parsing something huge
+        raise UserError(f"{what} {str(path)!r}: {len(text)} bytes, more than the {MAX_TOML_BYTES} a TOML file may have")
+    try:
+        return tomllib.loads(text.decode())
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what} {str(path)!r}: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{what} {str(path)!r}: invalid TOML ({exc})") from None
+    except RecursionError:
+        raise UserError(f"{what} {str(path)!r}: nested too deeply") from None
 
 
 def config_dir() -> Path:

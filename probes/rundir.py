@@ -68,7 +68,7 @@ _MANIFEST_TYPES = {
     "target": dict, "nodes": list, "steps": list, "commands": list, "forced": list, "processes": list,
     "supervisor": dict, "sampler": dict, "created_ns": int, "started_ns": (int, type(None)),
     "ended_ns": (int, type(None)), "world_size": int, "slurm_job_id": str, "telemetry_lost": list,
-    "exit_codes": dict, "runtime": (dict, type(None)),
+    "exit_codes": dict, "runtime": (dict, type(None)), "disk_full": str,
 }
 _JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", list: "a list",
                dict: "an object", type(None): "null"}
@@ -92,12 +92,18 @@ def manifest_problem(data) -> str | None:
 def write_json_atomic(path: Path, data) -> None:
     """Write JSON so a reader never sees half a file (write a sibling, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)  # a full disk leaves the old file, and no half of a new one
+        if isinstance(exc, OSError) and not exc.filename:
+            exc.filename = str(path)  # a failed write names no file; the user needs to know which
+        raise
 
 
 def check_run_id(run_id: str) -> str:
@@ -306,6 +312,8 @@ def status_line(manifest: dict) -> str:
         if isinstance(entry, dict) and isinstance(entry.get("at_ns"), int):
             at = time.strftime("%H:%M:%S", time.localtime(entry["at_ns"] / 1e9))
             line += f", telemetry lost at {at} (node {entry.get('node', '?')})"
+    if manifest.get("disk_full") and "disk full" not in str(manifest.get("failure")):
+        line += f", {manifest['disk_full']}"
     return line
 
 
@@ -334,7 +342,7 @@ def list_runs(root: Path | None = None) -> list[RunDir]:
     root = root or paths.runs_dir()
     if not root.is_dir():
         return []
-    return sorted((RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "manifest.json").is_file()),
+    return sorted((RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "manifest.json").exists()),
                   key=lambda r: r.id)
 
 
