@@ -211,10 +211,21 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     if target.kind == "slurm" and shutil.which("sbatch") is None:
         raise UserError(f"target {target.name!r}: `sbatch` is not on PATH (run from a Slurm login node)")
 
+    base = run_dir.with_name(run_id)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    while True:  # claim the name: a simultaneous launch may have taken it since (never remove theirs)
+        try:
+            run_dir.mkdir()
+            break
+        except FileExistsError:
+            run_dir = _unique(base)
+            steps, script = plan(exp, target, run_dir)
+            result.run_id, result.sbatch_script = run_dir.name, script
+            result.commands = commands = display_commands(steps, target)
     rd = RunDir(run_dir)
     say(f"creating {run_dir}")
     try:
-        rd.logs_dir.mkdir(parents=True)
+        rd.logs_dir.mkdir()
         exp.save(rd.experiment_path)
         rd.write_manifest({
             "id": rd.id, "kind": "train", "name": exp.name, "status": "pending",

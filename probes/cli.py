@@ -43,10 +43,16 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from charllm.probes.backends import open_backends
+    from charllm.probes import paths
     from charllm.probes.errors import UserError
+    from charllm.probes.rundir import check_node_name
     from charllm.probes.sampler import Sampler, check_hz
 
     check_hz(args.hz)
+    if args.node is not None:
+        check_node_name(args.node)
+    if args.out is not None:
+        paths.output_dir(args.out, "--out")
     if args.duration is not None and not args.duration > 0:
         raise UserError(f"duration = {args.duration:g}: must be > 0 seconds")
     backends, reason = open_backends(args.backend, gpus=args.sim_gpus, profile=args.sim_profile,
@@ -56,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if args.list:
             _print_list(_console(sys.stdout), backends, reason)
             return 0
-        run_dir, own_manifest = _prepare_run_dir(args.out, args, reason) if args.out else (None, False)
+        run_dir, own_manifest = _prepare_run_dir(args.out, args, reason) if args.out is not None else (None, False)
         follow = args.follow or (run_dir is None and not args.stream)
         view = _LiveTable(err if args.stream else _console(sys.stdout), reason) if follow else None
         sampler = Sampler(backends, hz=args.hz, node=args.node, run_dir=run_dir.path if run_dir else None,

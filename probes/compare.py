@@ -77,8 +77,8 @@ def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: floa
         refs.insert(0, baseline)
     if len(refs) < 2:
         raise UserError("compare: give at least two runs or baselines (or one and --baseline NAME)")
-    if threshold_pct < 0:
-        raise UserError(f"--threshold {threshold_pct}: must be 0 or more (percent)")
+    if not 0 <= threshold_pct < 1e6:  # nan, inf and 1e400 (inf) compare false
+        raise UserError(f"--threshold {threshold_pct}: must be a percentage from 0 to 1,000,000")
     loaded = [_load(ref, window) for ref in refs]
     labels = _unique([label for label, _, _ in loaded])
     base_label = labels[refs.index(baseline)] if baseline is not None else labels[0]

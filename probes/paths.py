@@ -73,3 +73,43 @@ def baselines_dir() -> Path:
 
 def targets_file() -> Path:
     return config_dir() / "targets.toml"
+
+
+def output_file(value, option: str) -> Path:
+    """A file a command is asked to write: an empty name, a directory, or a directory that does
+    not exist (never created silently: a typo would scatter files) is one UserError line."""
+    from charllm.probes.errors import UserError
+
+    text = "" if value is None else str(value)
+    if not text.strip():
+        raise UserError(f"{option} {text!r}: give a file name")
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise UserError(f"{option} {text!r}: is a directory; give a file name")
+    _check_parent(path, text, option)
+    return path
+
+
+def output_dir(value, option: str) -> Path:
+    """A directory a command will create or add to: its parent must exist."""
+    from charllm.probes.errors import UserError
+
+    text = "" if value is None else str(value)
+    if not text.strip():
+        raise UserError(f"{option} {text!r}: give a directory")
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{option} {text!r}: exists and is not a directory")
+    _check_parent(path, text, option)
+    return path
+
+
+def _check_parent(path: Path, text: str, option: str) -> None:
+    from charllm.probes.errors import UserError
+
+    if any(len(part.encode()) > 255 for part in path.parts):
+        raise UserError(f"{option} {text[:60]!r}...: a name longer than 255 bytes")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise UserError(f"{option} {text!r}: directory {str(parent)!r} does not exist (create it first)")
+

@@ -114,6 +114,14 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+def check_node_name(node: str) -> str:
+    """A node name names a directory (telemetry/<node>/): one plain name, never a path."""
+    if not _RUN_ID.match(node):
+        raise UserError(f"node {node!r}: use letters, digits, '.', '_' and '-' (at most 128, "
+                        "not starting with '.' or '-'); it names a directory of the run")
+    return node
+
+
 def new_run_id(name: str) -> str:
     """A sortable, unique, shell-safe id: <UTC time>-<sanitised experiment name>."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -348,6 +356,8 @@ def list_runs(root: Path | None = None) -> list[RunDir]:
 
 def resolve_run(ref: str | os.PathLike, root: Path | None = None) -> RunDir:
     """A run given as a path, an id, or a unique id prefix/suffix."""
+    if not str(ref).strip():
+        raise UserError("run '': give a run id, a unique prefix or suffix of one, or a path")
     candidate = Path(ref).expanduser()
     if candidate.is_dir() and ((candidate / "manifest.json").exists() or (candidate / "telemetry").is_dir()):
         return RunDir(candidate.resolve())

@@ -103,3 +103,42 @@ def test_a_killed_probe_only_run_is_finished_by_the_next_reader(tmp_path, capsys
     assert "the sampler died" in rd.read_manifest()["failure"]
     code, out, _ = run(capsys, "runs", "show", str(out_dir))
     assert code == 0 and "status    failed" in out
+
+
+@pytest.mark.timeout(300)
+def test_simultaneous_launches_both_start_and_keep_their_own_directories():
+    """Two launches of one experiment in the same second want the same run id: the loser takes
+    the next name instead of failing (and its cleanup once removed the winner's directory)."""
+    import threading
+
+    for _ in range(2):
+        barrier, results, errors = threading.Barrier(2), [], []
+
+        def one():
+            barrier.wait()
+            try:
+                results.append(launch(load_experiment("tiny-local"), LOCAL).run_dir)
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(set(results)) == 2, (errors, results)
+        for path in results:
+            rd = RunDir(path)
+            assert rd.manifest_path.is_file() and rd.experiment_path.is_file()
+            if cancel_if_running(rd):
+                assert left_after(str(rd.path)) == 0
+
+
+def cancel_if_running(rd: RunDir) -> bool:
+    from charllm.probes.errors import UserError
+
+    try:
+        cancel(rd)
+    except UserError:  # it ended first
+        pass
+    return True

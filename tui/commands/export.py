@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from charllm.probes import paths
+
 
 def register(sub) -> None:
     p = sub.add_parser("export", help="write an experiment as Megatron-LM flags or as resolved TOML",
@@ -18,7 +20,7 @@ def register(sub) -> None:
         f.add_argument("experiment", metavar="EXPERIMENT_OR_PRESET")
         f.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field, e.g. --set tensor_model_parallel_size=4 (repeatable)")
-        f.add_argument("--out", type=Path, metavar="FILE", help="write to FILE (atomically) instead of stdout")
+        f.add_argument("--out", metavar="FILE", help="write to FILE (atomically) instead of stdout")
         f.add_argument("--no-validate", action="store_true", help="export even if the layout is invalid")
     p.set_defaults(func=run)
 
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         sys.stdout.write(text)
     else:
-        _write_atomically(args.out, text)
+        _write_atomically(paths.output_file(args.out, "--out"), text)
         print(f"wrote {args.out}", file=sys.stderr)
     if args.format == "megatron":  # the world size and environment are the launcher's business, not flags
         from charllm.engine.megatron import export_environment
@@ -56,7 +58,6 @@ def _write_atomically(path: Path, text: str) -> None:
 
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text)
         tmp.replace(path)
     except OSError as exc:
