@@ -332,21 +332,7 @@ def _record(rd: RunDir, **fields) -> str:
 
 
 def _end_events(rd: RunDir) -> list[dict]:
-    import json
-
-    out = []
-    try:
-        with open(rd.iterations_path, "rb") as fh:
-            for line in fh:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict) and record.get("event") == "end":
-                    out.append(record)
-    except OSError:
-        pass
-    return out
+    return [r for r in rd.iteration_records() if isinstance(r, dict) and r.get("event") == "end"]
 
 
 def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+MAX_DURATION_S = 366 * 24 * 3600
+
 USAGE_EXAMPLES = """\
 examples:
   probe --list                                  devices, backend and metrics (and why no GPU)
@@ -53,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
         check_node_name(args.node)
     if args.out is not None:
         paths.output_dir(args.out, "--out")
-    if args.duration is not None and not args.duration > 0:
-        raise UserError(f"duration = {args.duration:g}: must be > 0 seconds")
+    if args.duration is not None and not 0 < args.duration <= MAX_DURATION_S:
+        raise UserError(f"duration = {args.duration:g}: must be > 0 seconds and at most a year "
+                        f"({MAX_DURATION_S:g} s; leave it out to record until stopped)")
     backends, reason = open_backends(args.backend, gpus=args.sim_gpus, profile=args.sim_profile,
                                      seed=args.seed, hardware=args.sim_hardware, speed=args.speed)
     err = _console(sys.stderr)
@@ -106,6 +109,12 @@ def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
     from charllm.probes.rundir import RunDir
 
     run = RunDir(Path(out).expanduser().resolve())
+    try:
+        run.path.mkdir(exist_ok=True)
+    except OSError as exc:
+        from charllm.probes.errors import UserError
+
+        raise UserError(f"--out {out!r}: cannot create the run directory ({exc.strerror})") from None
     if not run.manifest_path.exists():
         import psutil
 

@@ -45,6 +45,8 @@ def read_toml(path: Path, what: str = "file") -> dict:
         raise UserError(f"{what} {str(path)!r}: invalid TOML ({exc})") from None
     except RecursionError:
         raise UserError(f"{what} {str(path)!r}: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise UserError(f"{what} {str(path)!r}: invalid TOML ({exc})") from None
 
 
 def config_dir() -> Path:
@@ -107,6 +109,8 @@ def output_dir(value, option: str) -> Path:
 def _check_parent(path: Path, text: str, option: str) -> None:
     from charllm.probes.errors import UserError
 
+    if any(ord(c) < 32 or c == "\x7f" for c in text):
+        raise UserError(f"{option} {text!r}: a name with control characters (a newline?)")
     if any(len(part.encode()) > 255 for part in path.parts):
         raise UserError(f"{option} {text[:60]!r}...: a name longer than 255 bytes")
     parent = path.absolute().parent

@@ -176,6 +176,8 @@ class RunDir:
                             f"({exc.msg} at line {exc.lineno})") from None
         except ValueError:  # UnicodeDecodeError: binary content
             raise UserError(f"{self.manifest_path}: damaged manifest, not UTF-8 text") from None
+        except RecursionError:
+            raise UserError(f"{self.manifest_path}: damaged manifest, nested too deeply") from None
         except OSError as exc:
             raise UserError(f"{self.manifest_path}: cannot read the manifest ({exc.strerror})") from None
         problem = manifest_problem(data)
@@ -288,9 +290,10 @@ class RunDir:
             with open(self.iterations_path, "rb") as fh:
                 for line in fh:
                     try:
-                        yield json.loads(line)
-                    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                        record = json.loads(line)
+                    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply
                         continue
+                    yield record
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return
 

@@ -102,7 +102,7 @@ class IterationTail:
                 continue
             try:
                 event = json.loads(line)
-            except ValueError:  # not JSON, or not UTF-8
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply
                 continue  # a corrupt line never blocks the ones after it
             if isinstance(event, dict):
                 events.append(event)

@@ -65,14 +65,18 @@ def call(argv: list[str], timeout: float = HANG_S) -> Outcome:
     return Outcome(list(argv), code, out.getvalue(), err.getvalue(), crash, hung)
 
 
-def tree(root: Path) -> dict[str, float]:
-    """Every file and directory under `root` with its mtime: what a call wrote shows as a change."""
+def tree(root: Path) -> dict[str, object]:
+    """Every file (with its mtime and size) and directory under `root`: what a call wrote, created
+    or removed shows as a change (a directory's own mtime is not compared: its entries are)."""
     found = {}
     for base, dirs, files in os.walk(root):
-        for name in dirs + files:
+        for name in dirs:
+            found[os.path.join(base, name)] = "dir"
+        for name in files:
             path = os.path.join(base, name)
             try:
-                found[path] = os.lstat(path).st_mtime_ns
+                st = os.lstat(path)
+                found[path] = (st.st_mtime_ns, st.st_size)
             except OSError:
                 pass
     return found

@@ -197,7 +197,7 @@ def render(df, args, base) -> None:
     from charllm.tui.commands.plan import VERDICT_STYLE
 
     fitting = int(df["fits"].sum()) if df.height else 0
-    shown = df if args.top == 0 else df.head(args.top)
+    shown = df if args.top == 0 else df.head(min(args.top, df.height))
     table = Table(box=box.SIMPLE_HEAD, title_justify="left",
                   title=f"{base.model.name} on {base.cluster.nodes} x {base.cluster.gpus_per_node} "
                         f"{base.hardware.name}, global batch {base.training.global_batch_size}: {df.height} layouts, "
