@@ -88,6 +88,8 @@ def output_file(value, option: str) -> Path:
     path = Path(text).expanduser()
     if path.is_dir():
         raise UserError(f"{option} {text!r}: is a directory; give a file name")
+    if path.exists() and not path.is_file():  # the atomic rename would replace a device or a pipe
+        raise UserError(f"{option} {text!r}: not a regular file (a device or a pipe); give a file name")
     _check_parent(path, text, option)
     return path
 

@@ -104,8 +104,8 @@ def run_all(name: str, sandbox, argvs, prepare=None) -> Tally:
     for argv in argvs:
         if prepare:
             prepare(argv)
-        before = tree(root)
-        tally.check(call(argv), root, before, allowed)
+        before = tree(root.parent)  # the sandbox and around it: ../x escapes show
+        tally.check(call(argv), root.parent, before, allowed)
         for made in dirs["out"].iterdir():  # what a successful call wrote: gone before the next
             shutil.rmtree(made) if made.is_dir() else made.unlink()
         shutil.rmtree(dirs["data"] / "baselines", ignore_errors=True)
@@ -124,8 +124,16 @@ def command_inputs(out: Path) -> list[list[str]]:
     for key in SET_KEYS:
         for value in HOSTILE:
             argvs.append(["plan", "tiny-local", "--set", f"{key}={value}"])
+    fifo = out.parent / "inputs" / "fifo"
+    os.mkfifo(fifo)
+    for bad_output in (str(out), str(fifo), str(out / "missing" / "x.csv"), str(out / "a\nb.csv")):
+        argvs += [["export", "megatron", "tiny-local", "--out", bad_output],
+                  ["sweep", "tiny-local", "--parquet", bad_output], ["summarize", "good-run", "--out", bad_output],
+                  ["probe", "--backend", "sim", "--duration", "0.05", "--out", bad_output]]
     for value in HOSTILE:
-        target = str(out / value) if value and "/" not in value and "\n" not in value else value
+        # Outputs stay inside the sandbox (the tests run as root: "/etc/passwd" would be replaced);
+        # the hostile paths themselves are tried where a command only reads.
+        target = str(out / value.replace("/", "_")) if value.strip() else value
         argvs += [
             ["plan", value], ["plan", "tiny-local", "--world-size", value], ["plan", "tiny-local", "--hardware", value],
             ["plan", "--megatron-args", f"--num-layers {value} --hidden-size 64", "--world-size", "2"],
@@ -248,14 +256,14 @@ def test_every_file_the_product_reads_mutated(sandbox):
                 "tui": dirs["config"] / "tui.toml", "manifest": damaged_run / "manifest.json",
                 "iterations": damaged_run / "iterations.jsonl", "csv": csv_dir / "gpu_power_0.csv"}[which]
         path.write_bytes(data)
-        before = tree(root)
+        before = tree(root.parent)  # the sandbox and around it: ../x escapes show
         if which == "tui":
             outcome = call_settings(path)
         else:
             outcome = call(argv)
         if argv == ["runs", "list"] and outcome.code == 0:
             assert "good-run" in outcome.out and "zz-damaged" in outcome.out, "a damaged run costs only itself"
-        tally.check(outcome, root, before, allowed)
+        tally.check(outcome, root.parent, before, allowed)
         shutil.rmtree(dirs["runs"] / "imported", ignore_errors=True)
         shutil.rmtree(damaged_run / "summaries", ignore_errors=True)
     (dirs["config"] / "targets.toml").unlink()
