@@ -594,8 +594,8 @@ def _on_ssh(target, options: dict, say: Progress) -> list[NodeResult]:
             return NodeResult(host, None, str(exc))
         argv = doctor_argv(target.python_path, node=host, **options)
         proc = subprocess.Popen(ssh.ssh_argv(target, host) + [ssh.in_process_group(ssh.shell_line(target, argv))],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, text=True)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, text=True)   # its end stops the remote group
         err: list[str] = []
         reader = threading.Thread(target=_forward, args=(proc.stderr, err, say), daemon=True)
         reader.start()

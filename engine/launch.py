@@ -25,8 +25,8 @@ from typing import Callable, Iterator
 from charllm.engine import slurm, ssh
 from charllm.engine.targets import Target, from_record
 from charllm.probes import paths
-from charllm.probes.errors import UserError
-from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id
+from charllm.probes.errors import UserError, is_disk_full, os_error_line
+from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id, status_line
 
 TRAIN_MODULE = "charllm.engine.workload.train"
 SAMPLER_MODULE = "charllm.probes"
@@ -211,10 +211,21 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     if target.kind == "slurm" and shutil.which("sbatch") is None:
         raise UserError(f"target {target.name!r}: `sbatch` is not on PATH (run from a Slurm login node)")
 
+    base = run_dir.with_name(run_id)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    while True:  # claim the name: a simultaneous launch may have taken it since (never remove theirs)
+        try:
+            run_dir.mkdir()
+            break
+        except FileExistsError:
+            run_dir = _unique(base)
+            steps, script = plan(exp, target, run_dir)
+            result.run_id, result.sbatch_script = run_dir.name, script
+            result.commands = commands = display_commands(steps, target)
     rd = RunDir(run_dir)
     say(f"creating {run_dir}")
     try:
-        rd.logs_dir.mkdir(parents=True)
+        rd.logs_dir.mkdir()
         exp.save(rd.experiment_path)
         rd.write_manifest({
             "id": rd.id, "kind": "train", "name": exp.name, "status": "pending",
@@ -275,12 +286,62 @@ def _process(info: dict | None):
     return None
 
 
+def reconcile(rd: RunDir) -> str:
+    """The run's status, after finishing it if whoever owned it died without saying so.
+
+    A launched run is owned by its supervisor, a probe-only run by its sampler. When that
+    process is gone but the status is not final, stop what it recorded (the ranks die with
+    torchrun, see engine.lifeline; under Slurm, cancel the job) and record what happened:
+    completed if every node's workload said so, else failed, naming the lost owner."""
+    manifest = rd.read_manifest()
+    status = manifest.get("status")
+    if status in FINAL_STATUSES or status == "unknown":
+        return status
+    probe_only = manifest.get("kind") == "probe"
+    owner = manifest.get("sampler" if probe_only else "supervisor")
+    if owner is None or _process(owner) is not None:
+        return status       # not started yet (launch records it within moments), or alive
+    manifest = rd.read_manifest()
+    if manifest.get("status") in FINAL_STATUSES:  # it wrote its last word just now
+        return manifest["status"]
+    found = time.strftime("%H:%M:%S")
+    if probe_only:
+        return _record(rd, status="failed", ended_ns=time.time_ns(),
+                       failure=f"the sampler died (found at {found}); telemetry up to then is kept")
+    if manifest.get("target", {}).get("kind") == "slurm" and manifest.get("slurm_job_id"):
+        slurm.cancel(manifest["slurm_job_id"])
+    else:
+        _kill_recorded(manifest, grace=2.0)
+    ended = [r.get("status") for r in _end_events(rd)]
+    done = bool(ended) and all(s == "completed" for s in ended)
+    return _record(rd, status="completed" if done else "failed", ended_ns=time.time_ns(),
+                   failure=manifest.get("failure") or (None if done else
+                                                       f"the supervisor died (found at {found}); its processes were stopped"),
+                   note=f"the supervisor died (found at {found})")
+
+
+def _record(rd: RunDir, **fields) -> str:
+    """Record a final status; a full disk is one line saying the processes are stopped regardless."""
+    try:
+        return rd.update_manifest(**fields)["status"]
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise UserError(f"run {rd.id!r}: its processes were stopped, but its status ({fields['status']}) "
+                            f"could not be recorded: {os_error_line(exc, rd.path)}") from None
+        raise
+
+
+def _end_events(rd: RunDir) -> list[dict]:
+    return [r for r in rd.iteration_records() if isinstance(r, dict) and r.get("event") == "end"]
+
+
 def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str:
     """Stop every process of the run on every node; returns the final status."""
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    reconcile(rd)
     manifest = rd.read_manifest()
     if manifest.get("status") in FINAL_STATUSES:
-        raise UserError(f"run {rd.id!r} is already {manifest['status']}")
+        raise UserError(f"run {rd.id!r} is already {status_line(manifest)}")
     kind = manifest.get("target", {}).get("kind")
     sup = None
     if kind == "slurm":
@@ -302,9 +363,7 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
     if sup is not None:
         sup.kill()
     _kill_recorded(manifest, grace)
-    rd.update_manifest(status="cancelled", ended_ns=time.time_ns(),
-                       failure=None, note="cancelled without its supervisor")
-    return "cancelled"
+    return _record(rd, status="cancelled", ended_ns=time.time_ns(), note="cancelled without its supervisor")
 
 
 def _alive(proc) -> bool:
@@ -354,7 +413,7 @@ def watch(run_dir, *, interval: float = 0.5) -> Iterator[tuple[str, object]]:
     iterations, telemetry = IterationTail(rd.path), TelemetryTail(rd.path)
     last_status = None
     while True:
-        status = rd.status
+        status = reconcile(rd)
         if status != last_status:
             yield "status", status
             last_status = status

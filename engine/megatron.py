@@ -170,8 +170,16 @@ def parse_pipeline_layout(layout: str) -> list[list[str]]:
     """`--pipeline-model-parallel-layout` as Megatron reads it: one list of layer letters per virtual
     stage, in order (E embedding, t decoder layer, m MTP layer, L loss); `(tt|)*6` repeats."""
     text = layout.replace(",", "")
+
+    def repeat(m) -> str:  # bounded before it is built: `t*9999999999` would exhaust memory
+        if len(m.group(1)) * int(m.group(2)) > 100_000:
+            raise ValueError(f"{m.group(0)!r} repeats to more than 100,000 layers")
+        return m.group(1) * int(m.group(2))
+
     for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
-        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+        text = re.sub(pattern, repeat, text)
+        if len(text) > 100_000:
+            raise ValueError("the layout expands to more than 100,000 layers")
     stages = [list(stage) for stage in text.split("|")]
     bad = sorted({c for stage in stages for c in stage} - set("EtmL"))
     if bad:

@@ -39,6 +39,9 @@ def script(*, target: Target, run_dir: str, run_id: str, nodes: int, nproc: int,
         if value:
             lines.append(f"#SBATCH --{option}={q(value)}")
     lines += [f"#SBATCH {line}" for line in target.sbatch_lines]
+    for line in lines:  # targets.parse_target refuses these already; a header line must stay one line
+        if "\n" in line or "\r" in line:
+            raise UserError(f"target {target.name!r}: {line!r} would span several lines of the sbatch script")
     lines += ["set -u"]
     if target.env_setup:
         lines.append(target.env_setup)

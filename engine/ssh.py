@@ -49,14 +49,46 @@ def shell_line(target: Target, argv: list[str], cwd: str | None = None) -> str:
     return " ".join(parts)
 
 
+# Reads the connection's stdin until it closes (the local client or its parent died, or the
+# caller closed it), then stops the group: TERM, up to 10 s for its leader to end, KILL. It ignores TERM itself, and its
+# output goes nowhere so it never holds the channel open after the command ends.
+_STOP_WITH_CONNECTION = ('{ trap "" TERM; cat >/dev/null; kill -TERM -- -$$; '
+                         'for _ in $(seq 20); do kill -0 $$ || break; sleep 0.5; done; kill -KILL -- -$$; } '
+                         '<&0 >/dev/null 2>&1 & exec </dev/null; ')
+
+
 def in_process_group(line: str) -> str:
-    """Run `line` as leader of a new session (pgid = its pid), printing that pgid first."""
-    return "setsid -w bash -c " + shlex.quote("echo $$; " + line)
+    """Run `line` as leader of a new session (pgid = its pid), printing that pgid first. The
+    group lives as long as the connection's stdin stays open: callers keep it open as a pipe."""
+    return "setsid -w bash -c " + shlex.quote("echo $$; " + _STOP_WITH_CONNECTION + line)
+
+
+def offered_fingerprints(target: Target, host: str) -> list[str]:
+    """The fingerprints of the host keys `host` offers now ("SHA256:... (ED25519)"): shown, never trusted."""
+    try:
+        scan = subprocess.run(["ssh-keyscan", "-T", "5", "-p", str(target.port), "--", host],
+                              capture_output=True, timeout=15)
+        keys = subprocess.run(["ssh-keygen", "-l", "-f", "-"], input=scan.stdout, capture_output=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    out = []
+    for line in keys.stdout.decode(errors="replace").splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[1].startswith("SHA256:"):
+            out.append(f"{parts[1]} {parts[-1]}")
+    return out
 
 
 def trust_hint(target: Target, host: str) -> str:
+    """How to trust a host key safely: compare what the host offers with a fingerprint obtained
+    over a trusted channel, and only then record it (never trust a scan blindly)."""
     known = target.known_hosts or "~/.ssh/known_hosts"
-    return f"ssh-keyscan -p {target.port} {shlex.quote(host)} >> {shlex.quote(known)}"
+    offered = offered_fingerprints(target, host)
+    seen = f"it offers {', '.join(offered)}" if offered else "its key could not be read now"
+    where = ("known_hosts is /dev/null, so no key is ever kept: set known_hosts in targets.toml"
+             if str(Path(known).expanduser()) == "/dev/null" else f"add that key to {known}")
+    return (f"{seen}; compare with the fingerprint from the node's administrator or console "
+            f"(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub there) and, only if they match, {where}")
 
 
 def check(target: Target, host: str, remote: str = "true", stdin: bytes | None = None) -> str:
@@ -71,7 +103,7 @@ def check(target: Target, host: str, remote: str = "true", stdin: bytes | None =
     if done.returncode == 255:
         if "host key" in err.lower() or "Host key verification failed" in err:
             raise UserError(f"target {target.name!r}: host {host!r} has an unknown or changed host key; "
-                            f"if you trust it, run: {trust_hint(target, host)}")
+                            f"{trust_hint(target, host)}")
         last = err.splitlines()[-1] if err else "connection failed"
         raise UserError(f"target {target.name!r}: cannot reach {host!r} over ssh: {last}")
     if done.returncode != 0:

@@ -18,10 +18,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from charllm.engine import slurm, ssh
+from charllm.engine import lifeline, slurm, ssh
 from charllm.engine.launch import CANCEL_GRACE_S, Step, remote_line
 from charllm.engine.targets import Target, from_record
 from charllm.engine.workload import CANCELLED_EXIT
+from charllm.probes.errors import is_disk_full, mount_point, os_error_line
 from charllm.probes.rundir import RunDir
 
 
@@ -43,14 +44,20 @@ class Proc:
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
+        # Each step dies with the supervisor: the sampler is asked to stop (it closes its last
+        # chunk), torchrun is killed (its ranks follow it, see engine.lifeline), and an ssh
+        # client's death closes the connection, which stops its remote group (ssh.in_process_group).
+        with_parent = lifeline.terminated_with_parent if self.step.role == "sampler" else lifeline.killed_with_parent
         if self.step.host is None:
             self.popen = subprocess.Popen(self.step.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=self.rd.path, start_new_session=True)
+                                          stderr=subprocess.STDOUT, cwd=self.rd.path, start_new_session=True,
+                                          preexec_fn=with_parent)
             self.pgid_known.set()
         else:
             argv = ssh.ssh_argv(self.target, self.step.host) + [remote_line(self.target, self.step)]
-            self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
-                                          start_new_session=True)
+            # stdin stays open while the step should run: its end is the remote group's end.
+            self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                          start_new_session=True, preexec_fn=lifeline.killed_with_parent)
             self.reader = threading.Thread(target=self._read, args=(log,), daemon=True)
             self.reader.start()
 
@@ -104,18 +111,44 @@ class Proc:
         return out
 
 
+def descendants(procs: list[Proc]) -> list:
+    """Every local process below the steps (torchrun's ranks live in sessions of their own)."""
+    import psutil
+
+    found = []
+    for p in procs:
+        if p.step.host is None:
+            try:
+                found += psutil.Process(p.popen.pid).children(recursive=True)
+            except psutil.Error:
+                pass
+    return found
+
+
 def stop(procs: list[Proc], grace: float) -> None:
-    """SIGTERM, then SIGKILL to every group after `grace` seconds (stragglers outlive leaders).
+    """SIGTERM, then SIGKILL to every group and every process below it after `grace` seconds
+    (stragglers outlive leaders, and a rank stuck in a collective ignores SIGTERM).
     A step never started (a cancel came in first) has nothing to stop."""
+    import psutil
+
     procs = [p for p in procs if p.popen is not None]
     live = [p for p in procs if p.poll() is None]
+    below = descendants(live)
     with ThreadPoolExecutor(max_workers=8) as pool:  # remote signals are one ssh connection each
         list(pool.map(lambda p: p.signal(signal.SIGTERM), live))
         deadline = time.monotonic() + grace
         while any(p.poll() is None for p in live) and time.monotonic() < deadline:
             time.sleep(0.1)
         list(pool.map(lambda p: p.signal(signal.SIGKILL), procs))
+    for child in below:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(below, timeout=5)
     for p in procs:
+        if p.popen.stdin:
+            p.popen.stdin.close()
         try:
             p.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -154,6 +187,28 @@ def describe_failure(step: Step, rc: int, log_path: Path) -> str:
     return f"node {step.node}: torchrun {describe_exit(rc)}"
 
 
+def last_line(log_path: Path) -> str:
+    """The last non-empty line of a log (a step's own account of why it ended)."""
+    try:
+        with open(log_path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
+            lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:300] if lines else "no output"
+
+
+def disk_note(path: Path) -> str:
+    """'; disk full on /x' when the run's disk has no room left (the likely cause of a failure)."""
+    import shutil
+
+    try:
+        full = shutil.disk_usage(path).free < Reserve.SIZE
+    except OSError:
+        return ""
+    return f"; disk full on {mount_point(path)}" if full else ""
+
+
 def killed_first(logs: list[Path]) -> list[Path]:
     """Order node logs so a rank killed by a signal comes before the peers that merely exited
     non-zero because it vanished (they fail too, and may report first)."""
@@ -171,6 +226,18 @@ class Supervisor:
         self.cancel_requested = False
         self.lines_lock = threading.Lock()
         self.procs: list[Proc] = []
+        self.samplers_lost: dict[Proc, dict] = {}
+        self.reserve = Reserve(rd.path / ".reserve")
+
+    def record_final(self, **fields) -> None:
+        """Write the final status; on a full disk, give back the reserve and say so."""
+        try:
+            self.rd.update_manifest(**fields)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self.reserve.release()
+            self.rd.update_manifest(**{"disk_full": os_error_line(exc, self.rd.path), **fields})
 
     def _on_signal(self, signum, frame) -> None:
         self.cancel_requested = True
@@ -203,7 +270,8 @@ class Supervisor:
         self.rd.update_manifest(status="running", started_ns=time.time_ns(),
                                 processes=[p.record() for p in started])
 
-        status, failure = self.wait(trains)
+        status, failure = self.wait(trains, helpers)
+        self.watch_samplers(helpers)
         stop(trains, CANCEL_GRACE_S)
         stop(helpers, CANCEL_GRACE_S / 2)
         for p in started:
@@ -212,13 +280,23 @@ class Supervisor:
         exits = {f"{p.step.role}@{p.step.node}": p.poll() for p in started}
         if self.cancel_requested:
             status, failure = "cancelled", None
-        self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), exit_codes=exits,
-                                runtime=self.rd.runtime())
+        self.record_final(status=status, failure=failure, ended_ns=time.time_ns(), exit_codes=exits,
+                          runtime=self.rd.runtime())
         return status
 
-    def wait(self, trains: list[Proc]) -> tuple[str, str | None]:
+    def watch_samplers(self, helpers: list[Proc]) -> None:
+        """Record a sampler that ended while training runs: the run goes on, its telemetry is lost."""
+        for p in helpers:
+            if p.step.role != "sampler" or p.popen is None or p.poll() is None or p in self.samplers_lost:
+                continue
+            self.samplers_lost[p] = {"node": p.step.node, "at_ns": time.time_ns(),
+                                     "reason": f"sampler {describe_exit(p.poll())}: {last_line(p.log_path)}"}
+            self.rd.update_manifest(telemetry_lost=list(self.samplers_lost.values()))
+
+    def wait(self, trains: list[Proc], helpers: list[Proc] = ()) -> tuple[str, str | None]:
         """Until every node finished, one failed, or a cancel came in."""
         while not self.cancel_requested:
+            self.watch_samplers(helpers)
             codes = [p.poll() if p.popen else 0 for p in trains]
             if CANCELLED_EXIT in codes:
                 return "cancelled", None
@@ -237,7 +315,7 @@ class Supervisor:
         lost = [p for p in trains if p.step.host and p.poll() == 255]
         by_log = {p.log_path: p for p in failed}
         culprit = (lost or [by_log[log] for log in killed_first(list(by_log))])[0]
-        return describe_failure(culprit.step, culprit.poll(), culprit.log_path)
+        return describe_failure(culprit.step, culprit.poll(), culprit.log_path) + disk_note(self.rd.path)
 
     def follow_slurm(self) -> str:
         job = self.manifest["slurm_job_id"]
@@ -263,8 +341,8 @@ class Supervisor:
         else:
             status = "failed"
             failure = self._slurm_failure(state, info)
-        self.rd.update_manifest(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state,
-                                runtime=self.rd.runtime())
+        self.record_final(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state,
+                          runtime=self.rd.runtime())
         return status
 
     def _slurm_failure(self, state: str, info: dict) -> str:
@@ -287,10 +365,38 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         # Never leave a run "running" forever, nor its processes orphaned.
         stop([p for p in supervisor.procs if p.popen], CANCEL_GRACE_S)
-        rd.update_manifest(status="failed", failure=f"supervisor error: {exc!r}", ended_ns=time.time_ns())
-        raise
-    print(f"run {rd.id}: {status}")
+        if not is_disk_full(exc):
+            supervisor.record_final(status="failed", failure=f"supervisor error: {exc!r}", ended_ns=time.time_ns())
+            raise
+        why = os_error_line(exc, rd.path)
+        supervisor.record_final(status="failed", failure=why, ended_ns=time.time_ns(), disk_full=why)
+        status = f"failed: {why}"
+    supervisor.reserve.release()
+    try:
+        print(f"run {rd.id}: {status}", flush=True)
+    except OSError:
+        pass  # the log is on the full disk; the manifest says it
     return 0
+
+
+class Reserve:
+    """A little disk space held from the start, given back when the final status must be written
+    on a full disk."""
+
+    SIZE = 256 * 1024
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "wb") as fh:
+                fh.write(b"\0" * self.SIZE)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError:
+            path.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

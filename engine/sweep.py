@@ -29,6 +29,8 @@ optimizer settings of every layout at once (`memory.combine`).
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 from charllm.engine import memory
@@ -128,7 +130,8 @@ def _set_recompute(exp: Experiment, name: str, recompute: dict[str, dict[str, An
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -39,6 +39,7 @@ from charllm.probes import paths
 from charllm.probes.errors import UserError, did_you_mean
 
 KINDS = ("local", "ssh", "slurm")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")   # newlines, NUL, escapes: never in a config value
 _HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")  # names and addresses; never an ssh option
 
 _COMMON = ("kind", "description", "env_setup", "python", "gpus_per_node")
@@ -122,8 +123,12 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
                 "partition", "account", "qos", "time", "constraint"):
         if key in data:
             values[key] = _want(where, key, data[key], str, f"must be {text}")
-    if "env_setup" in values and "\n" in values["env_setup"]:
-        raise UserError(f"{where}.env_setup: must be one line (join commands with ';')")
+    if _CONTROL.search(name):
+        raise UserError(f"{source}: target name {name!r}: must be one line of printable characters")
+    for key, value in values.items():
+        if key != "name" and _CONTROL.search(value):  # a newline would break out of an #SBATCH line
+            rule = "join commands with ';'" if key == "env_setup" else "no newlines or control characters"
+            raise UserError(f"{where}.{key} = {value!r}: must be one line ({rule})")
     for key, low, high in (("gpus_per_node", 1, 1024), ("port", 1, 65535), ("connect_timeout", 1, 3600)):
         if key in data:
             value = _want(where, key, data[key], int, "must be an integer")
@@ -148,9 +153,10 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
         user = values.get("user")
         if user is not None and (user.startswith("-") or "@" in user or any(c.isspace() for c in user)):
             raise UserError(f"{where}.user = {user!r}: not a user name")
-    for line in values.get("sbatch_lines", ()):
-        if "\n" in line:
-            raise UserError(f"{where}.sbatch_lines: {line!r} must be one line")
+    for key in ("hosts", "sbatch_lines"):
+        for line in values.get(key, ()):
+            if _CONTROL.search(line):
+                raise UserError(f"{where}.{key}: {line!r} must be one line (no newlines or control characters)")
     return Target(**values)
 
 

@@ -69,6 +69,19 @@ POSITIVE = {
 }
 
 
+# Upper bounds far beyond any real model or cluster, checked before any rule, plan or sweep loops
+# over a size (a loop over 10^20 nodes or layers never ends) or the arithmetic overflows.
+MAX_SIZE = 2**31 - 1      # layer, batch and parallel sizes
+MAX_NUMBER = 2**53        # any integer (bytes too): exact as a float, and no overflow in a table
+MAX_BOUNDS = {"num_layers": 10_000, "mtp_num_layers": 10_000, "num_moe_experts": 100_000,
+              "gpus_per_node": 1024, "nodes": 1_000_000}
+MAX_WORLD_SIZE = 2**20
+MAX_LAYOUT_CHARS = 10_000
+# Hardware numbers that are 0 when unknown, never negative.
+HARDWARE_AMOUNTS = ("memory_bytes", "usable_bytes", "outside_allocator_bytes", "bf16_tflops", "fp8_tflops",
+                    "mem_bandwidth_gbs", "tdp_w", "max_sm_clock_mhz")
+
+
 def check(exp: Experiment) -> None:
     """Raise UserError naming the first problem, if any."""
     problems = validate(exp)
@@ -90,13 +103,35 @@ def validate(exp: Experiment) -> list[Problem]:
 def value_problems(exp: Experiment) -> list[Problem]:
     """Problems with single values (sizes, ranges, choices). When there are none, the experiment's
     derived sizes (data-parallel size, micro-batch count, ...) are well defined."""
+    import dataclasses
+    import math
+
     out = []
+    for section in ("model", "hardware", "cluster", "parallel", "training", "telemetry"):
+        obj = getattr(exp, section)
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                out.append(Problem(f.name, value, "must be a finite number"))
+            elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+                out.append(Problem(f.name, value, f"must be at most {MAX_NUMBER:,} in size"))
+    if out:
+        return out
     for section, names in POSITIVE.items():
         obj = getattr(exp, section)
         for name in names:
             value = getattr(obj, name)
             if value is not None and value < 1:
                 out.append(Problem(name, value, "must be at least 1"))
+            elif value is not None and value > MAX_BOUNDS.get(name, MAX_SIZE):
+                out.append(Problem(name, value, f"must be at most {MAX_BOUNDS.get(name, MAX_SIZE):,}"))
+    if not out and exp.world_size > MAX_WORLD_SIZE:
+        out.append(Problem("cluster", f"{exp.cluster.nodes} x {exp.cluster.gpus_per_node}",
+                           f"at most {MAX_WORLD_SIZE:,} devices in all"))
+    for name in HARDWARE_AMOUNTS:
+        value = getattr(exp.hardware, name)
+        if value is not None and value < 0:
+            out.append(Problem(name, value, "must be 0 (unknown) or more"))
     m, t = exp.model, exp.training
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
@@ -117,8 +152,10 @@ def value_problems(exp: Experiment) -> list[Problem]:
         out.append(Problem("moe_expert_capacity_factor", t.moe_expert_capacity_factor, "must be greater than 0"))
     if t.moe_aux_loss_coeff < 0:
         out.append(Problem("moe_aux_loss_coeff", t.moe_aux_loss_coeff, "must be 0 or more"))
-    if exp.telemetry.hz <= 0:
-        out.append(Problem("hz", exp.telemetry.hz, "telemetry sampling rate must be greater than 0"))
+    from charllm.probes.sampler import MAX_HZ
+
+    if not 0 < exp.telemetry.hz <= MAX_HZ:  # what the sampler accepts (probes.sampler.check_hz)
+        out.append(Problem("hz", exp.telemetry.hz, f"telemetry sampling rate must be > 0 and at most {MAX_HZ:g}"))
     backend = exp.telemetry.backend
     if backend not in TELEMETRY_BACKENDS and not backend.startswith("replay:"):
         out.append(Problem("backend", backend, f"must be one of {', '.join(TELEMETRY_BACKENDS)} or replay:RUN"))
@@ -229,6 +266,9 @@ def _pipeline(exp: Experiment) -> list[Problem]:
                            "needs pipeline_model_parallel_size > 1 (the interleaved schedule)"))
     if p.pipeline_model_parallel_layout is not None:
         layout = p.pipeline_model_parallel_layout
+        if len(layout) > MAX_LAYOUT_CHARS:
+            return out + [Problem("pipeline_model_parallel_layout", f"{layout[:40]}...",
+                                  f"at most {MAX_LAYOUT_CHARS:,} characters")]
         try:
             stages = parse_pipeline_layout(layout)
         except ValueError as exc:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+MAX_DURATION_S = 366 * 24 * 3600
+
 USAGE_EXAMPLES = """\
 examples:
   probe --list                                  devices, backend and metrics (and why no GPU)
@@ -44,12 +46,19 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from charllm.probes.backends import open_backends
+    from charllm.probes import paths
     from charllm.probes.errors import UserError
+    from charllm.probes.rundir import check_node_name
     from charllm.probes.sampler import Sampler, check_hz
 
     check_hz(args.hz)
-    if args.duration is not None and not args.duration > 0:
-        raise UserError(f"duration = {args.duration:g}: must be > 0 seconds")
+    if args.node is not None:
+        check_node_name(args.node)
+    if args.out is not None:
+        paths.output_dir(args.out, "--out")
+    if args.duration is not None and not 0 < args.duration <= MAX_DURATION_S:
+        raise UserError(f"duration = {args.duration:g}: must be > 0 seconds and at most a year "
+                        f"({MAX_DURATION_S:g} s; leave it out to record until stopped)")
     backends, reason = open_backends(args.backend, gpus=args.sim_gpus, profile=args.sim_profile,
                                      seed=args.seed, hardware=args.sim_hardware, speed=args.speed)
     err = _console(sys.stderr)
@@ -57,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         if args.list:
             _print_list(_console(sys.stdout), backends, reason)
             return 0
-        run_dir, own_manifest = _prepare_run_dir(args.out, args, reason) if args.out else (None, False)
+        run_dir, own_manifest = _prepare_run_dir(args.out, args, reason) if args.out is not None else (None, False)
         follow = args.follow or (run_dir is None and not args.stream)
         view = _LiveTable(err if args.stream else _console(sys.stdout), reason) if follow else None
         sampler = Sampler(backends, hz=args.hz, node=args.node, run_dir=run_dir.path if run_dir else None,
@@ -113,9 +122,19 @@ def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
     from charllm.probes.rundir import RunDir
 
     run = RunDir(Path(out).expanduser().resolve())
+    try:
+        run.path.mkdir(exist_ok=True)
+    except OSError as exc:
+        from charllm.probes.errors import UserError
+
+        raise UserError(f"--out {out!r}: cannot create the run directory ({exc.strerror})") from None
     if not run.manifest_path.exists():
+        import psutil
+
+        me = psutil.Process()  # who owns the run: if it dies, the next reader finishes the run
         run.write_manifest({"id": run.id, "kind": "probe", "status": "running", "backend": args.backend,
-                            "backend_reason": reason, "hz": args.hz, "created_ns": time.time_ns()})
+                            "backend_reason": reason, "hz": args.hz, "created_ns": time.time_ns(),
+                            "sampler": {"pid": me.pid, "create_time": me.create_time()}})
         return run, True
     return run, False
 

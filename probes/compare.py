@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from charllm.probes import baselines
+from charllm.probes import baselines, paths
 from charllm.probes.errors import UserError
 from charllm.probes.rundir import resolve_run
 
@@ -89,8 +89,8 @@ def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: floa
         refs.insert(0, baseline)
     if len(refs) < 2:
         raise UserError("compare: give at least two runs or baselines (or one and --baseline NAME)")
-    if threshold_pct < 0:
-        raise UserError(f"--threshold {threshold_pct}: must be 0 or more (percent)")
+    if not 0 <= threshold_pct < 1e6:  # nan, inf and 1e400 (inf) compare false
+        raise UserError(f"--threshold {threshold_pct}: must be a percentage from 0 to 1,000,000")
     # Runs are summarized side by side (polars frees the GIL while it works); each ref once.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         futures = {ref: pool.submit(_load, ref, window) for ref in dict.fromkeys(refs)}
@@ -155,7 +155,7 @@ def _load(ref: str, window) -> tuple[str, pl.DataFrame, dict]:
                 raise UserError(f"{ref!r}: neither a run nor a baseline (see `charllm-tui runs` and "
                                 "`charllm-tui baseline list`)") from None
         else:
-            exp = tomllib.loads(run.experiment_path.read_text()) if run.experiment_path.is_file() else {}
+            exp = paths.read_toml(run.experiment_path, "experiment file") if run.experiment_path.is_file() else {}
             return run.id, summarize(run, window, by="run"), exp
     b = baselines.show(name)
     return f"baseline:{name}", b.summary, tomllib.loads(b.experiment_toml) if b.experiment_toml else {}

@@ -15,3 +15,29 @@ def did_you_mean(name, choices, otherwise: str = "", cutoff: float = 0.6) -> str
 
     close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=cutoff)
     return f"; did you mean {close[0]!r}?" if close else otherwise
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    import errno
+
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def mount_point(path) -> str:
+    """The mount point holding `path` (the disk a user must free space on)."""
+    import os
+    from pathlib import Path
+
+    path = Path(os.path.abspath(path))
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return str(path)
+
+
+def os_error_line(exc: OSError, where=None) -> str:
+    """One line for an operating-system error on a file (`where` when the error names none):
+    a full disk names the disk."""
+    path = exc.filename or where
+    if is_disk_full(exc):
+        return f"disk full on {mount_point(path)} (writing {path})" if path else "disk full (no space left on device)"
+    return f"{path}: {exc.strerror or exc}" if path else str(exc.strerror or exc)

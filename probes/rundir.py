@@ -63,15 +63,48 @@ def node_chunks(directory: Path) -> list[tuple[int, int, Path]]:
     return out
 
 
+# The manifest fields readers rely on, and their JSON types (others are left to their writers).
+_MANIFEST_TYPES = {
+    "id": str, "kind": str, "name": str, "status": str, "failure": (str, type(None)), "note": str,
+    "target": dict, "nodes": list, "steps": list, "commands": list, "forced": list, "processes": list,
+    "supervisor": dict, "sampler": dict, "created_ns": int, "started_ns": (int, type(None)),
+    "ended_ns": (int, type(None)), "world_size": int, "slurm_job_id": str, "telemetry_lost": list,
+    "exit_codes": dict, "runtime": (dict, type(None)), "disk_full": str,
+}
+_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", list: "a list",
+               dict: "an object", type(None): "null"}
+
+
+def manifest_problem(data) -> str | None:
+    """What is wrong with a manifest's shape, or None."""
+    if not isinstance(data, dict):
+        return f"{_JSON_NAMES.get(type(data), type(data).__name__)} instead of an object"
+    for name, kinds in _MANIFEST_TYPES.items():
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        value = data.get(name)
+        if name in data and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+            want = " or ".join(_JSON_NAMES[k] for k in kinds)
+            return f"field {name!r} is {_JSON_NAMES.get(type(value), type(value).__name__)}, expected {want}"
+    if "status" in data and data["status"] not in STATUSES + ("unknown",):
+        return f"field 'status' = {data['status']!r}, expected one of {', '.join(STATUSES)}"
+    return None
+
+
 def write_json_atomic(path: Path, data) -> None:
     """Write JSON so a reader never sees half a file (write a sibling, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)  # a full disk leaves the old file, and no half of a new one
+        if isinstance(exc, OSError) and not exc.filename:
+            exc.filename = str(path)  # a failed write names no file; the user needs to know which
+        raise
 
 
 def check_run_id(run_id: str) -> str:
@@ -80,6 +113,14 @@ def check_run_id(run_id: str) -> str:
             f"run id {run_id!r}: use letters, digits, '.', '_' and '-' (at most 128, not starting with '.' or '-')"
         )
     return run_id
+
+
+def check_node_name(node: str) -> str:
+    """A node name names a directory (telemetry/<node>/): one plain name, never a path."""
+    if not _RUN_ID.match(node):
+        raise UserError(f"node {node!r}: use letters, digits, '.', '_' and '-' (at most 128, "
+                        "not starting with '.' or '-'); it names a directory of the run")
+    return node
 
 
 def new_run_id(name: str) -> str:
@@ -125,12 +166,25 @@ class RunDir:
 
     # -- manifest ---------------------------------------------------------------------------
     def read_manifest(self) -> dict:
+        """The manifest; a damaged one (not JSON, not an object, a field of the wrong type) is
+        one UserError naming the file, so it costs only this run."""
         try:
-            return json.loads(self.manifest_path.read_text())
+            data = json.loads(self.manifest_path.read_bytes())
         except FileNotFoundError:
             return {"id": self.id, "status": "unknown"}
         except json.JSONDecodeError as exc:
-            raise UserError(f"{self.manifest_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            raise UserError(f"{self.manifest_path}: damaged manifest, not valid JSON "
+                            f"({exc.msg} at line {exc.lineno})") from None
+        except ValueError:  # UnicodeDecodeError: binary content
+            raise UserError(f"{self.manifest_path}: damaged manifest, not UTF-8 text") from None
+        except RecursionError:
+            raise UserError(f"{self.manifest_path}: damaged manifest, nested too deeply") from None
+        except OSError as exc:
+            raise UserError(f"{self.manifest_path}: cannot read the manifest ({exc.strerror})") from None
+        problem = manifest_problem(data)
+        if problem:
+            raise UserError(f"{self.manifest_path}: damaged manifest, {problem}")
+        return data
 
     def write_manifest(self, manifest: dict) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -213,21 +267,15 @@ class RunDir:
         versions, devices): the manifest's copy once the run ended, else the iteration log's
         start event. None before the workload started, or for a probe-only run."""
         saved = self.read_manifest().get("runtime")
-        if saved:
+        if isinstance(saved, dict) and saved:
             return saved
-        try:
-            with open(self.iterations_path) as fh:
-                for line in fh:
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if record.get("event") == "start" and isinstance(record.get("runtime"), dict):
-                        return record["runtime"]
-                    if record.get("event") == "iteration":
-                        return None    # start events come first; this run's workload wrote none
-        except OSError:
-            return None
+        for record in self.iteration_records():
+            if not isinstance(record, dict):
+                continue
+            if record.get("event") == "start" and isinstance(record.get("runtime"), dict):
+                return record["runtime"]
+            if record.get("event") == "iteration":
+                return None    # start events come first; this run's workload wrote none
         return None
 
     def read_iterations(self):
@@ -236,18 +284,55 @@ class RunDir:
 
         from charllm.probes.schema import ITERATION_SCHEMA
 
-        rows = []
-        if self.iterations_path.is_file():
-            with open(self.iterations_path) as fh:
-                for line in fh:
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        continue  # a line still being written
+        rows = [r for r in self.iteration_records() if isinstance(r, dict)]
         if not rows:
             return pl.DataFrame(schema=ITERATION_SCHEMA)
-        clean = [{k: r.get(k) for k in ITERATION_SCHEMA} for r in rows]
+        clean = [{k: _typed(r.get(k), dtype) for k, dtype in ITERATION_SCHEMA.items()} for r in rows]
         return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
+
+    def iteration_records(self):
+        """Each JSON line of the iteration log; a damaged line (half-written, binary, not JSON)
+        is skipped, costing only itself."""
+        try:
+            with open(self.iterations_path, "rb") as fh:
+                for line in fh:
+                    try:
+                        record = json.loads(line)
+                    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply
+                        continue
+                    yield record
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return
+
+
+def _typed(value, dtype):
+    """A value of the column's type, else null (a wrong-typed field costs only that field)."""
+    import polars as pl
+
+    if value is None or isinstance(value, bool) and dtype != pl.Boolean:
+        return None
+    if dtype == pl.Boolean:
+        return value if isinstance(value, bool) else None
+    if dtype.is_integer():
+        return value if isinstance(value, int) and -2**63 <= value < 2**63 else None
+    if dtype.is_float():
+        return float(value) if isinstance(value, (int, float)) and abs(value) < 2**1023 else None
+    if dtype == pl.String:
+        return value if isinstance(value, str) else None
+    return value
+
+
+def status_line(manifest: dict) -> str:
+    """The status as the user should read it: "completed, telemetry lost at 12:03:04 (node n1)"."""
+    line = str(manifest.get("status", "unknown"))
+    lost = manifest.get("telemetry_lost")
+    for entry in lost if isinstance(lost, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("at_ns"), int):
+            at = time.strftime("%H:%M:%S", time.localtime(entry["at_ns"] / 1e9))
+            line += f", telemetry lost at {at} (node {entry.get('node', '?')})"
+    if manifest.get("disk_full") and "disk full" not in str(manifest.get("failure")):
+        line += f", {manifest['disk_full']}"
+    return line
 
 
 class _Unreadable(Exception):
@@ -354,12 +439,14 @@ def list_runs(root: Path | None = None) -> list[RunDir]:
     root = root or paths.runs_dir()
     if not root.is_dir():
         return []
-    return sorted((RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "manifest.json").is_file()),
+    return sorted((RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "manifest.json").exists()),
                   key=lambda r: r.id)
 
 
 def resolve_run(ref: str | os.PathLike, root: Path | None = None) -> RunDir:
     """A run given as a path, an id, or a unique id prefix/suffix."""
+    if not str(ref).strip():
+        raise UserError("run '': give a run id, a unique prefix or suffix of one, or a path")
     candidate = Path(ref).expanduser()
     if candidate.is_dir() and ((candidate / "manifest.json").exists() or (candidate / "telemetry").is_dir()):
         return RunDir(candidate.resolve())

@@ -324,7 +324,7 @@ def _iteration_stats(iterations, start_ns, end_ns, exp: RunExperiment | None, n_
     gbs = exp.global_batch_size if exp else None
     its = its.with_columns(
         ((pl.col("end_ns") - pl.col("start_ns")) / _NS).alias("time_s"),
-        pl.col("samples").fill_null(gbs),
+        pl.col("samples").fill_null(pl.lit(gbs, dtype=pl.Int64)),  # gbs is None without experiment.toml
     ).with_columns(pl.col("tokens").fill_null(pl.col("samples") * seq))
     total_s = its["time_s"].sum()
     samples, tokens = its["samples"].sum(), its["tokens"].sum()

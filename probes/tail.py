@@ -103,7 +103,9 @@ class IterationTail:
             if not line.strip():
                 continue
             try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
+                event = json.loads(line)
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply
                 continue  # a corrupt line never blocks the ones after it
+            if isinstance(event, dict):
+                events.append(event)
         return events

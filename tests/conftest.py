@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
+
+# Test modules build parameter lists at import time (the experiment presets, say), before any
+# fixture runs: point every charllm location at an empty directory for the whole session, so
+# collection never reads what the user saved. The per-test fixture below then narrows it further.
+_SESSION_DIR = tempfile.mkdtemp(prefix="charllm-tests-")
+for _kind in ("CONFIG", "DATA", "RUNS"):
+    os.environ[f"CHARLLM_{_kind}_DIR"] = os.path.join(_SESSION_DIR, _kind.lower())
 
 
 @pytest.fixture

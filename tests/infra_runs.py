@@ -91,3 +91,28 @@ def logs(rd: RunDir) -> str:
     if not rd.logs_dir.is_dir():
         return ""
     return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(rd.logs_dir.iterdir()))
+
+
+def role_process(marker: str, module: str) -> psutil.Process:
+    """The run's process running `python -m module` (torch.distributed.run, charllm.probes, ...)."""
+    for proc in run_processes(marker):
+        try:
+            cmdline = proc.cmdline()
+            if module in cmdline and cmdline[cmdline.index(module) - 1] == "-m":
+                return proc
+        except (psutil.Error, ValueError):
+            pass
+    raise AssertionError(f"no {module} process for {marker}")
+
+
+def supervisor_process(rd: RunDir) -> psutil.Process:
+    record = wait_for(lambda: rd.read_manifest().get("supervisor"), 30, "the supervisor to start")
+    return psutil.Process(record["pid"])
+
+
+def left_after(marker: str, timeout: float = 15) -> int:
+    """How many of the run's processes are still alive `timeout` seconds from now (0 as soon as none)."""
+    deadline = time.monotonic() + timeout
+    while run_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return len(run_processes(marker))

@@ -128,6 +128,7 @@ def export_of(exp: Experiment) -> list[str]:
 
 def test_export_with_set_and_out(capsys, tmp_path):
     target = tmp_path / "sub" / "flags.sh"
+    target.parent.mkdir()   # a missing directory is refused, never created silently
     code, out, err = run(capsys, "export", "megatron", "tiny-local", "--set", "tensor_model_parallel_size=2",
                          "--set", "global_batch_size=4", "--out", str(target))
     assert code == 0 and out == "" and f"wrote {target}" in err
@@ -163,7 +164,7 @@ def test_export_toml_is_the_resolved_experiment(capsys, tmp_path):
     (["export", "megatron", "tiny-local", "--set", "micro_batch_size=two"], ["expected an integer", "'two'"]),
     (["export", "toml", "no-such-experiment"], ["experiment 'no-such-experiment': no such preset"]),
     (["export", "toml", "/nonexistent/x.toml"], ["no such file"]),
-    (["export", "megatron", "tiny-local", "--out", "/proc/charllm/x.sh"], ["--out '/proc/charllm/x.sh': cannot write"]),
+    (["export", "megatron", "tiny-local", "--out", "/proc/charllm/x.sh"], ["--out '/proc/charllm/x.sh': directory '/proc/charllm' does not exist"]),
 ])
 def test_bad_input_is_one_line(capsys, argv, fragments):
     code, _, err = run(capsys, *argv)

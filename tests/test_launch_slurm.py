@@ -68,3 +68,31 @@ def test_failing_rank_fails_the_job(slurm_cluster):
     assert manifest["status"] == "failed", logs(rd)
     assert "node n2, rank 1" in manifest["failure"] and "SIGKILL" in manifest["failure"]
     wait_for(lambda: run_processes(rd.id) == [], 30, "the other node to stop")
+
+
+@pytest.mark.timeout(400)
+def test_killed_supervisor_is_found_by_the_next_reader_which_ends_the_job(slurm_cluster, capsys):
+    from infra_cli import run
+    from infra_runs import supervisor_process
+
+    rd = RunDir(launch(two_nodes(100_000), target()).run_dir)
+    job = rd.read_manifest()["slurm_job_id"]
+    wait_for(lambda: iterations_logged(rd) >= 1, 300, f"the first iteration\n{logs(rd)}")
+    supervisor_process(rd).kill()
+    code, out, err = run(capsys, "runs", "list")
+    assert code == 0 and "failed" in out, out + err
+    assert "the supervisor died" in rd.read_manifest()["failure"]
+    wait_for(lambda: job not in slurm_cluster.jobs(), 30, "the job to leave the queue")
+    wait_for(lambda: run_processes(rd.id) == [], 15, "every step's processes to exit")
+
+
+@pytest.mark.timeout(400)
+def test_killed_torchrun_on_a_node_fails_the_job_and_leaves_nothing(slurm_cluster):
+    from infra_runs import role_process
+
+    rd = RunDir(launch(two_nodes(100_000), target()).run_dir)
+    wait_for(lambda: iterations_logged(rd) >= 1, 300, f"the first iteration\n{logs(rd)}")
+    role_process(rd.id, "torch.distributed.run").kill()
+    manifest = wait_final(rd, 120)
+    assert manifest["status"] == "failed", logs(rd)
+    wait_for(lambda: run_processes(rd.id) == [], 15, "every process of the job to exit")

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from charllm.engine.catalog import load_experiment
@@ -52,7 +54,7 @@ def test_two_node_job_streams_logs_iterations_and_telemetry_home(ssh_nodes):
              "every process of the run to exit, here and on both nodes")
 
 
-def test_wrong_host_key_is_refused_with_the_command_to_trust_it(ssh_nodes, tmp_path, charllm_dirs):
+def test_wrong_host_key_is_refused_showing_the_offered_fingerprint(ssh_nodes, tmp_path, charllm_dirs):
     wrong = tmp_path / "known_hosts"  # node 2's key recorded for node 1: a changed key
     lines = {h: f"{h} ssh-ed25519 {k}" for h, k in ssh_nodes.host_keys.items()}
     lines[ssh_nodes.hosts[0]] = f"{ssh_nodes.hosts[0]} ssh-ed25519 {ssh_nodes.host_keys[ssh_nodes.hosts[1]]}"
@@ -64,7 +66,11 @@ def test_wrong_host_key_is_refused_with_the_command_to_trust_it(ssh_nodes, tmp_p
         with pytest.raises(UserError) as err:
             launch(two_nodes(2), target)
         message = str(err.value)
-        assert "host key" in message and f"ssh-keyscan -p {ssh_nodes.port} {ssh_nodes.hosts[0]} >> {known}" in message
+        offered = subprocess.run(["ssh-keygen", "-l", "-f", str(ssh_nodes.root / "host_key_0.pub")],
+                                 capture_output=True, text=True).stdout.split()[1]
+        assert "host key" in message and f"it offers {offered} (ED25519)" in message, message
+        assert "compare with the fingerprint" in message and f"add that key to {known}" in message
+        assert ">>" not in message and "\n" not in message, "no command that trusts a key blindly"
     assert not charllm_dirs["runs"].exists() or not any(charllm_dirs["runs"].iterdir())
 
 
@@ -78,6 +84,37 @@ def test_cancel_leaves_nothing_on_either_node(ssh_nodes):
     wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 20,
              "every process on both nodes and every ssh client to exit")
     assert rd.read_manifest()["status"] == "cancelled"
+
+
+@pytest.mark.timeout(400)
+def test_killed_supervisor_leaves_nothing_on_either_node(ssh_nodes, capsys):
+    """The ssh clients die with the supervisor; each closed connection stops its remote group."""
+    from infra_cli import run
+    from infra_runs import supervisor_process
+
+    target = parse_target("nodes", ssh_nodes.target_table())
+    rd = RunDir(launch(two_nodes(100_000), target).run_dir)
+    wait_for(lambda: iterations_logged(rd) >= 2, 300, f"the first iterations\n{logs(rd)}")
+    assert len(remote_leftovers(ssh_nodes, rd.id)) >= 6
+    supervisor_process(rd).kill()
+    wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 15,
+             "every process on both nodes and every ssh client to exit")
+    code, out, err = run(capsys, "runs", "show", rd.id)
+    assert code == 0 and "status    failed" in out and "the supervisor died" in out, out + err
+
+
+@pytest.mark.timeout(400)
+def test_killed_remote_torchrun_takes_its_ranks_along(ssh_nodes):
+    target = parse_target("nodes", ssh_nodes.target_table())
+    rd = RunDir(launch(two_nodes(100_000), target).run_dir)
+    wait_for(lambda: iterations_logged(rd) >= 2, 300, f"the first iterations\n{logs(rd)}")
+    torchrun = [p for p in remote_leftovers(ssh_nodes, rd.id) if "torch.distributed.run" in p.cmdline()]
+    assert len(torchrun) == 2
+    torchrun[1].kill()
+    manifest = wait_final(rd, 120)
+    assert manifest["status"] == "failed"
+    wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 15,
+             "every process on both nodes and every ssh client to exit")
 
 
 @pytest.mark.timeout(400)
@@ -95,7 +132,10 @@ def test_dead_node_fails_the_run_naming_it_and_stops_the_other(ssh_nodes):
     dead = ssh_nodes.hosts[1]
     pids = subprocess.run(["ip", "netns", "pids", ssh_nodes.netns[1]], capture_output=True, text=True).stdout
     for pid in map(int, pids.split()):
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # it already died with its parent (ranks follow torchrun)
+            pass
     manifest = wait_final(rd, 120)
     assert manifest["status"] == "failed"
     assert f"node {dead}" in manifest["failure"], manifest["failure"]

@@ -118,6 +118,10 @@ def test_sweep_json_rows(capsys):
 def test_sweep_parquet(capsys, tmp_path):
     target = tmp_path / "out" / "layouts.parquet"
     code, _, err = run(capsys, *SWEEP, "--parquet", str(target))
+    assert code == 2 and "does not exist (create it first)" in one_error_line(err)
+    assert not (tmp_path / "out").exists(), "a missing directory is never created silently"
+    (tmp_path / "out").mkdir()
+    code, _, err = run(capsys, *SWEEP, "--parquet", str(target))
     assert code == 0 and "wrote" in err
     df = pl.read_parquet(target)
     assert df.height > 0 and df["rank"][0] == 1

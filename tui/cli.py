@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, os_error_line
 
 # (module under charllm.tui.commands) in the order `--help` lists them.
 COMMAND_MODULES = (
@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. `charllm-tui sweep ... | head`
         return 0
+    except OSError as exc:  # a full disk, a name too long, a directory where a file should be...
+        print(f"charllm-tui: error: {os_error_line(exc)}", file=sys.stderr)
+        return 1
 
 
 def run_tui() -> int:

@@ -762,6 +762,11 @@ def teardown() -> None:
 
 
 if __name__ == "__main__":
+    # A rank never outlives torchrun: torch starts it in a session of its own, out of reach of
+    # the signals that stop torchrun's process group.
+    from charllm.engine.lifeline import die_with_parent
+
+    die_with_parent()
     code = main()
     # Everything that matters is written and closed; skip the interpreter's module teardown
     # (seconds with torch and megatron loaded) so the launcher sees the exit at once.

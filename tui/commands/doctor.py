@@ -102,6 +102,8 @@ def check(args: argparse.Namespace) -> int:
 
     options = dict(train=args.train, hardware=args.hardware, sample_seconds=args.sample_seconds,
                    iters=args.iters, timeout=args.timeout, progress=_progress)
+    if args.target is not None and not args.target.strip():
+        raise UserError("--target '': give a target name (see <config>/targets.toml), or leave it out")
     if args.target or args.nodes is not None:
         target = get_target(args.target or "local", Path(args.target_file) if args.target_file else None)
         if args.node:

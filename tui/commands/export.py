@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from charllm.probes import paths
+
 
 def register(sub) -> None:
     p = sub.add_parser("export", help="write an experiment as Megatron-LM flags or as resolved TOML",
@@ -19,7 +21,7 @@ def register(sub) -> None:
         f.add_argument("experiment", metavar="EXPERIMENT_OR_PRESET")
         f.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field, e.g. --set tensor_model_parallel_size=4 (repeatable)")
-        f.add_argument("--out", type=Path, metavar="FILE", help="write to FILE (atomically) instead of stdout")
+        f.add_argument("--out", metavar="FILE", help="write to FILE (atomically) instead of stdout")
         f.add_argument("--no-validate", action="store_true", help="export even if the layout is invalid")
         if name == "megatron":
             f.add_argument("--script", action="store_true",
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         sys.stdout.write(text)
     else:
-        _write_atomically(args.out, text, executable=args.format == "megatron" and args.script)
+        _write_atomically(paths.output_file(args.out, "--out"), text,
+                          executable=args.format == "megatron" and args.script)
         print(f"wrote {args.out}", file=sys.stderr)
     if args.format == "megatron" and not args.script:   # the world size and environment are the launcher's
         from charllm.engine.megatron import export_environment
@@ -69,7 +72,6 @@ def _write_atomically(path: Path, text: str, *, executable: bool = False) -> Non
 
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text)
         if executable:
             tmp.chmod(0o755)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub) -> None:
@@ -24,12 +25,17 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from charllm.engine.launch import reconcile
+    from charllm.probes.errors import UserError
     from charllm.probes.rundir import resolve_run
 
     action = args.action or "list"
     if action == "list":
         return _list()
+    if not args.run.strip():
+        raise UserError("RUN = '': give a run id, a unique prefix or suffix of one, or a path")
     rd = resolve_run(args.run)
+    reconcile(rd)  # a run whose supervisor died is finished here, so what follows tells the truth
     return {"show": _show, "logs": _logs, "cancel": _cancel, "delete": _delete}[action](rd, args)
 
 
@@ -37,7 +43,9 @@ def _list() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from charllm.probes.rundir import list_runs
+    from charllm.engine.launch import reconcile
+    from charllm.probes.errors import UserError
+    from charllm.probes.rundir import list_runs, status_line
 
     runs = list_runs()
     if not runs:
@@ -47,12 +55,21 @@ def _list() -> int:
     table.add_column("run", no_wrap=True, overflow="fold")
     for column in ("status", "target", "nodes", "started", "duration"):
         table.add_column(column)
+    damaged = []
     for rd in runs:
-        m = rd.read_manifest()
-        table.add_row(rd.id, m.get("status", "?"), m.get("target", {}).get("name", "-"),
+        try:
+            reconcile(rd)
+            m = rd.read_manifest()
+        except UserError as exc:  # a damaged run costs only its own row
+            damaged.append(str(exc))
+            table.add_row(rd.id, "damaged", "-", "-", "-", "-")
+            continue
+        table.add_row(rd.id, status_line(m), m.get("target", {}).get("name", "-"),
                       str(len(m.get("nodes", [])) or "-"), _time(m.get("started_ns") or m.get("created_ns")),
                       _duration(m))
     Console().print(table)
+    for line in damaged:
+        print(f"charllm-tui: warning: {line}", file=sys.stderr)
     return 0
 
 
@@ -73,14 +90,18 @@ def _duration(m: dict) -> str:
 
 
 def _show(rd, args) -> int:
-    from charllm.probes.rundir import runtime_line
+    from charllm.probes.rundir import runtime_line, status_line
 
     m = rd.read_manifest()
     print(f"run       {rd.id}")
     print(f"path      {rd.path}")
-    print(f"status    {m.get('status', '?')}")
+    print(f"status    {status_line(m)}")
     if m.get("failure"):
         print(f"failure   {m['failure']}")
+    for lost in m.get("telemetry_lost", []):
+        print(f"telemetry {lost.get('reason', 'lost')}")
+    if m.get("note"):
+        print(f"note      {m['note']}")
     target = m.get("target", {})
     print(f"target    {target.get('name', '-')} ({target.get('kind', '-')})")
     if m.get("slurm_job_id"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from charllm.probes import paths
+
 FORMATS = ("table", "markdown", "csv", "json", "parquet")
 
 
@@ -27,9 +29,10 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from charllm.probes.summary import parse_window, render, summarize, write_summary
 
+    out = paths.output_file(args.out, "--out") if args.out is not None else None  # before the work
     df = summarize(args.run, parse_window(args.window), by=args.by)
-    if args.out:
-        write_summary(df, args.out, args.format)
+    if out is not None:
+        write_summary(df, out, args.format)
         print(f"wrote {args.out}")
     else:
         fmt = args.format or "table"

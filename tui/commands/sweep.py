@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from charllm.probes import paths
 
 EPILOG = """\
 what is swept: the layout of an experiment (a preset or TOML file, as Compose and `plan` take it),
@@ -72,7 +73,7 @@ def register(sub) -> None:
     p.add_argument("--fits-only", action="store_true", help="only layouts that fit")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print every row as JSON records")
-    out.add_argument("--parquet", type=Path, metavar="FILE", help="write every row to a Parquet file")
+    out.add_argument("--parquet", metavar="FILE", help="write every row to a Parquet file")
     p.set_defaults(func=run)
 
 
@@ -82,6 +83,8 @@ MODEL_FLAGS = ("model", "hardware", "nodes", "gpus_per_node", "global_batch_size
 def run(args: argparse.Namespace) -> int:
     from charllm.probes.errors import UserError
 
+    if args.parquet is not None:  # before the work
+        args.parquet = paths.output_file(args.parquet, "--parquet")
     for flag in ("nodes", "gpus_per_node", "global_batch_size", "seq_length"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -110,10 +113,9 @@ def run(args: argparse.Namespace) -> int:
         import json
 
         print(json.dumps(df.to_dicts()))
-    elif args.parquet:
+    elif args.parquet is not None:
         tmp = args.parquet.with_name(f".{args.parquet.name}.tmp")
         try:
-            args.parquet.parent.mkdir(parents=True, exist_ok=True)
             df.write_parquet(tmp)
             tmp.replace(args.parquet)
         except OSError as exc:
@@ -195,7 +197,7 @@ def render(df, args, base) -> None:
     from charllm.tui.commands.plan import VERDICT_STYLE
 
     fitting = int(df["fits"].sum()) if df.height else 0
-    shown = df if args.top == 0 else df.head(args.top)
+    shown = df if args.top == 0 else df.head(min(args.top, df.height))
     table = Table(box=box.SIMPLE_HEAD, title_justify="left",
                   title=f"{base.model.name} on {base.cluster.nodes} x {base.cluster.gpus_per_node} "
                         f"{base.hardware.name}, global batch {base.training.global_batch_size}: {df.height} layouts, "

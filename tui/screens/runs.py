@@ -78,18 +78,22 @@ class RunsScreen(WorkbenchScreen):
 
     # -- listing -----------------------------------------------------------------------------
     def action_refresh(self) -> None:
-        from charllm.probes.rundir import list_runs
+        from charllm.probes.rundir import list_runs, status_line
 
         table = self.query_one(DataTable)
         cursor = self.current_run()
         table.clear()
         self.runs = {}
         for rd in reversed(list_runs()):        # newest first
-            m = rd.read_manifest()
+            try:
+                api("engine.launch").reconcile(rd)   # a run whose supervisor died is finished now
+                m = rd.read_manifest()
+            except UserError:                       # a damaged manifest costs only its own row
+                m = {"status": "damaged"}
             self.runs[rd.id] = rd.path
             started = m.get("started_ns") or m.get("created_ns")
             status = m.get("status", "unknown")
-            table.add_row(self._mark(rd.id), Text(status, STATUS_STYLE.get(status, "")),
+            table.add_row(self._mark(rd.id), Text(status_line(m), STATUS_STYLE.get(status, "")),
                           *("…" for _ in HEADLINE),
                           (m.get("target") or {}).get("name", m.get("kind", "-")), m.get("name", "-"),
                           time.strftime("%Y-%m-%d %H:%M", time.gmtime(started / 1e9)) if started else "-",

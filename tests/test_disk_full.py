@@ -1,0 +1,104 @@
+"""A full disk under a run: the supervisor and `runs cancel` stop cleanly, one line names the
+disk, the status records it and what was written before stays readable. The disk is a small
+tmpfs mounted for the test (root only; skipped otherwise)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import pytest
+
+from charllm.engine.catalog import load_experiment
+from charllm.engine.launch import launch
+from charllm.engine.targets import LOCAL
+from charllm.probes.errors import mount_point
+from charllm.probes.rundir import FINAL_STATUSES, RunDir, status_line
+from infra_cli import one_error_line, run
+from infra_runs import iterations_logged, left_after, logs, wait_final, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    monkeypatch.setenv("CHARLLM_RUNS_DIR", str(disk / "runs"))
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def fill(disk) -> None:
+    """Take every free byte (what a runaway checkpoint or a neighbour's job does)."""
+    with open(disk / "filler", "wb") as fh:
+        block = b"\0" * 2**20
+        try:
+            while True:
+                fh.write(block)
+                fh.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    with open(disk / "filler-tail", "wb", buffering=0) as fh:  # the last partial MiB
+        try:
+            while True:
+                fh.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+def training(iters: int = 100_000) -> RunDir:
+    exp = load_experiment("tiny-local")
+    exp.training.train_iters = iters
+    rd = RunDir(launch(exp, LOCAL).run_dir)
+    wait_for(lambda: iterations_logged(rd) >= 1, 240, f"the first iteration\n{logs(rd)}")
+    return rd
+
+
+@pytest.mark.timeout(300)
+def test_supervisor_records_a_full_disk_and_stops_everything(small_disk, capsys):
+    rd = training()
+    before = iterations_logged(rd)
+    fill(small_disk)
+    manifest = wait_final(rd, 120)
+    assert manifest["status"] == "failed"
+    assert f"disk full on {small_disk}" in manifest["failure"], manifest["failure"]
+    assert left_after(str(rd.path)) == 0
+    assert iterations_logged(rd) >= before, "what was written before stays readable"
+    code, out, err = run(capsys, "runs", "show", rd.id)
+    assert code == 0 and "disk full on" in out, out + err
+    assert mount_point(rd.path) == str(small_disk)
+
+
+@pytest.mark.timeout(300)
+def test_runs_cancel_on_a_full_disk_is_one_line_and_keeps_the_cause(small_disk, capsys):
+    rd = training()
+    fill(small_disk)
+    code, out, err = run(capsys, "runs", "cancel", rd.id)
+    assert "Traceback" not in out + err
+    if code == 2:  # the ranks failed on the full disk before the cancel came in
+        assert "already failed" in one_error_line(err)
+    manifest = wait_final(rd, 60)
+    assert manifest["status"] in FINAL_STATUSES
+    assert "disk full on" in status_line(manifest) + str(manifest.get("failure")), manifest
+    assert left_after(str(rd.path)) == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_supervisors_run_on_a_full_disk_is_one_line_and_the_others_still_list(small_disk, capsys):
+    from infra_runs import supervisor_process
+
+    rd = training()
+    supervisor_process(rd).kill()
+    assert left_after(str(rd.path)) == 0
+    fill(small_disk)
+    code, out, err = run(capsys, "runs", "show", rd.id)
+    assert code == 2 and f"disk full on {small_disk}" in one_error_line(err)
+    code, out, err = run(capsys, "runs", "list")
+    assert code == 0 and rd.id in out, out + err

@@ -1,0 +1,119 @@
+"""The hostile inputs of issue 13, each refused in one line before it can do harm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from charllm.engine.catalog import load_experiment
+from charllm.engine.launch import launch
+from charllm.engine.targets import parse_target
+from charllm.probes.errors import UserError
+from infra_cli import one_error_line, run
+from infra_fuzz import call
+from runfactory import gpu_frame, iteration_rows, make_run
+
+SLURM = {"kind": "slurm", "partition": "gpu", "account": "proj", "qos": "normal", "time": "01:00:00",
+         "constraint": "H100", "env_setup": "module load cuda", "python": "python3", "description": "x"}
+
+
+@pytest.mark.parametrize("field", ["partition", "account", "qos", "time", "constraint", "env_setup", "python",
+                                   "description"])
+@pytest.mark.parametrize("breakout", ["\n", "\r", "\x00", "\x1b"])
+def test_no_configuration_field_breaks_out_of_its_line(field, breakout, tmp_path):
+    table = dict(SLURM, **{field: f"gpu{breakout}srun touch {tmp_path}/PWNED"})
+    with pytest.raises(UserError, match=f"{field} = .*must be one line"):
+        parse_target("cluster", table)
+    with pytest.raises(UserError, match="sbatch_lines"):
+        parse_target("cluster", dict(SLURM, sbatch_lines=[f"--exclusive{breakout}touch x"]))
+
+
+def test_a_clean_target_gives_one_sbatch_line_per_option(tmp_path):
+    exp = load_experiment("tiny-local")
+    exp.cluster.nodes, exp.cluster.gpus_per_node = 2, 1
+    script = launch(exp, parse_target("cluster", SLURM), dry_run=True).sbatch_script
+    header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    for option in ("partition", "account", "qos", "time", "constraint"):
+        assert sum(f"--{option}=" in line for line in header) == 1
+
+
+@pytest.mark.parametrize("node", ["../../x", "/abs/path", "a\nb", "", ".hidden", "x" * 200])
+def test_probe_node_is_a_plain_name(node, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run(capsys, "probe", "--backend", "sim", "--duration", "0.05", "--out", str(out), "--node", node)
+    assert code == 2 and "node" in one_error_line(err)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("out", ["", "/etc/hostname", "/dev/null", "/proc/x", "missing/dir/run"])
+def test_probe_out_is_a_directory_it_may_make(out, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "probe", "--backend", "sim", "--duration", "0.05", "--out", out)
+    assert code == 2 and "--out" in one_error_line(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def two_runs(runs):
+    for run_id in ("run-a", "run-b"):
+        make_run(runs, [gpu_frame(np.arange(0, 10, 0.05), power_w=150.0)],
+                 iterations=iteration_rows(np.arange(0, 9, 1.0), 0.9), run_id=run_id)
+
+
+@pytest.mark.parametrize("ref", ["", " "])
+@pytest.mark.parametrize("action", ["delete", "show", "cancel", "logs"])
+def test_an_empty_run_matches_no_run(ref, action, charllm_dirs, capsys):
+    two_runs(charllm_dirs["runs"])
+    code, _, err = run(capsys, "runs", action, ref)
+    assert code == 2 and "give a run id" in one_error_line(err)
+    assert sorted(p.name for p in charllm_dirs["runs"].iterdir()) == ["run-a", "run-b"]
+
+
+@pytest.mark.parametrize("threshold", ["nan", "inf", "1e400", "-1"])
+def test_compare_threshold_is_a_finite_percentage(threshold, charllm_dirs, capsys):
+    two_runs(charllm_dirs["runs"])
+    code, _, err = run(capsys, "compare", "run-a", "run-b", "--threshold", threshold)
+    assert code == 2 and "--threshold" in one_error_line(err)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["sweep", "--model", "tiny-dense", "--hardware", "cpu", "--nodes", "99999999999999999999", "--gpus-per-node", "2",
+      "--global-batch-size", "8"], "nodes"),
+    (["sweep", "--model", "tiny-dense", "--hardware", "cpu", "--nodes", "1000000000", "--gpus-per-node", "2",
+      "--global-batch-size", "8"], "nodes"),
+    (["plan", "tiny-local", "--set", "pipeline_model_parallel_layout=E|t*9999999999|L"], "pipeline_model_parallel_layout"),
+    (["plan", "tiny-local", "--set", "pipeline_model_parallel_layout=(t*9999)*9999"], "pipeline_model_parallel_layout"),
+    (["plan", "tiny-local", "--set", "num_layers=100000000"], "num_layers"),
+    (["plan", "tiny-local", "--set", "num_layers=1e23"], "num_layers"),
+    (["plan", "tiny-local", "--set", "hardware.memory_bytes=-1"], "memory_bytes"),
+    (["plan", "tiny-local", "--set", "lr=nan"], "lr"),
+    (["plan", "tiny-local", "--set", "hz=1000"], "hz"),
+    (["sweep", "--model", "tiny-dense", "--hardware", "cpu", "--nodes", "1", "--gpus-per-node", "2",
+      "--global-batch-size", "100000000000000000000"], "global_batch_size"),
+])
+def test_bounded_before_any_loop(argv, field):
+    outcome = call(argv)  # a watchdog: past 2 s it counts as a hang
+    assert not outcome.hung and not outcome.crash, str(outcome)
+    assert outcome.code == 2 and outcome.one_clear_line and field in outcome.err, str(outcome)
+
+
+@pytest.mark.parametrize("argv", [
+    ["export", "megatron", "tiny-local", "--out", "OUT"],
+    ["sweep", "tiny-local", "--parquet", "OUT"],
+    ["summarize", "run-a", "--out", "OUT"],
+])
+@pytest.mark.parametrize("where", ["", "missing/dir/file.csv", "."])
+def test_outputs_never_create_directories_silently(argv, where, charllm_dirs, capsys, tmp_path, monkeypatch):
+    two_runs(charllm_dirs["runs"])
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.iterdir())
+    code, _, err = run(capsys, *[where if a == "OUT" else a for a in argv])
+    assert code == 2 and one_error_line(err)
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_a_deep_or_huge_file_is_one_line(tmp_path, capsys):
+    for content in ("num_layers = " + "9" * 5000, "a = " + "[" * 3000 + "]" * 3000):
+        path = tmp_path / "exp.toml"
+        path.write_text(content)
+        code, _, err = run(capsys, "plan", str(path))
+        assert code == 2 and "exp.toml" in one_error_line(err)

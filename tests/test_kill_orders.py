@@ -1,0 +1,144 @@
+"""Whoever dies first, nothing a local run started is left running, and the status says what
+happened: real torchrun training, the real sampler and supervisor, killed in each order."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from charllm.engine.catalog import load_experiment
+from charllm.engine.launch import cancel, launch, reconcile
+from charllm.engine.targets import LOCAL
+from charllm.probes.rundir import RunDir, status_line
+from infra_cli import run
+from infra_runs import (iterations_logged, left_after, logs, rank_process, role_process, supervisor_process,
+                        wait_final, wait_for)
+
+pytestmark = pytest.mark.integration
+
+
+def alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def started(iters: int = 100_000, **telemetry) -> RunDir:
+    exp = load_experiment("tiny-local")
+    exp.training.train_iters = iters
+    for name, value in telemetry.items():
+        setattr(exp.telemetry, name, value)
+    rd = RunDir(launch(exp, LOCAL).run_dir)
+    wait_for(lambda: iterations_logged(rd) >= 1, 240, f"the first iteration\n{logs(rd)}")
+    return rd
+
+
+@pytest.mark.timeout(300)
+def test_killed_torchrun_takes_its_ranks_along():
+    """torch starts ranks in sessions of their own: killpg of torchrun's group misses them."""
+    rd = started()
+    ranks = [rank_process(str(rd.path), r) for r in (0, 1)]
+    role_process(str(rd.path), "torch.distributed.run").kill()
+    manifest = wait_final(rd, 60)
+    assert manifest["status"] == "failed" and "SIGKILL" in manifest["failure"], manifest.get("failure")
+    assert left_after(str(rd.path)) == 0
+    assert not any(alive(r) for r in ranks)
+
+
+@pytest.mark.timeout(300)
+def test_killed_supervisor_takes_everything_along_and_the_next_reader_finishes_the_run(capsys):
+    rd = started()
+    supervisor_process(rd).kill()
+    assert left_after(str(rd.path)) == 0, "the sampler, torchrun and both ranks die with the supervisor"
+    assert rd.status == "running"  # nobody has looked yet
+    code, out, err = run(capsys, "runs", "list")
+    assert code == 0 and rd.id in out and "failed" in out, out + err
+    manifest = rd.read_manifest()
+    assert manifest["status"] == "failed" and "the supervisor died" in manifest["failure"]
+    code, out, err = run(capsys, "runs", "cancel", rd.id)
+    assert code == 2 and "already failed" in err, "a finished run is never recorded as cancelled later"
+
+
+@pytest.mark.timeout(300)
+def test_cancel_stops_a_rank_that_does_not_answer_sigterm():
+    """A rank stuck (here: stopped) ignores the SIGTERM torchrun forwards; it still goes."""
+    rd = started()
+    stuck = rank_process(str(rd.path), 1)
+    stuck.send_signal(signal.SIGSTOP)
+    assert cancel(rd) == "cancelled"
+    assert left_after(str(rd.path)) == 0
+    assert not alive(stuck)
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_sampler_is_told_in_the_status():
+    rd = started(iters=40)
+    role_process(str(rd.path), "charllm.probes").kill()
+    manifest = wait_final(rd, 240)
+    assert manifest["status"] == "completed", logs(rd)
+    line = status_line(manifest)
+    assert line.startswith("completed, telemetry lost at ") and "SIGKILL" in manifest["telemetry_lost"][0]["reason"]
+    assert left_after(str(rd.path)) == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_probe_only_run_is_finished_by_the_next_reader(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    out_dir = tmp_path / "probe-run"
+    proc = subprocess.Popen([sys.executable, "-m", "charllm.probes", "--backend", "host", "--out", str(out_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rd = RunDir(out_dir)
+    wait_for(lambda: rd.read_manifest().get("sampler") and rd.telemetry_files(), 60, "the probe to record")
+    proc.kill()
+    proc.wait()
+    assert rd.status == "running"
+    assert reconcile(rd) == "failed"
+    assert "the sampler died" in rd.read_manifest()["failure"]
+    code, out, _ = run(capsys, "runs", "show", str(out_dir))
+    assert code == 0 and "status    failed" in out
+
+
+@pytest.mark.timeout(300)
+def test_simultaneous_launches_both_start_and_keep_their_own_directories():
+    """Two launches of one experiment in the same second want the same run id: the loser takes
+    the next name instead of failing (and its cleanup once removed the winner's directory)."""
+    import threading
+
+    for _ in range(2):
+        barrier, results, errors = threading.Barrier(2), [], []
+
+        def one():
+            barrier.wait()
+            try:
+                results.append(launch(load_experiment("tiny-local"), LOCAL).run_dir)
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(set(results)) == 2, (errors, results)
+        for path in results:
+            rd = RunDir(path)
+            assert rd.manifest_path.is_file() and rd.experiment_path.is_file()
+            if cancel_if_running(rd):
+                assert left_after(str(rd.path)) == 0
+
+
+def cancel_if_running(rd: RunDir) -> bool:
+    from charllm.probes.errors import UserError
+
+    try:
+        cancel(rd)
+    except UserError:  # it ended first
+        pass
+    return True
