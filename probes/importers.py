@@ -125,24 +125,26 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
         for node in sorted({*ranks, *first_rank}, key=lambda n: int(n.removeprefix("node"))):
             out = run.node_telemetry_dir(node)
             out.mkdir(parents=True, exist_ok=True)
-            parts = [lambda rank=rank: _gpu_rank(gpu_files[rank], node, f"gpu{rank % gpus_per_node}", rank, simulated)
+            parts = [(True, lambda rank=rank: _gpu_rank(gpu_files[rank], node, f"gpu{rank % gpus_per_node}", rank,
+                                                        simulated))
                      for rank in ranks.get(node, [])]
             if node in first_rank:
-                parts.append(lambda: _host(sys_files[first_rank[node]], node, simulated))
+                parts.append((False, lambda: _host(sys_files[first_rank[node]], node, simulated)))
             chunk = 0
-            for part in parts:
+            for is_gpu, part in parts:
                 frame = part()
-                if frame is None:
-                    continue
-                write_parquet(conform(frame), out / f"{chunk:06d}.parquet")
-                chunk += 1
-                lo, hi = frame["ts_ns"].min(), frame["ts_ns"].max()
-                first = lo if first is None else min(first, lo)
-                last = hi if last is None else max(last, hi)
-                if frame["device"][0] != "host":
+                if frame is not None and frame.height:
+                    write_parquet(conform(frame), out / f"{chunk:06d}.parquet")
+                    chunk += 1
+                    lo, hi = frame["ts_ns"].min(), frame["ts_ns"].max()
+                    first = lo if first is None else min(first, lo)
+                    last = hi if last is None else max(last, hi)
+                if is_gpu:
                     done += 1
                     if on_progress:
                         on_progress(done, len(gpu_files))
+        if first is None:
+            raise UserError(f"charllm-ppt directory {str(src)!r}: its CSV files hold no samples")
         run.write_manifest({
             "id": run_id, "name": name or src.name, "kind": "import", "status": "completed",
             "simulated": simulated, "started_at": first / 1e9, "ended_at": last / 1e9,

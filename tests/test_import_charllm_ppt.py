@@ -103,6 +103,11 @@ def test_bad_inputs_are_user_errors_and_leave_nothing(tmp_path, charllm_dirs):
         import_charllm_ppt(bad)
     with pytest.raises(UserError, match="--gpus-per-node 0"):
         import_charllm_ppt(make_results(tmp_path / "ok"), gpus_per_node=0)
+    hollow = make_results(tmp_path / "hollow")               # every CSV there, none with a sample
+    for f in hollow.iterdir():
+        f.write_text("")
+    with pytest.raises(UserError, match="hold no samples"):
+        import_charllm_ppt(hollow)
     runs = charllm_dirs["runs"]
     assert not runs.exists() or list(runs.iterdir()) == []
 
