@@ -14,6 +14,18 @@ from charllm.probes.schema import conform
 T0_NS = 1_700_000_000 * 10**9
 
 
+def tiny_experiment(name: str = "x", *, bf16_tflops: float = 1.0, gpus_per_node: int | None = 1,
+                    micro_batch_size: int | None = None, extra_hardware: str = "") -> str:
+    """The TOML of a tiny experiment (2 layers, hidden 64, 4 heads, 32 tokens, vocabulary 1,024,
+    global batch 8) whose FLOPs the summaries' figures are checked against; `gpus_per_node=None`
+    leaves the cluster at its default."""
+    cluster = f"[cluster]\nnodes = 1\ngpus_per_node = {gpus_per_node}\n" if gpus_per_node else ""
+    mbs = f"micro_batch_size = {micro_batch_size}\n" if micro_batch_size else ""
+    return (f'name = "{name}"\n[model]\nnum_layers = 2\nhidden_size = 64\nnum_attention_heads = 4\n'
+            f"seq_length = 32\nvocab_size = 1024\n[hardware]\nbf16_tflops = {bf16_tflops}\n{extra_hardware}"
+            f"{cluster}[training]\n{mbs}global_batch_size = 8\n")
+
+
 def gpu_frame(t_s, node="n0", device="gpu0", **metrics) -> pl.DataFrame:
     """One GPU's samples at times `t_s` (seconds after T0) with the given metric columns."""
     t_ns = T0_NS + np.round(np.asarray(t_s, dtype=float) * 1e9).astype(np.int64)

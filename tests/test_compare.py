@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from runfactory import gpu_frame, iteration_rows, make_run
+from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes import baselines
 from charllm.probes.compare import compare, direction, render
@@ -14,28 +14,12 @@ from charllm.probes.errors import UserError
 from charllm.tui.cli import main
 
 T = np.round(np.arange(0, 101) * 0.1, 10)
-EXP = '''name = "{name}"
-[model]
-num_layers = 2
-hidden_size = 64
-num_attention_heads = 4
-seq_length = 32
-vocab_size = 1024
-[hardware]
-bf16_tflops = 1.0
-[cluster]
-nodes = 1
-gpus_per_node = 1
-[training]
-micro_batch_size = {mbs}
-global_batch_size = 8
-'''
 
 
 def _run(root, run_id, power, temp, iter_s, mbs=1):
     rows = iteration_rows(np.arange(0, 10, iter_s), iter_s, warmup=1)
     return make_run(root, [gpu_frame(T, power_w=power, temp_gpu_c=temp)], run_id=run_id,
-                    experiment=EXP.format(name=run_id, mbs=mbs), iterations=rows)
+                    experiment=tiny_experiment(run_id, micro_batch_size=mbs), iterations=rows)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import json
 import re
 
 import numpy as np
-from runfactory import gpu_frame, iteration_rows, make_run
+from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.compare import compare, render
 from charllm.probes.summary import summarize
@@ -16,21 +16,6 @@ from charllm.tui.screens import runs as runs_screen
 from charllm.tui.screens.live import iterations_text
 
 T = np.round(np.arange(0, 121) * 0.1, 10)  # 12 s at 10 Hz
-EXP = """name = "{name}"
-[model]
-num_layers = 2
-hidden_size = 64
-num_attention_heads = 4
-seq_length = 32
-vocab_size = 1024
-[hardware]
-bf16_tflops = 1.0
-[cluster]
-nodes = 1
-gpus_per_node = 1
-[training]
-global_batch_size = 8
-"""
 FIGURES = ("tokens_per_s", "tflops_per_gpu", "mfu_pct", "energy_per_token_j", "power_mean_w")
 
 
@@ -41,7 +26,7 @@ def _run(root, run_id, step_s):
         if row.get("warmup"):  # slower warm-up steps: a figure over the wrong window differs
             row["end_ns"] += 10**9
     return make_run(root, [gpu_frame(T, power_w=200.0 + 10 * np.sin(T), energy_j=np.cumsum(np.full(len(T), 20.0)))],
-                    run_id=run_id, experiment=EXP.format(name=run_id), iterations=rows)
+                    run_id=run_id, experiment=tiny_experiment(run_id), iterations=rows)
 
 
 def test_live_runs_compare_and_the_cli_agree_for_the_steady_window(charllm_dirs, capsys):

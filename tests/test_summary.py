@@ -6,7 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
-from runfactory import gpu_frame, iteration_rows, make_run
+from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.errors import UserError
 from charllm.probes.flops import num_floating_point_operations
@@ -120,25 +120,7 @@ def test_utilization_time_weighted_with_uneven_sampling(tmp_path):
     assert one(summarize(run, "all"), "util_gpu_mean_pct") == pytest.approx(25.0)
 
 
-TINY = """
-name = "tiny"
-[model]
-num_layers = 2
-hidden_size = 64
-num_attention_heads = 4
-seq_length = 32
-vocab_size = 1024
-[hardware]
-bf16_tflops = 0.5
-temp_limit_c = 90.0
-[cluster]
-nodes = 1
-gpus_per_node = 2
-[parallel]
-tensor_model_parallel_size = 1
-[training]
-global_batch_size = 8
-"""
+TINY = tiny_experiment("tiny", bf16_tflops=0.5, gpus_per_node=2, extra_hardware="temp_limit_c = 90.0\n")
 
 
 def test_iteration_log_gives_tokens_per_s_mfu_and_energy_per_token(tmp_path):

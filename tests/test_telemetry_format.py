@@ -14,7 +14,7 @@ import numpy as np
 import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
-from runfactory import T0_NS, gpu_frame, iteration_rows
+from runfactory import T0_NS, gpu_frame, iteration_rows, tiny_experiment
 
 from charllm.probes import baselines
 from charllm.probes.backend_replay import ReplayBackend
@@ -26,18 +26,6 @@ from charllm.probes.summary import summarize
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 T = np.round(np.arange(0, 200) * 0.05, 10)  # 10 s at 20 Hz
-EXP = """name = "x"
-[model]
-num_layers = 2
-hidden_size = 64
-num_attention_heads = 4
-seq_length = 32
-vocab_size = 1024
-[hardware]
-bf16_tflops = 1.0
-[training]
-global_batch_size = 8
-"""
 
 
 def _recorded_run(root: Path, run_id: str, seconds_per_chunk: float = 1.0, compact_every: int = 3,
@@ -52,7 +40,7 @@ def _recorded_run(root: Path, run_id: str, seconds_per_chunk: float = 1.0, compa
         writer.write(frame.slice(start, per_chunk))
     if finished:
         writer.close()
-    run.experiment_path.write_text(EXP)
+    run.experiment_path.write_text(tiny_experiment(gpus_per_node=None))
     with open(run.iterations_path, "w") as fh:
         for row in iteration_rows(np.arange(0, 9, 1.0), 1.0, warmup=1):
             fh.write(json.dumps(row) + "\n")
