@@ -694,7 +694,6 @@ def _stack(acts: list[ActTerms]) -> ActTerms:
     first = acts[0]
     assert all((a.full_recompute, a.group, a.offloaded_layers) == (first.full_recompute, first.group,
                                                                      first.offloaded_layers) for a in acts)
-    moe_excess, mtp_excess = (np.array([a.moe_excess for a in acts]), np.array([a.mtp_excess for a in acts]))
     return ActTerms(saved={k: np.array([a.saved[k] for a in acts]) for k in first.saved},
                     backward={k: np.array([a.backward[k] for a in acts]) for k in first.backward},
                     checkpoint_input=np.array([a.checkpoint_input for a in acts]),
@@ -702,7 +701,8 @@ def _stack(acts: list[ActTerms]) -> ActTerms:
                     final_norm=np.array([a.final_norm for a in acts]), mtp=np.array([a.mtp for a in acts]),
                     loss_extra=np.array([a.loss_extra for a in acts]),
                     full_recompute=first.full_recompute, group=first.group,
-                    offloaded_layers=first.offloaded_layers, moe_excess=moe_excess, mtp_excess=mtp_excess)
+                    offloaded_layers=first.offloaded_layers, moe_excess=np.array([a.moe_excess for a in acts]),
+                    mtp_excess=np.array([a.mtp_excess for a in acts]))
 
 
 @dataclass
@@ -802,32 +802,33 @@ def _chunk_params(m, kinds, params, mtp_params, embedding, output_weight):
     return dense, expert, per_chunk
 
 
+def _layer_activations(kind, a: ActTerms, saved: dict, checkpoint_input):
+    """What a chunk's decoder layers keep for one micro-batch after recompute and offloading, given
+    each layer kind's `saved` bytes and a recompute group's `checkpoint_input` bytes."""
+    n_dense, n_moe, _, _, _, flags = kind
+    n = n_dense + n_moe
+    if not n:
+        return 0.0
+    if a.full_recompute:
+        if flags is not None:
+            # block: the first `group` layers keep only their input, the rest keep everything
+            return min(a.group, n) * checkpoint_input + sum(saved[f] for f in flags[a.group:])
+        return math.ceil(n / a.group) * checkpoint_input
+    act = n_dense * saved[False] + (n_moe * saved[True] if n_moe else 0.0)
+    if a.offloaded_layers:     # megatron-core: the first cpu_offloading_num_layers layers' activations
+        act = act * (1 - min(a.offloaded_layers, n) / n)
+    return act
+
+
 def _chunk_excess(kind, a: ActTerms):
     """Of `_chunk_activations`: the busiest rank's routed tokens above the mean (MOE_DROPLESS_IMBALANCE)."""
-    n_dense, n_moe, emb, loss, mtp, flags = kind
-    if a.full_recompute:       # only block recompute keeps whole layers: those past the first `group`
-        excess = sum(flags[a.group:]) * a.moe_excess if flags is not None else 0.0
-    else:
-        n = n_dense + n_moe
-        excess = n_moe * a.moe_excess * (1 - min(a.offloaded_layers, n) / n) if n_moe else 0.0
-    return excess + mtp * a.mtp_excess
+    return _layer_activations(kind, a, {False: 0.0, True: a.moe_excess}, 0.0) + kind[4] * a.mtp_excess
 
 
 def _chunk_activations(kind, a: ActTerms):
     """Saved activations of one chunk for one micro-batch, after recompute."""
-    n_dense, n_moe, emb, loss, mtp, flags = kind
-    n = n_dense + n_moe
-    act = 0.0
-    if n and a.full_recompute:
-        if flags is not None:
-            # block: the first `group` layers keep only their input, the rest keep everything
-            act = min(a.group, n) * a.checkpoint_input + sum(a.saved[f] for f in flags[a.group:])
-        else:
-            act = math.ceil(n / a.group) * a.checkpoint_input
-    elif n:
-        act = n_dense * a.saved[False] + (n_moe * a.saved[True] if n_moe else 0.0)
-        if a.offloaded_layers:     # megatron-core: the first cpu_offloading_num_layers layers' activations
-            act = act * (1 - min(a.offloaded_layers, n) / n)
+    _, _, emb, loss, mtp, _ = kind
+    act = _layer_activations(kind, a, a.saved, a.checkpoint_input)
     if emb:
         act += a.embedding
     if loss:

@@ -132,7 +132,7 @@ class SweepScreen(WorkbenchScreen):
         key = self._experiment_key()
         if self.swept_serial == key:
             return
-        ahead = getattr(self.app, "swept_ahead", None)
+        ahead = self.app.swept_ahead
         if ahead is not None and ahead[0] == key:
             self.swept_serial = key
             self.on_sweep_done(ahead[1])
