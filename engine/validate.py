@@ -7,6 +7,8 @@ positive, so a bad size is reported as itself rather than as a follow-on error.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,21 +102,27 @@ def validate(exp: Experiment) -> list[Problem]:
 
 
 # --------------------------------------------------------------------------------------------
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    """A section's field names (the sweep validates thousands of layouts: `dataclasses.fields` each
+    time was a third of its time)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def value_problems(exp: Experiment) -> list[Problem]:
     """Problems with single values (sizes, ranges, choices). When there are none, the experiment's
     derived sizes (data-parallel size, micro-batch count, ...) are well defined."""
-    import dataclasses
     import math
 
     out = []
     for section in ("model", "hardware", "cluster", "parallel", "training", "telemetry"):
         obj = getattr(exp, section)
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
+        for name in _field_names(type(obj)):
+            value = getattr(obj, name)
             if isinstance(value, float) and not math.isfinite(value):
-                out.append(Problem(f.name, value, "must be a finite number"))
+                out.append(Problem(name, value, "must be a finite number"))
             elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
-                out.append(Problem(f.name, value, f"must be at most {MAX_NUMBER:,} in size"))
+                out.append(Problem(name, value, f"must be at most {MAX_NUMBER:,} in size"))
     if out:
         return out
     for section, names in POSITIVE.items():
