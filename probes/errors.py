@@ -18,9 +18,13 @@ def did_you_mean(name, choices, otherwise: str = "", cutoff: float = 0.6) -> str
 
 
 def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` says the disk is full. Python sets errno; polars raises an OSError (or its own
+    error) carrying only the operating system's message."""
     import errno
+    import os
 
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    return getattr(exc, "errno", None) in codes or any(os.strerror(code) in str(exc) for code in codes)
 
 
 def mount_point(path) -> str:

@@ -24,7 +24,6 @@ Memory stays flat: at most `compact_every` chunks are held, and only while mergi
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import polars as pl
 
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, is_disk_full, mount_point
 from charllm.probes.rundir import chunk_span, node_chunks
 from charllm.probes.schema import ID_COLUMNS, TELEMETRY_SCHEMA, conform
 
@@ -66,9 +65,7 @@ class DiskFull(UserError):
     """The telemetry's disk is full: recording stops, and what was written before stays readable."""
 
     def __init__(self, directory: Path) -> None:
-        mount = directory.resolve()
-        while not os.path.ismount(mount) and mount != mount.parent:
-            mount = mount.parent
+        mount = mount_point(directory.resolve())
         super().__init__(f"disk full: cannot write telemetry to {directory} (filesystem {mount}, "
                          f"{shutil.disk_usage(mount).free} bytes free); recording stopped, what was "
                          "written before is kept")
@@ -83,16 +80,10 @@ def _write_atomic(final: Path, write) -> Path:
         os.replace(tmp, final)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if _is_disk_full(exc):
+        if is_disk_full(exc):
             raise DiskFull(final.parent) from None
         raise
     return final
-
-
-def _is_disk_full(exc: BaseException) -> bool:
-    """Python sets errno; polars raises an OSError (or its own error) carrying only the OS message."""
-    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
-        any(os.strerror(code) in str(exc) for code in (errno.ENOSPC, errno.EDQUOT))
 
 
 class ChunkWriter:
