@@ -110,6 +110,19 @@ def supervisor_process(rd: RunDir) -> psutil.Process:
     return psutil.Process(record["pid"])
 
 
+def kill_and_wait(proc: psutil.Process, timeout: float = 15) -> None:
+    """SIGKILL `proc` and wait until it is dead: gone, or a zombie its parent has not reaped yet
+    (a kill is delivered asynchronously; on a loaded machine the next command could still see it)."""
+    def dead() -> bool:
+        try:
+            return proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    proc.kill()
+    wait_for(dead, timeout, f"process {proc.pid} to die")
+
+
 def left_after(marker: str, timeout: float = 15) -> int:
     """How many of the run's processes are still alive `timeout` seconds from now (0 as soon as none)."""
     deadline = time.monotonic() + timeout

@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,15 @@ class SlurmCluster:
     def jobs(self) -> str:
         return subprocess.run(["squeue", "-h", "-o", "%i %T"], env=self.env, capture_output=True,
                               text=True).stdout.strip()
+
+    def cancel_all(self, timeout: float = 30) -> None:
+        """Cancel every job, whole (steps and batch script), and wait until the queue is empty."""
+        ids = [line.split()[0] for line in self.jobs().splitlines()]
+        if ids:
+            subprocess.run(["scancel", "--full", *ids], env=self.env, capture_output=True)
+            deadline = time.monotonic() + timeout
+            while self.jobs() and time.monotonic() < deadline:
+                time.sleep(0.2)
 
 
 def _config(root: Path, ports: list[int]) -> str:
@@ -127,6 +137,7 @@ def start_cluster(root: Path, cleanups: list) -> SlurmCluster:
                                   stdout=log, stderr=log)
         cleanups.append(lambda slurmd=slurmd: stop_process(slurmd))
     wait_for(lambda: cluster.scontrol("show", "nodes").count("State=IDLE") == len(NODES), 30, "idle nodes")
+    cleanups.append(cluster.cancel_all)      # runs first: a failed test's job must not outlive its daemons
     return cluster
 
 

@@ -73,12 +73,12 @@ def test_failing_rank_fails_the_job(slurm_cluster):
 @pytest.mark.timeout(400)
 def test_killed_supervisor_is_found_by_the_next_reader_which_ends_the_job(slurm_cluster, capsys):
     from infra_cli import run
-    from infra_runs import supervisor_process
+    from infra_runs import kill_and_wait, supervisor_process
 
     rd = RunDir(launch(two_nodes(100_000), target()).run_dir)
     job = rd.read_manifest()["slurm_job_id"]
     wait_for(lambda: iterations_logged(rd) >= 1, 300, f"the first iteration\n{logs(rd)}")
-    supervisor_process(rd).kill()
+    kill_and_wait(supervisor_process(rd))
     code, out, err = run(capsys, "runs", "list")
     assert code == 0 and "failed" in out, out + err
     assert "the supervisor died" in rd.read_manifest()["failure"]
