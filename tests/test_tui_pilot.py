@@ -230,7 +230,7 @@ async def test_sweep_table_adds_rows_a_page_at_a_time_as_the_cursor_nears_the_en
         await pilot.press("f")                               # all layouts, not only the fitting ones
         await wait_for(pilot, lambda: screen.table_frame.height > 2 * TABLE_PAGE, what="all layouts listed")
         assert table.row_count == TABLE_PAGE
-        assert "220 rows" in str(screen.query_one("#sweep-status").render())
+        assert "listing 220 (all" in str(screen.query_one("#sweep-status").render())
         table.focus()
         table.move_cursor(row=TABLE_PAGE - 5)
         await wait_for(pilot, lambda: table.row_count == 2 * TABLE_PAGE, what="the second page")
@@ -245,6 +245,39 @@ async def test_sweep_table_adds_rows_a_page_at_a_time_as_the_cursor_nears_the_en
         p = app.experiment.parallel
         assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, app.experiment.training.micro_batch_size) \
             == (row["tensor_model_parallel_size"], row["pipeline_model_parallel_size"], row["micro_batch_size"])
+
+
+@pilot_test
+async def test_sweep_table_shows_what_tells_layouts_apart_and_the_map_gives_way_at_80_columns():
+    """Columns with one value across the sweep are hidden and named once; the verdict columns come
+    before the options, and at 80 columns the map starts hidden (m shows it) so that they fit."""
+    from charllm.tui.screens.sweep import SweepDone
+
+    messages: list = []
+    app = CharllmApp(catalog.load_experiment("tiny-local"))
+    async with run_app(app, messages, size=(80, 24)) as pilot:
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: any(isinstance(m, SweepDone) for m in messages), timeout=120, what="the sweep")
+        screen = app.screen
+        frame = screen.frame
+        table = screen.query_one("#sweep-table")
+        shown = [c.key.value for c in table.columns.values()]
+        constant = [c for c in ("context_parallel_size", "expert_model_parallel_size", "sequence_parallel")
+                    if frame[c].n_unique() == 1]
+        assert constant and not set(constant) & set(shown)
+        status = str(screen.query_one("#sweep-status").render())
+        assert "in every layout: CP 1 · EP 1" in status and "SP no" in status
+        assert shown.index("verdict") < shown.index("micro_batch_size") + 4           # before the options
+        assert "tensor_model_parallel_size" in shown and frame["tensor_model_parallel_size"].n_unique() > 1
+        assert not screen.query_one("#map-pane").display
+        assert table.region.right <= 80 and sum(c.get_render_width(table) for c in table.columns.values()) <= 80
+        await pilot.press("m")
+        assert screen.query_one("#map-pane").display
+        await pilot.resize_terminal(160, 40)
+        await pilot.pause(0.1)
+        assert screen.query_one("#map-pane").display                              # the user's choice stays
+        await pilot.press("m")
+        assert not screen.query_one("#map-pane").display
 
 
 @pilot_test

@@ -30,14 +30,19 @@ from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api, edited_na
 
 GIB = 1024**3
 ANY = "any"
-# DataFrame column -> table heading
+# DataFrame column -> table heading, in the order shown: the layout, what it leaves free, then its options
+# (at 80 columns the verdict must be on screen before the options)
 TABLE_COLUMNS = {
     "rank": "#", "tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
     "virtual_pipeline_model_parallel_size": "VP", "context_parallel_size": "CP",
     "expert_model_parallel_size": "EP", "data_parallel_size": "DP", "micro_batch_size": "mbs",
+    "headroom_bytes": "spare GiB", "peak_bytes": "peak GiB", "verdict": "verdict",
     "recompute": "recompute", "use_distributed_optimizer": "dist-opt", "sequence_parallel": "SP",
-    "peak_bytes": "peak GiB", "headroom_bytes": "headroom GiB", "verdict": "verdict",
 }
+# Never hidden: a layout is named by its rank and TP x PP, and judged by its headroom and verdict
+# (other columns are hidden when every layout of the sweep has the same value, and said so once)
+ALWAYS_SHOWN = ("rank", "tensor_model_parallel_size", "pipeline_model_parallel_size", "headroom_bytes",
+                "peak_bytes", "verdict")
 # Rows are added to the table a page at a time, the next page as the cursor or the scroll nears
 # the end: a DataTable formats and measures every cell it is given, which for thousands of rows
 # takes longer than the sweep itself.
@@ -80,11 +85,26 @@ def sweep_ahead(app) -> None:
     app.run_worker(run, thread=True, group="sweep-ahead", exit_on_error=False)
 
 
-def headroom_text(value: float | None, verdict: str | None) -> Text:
+def headroom_text(value: float | None, verdict: str | None, compact: bool = False) -> Text:
+    """GiB to spare, coloured by the verdict; `compact` (the map) drops the decimal from 10 GiB on."""
     if value is None:
         return Text("·", "dim")
     style = "bold green" if verdict == "fits" and value >= 8 * GIB else VERDICT_STYLE[verdict]
-    return Text(f"{value / GIB:+.1f}", style)
+    gib = value / GIB
+    return Text(f"{gib:+.0f}" if compact and abs(gib) >= 10 else f"{gib:+.1f}", style)
+
+
+def cell_text(column: str, value) -> str | Text:
+    """A sweep value as the table shows it."""
+    if value is None:
+        return "-"
+    if column == "peak_bytes":
+        return f"{value / GIB:.1f}" if value >= GIB else f"{value / GIB:.2f}"
+    if column == "verdict":
+        return Text(value, VERDICT_STYLE[value])
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
 
 
 class SweepScreen(WorkbenchScreen):
@@ -93,7 +113,10 @@ class SweepScreen(WorkbenchScreen):
         Binding("r", "run_sweep", "Run sweep", id="sweep.run"),
         Binding("s", "sort", "Sort by column", id="sweep.sort"),
         Binding("f", "toggle_fitting", "Fitting only", id="sweep.fitting"),
+        Binding("m", "toggle_map", "Map", id="sweep.map"),
     ]
+    # Below this width the map is hidden at first (m shows it), so that the table's verdicts fit.
+    MAP_MIN_WIDTH = 100
 
     def __init__(self):
         super().__init__()
@@ -105,6 +128,9 @@ class SweepScreen(WorkbenchScreen):
         self.basis = ""
         self.table_frame = None         # what the table lists (after the fitting-only filter), in order
         self.loaded = 0                 # rows of it added to the table so far
+        self.columns = list(TABLE_COLUMNS)  # the columns the table shows
+        self.same_everywhere = ""       # the hidden columns and their one value ("EP 1 · SP yes")
+        self.map_chosen = False         # the user toggled the map: the width no longer decides
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="sweep"):
@@ -117,16 +143,36 @@ class SweepScreen(WorkbenchScreen):
             yield ProgressBar(id="sweep-progress", show_eta=False)
             with Horizontal():
                 with Vertical(id="map-pane"):
-                    yield Label("best headroom GiB, TP × PP", classes="hint")
+                    yield Label("GiB to spare, TP×PP", classes="hint")
                     yield DataTable(id="feasibility", cursor_type="cell")
                 yield DataTable(id="sweep-table", cursor_type="row", zebra_stripes=True)
 
     def on_mount(self) -> None:
         self.query_one("#sweep-progress").display = False
-        table = self.query_one("#sweep-table", DataTable)
+        self.watch(self.query_one("#sweep-table", DataTable), "scroll_y", self._scrolled, init=False)
+
+    def on_resize(self) -> None:
+        if not self.map_chosen:
+            self.query_one("#map-pane").display = self.size.width >= self.MAP_MIN_WIDTH
+
+    def action_toggle_map(self) -> None:
+        self.map_chosen = True
+        pane = self.query_one("#map-pane")
+        pane.display = not pane.display
+
+    def set_columns(self) -> None:
+        """Show the columns that tell this sweep's layouts apart; name the others' one value."""
+        frame, self.columns, same = self.frame, [], []
         for column, heading in TABLE_COLUMNS.items():
-            table.add_column(heading, key=column)
-        self.watch(table, "scroll_y", self._scrolled, init=False)
+            if column not in ALWAYS_SHOWN and frame.height and frame[column].n_unique() == 1:
+                same.append(f"{heading} {cell_text(column, frame[column][0])}")
+            else:
+                self.columns.append(column)
+        self.same_everywhere = " · ".join(same)
+        table = self.query_one("#sweep-table", DataTable)
+        table.clear(columns=True)
+        for column in self.columns:
+            table.add_column(TABLE_COLUMNS[column], key=column)
 
     def on_screen_resume(self) -> None:
         key = self._experiment_key()
@@ -172,6 +218,7 @@ class SweepScreen(WorkbenchScreen):
                 values = sorted(self.frame[column].unique().to_list(), key=str) if self.frame.height else []
                 select = self.query_one(f"#{wid}", Select)
                 select.set_options([(str(v), v) for v in values])
+        self.set_columns()
         self.redraw()
 
     def show_status(self) -> None:
@@ -179,11 +226,12 @@ class SweepScreen(WorkbenchScreen):
         counts = frame["verdict"].value_counts() if frame.height else None
         count = {} if counts is None else dict(counts.iter_rows())
         listed = self.table_frame.height if self.table_frame is not None else frame.height
-        shown = "fitting layouts only (f shows all)" if self.fitting_only else "all layouts (f: fitting only)"
+        shown = "fitting only, f: all" if self.fitting_only else "all, f: fitting only"
+        same = f"\nin every layout: {escape(self.same_everywhere)}" if self.same_everywhere else ""
         self.query_one("#sweep-status", Static).update(
             f"{frame.height} valid layouts: [green]{count.get('fits', 0)} fit[/], "
-            f"[yellow]{count.get('tight', 0)} tight[/] · table: {listed} rows, {shown} · Enter loads a layout "
-            f"into Compose · s sorts\n[dim]{escape(self.basis)}[/]")
+            f"[yellow]{count.get('tight', 0)} tight[/] · listing {listed} ({shown}) · Enter loads one into "
+            f"Compose · s sorts{same}\n[dim]{escape(self.basis)}[/]")
 
     @on(Select.Changed)
     def redraw(self) -> None:
@@ -213,7 +261,8 @@ class SweepScreen(WorkbenchScreen):
         for tp in tps:
             fmap.add_column(f"TP{tp}", key=str(tp))
         for pp in pps:
-            fmap.add_row(f"PP{pp}", *(headroom_text(*best.get((tp, pp), (None, None))) for tp in tps), key=str(pp))
+            fmap.add_row(f"PP{pp}", *(headroom_text(*best.get((tp, pp), (None, None)), compact=True) for tp in tps),
+                         key=str(pp))
         self.fill_table(frame)
 
     def fill_table(self, frame) -> None:
@@ -231,18 +280,8 @@ class SweepScreen(WorkbenchScreen):
         table = self.query_one("#sweep-table", DataTable)
         start = self.loaded
         for i, row in enumerate(self.table_frame.slice(start, TABLE_PAGE).iter_rows(named=True), start):
-            cells = []
-            for column in TABLE_COLUMNS:
-                value = row.get(column)
-                if column == "peak_bytes":
-                    value = round(value / GIB, 1)
-                elif column == "headroom_bytes":
-                    value = headroom_text(value, row.get("verdict"))
-                elif column == "verdict":
-                    value = Text(value, VERDICT_STYLE[value])
-                elif value is None:
-                    value = "-"
-                cells.append(value)
+            cells = [headroom_text(row[c], row["verdict"]) if c == "headroom_bytes" else cell_text(c, row[c])
+                     for c in self.columns]
             table.add_row(*cells, key=str(i))
         self.loaded = table.row_count
 
