@@ -179,24 +179,31 @@ def llama3_8b_on_8_h100():
     return exp
 
 
+async def swept(pilot):
+    """The Sweep screen once it shows a sweep: one made on its key, or the app's sweep ahead (which
+    a loaded machine may finish before the key)."""
+    from charllm.tui.screens.sweep import SweepScreen
+
+    app = pilot.app
+    await wait_for(pilot, lambda: isinstance(app.screen, SweepScreen) and app.screen.frame is not None,
+                   timeout=120, what="the sweep")
+    return app.screen
+
+
 @pilot_test
 async def test_sweep_runs_and_a_pick_loads_into_compose():
     pytest.importorskip("charllm.engine.sweep", reason="engine.sweep is not in this build")
-    from charllm.tui.screens.sweep import TABLE_PAGE, SweepDone
+    from charllm.tui.screens.sweep import TABLE_PAGE
 
-    messages: list = []
     exp = llama3_8b_on_8_h100()
     exp.training.attention_backend = "unfused"             # composed: the sweep must keep it
     app = CharllmApp(exp)
-    async with run_app(app, messages) as pilot:
+    async with run_app(app) as pilot:
         await pilot.press("f3")
-        await wait_for(pilot, lambda: any(isinstance(m, SweepDone) for m in messages), timeout=120,
-                       what="the sweep")
-        done = next(m for m in messages if isinstance(m, SweepDone))
-        assert done.error is None and done.frame.height > 0
-        screen = app.screen
+        screen = await swept(pilot)
+        assert screen.frame.height > 0
         table = screen.query_one("#sweep-table")
-        fitting = int(done.frame["fits"].sum())
+        fitting = int(screen.frame["fits"].sum())
         assert table.row_count == min(fitting, TABLE_PAGE) and screen.table_frame.height == fitting
         first = screen.table_row(0)
         table.focus()
@@ -218,14 +225,12 @@ async def test_sweep_runs_and_a_pick_loads_into_compose():
 async def test_sweep_table_adds_rows_a_page_at_a_time_as_the_cursor_nears_the_end():
     """All layouts of Llama-3 8B on 8 H100s (220 rows): the table starts with one page and the rest
     comes as the cursor moves down, in the frame's order; a row picked from a later page is that row."""
-    from charllm.tui.screens.sweep import TABLE_PAGE, SweepDone
+    from charllm.tui.screens.sweep import TABLE_PAGE
 
-    messages: list = []
     app = CharllmApp(llama3_8b_on_8_h100())
-    async with run_app(app, messages) as pilot:
+    async with run_app(app) as pilot:
         await pilot.press("f3")
-        await wait_for(pilot, lambda: any(isinstance(m, SweepDone) for m in messages), timeout=120, what="the sweep")
-        screen = app.screen
+        screen = await swept(pilot)
         table = screen.query_one("#sweep-table")
         await pilot.press("f")                               # all layouts, not only the fitting ones
         await wait_for(pilot, lambda: screen.table_frame.height > 2 * TABLE_PAGE, what="all layouts listed")
@@ -251,14 +256,11 @@ async def test_sweep_table_adds_rows_a_page_at_a_time_as_the_cursor_nears_the_en
 async def test_sweep_table_shows_what_tells_layouts_apart_and_the_map_gives_way_at_80_columns():
     """Columns with one value across the sweep are hidden and named once; the verdict columns come
     before the options, and at 80 columns the map starts hidden (m shows it) so that they fit."""
-    from charllm.tui.screens.sweep import SweepDone
 
-    messages: list = []
     app = CharllmApp(catalog.load_experiment("tiny-local"))
-    async with run_app(app, messages, size=(80, 24)) as pilot:
+    async with run_app(app, size=(80, 24)) as pilot:
         await pilot.press("f3")
-        await wait_for(pilot, lambda: any(isinstance(m, SweepDone) for m in messages), timeout=120, what="the sweep")
-        screen = app.screen
+        screen = await swept(pilot)
         frame = screen.frame
         table = screen.query_one("#sweep-table")
         shown = [c.key.value for c in table.columns.values()]
@@ -303,6 +305,23 @@ async def test_sweep_screen_opens_on_the_sweep_made_ahead_and_resweeps_after_an_
         await wait_for(pilot, lambda: any(isinstance(m, SweepDone) for m in messages), timeout=60,
                        what="the sweep of the edited experiment")
         await wait_for(pilot, lambda: screen.frame is not ahead.frame, what="the new table")
+
+
+@pilot_test
+async def test_a_screen_first_opened_after_a_theme_change_has_that_theme():
+    """A new screen skips Textual's whole-stylesheet refresh (app._screen_factory): it must still be
+    styled by the theme chosen before it opened."""
+    from textual.color import Color
+
+    app = CharllmApp()
+    async with run_app(app) as pilot:
+        dark = app.screen.styles.background
+        app.theme = "textual-light"
+        await pilot.pause(0.1)
+        await pilot.press("f6")                                            # Runs: opened for the first time
+        await wait_for(pilot, lambda: app.current_mode == "runs")
+        await pilot.pause(0.1)
+        assert app.screen.styles.background == Color.parse(app.current_theme.background) != dark
 
 
 # -- Live, Runs, Compare on recorded (simulated) runs --------------------------------------------

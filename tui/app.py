@@ -46,7 +46,16 @@ SWEEP_AHEAD_AFTER_S = 1.0
 
 def _screen_factory(target: str) -> Callable[[], Screen]:
     """Import a screen module only when its mode is first shown (keeps the first frame fast)."""
-    return lambda: _screen_class(target)()
+    def make() -> Screen:
+        screen = _screen_class(target)()
+        # A new screen is styled from the current stylesheet as it mounts. Textual would first re-parse
+        # the whole stylesheet and restyle every node, twice (the screen is not mounted yet when it
+        # compares its CSS generation with the app's): 200-400 ms of each screen's first key here.
+        # (textual==8.2.8 is pinned; a theme change still restyles every screen.)
+        screen._css_update_count = screen.app._css_update_count
+        return screen
+
+    return make
 
 
 def load_settings(path: Path | None = None) -> dict:
@@ -134,6 +143,22 @@ class CharllmApp(App[None]):
 
         if self.current_mode != "sweep":
             sweep_ahead(self)
+        self._parse_widget_css()
+
+    def _parse_widget_css(self) -> None:
+        """Parse the default CSS of the widget classes that only other screens mount, while idle.
+
+        Textual adds a widget class's DEFAULT_CSS to the stylesheet the first time one is mounted and
+        then parses the whole stylesheet again: measured at 150-300 ms of the first F3 (Sweep) here.
+        (`_get_default_css` is Textual's own, textual==8.2.8 is pinned.)"""
+        from textual.widgets import DataTable, Log, ProgressBar
+        from textual_plotext import PlotextPlot
+
+        for widget in (DataTable(), ProgressBar(), Log(), PlotextPlot()):
+            for read_from, css, tie_breaker, scope in widget._get_default_css():
+                self.stylesheet.add_source(css, read_from=read_from, is_default_css=True,
+                                           tie_breaker=tie_breaker, scope=scope)
+        self.stylesheet.parse()
 
     # -- shared state, changed by any screen ------------------------------------------------
     def use_experiment(self, experiment: Experiment, *, show: bool = True) -> None:
