@@ -40,6 +40,7 @@ run's first sample.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -278,6 +279,55 @@ def window_phrase(label: str) -> str:
         return "all samples"
     start, _, end = label.partition(":")
     return f"seconds {start} to {end} after the first sample"
+
+
+# Units of the summary's figures, by how their column names end (longest first); each figure is
+# shown with its unit at about four significant digits.
+_UNITS = (("_samples_per_s_mj", "samples/(s·MJ)"), ("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"),
+          ("tflops_per_gpu", "TFLOP/s"), ("_w_per_s", "W/s"), ("_bytes", "B"), ("_frac", "%"), ("_pct", "%"),
+          ("_mhz", "MHz"), ("_w", "W"), ("_c", "°C"), ("_j", "J"), ("_s", "s"))
+_COUNTS = ("iterations", "samples", "gpus", "tokens_total")
+_PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "µ"))
+
+
+def format_figure(metric: str, value) -> str:
+    """A summary figure as text with its unit: `1.52049e+09, "energy_j"` -> "1.520 GJ".
+
+    Joules and seconds take SI prefixes, bytes binary ones, fractions show as percentages;
+    large figures and counts keep thousands separators.
+    """
+    if value is None or isinstance(value, str):
+        return "" if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if value != value:  # nan
+        return "nan"
+    unit = next((u for suffix, u in _UNITS if metric.endswith(suffix)), "")
+    if unit == "%" and metric.endswith("_frac"):
+        value *= 100
+    if unit == "B":
+        scale, unit = next(((s, u) for s, u in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+                            if abs(value) >= s), (1, "B"))
+        value /= scale
+    elif unit in ("J", "s") and value and not (unit == "s" and abs(value) >= 1):
+        scale, prefix = next(((s, p) for s, p in _PREFIXES if abs(value) >= s), _PREFIXES[-1])
+        value, unit = value / scale, prefix + unit
+    if unit == "tokens/s" or metric in _COUNTS or metric.endswith("_count"):  # tokens/s: as Live and Runs show it
+        text = f"{value:,.0f}"
+    else:
+        text = f"{value:,}" if isinstance(value, int) else _four_digits(value)
+    return f"{text}{'' if unit == '%' else ' '}{unit}".rstrip()
+
+
+def _four_digits(value: float) -> str:
+    """About four significant digits, thousands separated, no exponent: 3,355 · 57.73 · 0.0123."""
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude == 0:
+        return "0"
+    decimals = 3 - math.floor(math.log10(magnitude))
+    return f"{value:.{min(decimals, 6)}f}"
 
 
 def parse_window(text: str):
