@@ -91,7 +91,7 @@ def summarize(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu")
         raise UserError(f"by = {by!r}: expected one of {', '.join(BY)}")
     if isinstance(window, str) and window not in ("steady", "all"):
         window = parse_window(window)
-    return _cached(run, window, by, lambda: _summarize(run, window, by))
+    return _cached(run, window, by)
 
 
 def has_accelerators(run: RunDir) -> bool:
@@ -104,16 +104,18 @@ def has_accelerators(run: RunDir) -> bool:
 SUMMARY_VERSION = 1
 
 
-def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
+def _cached(run: RunDir, window, by: str) -> pl.DataFrame:
     """A finished run never changes, so its summaries are kept (keyed by its files and directories).
 
     Comparing runs, or reopening one in the TUI, then costs a Parquet read instead of a pass
-    over every telemetry chunk. Running runs are always summarized afresh.
+    over every telemetry chunk; the pass that makes one level (per GPU, node, run) keeps all
+    three, so a baseline (run and GPU levels) or a compare after the Runs list reads the
+    telemetry once. Running runs are always summarized afresh.
     """
     from charllm.probes.rundir import FINAL_STATUSES, write_json_atomic
 
     if run.status not in FINAL_STATUSES:
-        return compute()
+        return _level(_summarize(run, window, (by,)), run, by)
     # Chunks are added by atomic renames, which change their directory's mtime; listing a
     # directory is far cheaper than a stat per chunk (a run holds one per node per second).
     stat = [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
@@ -121,29 +123,44 @@ def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
     if run.telemetry_dir.is_dir():
         stat += [[d.name, d.stat().st_mtime_ns, len(os.listdir(d))]
                  for d in sorted(run.telemetry_dir.iterdir()) if d.is_dir()]
-    key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
-           "by": by, "files": stat}
-    name = f"{by}-{window if isinstance(window, str) else f'{window[0]:g}-{window[1]:g}'}"
-    cache = run.path / "summaries" / f"{name}.parquet"
-    meta = cache.with_suffix(".json")
+    span = window if isinstance(window, str) else f"{window[0]:g}-{window[1]:g}"
+
+    def files(level: str):
+        """(the cached summary, its key file, the key that says it is current) of a level."""
+        key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
+               "by": level, "files": stat}
+        cache = run.path / "summaries" / f"{level}-{span}.parquet"
+        return cache, cache.with_suffix(".json"), key
+
+    cache, meta, key = files(by)
     try:
         if meta.is_file() and cache.is_file() and json.loads(meta.read_text()) == key:
             return pl.read_parquet(cache)
     except (OSError, ValueError, pl.exceptions.PolarsError):
         pass  # a damaged cache is recomputed
-    df = compute()
+    levels = _summarize(run, window, BY)
     try:
-        cache.parent.mkdir(exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        df.write_parquet(tmp)
-        tmp.replace(cache)
-        write_json_atomic(meta, key)
+        for level, df in levels.items():
+            cache, meta, key = files(level)
+            cache.parent.mkdir(exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+            df.write_parquet(tmp)
+            tmp.replace(cache)
+            write_json_atomic(meta, key)
     except OSError:
         pass  # a read-only run directory is summarized every time
-    return df
+    return _level(levels, run, by)
 
 
-def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
+def _level(levels: dict[str, pl.DataFrame], run: RunDir, by: str) -> pl.DataFrame:
+    if by not in levels:  # only "gpu" can be missing
+        raise UserError(f"run {run.id}: no accelerator telemetry (host only); use --by node or --by run")
+    return levels[by]
+
+
+def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
+    """The summary at each of `levels` ("gpu", "node", "run") from one pass over the telemetry;
+    "gpu" is left out for a run without accelerator telemetry."""
     exp = read_experiment(run.experiment_path)
     iterations = read_iterations(run)
     skipped: list[str] = []
@@ -223,34 +240,37 @@ def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
         del loaded, gpu
         gpus = pl.concat(stats.join(s, on="_dev", how="left").drop("_dev")
                          for stats, s in zip(gpu_parts, spikes)).sort(KEYS)
-    elif by == "gpu":
+    elif levels == ("gpu",):
         raise UserError(f"run {run.id}: no accelerator telemetry (host only); use --by node or --by run")
     else:
         notes.append("no accelerator telemetry: host statistics only")
 
-    if by == "gpu":
-        table = gpus
-    else:
-        table = _combine(_aggregate(gpus, ["node"] if by == "node" else []) if gpus is not None else None,
-                         (host if by == "node" else _aggregate_host(host)) if host is not None else None)
-        if by == "run":
-            table = table.with_columns(pl.lit(None, pl.String).alias("node"))
-        table = table.with_columns(pl.lit(None, pl.String).alias("device"))
-
     it, it_notes = _iteration_stats(iterations, start_ns, end_ns, exp, gpus.height if gpus is not None else None)
     notes += it_notes
-    table = _with_iteration_stats(table, it)
-    head = {
-        "run": run.id, "level": by, "window": label,
-        "window_start_s": (start_ns - first_ns) / _NS, "window_end_s": (end_ns - first_ns) / _NS,
-        "temp_limit_c": float(temp_limit),
-        "notes": "; ".join(notes) or None,
-    }
-    table = table.with_columns(pl.lit(v).alias(k) for k, v in head.items())
-    first = ["run", "level", "node", "device", "gpus", "simulated", "backend", "window",
-             "window_start_s", "window_end_s", "duration_s", "samples"]
-    present = [c for c in first if c in table.columns]
-    return table.select(present + [c for c in table.columns if c not in present])
+
+    def level(by: str) -> pl.DataFrame:
+        if by == "gpu":
+            table = gpus
+        else:
+            table = _combine(_aggregate(gpus, ["node"] if by == "node" else []) if gpus is not None else None,
+                             (host if by == "node" else _aggregate_host(host)) if host is not None else None)
+            if by == "run":
+                table = table.with_columns(pl.lit(None, pl.String).alias("node"))
+            table = table.with_columns(pl.lit(None, pl.String).alias("device"))
+        table = _with_iteration_stats(table, it)
+        head = {
+            "run": run.id, "level": by, "window": label,
+            "window_start_s": (start_ns - first_ns) / _NS, "window_end_s": (end_ns - first_ns) / _NS,
+            "temp_limit_c": float(temp_limit),
+            "notes": "; ".join(notes) or None,
+        }
+        table = table.with_columns(pl.lit(v).alias(k) for k, v in head.items())
+        first = ["run", "level", "node", "device", "gpus", "simulated", "backend", "window",
+                 "window_start_s", "window_end_s", "duration_s", "samples"]
+        present = [c for c in first if c in table.columns]
+        return table.select(present + [c for c in table.columns if c not in present])
+
+    return {by: level(by) for by in levels if by != "gpu" or gpus is not None}
 
 
 # --------------------------------------------------------------------------------------------

@@ -266,6 +266,22 @@ def test_finished_runs_are_cached_and_refreshed_when_files_change(square_run):
     assert one(summarize(square_run, "all"), "power_mean_w") == pytest.approx(400.0)
 
 
+def test_one_pass_keeps_every_level(square_run, monkeypatch):
+    import charllm.probes.summary as summary
+
+    passes = []
+    real = summary._summarize
+    monkeypatch.setattr(summary, "_summarize", lambda *a: passes.append(a[2]) or real(*a))
+    by_run = summarize(square_run, "all", by="run")
+    assert passes == [summary.BY]
+    by_gpu, by_node = summarize(square_run, "all", by="gpu"), summarize(square_run, "all", by="node")
+    assert passes == [summary.BY]                        # both from the first pass's cache
+    assert one(by_run, "power_mean_w") == one(by_gpu, "power_mean_w") == one(by_node, "power_mean_w")
+    square_run.update_manifest(status="running")         # a running run: the one level asked for
+    summarize(square_run, "all", by="run")
+    assert passes == [summary.BY, ("run",)]
+
+
 def test_running_runs_are_not_cached(square_run):
     square_run.update_manifest(status="running")
     summarize(square_run, "all")
