@@ -595,15 +595,11 @@ def _gpu_stats(gpu: pl.DataFrame, names: pl.DataFrame, temp_limit: float, max_cl
     d_energy = pl.col("_energy_delta")
     counted = (d_energy >= 0) & dt.is_not_null()
     n_counted, n_intervals = counted.sum(), dt.is_not_null().sum()
-    # Rolling windows need one ascending time axis: devices laid end to end, over a second apart.
-    span = pl.col("ts_ns").max() - pl.col("ts_ns").min() + 2 * int(_NS)
-    axis = pl.col("ts_ns") - pl.col("ts_ns").min() + pl.col("_dev").rle_id().cast(pl.Int64) * span
     columns = {
         "dt_s": _dt(), "_next_power_w": _next(p), "_energy_delta": _next(pl.col("energy_j")) - pl.col("energy_j"),
-        "_rise_w": p - p.rolling_min_by(axis, window_size=f"{int(_NS)}i"),
         **{f"_nvlink_{d}": _counter_delta(f"nvlink_{d}_bytes") for d in ("tx", "rx")},
     }
-    return names.join(_per_device(gpu, columns, [
+    stats = names.join(_per_device(gpu, columns, [
         pl.len().alias("samples"), dt.sum().alias("duration_s"),
         tw_mean("power_w").alias("power_mean_w"), p.max().alias("power_peak_w"),
         p.quantile(0.99, "linear").alias("power_p99_w"),
@@ -613,7 +609,7 @@ def _gpu_stats(gpu: pl.DataFrame, names: pl.DataFrame, temp_limit: float, max_cl
               .then(pl.lit("counter")).otherwise(pl.lit("counter+trapezoid")), "power_w", "energy_j")
         .alias("energy_source"),
         pl.col("power_limit_w").max(),
-        pl.col("_rise_w").max().alias("power_max_rise_w_per_s"),
+        pl.lit(None, pl.Float64).alias("power_max_rise_w_per_s"),  # _max_rise's, below
         tw_mean("temp_gpu_c").alias("temp_gpu_mean_c"), pl.col("temp_gpu_c").max().alias("temp_gpu_peak_c"),
         tw_mean("temp_mem_c").alias("temp_mem_mean_c"), pl.col("temp_mem_c").max().alias("temp_mem_peak_c"),
         known(_only(pl.col("temp_gpu_c") > temp_limit, dt).sum(), "temp_gpu_c").alias("time_above_temp_limit_s"),
@@ -628,6 +624,54 @@ def _gpu_stats(gpu: pl.DataFrame, names: pl.DataFrame, temp_limit: float, max_cl
           for d in ("tx", "rx")),
         pl.lit(1).alias("gpus"),
     ]), on="_dev")
+    if gpu["power_w"].null_count() < gpu.height:
+        stats = stats.update(_max_rise(gpu), on="_dev")
+    return stats
+
+
+def _max_rise(gpu: pl.DataFrame) -> pl.DataFrame:
+    """Per GPU (`_dev`), the largest rise of power within one second: the most any sample's power
+    exceeds the lowest of the second up to it, (t - 1 s, t].
+
+    The rolling minimum is the costly part, so it runs only where the maximum can be. Whole
+    seconds split each GPU's samples into blocks. A sample's window lies in its block and the
+    one before, so no sample of a block rises more than the block's highest power minus the
+    lowest of the two. Blocks whose bound does not beat the GPU's largest rise between
+    consecutive samples (a sure one) are skipped: in a training run, all but the blocks around
+    power steps.
+    """
+    import numpy as np
+
+    second = 10**9
+    dev, ts = gpu["_dev"].to_numpy(), gpu["ts_ns"].to_numpy()
+    power = gpu["power_w"].to_numpy()              # nulls are NaN: fmax/fmin skip them
+    block = dev.astype(np.int64) * 2**34 + ts // second    # samples are in (device, time) order
+    starts = np.flatnonzero(np.r_[True, block[1:] != block[:-1]])
+    ends = np.r_[starts[1:], dev.size]
+    hi, lo = np.fmax.reduceat(power, starts), np.fmin.reduceat(power, starts)
+    block = block[starts]
+    follows = np.r_[False, block[1:] == block[:-1] + 1]     # the same device, the second before
+    bound = hi - np.fmin(lo, np.where(follows, np.r_[np.nan, lo[:-1]], np.nan))
+    block_dev = dev[starts]
+    dev_blocks = np.flatnonzero(np.r_[True, block_dev[1:] != block_dev[:-1]])
+    # Sure rises: between consecutive samples under a second apart; nan (no power) stays nan,
+    # else at least 0, as each window holds its own sample.
+    step = np.where(np.diff(ts) < second, np.diff(power), np.nan)
+    step[np.flatnonzero(np.r_[False, dev[1:] != dev[:-1]]) - 1] = np.nan    # not across devices
+    floor = np.fmax(np.fmax.reduceat(np.r_[step, np.nan], starts[dev_blocks]), 0.0)
+    floor = np.where(np.isnan(np.fmax.reduceat(power, starts[dev_blocks])), np.nan, floor)
+    open_block = bound > np.repeat(floor, np.diff(np.r_[dev_blocks, block.size]))
+    lengths = ends - starts
+    rows = np.repeat(open_block | np.r_[open_block[1:], False], lengths)   # open blocks, the ones before
+    p = pl.col("power_w")
+    rises = (gpu.lazy().select("_dev", "ts_ns", "power_w").filter(pl.Series(rows))
+             .with_columns((p - p.rolling_min_by("ts_ns", window_size=f"{second}i").over("_dev")).alias("_rise"))
+             .filter(pl.Series(np.repeat(open_block, lengths)[rows]))
+             .group_by("_dev").agg(pl.col("_rise").max()).collect())
+    return (pl.DataFrame({"_dev": block_dev[dev_blocks], "_floor": floor}).with_columns(pl.col("_floor").fill_nan(None))
+            .join(rises, on="_dev", how="left")
+            .select("_dev", pl.when(pl.col("_floor").is_not_null()).then(pl.max_horizontal("_floor", "_rise"))
+                    .alias("power_max_rise_w_per_s")))
 
 
 def _excursions(gpu: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:

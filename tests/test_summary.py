@@ -47,6 +47,33 @@ def test_square_wave_power_energy_and_excursions(square_run):
     assert one(s, "simulated") is True
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_largest_rise_within_a_second_matches_its_definition(tmp_path, seed):
+    """The skipping of blocks that cannot hold it (`_max_rise`) never changes the answer:
+    GPUs with jittered and uneven sampling, gaps longer than a second, missing power, steps,
+    a flat GPU and one with no power at all, against the definition sample by sample."""
+    rng = np.random.default_rng(seed)
+    frames, expected = [], {}
+    for g, hz in enumerate((20, 7, 50, 3, 20, 20)):
+        t = np.cumsum(rng.uniform(0.2, 1.8, int(30 * hz)) / hz)
+        t[len(t) // 2:] += 2.5                                     # a gap of more than a second
+        power = np.where((t % 6) < 3, 600.0, 350.0) + rng.normal(0, 20 if g != 4 else 0, t.size)
+        power = np.round(power, 3)
+        if g == 2:
+            power[rng.random(t.size) < 0.2] = np.nan               # missing readings
+        if g == 5:
+            power[:] = np.nan                                      # a GPU that reports no power
+        frames.append(gpu_frame(t, device=f"gpu{g}", power_w=power).with_columns(pl.col("power_w").fill_nan(None)))
+        t_ns = np.round(t * 1e9).astype(np.int64)
+        rises = [power[i] - np.nanmin(power[(t_ns > t_ns[i] - 10**9) & (t_ns <= t_ns[i])])
+                 for i in range(t.size) if not np.isnan(power[i])]
+        expected[f"gpu{g}"] = max(rises) if rises else None
+    run = make_run(tmp_path, frames)
+    got = dict(summarize(run, "all").select("device", "power_max_rise_w_per_s").iter_rows())
+    for device, rise in expected.items():
+        assert got[device] == (None if rise is None else pytest.approx(rise, abs=1e-9)), device
+
+
 def test_energy_counter_preferred_and_wrap_falls_back_to_interval(tmp_path):
     # 200 W constant; the counter restarts from 0 at t = 5 s (a wrap or driver reload).
     counter = 200.0 * T
