@@ -643,33 +643,36 @@ def _max_rise(gpu: pl.DataFrame) -> pl.DataFrame:
     import numpy as np
 
     second = 10**9
-    dev, ts = gpu["_dev"].to_numpy(), gpu["ts_ns"].to_numpy()
-    power = gpu["power_w"].to_numpy()              # nulls are NaN: fmax/fmin skip them
-    block = dev.astype(np.int64) * 2**34 + ts // second    # samples are in (device, time) order
-    starts = np.flatnonzero(np.r_[True, block[1:] != block[:-1]])
-    ends = np.r_[starts[1:], dev.size]
-    hi, lo = np.fmax.reduceat(power, starts), np.fmin.reduceat(power, starts)
-    block = block[starts]
-    follows = np.r_[False, block[1:] == block[:-1] + 1]     # the same device, the second before
-    bound = hi - np.fmin(lo, np.where(follows, np.r_[np.nan, lo[:-1]], np.nan))
-    block_dev = dev[starts]
-    dev_blocks = np.flatnonzero(np.r_[True, block_dev[1:] != block_dev[:-1]])
-    # Sure rises: between consecutive samples under a second apart; nan (no power) stays nan,
-    # else at least 0, as each window holds its own sample.
-    step = np.where(np.diff(ts) < second, np.diff(power), np.nan)
-    step[np.flatnonzero(np.r_[False, dev[1:] != dev[:-1]]) - 1] = np.nan    # not across devices
-    floor = np.fmax(np.fmax.reduceat(np.r_[step, np.nan], starts[dev_blocks]), 0.0)
-    floor = np.where(np.isnan(np.fmax.reduceat(power, starts[dev_blocks])), np.nan, floor)
-    open_block = bound > np.repeat(floor, np.diff(np.r_[dev_blocks, block.size]))
-    lengths = ends - starts
-    rows = np.repeat(open_block | np.r_[open_block[1:], False], lengths)   # open blocks, the ones before
+    rows, in_open = np.zeros(gpu.height, bool), np.zeros(gpu.height, bool)  # rows to roll, rows that count
+    devices, floors = [], []
+    offset = 0
+    for dev, n in gpu["_dev"].rle().struct.unnest().select("value", "len").iter_rows():  # a GPU at a time
+        ts = gpu["ts_ns"].slice(offset, n).to_numpy()
+        power = gpu["power_w"].slice(offset, n).to_numpy()     # nulls are NaN: fmax/fmin skip them
+        # The sure rise: the largest between consecutive samples under a second apart (at least 0,
+        # as each window holds its own sample; nan when the GPU has no power at all).
+        step = np.diff(power)
+        step[np.diff(ts) >= second] = np.nan
+        floor = np.nan if np.isnan(power).all() else max(np.fmax.reduce(step, initial=0.0), 0.0)
+        sec = ts // second
+        starts = np.flatnonzero(np.r_[True, sec[1:] != sec[:-1]])
+        hi, lo = np.fmax.reduceat(power, starts), np.fmin.reduceat(power, starts)
+        follows = np.r_[False, sec[starts[1:]] == sec[starts[:-1]] + 1]
+        bound = hi - np.fmin(lo, np.where(follows, np.r_[np.nan, lo[:-1]], np.nan))
+        open_block = bound > floor
+        lengths = np.diff(np.r_[starts, n])
+        in_open[offset:offset + n] = np.repeat(open_block, lengths)
+        rows[offset:offset + n] = np.repeat(open_block | np.r_[open_block[1:], False], lengths)  # and the one before
+        devices.append(dev)
+        floors.append(floor)
+        offset += n
     p = pl.col("power_w")
     rises = (gpu.lazy().select("_dev", "ts_ns", "power_w").filter(pl.Series(rows))
              .with_columns((p - p.rolling_min_by("ts_ns", window_size=f"{second}i").over("_dev")).alias("_rise"))
-             .filter(pl.Series(np.repeat(open_block, lengths)[rows]))
+             .filter(pl.Series(in_open[rows]))
              .group_by("_dev").agg(pl.col("_rise").max()).collect())
-    return (pl.DataFrame({"_dev": block_dev[dev_blocks], "_floor": floor}).with_columns(pl.col("_floor").fill_nan(None))
-            .join(rises, on="_dev", how="left")
+    return (pl.DataFrame({"_dev": devices, "_floor": floors}, schema={"_dev": gpu.schema["_dev"], "_floor": pl.Float64})
+            .with_columns(pl.col("_floor").fill_nan(None)).join(rises, on="_dev", how="left")
             .select("_dev", pl.when(pl.col("_floor").is_not_null()).then(pl.max_horizontal("_floor", "_rise"))
                     .alias("power_max_rise_w_per_s")))
 
