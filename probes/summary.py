@@ -681,44 +681,37 @@ def _excursions(gpu: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:
     """Spikes above the run's mean power and above each GPU's power limit, one row per GPU.
 
     A spike is a run of consecutive samples of a GPU above the threshold; its size is its
-    highest excess.
+    highest excess. Worked out a GPU at a time (numpy views of its samples), so the memory it
+    takes is one GPU's.
     """
-    frame = gpu.lazy().select("_dev", "power_w", "power_limit_w", _dt())
-    aggs, sizes, unknown = [], [], []
-    thresholds = {"mean": pl.lit(run_mean_w, pl.Float64), "limit": pl.col("power_limit_w")}
-    for name, known in {"mean": run_mean_w is not None,
-                        "limit": gpu["power_limit_w"].null_count() < gpu.height}.items():
-        if not known:  # no threshold, no spikes to count (null, as counting would give): not computed
-            del thresholds[name]
-            unknown += [pl.lit(None, pl.UInt32).alias(f"spikes_over_{name}_count"),
-                        *(pl.lit(None, pl.Float64).alias(f"{stat}_over_{name}{unit}") for stat, unit in
-                          (("time", "_s"), ("spikes", "_max_excess_w"), ("spikes", "_avg_excess_w")))]
-    for name, threshold in thresholds.items():
-        excess, above, start, spike = (f"_{name}_{c}" for c in ("excess", "above", "start", "spike"))
-        frame = frame.with_columns(
-            (pl.col("power_w") - threshold).alias(excess), threshold.is_not_null().alias(f"_{name}_known"),
-        ).with_columns((pl.col(excess) > 0).fill_null(False).alias(above)).with_columns(
-            (pl.col(above) & ~(pl.col(above).shift(1, fill_value=False)
-                               & (pl.col("_dev") == pl.col("_dev").shift(1)))).alias(start)
-        ).with_columns(pl.col(start).cum_sum().alias(spike))  # numbered across GPUs: ids never shared
-        known = (pl.col("power_w").is_not_null() & pl.col(f"_{name}_known")).any()
-        aggs += [
-            pl.when(known).then(pl.col(start).sum()).alias(f"spikes_over_{name}_count"),
-            pl.when(known).then(_only(pl.col(above), pl.col("dt_s")).sum()).alias(f"time_over_{name}_s"),
-            _only(pl.col(above), pl.col(excess)).max().alias(f"spikes_over_{name}_max_excess_w"),
-        ]
-        sizes.append(lambda frame, excess=excess, above=above, spike=spike, name=name: (
-            frame.lazy().filter(above).group_by(spike, maintain_order=True)  # a reproducible mean
-            .agg(pl.col("_dev").first(), pl.col(excess).max())
-            .group_by("_dev").agg(pl.col(excess).mean().alias(f"spikes_over_{name}_avg_excess_w"))
-        ))
-    frame = frame.collect()
-    table = frame.lazy().group_by("_dev", maintain_order=True).agg(aggs)
-    for size in sizes:
-        table = table.join(size(frame), on="_dev", how="left")
+    import numpy as np
+
+    has_limit = gpu["power_limit_w"].null_count() < gpu.height
+    names = [name for name, known in (("mean", run_mean_w is not None), ("limit", has_limit)) if known]
+    rows: list[dict] = []
+    offset = 0
+    for dev, n in gpu["_dev"].rle().struct.unnest().select("value", "len").iter_rows():
+        power = gpu["power_w"].slice(offset, n).to_numpy()            # nulls are NaN
+        dt = np.diff(gpu["ts_ns"].slice(offset, n).to_numpy()) / _NS  # the last sample owns no time
+        row: dict = {"_dev": dev}
+        for name in names:
+            threshold = run_mean_w if name == "mean" else gpu["power_limit_w"].slice(offset, n).to_numpy()
+            excess = power - threshold
+            above = excess > 0                                        # NaN (unknown) is not above
+            starts = np.flatnonzero(above & ~np.r_[False, above[:-1]])
+            known = bool((~np.isnan(excess)).any())
+            row[f"spikes_over_{name}_count"] = starts.size if known else None
+            row[f"time_over_{name}_s"] = float(dt[above[:-1]].sum()) if known else None
+            if starts.size:  # each spike's size: the highest excess from its start to the next's
+                sizes = np.maximum.reduceat(np.where(above, excess, -np.inf), starts)
+                row[f"spikes_over_{name}_max_excess_w"] = float(sizes.max())
+                row[f"spikes_over_{name}_avg_excess_w"] = float(sizes.mean())
+        rows.append(row)
+        offset += n
     order = [f"{stat}_over_{name}{unit}" for name in ("mean", "limit") for stat, unit in
              (("spikes", "_count"), ("time", "_s"), ("spikes", "_max_excess_w"), ("spikes", "_avg_excess_w"))]
-    return table.with_columns(unknown).select("_dev", *order).collect()
+    schema = {"_dev": gpu.schema["_dev"], **{c: pl.UInt32 if c.endswith("_count") else pl.Float64 for c in order}}
+    return pl.DataFrame(rows, schema=schema)
 
 
 def _host_stats(host: pl.DataFrame, names: pl.DataFrame) -> pl.DataFrame:

@@ -74,6 +74,43 @@ def test_largest_rise_within_a_second_matches_its_definition(tmp_path, seed):
         assert got[device] == (None if rise is None else pytest.approx(rise, abs=1e-9)), device
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_spikes_match_their_definition(tmp_path, seed):
+    """Spikes over the run's mean power and over each GPU's (changing, partly unknown) power
+    limit, against a sample-by-sample count of runs above the threshold."""
+    rng = np.random.default_rng(seed)
+    frames, powers = [], {}
+    for g in range(4):
+        t = np.cumsum(rng.uniform(0.02, 0.08, 400))
+        power = np.round(300 + 150 * np.sin(t * (g + 1)) + rng.normal(0, 30, t.size), 3)
+        limit = np.where(t < t[-1] / 2, 380.0, 420.0)
+        limit[rng.random(t.size) < 0.1] = np.nan
+        if g == 3:
+            power[rng.random(t.size) < 0.15] = np.nan
+        frames.append(gpu_frame(t, device=f"gpu{g}", power_w=power, power_limit_w=limit)
+                      .with_columns(pl.col("power_w", "power_limit_w").fill_nan(None)))
+        powers[f"gpu{g}"] = (t, power, limit)
+    s = summarize(make_run(tmp_path, frames), "all")
+    mean = s["power_mean_w"].mean()
+    for row in s.iter_rows(named=True):
+        t, power, limit = powers[row["device"]]
+        for name, threshold in (("mean", np.full(t.size, mean)), ("limit", limit)):
+            excess = power - threshold
+            above = np.nan_to_num(excess, nan=-1.0) > 0
+            spikes, size = [], None
+            for i in range(t.size):
+                if above[i]:
+                    size = excess[i] if size is None else max(size, excess[i])
+                if size is not None and (not above[i] or i == t.size - 1):
+                    spikes.append(size)
+                    size = None
+            time_over = sum(t[i + 1] - t[i] for i in range(t.size - 1) if above[i])
+            assert row[f"spikes_over_{name}_count"] == len(spikes), (row["device"], name)
+            assert row[f"time_over_{name}_s"] == pytest.approx(time_over, abs=1e-6)
+            assert row[f"spikes_over_{name}_max_excess_w"] == pytest.approx(max(spikes))
+            assert row[f"spikes_over_{name}_avg_excess_w"] == pytest.approx(np.mean(spikes))
+
+
 def test_energy_counter_preferred_and_wrap_falls_back_to_interval(tmp_path):
     # 200 W constant; the counter restarts from 0 at t = 5 s (a wrap or driver reload).
     counter = 200.0 * T
