@@ -512,20 +512,21 @@ def _by_device(samples: pl.DataFrame, devices: pl.DataFrame) -> tuple[pl.DataFra
     # Finished files group rows by device (recorder.py): an import's samples arrive grouped
     # already; a recording's compacted files hold a minute each, whose runs are copied together
     # (a stable sort by device at a fraction of its cost).
-    runs = (
-        samples.lazy().select(pl.col("_key").rle_id().alias("run"), "_key",
-                              pl.int_range(pl.len(), dtype=pl.UInt32).alias("row"))
-        .group_by("run", maintain_order=True).agg(pl.col("_key").first(), pl.col("row").first().alias("offset"), pl.len())
-        .collect()
-    )
+    import numpy as np
+
+    runs = samples["_key"].rle().struct.unnest().rename({"value": "_key"})
     if runs["_key"].n_unique() < runs.height:  # a device's samples lie in several runs
         if runs.height <= max(1024, samples.height // 256):
+            runs = runs.with_columns((pl.col("len").cum_sum() - pl.col("len")).alias("offset"),
+                                     pl.int_range(pl.len()).alias("run"))
             runs = runs.with_columns(pl.col("run").min().over("_key").alias("first")).sort("first", "run")
             samples = pl.concat([samples.slice(o, n) for o, n in zip(runs["offset"], runs["len"])], rechunk=True)
         else:  # 1-s chunks, devices interleaved
             samples = samples.sort("_key", maintain_order=True)
-    keys = samples.select(pl.col("_key").rle().struct.field("value").alias("_key"))
-    samples = samples.with_columns(pl.col("_key").rle_id().alias("_key")).rename({"_key": "_dev"})
+        runs = samples["_key"].rle().struct.unnest().rename({"value": "_key"})
+    keys = runs.select("_key")
+    dev = np.repeat(np.arange(runs.height, dtype=np.uint32), runs["len"].to_numpy())
+    samples = samples.drop("_key").insert_column(0, pl.Series("_dev", dev))
     # Files hold chunks in time order; only a clock step disorders a device's samples.
     if samples.select(((pl.col("_dev") == pl.col("_dev").shift(1)) & (pl.col("ts_ns").diff() < 0)).any()).item():
         samples = samples.sort(["_dev", "ts_ns"], maintain_order=True)
