@@ -356,7 +356,7 @@ async def test_runs_lists_headlines_and_compare_shows_both(charllm_dirs):
         assert sorted(app.compare_refs) == sorted([str(a), str(b)])
         await wait_for(pilot, lambda: cmp.query_one("#compare-status").render() and
                        "comparing" not in str(cmp.query_one("#compare-status").render()), timeout=60)
-        curves = cmp.query_one("#cmp-power_w")._series
+        curves = cmp.query_one("#cmp-chart-1")._series
         assert sorted(curves) == ["demo-a", "demo-b"]
         assert cmp.result is not None and set(cmp.result.labels) == {a.name, b.name}
         power = cmp.result.table.filter(pl.col("metric") == "power_peak_w")

@@ -54,6 +54,7 @@ class CompareScreen(WorkbenchScreen):
     def __init__(self):
         super().__init__()
         self.refs: list[str] = []
+        self.choices: dict[str, str] = {}       # the selector's: value (a ref) -> label
         self.loaded: tuple | None = None
         self.result = None
 
@@ -65,8 +66,8 @@ class CompareScreen(WorkbenchScreen):
             yield Static(id="compare-status")
             yield DataTable(id="compare-table", zebra_stripes=True, cursor_type="row")
             with Horizontal(id="compare-charts"):
-                for curve, title in GPU_CHARTS:
-                    yield Chart(title, xlabel="iteration", id=f"cmp-{curve}")
+                for i, (_, title) in enumerate(GPU_CHARTS, start=1):  # retitled for host charts
+                    yield Chart(title, xlabel="iteration", id=f"cmp-chart-{i}")
 
     def on_screen_resume(self) -> None:
         self.load_options(self.app.compare_refs)
@@ -80,12 +81,13 @@ class CompareScreen(WorkbenchScreen):
             names = [b["name"] for b in api("probes.baselines").list()]
         except (MissingAPI, UserError):
             names = []
-        options = {ref: f"{Path(ref).name} (run)" for ref in refs}
-        options.update({f"baseline:{n}": f"{n} (saved baseline)" for n in names if f"baseline:{n}" not in options})
+        choices = {ref: f"{Path(ref).name} (run)" for ref in refs}
+        choices.update({f"baseline:{n}": f"{n} (saved baseline)" for n in names if f"baseline:{n}" not in choices})
+        self.choices = choices
         current = select.value
         with self.prevent(Select.Changed):
-            select.set_options([(label, value) for value, label in options.items()])
-            if current in options:
+            select.set_options([(label, value) for value, label in choices.items()])
+            if current in choices:
                 select.value = current
 
     def _baseline(self) -> str | None:
@@ -146,7 +148,7 @@ class CompareScreen(WorkbenchScreen):
     def _show_baseline(self, result) -> None:
         """Point the selector at the baseline the figures are measured against."""
         select = self.query_one("#baseline", Select)
-        if result.baseline_ref in [value for _, value in select._options]:
+        if result.baseline_ref in self.choices:
             with self.prevent(Select.Changed):
                 select.value = result.baseline_ref
             self.loaded = (tuple(self.refs), result.baseline_ref)
