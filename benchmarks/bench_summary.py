@@ -12,9 +12,9 @@ For each of --runs runs (1 h x 64 GPUs x 20 Hz by default, 4.6 M samples of powe
 and SM clock), the artifact's `{metric}_{rank}.csv` files are generated once (cached) and then
 measured, each step in a fresh process so its peak RSS is its own:
 - `import charllm-ppt` of one run: time, peak RSS, bytes per sample on disk;
-- cold `summarize --by gpu` and `--by run` (no cached summary);
+- cold `summarize --by gpu` and `--by run` (cached summaries removed first);
 - the artifact's own way, a numpy loop over the same CSVs (vistools' averages and energy);
-- cold compare of the --runs runs.
+- cold compare of the --runs runs (no cached summaries), then again with them cached.
 
 Targets (this 2-core machine, 1 h x 64 GPUs x 20 Hz, 3 metrics): <= 40 bytes per sample; cold
 summarize --by gpu >= 8x faster than the numpy loop and under 1 s, in <= 800 MB RSS; compare of
@@ -82,6 +82,12 @@ def _measure(kind: str, args: list[str]) -> dict:
     code = f"import sys; sys.argv = {['x', kind, *args]!r}; import runpy; runpy.run_path({__file__!r}, run_name='__child__')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _uncache(runs: list[str]) -> None:
+    """Cold means no cached summaries (one pass keeps every level of a finished run)."""
+    for run in runs:
+        shutil.rmtree(Path(run) / "summaries", ignore_errors=True)
 
 
 def child(kind: str, args: list[str]) -> None:
@@ -174,10 +180,12 @@ def main() -> None:
                           f"{r['bytes'] / 1e6:.1f} MB in {r['files']} files = {r['bytes_per_sample']:.1f} bytes/sample "
                           f"(CSVs: {csv_bytes / r['rows']:.1f} bytes/sample; target <= 40)")
     for by in ("gpu", "run"):
+        _uncache(runs)
         report[f"summary_by_{by}"] = r = _measure("summary", [runs[0], by])
         console.print(f"summarize --by {by} (cold): {r['seconds']:.2f} s wall, {r['cpu_s']:.2f} s CPU, "
                       f"peak RSS {r['peak_rss_mb']:.0f} MB (target < 1 s, <= 800 MB)")
     if len(runs) > 1:
+        _uncache(runs)
         report["compare_cold"] = r = _measure("compare", runs)
         console.print(f"compare of {len(runs)} runs, cold: {r['seconds']:.2f} s wall, {r['cpu_s']:.2f} s CPU, "
                       f"peak RSS {r['peak_rss_mb']:.0f} MB (target < 2 s)")

@@ -60,7 +60,7 @@ def save(run: RunDir | str, name: str, *, window="steady", description: str = ""
     target = paths.baselines_dir() / name
     if target.exists() and not overwrite:
         raise UserError(f"baseline {name!r}: already exists in {target.parent}; delete it first or pick another name")
-    summary = summarize(run, window, by="run")
+    summary = summarize(run, window, by="run")  # a finished run's pass keeps its per-GPU level too
     has_gpus = "power_mean_w" in summary.columns  # host-only (CPU) runs have no per-GPU rows
     gpus = summarize(run, window, by="gpu") if has_gpus else None
     manifest = run.read_manifest()

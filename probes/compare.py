@@ -39,6 +39,29 @@ _LOWER_BETTER = ("energy_", "cpu_energy", "dram_energy", "power_mean", "power_pe
                  "time_above", "time_over", "throttle_", "below_max_clock", "spikes_", "iter_time_")
 
 
+# The table reads as a user asks: how fast and how efficient, then the GPUs' power and heat, then
+# the hosts; bookkeeping (duration, samples) last. Metrics keep the summary's order within a prefix.
+_SECTIONS = (
+    ("iterations", "iter_time_", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu_pct", "efficiency_",
+     "energy_per_", "energy_j", "tokens_total"),
+    ("power_", "spikes_", "time_over_", "temp_gpu", "temp_mem", "time_above", "sm_clock", "below_max_clock",
+     "throttle_", "util_", "mem_used", "nvlink_", "pcie_", "gpus"),
+    ("host_", "cpu_", "temp_cpu", "dram_", "ib_", "net_"),
+)
+
+
+def reading_order(metrics: list[str]) -> list[str]:
+    """`metrics` in the order the table shows them (see _SECTIONS)."""
+    def rank(item):
+        position, metric = item
+        for section, prefixes in enumerate(_SECTIONS):
+            for k, prefix in enumerate(prefixes):
+                if metric.startswith(prefix):
+                    return section, k, position
+        return len(_SECTIONS), 0, position
+    return [m for _, m in sorted(enumerate(metrics), key=rank)]
+
+
 def direction(metric: str) -> str | None:
     """"higher" or "lower" when that way is better; None for metrics that are neither (bytes, counts)."""
     if any(metric.startswith(p) for p in _HIGHER_BETTER):
@@ -50,13 +73,14 @@ def direction(metric: str) -> str | None:
 
 @dataclass
 class CompareResult:
-    labels: list[str]                      # one per ref, the baseline first
-    baseline: str
+    labels: list[str]                      # one per ref, in the order compared
+    baseline: str                          # the label figures are measured against
     table: pl.DataFrame                    # tidy: metric, ref, value, baseline_value, delta, delta_pct, better, flag
     experiment_diff: pl.DataFrame          # field + one column per ref, only the fields that differ
     threshold_pct: float
     notes: list[str] = field(default_factory=list)
     windows: dict[str, str] = field(default_factory=dict)  # ref -> its summary's window label
+    refs: list[str] = field(default_factory=list)          # the ref each label came from, as given
 
     @property
     def window_text(self) -> str:
@@ -67,13 +91,22 @@ class CompareResult:
             return f"figures over {window_phrase(next(iter(self.windows.values())))}"
         return "figures over different windows: " + ", ".join(f"{k}: {v}" for k, v in self.windows.items())
 
+    @property
+    def baseline_ref(self) -> str:
+        """The ref (as given) of the baseline."""
+        return self.refs[self.labels.index(self.baseline)]
+
     def wide(self) -> pl.DataFrame:
-        """Display form: one row per metric; each ref's value, and for the others the % change and flag."""
-        rows = []
+        """Display form: the window row, then one row per metric: each ref's figure with its unit,
+        and for the others the % change and flag."""
+        from charllm.probes.summary import format_figure
+
+        rows = [{"metric": "window", "better": "", **{label: self.windows.get(label, "") for label in self.labels},
+                 **{f"{label} vs base": "" for label in self.labels if label != self.baseline}}]
         for metric, part in self.table.group_by("metric", maintain_order=True):
             row = {"metric": metric[0], "better": part["better"][0] or ""}
             for r in part.iter_rows(named=True):
-                row[r["ref"]] = _fmt(r["value"])
+                row[r["ref"]] = format_figure(metric[0], r["value"])
                 if r["ref"] != self.baseline:
                     pct = r["delta_pct"]
                     mark = f"{pct:+.1f}%" if pct is not None else ""
@@ -123,7 +156,7 @@ def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: floa
         )
         .select("metric", "ref", "value", "baseline_value", "delta", "delta_pct", "better", "flag")
     )
-    order = {m: i for i, m in enumerate(metrics)}
+    order = {m: i for i, m in enumerate(reading_order(metrics))}
     table = table.sort(pl.col("metric").replace_strict(order, return_dtype=pl.Int64), maintain_order=True)
 
     notes = []
@@ -134,11 +167,14 @@ def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: floa
     if len(set(simulated.values())) > 1:
         notes.append("simulated and measured runs are mixed: " +
                      ", ".join(k for k, v in simulated.items() if v) + " simulated")
+    by_note: dict[str, list[str]] = {}  # a note several summaries share is said once
     for label, (_, s, _) in zip(labels, loaded):
-        if "notes" in s.columns and s["notes"][0]:
-            notes.append(f"{label}: {s['notes'][0]}")
+        for note in (s["notes"][0] or "").split("; ") if "notes" in s.columns else ():
+            if note:
+                by_note.setdefault(note, []).append(label)
+    notes += [f"{', '.join(refs_with)}: {note}" for note, refs_with in by_note.items()]
     return CompareResult(labels, base_label, table, _experiment_diff(labels, [e for _, _, e in loaded]),
-                         threshold_pct, notes, windows)
+                         threshold_pct, notes, windows, refs)
 
 
 def _load(ref: str, window) -> tuple[str, pl.DataFrame, dict]:
@@ -188,12 +224,6 @@ def _experiment_diff(labels: list[str], experiments: list[dict]) -> pl.DataFrame
     for label, f in zip(labels, flat):
         data[label] = ["" if f.get(k) is None else str(f.get(k)) for k in differing]
     return pl.DataFrame(data, schema={c: pl.String for c in data})
-
-
-def _fmt(value) -> str:
-    if value is None:
-        return ""
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def render(result: CompareResult, fmt: str = "table") -> str:

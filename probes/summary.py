@@ -40,6 +40,7 @@ run's first sample.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def summarize(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu")
         raise UserError(f"by = {by!r}: expected one of {', '.join(BY)}")
     if isinstance(window, str) and window not in ("steady", "all"):
         window = parse_window(window)
-    return _cached(run, window, by, lambda: _summarize(run, window, by))
+    return _cached(run, window, by)
 
 
 def has_accelerators(run: RunDir) -> bool:
@@ -103,16 +104,18 @@ def has_accelerators(run: RunDir) -> bool:
 SUMMARY_VERSION = 1
 
 
-def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
+def _cached(run: RunDir, window, by: str) -> pl.DataFrame:
     """A finished run never changes, so its summaries are kept (keyed by its files and directories).
 
     Comparing runs, or reopening one in the TUI, then costs a Parquet read instead of a pass
-    over every telemetry chunk. Running runs are always summarized afresh.
+    over every telemetry chunk; the pass that makes one level (per GPU, node, run) keeps all
+    three, so a baseline (run and GPU levels) or a compare after the Runs list reads the
+    telemetry once. Running runs are always summarized afresh.
     """
     from charllm.probes.rundir import FINAL_STATUSES, write_json_atomic
 
     if run.status not in FINAL_STATUSES:
-        return compute()
+        return _level(_summarize(run, window, (by,)), run, by)
     # Chunks are added by atomic renames, which change their directory's mtime; listing a
     # directory is far cheaper than a stat per chunk (a run holds one per node per second).
     stat = [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
@@ -120,29 +123,44 @@ def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
     if run.telemetry_dir.is_dir():
         stat += [[d.name, d.stat().st_mtime_ns, len(os.listdir(d))]
                  for d in sorted(run.telemetry_dir.iterdir()) if d.is_dir()]
-    key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
-           "by": by, "files": stat}
-    name = f"{by}-{window if isinstance(window, str) else f'{window[0]:g}-{window[1]:g}'}"
-    cache = run.path / "summaries" / f"{name}.parquet"
-    meta = cache.with_suffix(".json")
+    span = window if isinstance(window, str) else f"{window[0]:g}-{window[1]:g}"
+
+    def files(level: str):
+        """(the cached summary, its key file, the key that says it is current) of a level."""
+        key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
+               "by": level, "files": stat}
+        cache = run.path / "summaries" / f"{level}-{span}.parquet"
+        return cache, cache.with_suffix(".json"), key
+
+    cache, meta, key = files(by)
     try:
         if meta.is_file() and cache.is_file() and json.loads(meta.read_text()) == key:
             return pl.read_parquet(cache)
     except (OSError, ValueError, pl.exceptions.PolarsError):
         pass  # a damaged cache is recomputed
-    df = compute()
+    levels = _summarize(run, window, BY)
     try:
-        cache.parent.mkdir(exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        df.write_parquet(tmp)
-        tmp.replace(cache)
-        write_json_atomic(meta, key)
+        for level, df in levels.items():
+            cache, meta, key = files(level)
+            cache.parent.mkdir(exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+            df.write_parquet(tmp)
+            tmp.replace(cache)
+            write_json_atomic(meta, key)
     except OSError:
         pass  # a read-only run directory is summarized every time
-    return df
+    return _level(levels, run, by)
 
 
-def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
+def _level(levels: dict[str, pl.DataFrame], run: RunDir, by: str) -> pl.DataFrame:
+    if by not in levels:  # only "gpu" can be missing
+        raise UserError(f"run {run.id}: no accelerator telemetry (host only); use --by node or --by run")
+    return levels[by]
+
+
+def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
+    """The summary at each of `levels` ("gpu", "node", "run") from one pass over the telemetry;
+    "gpu" is left out for a run without accelerator telemetry."""
     exp = read_experiment(run.experiment_path)
     iterations = read_iterations(run)
     skipped: list[str] = []
@@ -222,34 +240,37 @@ def _summarize(run: RunDir, window, by: str) -> pl.DataFrame:
         del loaded, gpu
         gpus = pl.concat(stats.join(s, on="_dev", how="left").drop("_dev")
                          for stats, s in zip(gpu_parts, spikes)).sort(KEYS)
-    elif by == "gpu":
+    elif levels == ("gpu",):
         raise UserError(f"run {run.id}: no accelerator telemetry (host only); use --by node or --by run")
     else:
         notes.append("no accelerator telemetry: host statistics only")
 
-    if by == "gpu":
-        table = gpus
-    else:
-        table = _combine(_aggregate(gpus, ["node"] if by == "node" else []) if gpus is not None else None,
-                         (host if by == "node" else _aggregate_host(host)) if host is not None else None)
-        if by == "run":
-            table = table.with_columns(pl.lit(None, pl.String).alias("node"))
-        table = table.with_columns(pl.lit(None, pl.String).alias("device"))
-
     it, it_notes = _iteration_stats(iterations, start_ns, end_ns, exp, gpus.height if gpus is not None else None)
     notes += it_notes
-    table = _with_iteration_stats(table, it)
-    head = {
-        "run": run.id, "level": by, "window": label,
-        "window_start_s": (start_ns - first_ns) / _NS, "window_end_s": (end_ns - first_ns) / _NS,
-        "temp_limit_c": float(temp_limit),
-        "notes": "; ".join(notes) or None,
-    }
-    table = table.with_columns(pl.lit(v).alias(k) for k, v in head.items())
-    first = ["run", "level", "node", "device", "gpus", "simulated", "backend", "window",
-             "window_start_s", "window_end_s", "duration_s", "samples"]
-    present = [c for c in first if c in table.columns]
-    return table.select(present + [c for c in table.columns if c not in present])
+
+    def level(by: str) -> pl.DataFrame:
+        if by == "gpu":
+            table = gpus
+        else:
+            table = _combine(_aggregate(gpus, ["node"] if by == "node" else []) if gpus is not None else None,
+                             (host if by == "node" else _aggregate_host(host)) if host is not None else None)
+            if by == "run":
+                table = table.with_columns(pl.lit(None, pl.String).alias("node"))
+            table = table.with_columns(pl.lit(None, pl.String).alias("device"))
+        table = _with_iteration_stats(table, it)
+        head = {
+            "run": run.id, "level": by, "window": label,
+            "window_start_s": (start_ns - first_ns) / _NS, "window_end_s": (end_ns - first_ns) / _NS,
+            "temp_limit_c": float(temp_limit),
+            "notes": "; ".join(notes) or None,
+        }
+        table = table.with_columns(pl.lit(v).alias(k) for k, v in head.items())
+        first = ["run", "level", "node", "device", "gpus", "simulated", "backend", "window",
+                 "window_start_s", "window_end_s", "duration_s", "samples"]
+        present = [c for c in first if c in table.columns]
+        return table.select(present + [c for c in table.columns if c not in present])
+
+    return {by: level(by) for by in levels if by != "gpu" or gpus is not None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +299,55 @@ def window_phrase(label: str) -> str:
         return "all samples"
     start, _, end = label.partition(":")
     return f"seconds {start} to {end} after the first sample"
+
+
+# Units of the summary's figures, by how their column names end (longest first); each figure is
+# shown with its unit at about four significant digits.
+_UNITS = (("_samples_per_s_mj", "samples/(s·MJ)"), ("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"),
+          ("tflops_per_gpu", "TFLOP/s"), ("_w_per_s", "W/s"), ("_bytes", "B"), ("_frac", "%"), ("_pct", "%"),
+          ("_mhz", "MHz"), ("_w", "W"), ("_c", "°C"), ("_j", "J"), ("_s", "s"))
+_COUNTS = ("iterations", "samples", "gpus", "tokens_total")
+_PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "µ"))
+
+
+def format_figure(metric: str, value) -> str:
+    """A summary figure as text with its unit: `1.52049e+09, "energy_j"` -> "1.520 GJ".
+
+    Joules and seconds take SI prefixes, bytes binary ones, fractions show as percentages;
+    large figures and counts keep thousands separators.
+    """
+    if value is None or isinstance(value, str):
+        return "" if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if value != value:  # nan
+        return "nan"
+    unit = next((u for suffix, u in _UNITS if metric.endswith(suffix)), "")
+    if unit == "%" and metric.endswith("_frac"):
+        value *= 100
+    if unit == "B":
+        scale, unit = next(((s, u) for s, u in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+                            if abs(value) >= s), (1, "B"))
+        value /= scale
+    elif unit in ("J", "s") and value and not (unit == "s" and abs(value) >= 1):
+        scale, prefix = next(((s, p) for s, p in _PREFIXES if abs(value) >= s), _PREFIXES[-1])
+        value, unit = value / scale, prefix + unit
+    if unit == "tokens/s" or metric in _COUNTS or metric.endswith("_count"):  # tokens/s: as Live and Runs show it
+        text = f"{value:,.0f}"
+    else:
+        text = f"{value:,}" if isinstance(value, int) else _four_digits(value)
+    return f"{text}{'' if unit == '%' else ' '}{unit}".rstrip()
+
+
+def _four_digits(value: float) -> str:
+    """About four significant digits, thousands separated, no exponent: 3,355 · 57.73 · 0.0123."""
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude == 0:
+        return "0"
+    decimals = 3 - math.floor(math.log10(magnitude))
+    return f"{value:.{min(decimals, 6)}f}"
 
 
 def parse_window(text: str):
@@ -442,20 +512,21 @@ def _by_device(samples: pl.DataFrame, devices: pl.DataFrame) -> tuple[pl.DataFra
     # Finished files group rows by device (recorder.py): an import's samples arrive grouped
     # already; a recording's compacted files hold a minute each, whose runs are copied together
     # (a stable sort by device at a fraction of its cost).
-    runs = (
-        samples.lazy().select(pl.col("_key").rle_id().alias("run"), "_key",
-                              pl.int_range(pl.len(), dtype=pl.UInt32).alias("row"))
-        .group_by("run", maintain_order=True).agg(pl.col("_key").first(), pl.col("row").first().alias("offset"), pl.len())
-        .collect()
-    )
+    import numpy as np
+
+    runs = samples["_key"].rle().struct.unnest().rename({"value": "_key"})
     if runs["_key"].n_unique() < runs.height:  # a device's samples lie in several runs
         if runs.height <= max(1024, samples.height // 256):
+            runs = runs.with_columns((pl.col("len").cum_sum() - pl.col("len")).alias("offset"),
+                                     pl.int_range(pl.len()).alias("run"))
             runs = runs.with_columns(pl.col("run").min().over("_key").alias("first")).sort("first", "run")
             samples = pl.concat([samples.slice(o, n) for o, n in zip(runs["offset"], runs["len"])], rechunk=True)
         else:  # 1-s chunks, devices interleaved
             samples = samples.sort("_key", maintain_order=True)
-    keys = samples.select(pl.col("_key").rle().struct.field("value").alias("_key"))
-    samples = samples.with_columns(pl.col("_key").rle_id().alias("_key")).rename({"_key": "_dev"})
+        runs = samples["_key"].rle().struct.unnest().rename({"value": "_key"})
+    keys = runs.select("_key")
+    dev = np.repeat(np.arange(runs.height, dtype=np.uint32), runs["len"].to_numpy())
+    samples = samples.drop("_key").insert_column(0, pl.Series("_dev", dev))
     # Files hold chunks in time order; only a clock step disorders a device's samples.
     if samples.select(((pl.col("_dev") == pl.col("_dev").shift(1)) & (pl.col("ts_ns").diff() < 0)).any()).item():
         samples = samples.sort(["_dev", "ts_ns"], maintain_order=True)
@@ -525,15 +596,11 @@ def _gpu_stats(gpu: pl.DataFrame, names: pl.DataFrame, temp_limit: float, max_cl
     d_energy = pl.col("_energy_delta")
     counted = (d_energy >= 0) & dt.is_not_null()
     n_counted, n_intervals = counted.sum(), dt.is_not_null().sum()
-    # Rolling windows need one ascending time axis: devices laid end to end, over a second apart.
-    span = pl.col("ts_ns").max() - pl.col("ts_ns").min() + 2 * int(_NS)
-    axis = pl.col("ts_ns") - pl.col("ts_ns").min() + pl.col("_dev").rle_id().cast(pl.Int64) * span
     columns = {
         "dt_s": _dt(), "_next_power_w": _next(p), "_energy_delta": _next(pl.col("energy_j")) - pl.col("energy_j"),
-        "_rise_w": p - p.rolling_min_by(axis, window_size=f"{int(_NS)}i"),
         **{f"_nvlink_{d}": _counter_delta(f"nvlink_{d}_bytes") for d in ("tx", "rx")},
     }
-    return names.join(_per_device(gpu, columns, [
+    stats = names.join(_per_device(gpu, columns, [
         pl.len().alias("samples"), dt.sum().alias("duration_s"),
         tw_mean("power_w").alias("power_mean_w"), p.max().alias("power_peak_w"),
         p.quantile(0.99, "linear").alias("power_p99_w"),
@@ -543,7 +610,7 @@ def _gpu_stats(gpu: pl.DataFrame, names: pl.DataFrame, temp_limit: float, max_cl
               .then(pl.lit("counter")).otherwise(pl.lit("counter+trapezoid")), "power_w", "energy_j")
         .alias("energy_source"),
         pl.col("power_limit_w").max(),
-        pl.col("_rise_w").max().alias("power_max_rise_w_per_s"),
+        pl.lit(None, pl.Float64).alias("power_max_rise_w_per_s"),  # _max_rise's, below
         tw_mean("temp_gpu_c").alias("temp_gpu_mean_c"), pl.col("temp_gpu_c").max().alias("temp_gpu_peak_c"),
         tw_mean("temp_mem_c").alias("temp_mem_mean_c"), pl.col("temp_mem_c").max().alias("temp_mem_peak_c"),
         known(_only(pl.col("temp_gpu_c") > temp_limit, dt).sum(), "temp_gpu_c").alias("time_above_temp_limit_s"),
@@ -558,50 +625,94 @@ def _gpu_stats(gpu: pl.DataFrame, names: pl.DataFrame, temp_limit: float, max_cl
           for d in ("tx", "rx")),
         pl.lit(1).alias("gpus"),
     ]), on="_dev")
+    if gpu["power_w"].null_count() < gpu.height:
+        stats = stats.update(_max_rise(gpu), on="_dev")
+    return stats
+
+
+def _max_rise(gpu: pl.DataFrame) -> pl.DataFrame:
+    """Per GPU (`_dev`), the largest rise of power within one second: the most any sample's power
+    exceeds the lowest of the second up to it, (t - 1 s, t].
+
+    The rolling minimum is the costly part, so it runs only where the maximum can be. Whole
+    seconds split each GPU's samples into blocks. A sample's window lies in its block and the
+    one before, so no sample of a block rises more than the block's highest power minus the
+    lowest of the two. Blocks whose bound does not beat the GPU's largest rise between
+    consecutive samples (a sure one) are skipped: in a training run, all but the blocks around
+    power steps.
+    """
+    import numpy as np
+
+    second = 10**9
+    rows, in_open = np.zeros(gpu.height, bool), np.zeros(gpu.height, bool)  # rows to roll, rows that count
+    devices, floors = [], []
+    offset = 0
+    for dev, n in gpu["_dev"].rle().struct.unnest().select("value", "len").iter_rows():  # a GPU at a time
+        ts = gpu["ts_ns"].slice(offset, n).to_numpy()
+        power = gpu["power_w"].slice(offset, n).to_numpy()     # nulls are NaN: fmax/fmin skip them
+        # The sure rise: the largest between consecutive samples under a second apart (at least 0,
+        # as each window holds its own sample; nan when the GPU has no power at all).
+        step = np.diff(power)
+        step[np.diff(ts) >= second] = np.nan
+        floor = np.nan if np.isnan(power).all() else max(np.fmax.reduce(step, initial=0.0), 0.0)
+        sec = ts // second
+        starts = np.flatnonzero(np.r_[True, sec[1:] != sec[:-1]])
+        hi, lo = np.fmax.reduceat(power, starts), np.fmin.reduceat(power, starts)
+        follows = np.r_[False, sec[starts[1:]] == sec[starts[:-1]] + 1]
+        bound = hi - np.fmin(lo, np.where(follows, np.r_[np.nan, lo[:-1]], np.nan))
+        open_block = bound > floor
+        lengths = np.diff(np.r_[starts, n])
+        in_open[offset:offset + n] = np.repeat(open_block, lengths)
+        rows[offset:offset + n] = np.repeat(open_block | np.r_[open_block[1:], False], lengths)  # and the one before
+        devices.append(dev)
+        floors.append(floor)
+        offset += n
+    p = pl.col("power_w")
+    rises = (gpu.lazy().select("_dev", "ts_ns", "power_w").filter(pl.Series(rows))
+             .with_columns((p - p.rolling_min_by("ts_ns", window_size=f"{second}i").over("_dev")).alias("_rise"))
+             .filter(pl.Series(in_open[rows]))
+             .group_by("_dev").agg(pl.col("_rise").max()).collect())
+    return (pl.DataFrame({"_dev": devices, "_floor": floors}, schema={"_dev": gpu.schema["_dev"], "_floor": pl.Float64})
+            .with_columns(pl.col("_floor").fill_nan(None)).join(rises, on="_dev", how="left")
+            .select("_dev", pl.when(pl.col("_floor").is_not_null()).then(pl.max_horizontal("_floor", "_rise"))
+                    .alias("power_max_rise_w_per_s")))
 
 
 def _excursions(gpu: pl.DataFrame, run_mean_w: float | None) -> pl.DataFrame:
     """Spikes above the run's mean power and above each GPU's power limit, one row per GPU.
 
     A spike is a run of consecutive samples of a GPU above the threshold; its size is its
-    highest excess.
+    highest excess. Worked out a GPU at a time (numpy views of its samples), so the memory it
+    takes is one GPU's.
     """
-    frame = gpu.lazy().select("_dev", "power_w", "power_limit_w", _dt())
-    aggs, sizes, unknown = [], [], []
-    thresholds = {"mean": pl.lit(run_mean_w, pl.Float64), "limit": pl.col("power_limit_w")}
-    for name, known in {"mean": run_mean_w is not None,
-                        "limit": gpu["power_limit_w"].null_count() < gpu.height}.items():
-        if not known:  # no threshold, no spikes to count (null, as counting would give): not computed
-            del thresholds[name]
-            unknown += [pl.lit(None, pl.UInt32).alias(f"spikes_over_{name}_count"),
-                        *(pl.lit(None, pl.Float64).alias(f"{stat}_over_{name}{unit}") for stat, unit in
-                          (("time", "_s"), ("spikes", "_max_excess_w"), ("spikes", "_avg_excess_w")))]
-    for name, threshold in thresholds.items():
-        excess, above, start, spike = (f"_{name}_{c}" for c in ("excess", "above", "start", "spike"))
-        frame = frame.with_columns(
-            (pl.col("power_w") - threshold).alias(excess), threshold.is_not_null().alias(f"_{name}_known"),
-        ).with_columns((pl.col(excess) > 0).fill_null(False).alias(above)).with_columns(
-            (pl.col(above) & ~(pl.col(above).shift(1, fill_value=False)
-                               & (pl.col("_dev") == pl.col("_dev").shift(1)))).alias(start)
-        ).with_columns(pl.col(start).cum_sum().alias(spike))  # numbered across GPUs: ids never shared
-        known = (pl.col("power_w").is_not_null() & pl.col(f"_{name}_known")).any()
-        aggs += [
-            pl.when(known).then(pl.col(start).sum()).alias(f"spikes_over_{name}_count"),
-            pl.when(known).then(_only(pl.col(above), pl.col("dt_s")).sum()).alias(f"time_over_{name}_s"),
-            _only(pl.col(above), pl.col(excess)).max().alias(f"spikes_over_{name}_max_excess_w"),
-        ]
-        sizes.append(lambda frame, excess=excess, above=above, spike=spike, name=name: (
-            frame.lazy().filter(above).group_by(spike, maintain_order=True)  # a reproducible mean
-            .agg(pl.col("_dev").first(), pl.col(excess).max())
-            .group_by("_dev").agg(pl.col(excess).mean().alias(f"spikes_over_{name}_avg_excess_w"))
-        ))
-    frame = frame.collect()
-    table = frame.lazy().group_by("_dev", maintain_order=True).agg(aggs)
-    for size in sizes:
-        table = table.join(size(frame), on="_dev", how="left")
+    import numpy as np
+
+    has_limit = gpu["power_limit_w"].null_count() < gpu.height
+    names = [name for name, known in (("mean", run_mean_w is not None), ("limit", has_limit)) if known]
+    rows: list[dict] = []
+    offset = 0
+    for dev, n in gpu["_dev"].rle().struct.unnest().select("value", "len").iter_rows():
+        power = gpu["power_w"].slice(offset, n).to_numpy()            # nulls are NaN
+        dt = np.diff(gpu["ts_ns"].slice(offset, n).to_numpy()) / _NS  # the last sample owns no time
+        row: dict = {"_dev": dev}
+        for name in names:
+            threshold = run_mean_w if name == "mean" else gpu["power_limit_w"].slice(offset, n).to_numpy()
+            excess = power - threshold
+            above = excess > 0                                        # NaN (unknown) is not above
+            starts = np.flatnonzero(above & ~np.r_[False, above[:-1]])
+            known = bool((~np.isnan(excess)).any())
+            row[f"spikes_over_{name}_count"] = starts.size if known else None
+            row[f"time_over_{name}_s"] = float(dt[above[:-1]].sum()) if known else None
+            if starts.size:  # each spike's size: the highest excess from its start to the next's
+                sizes = np.maximum.reduceat(np.where(above, excess, -np.inf), starts)
+                row[f"spikes_over_{name}_max_excess_w"] = float(sizes.max())
+                row[f"spikes_over_{name}_avg_excess_w"] = float(sizes.mean())
+        rows.append(row)
+        offset += n
     order = [f"{stat}_over_{name}{unit}" for name in ("mean", "limit") for stat, unit in
              (("spikes", "_count"), ("time", "_s"), ("spikes", "_max_excess_w"), ("spikes", "_avg_excess_w"))]
-    return table.with_columns(unknown).select("_dev", *order).collect()
+    schema = {"_dev": gpu.schema["_dev"], **{c: pl.UInt32 if c.endswith("_count") else pl.Float64 for c in order}}
+    return pl.DataFrame(rows, schema=schema)
 
 
 def _host_stats(host: pl.DataFrame, names: pl.DataFrame) -> pl.DataFrame:

@@ -68,3 +68,18 @@ def iteration_rows(starts_s, duration_s, *, warmup: int = 0, samples=8, tokens=N
                 "samples": samples, "tokens": tokens, "warmup": i <= warmup,
             })
     return rows
+
+
+def cpu_run(root, run_id: str, step_s: float, *, with_iterations: bool = True, busy_pct: float = 80.0):
+    """A local CPU run as the host sampler records it: host rows only (no accelerator), each
+    tagged with the training iteration in progress, and its iteration log."""
+    t = np.round(np.arange(0, 121) * 0.1, 10)  # 12 s at 10 Hz
+    starts = np.arange(0, 12 - step_s, step_s)
+    iteration = np.searchsorted(starts, t, side="right") if with_iterations else None
+    metrics = {"cpu_util_pct": busy_pct + 5 * np.sin(t), "cpu_freq_mhz": 2400.0, "temp_cpu_c": 50.0 + t,
+               "host_mem_used_bytes": 3 * 2**30}
+    if iteration is not None:
+        metrics["iteration"] = iteration
+    rows = iteration_rows(starts, step_s * 0.95, warmup=2, tokens=256)
+    return make_run(root, [gpu_frame(t, node="node0", device="host", **metrics)], run_id=run_id,
+                    experiment=tiny_experiment(run_id), iterations=rows)

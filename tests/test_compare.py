@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
 from charllm.probes import baselines
 from charllm.probes.compare import compare, direction, render
 from charllm.probes.errors import UserError
+from charllm.probes.summary import format_figure
 from charllm.tui.cli import main
 
 T = np.round(np.arange(0, 101) * 0.1, 10)
@@ -84,6 +86,38 @@ def test_renderings(runs):
     data = json.loads(render(r, "json"))
     assert data["baseline"] == a.id and data["experiment_diff"][0]["field"] == "training.micro_batch_size"
     assert render(r, "csv").splitlines()[0] == "metric,ref,value,baseline_value,delta,delta_pct,better,flag"
+
+
+def test_the_table_formats_figures_with_units_in_reading_order(runs):
+    a, b = runs
+    r = compare([a.id, b.id])
+    wide = r.wide()
+    metrics = wide["metric"].to_list()
+    # The window first, then throughput and efficiency, then the GPUs' power and heat; bookkeeping last.
+    assert metrics[0] == "window" and wide.row(0)[2:4] == ("steady", "steady")
+    assert metrics.index("samples_per_s") < metrics.index("energy_j") < metrics.index("power_mean_w") \
+        < metrics.index("temp_gpu_mean_c") < metrics.index("duration_s")
+    figures = dict(zip(metrics, wide[a.id]))
+    assert figures["power_mean_w"] == "200.0 W" and figures["temp_gpu_mean_c"] == "60.00 °C"
+    assert figures["iter_time_mean_s"] == "1.000 s" and figures["iterations"] == "9"
+    assert figures["energy_j"] == "1.800 kJ"                                # 200 W over the 9 steady seconds
+    table = render(r, "table")
+    assert "200.0 W" in table and "260.0 W" in table and not re.search(r"\de[+-]\d", table)
+    # Machine-readable forms keep the raw numbers.
+    assert sorted(row["value"] for row in json.loads(render(r, "json"))["metrics"]
+                  if row["metric"] == "power_mean_w") == pytest.approx([200.0, 260.0])
+
+
+def test_format_figure():
+    assert format_figure("energy_j", 1.52049e9) == "1.520 GJ"
+    assert format_figure("energy_per_token_j", 0.0091864) == "9.186 mJ"
+    assert format_figure("tokens_per_s", 3355.4) == "3,355 tokens/s"
+    assert format_figure("throttle_perf_frac", 0.25) == "25.00%"
+    assert format_figure("mem_used_peak_bytes", 61 * 2**30) == "61.00 GiB"
+    assert format_figure("power_max_rise_w_per_s", 479.594) == "479.6 W/s"
+    assert format_figure("spikes_over_mean_count", 184.0) == "184"
+    assert format_figure("efficiency_samples_per_s_mj", 12295.2) == "12,295 samples/(s·MJ)"
+    assert format_figure("power_mean_w", None) == ""
 
 
 def test_direction_table():

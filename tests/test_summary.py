@@ -47,6 +47,70 @@ def test_square_wave_power_energy_and_excursions(square_run):
     assert one(s, "simulated") is True
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_largest_rise_within_a_second_matches_its_definition(tmp_path, seed):
+    """The skipping of blocks that cannot hold it (`_max_rise`) never changes the answer:
+    GPUs with jittered and uneven sampling, gaps longer than a second, missing power, steps,
+    a flat GPU and one with no power at all, against the definition sample by sample."""
+    rng = np.random.default_rng(seed)
+    frames, expected = [], {}
+    for g, hz in enumerate((20, 7, 50, 3, 20, 20)):
+        t = np.cumsum(rng.uniform(0.2, 1.8, int(30 * hz)) / hz)
+        t[len(t) // 2:] += 2.5                                     # a gap of more than a second
+        power = np.where((t % 6) < 3, 600.0, 350.0) + rng.normal(0, 20 if g != 4 else 0, t.size)
+        power = np.round(power, 3)
+        if g == 2:
+            power[rng.random(t.size) < 0.2] = np.nan               # missing readings
+        if g == 5:
+            power[:] = np.nan                                      # a GPU that reports no power
+        frames.append(gpu_frame(t, device=f"gpu{g}", power_w=power).with_columns(pl.col("power_w").fill_nan(None)))
+        t_ns = np.round(t * 1e9).astype(np.int64)
+        rises = [power[i] - np.nanmin(power[(t_ns > t_ns[i] - 10**9) & (t_ns <= t_ns[i])])
+                 for i in range(t.size) if not np.isnan(power[i])]
+        expected[f"gpu{g}"] = max(rises) if rises else None
+    run = make_run(tmp_path, frames)
+    got = dict(summarize(run, "all").select("device", "power_max_rise_w_per_s").iter_rows())
+    for device, rise in expected.items():
+        assert got[device] == (None if rise is None else pytest.approx(rise, abs=1e-9)), device
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_spikes_match_their_definition(tmp_path, seed):
+    """Spikes over the run's mean power and over each GPU's (changing, partly unknown) power
+    limit, against a sample-by-sample count of runs above the threshold."""
+    rng = np.random.default_rng(seed)
+    frames, powers = [], {}
+    for g in range(4):
+        t = np.cumsum(rng.uniform(0.02, 0.08, 400))
+        power = np.round(300 + 150 * np.sin(t * (g + 1)) + rng.normal(0, 30, t.size), 3)
+        limit = np.where(t < t[-1] / 2, 380.0, 420.0)
+        limit[rng.random(t.size) < 0.1] = np.nan
+        if g == 3:
+            power[rng.random(t.size) < 0.15] = np.nan
+        frames.append(gpu_frame(t, device=f"gpu{g}", power_w=power, power_limit_w=limit)
+                      .with_columns(pl.col("power_w", "power_limit_w").fill_nan(None)))
+        powers[f"gpu{g}"] = (t, power, limit)
+    s = summarize(make_run(tmp_path, frames), "all")
+    mean = s["power_mean_w"].mean()
+    for row in s.iter_rows(named=True):
+        t, power, limit = powers[row["device"]]
+        for name, threshold in (("mean", np.full(t.size, mean)), ("limit", limit)):
+            excess = power - threshold
+            above = np.nan_to_num(excess, nan=-1.0) > 0
+            spikes, size = [], None
+            for i in range(t.size):
+                if above[i]:
+                    size = excess[i] if size is None else max(size, excess[i])
+                if size is not None and (not above[i] or i == t.size - 1):
+                    spikes.append(size)
+                    size = None
+            time_over = sum(t[i + 1] - t[i] for i in range(t.size - 1) if above[i])
+            assert row[f"spikes_over_{name}_count"] == len(spikes), (row["device"], name)
+            assert row[f"time_over_{name}_s"] == pytest.approx(time_over, abs=1e-6)
+            assert row[f"spikes_over_{name}_max_excess_w"] == pytest.approx(max(spikes))
+            assert row[f"spikes_over_{name}_avg_excess_w"] == pytest.approx(np.mean(spikes))
+
+
 def test_energy_counter_preferred_and_wrap_falls_back_to_interval(tmp_path):
     # 200 W constant; the counter restarts from 0 at t = 5 s (a wrap or driver reload).
     counter = 200.0 * T
@@ -264,6 +328,22 @@ def test_finished_runs_are_cached_and_refreshed_when_files_change(square_run):
         f.unlink()
     make_run(square_run.path.parent, [gpu_frame(T, power_w=SQUARE * 2, power_limit_w=250.0)])
     assert one(summarize(square_run, "all"), "power_mean_w") == pytest.approx(400.0)
+
+
+def test_one_pass_keeps_every_level(square_run, monkeypatch):
+    import charllm.probes.summary as summary
+
+    passes = []
+    real = summary._summarize
+    monkeypatch.setattr(summary, "_summarize", lambda *a: passes.append(a[2]) or real(*a))
+    by_run = summarize(square_run, "all", by="run")
+    assert passes == [summary.BY]
+    by_gpu, by_node = summarize(square_run, "all", by="gpu"), summarize(square_run, "all", by="node")
+    assert passes == [summary.BY]                        # both from the first pass's cache
+    assert one(by_run, "power_mean_w") == one(by_gpu, "power_mean_w") == one(by_node, "power_mean_w")
+    square_run.update_manifest(status="running")         # a running run: the one level asked for
+    summarize(square_run, "all", by="run")
+    assert passes == [summary.BY, ("run",)]
 
 
 def test_running_runs_are_not_cached(square_run):

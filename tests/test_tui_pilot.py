@@ -408,7 +408,7 @@ async def test_runs_lists_headlines_and_compare_shows_both(charllm_dirs):
         assert sorted(app.compare_refs) == sorted([str(a), str(b)])
         await wait_for(pilot, lambda: cmp.query_one("#compare-status").render() and
                        "comparing" not in str(cmp.query_one("#compare-status").render()), timeout=60)
-        curves = cmp.query_one("#cmp-power")._series
+        curves = cmp.query_one("#cmp-chart-1")._series
         assert sorted(curves) == ["demo-a", "demo-b"]
         assert cmp.result is not None and set(cmp.result.labels) == {a.name, b.name}
         power = cmp.result.table.filter(pl.col("metric") == "power_peak_w")
@@ -574,8 +574,8 @@ async def test_compare_a_run_against_a_saved_baseline(charllm_dirs):
         await pilot.press("f7")
         screen = app.screen
         select = screen.query_one("#baseline")
-        await wait_for(pilot, lambda: "capped-450w" in [v for _, v in select._options])
-        select.value = "capped-450w"
+        await wait_for(pilot, lambda: "baseline:capped-450w" in [v for _, v in select._options])
+        select.value = "baseline:capped-450w"
         await wait_for(pilot, lambda: screen.result is not None and screen.result.baseline == "baseline:capped-450w",
                        timeout=60)
         assert screen.query_one("#compare-table").row_count > 5

@@ -120,5 +120,21 @@ def test_compare(snap_compare, size, demo_runs):
     assert snap_compare(app, terminal_size=SIZES[size], run_before=compared)
 
 
+@pytest.mark.parametrize("size", SIZES)
+def test_compare_cpu_runs(snap_compare, size, charllm_dirs):
+    """Host-only runs: iteration time and CPU use are charted, not empty GPU boxes."""
+    from runfactory import cpu_run
+
+    app = CharllmApp()
+    app.compare_refs = [str(cpu_run(charllm_dirs["runs"], "20261121-100000-cpu-a", 1.0).path),
+                        str(cpu_run(charllm_dirs["runs"], "20261121-110000-cpu-b", 1.2, busy_pct=60.0).path)]
+
+    async def compared(pilot):
+        await pilot.press("f7")
+        await until(pilot, lambda: pilot.app.screen.result is not None)
+
+    assert snap_compare(app, terminal_size=SIZES[size], run_before=compared)
+
+
 def test_help(snap_compare):
     assert snap_compare(CharllmApp(), terminal_size=SIZES["large"], press=["f1", "_"])

@@ -1,13 +1,17 @@
 """Compare: 2–4 runs and/or a baseline side by side.
 
-The table is `probes.compare.compare(refs, baseline)`'s; the overlaid charts show each run's mean
-GPU power and temperature per training iteration (from its telemetry's `iteration` column).
-Runs come from the Runs screen (Space marks, m compares) or the command palette.
+The table is `probes.compare.compare(refs, baseline)`'s, figures formatted with their units as
+`charllm-tui compare` prints them. The baseline selector offers the runs compared and the saved
+baselines, and always shows the baseline the figures are measured against. The overlaid charts
+show each run per training iteration (from its telemetry's `iteration` column): mean GPU power
+and temperature, or, when no run recorded an accelerator (a CPU run), its iteration time and
+mean CPU utilisation. Runs come from the Runs screen (Space marks, m compares) or the palette.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.markup import escape
 from rich.text import Text
@@ -22,14 +26,21 @@ from charllm.probes.errors import UserError
 from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
 from charllm.tui.widgets.charts import Chart
 
-NO_BASELINE = "(no baseline)"
+FIRST_RUN = "(first run)"
 MAX_DIFF_LINES = 3
+# Per-iteration charts: (curve, title). GPU power and heat when any run recorded an accelerator,
+# else what a CPU run records: its iteration time and CPU utilisation.
+GPU_CHARTS = (("power_w", "mean GPU power (W) per iteration"),
+              ("temp_gpu_c", "mean GPU temperature (°C) per iteration"))
+HOST_CHARTS = (("iter_time_s", "iteration time (s) per iteration"),
+               ("cpu_util_pct", "mean CPU utilisation (%) per iteration"))
+NO_CHARTS = "no charts: none of these runs recorded telemetry per training iteration"
 
 
 @dataclass
 class Compared(Message):
     result: object | None          # probes.compare.CompareResult
-    curves: dict                   # metric -> {run label: (iterations, values)}
+    curves: dict                   # curve -> {run label: (iterations, values)}, runs with data only
     error: str | None = None
 
 
@@ -43,6 +54,7 @@ class CompareScreen(WorkbenchScreen):
     def __init__(self):
         super().__init__()
         self.refs: list[str] = []
+        self.choices: dict[str, str] = {}       # the selector's: value (a ref) -> label
         self.loaded: tuple | None = None
         self.result = None
 
@@ -50,28 +62,32 @@ class CompareScreen(WorkbenchScreen):
         with Vertical(id="compare"):
             with Horizontal(id="compare-controls"):
                 yield Label("baseline ")
-                yield Select([], id="baseline", compact=True, allow_blank=True, prompt=NO_BASELINE)
+                yield Select([], id="baseline", compact=True, allow_blank=True, prompt=FIRST_RUN)
             yield Static(id="compare-status")
             yield DataTable(id="compare-table", zebra_stripes=True, cursor_type="row")
             with Horizontal(id="compare-charts"):
-                yield Chart("mean GPU power (W) per iteration", xlabel="iteration", id="cmp-power")
-                yield Chart("mean GPU temperature (°C) per iteration", xlabel="iteration", id="cmp-temp")
+                for i, (_, title) in enumerate(GPU_CHARTS, start=1):  # retitled for host charts
+                    yield Chart(title, xlabel="iteration", id=f"cmp-chart-{i}")
 
     def on_screen_resume(self) -> None:
-        self.load_baselines()
+        self.load_options(self.app.compare_refs)
         if (tuple(self.app.compare_refs), self._baseline()) != self.loaded:
             self.load(self.app.compare_refs)
 
-    def load_baselines(self) -> None:
+    def load_options(self, refs: list[str]) -> None:
+        """The selector's choices: the runs compared, then the saved baselines (the current one kept)."""
         select = self.query_one("#baseline", Select)
         try:
             names = [b["name"] for b in api("probes.baselines").list()]
         except (MissingAPI, UserError):
             names = []
+        choices = {ref: f"{Path(ref).name} (run)" for ref in refs}
+        choices.update({f"baseline:{n}": f"{n} (saved baseline)" for n in names if f"baseline:{n}" not in choices})
+        self.choices = choices
         current = select.value
         with self.prevent(Select.Changed):
-            select.set_options([(n, n) for n in names])
-            if current in names:
+            select.set_options([(label, value) for value, label in choices.items()])
+            if current in choices:
                 select.value = current
 
     def _baseline(self) -> str | None:
@@ -79,6 +95,8 @@ class CompareScreen(WorkbenchScreen):
         return None if value is Select.NULL else value
 
     def load(self, refs: list[str]) -> None:
+        if list(refs) != self.refs:
+            self.load_options(refs)
         self.refs = list(refs)
         baseline = self._baseline()
         self.loaded = (tuple(self.refs), baseline)
@@ -113,54 +131,94 @@ class CompareScreen(WorkbenchScreen):
         status = self.query_one("#compare-status", Static)
         table = self.query_one("#compare-table", DataTable)
         table.clear(columns=True)
+        charts = (GPU_CHARTS if any(message.curves.get(c) for c, _ in GPU_CHARTS) else
+                  HOST_CHARTS if any(message.curves.get(c) for c, _ in HOST_CHARTS) else ())
         if message.error:
             status.update(f"[yellow]{escape(message.error)}[/]")
         else:
             result = self.result = message.result
-            flags = {(r["metric"], r["ref"]): r["flag"] for r in result.table.iter_rows(named=True)}
-            lines = [f"baseline [b]{escape(result.baseline)}[/b] · {escape(result.window_text)} · "
-                     f"[green]better[/] / [red]worse[/] beyond ±{result.threshold_pct:g}%"]
-            diffs = result.experiment_diff.to_dicts()
-            for row in diffs[:MAX_DIFF_LINES]:
-                field = row.pop("field", "")
-                lines.append(f"[dim]{escape(str(field))}:[/] " + " | ".join(escape(str(v)) for v in row.values()))
-            if len(diffs) > MAX_DIFF_LINES:
-                lines.append(f"[dim]… {len(diffs) - MAX_DIFF_LINES} more experiment differences "
-                             f"(charllm-tui compare shows them all)[/]")
-            lines += [f"[yellow]note:[/] {escape(n)}" for n in result.notes]
-            status.update("\n".join(lines))
-            wide = result.wide()
-            for column in wide.columns:
-                table.add_column(column, key=column)
-            for row in wide.iter_rows(named=True):
-                cells = []
-                for column, value in row.items():
-                    ref = column.removesuffix(" vs base")
-                    flag = flags.get((row["metric"], ref)) if column.endswith(" vs base") else None
-                    style = {"better": "green", "worse": "bold red", "changed": "yellow"}.get(flag or "", "")
-                    cells.append(Text("—" if value in (None, "") else str(value), style))
-                table.add_row(*cells)
-        self.query_one("#cmp-power", Chart).show(message.curves.get("power_w", {}))
-        self.query_one("#cmp-temp", Chart).show(message.curves.get("temp_gpu_c", {}))
+            self._show_baseline(result)
+            status.update("\n".join(self._status_lines(result) + ([] if charts else [f"[dim]{NO_CHARTS}[/]"])))
+            self._fill(table, result)
+        self.query_one("#compare-charts").display = bool(charts)
+        for (curve, title), chart in zip(charts, self.query(Chart)):
+            chart.title = title
+            chart.show(message.curves.get(curve, {}))
+
+    def _show_baseline(self, result) -> None:
+        """Point the selector at the baseline the figures are measured against."""
+        select = self.query_one("#baseline", Select)
+        if result.baseline_ref in self.choices:
+            with self.prevent(Select.Changed):
+                select.value = result.baseline_ref
+            self.loaded = (tuple(self.refs), result.baseline_ref)
+
+    @staticmethod
+    def _status_lines(result) -> list[str]:
+        lines = [f"baseline [b]{escape(result.baseline)}[/b] · {escape(result.window_text)} · "
+                 f"[green]better[/] / [red]worse[/] beyond ±{result.threshold_pct:g}%"]
+        diffs = result.experiment_diff.to_dicts()
+        for row in diffs[:MAX_DIFF_LINES]:
+            field = row.pop("field", "")
+            lines.append(f"[dim]{escape(str(field))}:[/] " + " | ".join(escape(str(v)) for v in row.values()))
+        if len(diffs) > MAX_DIFF_LINES:
+            lines.append(f"[dim]… {len(diffs) - MAX_DIFF_LINES} more experiment differences "
+                         f"(charllm-tui compare shows them all)[/]")
+        return lines + [f"[yellow]note:[/] {escape(n)}" for n in result.notes]
+
+    @staticmethod
+    def _fill(table: DataTable, result) -> None:
+        flags = {(r["metric"], r["ref"]): r["flag"] for r in result.table.iter_rows(named=True)}
+        wide = result.wide()
+        short = {label: short_id(label) for label in result.labels}
+        if len(set(short.values())) < len(short):
+            short = {}
+        for column in wide.columns:  # run ids without their stamp: the table fits 80 columns
+            ref = column.removesuffix(" vs base")
+            table.add_column(column.replace(ref, short[ref]) if ref in short else column, key=column)
+        for row in wide.iter_rows(named=True):
+            cells = []
+            for column, value in row.items():
+                ref = column.removesuffix(" vs base")
+                flag = flags.get((row["metric"], ref)) if column.endswith(" vs base") else None
+                style = {"better": "green", "worse": "bold red", "changed": "yellow"}.get(flag or "", "")
+                figure = column not in ("metric", "better") and not column.endswith(" vs base")
+                cells.append(Text("—" if value in (None, "") else str(value), style,
+                                  justify="right" if figure else "left"))
+            table.add_row(*cells)
 
 
 def per_iteration_curves(refs: list[str]) -> dict:
-    """metric -> {run id: (iterations, mean over GPUs and samples in that iteration)}."""
+    """curve -> {run id: (iterations, values)} for GPU_CHARTS and HOST_CHARTS, each run in the
+    curves it has data for: means over GPUs (or hosts) and samples within each iteration, and
+    each iteration's time from the iteration log."""
     import polars as pl
 
     from charllm.probes.rundir import resolve_run
+    from charllm.probes.summary import read_iterations
 
-    curves: dict[str, dict] = {"power_w": {}, "temp_gpu_c": {}}
+    curves: dict[str, dict] = {curve: {} for curve, _ in (*GPU_CHARTS, *HOST_CHARTS)}
     for ref in refs:
         try:
             rd = resolve_run(ref)
         except UserError:
             continue
-        per_it = (rd.scan_telemetry().filter((pl.col("device") != "host") & pl.col("iteration").is_not_null())
-                  .group_by("iteration").agg(pl.col("power_w").mean(), pl.col("temp_gpu_c").mean())
+        label = short_id(rd.id)
+        host = pl.col("device") == "host"
+        # One pass over the telemetry: only these columns are read.
+        per_it = (rd.scan_telemetry().filter(pl.col("iteration").is_not_null())
+                  .group_by("iteration")
+                  .agg(pl.col("power_w").filter(~host).mean(), pl.col("temp_gpu_c").filter(~host).mean(),
+                       pl.col("cpu_util_pct").filter(host).mean())
                   .sort("iteration").collect())
-        for metric in curves:
-            curves[metric][short_id(rd.id)] = (per_it["iteration"].to_list(), per_it[metric].to_list())
+        for curve in ("power_w", "temp_gpu_c", "cpu_util_pct"):
+            points = per_it.select("iteration", curve).drop_nulls()
+            if points.height:
+                curves[curve][label] = (points["iteration"].to_list(), points[curve].to_list())
+        its = read_iterations(rd)
+        if its.height:
+            curves["iter_time_s"][label] = (its["iteration"].to_list(),
+                                            ((its["end_ns"] - its["start_ns"]) / 1e9).to_list())
     return curves
 
 
