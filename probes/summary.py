@@ -103,16 +103,31 @@ def has_accelerators(run: RunDir) -> bool:
 SUMMARY_VERSION = 1
 
 
-def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
-    """A finished run never changes, so its summaries are kept (keyed by its files and directories).
+def cached_summary(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu") -> pl.DataFrame | None:
+    """The kept summary of a finished run, or None (running, never summarized, or changed since):
+    a Parquet read, for listings that must show something at once."""
+    run = run if isinstance(run, RunDir) else resolve_run(run)
+    return _read_cache(_cache_place(run, window, by))
 
-    Comparing runs, or reopening one in the TUI, then costs a Parquet read instead of a pass
-    over every telemetry chunk. Running runs are always summarized afresh.
-    """
-    from charllm.probes.rundir import FINAL_STATUSES, write_json_atomic
+
+def _read_cache(place: tuple[Path, Path, dict] | None) -> pl.DataFrame | None:
+    if place is None:
+        return None
+    cache, meta, key = place
+    try:
+        if meta.is_file() and cache.is_file() and json.loads(meta.read_text()) == key:
+            return pl.read_parquet(cache)
+    except (OSError, ValueError, pl.exceptions.PolarsError):
+        pass  # a damaged cache is recomputed
+    return None
+
+
+def _cache_place(run: RunDir, window, by: str) -> tuple[Path, Path, dict] | None:
+    """(summary file, its key file, the key) of a finished run's summary; None while it runs."""
+    from charllm.probes.rundir import FINAL_STATUSES
 
     if run.status not in FINAL_STATUSES:
-        return compute()
+        return None
     # Chunks are added by atomic renames, which change their directory's mtime; listing a
     # directory is far cheaper than a stat per chunk (a run holds one per node per second).
     stat = [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
@@ -124,13 +139,25 @@ def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
            "by": by, "files": stat}
     name = f"{by}-{window if isinstance(window, str) else f'{window[0]:g}-{window[1]:g}'}"
     cache = run.path / "summaries" / f"{name}.parquet"
-    meta = cache.with_suffix(".json")
-    try:
-        if meta.is_file() and cache.is_file() and json.loads(meta.read_text()) == key:
-            return pl.read_parquet(cache)
-    except (OSError, ValueError, pl.exceptions.PolarsError):
-        pass  # a damaged cache is recomputed
+    return cache, cache.with_suffix(".json"), key
+
+
+def _cached(run: RunDir, window, by: str, compute) -> pl.DataFrame:
+    """A finished run never changes, so its summaries are kept (keyed by its files and directories).
+
+    Comparing runs, or reopening one in the TUI, then costs a Parquet read instead of a pass
+    over every telemetry chunk. Running runs are always summarized afresh.
+    """
+    from charllm.probes.rundir import write_json_atomic
+
+    place = _cache_place(run, window, by)
+    if place is None:
+        return compute()
+    df = _read_cache(place)
+    if df is not None:
+        return df
     df = compute()
+    cache, meta, key = place
     try:
         cache.parent.mkdir(exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
