@@ -15,6 +15,8 @@
    to have swept the composed experiment ahead (as for a user, who takes more than a second), and
    right after start-up (F3 then sweeps itself); and from the key that toggles "fitting only" (f)
    until the table is redrawn; each until the first frame drawn after it. Target: under 300 ms.
+5. The Runs screen over 16 recorded runs, headless: from F6 until the top row shows its headline
+   numbers and until every row does, with no summary kept yet and with each run's summary kept.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def live_cpu(seconds: float) -> tuple[float, int]:
         tmp = Path(tmp)
         env = env_for(tmp)
         run = tmp / "runs" / "bench-live"
+        run.parent.mkdir()
         sampler = subprocess.Popen([sys.executable, "-m", "charllm.probes", "--backend", "sim", "--sim-gpus", "8",
                                     "--hz", "20", "--out", str(run), "--node", "node0"],
                                    env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -196,6 +199,48 @@ def sweep_latency(runs: int, ahead: bool = True) -> tuple[list[float], list[floa
     return opened, toggled
 
 
+def runs_headlines(n_runs: int) -> list[tuple[str, float, float]]:
+    """Seconds from F6 (once start-up's work is done) until the Runs table shows the top run's
+    headline numbers and until it shows every run's, over `n_runs` recorded runs (8 simulated GPUs,
+    60 s at 10 Hz each): first with no summary kept, then again (a finished run's summary is kept
+    in its directory)."""
+    from charllm.tui.app import CharllmApp
+    from charllm.tui.demo import make_demo_run
+
+    timings = []
+    saved = os.environ.copy()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.update(env_for(Path(tmp)))     # the app reads its runs from there
+        runs = [make_demo_run(Path(tmp) / "runs", f"20251121-{i:06d}-demo-{i}", seconds=60, seed=i)
+                for i in range(n_runs)]
+
+        async def run(label: str) -> None:
+            from charllm.tui.screens.runs import Headline
+
+            filled: dict[str, float] = {}    # run id -> when its numbers reached the screen
+
+            def hook(message) -> None:
+                if isinstance(message, Headline):
+                    filled.setdefault(message.run_id, time.perf_counter())
+
+            app = CharllmApp()
+            async with app.run_test(size=(160, 48), message_hook=hook) as pilot:
+                while app.swept_ahead is None:      # start-up's background sweep is done
+                    await pilot.pause(0.05)
+                began = time.perf_counter()
+                await pilot.press("f6")
+                while len(filled) < len(runs):
+                    await pilot.pause(0.01)
+                top = runs[-1].name                 # the newest run: the top row
+                timings.append((label, filled[top] - began, max(filled.values()) - began))
+
+        asyncio.run(run("no summary kept"))
+        asyncio.run(run("summaries kept"))
+    os.environ.clear()
+    os.environ.update(saved)
+    return timings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="startups to time (default 5)")
@@ -213,6 +258,8 @@ def main() -> None:
     with console.status("Sweep screen latency…"):
         opened, toggled = sweep_latency(3)
         cold, _ = sweep_latency(3, ahead=False)
+    with console.status("Runs screen headlines…"):
+        headlines = runs_headlines(16)
     table = Table(title="charllm-tui workbench")
     for column in ("measure", "result", "target"):
         table.add_column(column)
@@ -227,6 +274,9 @@ def main() -> None:
     table.add_row("  ... F3 0.2 s after start-up (swept on the key)", f"{statistics.median(cold) * 1000:.0f} ms", "—")
     table.add_row("f (fitting only) -> table redrawn (median)", f"{statistics.median(toggled) * 1000:.0f} ms",
                   "< 300 ms")
+    for label, top, every in headlines:
+        table.add_row(f"F6 -> Runs headlines, 16 runs, {label}",
+                      f"top row {top * 1000:.0f} ms, all {every * 1000:.0f} ms", "—")
     console.print(table)
 
 

@@ -104,6 +104,46 @@ def has_accelerators(run: RunDir) -> bool:
 SUMMARY_VERSION = 1
 
 
+def cached_summary(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu") -> pl.DataFrame | None:
+    """The kept summary of a finished run, or None (running, never summarized, or changed since):
+    a Parquet read, for listings that must show something at once."""
+    run = run if isinstance(run, RunDir) else resolve_run(run)
+    return _read_cache(_cache_place(run, window, by))
+
+
+def _read_cache(place: tuple[Path, Path, dict] | None) -> pl.DataFrame | None:
+    if place is None:
+        return None
+    cache, meta, key = place
+    try:
+        if meta.is_file() and cache.is_file() and json.loads(meta.read_text()) == key:
+            return pl.read_parquet(cache)
+    except (OSError, ValueError, pl.exceptions.PolarsError):
+        pass  # a damaged cache is recomputed
+    return None
+
+
+def _cache_place(run: RunDir, window, by: str) -> tuple[Path, Path, dict] | None:
+    """(summary file, its key file, the key that says it is current) of a finished run's summary at
+    level `by`; None while it runs."""
+    from charllm.probes.rundir import FINAL_STATUSES
+
+    if run.status not in FINAL_STATUSES:
+        return None
+    # Chunks are added by atomic renames, which change their directory's mtime; listing a
+    # directory is far cheaper than a stat per chunk (a run holds one per node per second).
+    stat = [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
+            for f in (run.experiment_path, run.iterations_path) if f.exists()]
+    if run.telemetry_dir.is_dir():
+        stat += [[d.name, d.stat().st_mtime_ns, len(os.listdir(d))]
+                 for d in sorted(run.telemetry_dir.iterdir()) if d.is_dir()]
+    key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
+           "by": by, "files": stat}
+    span = window if isinstance(window, str) else f"{window[0]:g}-{window[1]:g}"
+    cache = run.path / "summaries" / f"{by}-{span}.parquet"
+    return cache, cache.with_suffix(".json"), key
+
+
 def _cached(run: RunDir, window, by: str) -> pl.DataFrame:
     """A finished run never changes, so its summaries are kept (keyed by its files and directories).
 
@@ -112,36 +152,18 @@ def _cached(run: RunDir, window, by: str) -> pl.DataFrame:
     three, so a baseline (run and GPU levels) or a compare after the Runs list reads the
     telemetry once. Running runs are always summarized afresh.
     """
-    from charllm.probes.rundir import FINAL_STATUSES, write_json_atomic
+    from charllm.probes.rundir import write_json_atomic
 
-    if run.status not in FINAL_STATUSES:
+    place = _cache_place(run, window, by)
+    if place is None:
         return _level(_summarize(run, window, (by,)), run, by)
-    # Chunks are added by atomic renames, which change their directory's mtime; listing a
-    # directory is far cheaper than a stat per chunk (a run holds one per node per second).
-    stat = [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
-            for f in (run.experiment_path, run.iterations_path) if f.exists()]
-    if run.telemetry_dir.is_dir():
-        stat += [[d.name, d.stat().st_mtime_ns, len(os.listdir(d))]
-                 for d in sorted(run.telemetry_dir.iterdir()) if d.is_dir()]
-    span = window if isinstance(window, str) else f"{window[0]:g}-{window[1]:g}"
-
-    def files(level: str):
-        """(the cached summary, its key file, the key that says it is current) of a level."""
-        key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
-               "by": level, "files": stat}
-        cache = run.path / "summaries" / f"{level}-{span}.parquet"
-        return cache, cache.with_suffix(".json"), key
-
-    cache, meta, key = files(by)
-    try:
-        if meta.is_file() and cache.is_file() and json.loads(meta.read_text()) == key:
-            return pl.read_parquet(cache)
-    except (OSError, ValueError, pl.exceptions.PolarsError):
-        pass  # a damaged cache is recomputed
+    df = _read_cache(place)
+    if df is not None:
+        return df
     levels = _summarize(run, window, BY)
     try:
         for level, df in levels.items():
-            cache, meta, key = files(level)
+            cache, meta, key = _cache_place(run, window, level)
             cache.parent.mkdir(exist_ok=True)
             tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
             df.write_parquet(tmp)

@@ -11,7 +11,7 @@ from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
 from charllm.probes.errors import UserError
 from charllm.probes.flops import num_floating_point_operations
 from charllm.probes.schema import THROTTLE_BITS
-from charllm.probes.summary import summarize
+from charllm.probes.summary import cached_summary, summarize
 
 T = np.round(np.arange(0, 101) * 0.1, 10)             # 10 s at 10 Hz, both ends sampled
 SQUARE = np.where(np.floor(T + 1e-9) % 2 == 0, 100.0, 300.0)  # 100 W / 300 W, 1 s each
@@ -350,6 +350,19 @@ def test_running_runs_are_not_cached(square_run):
     square_run.update_manifest(status="running")
     summarize(square_run, "all")
     assert not (square_run.path / "summaries").exists()
+    assert cached_summary(square_run, "all") is None
+
+
+def test_cached_summary_reads_only_a_kept_summary_of_unchanged_files(square_run):
+    assert cached_summary(square_run, "all", by="run") is None          # never summarized: not computed here
+    assert not (square_run.path / "summaries").exists()
+    first = summarize(square_run, "all", by="run")
+    assert cached_summary(square_run, "all", by="run").equals(first)
+    assert cached_summary(square_run, "steady", by="run") is None       # another window is another summary
+    for f in square_run.telemetry_files():                              # new data: the kept one is stale
+        f.unlink()
+    make_run(square_run.path.parent, [gpu_frame(T, power_w=SQUARE * 2, power_limit_w=250.0)])
+    assert cached_summary(square_run, "all", by="run") is None
 
 
 def _recording(rng: np.random.Generator) -> pl.DataFrame:

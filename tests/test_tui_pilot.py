@@ -340,6 +340,9 @@ async def test_live_replays_a_recorded_run_labelled_simulated(charllm_dirs):
         assert "iteration 33" in str(screen.query_one("#iterations").render())
         # The demo's 550 W cap shows up as power-cap throttling on the strip.
         assert any(bits & 0x4 for _, row in frame.throttle for bits in row)
+        # The power chart names the span and the buckets its figures are averaged over.
+        power = screen.query_one("#chart-0")
+        assert power.title.startswith("GPU power (W) · ") and power.title.endswith(" s means · all recorded")
         # Pause freezes the drawing; zoom changes the window.
         await pilot.press("space")
         drawn = screen.frames
@@ -350,6 +353,8 @@ async def test_live_replays_a_recorded_run_labelled_simulated(charllm_dirs):
         assert screen.window == len(screen_windows()) - 1
         await pilot.press("plus")
         assert screen.window == len(screen_windows()) - 2
+        await wait_for(pilot, lambda: power.title.endswith(f"· last {screen_windows()[-2]} s"),
+                       what="the zoomed window in the title")
 
 
 def screen_windows():
@@ -373,14 +378,99 @@ async def test_live_groups_many_gpus_per_node(charllm_dirs):
 
 @pilot_test
 async def test_live_without_a_run_shows_host_telemetry():
+    from charllm.tui.screens.live import HOST_CHARTS, PANES
+
     app = CharllmApp(start_mode="live")
     async with run_app(app) as pilot:
         screen = app.screen
+
+        def reported(metric):
+            frame = screen.last_frame
+            return any(v is not None for _, ys in frame.charts.get(metric, {}).values() for v in ys)
+
+        # network throughput is a rate: it needs two samples
+        await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "host"
+                       and reported("net_mb_s"), what="host telemetry rows")
+        frame = screen.last_frame
+        assert frame.source.startswith("host telemetry")
+        assert not frame.simulated
+        # The panes go to what this machine reports: a pane is "not reported here" only when fewer
+        # than four host figures are (psutil always gives CPU, memory and network).
+        with_data = sum(reported(m) for m, _ in HOST_CHARTS)
+        assert with_data >= 3 and reported("cpu_util_pct")
+        charts = list(screen.query("Chart"))
+        assert [c.title.split(" · ")[0] for c in charts] == [title for _, title in frame.panes]
+        assert [bool(c._note) for c in charts] == [i >= with_data for i in range(PANES)]
+
+
+def test_live_host_panes_plot_reported_figures_and_counter_rates():
+    import numpy as np
+    from runfactory import gpu_frame
+
+    from charllm.tui.screens.live import build_frame
+
+    t = np.arange(0, 10, 0.25)
+    # No CPU temperature, no RAPL energy (as in a container): network takes a pane instead.
+    rows = gpu_frame(t, device="host", cpu_util_pct=50.0, host_mem_used_bytes=2 * 1024**3, cpu_freq_mhz=2600.0,
+                     net_tx_bytes=1e6 * t, net_rx_bytes=3e6 * t)
+    frame = build_frame(rows, rows["ts_ns"].min(), 60, None, 60)
+    assert [m for m, _ in frame.panes] == ["cpu_util_pct", "host_mem_used_gib", "net_mb_s", "cpu_freq_mhz"]
+    net = [v for v in frame.charts["net_mb_s"]["host"][1] if v is not None]
+    assert net and all(abs(v - 4.0) < 1e-6 for v in net)                # (1 + 3) MB per second
+    assert frame.charts["host_mem_used_gib"]["host"][1][0] == 2.0
+    # Where RAPL is readable, the package power (the energy counter's rate) comes before network.
+    frame = build_frame(rows.with_columns(cpu_energy_j=pl.Series(80.0 * t)), rows["ts_ns"].min(), 60, None, 60)
+    assert [m for m, _ in frame.panes] == ["cpu_util_pct", "host_mem_used_gib", "cpu_power_w", "net_mb_s"]
+    assert all(abs(v - 80.0) < 1e-6 for v in frame.charts["cpu_power_w"]["host"][1] if v is not None)
+    assert frame.window == "samples · last 60 s"       # 40 samples: fewer than the 120 points a chart shows
+    coarse = build_frame(rows, rows["ts_ns"].min(), None, None, 60, chart_points=13)
+    assert coarse.window == "0.75 s means · all recorded"
+
+
+@pilot_test
+async def test_live_pause_shows_paused_and_space_resumes_with_the_newest_data():
+    app = CharllmApp(start_mode="live")          # host telemetry: new samples keep coming
+    async with run_app(app) as pilot:
+        screen = app.screen
+        title = screen.query_one("#live-title")
         await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "host",
                        what="host telemetry rows")
-        assert screen.last_frame.source.startswith("host telemetry")
-        assert not screen.last_frame.simulated
-        assert any(v is not None for _, ys in screen.last_frame.charts["cpu_util_pct"].values() for v in ys)
+        await pilot.press("space")
+        assert "PAUSED" in str(title.render())
+        drawn, shown = screen.frames, screen.last_frame
+        latest = max(max(xs) for xs, _ in shown.charts["cpu_util_pct"].values())
+        await pilot.pause(3.0)                   # longer than a chart redraw takes to come due
+        assert screen.frames == drawn and screen.last_frame is shown and "PAUSED" in str(title.render())
+        await pilot.press("space")
+        assert "PAUSED" not in str(title.render())
+        await wait_for(pilot, lambda: screen.frames > drawn, what="a new frame after resuming")
+        assert max(max(xs) for xs, _ in screen.last_frame.charts["cpu_util_pct"].values()) > latest + 2
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+@pilot_test
+async def test_live_next_chart_cycles_at_every_size(charllm_dirs, size):
+    app = CharllmApp(run=make_demo_run(charllm_dirs["runs"], seconds=6))
+    async with run_app(app, size=size) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "gpu")
+        charts = list(screen.query("Chart"))
+
+        def shown():
+            return [i for i, c in enumerate(charts) if c.display]
+
+        if size == (80, 24):     # one chart at a time: c shows the next, round
+            steps = [[1], [2], [3], [0]]
+            assert shown() == [0]
+        else:                    # all four: c shows each alone, full width, then all four again
+            steps = [[0], [1], [2], [3], [0, 1, 2, 3]]
+            assert shown() == [0, 1, 2, 3]
+        for step in steps:
+            await pilot.press("c")
+            await pilot.pause(0.1)
+            assert shown() == step
+            if len(step) == 1:
+                assert charts[step[0]].size.width == size[0]
 
 
 @pilot_test
@@ -420,6 +510,35 @@ async def test_runs_lists_headlines_and_compare_shows_both(charllm_dirs):
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.current_mode == "live")
         assert app.run_path is not None
+
+
+@pilot_test
+async def test_runs_fills_kept_summaries_first_keeps_them_on_refresh_and_keeps_its_keys_line(charllm_dirs):
+    from charllm.probes.summary import summarize
+    from charllm.tui.screens.runs import Headline
+
+    old = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-old", seconds=6)
+    new = make_demo_run(charllm_dirs["runs"], "20251121-090000-demo-new", seconds=6, seed=3)
+    summarize(old, "steady", by="run")          # kept in its directory, as after any earlier look
+    messages: list = []
+    app = CharllmApp(start_mode="runs")
+    async with run_app(app, messages) as pilot:
+        screen = app.screen
+        table = screen.query_one("#runs-table")
+        await wait_for(pilot, lambda: table.row_count == 2 and "…" not in
+                       (table.get_cell(old.name, "peak W"), table.get_cell(new.name, "peak W")), what="headlines")
+        # The kept summary fills its row before the top row's is computed.
+        assert [m.run_id for m in messages if isinstance(m, Headline)][0] == old.name
+        # A refresh shows the numbers it has at once, then re-reads them.
+        screen.action_refresh()
+        assert "…" not in (table.get_cell(old.name, "peak W"), table.get_cell(new.name, "peak W"))
+        # Highlighting a run shows its details; the keys line, b included, stays under them.
+        table.focus()
+        await pilot.press("down")
+        await pilot.pause(0.1)
+        assert old.name in str(screen.query_one("#runs-detail").render())
+        keys = screen.query_one("#runs-keys")
+        assert keys.display and "b save as baseline" in str(keys.render())
 
 
 @pilot_test

@@ -12,6 +12,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 from functools import reduce
+from itertools import groupby
 from operator import or_
 from pathlib import Path
 
@@ -35,12 +36,21 @@ GROUP_ABOVE = 8                                    # more devices than this: one
 KEEP_S = 900                                       # live history kept in memory
 HOST_HZ = 4.0
 
-GPU_CHARTS = (("power_w", "GPU power (W) over time (s)"), ("temp_gpu_c", "GPU temperature (°C)"),
+CHART_EVERY_S = 2.0       # new telemetry redraws the charts at most this often (plotext builds are the
+                          # Live view's main cost; 2 s moves a 60 s window by under two cells)
+GPU_CHARTS = (("power_w", "GPU power (W)"), ("temp_gpu_c", "GPU temperature (°C)"),
               ("temp_mem_c", "memory temperature (°C)"), ("sm_clock_mhz", "SM clock (MHz)"))
-HOST_CHARTS = (("cpu_util_pct", "host CPU utilization (%) over time (s)"), ("temp_cpu_c", "host CPU temperature (°C)"),
-               ("cpu_freq_mhz", "host CPU frequency (MHz)"), ("host_mem_used_gib", "host memory used (GiB)"))
-KEEP_COLUMNS = ("ts_ns", "node", "device", "simulated", "throttle_reasons",
-                *(c for c, _ in GPU_CHARTS), "cpu_util_pct", "temp_cpu_c", "cpu_freq_mhz", "host_mem_used_bytes")
+# The host panes show the first four of these that the node reports (the host backend marks
+# temperature, RAPL energy and InfiniBand unsupported where it cannot read them).
+HOST_CHARTS = (("cpu_util_pct", "host CPU utilization (%)"), ("host_mem_used_gib", "host memory used (GiB)"),
+               ("cpu_power_w", "host CPU power (W)"), ("temp_cpu_c", "host CPU temperature (°C)"),
+               ("net_mb_s", "host network in+out (MB/s)"),
+               ("cpu_freq_mhz", "host CPU frequency (MHz)"))
+PANES = len(GPU_CHARTS)                            # chart panes on screen
+WINDOWED = ("power_w", "cpu_power_w", "net_mb_s")   # power and throughput titles name their window
+KEEP_COLUMNS = ("ts_ns", "node", "device", "simulated", "throttle_reasons", *(c for c, _ in GPU_CHARTS),
+                "cpu_util_pct", "temp_cpu_c", "cpu_freq_mhz", "host_mem_used_bytes", "cpu_energy_j",
+                "net_tx_bytes", "net_rx_bytes")
 # throttle-strip glyphs, most severe first: (bits, glyph, style, meaning)
 THROTTLE_KINDS = ((0x40 | 0x20, "▇", "red", "thermal"), (0x80 | 0x8, "▇", "magenta", "hw slowdown/brake"),
                   (0x4, "▆", "yellow", "power cap"))
@@ -54,6 +64,8 @@ class Frame(Message):
     status: str                                     # run status / sampler state
     kind: str                                       # gpu | host | none
     charts: dict[str, dict] | None = field(default_factory=dict)  # metric -> {label: (xs, ys)}; None: unchanged
+    panes: list[tuple[str, str]] = field(default_factory=list)   # (metric, title) of each chart pane
+    window: str = ""                                          # what the chart points average over
     throttle: list[tuple[str, list[int]]] = field(default_factory=list)
     iterations: list[dict] = field(default_factory=list)     # every "iteration" event so far
     ranks: str = ""
@@ -162,8 +174,9 @@ class LiveScreen(WorkbenchScreen):
         self.group_nodes: bool | None = None     # None: automatic (above GROUP_ABOVE devices)
         self.strip_width = 60
         self.chart_points = 120                  # time buckets per series the feed averages into
-        self.compact = False                     # small terminal: one chart at a time (c cycles)
-        self.chart_index = 0
+        self.compact = False                     # small terminal: one chart at a time
+        self.chart_index: int | None = None      # the one chart shown (c cycles); None: all four
+        self.held: Frame | None = None           # the newest frame while paused, drawn on resume
         self._shown: dict[str, str] = {}
         self.frames = 0                          # frames drawn (tests and benchmarks read it)
         self.last_frame: Frame | None = None
@@ -175,8 +188,8 @@ class LiveScreen(WorkbenchScreen):
                 yield Static("SIMULATED", id="sim-badge", classes="badge-sim")
             yield Static(id="live-runtime", classes="hint")
             with Vertical(id="charts"):
-                for metric, title in GPU_CHARTS:
-                    yield Chart(title, id=f"chart-{metric}")
+                for i, (_, title) in enumerate(GPU_CHARTS):
+                    yield Chart(title, id=f"chart-{i}")
             yield Static(id="throttle")
             with Horizontal(id="live-bottom"):
                 yield Static(id="iterations")
@@ -193,16 +206,24 @@ class LiveScreen(WorkbenchScreen):
         self.compact = self.size.width < 110 or self.size.height < 36
         self.set_class(self.compact, "-compact")
         self.strip_width = max(10, self.size.width - 16)
-        chart_width = self.size.width if self.compact else self.size.width // 2
-        self.chart_points = max(10, (chart_width - 8) * 2)     # braille: two points per cell
         self._show_charts()
 
     def _show_charts(self) -> None:
+        one = 0 if self.compact and self.chart_index is None else self.chart_index
+        self.set_class(one is not None, "-one-chart")
+        chart_width = self.size.width if one is not None else self.size.width // 2
+        self.chart_points = max(10, (chart_width - 8) * 2)     # braille: two points per cell
         for i, chart in enumerate(self.query(Chart)):
-            chart.display = not self.compact or i == self.chart_index
+            chart.display = one is None or i == one
 
     def action_next_chart(self) -> None:
-        self.chart_index = (self.chart_index + 1) % len(GPU_CHARTS)
+        """Small terminal: the next of the four charts. Large: all four, then each alone, full size."""
+        if self.compact:
+            self.chart_index = ((self.chart_index or 0) + 1) % PANES
+        else:
+            self.chart_index = 0 if self.chart_index is None else self.chart_index + 1
+            if self.chart_index == PANES:
+                self.chart_index = None
         self._show_charts()
 
     # -- following a source ------------------------------------------------------------------
@@ -210,7 +231,7 @@ class LiveScreen(WorkbenchScreen):
         self.source_path = run_dir
         self.following = True
         self.frames = 0
-        self.last_frame = None
+        self.last_frame = self.held = None
         self.query_one("#log-tail", Log).clear()
         self._shown.clear()
         finished = False
@@ -238,6 +259,7 @@ class LiveScreen(WorkbenchScreen):
         starts: dict = {}
         t0 = None
         drawn_with = None      # (rows seen, view settings) of the last chart data sent
+        drawn_at = -CHART_EVERY_S
         last_kind = "none"
         rows_seen = 0
         last_status = None
@@ -264,16 +286,19 @@ class LiveScreen(WorkbenchScreen):
                     if run_dir is None or not isinstance(source, RunSource):
                         history = history.filter(pl.col("ts_ns") >= history["ts_ns"].max() - KEEP_S * 10**9)
                 status = source.status()
-                if not events and not log_lines and status == last_status and (rows is None or not rows.height) \
-                        and (rows_seen, self.window, self.group_nodes, self.strip_width, self.chart_points) == drawn_with:
+                # Telemetry arrives about once a second (one chunk per node): new rows redraw the
+                # charts every CHART_EVERY_S, a changed view (zoom, grouping, size) at once.
+                view = (self.window, self.group_nodes, self.strip_width, self.chart_points)
+                charts_due = drawn_with is None or view != drawn_with[1] or (
+                    rows_seen != drawn_with[0] and not self.paused and began - drawn_at >= CHART_EVERY_S)
+                if not events and not log_lines and status == last_status and not charts_due:
                     time.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
                     continue    # nothing new: no message, no repaint
                 last_status = status
-                view = (rows_seen, self.window, self.group_nodes, self.strip_width, self.chart_points)
-                if view != drawn_with:   # telemetry arrives about once a second (one chunk per node)
+                if charts_due:
                     frame = build_frame(history, t0, WINDOWS_S[self.window], self.group_nodes, self.strip_width,
                                         self.chart_points)
-                    drawn_with = view
+                    drawn_with, drawn_at = (rows_seen, view), began
                 else:
                     frame = Frame(source="", status="", kind=last_kind, charts=None)
                 last_kind = frame.kind
@@ -292,22 +317,27 @@ class LiveScreen(WorkbenchScreen):
     def on_frame(self, frame: Frame) -> None:
         if frame.log_lines:
             self.query_one("#log-tail", Log).write_lines(frame.log_lines)
+        new_charts = frame.charts is not None or self.last_frame is None
+        newest = self.held or self.last_frame
+        if frame.charts is None and newest is not None:   # nothing new to plot: keep the charts drawn
+            frame.charts, frame.panes, frame.window = newest.charts, newest.panes, newest.window
+            frame.throttle, frame.simulated = newest.throttle, newest.simulated
+            frame.grouped, frame.devices = newest.grouped, newest.devices
         if self.paused and self.last_frame is not None:
+            self.held = frame
             return
-        if frame.charts is None and self.last_frame is not None:   # nothing new to plot
-            last = self.last_frame
-            frame.charts, frame.throttle, frame.simulated = last.charts, last.throttle, last.simulated
-            frame.grouped, frame.devices = last.grouped, last.devices
-            self.last_frame = frame
-            self._draw_text(frame)
+        self._draw(frame, charts=new_charts)
+
+    def _draw(self, frame: Frame, charts: bool) -> None:
+        self.last_frame = frame
+        self._draw_text(frame)
+        if not charts:
             return
         frame.charts = frame.charts or {}
-        self.last_frame = frame
         self.frames += 1
-        self._draw_text(frame)
-        charts = HOST_CHARTS if frame.kind == "host" else GPU_CHARTS
-        for (metric, title_text), chart in zip(charts, self.query(Chart)):
-            chart.title = title_text
+        panes = frame.panes or [(metric, title) for metric, title in GPU_CHARTS]
+        for (metric, title), chart in zip(panes, self.query(Chart)):
+            chart.title = f"{title} · {frame.window}" if metric in WINDOWED and frame.window else title
             series = frame.charts.get(metric, {})
             empty = frame.kind != "none" and not any(v is not None for _, ys in series.values() for v in ys)
             chart.show(series, note=" — not reported here" if empty else "")
@@ -339,11 +369,14 @@ class LiveScreen(WorkbenchScreen):
 
     # -- actions -------------------------------------------------------------------------------
     def action_pause(self) -> None:
+        """Freeze the charts and figures (the log keeps scrolling); Space again shows the newest."""
         self.paused = not self.paused
-        if self.last_frame is not None:
-            self.paused, paused = False, self.paused
-            self.on_frame(self.last_frame)
-            self.paused = paused
+        if self.paused or self.held is None:
+            if self.last_frame is not None:
+                self._draw_text(self.last_frame)
+        else:
+            held, self.held = self.held, None
+            self._draw(held, charts=True)
 
     def action_zoom(self, step: int) -> None:
         self.window = min(len(WINDOWS_S) - 1, max(0, self.window + step))
@@ -364,9 +397,7 @@ def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: i
         return Frame(source="", status="", kind="none")
     gpus = history.filter(pl.col("device") != "host")
     kind = "gpu" if gpus.height else "host"
-    data = gpus if kind == "gpu" else history.with_columns(
-        (pl.col("host_mem_used_bytes") / 1024**3).alias("host_mem_used_gib"))
-    data = data.with_columns(((pl.col("ts_ns") - t0) / 1e9).alias("t_s"))
+    data = (gpus if kind == "gpu" else host_metrics(history)).with_columns(((pl.col("ts_ns") - t0) / 1e9).alias("t_s"))
     if window_s is not None:
         data = data.filter(pl.col("t_s") >= data["t_s"].max() - window_s)
     nodes = data["node"].n_unique()
@@ -379,7 +410,8 @@ def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: i
     else:
         label = pl.col("device")
     data = data.with_columns(label.alias("label"))
-    metrics = [m for m, _ in (GPU_CHARTS if kind == "gpu" else HOST_CHARTS)]
+    panes = list(GPU_CHARTS) if kind == "gpu" else host_panes(data)
+    metrics = [m for m, _ in panes]
     if grouped:   # one line per node: the mean of its devices at each instant
         data = (data.group_by("label", "ts_ns", maintain_order=True)
                 .agg(pl.col("t_s").first(), pl.col("simulated").any(), pl.col("throttle_reasons").max(),
@@ -405,8 +437,33 @@ def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: i
             for c, b in bits.iter_rows():
                 row[c] = b
             throttle.append((name, row))
-    return Frame(source="", status="", kind=kind, charts=charts, throttle=throttle,
+    span = "all recorded" if window_s is None else f"last {window_s} s"
+    averaged = data.height > buckets * labels     # else each point is one sample
+    return Frame(source="", status="", kind=kind, charts=charts, throttle=throttle, panes=panes,
+                 window=f"{(hi - lo) / buckets:.2g} s means · {span}" if averaged else f"samples · {span}",
                  simulated=bool(data["simulated"].any()), grouped=grouped, devices=devices)
+
+
+def host_metrics(history):
+    """Host rows with the derived figures the host panes plot: memory in GiB, and RAPL power and
+    network throughput as rates of their counters (per node, between consecutive samples)."""
+    import polars as pl
+
+    rows = history.filter(pl.col("device") == "host").sort("node", "ts_ns")
+    dt = pl.col("ts_ns").diff().over("node") / 1e9
+
+    def rate(counter):
+        return pl.when(dt > 0).then(counter.diff().over("node") / dt)
+
+    return rows.with_columns((pl.col("host_mem_used_bytes") / 1024**3).alias("host_mem_used_gib"),
+                             rate(pl.col("cpu_energy_j")).alias("cpu_power_w"),
+                             (rate(pl.col("net_tx_bytes") + pl.col("net_rx_bytes")) / 1e6).alias("net_mb_s"))
+
+
+def host_panes(data) -> list[tuple[str, str]]:
+    """The first PANES host charts with any value in `data` (then the rest, shown as not reported)."""
+    reported = [pane for pane in HOST_CHARTS if pane[0] in data.columns and data[pane[0]].is_not_null().any()]
+    return (reported + [pane for pane in HOST_CHARTS if pane not in reported])[:PANES]
 
 
 def throttle_text(rows: list[tuple[str, list[int]]], kind: str, max_rows: int = GROUP_ABOVE) -> Text:
@@ -421,10 +478,13 @@ def throttle_text(rows: list[tuple[str, list[int]]], kind: str, max_rows: int = 
     text.append_text(Text.assemble(("·", "green"), " none"))
     for label, bits in rows:
         text.append(f"\n{label[:12]:>12}  ")
-        for b in bits:
-            glyph, style = next(((g, st) for mask, g, st, _ in THROTTLE_KINDS if b & mask), ("·", "green"))
-            text.append(glyph, style)
+        for (glyph, style), run in groupby(map(_throttle_glyph, bits)):   # one span per run: cheaper to paint
+            text.append(glyph * len(list(run)), style)
     return text
+
+
+def _throttle_glyph(bits: int) -> tuple[str, str]:
+    return next(((g, st) for mask, g, st, _ in THROTTLE_KINDS if bits & mask), ("·", "green"))
 
 
 def iterations_text(events: list[dict]) -> str:

@@ -1,7 +1,9 @@
 """Runs: every run directory with status, target, experiment and headline numbers.
 
 The list comes from `probes.rundir.list_runs`; the headline numbers from `probes.summary.summarize`
-(by="run"), computed in a thread worker and filled in as they arrive.
+(by="run"), in a thread worker: first every summary kept in the run directories (a Parquet read
+each), then the others, top row first; each row is filled in as its numbers arrive, and keeps
+them across refreshes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Static
+from textual.worker import get_current_worker
 
 from charllm.probes.errors import UserError
 from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
@@ -37,6 +40,8 @@ COLUMNS = ("run", "status", *(h for h, _ in HEADLINE.values()), "target", "exper
 # `compare` give them by default, so one run shows one tokens/s everywhere.
 WINDOW = "steady"
 WINDOW_TEXT = "figures over each run's steady window (non-warm-up iterations), as summarize and compare give them"
+# The keys the footer has no room for at 80 columns first; this line stays under the run's details.
+KEYS_TEXT = "b save as baseline · Space mark, m compare · Enter open · c cancel · d delete"
 
 
 @dataclass
@@ -53,7 +58,8 @@ class RunsScreen(WorkbenchScreen):
         Binding("space", "mark", "Mark", id="runs.mark"),
         Binding("m", "compare", "Compare marked", id="runs.compare"),
         Binding("c", "cancel_run", "Cancel run", id="runs.cancel"),
-        Binding("b", "save_baseline", "Save as baseline", id="runs.baseline", show=False),  # hint line + help: the 80-column footer is full
+        # on the keys line (KEYS_TEXT): the 80-column footer is full
+        Binding("b", "save_baseline", "Save as baseline", id="runs.baseline", show=False),
         Binding("delete,d", "delete", "Delete", id="runs.delete"),
         Binding("r", "refresh", "Refresh", id="runs.refresh"),
     ]
@@ -63,10 +69,12 @@ class RunsScreen(WorkbenchScreen):
         self.runs: dict[str, Path] = {}
         self.marked: list[str] = []
         self.notes: dict[str, str] = {}
+        self.shown: dict[str, dict] = {}        # run id -> the headline values last shown
 
     def compose_body(self) -> ComposeResult:
         yield DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
         yield Static(id="runs-detail", classes="hint")
+        yield Static(KEYS_TEXT, id="runs-keys", classes="hint")
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
@@ -94,16 +102,23 @@ class RunsScreen(WorkbenchScreen):
             started = m.get("started_ns") or m.get("created_ns")
             status = m.get("status", "unknown")
             table.add_row(self._mark(rd.id), Text(status_line(m), STATUS_STYLE.get(status, "")),
-                          *("…" for _ in HEADLINE),
+                          *self._headline_cells(self.shown.get(rd.id)),
                           (m.get("target") or {}).get("name", m.get("kind", "-")), m.get("name", "-"),
                           time.strftime("%Y-%m-%d %H:%M", time.gmtime(started / 1e9)) if started else "-",
                           key=rd.id)
         if cursor in self.runs:
             table.move_cursor(row=table.get_row_index(cursor))
         self.query_one("#runs-detail", Static).update(
-            "no runs yet: launch one from the Launch screen (F4)" if not self.runs else
-            f"{WINDOW_TEXT}\nEnter open · Space mark for compare · m compare · b save as baseline · c cancel · d delete")
+            "no runs yet: launch one from the Launch screen (F4)" if not self.runs else WINDOW_TEXT)
+        self.query_one("#runs-keys").display = bool(self.runs)
         self.headlines(list(self.runs.items()))
+
+    @staticmethod
+    def _headline_cells(values: dict | None) -> list[str]:
+        if values is None:
+            return ["…"] * len(HEADLINE)
+        return ["—" if values.get(column) is None else fmt.format(values[column])
+                for column, (_, fmt) in HEADLINE.items()]
 
     def _mark(self, run_id: str) -> Text:
         return Text(("● " if run_id in self.marked else "  ") + run_id,
@@ -111,13 +126,28 @@ class RunsScreen(WorkbenchScreen):
 
     @work(thread=True, exclusive=True, group="headlines")
     def headlines(self, runs: list[tuple[str, Path]]) -> None:
+        worker = get_current_worker()
         try:
             summary = api("probes.summary")
         except MissingAPI as exc:
             for run_id, _ in runs:
                 self.post_message(Headline(run_id, {}, str(exc)))
             return
-        for run_id, path in runs:
+        to_compute = []
+        for run_id, path in runs:      # kept summaries first: the whole screen fills at once
+            if worker.is_cancelled:    # a newer refresh took over
+                return
+            try:
+                kept = summary.cached_summary(path, window=WINDOW, by="run")
+            except Exception:  # noqa: BLE001 - computed below, which names what is wrong
+                kept = None
+            if kept is None:
+                to_compute.append((run_id, path))
+            else:
+                self.post_message(Headline(run_id, kept.row(0, named=True)))
+        for run_id, path in to_compute:
+            if worker.is_cancelled:
+                return
             try:
                 row = summary.summarize(path, window=WINDOW, by="run").row(0, named=True)
                 self.post_message(Headline(run_id, row))
@@ -131,9 +161,9 @@ class RunsScreen(WorkbenchScreen):
         if message.run_id not in self.runs:
             return
         self.notes[message.run_id] = message.note
-        for column, (heading, fmt) in HEADLINE.items():
-            value = message.values.get(column)
-            table.update_cell(message.run_id, heading, "—" if value is None else fmt.format(value))
+        self.shown[message.run_id] = message.values
+        for (heading, _), cell in zip(HEADLINE.values(), self._headline_cells(message.values)):
+            table.update_cell(message.run_id, heading, cell)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         run_id = event.row_key.value if event.row_key else None
