@@ -49,7 +49,7 @@ import polars as pl
 from charllm.probes.errors import UserError
 from charllm.probes.flops import RunExperiment, read_experiment
 from charllm.probes.rundir import RunDir, resolve_run
-from charllm.probes.schema import ID_COLUMNS, TELEMETRY_SCHEMA, THROTTLE_BITS, THROTTLE_PERF_MASK
+from charllm.probes.schema import TELEMETRY_SCHEMA, THROTTLE_BITS, THROTTLE_PERF_MASK
 
 BY = ("gpu", "node", "run")
 FORMATS = ("table", "markdown", "csv", "json", "parquet")
