@@ -31,7 +31,10 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
     rd.logs_dir.mkdir(parents=True, exist_ok=True)
     exp = Experiment(name=run_id.split("-", 2)[-1], model=catalog.load_model(model),
                      hardware=catalog.load_hardware(hardware), cluster=Cluster(nodes=nodes, gpus_per_node=gpus))
-    exp.training.global_batch_size = 64
+    # 8 sequences of 8192 tokens in 1.2 s on 8 H100s: about 40% MFU for Llama-3 8B, as measured runs give
+    exp.training.global_batch_size = 8
+    exp.training.bf16 = True
+    exp.parallel.use_distributed_optimizer = True
     exp.training.train_iters = int(seconds / iteration_s)
     exp.save(rd.experiment_path)
 
@@ -43,9 +46,9 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
         start = T0_NS + int(((i - 1) * iteration_s + 0.5) * ns)
         end = start + int((iteration_s - 0.1 - 0.02 * (i % 3)) * ns)
         events.append({"event": "iteration", "iteration": i, "rank": 0, "node": "node0", "start_ns": start,
-                       "end_ns": end, "loss": round(10.5 - 0.12 * i, 4), "grad_norm": 1.0, "samples": 64,
+                       "end_ns": end, "loss": round(10.5 - 0.12 * i, 4), "grad_norm": 1.0, "samples": exp.training.global_batch_size,
                        "tokens": tokens, "mem_peak_bytes": 61 * 1024**3, "mem_reserved_bytes": 64 * 1024**3,
-                       "tflops_per_gpu": 410.0 + i % 5,
+                       "tflops_per_gpu": 388.0 + i % 5,
                        "warmup": i <= 2})
     events.append({"event": "end", "status": status, "rank": 0, "node": "node0",
                    "end_ns": T0_NS + int(seconds * ns)})
