@@ -399,7 +399,7 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
 # --------------------------------------------------------------------------------------------
 def check_options(*, sample_seconds: float, iters: int, timeout: float, rates=SAMPLING_HZ) -> None:
     """The figures a user gives, checked before anything runs (here and on a target's nodes)."""
-    from charllm.probes.sampler import check_hz
+    from charllm.probes.backends import check_hz
 
     for hz in rates:
         check_hz(hz)

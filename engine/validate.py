@@ -160,9 +160,9 @@ def value_problems(exp: Experiment) -> list[Problem]:
         out.append(Problem("moe_expert_capacity_factor", t.moe_expert_capacity_factor, "must be greater than 0"))
     if t.moe_aux_loss_coeff < 0:
         out.append(Problem("moe_aux_loss_coeff", t.moe_aux_loss_coeff, "must be 0 or more"))
-    from charllm.probes.sampler import MAX_HZ
+    from charllm.probes.backends import MAX_HZ
 
-    if not 0 < exp.telemetry.hz <= MAX_HZ:  # what the sampler accepts (probes.sampler.check_hz)
+    if not 0 < exp.telemetry.hz <= MAX_HZ:  # what the sampler accepts (probes.backends.check_hz)
         out.append(Problem("hz", exp.telemetry.hz, f"telemetry sampling rate must be > 0 and at most {MAX_HZ:g}"))
     backend = exp.telemetry.backend
     if backend not in TELEMETRY_BACKENDS and not backend.startswith("replay:"):

@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     from charllm.probes import paths
     from charllm.probes.errors import UserError
     from charllm.probes.rundir import check_node_name
-    from charllm.probes.sampler import Sampler, check_hz
+    from charllm.probes.backends import check_hz
+    from charllm.probes.sampler import Sampler
 
     check_hz(args.hz)
     if args.node is not None:

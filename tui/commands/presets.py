@@ -105,10 +105,14 @@ def _list(kind: str | None, as_json: bool) -> int:
 
     console = Console()
     for k in [kind] if kind else KINDS:
+        listed = [r for r in rows if r["kind"] == k]
         table = Table(title=k, title_justify="left", box=None, header_style="bold")
-        for column in ("name", "source", "summary", "description"):
+        # A name is what one types next: it never wraps; summary and description give way.
+        table.add_column("name", no_wrap=True, min_width=max((len(r["name"]) for r in listed), default=4))
+        table.add_column("source", no_wrap=True)
+        for column in ("summary", "description"):
             table.add_column(column, overflow="fold")
-        for row in (r for r in rows if r["kind"] == k):
+        for row in listed:
             source = "[cyan]user[/]" if row["source"] == "user" else "shipped"
             summary = f"[red]{row['summary']}[/]" if row["summary"].startswith("invalid:") else row["summary"]
             table.add_row(row["name"], source, summary, row["description"])
