@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 from charllm.engine import slurm, ssh
 from charllm.engine.targets import Target, from_record
 from charllm.probes import paths
-from charllm.probes.errors import UserError, is_disk_full, os_error_line
+from charllm.probes.errors import UserError, is_disk_full, os_error_line, plural
 from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id, status_line
 
 TRAIN_MODULE = "charllm.engine.workload.train"
@@ -109,7 +109,7 @@ def _fit_to_target(exp, target: Target, nproc: int | None):
                         "use an ssh or slurm target for more")
     if target.kind == "ssh" and exp.cluster.nodes > len(target.hosts):
         raise UserError(f"cluster.nodes = {exp.cluster.nodes}: target {target.name!r} lists only "
-                        f"{len(target.hosts)} host(s)")
+                        f"{plural(len(target.hosts), 'host')}")
     return exp
 
 

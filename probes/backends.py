@@ -20,7 +20,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 
 BACKEND_NAMES = ("auto", "nvml", "amdsmi", "host", "sim", "replay:RUN")
 MAX_HZ = 100.0          # NVML power counters update at 10-50 Hz; faster gains nothing
@@ -196,7 +196,7 @@ def _auto(**_kw) -> Backend:
         except BackendUnavailable as exc:
             reasons.append(f"{label}: {exc}")
             continue
-        backend.reason = "; ".join([*reasons, f"{label}: {len(backend.devices())} device(s) found"])
+        backend.reason = "; ".join([*reasons, f"{label}: {plural(len(backend.devices()), 'device')} found"])
         return backend
     backend = _host()
     backend.reason = "; ".join([*reasons, "using host only"])

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from charllm.probes.errors import plural
+
 MAX_DURATION_S = 366 * 24 * 3600
 
 USAGE_EXAMPLES = """\
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         if own_manifest:
             run_dir.update_manifest(rates={b.name: sampler.backend_hz(b) for b in backends})
         if not view:
-            err.print(f"probe: {devices} device(s) at {args.hz:g} Hz{slower}{target} ({reason}); SIGTERM/Ctrl-C stops")
+            err.print(f"probe: {plural(devices, 'device')} at {args.hz:g} Hz{slower}{target} ({reason}); SIGTERM/Ctrl-C stops")
         started = time.monotonic()
         try:
             if view:
@@ -103,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        chunks = f", {sampler.writer.chunks_written} chunk(s)" if sampler.writer else ""
-        err.print(f"probe: {sampler.rows} rows in {sampler.ticks} ticks at "
+        chunks = f", {plural(sampler.writer.chunks_written, 'chunk')}" if sampler.writer else ""
+        err.print(f"probe: {plural(sampler.rows, 'row')} in {plural(sampler.ticks, 'tick')} at "
                   f"{sampler.achieved(time.monotonic() - started)}{slower}{chunks}")
         if own_manifest:
             run_dir.update_manifest(status="completed")

@@ -31,7 +31,7 @@ from typing import BinaryIO, Callable
 import polars as pl
 
 from charllm.probes.backends import Backend, check_hz, hostname
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 from charllm.probes.recorder import ChunkWriter
 from charllm.probes.rundir import RunDir
 from charllm.probes.schema import TELEMETRY_SCHEMA
@@ -110,7 +110,7 @@ class Sampler:
         """What the loop achieved over `seconds`: its tick rate, and why it fell short if it did."""
         rate = f"{self.ticks / seconds:.4g} Hz" if seconds > 0 else "no time"
         why = ": a tick took longer than its period (a busy machine or a slow backend)" if self.missed_deadlines else ""
-        return f"{rate} ({self.hz:g} Hz asked, {self.missed_deadlines} missed deadline(s){why})"
+        return f"{rate} ({self.hz:g} Hz asked, {plural(self.missed_deadlines, 'missed deadline')}{why})"
 
     # -- consumers -------------------------------------------------------------------------
     def subscribe(self, maxsize: int = 256) -> queue.Queue:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from charllm.probes.errors import plural
+
 
 def register(sub) -> None:
     p = sub.add_parser("launch", help="launch an experiment on a target (local, ssh, slurm) with probes",
@@ -120,7 +122,7 @@ def _iteration_line(row: dict) -> str:
 def _telemetry_line(rows) -> str:
     """The mean of the headline metrics over the rows new since the last line (its window, said)."""
     span = (rows["ts_ns"].max() - rows["ts_ns"].min()) / 1e9 if "ts_ns" in rows.columns and rows.height else 0.0
-    parts = [f"telemetry {rows.height} rows, means over the last {span:.0f} s:"]
+    parts = [f"telemetry {plural(rows.height, 'row')}, means over the last {span:.0f} s:"]
     for column, label, scale in (("power_w", "GPU power {:.0f} W", 1), ("temp_gpu_c", "GPU {:.0f} C", 1),
                                  ("cpu_util_pct", "CPU {:.0f} %", 1), ("temp_cpu_c", "CPU {:.0f} C", 1),
                                  ("host_mem_used_bytes", "host memory {:.1f} GiB", 2**30)):

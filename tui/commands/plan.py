@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from charllm.probes.errors import plural
+
 EPILOG = """\
 what the numbers mean:
   total      the PyTorch caching-allocator peak (torch.cuda.max_memory_allocated) over a training
@@ -43,7 +45,8 @@ def register(sub) -> None:
     p.add_argument("experiment", nargs="?", metavar="EXPERIMENT_OR_PRESET",
                    help="an experiment TOML file or preset name")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set tensor_model_parallel_size=4 (repeatable)")
+                   help="override a field, e.g. --set tensor_model_parallel_size=4, or the model or hardware "
+                        "preset, e.g. --set model=llama3-8b (repeatable)")
     p.add_argument("--megatron-args", metavar="FLAGS", help="a pretrain_gpt.py command line instead of an experiment")
     p.add_argument("--world-size", type=int, metavar="N",
                    help="number of GPUs (with --megatron-args; default: what a torchrun prefix in the line says)")
@@ -123,7 +126,7 @@ def render(exp, report) -> None:
               f"{' SP' if p.sequence_parallel else ''}{' dist-opt' if p.use_distributed_optimizer else ''}")
     table = Table(box=box.SIMPLE_HEAD, caption="layers: per virtual chunk (NxV: N layers in each of V chunks); mb: micro-batch chunks held at the peak",
                   caption_justify="left", title=f"{exp.name}: {exp.model.name} on {exp.world_size} x {exp.hardware.name} ({layout}), "
-                        f"micro batch {exp.training.micro_batch_size}, {exp.num_microbatches} micro-batches, GiB",
+                        f"micro batch {exp.training.micro_batch_size}, {plural(exp.num_microbatches, 'micro-batch', 'micro-batches')}, GiB",
                   title_justify="left")
     columns = ("PP", "layers", "mb", "weights", "grads", "optim", "acts", "other", "total", "reserve", "headroom",
                "verdict")

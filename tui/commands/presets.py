@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from charllm.probes.errors import plural
+
 KINDS = ("models", "hardware", "experiments")
 SINGULAR = {"models": "model", "hardware": "hardware", "experiments": "experiment"}
 KIND_ALIASES = {"model": "models", "experiment": "experiments"}
@@ -165,7 +167,7 @@ def _show(name: str, kind: str | None, as_json: bool) -> int:
     if extra.get("derived"):
         d = extra["derived"]
         print(f"# world size {d['world_size']}, data parallel {d['data_parallel_size']}, "
-              f"{d['num_microbatches']} micro-batches per iteration, sequence {d['seq_length']}")
+              f"{plural(d['num_microbatches'], 'micro-batch', 'micro-batches')} per iteration, sequence {d['seq_length']}")
     for problem in extra.get("problems", []):
         print(f"# invalid: {problem}")
     print(tomli_w.dumps(data), end="")

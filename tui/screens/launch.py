@@ -18,7 +18,7 @@ from textual.message import Message
 from textual.widgets import Button, Label, Log, ProgressBar, Select, Static
 
 from charllm.probes import paths
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
 
 
@@ -91,7 +91,7 @@ class LaunchScreen(WorkbenchScreen):
             f"[b]{escape(exp.name)}[/b]: {exp.model.name} on {exp.cluster.nodes}×{exp.cluster.gpus_per_node} "
             f"{exp.hardware.name} · TP{exp.parallel.tensor_model_parallel_size} "
             f"PP{exp.parallel.pipeline_model_parallel_size} DP{exp.data_parallel_size} · "
-            f"{exp.training.train_iters} iterations{extra}")
+            f"{plural(exp.training.train_iters, 'iteration')}{extra}")
 
     # -- dry run -------------------------------------------------------------------------------
     @on(Select.Changed, "#target")
