@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from charllm.engine.catalog import load_experiment
-    from charllm.engine.launch import launch
+    from charllm.engine.launch import PORT_AT_LAUNCH, launch
     from charllm.engine.targets import get_target
 
     console = Console(stderr=True, highlight=False)
@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     for reason in result.forced:
         console.print(f"[yellow]forced:[/] {reason}")
     if args.dry_run:
-        print(f"# run {result.run_id} on target {target.name!r} (dry run: nothing was created)")
+        print(f"# run {result.run_id} on target {target.name!r} (dry run: nothing was created; "
+              f"{PORT_AT_LAUNCH}: torchrun's rendezvous port, picked at launch)")
         for command in result.commands:
             print(command)
         if result.sbatch_script:

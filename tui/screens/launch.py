@@ -116,7 +116,8 @@ class LaunchScreen(WorkbenchScreen):
             text = text.replace(str(paths.runs_dir()), "$RUNS").replace(result.run_id, "<run-id>")
             return escape(text.replace(sys.executable, "python"))
 
-        parts = ["[b]Dry run[/b] — nothing starts until you press [b]l[/b] ($RUNS: the runs directory)"]
+        parts = ["[b]Dry run[/b] — nothing starts until you press [b]l[/b] ($RUNS: the runs directory; "
+                 f"<run-id> and {api('engine.launch').PORT_AT_LAUNCH}, torchrun's rendezvous port, are picked at launch)"]
         if result.forced:
             parts.append("\n[b red]This layout has problems[/] (launch refuses it; [b]f[/b] launches anyway):")
             parts += [f"  [red]✗[/] {escape(p)}" for p in result.forced]
