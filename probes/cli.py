@@ -10,13 +10,19 @@ from charllm.probes.errors import plural
 
 MAX_DURATION_S = 366 * 24 * 3600
 
+# %(prog)s: `charllm-tui probe` or `python -m charllm.probes`, whichever shows the help.
 USAGE_EXAMPLES = """\
 examples:
-  probe --list                                  devices, backend and metrics (and why no GPU)
-  probe --out RUN_DIR --hz 20                   record until Ctrl-C / SIGTERM
-  probe --backend sim --sim-gpus 8 --follow     simulated GPUs, live table
-  probe --backend replay:RUN --speed 10 --follow
-  probe --out RUN_DIR --node n1 --stream | ...  Arrow batches on stdout (for SSH)"""
+  %(prog)s --list
+      devices, backend and metrics (and why no GPU)
+  %(prog)s --out RUN_DIR --hz 20
+      record until Ctrl-C / SIGTERM
+  %(prog)s --backend sim --sim-gpus 8 --follow
+      simulated GPUs, live table
+  %(prog)s --backend replay:RUN --speed 10 --follow
+      a recorded run again, 10 times as fast
+  %(prog)s --out RUN_DIR --node n1 --stream > n1.arrows
+      Arrow batches on stdout too (what an SSH launch reads)"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -33,7 +33,11 @@ exit status: 0 every stage fits, 1 some stage does not fit, 3 tight, 2 bad input
 
 examples:
   charllm-tui plan ppt-h100-llama3-70b-1-00000 --set micro_batch_size=2 --json
-  charllm-tui plan --megatron-args "--num-layers 32 --hidden-size 4096 ..." --world-size 64 --hardware h100-sxm-80gb
+  charllm-tui plan --megatron-args "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \\
+      --num-attention-heads 32 --group-query-attention --num-query-groups 8 --swiglu --seq-length 8192 \\
+      --max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 128 \\
+      --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --bf16" \\
+      --world-size 64 --hardware h100-sxm-80gb
   charllm-tui plan --megatron-args "$(cat train.sh)" --hardware h100-sxm-80gb   # torchrun line, env, flags
 """
 
