@@ -44,7 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 
 GIB = 1 << 30
 SAMPLING_HZ = (20.0, 100.0)
@@ -166,7 +166,7 @@ def check_hardware(hardware, devices: list[dict]) -> None:
     """--hardware must be what this node is: a GPU preset on a node without GPUs (or the CPU preset
     on a GPU node) would file this node's software under hardware it is not."""
     if (hardware.vendor == "cpu") != (not devices):
-        has = f"{len(devices)} GPU(s) ({devices[0]['name']})" if devices else "no GPU"
+        has = f"{plural(len(devices), 'GPU')} ({devices[0]['name']})" if devices else "no GPU"
         raise UserError(f"--hardware {hardware.name!r}: a {hardware.vendor} preset, and this node has {has}")
 
 
@@ -399,7 +399,7 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
 # --------------------------------------------------------------------------------------------
 def check_options(*, sample_seconds: float, iters: int, timeout: float, rates=SAMPLING_HZ) -> None:
     """The figures a user gives, checked before anything runs (here and on a target's nodes)."""
-    from charllm.probes.sampler import check_hz
+    from charllm.probes.backends import check_hz
 
     for hz in rates:
         check_hz(hz)
@@ -711,7 +711,7 @@ def _on_slurm(target, nodes: int, options: dict, say: Progress) -> list[NodeResu
         raise UserError(f"target {target.name!r}: `srun` is not on PATH (run from a Slurm login node)")
     label = re.compile(r"^\s*(\d+): ?(.*)$")
     argv = srun_argv(target, nodes, ssh.shell_line(target, doctor_argv(target.python_path, node=None, **options)))
-    say(f"srun: {nodes} node(s) of target {target.name!r}")
+    say(f"srun: {plural(nodes, 'node')} of target {target.name!r}")
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     err: list[str] = []

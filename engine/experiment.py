@@ -296,6 +296,13 @@ class Experiment:
         if key in ("name", "description"):
             setattr(self, key, str(value))
             return
+        if key in ("model", "hardware"):  # a preset by name, as `model = "llama3-8b"` in a TOML file
+            from charllm.engine import catalog
+
+            if not isinstance(value, str):
+                raise UserError(f"{key} = {value!r}: expected a {key} preset name (charllm-tui presets list {key})")
+            setattr(self, key, (catalog.load_model if key == "model" else catalog.load_hardware)(value))
+            return
         section, name = resolve_key(key)
         obj = getattr(self, section)
         setattr(obj, name, coerce(type(obj), name, value, where=key))
@@ -407,7 +414,7 @@ def resolve_key(key: str) -> tuple[str, str]:
         return section, name
     keys = all_keys()
     if key not in keys:
-        raise UserError(_unknown("key", key, list(keys)))
+        raise UserError(_unknown("key", key, [*keys, "model", "hardware"]))
     return keys[key], key
 
 

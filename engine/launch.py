@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 from charllm.engine import slurm, ssh
 from charllm.engine.targets import Target, from_record
 from charllm.probes import paths
-from charllm.probes.errors import UserError, is_disk_full, os_error_line
+from charllm.probes.errors import UserError, is_disk_full, os_error_line, plural
 from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id, status_line
 
 TRAIN_MODULE = "charllm.engine.workload.train"
@@ -109,7 +109,7 @@ def _fit_to_target(exp, target: Target, nproc: int | None):
                         "use an ssh or slurm target for more")
     if target.kind == "ssh" and exp.cluster.nodes > len(target.hosts):
         raise UserError(f"cluster.nodes = {exp.cluster.nodes}: target {target.name!r} lists only "
-                        f"{len(target.hosts)} host(s)")
+                        f"{plural(len(target.hosts), 'host')}")
     return exp
 
 
@@ -120,6 +120,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What a dry run shows for torchrun's rendezvous port: the port is picked when the run launches
+# (a port free now may not be free then), so a dry run names none.
+PORT_AT_LAUNCH = "PORT"
+
+
+def rendezvous_port(target: Target, dry_run: bool) -> int | str:
+    """A free port here for the local target; elsewhere a random one (the first node's free ports
+    cannot be seen from here)."""
+    if dry_run:
+        return PORT_AT_LAUNCH
+    return free_port() if target.kind == "local" else random.randint(20000, 40000)
 
 
 def sampler_argv(python: str, exp, run_dir: str, node: str, stream: bool = False) -> list[str]:
@@ -136,19 +149,19 @@ def train_argv(python: str, exp, run_dir: str, *, node_rank, master_addr: str, m
             "-m", TRAIN_MODULE, "--run-dir", run_dir]
 
 
-def plan(exp, target: Target, run_dir: Path) -> tuple[list[Step], str | None]:
+def plan(exp, target: Target, run_dir: Path, *, dry_run: bool = False) -> tuple[list[Step], str | None]:
     """The processes per node (and the sbatch script under Slurm)."""
     python = target.python_path
     run_id = run_dir.name
+    port = rendezvous_port(target, dry_run)
     if target.kind == "local":
         node = socket.gethostname()
         steps = [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node)),
                  Step(node, "train", train_argv(python, exp, str(run_dir), node_rank=0,
-                                                master_addr="127.0.0.1", master_port=free_port()))]
+                                                master_addr="127.0.0.1", master_port=port))]
         return steps, None
     if target.kind == "ssh":
         hosts = target.hosts[: exp.cluster.nodes]
-        port = random.randint(20000, 40000)
         steps = []
         for rank, host in enumerate(hosts):
             # One remote run directory per node, so nodes sharing a filesystem never collide.
@@ -162,7 +175,7 @@ def plan(exp, target: Target, run_dir: Path) -> tuple[list[Step], str | None]:
     gpus = exp.hardware.vendor != "cpu"
     sampler = sampler_argv(python, exp, str(run_dir), "@@NODE@@")
     train = train_argv(python, exp, str(run_dir), node_rank="@@NODE_RANK@@", master_addr="@@MASTER_ADDR@@",
-                       master_port=random.randint(20000, 40000))
+                       master_port=port)
     text = slurm.script(target=target, run_dir=str(run_dir), run_id=run_id, nodes=exp.cluster.nodes,
                         nproc=exp.cluster.gpus_per_node, gpus=gpus, sampler=sampler, train=train)
     return [Step("every-node", "sampler", sampler), Step("every-node", "train", train)], text
@@ -197,7 +210,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         raise UserError(f"{found[0]} (launch anyway with --force)")
     run_id = new_run_id(exp.name)
     run_dir = _unique(paths.runs_dir() / run_id)
-    steps, script = plan(exp, target, run_dir)
+    steps, script = plan(exp, target, run_dir, dry_run=dry_run)
     commands = display_commands(steps, target)
     result = LaunchResult(run_id=run_dir.name, run_dir=None, commands=commands, sbatch_script=script,
                           forced=found, dry_run=dry_run)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from charllm.engine.experiment import Experiment, Hardware, ModelSpec, Parallel, Training
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 
 # Megatron-LM defaults that changed between the releases charllm supports (core_v0.16.1 to
 # core_v0.19.0): key -> (first release with the default, default), newest first. Import gives what the
@@ -730,7 +730,7 @@ def _resolve_cluster(exp: Experiment, launcher: list[str], special: dict, world_
         launch_world, launch_gpn = _launcher_world(launcher)
         if launch_world is not None:
             world_size, gpus_per_node = launch_world, gpus_per_node or launch_gpn
-            result.warnings.append(f"world size {world_size} = {world_size // launch_gpn} node(s) x {launch_gpn}, "
+            result.warnings.append(f"world size {world_size} = {plural(world_size // launch_gpn, 'node')} x {launch_gpn}, "
                                    "from the torchrun prefix")
     if world_size is None:
         stage = p.tensor_model_parallel_size * p.context_parallel_size
@@ -865,7 +865,7 @@ def export_script(exp: Experiment, version: str | None = None) -> str:
     release, source = megatron_version(version)
     c = exp.cluster
     lines = ["#!/usr/bin/env bash",
-             f"# {exp.name}: {exp.world_size} processes = {c.nodes} node(s) x {c.gpus_per_node}; "
+             f"# {exp.name}: {exp.world_size} processes = {plural(c.nodes, 'node')} x {c.gpus_per_node}; "
              f"flags for megatron-core {release} ({source}). Written by charllm-tui export megatron --script.",
              "set -euo pipefail"]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in export_environment(exp).items()]

@@ -14,7 +14,7 @@ from typing import Any
 
 from charllm.engine.experiment import Experiment, Training
 from charllm.engine.runtime import parse_capability
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 
 
 @dataclass(frozen=True)
@@ -160,9 +160,9 @@ def value_problems(exp: Experiment) -> list[Problem]:
         out.append(Problem("moe_expert_capacity_factor", t.moe_expert_capacity_factor, "must be greater than 0"))
     if t.moe_aux_loss_coeff < 0:
         out.append(Problem("moe_aux_loss_coeff", t.moe_aux_loss_coeff, "must be 0 or more"))
-    from charllm.probes.sampler import MAX_HZ
+    from charllm.probes.backends import MAX_HZ
 
-    if not 0 < exp.telemetry.hz <= MAX_HZ:  # what the sampler accepts (probes.sampler.check_hz)
+    if not 0 < exp.telemetry.hz <= MAX_HZ:  # what the sampler accepts (probes.backends.check_hz)
         out.append(Problem("hz", exp.telemetry.hz, f"telemetry sampling rate must be > 0 and at most {MAX_HZ:g}"))
     backend = exp.telemetry.backend
     if backend not in TELEMETRY_BACKENDS and not backend.startswith("replay:"):
@@ -348,7 +348,7 @@ def _experts(exp: Experiment) -> list[Problem]:
         out.append(Problem("expert_model_parallel_size", ep,
                            f"expert tensor x expert x pipeline parallel ({etp} x {ep} x {pp} = {etp * ep * pp}) "
                            f"must divide the world size ({exp.world_size}); ETP x EP must divide the "
-                           f"{stage} ranks (TP x CP x DP) of a pipeline stage"))
+                           f"{plural(stage, 'rank')} (TP x CP x DP) of a pipeline stage"))
     if m.moe_ffn % etp:
         out.append(Problem("moe_ffn_hidden_size", m.moe_ffn,
                            f"must be divisible by expert_tensor_parallel_size ({etp})"))
@@ -418,8 +418,8 @@ def _recompute(exp: Experiment) -> list[Problem]:
         per_chunk = m.num_layers // chunks
         if even and t.recompute_num_layers is not None and t.recompute_num_layers > per_chunk:
             out.append(Problem("recompute_num_layers", t.recompute_num_layers,
-                               f"cannot exceed the {per_chunk} layers of one pipeline stage "
-                               f"({m.num_layers} layers / {chunks} model chunks)", f"recompute_num_layers={per_chunk}"))
+                               f"cannot exceed the {plural(per_chunk, 'layer')} of one pipeline stage "
+                               f"({plural(m.num_layers, 'layer')} / {plural(chunks, 'model chunk')})", f"recompute_num_layers={per_chunk}"))
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Callable
 import polars as pl
 
 from charllm.probes.backends import Backend, Device
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 from charllm.probes.rundir import resolve_run
 from charllm.probes.schema import METRIC_COLUMNS
 
@@ -33,7 +33,7 @@ class ReplayBackend(Backend):
             raise UserError(f"replay run {ref!r}: no telemetry recorded in {run.telemetry_dir}")
         backends = frame["backend"].unique().to_list()
         self.name = f"replay:{backends[0]}" if len(backends) == 1 else "replay"
-        self.reason = f"replay: {frame.height} rows from {run.path} at {speed:g}x" + "".join(f"; {s}" for s in skipped)
+        self.reason = f"replay: {plural(frame.height, 'row')} from {run.path} at {speed:g}x" + "".join(f"; {s}" for s in skipped)
         offsets = ((frame["ts_ns"] - frame["ts_ns"].min()) / speed).cast(pl.Int64)
         self._frame = frame.with_columns(
             pl.when(pl.col("backend").str.starts_with("replay:")).then(pl.col("backend"))

@@ -20,9 +20,19 @@ import socket
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 
 BACKEND_NAMES = ("auto", "nvml", "amdsmi", "host", "sim", "replay:RUN")
+MAX_HZ = 100.0          # NVML power counters update at 10-50 Hz; faster gains nothing
+
+
+def check_hz(hz: float) -> float:
+    """The sampling rate, if a backend can be asked at it (here, not in the sampler, so that
+    validating an experiment does not import polars)."""
+    if not 0 < hz <= MAX_HZ:
+        raise UserError(f"hz = {hz:g}: must be > 0 and at most {MAX_HZ:g} "
+                        "(GPU power counters update at 10-50 Hz; faster only costs CPU)")
+    return float(hz)
 
 
 @dataclass
@@ -186,7 +196,7 @@ def _auto(**_kw) -> Backend:
         except BackendUnavailable as exc:
             reasons.append(f"{label}: {exc}")
             continue
-        backend.reason = "; ".join([*reasons, f"{label}: {len(backend.devices())} device(s) found"])
+        backend.reason = "; ".join([*reasons, f"{label}: {plural(len(backend.devices()), 'device')} found"])
         return backend
     backend = _host()
     backend.reason = "; ".join([*reasons, "using host only"])

@@ -6,15 +6,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from charllm.probes.errors import plural
+
 MAX_DURATION_S = 366 * 24 * 3600
 
+# %(prog)s: `charllm-tui probe` or `python -m charllm.probes`, whichever shows the help.
 USAGE_EXAMPLES = """\
 examples:
-  probe --list                                  devices, backend and metrics (and why no GPU)
-  probe --out RUN_DIR --hz 20                   record until Ctrl-C / SIGTERM
-  probe --backend sim --sim-gpus 8 --follow     simulated GPUs, live table
-  probe --backend replay:RUN --speed 10 --follow
-  probe --out RUN_DIR --node n1 --stream | ...  Arrow batches on stdout (for SSH)"""
+  %(prog)s --list
+      devices, backend and metrics (and why no GPU)
+  %(prog)s --out RUN_DIR --hz 20
+      record until Ctrl-C / SIGTERM
+  %(prog)s --backend sim --sim-gpus 8 --follow
+      simulated GPUs, live table
+  %(prog)s --backend replay:RUN --speed 10 --follow
+      a recorded run again, 10 times as fast
+  %(prog)s --out RUN_DIR --node n1 --stream > n1.arrows
+      Arrow batches on stdout too (what an SSH launch reads)"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -49,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from charllm.probes import paths
     from charllm.probes.errors import UserError
     from charllm.probes.rundir import check_node_name
-    from charllm.probes.sampler import Sampler, check_hz
+    from charllm.probes.backends import check_hz
+    from charllm.probes.sampler import Sampler
 
     check_hz(args.hz)
     if args.node is not None:
@@ -79,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         if own_manifest:
             run_dir.update_manifest(rates={b.name: sampler.backend_hz(b) for b in backends})
         if not view:
-            err.print(f"probe: {devices} device(s) at {args.hz:g} Hz{slower}{target} ({reason}); SIGTERM/Ctrl-C stops")
+            err.print(f"probe: {plural(devices, 'device')} at {args.hz:g} Hz{slower}{target} ({reason}); SIGTERM/Ctrl-C stops")
         started = time.monotonic()
         try:
             if view:
@@ -102,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        chunks = f", {sampler.writer.chunks_written} chunk(s)" if sampler.writer else ""
-        err.print(f"probe: {sampler.rows} rows in {sampler.ticks} ticks at "
+        chunks = f", {plural(sampler.writer.chunks_written, 'chunk')}" if sampler.writer else ""
+        err.print(f"probe: {plural(sampler.rows, 'row')} in {plural(sampler.ticks, 'tick')} at "
                   f"{sampler.achieved(time.monotonic() - started)}{slower}{chunks}")
         if own_manifest:
             run_dir.update_manifest(status="completed")

@@ -1,4 +1,4 @@
-"""The one exception type for user mistakes.
+"""The one exception type for user mistakes, and the wording of messages.
 
 Anything raised as `UserError` reaches the user as one line (`charllm-tui: error: ...`) and a
 non-zero exit, never as a traceback. The message says which field, what value, what rule.
@@ -15,6 +15,12 @@ def did_you_mean(name, choices, otherwise: str = "", cutoff: float = 0.6) -> str
 
     close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=cutoff)
     return f"; did you mean {close[0]!r}?" if close else otherwise
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """`1 micro-batch`, `2 micro-batches`: a count with its noun in agreement (`nouns` where the
+    plural is not `noun` + "s")."""
+    return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from charllm.probes import paths
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 
 STATUSES = ("pending", "running", "completed", "failed", "cancelled")
 FINAL_STATUSES = ("completed", "failed", "cancelled")
@@ -382,7 +382,7 @@ def damage_note(run: RunDir, damaged: list[tuple[Path, str]], total: int) -> str
     names = ", ".join(f"{f.relative_to(run.path)} ({why})" for f, why in damaged[:3])
     more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
     return (f"{len(damaged)} of {total} telemetry files unreadable, skipped: {names}{more}; "
-            f"{chunks} chunk(s) lost, about {chunks * 1.0:.1f} s at the sampler's 1 s chunks")
+            f"{plural(chunks, 'chunk')} lost, about {chunks * 1.0:.1f} s at the sampler's 1 s chunks")
 
 
 def scan_parquet(files: list[Path], **options):

@@ -30,8 +30,8 @@ from typing import BinaryIO, Callable
 
 import polars as pl
 
-from charllm.probes.backends import Backend, hostname
-from charllm.probes.errors import UserError
+from charllm.probes.backends import Backend, check_hz, hostname
+from charllm.probes.errors import UserError, plural
 from charllm.probes.recorder import ChunkWriter
 from charllm.probes.rundir import RunDir
 from charllm.probes.schema import TELEMETRY_SCHEMA
@@ -41,16 +41,8 @@ from charllm.probes.tail import IterationTail
 log = logging.getLogger(__name__)
 
 DEFAULT_HZ = 20.0
-MAX_HZ = 100.0          # NVML power counters update at 10-50 Hz; faster gains nothing
 ITERATION_POLL_S = 0.1
 STREAM_S = 0.25         # stream batch interval (chunks still close every flush_s)
-
-
-def check_hz(hz: float) -> float:
-    if not 0 < hz <= MAX_HZ:
-        raise UserError(f"hz = {hz:g}: must be > 0 and at most {MAX_HZ:g} "
-                        "(GPU power counters update at 10-50 Hz; faster only costs CPU)")
-    return float(hz)
 
 
 class IterationMarker:
@@ -118,7 +110,7 @@ class Sampler:
         """What the loop achieved over `seconds`: its tick rate, and why it fell short if it did."""
         rate = f"{self.ticks / seconds:.4g} Hz" if seconds > 0 else "no time"
         why = ": a tick took longer than its period (a busy machine or a slow backend)" if self.missed_deadlines else ""
-        return f"{rate} ({self.hz:g} Hz asked, {self.missed_deadlines} missed deadline(s){why})"
+        return f"{rate} ({self.hz:g} Hz asked, {plural(self.missed_deadlines, 'missed deadline')}{why})"
 
     # -- consumers -------------------------------------------------------------------------
     def subscribe(self, maxsize: int = 256) -> queue.Queue:

@@ -36,6 +36,29 @@ def test_presets_list_all_kinds(capsys):
     assert "shipped" in out
 
 
+def test_presets_list_never_wraps_a_name_at_80_columns(capsys, monkeypatch):
+    """A name is what one types next: summary and description give way, the name stays whole."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run(capsys, "presets", "list")
+    assert code == 0
+    assert max(len(line) for line in out.splitlines()) <= 80
+    words = set(out.split())
+    for kind in ("models", "hardware", "experiments"):
+        for name in catalog.entries(kind):
+            assert name in words, name
+
+
+def test_presets_list_imports_no_heavy_library():
+    """Listing presets validates them, which needs no polars, torch or textual: polars' 170 MB
+    library alone took seconds to load from a cold disk (the first `presets list` after install)."""
+    probe = ("import sys; from charllm.tui.cli import main; main(['presets', 'list']); "
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'polars', 'torch', 'textual', 'numpy'}), "
+             "file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "[]"
+
+
 def test_presets_list_json_marks_user_presets(capsys, charllm_dirs):
     user = charllm_dirs["config"] / "hardware"
     user.mkdir(parents=True)

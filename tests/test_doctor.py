@@ -169,7 +169,7 @@ def test_telemetry_and_sampling_on_nvml_gpus(monkeypatch):
     finally:
         for backend in backends:
             backend.close()
-    assert telemetry["backend"] == "nvml, host" and "2 device(s) found" in telemetry["reason"]
+    assert telemetry["backend"] == "nvml, host" and "2 devices found" in telemetry["reason"]
     gpu0 = telemetry["devices"][0]
     assert gpu0["device"] == "gpu0" and "power_w" in gpu0["metrics"] and "throttle_reasons" in gpu0["metrics"]
     by_device = {d["device"]: d for d in sampled["devices"]}

@@ -40,6 +40,31 @@ def test_set_parses_toml_values_and_checks_types():
         exp.apply(["tensor_model_parallel_size"])
 
 
+def test_set_model_or_hardware_takes_a_preset_name_as_a_toml_file_does():
+    exp = load_experiment("tiny-local").apply(["model=tiny-moe", "hardware=h100-sxm-80gb"])
+    assert exp.model == load_experiment("tiny-moe-ep2").model
+    assert exp.hardware.name == "h100-sxm-80gb"
+    with pytest.raises(UserError, match=r"model 'llama3-8bb': no such preset; did you mean 'llama3-8b'"):
+        exp.apply(["model=llama3-8bb"])
+    with pytest.raises(UserError, match=r"model = 3: expected a model preset name"):
+        exp.apply(["model=3"])
+    with pytest.raises(UserError, match=r"unknown key 'modle'; did you mean 'model'"):
+        exp.apply(["modle=llama3-8b"])
+
+
+def test_a_count_agrees_with_its_noun(capsys):
+    from charllm.probes.errors import plural
+    from infra_cli import run
+
+    assert (plural(1, "micro-batch", "micro-batches"), plural(2, "micro-batch", "micro-batches")) == \
+        ("1 micro-batch", "2 micro-batches")
+    assert (plural(1, "node"), plural(0, "node"), plural(4096, "GPU")) == ("1 node", "0 nodes", "4,096 GPUs")
+    code, out, _ = run(capsys, "plan", "tiny-local", "--set", "global_batch_size=2", "--set", "micro_batch_size=1")
+    assert code == 0 and "micro batch 1, 1 micro-batch," in out
+    code, out, _ = run(capsys, "presets", "show", "tiny-local", "--kind", "experiments")
+    assert code == 0 and "2 micro-batches per iteration" in out
+
+
 def test_unknown_section_key_in_a_file_names_the_file_and_suggests(tmp_path):
     path = tmp_path / "e.toml"
     path.write_text('model = "tiny-dense"\nhardware = "cpu"\n[parallel]\npipeline_parallel_size = 2\n')

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from charllm.engine.catalog import load_experiment
@@ -28,6 +30,7 @@ def test_dp2_trains_and_records_iterations_and_host_telemetry():
     assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
     assert manifest["target"]["kind"] == "local" and manifest["started_ns"] <= manifest["ended_ns"]
     assert any("torch.distributed.run" in c and "--nproc-per-node=2" in c for c in manifest["commands"])
+    assert any(re.search(r"--master-port=\d+ ", c) for c in manifest["commands"])  # picked at launch
     steps = rd.read_iterations()
     steps = steps.filter(steps["event"] == "iteration")
     assert sorted(set(steps["iteration"].to_list())) == [1, 2, 3, 4, 5]
@@ -89,6 +92,34 @@ def test_cli_dry_run_prints_commands_and_touches_nothing(charllm_dirs, capsys):
     assert not charllm_dirs["runs"].exists()
     assert main(["launch", "tiny-local", "--target", "nowhere"]) == 2
     assert "charllm-tui: error: --target 'nowhere'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["local", "ssh", "slurm"])
+def test_the_rendezvous_port_is_picked_at_launch_and_a_dry_run_says_so(kind, tmp_path):
+    """A dry run and the launch after it are two plans: a port shown in the first would not be
+    the one the second uses, so a dry run shows PORT and the launch a number."""
+    from charllm.engine.launch import PORT_AT_LAUNCH, display_commands, plan
+    from charllm.engine.targets import parse_target
+
+    target = LOCAL if kind == "local" else parse_target("t", {"kind": kind, "hosts": ["n1"]} if kind == "ssh"
+                                                         else {"kind": kind})
+    exp = tiny()
+    dry, dry_script = plan(exp, target, tmp_path / "run", dry_run=True)
+    real, real_script = plan(exp, target, tmp_path / "run")
+    train = [" ".join(s.argv) for s in dry if s.role == "train"]
+    assert train and all(f"--master-port={PORT_AT_LAUNCH} " in c for c in train)
+    assert all(re.search(r"--master-port=\d+ ", " ".join(s.argv)) for s in real if s.role == "train")
+    if kind == "slurm":
+        assert f"--master-port={PORT_AT_LAUNCH}" in dry_script and re.search(r"--master-port=\d+", real_script)
+    assert f"--master-port={PORT_AT_LAUNCH}" in "\n".join(display_commands(dry, target))
+
+
+def test_cli_dry_run_names_the_port_it_leaves_to_the_launch(capsys):
+    from charllm.tui.cli import main
+
+    assert main(["launch", "tiny-local", "--target", "local", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--master-port=PORT " in out and "PORT: torchrun's rendezvous port, picked at launch" in out
 
 
 def test_dry_run_prints_commands_and_touches_nothing(charllm_dirs):

@@ -1,4 +1,4 @@
-"""The headless packages never import textual (nor torch): DESIGN.md's dependency rule."""
+"""The headless packages never import textual (nor torch): the dependency rule of docs/architecture.md."""
 
 import pkgutil
 import subprocess

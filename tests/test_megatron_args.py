@@ -143,7 +143,7 @@ def test_launch_script_syntax():
             exp.training.recompute_num_layers) == ("full", "block", 2)
     assert result.ignored == ["--lr-decay-style cosine", "--no-rope-fusion", "--eval-iters 10",
                               "--use-checkpoint-args"]
-    assert "world size 8 = 2 node(s) x 4, from the torchrun prefix" in result.warnings
+    assert "world size 8 = 2 nodes x 4, from the torchrun prefix" in result.warnings
     elastic = import_megatron_args("torchrun --nnodes 1:4 --nproc-per-node=8 pretrain_gpt.py " + BASE, hardware="cpu")
     assert any("no world size given" in w for w in elastic.warnings)   # an elastic node range says nothing
 
@@ -648,7 +648,7 @@ def test_plan_takes_the_world_size_from_the_launch_line(capsys):
 
     code, out, _ = run(capsys, "plan", "--megatron-args", LAUNCH, "--hardware", "h100-sxm-80gb", "--json")
     warnings = json.loads(out)["warnings"]
-    assert "world size 16 = 2 node(s) x 8, from the torchrun prefix" in warnings
+    assert "world size 16 = 2 nodes x 8, from the torchrun prefix" in warnings
     assert any(w.startswith("no memory effect: --apply-layernorm-1p") for w in warnings)
     bare = LAUNCH.split("pretrain_gpt.py", 1)[1]
     code, _, err = run(capsys, "plan", "--megatron-args", bare, "--hardware", "h100-sxm-80gb")

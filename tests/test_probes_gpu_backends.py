@@ -110,7 +110,7 @@ def test_auto_prefers_nvml_and_samples_host_beside_it(monkeypatch):
     FakeNvml([FakeGpu(0), FakeGpu(1)]).install(monkeypatch)
     backends, reason = open_backends("auto")
     assert [b.name for b in backends] == ["nvml", "host"]
-    assert reason == "nvml: 2 device(s) found"
+    assert reason == "nvml: 2 devices found"
 
 
 def test_auto_on_this_machine_uses_host_and_says_why():
@@ -221,4 +221,4 @@ def test_amdsmi_init_failure_is_unavailable_and_auto_moves_on(monkeypatch, real_
         pytest.skip("NVML is present here, auto would pick it")
     backends, reason = open_backends("auto")
     assert [b.name for b in backends] == ["amdsmi", "host"]
-    assert reason.endswith("amdsmi: 2 device(s) found")
+    assert reason.endswith("amdsmi: 2 devices found")

@@ -140,7 +140,7 @@ def test_one_damaged_file_is_skipped_and_named_everywhere(charllm_dirs, kind, ho
     chunks = 2 if kind == "parquet" else 1
     assert note.startswith(f"1 of {len(files)} telemetry files unreadable, skipped: "
                            f"telemetry/n0/{victim.name} (")
-    assert f"{chunks} chunk(s) lost, about {chunks:.1f} s" in note
+    assert f"{'2 chunks' if chunks == 2 else '1 chunk'} lost, about {chunks:.1f} s" in note
 
     result = compare([run.id, "intact"], window="all")
     assert any(n.startswith(f"{run.id}: 1 of {len(files)} telemetry files unreadable") for n in result.notes)

@@ -30,11 +30,8 @@ def demo_runs(charllm_dirs):
 
 @pytest.fixture
 def pinned_host(monkeypatch):
-    """The dry run names this host and a free port; pin both so the snapshot is the same everywhere."""
-    import charllm.engine.launch as launch
-
+    """The dry run names this host; pin it so the snapshot is the same everywhere."""
     monkeypatch.setattr(socket, "gethostname", lambda: "node0")
-    monkeypatch.setattr(launch, "free_port", lambda: 29500)
 
 
 async def until(pilot, condition, timeout: float = 60.0) -> None:

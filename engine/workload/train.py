@@ -30,7 +30,7 @@ from functools import partial
 from pathlib import Path
 
 from charllm.engine.workload import CANCELLED_EXIT
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def check_supported(exp, stack) -> None:
         raise UserError(str(found[0]))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != exp.world_size:
-        raise UserError(f"cluster: the experiment needs {exp.world_size} processes "
+        raise UserError(f"cluster: the experiment needs {plural(exp.world_size, 'process', 'processes')} "
                         f"(nodes x gpus_per_node), torchrun started {world}")
 
 

@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from charllm.probes.errors import plural
+
 EPILOG = """\
 what the figures mean:
   hardware       the hardware preset this node is, from its GPU's name and memory (--hardware to say
@@ -169,7 +171,7 @@ def print_results(results, saved: dict, no_save: bool) -> None:
         console.print()
     failed = [r for r in results if r.error]
     if len(results) > 1:
-        console.print(f"{len(results) - len(failed)} of {len(results)} node(s) passed"
+        console.print(f"{len(results) - len(failed)} of {plural(len(results), 'node')} passed"
                       + (f"; failed: {', '.join(r.node for r in failed)}" if failed else ""))
 
 
@@ -308,8 +310,9 @@ def _render_train(train: dict, report: dict):
     grid.add_column()
     where = "" if (train.get("node"), train.get("date")) == (report.get("node"), report.get("date")) else \
         f" [dim](measured on {e(train.get('node'))}, {e(train.get('date'))})[/]"
-    unit = "GPU(s)" if train["device"] == "cuda" else "CPU process(es)"
-    grid.add_row("job", f"{e(train['experiment'])}; {train['iterations']} iterations on {train['world_size']} {unit}")
+    ranks = (plural(train["world_size"], "GPU") if train["device"] == "cuda"
+             else plural(train["world_size"], "CPU process", "CPU processes"))
+    grid.add_row("job", f"{e(train['experiment'])}; {plural(train['iterations'], 'iteration')} on {ranks}")
     grid.add_row("ran as", e(train["implementation"]["describe"]))
     planned = train["planned_bytes"]
     if train["device"] == "cuda":

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from charllm.probes import paths
+from charllm.probes.errors import plural
 
 
 def register(sub) -> None:
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         from charllm.engine.megatron import export_environment
 
         env = "".join(f"{name}={value} " for name, value in export_environment(exp).items())
-        print(f"# world size {exp.world_size} = {exp.cluster.nodes} node(s) x {exp.cluster.gpus_per_node}: "
+        print(f"# world size {exp.world_size} = {plural(exp.cluster.nodes, 'node')} x {exp.cluster.gpus_per_node}: "
               f"{env}torchrun --nnodes {exp.cluster.nodes} --nproc-per-node {exp.cluster.gpus_per_node} "
               "pretrain_gpt.py <flags>", file=sys.stderr)
     return 0

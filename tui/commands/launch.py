@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from charllm.probes.errors import plural
+
 
 def register(sub) -> None:
     p = sub.add_parser("launch", help="launch an experiment on a target (local, ssh, slurm) with probes",
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from charllm.engine.catalog import load_experiment
-    from charllm.engine.launch import launch
+    from charllm.engine.launch import PORT_AT_LAUNCH, launch
     from charllm.engine.targets import get_target
 
     console = Console(stderr=True, highlight=False)
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     for reason in result.forced:
         console.print(f"[yellow]forced:[/] {reason}")
     if args.dry_run:
-        print(f"# run {result.run_id} on target {target.name!r} (dry run: nothing was created)")
+        print(f"# run {result.run_id} on target {target.name!r} (dry run: nothing was created; "
+              f"{PORT_AT_LAUNCH}: torchrun's rendezvous port, picked at launch)")
         for command in result.commands:
             print(command)
         if result.sbatch_script:
@@ -120,7 +123,7 @@ def _iteration_line(row: dict) -> str:
 def _telemetry_line(rows) -> str:
     """The mean of the headline metrics over the rows new since the last line (its window, said)."""
     span = (rows["ts_ns"].max() - rows["ts_ns"].min()) / 1e9 if "ts_ns" in rows.columns and rows.height else 0.0
-    parts = [f"telemetry {rows.height} rows, means over the last {span:.0f} s:"]
+    parts = [f"telemetry {plural(rows.height, 'row')}, means over the last {span:.0f} s:"]
     for column, label, scale in (("power_w", "GPU power {:.0f} W", 1), ("temp_gpu_c", "GPU {:.0f} C", 1),
                                  ("cpu_util_pct", "CPU {:.0f} %", 1), ("temp_cpu_c", "CPU {:.0f} C", 1),
                                  ("host_mem_used_bytes", "host memory {:.1f} GiB", 2**30)):

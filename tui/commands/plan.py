@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from charllm.probes.errors import plural
+
 EPILOG = """\
 what the numbers mean:
   total      the PyTorch caching-allocator peak (torch.cuda.max_memory_allocated) over a training
@@ -31,7 +33,11 @@ exit status: 0 every stage fits, 1 some stage does not fit, 3 tight, 2 bad input
 
 examples:
   charllm-tui plan ppt-h100-llama3-70b-1-00000 --set micro_batch_size=2 --json
-  charllm-tui plan --megatron-args "--num-layers 32 --hidden-size 4096 ..." --world-size 64 --hardware h100-sxm-80gb
+  charllm-tui plan --megatron-args "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \\
+      --num-attention-heads 32 --group-query-attention --num-query-groups 8 --swiglu --seq-length 8192 \\
+      --max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 128 \\
+      --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --bf16" \\
+      --world-size 64 --hardware h100-sxm-80gb
   charllm-tui plan --megatron-args "$(cat train.sh)" --hardware h100-sxm-80gb   # torchrun line, env, flags
 """
 
@@ -43,7 +49,8 @@ def register(sub) -> None:
     p.add_argument("experiment", nargs="?", metavar="EXPERIMENT_OR_PRESET",
                    help="an experiment TOML file or preset name")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set tensor_model_parallel_size=4 (repeatable)")
+                   help="override a field, e.g. --set tensor_model_parallel_size=4, or the model or hardware "
+                        "preset, e.g. --set model=llama3-8b (repeatable)")
     p.add_argument("--megatron-args", metavar="FLAGS", help="a pretrain_gpt.py command line instead of an experiment")
     p.add_argument("--world-size", type=int, metavar="N",
                    help="number of GPUs (with --megatron-args; default: what a torchrun prefix in the line says)")
@@ -123,7 +130,7 @@ def render(exp, report) -> None:
               f"{' SP' if p.sequence_parallel else ''}{' dist-opt' if p.use_distributed_optimizer else ''}")
     table = Table(box=box.SIMPLE_HEAD, caption="layers: per virtual chunk (NxV: N layers in each of V chunks); mb: micro-batch chunks held at the peak",
                   caption_justify="left", title=f"{exp.name}: {exp.model.name} on {exp.world_size} x {exp.hardware.name} ({layout}), "
-                        f"micro batch {exp.training.micro_batch_size}, {exp.num_microbatches} micro-batches, GiB",
+                        f"micro batch {exp.training.micro_batch_size}, {plural(exp.num_microbatches, 'micro-batch', 'micro-batches')}, GiB",
                   title_justify="left")
     columns = ("PP", "layers", "mb", "weights", "grads", "optim", "acts", "other", "total", "reserve", "headroom",
                "verdict")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from charllm.probes.errors import plural
+
 KINDS = ("models", "hardware", "experiments")
 SINGULAR = {"models": "model", "hardware": "hardware", "experiments": "experiment"}
 KIND_ALIASES = {"model": "models", "experiment": "experiments"}
@@ -105,10 +107,14 @@ def _list(kind: str | None, as_json: bool) -> int:
 
     console = Console()
     for k in [kind] if kind else KINDS:
+        listed = [r for r in rows if r["kind"] == k]
         table = Table(title=k, title_justify="left", box=None, header_style="bold")
-        for column in ("name", "source", "summary", "description"):
+        # A name is what one types next: it never wraps; summary and description give way.
+        table.add_column("name", no_wrap=True, min_width=max((len(r["name"]) for r in listed), default=4))
+        table.add_column("source", no_wrap=True)
+        for column in ("summary", "description"):
             table.add_column(column, overflow="fold")
-        for row in (r for r in rows if r["kind"] == k):
+        for row in listed:
             source = "[cyan]user[/]" if row["source"] == "user" else "shipped"
             summary = f"[red]{row['summary']}[/]" if row["summary"].startswith("invalid:") else row["summary"]
             table.add_row(row["name"], source, summary, row["description"])
@@ -161,7 +167,7 @@ def _show(name: str, kind: str | None, as_json: bool) -> int:
     if extra.get("derived"):
         d = extra["derived"]
         print(f"# world size {d['world_size']}, data parallel {d['data_parallel_size']}, "
-              f"{d['num_microbatches']} micro-batches per iteration, sequence {d['seq_length']}")
+              f"{plural(d['num_microbatches'], 'micro-batch', 'micro-batches')} per iteration, sequence {d['seq_length']}")
     for problem in extra.get("problems", []):
         print(f"# invalid: {problem}")
     print(tomli_w.dumps(data), end="")

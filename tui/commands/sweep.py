@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from charllm.probes import paths
+from charllm.probes.errors import plural
 
 EPILOG = """\
 what is swept: the layout of an experiment (a preset or TOML file, as Compose and `plan` take it),
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise UserError(f"--parquet {str(args.parquet)!r}: cannot write ({exc.strerror})") from None
-        console.print(f"wrote {df.height} layouts to {args.parquet}")
+        console.print(f"wrote {plural(df.height, 'layout')} to {args.parquet}")
     else:
         from charllm.engine.memory import budget
 
@@ -200,7 +201,7 @@ def render(df, args, base) -> None:
     shown = df if args.top == 0 else df.head(min(args.top, df.height))
     table = Table(box=box.SIMPLE_HEAD, title_justify="left",
                   title=f"{base.model.name} on {base.cluster.nodes} x {base.cluster.gpus_per_node} "
-                        f"{base.hardware.name}, global batch {base.training.global_batch_size}: {df.height} layouts, "
+                        f"{base.hardware.name}, global batch {base.training.global_batch_size}: {plural(df.height, 'layout')}, "
                         f"{fitting} fit (GiB)")
     for column in ("rank", "TP", "PP", "VP", "CP", "EP", "DP", "mbs", "recompute", "dist-opt", "bubble",
                    "peak", "stage", "headroom", "verdict"):

@@ -23,7 +23,7 @@ from textual.worker import get_current_worker
 from charllm.engine import catalog
 from charllm.engine.experiment import Experiment, resolve_key
 from charllm.probes import paths
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api, edited_name
 from charllm.tui.widgets.memory_bars import MemoryBars, gib
 
@@ -307,7 +307,8 @@ class ComposeScreen(WorkbenchScreen):
         self.query_one("#summary", Static).update(
             f"[b]{exp.name}[/b]  {exp.model.name} on {exp.cluster.nodes}×{exp.cluster.gpus_per_node} "
             f"{exp.hardware.name}\nworld {exp.world_size} · DP {exp.data_parallel_size} · "
-            f"{exp.num_microbatches} micro-batches of {exp.training.micro_batch_size} × {exp.seq_length} tokens")
+            f"{plural(exp.num_microbatches, 'micro-batch', 'micro-batches')} of {exp.training.micro_batch_size} × "
+            f"{exp.seq_length} tokens")
         self.plan(exp.copy(), self.edit_serial)
 
     @work(thread=True, exclusive=True, group="plan")

@@ -18,7 +18,7 @@ from textual.message import Message
 from textual.widgets import Button, Label, Log, ProgressBar, Select, Static
 
 from charllm.probes import paths
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, plural
 from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
 
 
@@ -91,7 +91,7 @@ class LaunchScreen(WorkbenchScreen):
             f"[b]{escape(exp.name)}[/b]: {exp.model.name} on {exp.cluster.nodes}×{exp.cluster.gpus_per_node} "
             f"{exp.hardware.name} · TP{exp.parallel.tensor_model_parallel_size} "
             f"PP{exp.parallel.pipeline_model_parallel_size} DP{exp.data_parallel_size} · "
-            f"{exp.training.train_iters} iterations{extra}")
+            f"{plural(exp.training.train_iters, 'iteration')}{extra}")
 
     # -- dry run -------------------------------------------------------------------------------
     @on(Select.Changed, "#target")
@@ -116,7 +116,8 @@ class LaunchScreen(WorkbenchScreen):
             text = text.replace(str(paths.runs_dir()), "$RUNS").replace(result.run_id, "<run-id>")
             return escape(text.replace(sys.executable, "python"))
 
-        parts = ["[b]Dry run[/b] — nothing starts until you press [b]l[/b] ($RUNS: the runs directory)"]
+        parts = ["[b]Dry run[/b] — nothing starts until you press [b]l[/b] ($RUNS: the runs directory; "
+                 f"<run-id> and {api('engine.launch').PORT_AT_LAUNCH}, torchrun's rendezvous port, are picked at launch)"]
         if result.forced:
             parts.append("\n[b red]This layout has problems[/] (launch refuses it; [b]f[/b] launches anyway):")
             parts += [f"  [red]✗[/] {escape(p)}" for p in result.forced]
