@@ -299,8 +299,8 @@ def reconcile(rd: RunDir) -> str:
         return status
     probe_only = manifest.get("kind") == "probe"
     owner = manifest.get("sampler" if probe_only else "supervisor")
-    if owner is None or _process(owner) is not None:
-        return status       # not started yet (launch records it within moments), or alive
+    if owner is None or _elsewhere(owner) or _process(owner) is not None:
+        return status       # not started yet (launch records it within moments), on another host, or alive
     manifest = rd.read_manifest()
     if manifest.get("status") in FINAL_STATUSES:  # it wrote its last word just now
         return manifest["status"]
@@ -318,6 +318,13 @@ def reconcile(rd: RunDir) -> str:
                    failure=manifest.get("failure") or (None if done else
                                                        f"the supervisor died (found at {found}); its processes were stopped"),
                    note=f"the supervisor died (found at {found})")
+
+
+def _elsewhere(owner: dict) -> str | None:
+    """The host a recorded process runs on when it is not this one (its pid means nothing here):
+    a probe started on a compute node whose run directory is on a shared filesystem."""
+    host = owner.get("host") if isinstance(owner, dict) else None
+    return host if host and host != socket.gethostname() else None
 
 
 def _record(rd: RunDir, **fields) -> str:
@@ -342,6 +349,8 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
     manifest = rd.read_manifest()
     if manifest.get("status") in FINAL_STATUSES:
         raise UserError(f"run {rd.id!r} is already {status_line(manifest)}")
+    if manifest.get("kind") == "probe":
+        return _cancel_probe(rd, manifest.get("sampler") or {}, grace)
     kind = manifest.get("target", {}).get("kind")
     sup = None
     if kind == "slurm":
@@ -364,6 +373,26 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
         sup.kill()
     _kill_recorded(manifest, grace)
     return _record(rd, status="cancelled", ended_ns=time.time_ns(), note="cancelled without its supervisor")
+
+
+def _cancel_probe(rd: RunDir, owner: dict, grace: float) -> str:
+    """A probe-only run: its sampler stops on SIGTERM (closing its last chunk), KILL after `grace`."""
+    host = _elsewhere(owner)
+    if host:
+        raise UserError(f"run {rd.id!r}: its sampler runs on {host!r}, not here; stop it there "
+                        f"(kill -TERM {owner.get('pid')} on {host})")
+    sampler = _process(owner)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        if sampler is None or not _alive(sampler):
+            break
+        try:
+            sampler.send_signal(sig)
+        except Exception:  # noqa: BLE001 - psutil.Error: it ended just now
+            break
+        deadline = time.monotonic() + wait
+        while _alive(sampler) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return _record(rd, status="cancelled", ended_ns=time.time_ns())
 
 
 def _alive(proc) -> bool:

@@ -105,6 +105,39 @@ def test_a_killed_probe_only_run_is_finished_by_the_next_reader(tmp_path, capsys
     assert code == 0 and "status    failed" in out
 
 
+@pytest.mark.timeout(120)
+def test_runs_cancel_stops_a_probe_only_run(tmp_path, capsys):
+    """It once recorded `cancelled` after 20 s of waiting for a supervisor, the sampler still running."""
+    import subprocess
+    import sys
+
+    out_dir = tmp_path / "probe-run"
+    proc = subprocess.Popen([sys.executable, "-m", "charllm.probes", "--backend", "host", "--out", str(out_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rd = RunDir(out_dir)
+    wait_for(lambda: rd.read_manifest().get("sampler") and rd.telemetry_files(), 60, "the probe to record")
+    code, out, err = run(capsys, "runs", "cancel", str(out_dir))
+    assert code == 0 and "cancelled" in out, out + err
+    assert proc.wait(timeout=15) == 0, "the sampler stopped cleanly on SIGTERM"
+    assert left_after(str(out_dir)) == 0
+    assert rd.read_manifest()["status"] == "cancelled"
+    assert rd.scan_telemetry().collect().height > 0, "its last chunk was closed"
+
+
+def test_a_probe_recorded_on_another_host_is_judged_there(tmp_path):
+    """Its pid means nothing here (a compute node's probe on a shared filesystem): the status is
+    left to that host, and a cancel says where to stop it."""
+    from charllm.probes.errors import UserError
+
+    rd = RunDir(tmp_path / "remote-probe")
+    rd.write_manifest({"id": rd.id, "kind": "probe", "status": "running",
+                       "sampler": {"pid": 1, "create_time": 0.0, "host": "node-elsewhere"}})
+    assert reconcile(rd) == "running"
+    with pytest.raises(UserError, match="runs on 'node-elsewhere', not here; stop it there"):
+        cancel(rd)
+    assert rd.status == "running"
+
+
 @pytest.mark.timeout(300)
 def test_simultaneous_launches_both_start_and_keep_their_own_directories():
     """Two launches of one experiment in the same second want the same run id: the loser takes
