@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 from charllm.engine import slurm, ssh
 from charllm.engine.targets import Target, from_record
 from charllm.probes import paths
-from charllm.probes.errors import UserError, is_disk_full, os_error_line
+from charllm.probes.errors import UserError, os_error_line
 from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id, status_line
 
 TRAIN_MODULE = "charllm.engine.workload.train"
@@ -328,14 +328,13 @@ def _elsewhere(owner: dict) -> str | None:
 
 
 def _record(rd: RunDir, **fields) -> str:
-    """Record a final status; a full disk is one line saying the processes are stopped regardless."""
+    """Record a final status; a run directory that cannot take it (a full disk, made read-only)
+    is one line saying the processes are stopped regardless."""
     try:
         return rd.update_manifest(**fields)["status"]
     except OSError as exc:
-        if is_disk_full(exc):
-            raise UserError(f"run {rd.id!r}: its processes were stopped, but its status ({fields['status']}) "
-                            f"could not be recorded: {os_error_line(exc, rd.path)}") from None
-        raise
+        raise UserError(f"run {rd.id!r}: its processes were stopped, but its status ({fields['status']}) "
+                        f"could not be recorded: {os_error_line(exc, rd.path)}") from None
 
 
 def _end_events(rd: RunDir) -> list[dict]:
@@ -427,7 +426,7 @@ def _kill_recorded(manifest: dict, grace: float) -> None:
                     os.killpg(proc["pgid"], getattr(signal, f"SIG{sig}"))
                 except (ProcessLookupError, PermissionError):
                     pass
-        if sig == "TERM":
+        if sig == "TERM" and manifest.get("processes"):
             time.sleep(grace)
 
 
