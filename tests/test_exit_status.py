@@ -28,8 +28,8 @@ def test_help_states_the_convention(capsys):
 
 @pytest.fixture
 def read_only(tmp_path, monkeypatch):
-    """A read-only filesystem holding the runs and data directories, one finished run in it
-    (root mounts it; even root cannot write there)."""
+    """A read-only filesystem holding the runs and data directories, a finished run and one whose
+    supervisor died in it (root mounts it; even root cannot write there)."""
     disk = tmp_path / "ro"
     disk.mkdir()
     if os.geteuid() != 0:
@@ -41,9 +41,12 @@ def read_only(tmp_path, monkeypatch):
         (disk / "data").mkdir()
         experiment = tmp_path / "experiment.toml"
         load_experiment("tiny-local").save(experiment)
-        make_run(disk / "runs", [gpu_frame(np.arange(0, 10, 0.05), power_w=150.0)],
-                 experiment=experiment.read_text(), iterations=iteration_rows(np.arange(0, 9, 1.0), 0.9),
-                 run_id="done-run")
+        for run_id in ("done-run", "orphan-run"):
+            run = make_run(disk / "runs", [gpu_frame(np.arange(0, 10, 0.05), power_w=150.0)],
+                           experiment=experiment.read_text(),
+                           iterations=iteration_rows(np.arange(0, 9, 1.0), 0.9), run_id=run_id)
+        # a run left "running" by a supervisor that died (pid 1 is never a supervisor)
+        run.update_manifest(status="running", kind="train", supervisor={"pid": 1, "create_time": 0.0})
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True, capture_output=True)
         monkeypatch.setenv("CHARLLM_RUNS_DIR", str(disk / "runs"))
         monkeypatch.setenv("CHARLLM_DATA_DIR", str(disk / "data"))
@@ -74,3 +77,13 @@ def test_a_read_only_run_is_still_read(read_only, capsys):
                  ["compare", "done-run", "done-run"]):
         code, out, err = run(capsys, *argv)
         assert code == 0 and "done-run" in out + err, (argv, err)
+
+
+def test_a_read_only_run_whose_supervisor_died_costs_only_itself(read_only, capsys):
+    """The next reader cannot record its end: one line says so, and other runs list as before."""
+    code, out, err = run(capsys, "runs", "list")
+    assert code == 0 and "done-run" in out and "completed" in out, err
+    assert "orphan-run" in err and "could not be recorded" in err and "Read-only file system" in err
+    code, _, err = run(capsys, "runs", "show", "orphan-run")
+    line = one_error_line(err)
+    assert code == 2 and "its processes were stopped, but its status (failed) could not be recorded" in line
