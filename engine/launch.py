@@ -299,6 +299,11 @@ def reconcile(rd: RunDir) -> str:
         return status
     probe_only = manifest.get("kind") == "probe"
     owner = manifest.get("sampler" if probe_only else "supervisor")
+    if owner is None and not probe_only and _supervisor_never_started(rd, manifest):
+        if manifest.get("target", {}).get("kind") == "slurm" and manifest.get("slurm_job_id"):
+            slurm.cancel(manifest["slurm_job_id"])
+        return _record(rd, status="failed", ended_ns=time.time_ns(),
+                       failure="the supervisor died before it started the run (see logs/supervisor.log)")
     if owner is None or _elsewhere(owner) or _process(owner) is not None:
         return status       # not started yet (launch records it within moments), on another host, or alive
     manifest = rd.read_manifest()
@@ -318,6 +323,23 @@ def reconcile(rd: RunDir) -> str:
                    failure=manifest.get("failure") or (None if done else
                                                        f"the supervisor died (found at {found}); its processes were stopped"),
                    note=f"the supervisor died (found at {found})")
+
+
+SUPERVISOR_START_S = 60  # launch hands a run to its supervisor within seconds (ssh checks included)
+
+
+def _supervisor_never_started(rd: RunDir, manifest: dict) -> bool:
+    """Whether a run created a while ago has no supervisor: none recorded itself, none is running."""
+    import psutil
+
+    created = manifest.get("created_ns")
+    if not isinstance(created, int) or time.time_ns() - created < SUPERVISOR_START_S * 1_000_000_000:
+        return False
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline[-3:] == ["-m", "charllm.engine.supervise", str(rd.path)]:
+            return False
+    return "supervisor" not in rd.read_manifest()  # it may have recorded itself meanwhile
 
 
 def _elsewhere(owner: dict) -> str | None:

@@ -175,3 +175,16 @@ def cancel_if_running(rd: RunDir) -> bool:
     except UserError:  # it ended first
         pass
     return True
+
+
+def test_a_run_whose_supervisor_never_started_is_finished_by_the_next_reader(charllm_dirs, capsys):
+    """Killed before it recorded itself (or unable to start), it left the run `pending` forever."""
+    import time
+
+    rd = RunDir(charllm_dirs["runs"] / "20260101-000000-tiny-local")
+    rd.write_manifest({"id": rd.id, "kind": "train", "status": "pending", "target": LOCAL.to_dict(),
+                       "created_ns": time.time_ns()})
+    assert reconcile(rd) == "pending", "a launch hands the run over within moments"
+    rd.update_manifest(created_ns=time.time_ns() - 120 * 10**9)
+    code, out, err = run(capsys, "runs", "show", rd.id)
+    assert code == 0 and "status    failed" in out and "the supervisor died before it started the run" in out, out + err
