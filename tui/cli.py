@@ -39,7 +39,8 @@ EXIT_STATUS = """\
 exit status:
   0    done
   1    done, and the answer is a failure: plan: a stage does not fit; doctor: a check failed;
-       import: a folder was not imported; launch --follow: the run failed
+       import: a folder was not imported; launch --follow: the run failed; runs cancel: the run
+       ended otherwise first
   2    not done: bad input, or a file or directory it cannot read or write (permission denied,
        read-only, disk full, missing); one line on stderr says which and why
   3    plan: tight
