@@ -87,3 +87,30 @@ def test_a_read_only_run_whose_supervisor_died_costs_only_itself(read_only, caps
     code, _, err = run(capsys, "runs", "show", "orphan-run")
     line = one_error_line(err)
     assert code == 2 and "its processes were stopped, but its status (failed) could not be recorded" in line
+
+
+def test_a_probe_whose_directory_turns_read_only_stops_in_one_line(tmp_path):
+    """`python -m charllm.probes` follows the same convention (it ended in a traceback)."""
+    import sys
+
+    from infra_runs import finish, start, wait_for
+    from charllm.probes.rundir import RunDir
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        rd = RunDir(disk / "probe-run")
+        proc = start([sys.executable, "-m", "charllm.probes", "--backend", "sim", "--out", str(rd.path)])
+        wait_for(lambda: rd.manifest_path.is_file() and len(rd.telemetry_files()) >= 2, 60, "two chunks")
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True, capture_output=True)
+        code, _, err = finish(proc, 30)
+        lines = err.strip().splitlines()
+        assert code == 2 and lines[-1].startswith("charllm-probes: error: ") and "Read-only file system" in lines[-1]
+        assert "Traceback" not in err, err
+        assert rd.scan_telemetry().collect().height > 0, "what was written before stays readable"
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
