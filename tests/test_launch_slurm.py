@@ -157,3 +157,29 @@ def test_runs_cancel_stops_a_probe_only_run(slurm_cluster, tmp_path, capsys):
     finish(proc, 30)
     assert rd.read_manifest()["status"] == "cancelled"
     assert rd.scan_telemetry().collect().height > 0, "the sampler closed its last chunk"
+
+
+def test_which_sampler_exit_records_are_a_loss(tmp_path):
+    """Without a cluster: died or failed at any time, or stopped cleanly before training ended,
+    is a loss; stopped after training ended (the script's own stop) is not."""
+    import os
+    import time
+
+    from charllm.engine.supervise import Supervisor
+
+    rd = RunDir(tmp_path / "run")
+    rd.write_manifest({"id": "run", "kind": "train", "status": "running", "target": target().to_dict()})
+    rd.logs_dir.mkdir()
+    now = time.time_ns()
+    (rd.logs_dir / "train.exit").write_text("0\n")
+    os.utime(rd.logs_dir / "train.exit", ns=(now, now))
+    for node, code, at in (("n1", 137, now - 10**9), ("n2", 0, now - 10**9), ("n3", 0, now + 10**9),
+                           ("n4", 2, now + 10**9)):
+        (rd.logs_dir / f"sampler-{node}.exit").write_text(f"{code} {at}\n")
+    (rd.logs_dir / "sampler-n4.log").write_text("charllm-probes: error: hz = 1000: must be > 0 and at most 200\n")
+    (rd.logs_dir / "sampler-n5.exit").write_text("13")  # being written
+    Supervisor(rd).watch_slurm_samplers()
+    lost = {entry["node"]: entry for entry in rd.read_manifest()["telemetry_lost"]}
+    assert sorted(lost) == ["n1", "n2", "n4"]
+    assert "killed by SIGKILL" in lost["n1"]["reason"] and lost["n1"]["at_ns"] == now - 10**9
+    assert "exited with status 2: charllm-probes: error: hz = 1000" in lost["n4"]["reason"]
