@@ -181,7 +181,7 @@ def display_commands(steps: list[Step], target: Target) -> list[str]:
 
 def remote_line(target: Target, step: Step) -> str:
     """The shell line an ssh step runs remotely: own process group, pgid printed first."""
-    return ssh.in_process_group(ssh.shell_line(target, step.argv))
+    return ssh.in_process_group(target, step.argv)
 
 
 # --------------------------------------------------------------------------------------------
