@@ -330,16 +330,19 @@ SUPERVISOR_START_S = 60  # launch hands a run to its supervisor within seconds (
 
 def _supervisor_never_started(rd: RunDir, manifest: dict) -> bool:
     """Whether a run created a while ago has no supervisor: none recorded itself, none is running."""
-    import psutil
-
     created = manifest.get("created_ns")
     if not isinstance(created, int) or time.time_ns() - created < SUPERVISOR_START_S * 1_000_000_000:
         return False
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if cmdline[-3:] == ["-m", "charllm.engine.supervise", str(rd.path)]:
-            return False
-    return "supervisor" not in rd.read_manifest()  # it may have recorded itself meanwhile
+    return not _supervisor_processes(rd) and "supervisor" not in rd.read_manifest()  # (recorded meanwhile)
+
+
+def _supervisor_processes(rd: RunDir) -> list:
+    """The run's supervisor processes found by command line (before it recorded itself)."""
+    import psutil
+
+    return [proc for proc in psutil.process_iter(["cmdline"])
+            if (proc.info["cmdline"] or [])[-3:] == ["-m", "charllm.engine.supervise", str(rd.path)]
+            and _alive(proc)]
 
 
 def _elsewhere(owner: dict) -> str | None:
@@ -381,7 +384,9 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
         while "supervisor" not in manifest and time.monotonic() < deadline:  # just launched
             time.sleep(0.1)
             manifest = rd.read_manifest()
-        sup = _process(manifest.get("supervisor"))
+        # One still starting (a loaded machine) has not recorded itself yet: found by its command
+        # line, a SIGTERM ends it before it starts a step (it handles SIGTERM before it records itself).
+        sup = _process(manifest.get("supervisor")) or next(iter(_supervisor_processes(rd)), None)
         if sup is not None:
             sup.send_signal(signal.SIGTERM)  # it stops its steps (TERM, grace, KILL) and records the status
     status = _wait_final(rd, wait if kind == "slurm" or sup else 0, sup)

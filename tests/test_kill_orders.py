@@ -188,3 +188,25 @@ def test_a_run_whose_supervisor_never_started_is_finished_by_the_next_reader(cha
     rd.update_manifest(created_ns=time.time_ns() - 120 * 10**9)
     code, out, err = run(capsys, "runs", "show", rd.id)
     assert code == 0 and "status    failed" in out and "the supervisor died before it started the run" in out, out + err
+
+
+@pytest.mark.timeout(120)
+def test_cancel_stops_a_supervisor_that_has_not_recorded_itself_yet(charllm_dirs):
+    """On a loaded machine a supervisor can take longer to start than cancel waits for its record:
+    cancel recorded `cancelled`, and the supervisor then started the whole run. It is found by its
+    command line instead (here a stand-in that never records itself)."""
+    import subprocess
+    import sys
+    import time
+
+    rd = RunDir(charllm_dirs["runs"] / "20260101-000000-tiny-local")
+    rd.write_manifest({"id": rd.id, "kind": "train", "status": "pending", "target": LOCAL.to_dict(),
+                       "created_ns": time.time_ns()})
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(100)",
+                             "-m", "charllm.engine.supervise", str(rd.path)])
+    try:
+        assert cancel(rd) == "cancelled"
+        assert slow.wait(timeout=10) == -signal.SIGTERM, "the supervisor was stopped before it started anything"
+    finally:
+        slow.kill()
+        slow.wait()
