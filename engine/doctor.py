@@ -593,7 +593,7 @@ def _on_ssh(target, options: dict, say: Progress) -> list[NodeResult]:
         except UserError as exc:
             return NodeResult(host, None, str(exc))
         argv = doctor_argv(target.python_path, node=host, **options)
-        proc = subprocess.Popen(ssh.ssh_argv(target, host) + [ssh.in_process_group(ssh.shell_line(target, argv))],
+        proc = subprocess.Popen(ssh.ssh_argv(target, host) + [ssh.in_process_group(target, argv)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, text=True)   # its end stops the remote group
         err: list[str] = []

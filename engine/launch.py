@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 from charllm.engine import slurm, ssh
 from charllm.engine.targets import Target, from_record
 from charllm.probes import paths
-from charllm.probes.errors import UserError, is_disk_full, os_error_line, plural
+from charllm.probes.errors import UserError, os_error_line, plural
 from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id, status_line
 
 TRAIN_MODULE = "charllm.engine.workload.train"
@@ -194,7 +194,7 @@ def display_commands(steps: list[Step], target: Target) -> list[str]:
 
 def remote_line(target: Target, step: Step) -> str:
     """The shell line an ssh step runs remotely: own process group, pgid printed first."""
-    return ssh.in_process_group(ssh.shell_line(target, step.argv))
+    return ssh.in_process_group(target, step.argv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,8 +312,13 @@ def reconcile(rd: RunDir) -> str:
         return status
     probe_only = manifest.get("kind") == "probe"
     owner = manifest.get("sampler" if probe_only else "supervisor")
-    if owner is None or _process(owner) is not None:
-        return status       # not started yet (launch records it within moments), or alive
+    if owner is None and not probe_only and _supervisor_never_started(rd, manifest):
+        if manifest.get("target", {}).get("kind") == "slurm" and manifest.get("slurm_job_id"):
+            slurm.cancel(manifest["slurm_job_id"])
+        return _record(rd, status="failed", ended_ns=time.time_ns(),
+                       failure="the supervisor died before it started the run (see logs/supervisor.log)")
+    if owner is None or _elsewhere(owner) or _process(owner) is not None:
+        return status       # not started yet (launch records it within moments), on another host, or alive
     manifest = rd.read_manifest()
     if manifest.get("status") in FINAL_STATUSES:  # it wrote its last word just now
         return manifest["status"]
@@ -333,15 +338,41 @@ def reconcile(rd: RunDir) -> str:
                    note=f"the supervisor died (found at {found})")
 
 
+SUPERVISOR_START_S = 60  # launch hands a run to its supervisor within seconds (ssh checks included)
+
+
+def _supervisor_never_started(rd: RunDir, manifest: dict) -> bool:
+    """Whether a run created a while ago has no supervisor: none recorded itself, none is running."""
+    created = manifest.get("created_ns")
+    if not isinstance(created, int) or time.time_ns() - created < SUPERVISOR_START_S * 1_000_000_000:
+        return False
+    return not _supervisor_processes(rd) and "supervisor" not in rd.read_manifest()  # (recorded meanwhile)
+
+
+def _supervisor_processes(rd: RunDir) -> list:
+    """The run's supervisor processes found by command line (before it recorded itself)."""
+    import psutil
+
+    return [proc for proc in psutil.process_iter(["cmdline"])
+            if (proc.info["cmdline"] or [])[-3:] == ["-m", "charllm.engine.supervise", str(rd.path)]
+            and _alive(proc)]
+
+
+def _elsewhere(owner: dict) -> str | None:
+    """The host a recorded process runs on when it is not this one (its pid means nothing here):
+    a probe started on a compute node whose run directory is on a shared filesystem."""
+    host = owner.get("host") if isinstance(owner, dict) else None
+    return host if host and host != socket.gethostname() else None
+
+
 def _record(rd: RunDir, **fields) -> str:
-    """Record a final status; a full disk is one line saying the processes are stopped regardless."""
+    """Record a final status; a run directory that cannot take it (a full disk, made read-only)
+    is one line saying the processes are stopped regardless."""
     try:
         return rd.update_manifest(**fields)["status"]
     except OSError as exc:
-        if is_disk_full(exc):
-            raise UserError(f"run {rd.id!r}: its processes were stopped, but its status ({fields['status']}) "
-                            f"could not be recorded: {os_error_line(exc, rd.path)}") from None
-        raise
+        raise UserError(f"run {rd.id!r}: its processes were stopped, but its status ({fields['status']}) "
+                        f"could not be recorded: {os_error_line(exc, rd.path)}") from None
 
 
 def _end_events(rd: RunDir) -> list[dict]:
@@ -355,6 +386,8 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
     manifest = rd.read_manifest()
     if manifest.get("status") in FINAL_STATUSES:
         raise UserError(f"run {rd.id!r} is already {status_line(manifest)}")
+    if manifest.get("kind") == "probe":
+        return _cancel_probe(rd, manifest.get("sampler") or {}, grace)
     kind = manifest.get("target", {}).get("kind")
     sup = None
     if kind == "slurm":
@@ -364,7 +397,9 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
         while "supervisor" not in manifest and time.monotonic() < deadline:  # just launched
             time.sleep(0.1)
             manifest = rd.read_manifest()
-        sup = _process(manifest.get("supervisor"))
+        # One still starting (a loaded machine) has not recorded itself yet: found by its command
+        # line, a SIGTERM ends it before it starts a step (it handles SIGTERM before it records itself).
+        sup = _process(manifest.get("supervisor")) or next(iter(_supervisor_processes(rd)), None)
         if sup is not None:
             sup.send_signal(signal.SIGTERM)  # it stops its steps (TERM, grace, KILL) and records the status
     status = _wait_final(rd, wait if kind == "slurm" or sup else 0, sup)
@@ -377,6 +412,26 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
         sup.kill()
     _kill_recorded(manifest, grace)
     return _record(rd, status="cancelled", ended_ns=time.time_ns(), note="cancelled without its supervisor")
+
+
+def _cancel_probe(rd: RunDir, owner: dict, grace: float) -> str:
+    """A probe-only run: its sampler stops on SIGTERM (closing its last chunk), KILL after `grace`."""
+    host = _elsewhere(owner)
+    if host:
+        raise UserError(f"run {rd.id!r}: its sampler runs on {host!r}, not here; stop it there "
+                        f"(kill -TERM {owner.get('pid')} on {host})")
+    sampler = _process(owner)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        if sampler is None or not _alive(sampler):
+            break
+        try:
+            sampler.send_signal(sig)
+        except Exception:  # noqa: BLE001 - psutil.Error: it ended just now
+            break
+        deadline = time.monotonic() + wait
+        while _alive(sampler) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return _record(rd, status="cancelled", ended_ns=time.time_ns())
 
 
 def _alive(proc) -> bool:
@@ -411,7 +466,7 @@ def _kill_recorded(manifest: dict, grace: float) -> None:
                     os.killpg(proc["pgid"], getattr(signal, f"SIG{sig}"))
                 except (ProcessLookupError, PermissionError):
                     pass
-        if sig == "TERM":
+        if sig == "TERM" and manifest.get("processes"):
             time.sleep(grace)
 
 

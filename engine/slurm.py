@@ -52,7 +52,7 @@ def script(*, target: Target, run_dir: str, run_id: str, nodes: int, nproc: int,
         "",
         "# The sampler: one task per node, sharing the node with training.",
         f"srun --overlap --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 bash -c "
-        + q(_node_line(sampler, "sampler")) + " &",
+        + q(_sampler_line(sampler)) + " &",
         "SAMPLERS=$!",
         "",
         "# Training: torchrun on every node; one failing node stops the others.",
@@ -66,14 +66,34 @@ def script(*, target: Target, run_dir: str, run_id: str, nodes: int, nproc: int,
     return "\n".join(lines)
 
 
-def _node_line(argv: list[str], role: str) -> str:
-    """exec ARGV > logs/ROLE-$NODE.log, with the per-node placeholders expanded by the node's shell."""
+def _words(argv: list[str]) -> str:
+    """ARGV as shell words, with the per-node placeholders expanded by the node's shell."""
     words = []
     for word in argv:
         # Placeholders may sit inside a word (--node-rank=@@NODE_RANK@@); quote the rest of it.
         parts = re.split(f"({'|'.join(PLACEHOLDERS)})", word)
         words.append("".join(PLACEHOLDERS.get(p) or (shlex.quote(p) if p else "") for p in parts))
-    return f'exec {" ".join(words)} > "$RUN_DIR/logs/{role}-$SLURMD_NODENAME.log" 2>&1'
+    return " ".join(words)
+
+
+def _node_line(argv: list[str], role: str) -> str:
+    """exec ARGV > logs/ROLE-$NODE.log."""
+    return f'exec {_words(argv)} > "$RUN_DIR/logs/{role}-$SLURMD_NODENAME.log" 2>&1'
+
+
+# Written by a node's sampler task when the sampler ends: "EXIT_STATUS END_NS" (shell status, so
+# 128+N for a sampler killed by signal N). The supervisor, which cannot see the node's processes,
+# reads it to tell a sampler lost mid-run from one stopped at the end.
+SAMPLER_EXIT = "sampler-{node}.exit"
+
+
+def _sampler_line(argv: list[str]) -> str:
+    """ARGV > logs/sampler-$NODE.log, then its exit record (SAMPLER_EXIT). The shell waits for
+    the sampler even on SIGTERM (a trap runs only after the foreground command ends), so the
+    sampler closes its last chunk before the task ends."""
+    log = '"$RUN_DIR/logs/sampler-$SLURMD_NODENAME.log"'
+    record = '"$RUN_DIR/logs/' + SAMPLER_EXIT.format(node="$SLURMD_NODENAME") + '"'
+    return f'trap : TERM; {_words(argv)} > {log} 2>&1; echo "$? $(date +%s%N)" > {record}'
 
 
 def submit(script_path: str) -> str:

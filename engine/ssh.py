@@ -38,14 +38,14 @@ def remote_path(target: Target, *parts: str) -> str:
     return "/".join([base.rstrip("/") or "."] + list(parts))
 
 
-def shell_line(target: Target, argv: list[str], cwd: str | None = None) -> str:
+def shell_line(target: Target, argv: list[str], cwd: str | None = None, *, replace_shell: bool = True) -> str:
     """`cd DIR && ENV_SETUP; exec ARGV` — the env line is the user's own shell, the rest is quoted."""
     parts = []
     if cwd:
         parts.append(f"cd {shlex.quote(cwd)} &&")
     if target.env_setup:
         parts.append(f"{target.env_setup};")
-    parts.append("exec " + shlex.join(argv))
+    parts.append(("exec " if replace_shell else "") + shlex.join(argv))
     return " ".join(parts)
 
 
@@ -57,10 +57,15 @@ _STOP_WITH_CONNECTION = ('{ trap "" TERM; cat >/dev/null; kill -TERM -- -$$; '
                          '<&0 >/dev/null 2>&1 & exec </dev/null; ')
 
 
-def in_process_group(line: str) -> str:
-    """Run `line` as leader of a new session (pgid = its pid), printing that pgid first. The
-    group lives as long as the connection's stdin stays open: callers keep it open as a pipe."""
-    return "setsid -w bash -c " + shlex.quote("echo $$; " + _STOP_WITH_CONNECTION + line)
+def in_process_group(target: Target, argv: list[str]) -> str:
+    """Run `argv` in a new session (pgid = its leader shell's pid), printing that pgid first. The
+    group lives as long as the connection's stdin stays open: callers keep it open as a pipe.
+
+    The leader shell waits for `argv` (on SIGTERM too: a trap runs only once it ended) and exits
+    with its status, 128+N when signal N killed it; `setsid -w` would report a killed leader as N."""
+    line = shell_line(target, argv, replace_shell=False)
+    return "setsid -w bash -c " + shlex.quote("echo $$; " + _STOP_WITH_CONNECTION + "trap : TERM; " + line
+                                              + "; exit $?")
 
 
 def offered_fingerprints(target: Target, host: str) -> list[str]:

@@ -94,6 +94,11 @@ class Proc:
     def poll(self) -> int | None:
         return self.popen.poll()
 
+    def exit_status(self) -> int:
+        """How the step ended, as Popen says (-N: killed by signal N); remotely, the leader shell's
+        status carried home by ssh (ssh.in_process_group)."""
+        return shell_status(self.poll()) if self.step.host else self.poll()
+
     def signal(self, sig: signal.Signals) -> None:
         """Signal the whole process group (a dead leader can leave ranks behind in it)."""
         if self.step.host is not None and self.remote_pgid:
@@ -159,6 +164,11 @@ def stop(procs: list[Proc], grace: float) -> None:
 _FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
+def shell_status(code: int) -> int:
+    """A shell's exit status as Popen's: 128+N (a command killed by signal N) becomes -N."""
+    return 128 - code if 128 < code < 128 + signal.NSIG else code
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
@@ -184,7 +194,7 @@ def describe_failure(step: Step, rc: int, log_path: Path) -> str:
         return f"node {step.node}, rank {rank} (local rank {local_rank}) {describe_exit(code)}"
     if step.host and rc == 255:
         return f"node {step.node}: lost the ssh connection (the node died or is unreachable)"
-    return f"node {step.node}: torchrun {describe_exit(rc)}"
+    return f"node {step.node}: torchrun {describe_exit(shell_status(rc) if step.host else rc)}"
 
 
 def last_line(log_path: Path) -> str:
@@ -226,7 +236,7 @@ class Supervisor:
         self.cancel_requested = False
         self.lines_lock = threading.Lock()
         self.procs: list[Proc] = []
-        self.samplers_lost: dict[Proc, dict] = {}
+        self.samplers_lost: dict[str, dict] = {}  # by node
         self.reserve = Reserve(rd.path / ".reserve")
 
     def record_final(self, **fields) -> None:
@@ -287,10 +297,29 @@ class Supervisor:
     def watch_samplers(self, helpers: list[Proc]) -> None:
         """Record a sampler that ended while training runs: the run goes on, its telemetry is lost."""
         for p in helpers:
-            if p.step.role != "sampler" or p.popen is None or p.poll() is None or p in self.samplers_lost:
-                continue
-            self.samplers_lost[p] = {"node": p.step.node, "at_ns": time.time_ns(),
-                                     "reason": f"sampler {describe_exit(p.poll())}: {last_line(p.log_path)}"}
+            if p.step.role == "sampler" and p.popen is not None and p.poll() is not None:
+                self.lose_sampler(p.step.node, time.time_ns(),
+                                  f"sampler {describe_exit(p.exit_status())}: {last_line(p.log_path)}")
+
+    def watch_slurm_samplers(self) -> None:
+        """The same under Slurm, from each node's sampler exit record (slurm.SAMPLER_EXIT): a
+        sampler that died or failed, or that stopped before training ended. One stopped with the
+        job (a cancel, a time limit) is no separate loss: the job's own status says it."""
+        train_exit = self.rd.logs_dir / "train.exit"
+        for record in self.rd.logs_dir.glob(slurm.SAMPLER_EXIT.format(node="*")):
+            try:
+                code, at_ns = (int(word) for word in record.read_text().split())
+                train_end = train_exit.stat().st_mtime_ns if train_exit.is_file() else None
+            except (OSError, ValueError):
+                continue  # being written; read again at the next poll
+            if code != 0 or (train_end is not None and at_ns < train_end):
+                node = record.name.removeprefix("sampler-").removesuffix(".exit")
+                log = self.rd.logs_dir / f"sampler-{node}.log"
+                self.lose_sampler(node, at_ns, f"sampler {describe_exit(shell_status(code))}: {last_line(log)}")
+
+    def lose_sampler(self, node: str, at_ns: int, reason: str) -> None:
+        if node not in self.samplers_lost:
+            self.samplers_lost[node] = {"node": node, "at_ns": at_ns, "reason": reason}
             self.rd.update_manifest(telemetry_lost=list(self.samplers_lost.values()))
 
     def wait(self, trains: list[Proc], helpers: list[Proc] = ()) -> tuple[str, str | None]:
@@ -327,6 +356,7 @@ class Supervisor:
                 running = True
                 self.rd.update_manifest(status="running", started_ns=time.time_ns(),
                                         nodes=slurm.hostnames(info.get("NodeList", "")))
+            self.watch_slurm_samplers()
             if state in slurm.FINAL_STATES or state == "UNKNOWN":
                 break
             time.sleep(0.5)
@@ -365,11 +395,15 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         # Never leave a run "running" forever, nor its processes orphaned.
         stop([p for p in supervisor.procs if p.popen], CANCEL_GRACE_S)
-        if not is_disk_full(exc):
-            supervisor.record_final(status="failed", failure=f"supervisor error: {exc!r}", ended_ns=time.time_ns())
-            raise
-        why = os_error_line(exc, rd.path)
-        supervisor.record_final(status="failed", failure=why, ended_ns=time.time_ns(), disk_full=why)
+        why = os_error_line(exc, rd.path) if isinstance(exc, OSError) else f"supervisor error: {exc!r}"
+        try:
+            supervisor.record_final(status="failed", failure=why, ended_ns=time.time_ns(),
+                                    **({"disk_full": why} if is_disk_full(exc) else {}))
+        except OSError as again:  # the run directory takes nothing (made read-only): the next reader says so
+            print(f"run {rd.id}: failed: {why}; not recorded: {os_error_line(again, rd.path)}", flush=True)
+            return 1
+        if not isinstance(exc, OSError):
+            raise  # a bug: its traceback goes to supervisor.log
         status = f"failed: {why}"
     supervisor.reserve.release()
     try:

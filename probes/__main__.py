@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from charllm.probes.cli import add_arguments, run
-from charllm.probes.errors import UserError
+from charllm.probes.errors import UserError, os_error_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # the reader of --stream went away
         return 0
+    except OSError as exc:  # the exit status convention of charllm-tui (tui/cli.py)
+        print(f"charllm-probes: error: {os_error_line(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

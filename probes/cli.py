@@ -140,10 +140,14 @@ def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
     if not run.manifest_path.exists():
         import psutil
 
-        me = psutil.Process()  # who owns the run: if it dies, the next reader finishes the run
+        import socket
+
+        # Who owns the run, and where: if it dies, the next reader on that host finishes the run.
+        me = psutil.Process()
         run.write_manifest({"id": run.id, "kind": "probe", "status": "running", "backend": args.backend,
                             "backend_reason": reason, "hz": args.hz, "created_ns": time.time_ns(),
-                            "sampler": {"pid": me.pid, "create_time": me.create_time()}})
+                            "sampler": {"pid": me.pid, "create_time": me.create_time(),
+                                        "host": socket.gethostname()}})
         return run, True
     return run, False
 

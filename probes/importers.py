@@ -31,8 +31,10 @@ that holds such files (`import_charllm_ppt_tree`), named after its path under th
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -108,8 +110,9 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
     final = paths.runs_dir() / run_id
     if final.exists():
         raise UserError(f"run {run_id!r}: already exists in {final.parent}; give another --name")
-    tmp = final.with_name(f".{run_id}.importing")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # A name of its own: a simultaneous import of the same run id never removes this one's files.
+    tmp = final.with_name(f".{run_id}.{os.getpid()}-{threading.get_ident()}.importing")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed import that had the same ids
     run = RunDir(tmp)
     try:
         # One file per device (numbered as chunks), each written before the next is read: memory
@@ -154,7 +157,12 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
                               "files": sum(len(f) for f in gpu_files.values()) + sum(len(f) for f in sys_files.values())},
             "limitations": LIMITATIONS,
         })
-        tmp.rename(final)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if final.exists():  # taken while this import ran
+                raise UserError(f"run {run_id!r}: already exists in {final.parent}; give another --name") from None
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -211,7 +211,10 @@ class RunDir:
         import shutil
 
         self.check_deletable()
-        shutil.rmtree(self.path)
+        try:
+            shutil.rmtree(self.path)
+        except OSError as exc:  # rmtree names only the entry (read-only, or not ours)
+            raise UserError(f"run {self.id!r}: cannot delete {self.path}: {exc.strerror or exc}") from None
 
     # -- data -------------------------------------------------------------------------------
     def telemetry_files(self) -> list[Path]:
@@ -236,7 +239,7 @@ class RunDir:
 
         import polars as pl
 
-        from charllm.probes.schema import TELEMETRY_SCHEMA, conform, empty_frame
+        from charllm.probes.schema import conform, empty_frame
 
         files = self.telemetry_files()
         kinds, damaged = {}, []

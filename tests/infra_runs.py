@@ -105,6 +105,20 @@ def role_process(marker: str, module: str) -> psutil.Process:
     raise AssertionError(f"no {module} process for {marker}")
 
 
+def sampler_process(marker: str, node: str) -> psutil.Process:
+    """The run's sampler on `node` (`python -m charllm.probes ... --node NODE`)."""
+    def find():
+        for proc in run_processes(marker):
+            try:
+                cmdline = proc.cmdline()
+                if "charllm.probes" in cmdline and cmdline[cmdline.index("--node") + 1] == node:
+                    return proc
+            except (psutil.Error, ValueError, IndexError):
+                pass
+        return None
+    return wait_for(find, 30, f"the sampler of {marker} on {node}")
+
+
 def supervisor_process(rd: RunDir) -> psutil.Process:
     record = wait_for(lambda: rd.read_manifest().get("supervisor"), 30, "the supervisor to start")
     return psutil.Process(record["pid"])

@@ -159,3 +159,32 @@ def test_host_files_written_by_every_rank_give_one_host_stream_per_node(tmp_path
     frame = run.scan_telemetry().collect()
     host = frame.filter(pl.col("device") == "host")
     assert host.height == host["ts_ns"].n_unique() > 0
+
+
+def test_simultaneous_imports_of_one_name_leave_one_whole_run(tmp_path, charllm_dirs):
+    """Both want the same run id: one imports, the other is refused in one line; neither removes
+    the other's files while they are written (they once shared one temporary directory)."""
+    import threading
+
+    src = make_results(tmp_path / "results", ranks=4)
+    for _ in range(3):
+        barrier, done, refused = threading.Barrier(2), [], []
+
+        def one():
+            barrier.wait()
+            try:
+                done.append(import_charllm_ppt(src, name="same"))
+            except UserError as exc:
+                refused.append(str(exc))
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(done) + len(refused) == 2 and done, refused
+        assert all("already exists" in line for line in refused), refused
+        for run in done:
+            assert summarize(run).height > 0
+            run.delete()
+        assert not [p.name for p in charllm_dirs["runs"].iterdir()], "no temporary directory left"

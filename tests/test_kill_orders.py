@@ -105,6 +105,39 @@ def test_a_killed_probe_only_run_is_finished_by_the_next_reader(tmp_path, capsys
     assert code == 0 and "status    failed" in out
 
 
+@pytest.mark.timeout(120)
+def test_runs_cancel_stops_a_probe_only_run(tmp_path, capsys):
+    """It once recorded `cancelled` after 20 s of waiting for a supervisor, the sampler still running."""
+    import subprocess
+    import sys
+
+    out_dir = tmp_path / "probe-run"
+    proc = subprocess.Popen([sys.executable, "-m", "charllm.probes", "--backend", "host", "--out", str(out_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rd = RunDir(out_dir)
+    wait_for(lambda: rd.read_manifest().get("sampler") and rd.telemetry_files(), 60, "the probe to record")
+    code, out, err = run(capsys, "runs", "cancel", str(out_dir))
+    assert code == 0 and "cancelled" in out, out + err
+    assert proc.wait(timeout=15) == 0, "the sampler stopped cleanly on SIGTERM"
+    assert left_after(str(out_dir)) == 0
+    assert rd.read_manifest()["status"] == "cancelled"
+    assert rd.scan_telemetry().collect().height > 0, "its last chunk was closed"
+
+
+def test_a_probe_recorded_on_another_host_is_judged_there(tmp_path):
+    """Its pid means nothing here (a compute node's probe on a shared filesystem): the status is
+    left to that host, and a cancel says where to stop it."""
+    from charllm.probes.errors import UserError
+
+    rd = RunDir(tmp_path / "remote-probe")
+    rd.write_manifest({"id": rd.id, "kind": "probe", "status": "running",
+                       "sampler": {"pid": 1, "create_time": 0.0, "host": "node-elsewhere"}})
+    assert reconcile(rd) == "running"
+    with pytest.raises(UserError, match="runs on 'node-elsewhere', not here; stop it there"):
+        cancel(rd)
+    assert rd.status == "running"
+
+
 @pytest.mark.timeout(300)
 def test_simultaneous_launches_both_start_and_keep_their_own_directories():
     """Two launches of one experiment in the same second want the same run id: the loser takes
@@ -142,3 +175,38 @@ def cancel_if_running(rd: RunDir) -> bool:
     except UserError:  # it ended first
         pass
     return True
+
+
+def test_a_run_whose_supervisor_never_started_is_finished_by_the_next_reader(charllm_dirs, capsys):
+    """Killed before it recorded itself (or unable to start), it left the run `pending` forever."""
+    import time
+
+    rd = RunDir(charllm_dirs["runs"] / "20260101-000000-tiny-local")
+    rd.write_manifest({"id": rd.id, "kind": "train", "status": "pending", "target": LOCAL.to_dict(),
+                       "created_ns": time.time_ns()})
+    assert reconcile(rd) == "pending", "a launch hands the run over within moments"
+    rd.update_manifest(created_ns=time.time_ns() - 120 * 10**9)
+    code, out, err = run(capsys, "runs", "show", rd.id)
+    assert code == 0 and "status    failed" in out and "the supervisor died before it started the run" in out, out + err
+
+
+@pytest.mark.timeout(120)
+def test_cancel_stops_a_supervisor_that_has_not_recorded_itself_yet(charllm_dirs):
+    """On a loaded machine a supervisor can take longer to start than cancel waits for its record:
+    cancel recorded `cancelled`, and the supervisor then started the whole run. It is found by its
+    command line instead (here a stand-in that never records itself)."""
+    import subprocess
+    import sys
+    import time
+
+    rd = RunDir(charllm_dirs["runs"] / "20260101-000000-tiny-local")
+    rd.write_manifest({"id": rd.id, "kind": "train", "status": "pending", "target": LOCAL.to_dict(),
+                       "created_ns": time.time_ns()})
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(100)",
+                             "-m", "charllm.engine.supervise", str(rd.path)])
+    try:
+        assert cancel(rd) == "cancelled"
+        assert slow.wait(timeout=10) == -signal.SIGTERM, "the supervisor was stopped before it started anything"
+    finally:
+        slow.kill()
+        slow.wait()

@@ -98,8 +98,9 @@ def test_ssh_remote_commands_cannot_inject_shell(tmp_path):
         outer = shlex.split(line)
         assert outer[:3] == ["setsid", "-w", "bash"] and outer[3] == "-c"
         inner = outer[4]
-        assert inner.startswith("echo $$; " + ssh._STOP_WITH_CONNECTION + "module load cuda; conda activate train; exec ")
-        assert shlex.split(inner.split("; exec ", 1)[1]) == step.argv
+        setup = "echo $$; " + ssh._STOP_WITH_CONNECTION + "trap : TERM; module load cuda; conda activate train; "
+        assert inner.startswith(setup) and inner.endswith("; exit $?")
+        assert shlex.split(inner.removeprefix(setup).removesuffix("; exit $?")) == step.argv
     assert ssh.ssh_argv(target, "node1")[-2:] == ["--", "node1"]
 
 

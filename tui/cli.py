@@ -34,6 +34,18 @@ A terminal workbench for the power, performance and thermal characterization of 
 LLM training. Run without a command to open the workbench (TUI); the commands below are the
 same features, headless, for scripts."""
 
+# The one exit-status convention of every command (plan's and doctor's --help repeat their part).
+EXIT_STATUS = """\
+exit status:
+  0    done
+  1    done, and the answer is a failure: plan: a stage does not fit; doctor: a check failed;
+       import: a folder was not imported; launch --follow: the run failed; runs cancel: the run
+       ended otherwise first
+  2    not done: bad input, or a file or directory it cannot read or write (permission denied,
+       read-only, disk full, missing); one line on stderr says which and why
+  3    plan: tight
+  130  interrupted (launch --follow: cancelled)"""
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake as one line and exit code 2 (no usage dump)."""
@@ -43,7 +55,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="charllm-tui", description=DESCRIPTION,
+    parser = _Parser(prog="charllm-tui", description=DESCRIPTION, epilog=EXIT_STATUS,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -82,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. `charllm-tui sweep ... | head`
         return 0
-    except OSError as exc:  # a full disk, a name too long, a directory where a file should be...
+    except OSError as exc:  # a full disk, a read-only place, a directory where a file should be...
         print(f"charllm-tui: error: {os_error_line(exc)}", file=sys.stderr)
-        return 1
+        return 2
 
 
 def run_tui() -> int:
