@@ -31,7 +31,7 @@ from typing import BinaryIO, Callable
 import polars as pl
 
 from charllm.probes.backends import Backend, check_hz, hostname
-from charllm.probes.errors import UserError, plural
+from charllm.probes.errors import plural
 from charllm.probes.recorder import ChunkWriter
 from charllm.probes.rundir import RunDir
 from charllm.probes.schema import TELEMETRY_SCHEMA

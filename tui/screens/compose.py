@@ -25,7 +25,7 @@ from charllm.engine.experiment import Experiment, resolve_key
 from charllm.probes import paths
 from charllm.probes.errors import UserError, plural
 from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api, edited_name
-from charllm.tui.widgets.memory_bars import MemoryBars, gib
+from charllm.tui.widgets.memory_bars import MemoryBars
 
 DEBOUNCE_S = 0.05
 NONE = "none"   # Select value standing for "unset" (Megatron default)
