@@ -833,8 +833,10 @@ def render(df: pl.DataFrame, fmt: str) -> str:
         return df.write_csv()
     if fmt == "json":
         return df.write_json()
-    if fmt in ("table", "markdown"):
-        return text_table(_long(df), markdown=fmt == "markdown")
+    if fmt == "markdown":
+        return text_table(_long(df), markdown=True)
+    if fmt == "table":
+        return _terminal_table(_long(df))
     raise UserError(f"format {fmt!r}: expected one of table, markdown, csv, json (parquet needs --out FILE)")
 
 
@@ -869,16 +871,35 @@ def _long(df: pl.DataFrame) -> pl.DataFrame:
         names.append("/".join(str(p) for p in parts if p) or str(row.get("run", "value")))
     columns = {"metric": df.columns}
     for name, row in zip(names, df.iter_rows()):
-        columns[name] = [_fmt(v) for v in row]
+        columns[name] = [format_figure(metric, v) for metric, v in zip(df.columns, row)]
     return pl.DataFrame(columns)
 
 
-def _fmt(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
+def _terminal_table(long: pl.DataFrame, width: int | None = None) -> str:
+    """`_long`'s table for a terminal: rows that are the same in every column are said once above
+    it ("backend: sim"), and the columns are cut into blocks as wide as the terminal."""
+    import shutil
+
+    width = width or shutil.get_terminal_size((120, 24)).columns
+    names = long.columns[1:]
+    same = long.filter(pl.all_horizontal(pl.col(n) == pl.col(names[0]) for n in names)) if len(names) > 1 \
+        else long.clear()
+    head = "".join(f"{m}: {v}\n" for m, v in same.select("metric", names[0]).iter_rows() if v) if same.height else ""
+    rest = long.filter(~pl.col("metric").is_in(same["metric"].to_list()))
+    metric_width = max(map(len, rest["metric"].to_list() + ["metric"])) + 3
+
+    def column_width(name: str) -> int:
+        return max(map(len, rest[name].to_list() + [name])) + 3
+
+    blocks, block, used = [], [], metric_width
+    for name in names:
+        if block and used + column_width(name) > width:
+            blocks.append(block)
+            block, used = [], metric_width
+        block.append(name)
+        used += column_width(name)
+    blocks.append(block)
+    return head + "\n".join(text_table(rest.select("metric", *b), markdown=False) for b in blocks)
 
 
 def text_table(df: pl.DataFrame, markdown: bool) -> str:

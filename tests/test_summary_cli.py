@@ -44,3 +44,21 @@ def test_summarize_errors_are_one_line(charllm_dirs, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("charllm-tui: error: ") for line in err)
     assert "Traceback" not in "".join(err)
+
+
+def test_summarize_table_fits_the_terminal_and_says_shared_rows_once(charllm_dirs, capsys, monkeypatch):
+    """Per GPU, on an 80-column terminal: what every GPU shares (run, window, backend) is one line
+    above the table, the figures carry units, and the GPUs come in blocks no wider than 80."""
+    frames = [gpu_frame(T, device=f"gpu{i}", power_w=150.0 + 10 * i) for i in range(4)]
+    make_run(charllm_dirs["runs"], frames, run_id="20261121-000000-wide")
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["summarize", "wide", "--window", "all"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "run: 20261121-000000-wide" in lines and "window: all" in lines
+    assert max(map(len, lines)) <= 80
+    table = [line for line in lines if line.startswith("│ power_mean_w")]
+    assert len(table) >= 2                                          # the GPUs did not fit one block
+    assert [cell.strip() for line in table for cell in line.strip("│").split("┆")[1:]] == \
+        ["150.0 W", "160.0 W", "170.0 W", "180.0 W"]
+    assert not any(line.startswith("│ run ") for line in lines)    # said once, above
