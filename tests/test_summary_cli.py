@@ -62,3 +62,13 @@ def test_summarize_table_fits_the_terminal_and_says_shared_rows_once(charllm_dir
     assert [cell.strip() for line in table for cell in line.strip("│").split("┆")[1:]] == \
         ["150.0 W", "160.0 W", "170.0 W", "180.0 W"]
     assert not any(line.startswith("│ run ") for line in lines)    # said once, above
+
+
+def test_runs_show_counts_agree_with_their_nouns(charllm_dirs, capsys):
+    from runfactory import iteration_rows
+
+    make_run(charllm_dirs["runs"], [gpu_frame(T, power_w=150.0)], run_id="20261121-000000-one",
+             iterations=iteration_rows([0.0], 0.5), chunks=1)
+    assert main(["runs", "show", "one"]) == 0
+    out = capsys.readouterr().out
+    assert "iterations 1 step logged" in out and "telemetry 1 chunk\n" in out

@@ -90,6 +90,7 @@ def _duration(m: dict) -> str:
 
 
 def _show(rd, args) -> int:
+    from charllm.probes.errors import plural
     from charllm.probes.rundir import runtime_line, status_line
 
     m = rd.read_manifest()
@@ -116,8 +117,8 @@ def _show(rd, args) -> int:
     for command in m.get("commands", []):
         print(f"  {command}")
     steps = rd.read_iterations()
-    print(f"iterations {steps.filter(steps['event'] == 'iteration')['iteration'].n_unique()} steps logged")
-    print(f"telemetry {len(rd.telemetry_files())} chunks")
+    print(f"iterations {plural(steps.filter(steps['event'] == 'iteration')['iteration'].n_unique(), 'step')} logged")
+    print(f"telemetry {plural(len(rd.telemetry_files()), 'chunk')}")
     return 0
 
 
