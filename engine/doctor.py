@@ -44,6 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from charllm.engine import lifeline
 from charllm.probes.errors import UserError, plural
 
 GIB = 1 << 30
@@ -263,9 +264,11 @@ def run_train(exp, plan, *, node: str, progress: Progress, timeout: float = TRAI
         progress(f"{node}: train check: starting torchrun, {exp.world_size} process(es) "
                  f"(importing torch and megatron-core takes a while)")
         with open(log_path, "wb") as log:
-            # Its own session: the whole group (torchrun and its ranks) is stopped together.
+            # Its own session: the whole group (torchrun and its ranks) is stopped together; and
+            # torchrun dies with this process (its ranks follow it), whoever kills it.
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=run_dir, start_new_session=True, env={**os.environ, "CHARLLM_NODE": node})
+                                    cwd=run_dir, start_new_session=True, env={**os.environ, "CHARLLM_NODE": node},
+                                    preexec_fn=lifeline.killed_with_parent)
         try:
             events = _follow(proc, run_dir, exp, node, progress, timeout, stop)
         finally:
@@ -595,7 +598,8 @@ def _on_ssh(target, options: dict, say: Progress) -> list[NodeResult]:
         argv = doctor_argv(target.python_path, node=host, **options)
         proc = subprocess.Popen(ssh.ssh_argv(target, host) + [ssh.in_process_group(target, argv)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, text=True)   # its end stops the remote group
+                                start_new_session=True, text=True,   # its end stops the remote group
+                                preexec_fn=lifeline.killed_with_parent)
         err: list[str] = []
         reader = threading.Thread(target=_forward, args=(proc.stderr, err, say), daemon=True)
         reader.start()
@@ -713,7 +717,8 @@ def _on_slurm(target, nodes: int, options: dict, say: Progress) -> list[NodeResu
     argv = srun_argv(target, nodes, ssh.shell_line(target, doctor_argv(target.python_path, node=None, **options)))
     say(f"srun: {plural(nodes, 'node')} of target {target.name!r}")
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lifeline.terminated_with_parent)   # srun cancels its step on SIGTERM
     err: list[str] = []
     def unlabelled(line: str) -> str:
         match = label.match(line)

@@ -4,7 +4,6 @@ happened: real torchrun training, the real sampler and supervisor, killed in eac
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 
@@ -13,8 +12,8 @@ from charllm.engine.launch import cancel, launch, reconcile
 from charllm.engine.targets import LOCAL
 from charllm.probes.rundir import RunDir, status_line
 from infra_cli import run
-from infra_runs import (iterations_logged, left_after, logs, rank_process, role_process, supervisor_process,
-                        wait_final, wait_for)
+from infra_runs import (iterations_logged, left_after, logs, rank_process, role_process, run_processes,
+                        supervisor_process, wait_final, wait_for)
 
 pytestmark = pytest.mark.integration
 
@@ -210,3 +209,28 @@ def test_cancel_stops_a_supervisor_that_has_not_recorded_itself_yet(charllm_dirs
     finally:
         slow.kill()
         slow.wait()
+
+
+@pytest.mark.timeout(300)
+def test_killed_doctor_takes_its_train_check_along(tmp_path):
+    """`doctor --train` starts torchrun and its ranks (in a temporary directory, not a run): a
+    SIGKILL of doctor leaves none of them."""
+    import os
+    import subprocess
+    import sys
+
+    marker = str(tmp_path / "tmp")
+    os.mkdir(marker)
+    doctor = subprocess.Popen([sys.executable, "-m", "charllm.tui", "doctor", "--train", "--iters", "100000",
+                               "--sample-seconds", "0.5"], env={**os.environ, "TMPDIR": marker},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: any("charllm.engine.workload.train" in p.cmdline() for p in run_processes(marker)), 180,
+                 "the train check's ranks")
+        doctor.kill()
+        doctor.wait()
+        assert left_after(marker) == 0
+    finally:
+        doctor.kill()
+        for proc in run_processes(marker):
+            proc.kill()
