@@ -108,13 +108,11 @@ def cached_summary(run: RunDir | str | os.PathLike, window="steady", by: str = "
     """The kept summary of a finished run, or None (running, never summarized, or changed since):
     a Parquet read, for listings that must show something at once."""
     run = run if isinstance(run, RunDir) else resolve_run(run)
-    return _read_cache(_cache_place(run, window, by))
+    places = _cache_places(run, window)
+    return _read_cache(*places[by]) if places else None
 
 
-def _read_cache(place: tuple[Path, Path, dict] | None) -> pl.DataFrame | None:
-    if place is None:
-        return None
-    cache, meta, key = place
+def _read_cache(cache: Path, meta: Path, key: dict) -> pl.DataFrame | None:
     try:
         if meta.is_file() and cache.is_file() and json.loads(meta.read_text()) == key:
             return pl.read_parquet(cache)
@@ -123,9 +121,9 @@ def _read_cache(place: tuple[Path, Path, dict] | None) -> pl.DataFrame | None:
     return None
 
 
-def _cache_place(run: RunDir, window, by: str) -> tuple[Path, Path, dict] | None:
-    """(summary file, its key file, the key that says it is current) of a finished run's summary at
-    level `by`; None while it runs."""
+def _cache_places(run: RunDir, window) -> dict[str, tuple[Path, Path, dict]] | None:
+    """Per level, (summary file, its key file, the key that says it is current) of a finished
+    run's summaries; None while it runs."""
     from charllm.probes.rundir import FINAL_STATUSES
 
     if run.status not in FINAL_STATUSES:
@@ -137,11 +135,14 @@ def _cache_place(run: RunDir, window, by: str) -> tuple[Path, Path, dict] | None
     if run.telemetry_dir.is_dir():
         stat += [[d.name, d.stat().st_mtime_ns, len(os.listdir(d))]
                  for d in sorted(run.telemetry_dir.iterdir()) if d.is_dir()]
-    key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
-           "by": by, "files": stat}
     span = window if isinstance(window, str) else f"{window[0]:g}-{window[1]:g}"
-    cache = run.path / "summaries" / f"{by}-{span}.parquet"
-    return cache, cache.with_suffix(".json"), key
+    places = {}
+    for by in BY:
+        key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
+               "by": by, "files": stat}
+        cache = run.path / "summaries" / f"{by}-{span}.parquet"
+        places[by] = (cache, cache.with_suffix(".json"), key)
+    return places
 
 
 def _cached(run: RunDir, window, by: str) -> pl.DataFrame:
@@ -154,16 +155,16 @@ def _cached(run: RunDir, window, by: str) -> pl.DataFrame:
     """
     from charllm.probes.rundir import write_json_atomic
 
-    place = _cache_place(run, window, by)
-    if place is None:
+    places = _cache_places(run, window)
+    if places is None:
         return _level(_summarize(run, window, (by,)), run, by)
-    df = _read_cache(place)
+    df = _read_cache(*places[by])
     if df is not None:
         return df
     levels = _summarize(run, window, BY)
     try:
         for level, df in levels.items():
-            cache, meta, key = _cache_place(run, window, level)
+            cache, meta, key = places[level]
             cache.parent.mkdir(exist_ok=True)
             tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
             df.write_parquet(tmp)
