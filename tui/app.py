@@ -39,9 +39,9 @@ SCREENS: tuple[tuple[str, str, str, str], ...] = (
     ("doctor", "Doctor", "f8", "doctor:DoctorScreen"),
 )
 DEFAULT_EXPERIMENT = "tiny-local"
-# Once the first screen is up and idle, the composed experiment is swept in the background so that
-# the Sweep screen (F3) opens on a ready table.
-SWEEP_AHEAD_AFTER_S = 1.0
+# Once the first screen is up and idle, the work other screens' first keys would pay for is done
+# (`_when_idle`): the Sweep screen (F3) then opens on a ready table.
+IDLE_WORK_AFTER_S = 1.0
 
 
 def _screen_factory(target: str) -> Callable[[], Screen]:
@@ -136,9 +136,11 @@ class CharllmApp(App[None]):
             else:
                 self.theme = self.settings["theme"]
         self.switch_mode(self._start_mode)
-        self.set_timer(SWEEP_AHEAD_AFTER_S, self._sweep_ahead)
+        self.set_timer(IDLE_WORK_AFTER_S, self._when_idle)
 
-    def _sweep_ahead(self) -> None:
+    def _when_idle(self) -> None:
+        """What start-up leaves for later: the sweep of the composed experiment and the CSS of the
+        other screens' widgets, so that their first key does not pay for them."""
         from charllm.tui.screens.sweep import sweep_ahead
 
         if self.current_mode != "sweep":
