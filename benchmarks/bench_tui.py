@@ -155,25 +155,26 @@ def sweep_latency(runs: int, ahead: bool = True) -> tuple[list[float], list[floa
     from charllm.tui.screens.sweep import SweepScreen
 
     opened, toggled = [], []
-    shown_at: list[float] = []          # when a frame first showed what `showing` looks for
-    showing = [lambda: False]
+    looking_for = None      # what the next frame must show to be timed (None: nothing)
+    shown_at = None         # when a frame first showed it
     display = App._display
 
     def timed_display(app, screen, renderable):
+        nonlocal shown_at
         display(app, screen, renderable)
-        if renderable is not None and not shown_at and showing[0]():
-            shown_at.append(time.perf_counter())
+        if renderable is not None and shown_at is None and looking_for is not None and looking_for():
+            shown_at = time.perf_counter()
 
     async def key_to_frame(pilot, key: str, filled) -> float:
         """From pressing `key` to the first frame drawn once `filled()` holds."""
-        shown_at.clear()
-        showing[0] = filled
+        nonlocal looking_for, shown_at
+        looking_for, shown_at = filled, None
         began = time.perf_counter()
         await pilot.press(key)
-        while not shown_at:
+        while shown_at is None:
             await pilot.pause(0.001)
-        showing[0] = lambda: False
-        return shown_at[0] - began
+        looking_for = None
+        return shown_at - began
 
     async def run() -> None:
         for _ in range(runs):

@@ -46,8 +46,8 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
         start = T0_NS + int(((i - 1) * iteration_s + 0.5) * ns)
         end = start + int((iteration_s - 0.1 - 0.02 * (i % 3)) * ns)
         events.append({"event": "iteration", "iteration": i, "rank": 0, "node": "node0", "start_ns": start,
-                       "end_ns": end, "loss": round(10.5 - 0.12 * i, 4), "grad_norm": 1.0, "samples": exp.training.global_batch_size,
-                       "tokens": tokens, "mem_peak_bytes": 61 * 1024**3, "mem_reserved_bytes": 64 * 1024**3,
+                       "end_ns": end, "loss": round(10.5 - 0.12 * i, 4), "grad_norm": 1.0,
+                       "samples": exp.training.global_batch_size, "tokens": tokens, "mem_peak_bytes": 61 * 1024**3, "mem_reserved_bytes": 64 * 1024**3,
                        "tflops_per_gpu": 388.0 + i % 5,
                        "warmup": i <= 2})
     events.append({"event": "end", "status": status, "rank": 0, "node": "node0",
