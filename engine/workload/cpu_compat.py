@@ -70,11 +70,15 @@ def apply() -> bool:
     return True
 
 
-def enter_thread() -> None:
-    """Enter the CUDA-to-CPU device mode in the calling thread (TorchFunctionModes are per thread)."""
+def enter_thread() -> CudaToCpuMode | None:
+    """Enter the CUDA-to-CPU device mode in the calling thread (TorchFunctionModes are per thread);
+    the mode entered, or None when the thread had it already."""
     stack = torch.overrides._get_current_function_mode_stack()
     if _applied and not any(isinstance(mode, CudaToCpuMode) for mode in stack):
-        CudaToCpuMode().__enter__()   # never exited: it lasts for the thread's life
+        mode = CudaToCpuMode()
+        mode.__enter__()   # the main thread's is never exited: it lasts for the process's life
+        return mode
+    return None
 
 
 def _enter_in_new_threads() -> None:
@@ -84,8 +88,14 @@ def _enter_in_new_threads() -> None:
 
     @functools.wraps(run)
     def run_in_mode(self):
-        enter_thread()
-        run(self)
+        mode = enter_thread()
+        try:
+            run(self)
+        finally:
+            # Left before the thread ends: a mode still on a finished thread's stack made the
+            # interpreter's exit abort now and then ("terminate called without an active exception").
+            if mode is not None:
+                mode.__exit__(None, None, None)
 
     threading.Thread.run = run_in_mode
 
