@@ -29,12 +29,12 @@ def import_times() -> tuple[float, float]:
 
 
 def one_launch(preset: str) -> dict:
-    from charllm.engine.catalog import load_experiment
-    from charllm.engine.launch import cancel, launch
-    from charllm.engine.targets import LOCAL
-    from charllm.probes.rundir import RunDir
+    from charllm.engine.model.experiment import Experiment
+    from charllm.engine.launch.launcher import cancel, launch
+    from charllm.engine.launch.targets import LOCAL
+    from charllm.probes.store.rundir import RunDir
 
-    exp = load_experiment(preset)
+    exp = Experiment.load(preset)
     exp.training.train_iters = 3
     t0 = time.time_ns()
     result = launch(exp, LOCAL)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from charllm.engine import catalog
-from charllm.engine.memory import estimate
-from charllm.engine.sweep import base_experiment, sweep
+from charllm.engine.model.memory import estimate
+from charllm.engine.model.sweep import base_experiment, sweep
+from charllm.engine.model.experiment import Experiment
 
 EVERY_CHOICE = {"recompute": ("none", "selective", "full"), "distributed_optimizer": (True, False)}
 
@@ -35,19 +35,19 @@ def timed(fn, repeat: int) -> tuple[float, float, float, float]:
 
 
 def main() -> None:
-    print("one plan (engine.memory.estimate):")
+    print("one plan (engine.model.memory.estimate):")
     for name in PLANS:
-        exp = catalog.load_experiment(name)
+        exp = Experiment.load(name)
         best, median, cpu, cpu_median = timed(lambda: estimate(exp), 300)
         print(f"  {name:34s} PP{exp.parallel.pipeline_model_parallel_size:<3d} wall best {best * 1e6:5.0f} us"
               f" median {median * 1e6:5.0f} us   cpu best {cpu * 1e6:5.0f} us median {cpu_median * 1e6:5.0f} us")
-    exp = catalog.load_experiment(PLANS[0])
+    exp = Experiment.load(PLANS[0])
     exp.parallel.pipeline_model_parallel_size, exp.parallel.virtual_pipeline_model_parallel_size = 8, 5
     best, median, cpu, cpu_median = timed(lambda: estimate(exp), 300)
     print(f"  {'llama3-70b TP8 PP8 VP5 (40 chunks)':34s}       wall best {best * 1e6:5.0f} us"
           f" median {median * 1e6:5.0f} us   cpu best {cpu * 1e6:5.0f} us median {cpu_median * 1e6:5.0f} us")
 
-    print("full sweep (engine.sweep.sweep, every recompute and optimizer choice):")
+    print("full sweep (engine.model.sweep.sweep, every recompute and optimizer choice):")
     for model, hardware, nodes, batch in (("llama3-70b", "h100-sxm-80gb", 8, 128),
                                           ("mixtral-8x7b", "h100-sxm-80gb", 8, 128),
                                           ("llama3-70b", "h100-sxm-80gb", 128, 1024)):

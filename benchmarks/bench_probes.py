@@ -29,9 +29,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from charllm.probes.backend_host import HostBackend
-from charllm.probes.backend_sim import SimBackend
-from charllm.probes.rundir import RunDir
+from charllm.probes.backends.host import HostBackend
+from charllm.probes.backends.sim import SimBackend
+from charllm.probes.store.rundir import RunDir
 from charllm.probes.sampler import Sampler
 
 console = Console(width=150)

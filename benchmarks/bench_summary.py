@@ -91,13 +91,13 @@ def _uncache(runs: list[str]) -> None:
 
 
 def child(kind: str, args: list[str]) -> None:
-    import charllm.probes.summary  # noqa: F401 - imports are not what we measure
+    import charllm.probes.analysis.summary  # noqa: F401 - imports are not what we measure
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu0 = usage.ru_utime + usage.ru_stime
     start = time.perf_counter()
     if kind == "import":
-        from charllm.probes.importers import import_charllm_ppt
+        from charllm.probes.store.importers import import_charllm_ppt
 
         run = import_charllm_ppt(args[0], name=args[1], gpus_per_node=GPUS_PER_NODE, simulated=True)
         files = run.telemetry_files()
@@ -105,17 +105,17 @@ def child(kind: str, args: list[str]) -> None:
         extra = {"run": str(run.path), "rows": rows, "bytes": sum(f.stat().st_size for f in files),
                  "files": len(files)}
     elif kind == "summary":
-        from charllm.probes.summary import summarize
+        from charllm.probes.analysis.summary import summarize
 
         df = summarize(args[0], "all", by=args[1])
         extra = {"rows": df.height}
     elif kind == "compare":
-        from charllm.probes.compare import compare
+        from charllm.probes.analysis.compare import compare
 
         result = compare(args, window="all")
         extra = {"metrics": result.table.height}
     elif kind == "scan":
-        from charllm.probes.rundir import RunDir
+        from charllm.probes.store.rundir import RunDir
 
         frame = RunDir(Path(args[0])).scan_telemetry().select("ts_ns", "device", "power_w").collect()
         extra = {"rows": frame.height}

@@ -36,6 +36,7 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 from rich.table import Table
+from charllm.engine.model.experiment import Experiment
 
 console = Console()
 
@@ -150,7 +151,6 @@ def sweep_latency(runs: int, ahead: bool = True) -> tuple[list[float], list[floa
     """Key to the first frame that shows the filled table (Textual's App._display draws a frame)."""
     from textual.app import App
 
-    from charllm.engine import catalog
     from charllm.tui.app import CharllmApp
     from charllm.tui.screens.sweep import SweepScreen
 
@@ -178,7 +178,7 @@ def sweep_latency(runs: int, ahead: bool = True) -> tuple[list[float], list[floa
 
     async def run() -> None:
         for _ in range(runs):
-            app = CharllmApp(catalog.load_experiment("ppt-h100-llama3-70b-1-01000"))
+            app = CharllmApp(Experiment.load("ppt-h100-llama3-70b-1-01000"))
             async with app.run_test(size=(160, 48)) as pilot:
                 await pilot.pause(0.2)
                 while ahead and app.swept_ahead is None:

@@ -19,11 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from charllm.engine.catalog import load_experiment
+from charllm.engine.model.experiment import Experiment
 
 
 def one_run(preset: str, iters: int, root: Path) -> dict:
-    exp = load_experiment(preset).apply([f"train_iters={iters}"])
+    exp = Experiment.load(preset).apply([f"train_iters={iters}"])
     run_dir = root / f"run-{time.monotonic_ns()}"
     exp.save(run_dir / "experiment.toml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -1,5 +1,10 @@
-"""The domain: catalog, experiments and their validation, Megatron interop, the memory model,
-layout sweep, targets and launchers, and the Megatron-Core training workload.
+"""The domain and what acts on it.
+
+- `model/`: the experiment, the catalog, validation, Megatron interop, the memory model, the layout
+  sweep and the FLOP count: pure arithmetic and rules, no processes.
+- `launch/`: targets (this machine, SSH nodes, Slurm), the launcher and the per-run supervisor.
+- `workload/`: the Megatron-Core training that runs on compute nodes under torchrun.
+- `doctor.py`: checking a node.
 
 Headless: never imports textual. Only `engine.workload` imports torch / megatron.core.
 """

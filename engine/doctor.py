@@ -19,7 +19,7 @@
                                the allocator, TFLOP/s and MFU, what implementation ran
     errors                     one line per failed check (the CLI exits 1 when there is any)
 
-`calibration_record()` turns a report into the node calibration `engine.calibration` saves and
+`calibration_record()` turns a report into the node calibration `engine.model.calibration` saves and
 planning reads. Without a train check the record holds the stack and torch's capacity only; a
 memory measurement an earlier `--train` made on the same stack is kept, never replaced by less.
 """
@@ -44,8 +44,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from charllm.engine import lifeline
-from charllm.probes.errors import UserError, plural
+from charllm.engine.launch import ssh
+from charllm.engine.launch.launcher import CANCEL_GRACE_S, free_port, train_argv
+from charllm.engine.launch.supervise import describe_exit, root_cause
+from charllm.engine.model import calibration, runtime
+from charllm.engine.model.experiment import Experiment, Hardware
+from charllm.engine.model.memory import estimate
+from charllm.engine.model.runtime import Implementation
+from charllm.engine.model.validate import check
+from charllm.probes.backends import inventory, open_backends
+from charllm.probes.backends.base import check_hz, hostname
+from charllm.probes.core import lifeline
+from charllm.probes.core.errors import UserError, plural
 
 GIB = 1 << 30
 SAMPLING_HZ = (20.0, 100.0)
@@ -99,8 +109,6 @@ class CheckFailed(Exception):
 # --------------------------------------------------------------------------------------------
 def node_name(node: str | None = None) -> str:
     """The node's name as runs record it: given, the launcher's, Slurm's, else the host's."""
-    from charllm.probes.backends import hostname
-
     return node or os.environ.get("CHARLLM_NODE") or os.environ.get("SLURMD_NODENAME") or hostname()
 
 
@@ -143,7 +151,6 @@ def error_line(text: str, returncode: int | None = None) -> str:
 def match_hardware(devices: list[dict]) -> tuple[str | None, str]:
     """(hardware preset, why) for the node's devices as `runtime.describe` lists them; the preset is
     None for a GPU no preset matches, and the reason then asks for --hardware."""
-    from charllm.engine import catalog
 
     if not devices:
         return "cpu", "no GPU: training runs on the CPU"
@@ -155,7 +162,7 @@ def match_hardware(devices: list[dict]) -> tuple[str | None, str]:
     lowered = name.lower()
     for preset, wants, refuses in GPU_PRESETS:
         if all(w.lower() in lowered for w in wants) and not any(r.lower() in lowered for r in refuses):
-            hw = catalog.load_hardware(preset)
+            hw = Hardware.load(preset)
             expected = hw.usable_bytes or hw.memory_bytes
             if abs(total - expected) <= MEMORY_TOLERANCE * expected:
                 return preset, f"{len(devices)} x {name}, {total / GIB:.2f} GiB"
@@ -174,8 +181,6 @@ def check_hardware(hardware, devices: list[dict]) -> None:
 def llama_experiment(hardware, gpus: int, layers: int = 16, micro_batch: int = 1, seq: int = 4096,
                      vocab: int = 128256, iters: int = TRAIN_ITERS):
     """The Llama-style train-check experiment on `gpus` devices of `hardware` (data parallel)."""
-    from charllm.engine.experiment import Experiment
-
     exp = Experiment.from_dict({
         "name": f"doctor-{LLAMA_1_5B['name']}", "model": {**LLAMA_1_5B, "num_layers": layers, "vocab_size": vocab},
         "cluster": {"nodes": 1, "gpus_per_node": max(1, gpus)},
@@ -189,12 +194,8 @@ def llama_experiment(hardware, gpus: int, layers: int = 16, micro_batch: int = 1
 def train_experiment(hardware, gpus: int, iters: int = TRAIN_ITERS):
     """(experiment, its memory plan) for the train check: on a GPU node the largest of TRAIN_SHAPES
     whose plan fits the device, on all its GPUs; on a CPU node the tiny model on 2 processes."""
-    from charllm.engine import catalog
-    from charllm.engine.memory import estimate
-    from charllm.engine.validate import check
-
     if hardware.vendor == "cpu":
-        exp = catalog.load_experiment(CPU_EXPERIMENT)
+        exp = Experiment.load(CPU_EXPERIMENT)
         exp.name = f"doctor-{CPU_EXPERIMENT}"
         exp.hardware = hardware
         exp.training.train_iters, exp.training.warmup_iters = iters, min(2, iters - 1)
@@ -214,15 +215,13 @@ def train_experiment(hardware, gpus: int, iters: int = TRAIN_ITERS):
 # Telemetry: what the probe sees, and how fast it really samples
 # --------------------------------------------------------------------------------------------
 def telemetry_check(backends, reason: str) -> dict:
-    from charllm.probes.backends import inventory
-
     return {"backend": ", ".join(b.name for b in backends), "reason": reason, "devices": inventory(backends)}
 
 
 def sampling_check(backends, hz: float, seconds: float, node: str) -> dict:
     """Run the real sampler for `seconds` at `hz`; per device, rows per second and the spacing of
     its rows (a backend slower than `hz`, like the host's, is asked every n-th tick: `target_hz`)."""
-    from charllm.probes.sampler import Sampler
+    from charllm.probes.sampler import Sampler  # deferred: loads polars (start-up time)
 
     rows: list[dict] = []
     sampler = Sampler(backends, hz=hz, node=node, on_sample=rows.extend)
@@ -253,8 +252,6 @@ def run_train(exp, plan, *, node: str, progress: Progress, timeout: float = TRAI
     """Train `exp` with the workload under torchrun, as the launcher does, in a temporary run
     directory (removed afterwards, whatever happens; nothing is left running); the measurements.
     A failure raises CheckFailed with the failing rank's error line."""
-    from charllm.engine.launch import free_port, train_argv
-
     run_dir = Path(tempfile.mkdtemp(prefix="charllm-doctor-"))
     try:
         exp.save(run_dir / "experiment.toml")
@@ -283,8 +280,7 @@ def run_train(exp, plan, *, node: str, progress: Progress, timeout: float = TRAI
 def _follow(proc, run_dir: Path, exp, node: str, progress: Progress, timeout: float,
             stop: threading.Event | None) -> list[dict]:
     """The iteration log until torchrun exits, with a progress line per phase and iteration."""
-    from charllm.engine.runtime import Implementation
-    from charllm.probes.tail import IterationTail
+    from charllm.probes.store.tail import IterationTail  # deferred: loads polars (start-up time)
 
     tail, events, seen = IterationTail(run_dir), [], set()
     deadline = time.monotonic() + timeout
@@ -314,8 +310,6 @@ def _follow(proc, run_dir: Path, exp, node: str, progress: Progress, timeout: fl
 
 def _stop_group(proc) -> None:
     """TERM the job's process group, KILL what is left after a grace period, reap torchrun."""
-    from charllm.engine.launch import CANCEL_GRACE_S
-
     def alive() -> bool:
         proc.poll()   # reap torchrun: a zombie leader still counts as a member of its group
         try:
@@ -335,8 +329,6 @@ def _stop_group(proc) -> None:
 
 
 def _train_failure(log_path: Path, returncode: int) -> str:
-    from charllm.engine.supervise import describe_exit, root_cause
-
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
     cause = root_cause(log_path)
     who = f"rank {cause[0]} {describe_exit(cause[2])}" if cause else f"torchrun {describe_exit(returncode)}"
@@ -350,8 +342,6 @@ def _implementation_args(data: dict) -> dict:
 
 def measurements(exp, plan, events: list[dict], node: str) -> dict:
     """The train check's figures from the job's iteration log."""
-    from charllm.engine.runtime import Implementation
-
     start = next((e for e in events if e.get("event") == "start"), None)
     end = next((e for e in reversed(events) if e.get("event") == "end" and e.get("memory")), None)
     iterations = {e["iteration"]: e for e in events if e.get("event") == "iteration"}
@@ -381,7 +371,7 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
         allocated, reserved = last["allocated_bytes"], last["reserved_bytes"]
         planned = out["planned_bytes"]
         # the allocator's reserve beyond the allocated peak, per byte of the iteration's churn (the
-        # peak less what stays allocated between iterations): what engine.memory.Budget assumes
+        # peak less what stays allocated between iterations): what engine.model.memory.Budget assumes
         churn = allocated - plan.stages[-1].steady_bytes
         out.update(allocated_bytes=allocated, plan_error_pct=100 * (allocated - planned) / planned,
                    reserved_bytes=reserved,
@@ -402,8 +392,6 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
 # --------------------------------------------------------------------------------------------
 def check_options(*, sample_seconds: float, iters: int, timeout: float, rates=SAMPLING_HZ) -> None:
     """The figures a user gives, checked before anything runs (here and on a target's nodes)."""
-    from charllm.probes.backends import check_hz
-
     for hz in rates:
         check_hz(hz)
     if not sample_seconds > 0:
@@ -420,11 +408,8 @@ def gather(*, hardware: str | None = None, train: bool = False, node: str | None
            stop: threading.Event | None = None) -> dict:
     """Every check on this node. Bad input (an unknown --hardware, bad figures) is a UserError raised
     before anything slow runs; a check that fails is one line in `errors`, the others still report."""
-    from charllm.engine import catalog, runtime
-    from charllm.probes.backends import open_backends
-
     say = progress or (lambda message: None)
-    chosen = catalog.load_hardware(hardware) if hardware else None
+    chosen = Hardware.load(hardware) if hardware else None
     check_options(rates=rates, sample_seconds=sample_seconds, iters=iters, timeout=timeout)
     node = node_name(node)
     report: dict = {"node": node, "date": today(), "hardware": None, "hardware_reason": "", "errors": []}
@@ -446,7 +431,7 @@ def gather(*, hardware: str | None = None, train: bool = False, node: str | None
             if report["hardware"] is None:
                 report["errors"].append(report["hardware_reason"])
         stack = runtime.Stack.from_dict(facts["stack"], source=f"found on {node}")
-        impl = runtime.resolve(llama_experiment(catalog.load_hardware("cpu"), 1), stack)
+        impl = runtime.resolve(llama_experiment(Hardware.load("cpu"), 1), stack)
         report["implementation"] = {**impl.to_dict(), "describe": impl.describe()}
 
     say(f"{node}: opening telemetry (backend auto)")
@@ -466,7 +451,7 @@ def gather(*, hardware: str | None = None, train: bool = False, node: str | None
         if report["hardware"] is None:
             report["errors"].append("train check: not run (the hardware is not known: see above)")
         else:
-            hw = chosen or catalog.load_hardware(report["hardware"])
+            hw = chosen or Hardware.load(report["hardware"])
             try:
                 exp, plan = train_experiment(hw, len(report["devices"]), iters)
                 say(f"{node}: train check: {exp.model.name}, {exp.world_size} process(es), planned peak "
@@ -483,7 +468,7 @@ def gather(*, hardware: str | None = None, train: bool = False, node: str | None
 # Calibration
 # --------------------------------------------------------------------------------------------
 def calibration_record(report: dict, previous: dict | None = None) -> dict:
-    """The calibration `engine.calibration.save` writes for this report's hardware. `previous` is the
+    """The calibration `engine.model.calibration.save` writes for this report's hardware. `previous` is the
     record saved before: its train measurement stays while the stack is the same and this report
     has none of its own."""
     train = report.get("train") if report.get("train") and not report["train"].get("error") else None
@@ -508,8 +493,6 @@ def calibration_record(report: dict, previous: dict | None = None) -> dict:
 
 
 def save_calibration(report: dict) -> Path:
-    from charllm.engine import calibration
-
     if report.get("hardware") is None or report.get("stack") is None:
         raise CheckFailed("no calibration saved: " + (report["errors"][0] if report.get("errors") else
                                                       "the node's hardware or software is not known"))
@@ -519,8 +502,6 @@ def save_calibration(report: dict) -> Path:
 
 def saved_calibrations() -> list[dict]:
     """Every saved calibration record, newest first (damaged files are skipped, with a warning)."""
-    from charllm.engine import calibration
-
     found = [calibration.load(p.stem) for p in sorted(calibration.directory().glob("*.json"))]
     return sorted((c.data for c in found if c is not None), key=lambda r: (r.get("date", ""), r["hardware"]),
                   reverse=True)
@@ -562,11 +543,10 @@ def on_target(target, *, nodes: int | None = None, train: bool = False, hardware
               timeout: float = TRAIN_TIMEOUT_S, progress: Progress | None = None) -> list[NodeResult]:
     """Run `doctor --json` on every node of an ssh target (each host) or a slurm target (one srun
     step over `nodes` nodes); a node that fails or cannot be reached is a NodeResult with an error."""
-    from charllm.engine import catalog
 
     say = progress or (lambda message: None)
     if hardware:
-        catalog.load_hardware(hardware)   # a bad name is said once, here, not by every node
+        Hardware.load(hardware)   # a bad name is said once, here, not by every node
     check_options(sample_seconds=sample_seconds, iters=iters, timeout=timeout)
     if nodes is not None and target.kind != "slurm":
         raise UserError(f"--nodes = {nodes}: only for a slurm target (target {target.name!r} is {target.kind})")
@@ -586,8 +566,6 @@ def _remote_wait(timeout: float, train: bool) -> float:
 
 
 def _on_ssh(target, options: dict, say: Progress) -> list[NodeResult]:
-    from charllm.engine import ssh
-
     running: dict[str, tuple] = {}   # host -> (its ssh client, that client's stdout)
 
     def one(host: str) -> NodeResult:
@@ -641,9 +619,7 @@ def _on_ssh(target, options: dict, say: Progress) -> list[NodeResult]:
 
 def _stop_ssh(target, host: str, proc, out: "_Collect") -> None:
     """Stop a node's doctor: its remote process group (closing the channel does not stop it, see
-    engine.ssh; the pgid is the first line it printed), then the ssh client."""
-    from charllm.engine import ssh
-
+    engine.launch.ssh; the pgid is the first line it printed), then the ssh client."""
     if proc.poll() is not None:
         return
     first = out.first_line(timeout=1)
@@ -709,8 +685,6 @@ def srun_argv(target, nodes: int, line: str) -> list[str]:
 def _on_slurm(target, nodes: int, options: dict, say: Progress) -> list[NodeResult]:
     import re
 
-    from charllm.engine import ssh
-
     if shutil.which("srun") is None:
         raise UserError(f"target {target.name!r}: `srun` is not on PATH (run from a Slurm login node)")
     label = re.compile(r"^\s*(\d+): ?(.*)$")
@@ -770,6 +744,4 @@ def _on_slurm(target, nodes: int, options: dict, say: Progress) -> list[NodeResu
 
 if __name__ == "__main__":
     # The child of `software()`: this interpreter may import torch and try every extension.
-    from charllm.engine import runtime
-
     print(json.dumps(runtime.describe(runtime.detect())))

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from charllm.probes.cli import add_arguments, run
-from charllm.probes.errors import UserError, os_error_line
+from charllm.probes.core.errors import UserError, os_error_line
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from charllm.probes.errors import plural
+from charllm.probes.backends import inventory, open_backends
+from charllm.probes.backends.base import check_hz
+from charllm.probes.core import paths
+from charllm.probes.core.errors import plural, UserError
+from charllm.probes.store.rundir import check_node_name, RunDir
 
 MAX_DURATION_S = 366 * 24 * 3600
 
@@ -53,12 +57,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from charllm.probes.backends import open_backends
-    from charllm.probes import paths
-    from charllm.probes.errors import UserError
-    from charllm.probes.rundir import check_node_name
-    from charllm.probes.backends import check_hz
-    from charllm.probes.sampler import Sampler
+    from charllm.probes.sampler import Sampler  # deferred: loads polars (start-up time)
 
     check_hz(args.hz)
     if args.node is not None:
@@ -97,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 sampler.run(args.duration)
         except BaseException as exc:
-            from charllm.probes.recorder import DiskFull
+            from charllm.probes.store.recorder import DiskFull  # deferred: loads polars (start-up time)
 
             changes = {"status": "failed"} if own_manifest else {}
             if isinstance(exc, DiskFull):
@@ -128,14 +127,10 @@ def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
     import time
     from pathlib import Path
 
-    from charllm.probes.rundir import RunDir
-
     run = RunDir(Path(out).expanduser().resolve())
     try:
         run.path.mkdir(exist_ok=True)
     except OSError as exc:
-        from charllm.probes.errors import UserError
-
         raise UserError(f"--out {out!r}: cannot create the run directory ({exc.strerror})") from None
     if not run.manifest_path.exists():
         import psutil
@@ -160,8 +155,6 @@ def _console(file):
 
 def _print_list(console, backends, reason: str) -> None:
     from rich.table import Table
-
-    from charllm.probes.backends import inventory
 
     console.print(f"backend: {', '.join(b.name for b in backends)} — {reason}")
     table = Table("device", "backend", "name", "uuid", "metrics", show_lines=False)
@@ -208,7 +201,7 @@ class _LiveTable:
     def _render(self):
         from rich.table import Table
 
-        from charllm.probes.schema import THROTTLE_BITS
+        from charllm.probes.store.schema import THROTTLE_BITS  # deferred: loads polars (start-up time)
 
         simulated = any(row.get("simulated") for row in self.latest.values())
         title = f"[bold yellow]SIMULATED DATA[/] — {self.reason}" if simulated else self.reason

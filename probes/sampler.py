@@ -30,13 +30,13 @@ from typing import BinaryIO, Callable
 
 import polars as pl
 
-from charllm.probes.backends import Backend, check_hz, hostname
-from charllm.probes.errors import plural
-from charllm.probes.recorder import ChunkWriter
-from charllm.probes.rundir import RunDir
-from charllm.probes.schema import TELEMETRY_SCHEMA
-from charllm.probes.stream import StreamWriter
-from charllm.probes.tail import IterationTail
+from charllm.probes.backends.base import Backend, check_hz, hostname
+from charllm.probes.core.errors import plural
+from charllm.probes.store.recorder import ChunkWriter
+from charllm.probes.store.rundir import RunDir
+from charllm.probes.store.schema import TELEMETRY_SCHEMA
+from charllm.probes.store.stream import StreamWriter
+from charllm.probes.store.tail import IterationTail
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec
 
 SIZE = (160, 48)
 
@@ -52,11 +53,9 @@ async def main(out: Path, only: set[str]) -> None:
         await until(pilot, lambda: screen.last is not None and screen.last.serial == screen.edit_serial)
 
     def llama70b():
-        from charllm.engine import catalog
-
-        exp = catalog.load_experiment("tiny-local")
+        exp = Experiment.load("tiny-local")
         exp.name = "llama3-70b-h100-64"
-        exp.model, exp.hardware = catalog.load_model("llama3-70b"), catalog.load_hardware("h100-sxm-80gb")
+        exp.model, exp.hardware = ModelSpec.load("llama3-70b"), Hardware.load("h100-sxm-80gb")
         exp.cluster.nodes, exp.cluster.gpus_per_node = 8, 8
         exp.parallel.tensor_model_parallel_size, exp.parallel.pipeline_model_parallel_size = 8, 4
         exp.parallel.sequence_parallel = exp.parallel.use_distributed_optimizer = True

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from charllm.probes.rundir import FINAL_STATUSES, RunDir
+from charllm.probes.store.rundir import FINAL_STATUSES, RunDir
 
 
 def run_processes(marker: str) -> list[psutil.Process]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from charllm.probes.rundir import RunDir
-from charllm.probes.schema import conform
+from charllm.probes.store.rundir import RunDir
+from charllm.probes.store.schema import conform
 
 T0_NS = 1_700_000_000 * 10**9
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from runfactory import gpu_frame, make_run
 
-from charllm.probes import baselines
-from charllm.probes.errors import UserError
+from charllm.probes.analysis import baselines
+from charllm.probes.core.errors import UserError
 from charllm.tui.cli import main
 
 T = np.round(np.arange(0, 101) * 0.1, 10)

@@ -8,8 +8,9 @@ import tomllib
 
 import pytest
 
-from charllm.engine import catalog
-from charllm.probes.errors import UserError
+from charllm.engine.model import catalog
+from charllm.probes.core.errors import UserError
+from charllm.engine.model.experiment import Hardware, ModelSpec
 
 GIB = 2**30
 
@@ -36,7 +37,7 @@ PPT_SHAPES = {
 
 @pytest.mark.parametrize("name", list(PPT_SHAPES))
 def test_charllm_ppt_model_shapes(name):
-    m = catalog.load_model(name)
+    m = ModelSpec.load(name)
     topk = m.moe_router_topk if m.is_moe else None
     assert (m.num_layers, m.hidden_size, m.ffn, m.num_attention_heads, m.num_query_groups, m.seq_length,
             m.vocab_size, m.num_moe_experts, topk) == PPT_SHAPES[name]
@@ -71,11 +72,11 @@ def _params(m) -> float:
     ("mixtral-8x7b", 46.7), ("mixtral-8x22b", 141), ("deepseek-v3", 671),
 ])
 def test_model_presets_have_the_published_parameter_count(name, billions):
-    assert _params(catalog.load_model(name)) / 1e9 == pytest.approx(billions, rel=0.02)
+    assert _params(ModelSpec.load(name)) / 1e9 == pytest.approx(billions, rel=0.02)
 
 
 def test_deepseek_v3_shape():
-    m = catalog.load_model("deepseek-v3")
+    m = ModelSpec.load("deepseek-v3")
     assert m.multi_latent_attention and (m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
                                          m.v_head_dim) == (1536, 512, 128, 64, 128)
     assert m.moe_layer_pattern() == [False] * 3 + [True] * 58
@@ -86,25 +87,25 @@ def test_deepseek_v3_shape():
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "llama3.1-405b"])
 def test_llama_architecture(name):
-    m = catalog.load_model(name)
+    m = ModelSpec.load(name)
     assert (m.normalization, m.swiglu, m.position_embedding_type, m.untie_embeddings_and_output_weights,
             m.add_bias_linear) == ("RMSNorm", True, "rope", True, False)
 
 
 def test_gpt3_architecture():
-    m = catalog.load_model("gpt3-175b")
+    m = ModelSpec.load("gpt3-175b")
     assert (m.normalization, m.swiglu, m.position_embedding_type, m.untie_embeddings_and_output_weights) == (
         "LayerNorm", False, "learned_absolute", False)
 
 
 def test_tiny_moe_trains_on_cpu_settings():
-    m = catalog.load_model("tiny-moe")
+    m = ModelSpec.load("tiny-moe")
     assert (m.num_moe_experts, m.moe_router_topk, m.add_bias_linear) == (4, 2, False)
 
 
 @pytest.mark.parametrize("name", [h for h in REQUIRED_HARDWARE if h != "cpu"])
 def test_hardware_figures_are_consistent(name):
-    hw = catalog.load_hardware(name)
+    hw = Hardware.load(name)
     assert hw.vendor in ("nvidia", "amd")
     assert 0 < hw.usable_bytes <= hw.memory_bytes
     assert hw.memory_bytes - hw.usable_bytes < 2 * GIB          # a driver reserve, not a different board
@@ -116,11 +117,11 @@ def test_hardware_figures_are_consistent(name):
 
 
 def test_hardware_known_values():
-    h100 = catalog.load_hardware("h100-sxm-80gb")
+    h100 = Hardware.load("h100-sxm-80gb")
     assert h100.usable_bytes / GIB == pytest.approx(79.11, abs=0.01)
     assert (h100.bf16_tflops, h100.tdp_w, h100.fp8) == (989.4, 700.0, True)
-    assert not catalog.load_hardware("a100-80gb").fp8
-    mi250x = catalog.load_hardware("mi250x")
+    assert not Hardware.load("a100-80gb").fp8
+    mi250x = Hardware.load("mi250x")
     assert mi250x.devices_per_package == 2 and mi250x.memory_bytes == 64 * GIB
     assert "GCD" in mi250x.description
 
@@ -154,18 +155,18 @@ def test_user_presets_take_precedence(charllm_dirs):
     user.mkdir(parents=True)
     (user / "llama3-8b.toml").write_text('description = "mine"\nnum_layers = 2\n')
     assert catalog.is_user("models", "llama3-8b")
-    assert catalog.load_model("llama3-8b").num_layers == 2
+    assert ModelSpec.load("llama3-8b").num_layers == 2
 
 
 def test_unknown_preset_suggests_a_name():
     with pytest.raises(UserError, match="model 'mixtral-8x7': no such preset; did you mean 'mixtral-8x7b'"):
-        catalog.load_model("mixtral-8x7")
+        ModelSpec.load("mixtral-8x7")
 
 
 def test_swiglu_ffn_of_presets_is_explicit():
     """Every SwiGLU preset states its FFN size (our default is 4h, not Megatron's 8h/3 rule)."""
     for name in catalog.entries("models"):
-        m = catalog.load_model(name)
+        m = ModelSpec.load(name)
         if m.swiglu:
             assert m.ffn_hidden_size is not None, name
             assert math.isfinite(m.ffn)

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from charllm.engine import catalog
-from charllm.engine.experiment import Experiment
-from charllm.engine.megatron import import_megatron_args
+from charllm.engine.model import catalog
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.model.megatron import import_megatron_args
 from infra_cli import run
 
 
@@ -135,7 +135,7 @@ def test_presets_show_flags_an_invalid_user_experiment(capsys, charllm_dirs):
 @pytest.mark.parametrize("name", ["tiny-moe-ep2", "ppt-h200-mixtral-8x22b-2-11000", "ppt-h100-gpt3-175b-5-10000"])
 def test_export_megatron_round_trips(capsys, name):
     code, out, err = run(capsys, "export", "megatron", name)
-    exp = catalog.load_experiment(name)
+    exp = Experiment.load(name)
     assert code == 0 and f"torchrun --nnodes {exp.cluster.nodes}" in err
     assert out.splitlines()[1].startswith("    --") and out.splitlines()[0].endswith(" \\")
     back = import_megatron_args(out, world_size=exp.world_size, hardware=exp.hardware.name)
@@ -144,7 +144,7 @@ def test_export_megatron_round_trips(capsys, name):
 
 
 def export_of(exp: Experiment) -> list[str]:
-    from charllm.engine.megatron import export_megatron_args
+    from charllm.engine.model.megatron import export_megatron_args
 
     return export_megatron_args(exp)
 
@@ -175,7 +175,7 @@ def test_export_toml_is_the_resolved_experiment(capsys, tmp_path):
     target = tmp_path / "exp.toml"
     code, _, _ = run(capsys, "export", "toml", "ppt-h200-llama3-70b-2-01000", "--out", str(target))
     assert code == 0
-    assert Experiment.load(target) == catalog.load_experiment("ppt-h200-llama3-70b-2-01000")
+    assert Experiment.load(target) == Experiment.load("ppt-h200-llama3-70b-2-01000")
     code, out, _ = run(capsys, "export", "toml", str(target), "--set", "micro_batch_size=2")
     assert code == 0 and "micro_batch_size = 2" in out
 

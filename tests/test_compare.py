@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
 
-from charllm.probes import baselines
-from charllm.probes.compare import compare, direction, render
-from charllm.probes.errors import UserError
-from charllm.probes.summary import format_figure
+from charllm.probes.analysis import baselines
+from charllm.probes.analysis.compare import compare, direction, render
+from charllm.probes.core.errors import UserError
+from charllm.probes.analysis.summary import format_figure
 from charllm.tui.cli import main
 
 T = np.round(np.arange(0, 101) * 0.1, 10)

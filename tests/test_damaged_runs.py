@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from charllm.engine.catalog import load_experiment
+from charllm.engine.model.experiment import Experiment
 from infra_cli import one_error_line, run
 from runfactory import gpu_frame, iteration_rows, make_run
 
@@ -38,7 +38,7 @@ COMMANDS = [("runs", "list"), ("runs", "show", "BAD"), ("runs", "logs", "BAD"), 
 
 
 def two_runs(root) -> None:
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.save(root.parent / "experiment.toml")
     toml = (root.parent / "experiment.toml").read_text()
     for run_id in ("good-run", "bad-run"):

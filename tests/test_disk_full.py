@@ -10,11 +10,11 @@ import subprocess
 
 import pytest
 
-from charllm.engine.catalog import load_experiment
-from charllm.engine.launch import launch
-from charllm.engine.targets import LOCAL
-from charllm.probes.errors import mount_point
-from charllm.probes.rundir import FINAL_STATUSES, RunDir, status_line
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.launch.launcher import launch
+from charllm.engine.launch.targets import LOCAL
+from charllm.probes.core.errors import mount_point
+from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, status_line
 from infra_cli import one_error_line, run
 from infra_runs import iterations_logged, left_after, logs, wait_final, wait_for
 
@@ -54,7 +54,7 @@ def fill(disk) -> None:
 
 
 def training(iters: int = 100_000) -> RunDir:
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.training.train_iters = iters
     rd = RunDir(launch(exp, LOCAL).run_dir)
     wait_for(lambda: iterations_logged(rd) >= 1, 240, f"the first iteration\n{logs(rd)}")

@@ -12,11 +12,14 @@ import tempfile
 
 import pytest
 
-from charllm.engine.memory import estimate
+from charllm.engine.model.memory import estimate
 
-from charllm.engine import calibration, catalog, doctor
+from charllm.engine.model import calibration
+
+from charllm.engine import doctor
 from charllm.tui.cli import build_parser, main
 from charllm.tui.commands.doctor import EPILOG
+from charllm.engine.model.experiment import Hardware
 from infra_cli import one_error_line, run
 from infra_runs import run_processes, wait_for
 from tests.fakes_nvml import FakeGpu, FakeNvml
@@ -93,7 +96,7 @@ def test_train_check_saves_a_calibration_that_plan_then_uses(capsys, charllm_dir
 @pytest.mark.integration
 def test_a_failing_train_job_is_one_line_and_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    exp, plan = doctor.train_experiment(catalog.load_hardware("cpu"), 0, iters=3)
+    exp, plan = doctor.train_experiment(Hardware.load("cpu"), 0, iters=3)
     exp.training.data_path = str(tmp_path / "no-such-dataset")   # the workload refuses it on every rank
     with pytest.raises(doctor.CheckFailed) as failed:
         doctor.run_train(exp, plan, node="n0", progress=lambda line: None)
@@ -180,7 +183,7 @@ def test_telemetry_and_sampling_on_nvml_gpus(monkeypatch):
 
 def test_gpu_train_figures_from_an_iteration_log():
     """The figures a CUDA job's iteration log gives (the workload's own event shapes)."""
-    hw = catalog.load_hardware("h100-sxm-80gb")
+    hw = Hardware.load("h100-sxm-80gb")
     exp, plan = doctor.train_experiment(hw, gpus=8, iters=4)
     assert exp.world_size == 8 and exp.model.num_layers == 16 and plan.fits
     planned = plan.stages[-1].total_bytes
@@ -210,7 +213,7 @@ def test_gpu_train_figures_from_an_iteration_log():
 def test_small_gpus_get_a_smaller_job():
     import dataclasses
 
-    h100 = catalog.load_hardware("h100-sxm-80gb")
+    h100 = Hardware.load("h100-sxm-80gb")
     for gib in (24, 12, 8):
         small = dataclasses.replace(h100, name=f"gpu-{gib}", usable_bytes=gib * 2**30, memory_bytes=gib * 2**30)
         exp, plan = doctor.train_experiment(small, gpus=1)

@@ -11,7 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from charllm.engine.catalog import load_experiment
+from charllm.engine.model.experiment import Experiment
 from charllm.tui.cli import EXIT_STATUS
 from infra_cli import one_error_line, run
 from runfactory import gpu_frame, iteration_rows, make_run
@@ -40,7 +40,7 @@ def read_only(tmp_path, monkeypatch):
     try:
         (disk / "data").mkdir()
         experiment = tmp_path / "experiment.toml"
-        load_experiment("tiny-local").save(experiment)
+        Experiment.load("tiny-local").save(experiment)
         for run_id in ("done-run", "orphan-run"):
             run = make_run(disk / "runs", [gpu_frame(np.arange(0, 10, 0.05), power_w=150.0)],
                            experiment=experiment.read_text(),
@@ -94,7 +94,7 @@ def test_a_probe_whose_directory_turns_read_only_stops_in_one_line(tmp_path):
     import sys
 
     from infra_runs import finish, start, wait_for
-    from charllm.probes.rundir import RunDir
+    from charllm.probes.store.rundir import RunDir
 
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -4,19 +4,18 @@ import tomllib
 
 import pytest
 
-from charllm.engine.catalog import load_experiment
-from charllm.engine.experiment import Experiment
-from charllm.probes.errors import UserError
+from charllm.engine.model.experiment import Experiment
+from charllm.probes.core.errors import UserError
 
 
 def test_toml_round_trip_is_lossless():
-    exp = load_experiment("tiny-moe-ep2")
+    exp = Experiment.load("tiny-moe-ep2")
     again = Experiment.from_dict(tomllib.loads(exp.to_toml()))
     assert again == exp
 
 
 def test_bare_names_shared_by_sections_mean_the_megatron_flag():
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.apply(["seq_length=64", "fp8=hybrid"])
     assert exp.training.seq_length == 64 and exp.seq_length == 64
     assert exp.model.seq_length == 32          # the preset's default is untouched
@@ -27,7 +26,7 @@ def test_bare_names_shared_by_sections_mean_the_megatron_flag():
 
 
 def test_set_parses_toml_values_and_checks_types():
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.apply(["moe_layer_freq=[1, 0, 1, 0]", "recompute_granularity=full", "lr=3e-4"])
     assert exp.model.moe_layer_freq == [1, 0, 1, 0]
     assert exp.training.recompute_granularity == "full"
@@ -41,8 +40,8 @@ def test_set_parses_toml_values_and_checks_types():
 
 
 def test_set_model_or_hardware_takes_a_preset_name_as_a_toml_file_does():
-    exp = load_experiment("tiny-local").apply(["model=tiny-moe", "hardware=h100-sxm-80gb"])
-    assert exp.model == load_experiment("tiny-moe-ep2").model
+    exp = Experiment.load("tiny-local").apply(["model=tiny-moe", "hardware=h100-sxm-80gb"])
+    assert exp.model == Experiment.load("tiny-moe-ep2").model
     assert exp.hardware.name == "h100-sxm-80gb"
     with pytest.raises(UserError, match=r"model 'llama3-8bb': no such preset; did you mean 'llama3-8b'"):
         exp.apply(["model=llama3-8bb"])
@@ -53,7 +52,7 @@ def test_set_model_or_hardware_takes_a_preset_name_as_a_toml_file_does():
 
 
 def test_a_count_agrees_with_its_noun(capsys):
-    from charllm.probes.errors import plural
+    from charllm.probes.core.errors import plural
     from infra_cli import run
 
     assert (plural(1, "micro-batch", "micro-batches"), plural(2, "micro-batch", "micro-batches")) == \
@@ -73,7 +72,7 @@ def test_unknown_section_key_in_a_file_names_the_file_and_suggests(tmp_path):
 
 
 def test_copy_is_deep_per_section():
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     other = exp.copy()
     other.set("tensor_model_parallel_size", 2)
     assert exp.parallel.tensor_model_parallel_size == 1

@@ -9,8 +9,8 @@ import re
 import numpy as np
 from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
 
-from charllm.probes.compare import compare, render
-from charllm.probes.summary import summarize
+from charllm.probes.analysis.compare import compare, render
+from charllm.probes.analysis.summary import summarize
 from charllm.tui.cli import main
 from charllm.tui.screens import runs as runs_screen
 from charllm.tui.screens.live import iterations_text

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from charllm.engine.catalog import load_experiment
+from charllm.engine.model.experiment import Experiment
 from infra_fuzz import HANG_S, Outcome, call, tree
 from runfactory import gpu_frame, iteration_rows, make_run
 
@@ -46,7 +46,7 @@ def sandbox(charllm_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("CHARLLM_DATA_DIR", str(dirs["data"]))
     monkeypatch.setenv("CHARLLM_RUNS_DIR", str(dirs["runs"]))
     monkeypatch.chdir(root)
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.save(dirs["inputs"] / "experiment.toml")
     make_run(dirs["runs"], [gpu_frame(np.arange(0, 10, 0.05), power_w=150.0)],
              experiment=(dirs["inputs"] / "experiment.toml").read_text(),
@@ -277,7 +277,7 @@ def call_settings(path: Path) -> Outcome:
     (a UserError is printed as one line)."""
     import signal
 
-    from charllm.probes.errors import UserError
+    from charllm.probes.core.errors import UserError
     from charllm.tui.app import load_settings
     from infra_fuzz import _alarm, Hang
 

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charllm.engine import catalog
-from charllm.engine.experiment import SECTIONS, Experiment, all_keys, field_names
-from charllm.engine.megatron import FLAGS, SPECIAL_FLAGS, export_megatron_args, import_megatron_args
-from charllm.engine.validate import check, validate
-from charllm.probes.errors import UserError
+from charllm.engine.model import catalog
+from charllm.engine.model.experiment import SECTIONS, Experiment, all_keys, field_names
+from charllm.engine.model.megatron import FLAGS, SPECIAL_FLAGS, export_megatron_args, import_megatron_args
+from charllm.engine.model.validate import check, validate
+from charllm.probes.core.errors import UserError
 from charllm.tui.cli import main
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -61,7 +61,7 @@ def exercise(exp: Experiment) -> None:
 @given(presets, st.lists(st.tuples(keys, values), min_size=1, max_size=4))
 @FUZZ
 def test_random_set_values_raise_only_user_errors(preset, assignments):
-    exp = catalog.load_experiment(preset)
+    exp = Experiment.load(preset)
     try:
         exp.apply([f"{k}={_toml_literal(v)}" for k, v in assignments])
         exercise(exp)
@@ -155,7 +155,7 @@ def test_user_experiment_files_never_break_presets_commands(capsys, charllm_dirs
     """A user's experiment file with odd sizes is listed and shown (marked invalid), never a traceback."""
     import tomli_w
 
-    exp = catalog.load_experiment("tiny-moe-ep2")
+    exp = Experiment.load("tiny-moe-ep2")
     for key, value in sets:
         exp.set(key, value)
     user = charllm_dirs["config"] / "experiments"

@@ -20,7 +20,7 @@ def test_collection_ignores_the_users_saved_presets(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLLM_")}
     env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"))
     # The real user dirs do hold the preset (so the test can fail):
-    probe = subprocess.run([sys.executable, "-c", "from charllm.engine import catalog; "
+    probe = subprocess.run([sys.executable, "-c", "from charllm.engine.model import catalog; "
                             "print('my-tp2' in catalog.entries('experiments'))"],
                            env=env, capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "True", probe.stderr

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from charllm.engine.catalog import load_experiment
-from charllm.engine.launch import launch
-from charllm.engine.targets import parse_target
-from charllm.probes.errors import UserError
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.launch.launcher import launch
+from charllm.engine.launch.targets import parse_target
+from charllm.probes.core.errors import UserError
 from infra_cli import one_error_line, run
 from infra_fuzz import call
 from runfactory import gpu_frame, iteration_rows, make_run
@@ -29,7 +29,7 @@ def test_no_configuration_field_breaks_out_of_its_line(field, breakout, tmp_path
 
 
 def test_a_clean_target_gives_one_sbatch_line_per_option(tmp_path):
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.cluster.nodes, exp.cluster.gpus_per_node = 2, 1
     script = launch(exp, parse_target("cluster", SLURM), dry_run=True).sbatch_script
     header = [line for line in script.splitlines() if line.startswith("#SBATCH")]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from charllm.probes.errors import UserError
-from charllm.probes.importers import LIMITATIONS, import_charllm_ppt
-from charllm.probes.rundir import resolve_run
-from charllm.probes.summary import summarize
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.importers import LIMITATIONS, import_charllm_ppt
+from charllm.probes.store.rundir import resolve_run
+from charllm.probes.analysis.summary import summarize
 from charllm.tui.cli import main
 
 T0 = 1_730_000_000.0

@@ -7,10 +7,10 @@ import signal
 
 import pytest
 
-from charllm.engine.catalog import load_experiment
-from charllm.engine.launch import cancel, launch, reconcile
-from charllm.engine.targets import LOCAL
-from charllm.probes.rundir import RunDir, status_line
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.launch.launcher import cancel, launch, reconcile
+from charllm.engine.launch.targets import LOCAL
+from charllm.probes.store.rundir import RunDir, status_line
 from infra_cli import run
 from infra_runs import (iterations_logged, left_after, logs, rank_process, role_process, run_processes,
                         supervisor_process, wait_final, wait_for)
@@ -28,7 +28,7 @@ def alive(proc) -> bool:
 
 
 def started(iters: int = 100_000, **telemetry) -> RunDir:
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.training.train_iters = iters
     for name, value in telemetry.items():
         setattr(exp.telemetry, name, value)
@@ -126,7 +126,7 @@ def test_runs_cancel_stops_a_probe_only_run(tmp_path, capsys):
 def test_a_probe_recorded_on_another_host_is_judged_there(tmp_path):
     """Its pid means nothing here (a compute node's probe on a shared filesystem): the status is
     left to that host, and a cancel says where to stop it."""
-    from charllm.probes.errors import UserError
+    from charllm.probes.core.errors import UserError
 
     rd = RunDir(tmp_path / "remote-probe")
     rd.write_manifest({"id": rd.id, "kind": "probe", "status": "running",
@@ -149,7 +149,7 @@ def test_simultaneous_launches_both_start_and_keep_their_own_directories():
         def one():
             barrier.wait()
             try:
-                results.append(launch(load_experiment("tiny-local"), LOCAL).run_dir)
+                results.append(launch(Experiment.load("tiny-local"), LOCAL).run_dir)
             except Exception as exc:  # noqa: BLE001 - the test reports it
                 errors.append(exc)
 
@@ -167,7 +167,7 @@ def test_simultaneous_launches_both_start_and_keep_their_own_directories():
 
 
 def cancel_if_running(rd: RunDir) -> bool:
-    from charllm.probes.errors import UserError
+    from charllm.probes.core.errors import UserError
 
     try:
         cancel(rd)
@@ -202,7 +202,7 @@ def test_cancel_stops_a_supervisor_that_has_not_recorded_itself_yet(charllm_dirs
     rd.write_manifest({"id": rd.id, "kind": "train", "status": "pending", "target": LOCAL.to_dict(),
                        "created_ns": time.time_ns()})
     slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(100)",
-                             "-m", "charllm.engine.supervise", str(rd.path)])
+                             "-m", "charllm.engine.launch.supervise", str(rd.path)])
     try:
         assert cancel(rd) == "cancelled"
         assert slow.wait(timeout=10) == -signal.SIGTERM, "the supervisor was stopped before it started anything"

@@ -6,18 +6,18 @@ import re
 
 import pytest
 
-from charllm.engine.catalog import load_experiment
-from charllm.engine.launch import cancel, launch
-from charllm.engine.targets import LOCAL
-from charllm.probes.errors import UserError
-from charllm.probes.rundir import RunDir
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.launch.launcher import cancel, launch
+from charllm.engine.launch.targets import LOCAL
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import RunDir
 from infra_runs import iterations_logged, logs, rank_process, run_processes, wait_final, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def tiny(iters: int = 5):
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.training.train_iters = iters
     return exp
 
@@ -98,8 +98,8 @@ def test_cli_dry_run_prints_commands_and_touches_nothing(charllm_dirs, capsys):
 def test_the_rendezvous_port_is_picked_at_launch_and_a_dry_run_says_so(kind, tmp_path):
     """A dry run and the launch after it are two plans: a port shown in the first would not be
     the one the second uses, so a dry run shows PORT and the launch a number."""
-    from charllm.engine.launch import PORT_AT_LAUNCH, display_commands, plan
-    from charllm.engine.targets import parse_target
+    from charllm.engine.launch.launcher import PORT_AT_LAUNCH, display_commands, plan
+    from charllm.engine.launch.targets import parse_target
 
     target = LOCAL if kind == "local" else parse_target("t", {"kind": kind, "hosts": ["n1"]} if kind == "ssh"
                                                          else {"kind": kind})
@@ -161,8 +161,8 @@ def test_stopping_steps_skips_one_a_cancel_kept_from_starting(tmp_path):
     records "cancelled" (it once died on the step that never started and recorded "failed")."""
     import sys
 
-    from charllm.engine.launch import Step
-    from charllm.engine.supervise import Proc, stop
+    from charllm.engine.launch.launcher import Step
+    from charllm.engine.launch.supervise import Proc, stop
 
     rd = RunDir(tmp_path / "run")
     rd.logs_dir.mkdir(parents=True)

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from charllm.engine.catalog import load_experiment
-from charllm.engine.launch import launch
-from charllm.engine.targets import parse_target
-from charllm.probes.rundir import RunDir
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.launch.launcher import launch
+from charllm.engine.launch.targets import parse_target
+from charllm.probes.store.rundir import RunDir
 from infra_runs import iterations_logged, logs, rank_process, run_processes, wait_final, wait_for
 from infra_slurm import slurm_cluster  # noqa: F401 - fixture
 
@@ -22,7 +22,7 @@ def target():
 
 
 def two_nodes(iters: int):
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.cluster.nodes, exp.cluster.gpus_per_node = 2, 1
     exp.training.train_iters = iters
     return exp
@@ -101,7 +101,7 @@ def test_killed_torchrun_on_a_node_fails_the_job_and_leaves_nothing(slurm_cluste
 
 @pytest.mark.timeout(400)
 def test_a_dead_sampler_is_told_in_the_status(slurm_cluster):
-    from charllm.probes.rundir import status_line
+    from charllm.probes.store.rundir import status_line
     from infra_runs import sampler_process
 
     rd = RunDir(launch(two_nodes(60), target()).run_dir)
@@ -165,7 +165,7 @@ def test_which_sampler_exit_records_are_a_loss(tmp_path):
     import os
     import time
 
-    from charllm.engine.supervise import Supervisor
+    from charllm.engine.launch.supervise import Supervisor
 
     rd = RunDir(tmp_path / "run")
     rd.write_manifest({"id": "run", "kind": "train", "status": "running", "target": target().to_dict()})

@@ -8,11 +8,11 @@ import subprocess
 
 import pytest
 
-from charllm.engine.catalog import load_experiment
-from charllm.engine.launch import cancel, launch
-from charllm.engine.targets import parse_target
-from charllm.probes.errors import UserError
-from charllm.probes.rundir import RunDir
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.launch.launcher import cancel, launch
+from charllm.engine.launch.targets import parse_target
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import RunDir
 from infra_runs import iterations_logged, logs, run_processes, wait_final, wait_for
 from infra_ssh import ssh_nodes  # noqa: F401 - fixture
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 def two_nodes(iters: int):
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.cluster.nodes, exp.cluster.gpus_per_node = 2, 1
     exp.training.train_iters = iters
     return exp
@@ -134,7 +134,7 @@ def test_killed_remote_rank_fails_the_run_naming_it_and_leaves_nothing(ssh_nodes
 
 @pytest.mark.timeout(400)
 def test_a_dead_remote_sampler_is_told_in_the_status(ssh_nodes):
-    from charllm.probes.rundir import status_line
+    from charllm.probes.store.rundir import status_line
     from infra_runs import sampler_process
 
     target = parse_target("nodes", ssh_nodes.target_table())
@@ -157,7 +157,7 @@ def test_a_dead_remote_sampler_is_told_in_the_status(ssh_nodes):
 def probe_on_node(ssh_nodes, out_dir):
     import sys
 
-    from charllm.engine import ssh
+    from charllm.engine.launch import ssh
     from infra_runs import start
 
     target = parse_target("nodes", ssh_nodes.target_table())

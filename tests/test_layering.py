@@ -1,23 +1,132 @@
-"""The headless packages never import textual (nor torch): the dependency rule of docs/architecture.md."""
+"""The import contracts: which part of charllm may import which (README, "How the code is laid out").
 
+Each sub-package is one concern and imports only the concerns below it, never the other way; there
+are no import cycles, even through imports inside functions; an import inside a function says why it
+waits (`# deferred: ...`); and the headless packages never load textual (nor torch outside the
+workload)."""
+
+import ast
+import re
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import charllm.engine
 import charllm.probes
 
+REPO = Path(__file__).resolve().parent.parent
+FOLDERS = {"engine": "charllm.engine", "probes": "charllm.probes", "tui": "charllm.tui"}
 
-def _modules(pkg) -> list[str]:
+# concern -> the concerns it may import (besides itself). Bottom to top.
+ALLOWED = {
+    "probes.core": set(),                                                    # errors, paths, lifeline
+    "probes.store": {"probes.core"},                                         # the run directory
+    "probes.backends": {"probes.core", "probes.store"},                      # replay and sim read runs
+    "probes": {"probes.core", "probes.store", "probes.backends"},             # the probe: sampler, cli
+    "engine.model": {"probes.core", "probes.store", "probes.backends"},      # pure arithmetic and rules
+    "probes.analysis": {"probes.core", "probes.store", "engine.model"},
+    "engine.workload": {"probes.core", "engine.model"},
+    "engine.launch": {"probes.core", "probes.store", "engine.model", "engine.workload"},
+    "engine": {"probes.core", "probes.store", "probes.backends", "probes", "engine.model", "engine.launch"},
+    "tui": {"probes.core", "probes.store", "probes.backends", "probes", "probes.analysis", "engine.model",
+            "engine.launch", "engine"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in FOLDERS.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _concern(module: str) -> str:
+    name = module.removeprefix("charllm.")
+    return max((c for c in ALLOWED if name == c or name.startswith(c + ".")), key=len)
+
+
+def _imports(path: Path):
+    """(imported charllm module, line, inside a function?) for every import in the file."""
+    source = path.read_text()
+    tree = ast.parse(source)
+    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("charllm"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                yield (full if full in MODULES else node.module), node, id(node) in in_function
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("charllm"):
+                    yield alias.name, node, id(node) in in_function
+
+
+def test_every_module_belongs_to_a_concern():
+    assert len(MODULES) > 60
+    assert {_concern(m) for m in MODULES} == set(ALLOWED)
+
+
+def test_each_concern_imports_only_those_below_it():
+    broken = []
+    for module, path in MODULES.items():
+        mine = _concern(module)
+        for target, node, _ in _imports(path):
+            theirs = _concern(target)
+            if theirs != mine and theirs not in ALLOWED[mine]:
+                broken.append(f"{path.relative_to(REPO)}:{node.lineno}: {mine} imports {target} ({theirs})")
+    assert not broken, "\n".join(broken)
+
+
+def test_no_import_cycles():
+    graph = {m: {t for t, _, _ in _imports(p) if t != m and t in MODULES} for m, p in MODULES.items()}
+    state: dict[str, int] = {}          # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module, path):
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_imports_inside_functions_say_why():
+    """Plain imports at the top; one that waits (start-up time, a vendor library) says so."""
+    silent = []
+    for module, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for _, node, in_function in _imports(path):
+            if in_function and "# deferred:" not in lines[node.end_lineno - 1]:
+                silent.append(f"{path.relative_to(REPO)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not silent, "\n".join(silent)
+
+
+def _packages(pkg) -> list[str]:
     return [m.name for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")
             if ".workload" not in m.name]  # the workload runs on compute nodes and imports torch
 
 
 @pytest.mark.parametrize("pkg", [charllm.engine, charllm.probes])
 def test_headless_packages_do_not_import_textual(pkg):
-    mods = _modules(pkg)
+    mods = _packages(pkg)
     code = (
         "import importlib, sys\n"
         f"for m in {mods!r}: importlib.import_module(m)\n"
@@ -35,3 +144,43 @@ def test_cli_help_does_not_import_textual():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False False"
+
+
+def _readme_block(marker: str) -> list[str]:
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"<!-- readme-test: {marker} "))
+    end = lines.index("```", start + 2)
+    return lines[start + 2:end]
+
+
+def test_readme_tree_is_the_tree():
+    """Every folder and file the README's tree names exists, and every sub-package is named."""
+    named, parent = set(), ""
+    for line in _readme_block("tree"):
+        depth = len(line) - len(line.lstrip())
+        if depth > 4 or not line.strip():
+            continue                                    # a wrapped description
+        names = [n.strip() for n in line.strip().split("  ")[0].split(",") if n.strip()]
+        for name in names:
+            path = name if depth == 0 else f"{parent}{name}"
+            assert (REPO / path).exists(), f"README tree names {path}, which does not exist"
+            named.add(path.rstrip("/"))
+        if depth == 0:
+            parent = names[0]
+    packages = {str(p.parent.relative_to(REPO)) for folder in FOLDERS for p in (REPO / folder).rglob("__init__.py")}
+    assert packages - named == set(), "sub-packages the README tree does not show"
+
+
+def test_readme_layers_are_the_contracts():
+    """A concern on a row of the README's drawing imports only concerns on rows below it."""
+    rows = []
+    for line in _readme_block("layers"):
+        cells = [c for c in line.split("  ") if c.strip()]
+        concerns = [c.strip().split(" (")[0] for c in cells if re.fullmatch(r"(engine|probes|tui)[\w.]*( \(.*\))?", c.strip())]
+        rows.append(concerns)
+    shown = [c for row in rows for c in row]
+    assert sorted(shown) == sorted(ALLOWED), "the drawing shows each concern once"
+    for i, row in enumerate(rows):
+        below = {c for r in rows[i + 1:] for c in r}
+        for concern in row:
+            assert ALLOWED[concern] <= below, f"{concern} may import {ALLOWED[concern] - below}, drawn beside or above it"

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charllm.engine import catalog
-from charllm.engine.experiment import Experiment, ModelSpec
-from charllm.engine.megatron import (
+from charllm.engine.model import catalog
+from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec
+from charllm.engine.model.megatron import (
     MLA_DEFAULTS,
     ROUND_TRIP_NORMALIZED,
     export_environment,
@@ -25,8 +25,8 @@ from charllm.engine.megatron import (
     parse_layer_pattern,
     parse_pipeline_layout,
 )
-from charllm.engine import runtime
-from charllm.probes.errors import UserError
+from charllm.engine.model import calibration, runtime
+from charllm.probes.core.errors import UserError
 
 VALIDATION = Path("/work/shared/validation")
 CASES = json.loads((VALIDATION / "memory_dev.json").read_text()) if VALIDATION.is_dir() else []
@@ -253,7 +253,7 @@ def test_pipeline_layout_parse():
 # Round trips
 # --------------------------------------------------------------------------------------------
 def _megatron_resolved(exp: Experiment) -> Experiment:
-    """`exp` with the values Megatron resolves (engine.megatron.ROUND_TRIP_NORMALIZED) resolved."""
+    """`exp` with the values Megatron resolves (engine.model.megatron.ROUND_TRIP_NORMALIZED) resolved."""
     out = exp.copy()
     m, p = out.model, out.parallel
     m.ffn_hidden_size = exp.model.ffn
@@ -267,7 +267,7 @@ def _megatron_resolved(exp: Experiment) -> Experiment:
         for name in MLA_DEFAULTS:
             setattr(m, name, getattr(ModelSpec, name))
     # "auto" has no Megatron flag: it leaves as what it becomes on the planned node's software.
-    out.training.transformer_impl = runtime.transformer_impl(exp, runtime.for_planning(exp.hardware))
+    out.training.transformer_impl = runtime.transformer_impl(exp, calibration.for_planning(exp.hardware))
     if out.training.transformer_impl == "local" and out.training.attention_backend in ("auto", "flash", "fused"):
         out.training.attention_backend = "unfused"   # Megatron's local spec has only its unfused attention
     return out
@@ -292,7 +292,7 @@ def _shipped_experiments() -> list[str]:
 
 @pytest.mark.parametrize("name", _shipped_experiments())
 def test_every_shipped_experiment_round_trips(name):
-    exp = catalog.load_experiment(name)
+    exp = Experiment.load(name)
     assert _round_trip(exp) == _megatron_resolved(exp)
 
 
@@ -372,7 +372,7 @@ def experiments() -> st.SearchStrategy[Experiment]:
         t.data_path = draw(st.none() | st.sampled_from(["/data/x_text_document", "0.5 /a 0.5 /b"]))
         exp.cluster.gpus_per_node = draw(st.sampled_from([1, 2, 8]))
         exp.cluster.nodes = draw(st.integers(1, 4))
-        exp.hardware = catalog.load_hardware(draw(st.sampled_from(["cpu", "h100-sxm-80gb"])))
+        exp.hardware = Hardware.load(draw(st.sampled_from(["cpu", "h100-sxm-80gb"])))
         return exp
 
     return build()
@@ -383,7 +383,7 @@ def experiments() -> st.SearchStrategy[Experiment]:
 def test_random_experiments_round_trip(exp):
     back = _round_trip(exp)
     assert back == _megatron_resolved(exp)
-    # Only the documented fields change on the way (engine.megatron.ROUND_TRIP_NORMALIZED).
+    # Only the documented fields change on the way (engine.model.megatron.ROUND_TRIP_NORMALIZED).
     changed = {f"{section}.{f.name}" for section in ("model", "parallel", "training")
                for f in dataclasses.fields(getattr(exp, section))
                if getattr(getattr(exp, section), f.name) != getattr(getattr(back, section), f.name)}
@@ -408,7 +408,7 @@ def test_a_default_that_changed_between_releases_follows_the_users_release(versi
 
 
 def test_the_installed_release_is_the_default():
-    from charllm.engine.megatron import installed_version, megatron_version
+    from charllm.engine.model.megatron import installed_version, megatron_version
 
     release, source = megatron_version()
     assert (release, source) == ((installed_version(), "installed") if installed_version()
@@ -419,7 +419,7 @@ def test_the_installed_release_is_the_default():
 
 def test_fsdp_70b_on_32_h200s_plans_sharded_on_current_megatron():
     """The issue's case: 76 GiB planned as no_shard; about 40 GiB measured on megatron-core 0.19."""
-    from charllm.engine.memory import estimate
+    from charllm.engine.model.memory import estimate
 
     old = estimate(import_megatron_args(FSDP_70B, world_size=32, hardware="h200-141gb", version="0.16.1").experiment)
     new = estimate(import_megatron_args(FSDP_70B, world_size=32, hardware="h200-141gb", version="0.19.0").experiment)
@@ -427,10 +427,10 @@ def test_fsdp_70b_on_32_h200s_plans_sharded_on_current_megatron():
 
 
 def test_export_always_says_the_sharding_strategy_of_megatron_fsdp():
-    exp = catalog.load_experiment("tiny-local").apply(["use_megatron_fsdp=true", "data_parallel_sharding_strategy=no_shard"])
+    exp = Experiment.load("tiny-local").apply(["use_megatron_fsdp=true", "data_parallel_sharding_strategy=no_shard"])
     flags = export_megatron_args(exp)
     assert flags[flags.index("--data-parallel-sharding-strategy") + 1] == "no_shard"
-    assert "--data-parallel-sharding-strategy" not in export_megatron_args(catalog.load_experiment("tiny-local"))
+    assert "--data-parallel-sharding-strategy" not in export_megatron_args(Experiment.load("tiny-local"))
 
 
 def test_activation_offloading_flags_import():
@@ -456,7 +456,7 @@ def test_a_megatron_lm_checkout_on_the_path_is_the_release_that_counts(tmp_path)
     core.mkdir(parents=True)
     (core / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
     (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 1\nPRE_RELEASE = ''\n")
-    code = ("import sys; from charllm.engine.megatron import installed_version; "
+    code = ("import sys; from charllm.engine.model.megatron import installed_version; "
             "print(installed_version(), 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(tmp_path / "Megatron-LM")})
@@ -469,7 +469,7 @@ def test_a_megatron_lm_checkout_on_the_path_is_the_release_that_counts(tmp_path)
     (["fine_grained_activation_offloading=true", "offload_modules=['core_attn']"], {"NVTE_CPU_OFFLOAD_V1": "1"}),
 ])
 def test_the_exported_environment_is_what_megatron_asks_for(sets, env):
-    exp = catalog.load_experiment("tiny-local").apply(["expandable_segments=false", *sets])
+    exp = Experiment.load("tiny-local").apply(["expandable_segments=false", *sets])
     assert export_environment(exp) == env
 
 
@@ -486,7 +486,7 @@ def _flag(tokens: list[str], flag: str) -> str | None:
 def test_export_names_a_tokenizer_whose_vocabulary_is_the_models(version, vocab_flag):
     """pretrain_gpt.py builds a tokenizer first (none: NotImplementedError in 0.16.1, ValueError in 0.19).
     NullTokenizer counts its end-of-document token on top of --vocab-size up to 0.17.1 (null_tokenizer.py)."""
-    exp = catalog.load_experiment("ppt-h100-gpt3-175b-1-00000")
+    exp = Experiment.load("ppt-h100-gpt3-175b-1-00000")
     tokens = export_megatron_args(exp, version)
     assert _flag(tokens, "--tokenizer-type") == "NullTokenizer"
     assert int(_flag(tokens, "--vocab-size")) == vocab_flag == exp.model.vocab_size - (version < "0.18")
@@ -497,9 +497,9 @@ def test_export_names_a_tokenizer_whose_vocabulary_is_the_models(version, vocab_
 def test_export_writes_what_megatron_asserts_for_fsdp():
     """validate_args: Megatron-FSDP only with --ckpt-format fsdp_dtensor; torch FSDP2 not with gradient
     accumulation fusion (on by default) and only with untied embeddings (charllm's validate says so)."""
-    from charllm.engine.validate import validate as problems
+    from charllm.engine.model.validate import validate as problems
 
-    tiny = catalog.load_experiment("tiny-local")
+    tiny = Experiment.load("tiny-local")
     mfsdp = export_megatron_args(tiny.copy().apply(["use_megatron_fsdp=true"]))
     assert _flag(mfsdp, "--ckpt-format") == "fsdp_dtensor"
     fsdp2 = tiny.copy().apply(["use_torch_fsdp2=true", "model.untie_embeddings_and_output_weights=true"])
@@ -513,7 +513,7 @@ def test_export_writes_what_megatron_asserts_for_fsdp():
 def test_export_never_writes_local_attention(backend):
     """`--attention-backend local` makes validate_args demand `--spec local`, which pretrain_gpt.py cannot
     load; Megatron's local layers have one attention whatever the backend, so none is written."""
-    exp = catalog.load_experiment("tiny-local").apply([f"attention_backend={backend}", "transformer_impl=local"])
+    exp = Experiment.load("tiny-local").apply([f"attention_backend={backend}", "transformer_impl=local"])
     tokens = export_megatron_args(exp)
     assert _flag(tokens, "--transformer-impl") == "local" and "--attention-backend" not in tokens
     assert "--spec" not in tokens
@@ -522,9 +522,9 @@ def test_export_never_writes_local_attention(backend):
 def test_the_launch_script_runs_and_imports_back(tmp_path):
     import subprocess
 
-    from charllm.engine.megatron import export_script
+    from charllm.engine.model.megatron import export_script
 
-    exp = catalog.load_experiment("ppt-h100-llama3-70b-1-01000")
+    exp = Experiment.load("ppt-h100-llama3-70b-1-01000")
     script = export_script(exp, "0.16.1")
     path = tmp_path / "train.sh"
     path.write_text(script)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from charllm.engine import catalog
-from charllm.engine.megatron import export_environment, export_megatron_args, versioned_default
+from charllm.engine.model import catalog
+from charllm.engine.model.megatron import export_environment, export_megatron_args, versioned_default
+from charllm.engine.model.experiment import Experiment
 from tests.infra_megatron_lm import RELEASES, needs_mirror, validate
 
 pytestmark = needs_mirror
@@ -42,7 +43,7 @@ def small(root):
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_versioned_defaults_are_each_releases_own(release, small):
-    """engine.megatron.VERSIONED_DEFAULTS against the release's parse_args and NullTokenizer."""
+    """engine.model.megatron.VERSIONED_DEFAULTS against the release's parse_args and NullTokenizer."""
     parsed, tokenized = small(release)[:2]
     assert parsed["data_parallel_sharding_strategy"] == versioned_default("--data-parallel-sharding-strategy", release)
     assert tokenized["padded_vocab_size"] == 1000 + versioned_default("--tokenizer-type NullTokenizer", release)
@@ -54,7 +55,7 @@ def test_every_shipped_experiment_exports_a_line_megatron_starts(release, root):
     builds, and Megatron resolves the sizes charllm plans with (data parallel size, padded vocabulary,
     sequence parallelism)."""
     names = sorted(catalog.entries("experiments"))
-    exps = [catalog.load_experiment(n) for n in names]
+    exps = [Experiment.load(n) for n in names]
     results = validate(release, root, [_case(export_megatron_args(e, release), e.world_size,
                                              **export_environment(e)) for e in exps])
     refused = {n: r["error"] for n, r in zip(names, results) if "error" in r}
@@ -117,8 +118,8 @@ def test_megatron_lms_own_gpt_test_configs_import():
     with one UserError line (a shell variable where a number belongs, a config without --num-layers)."""
     import subprocess
 
-    from charllm.engine.megatron import import_megatron_args
-    from charllm.probes.errors import UserError
+    from charllm.engine.model.megatron import import_megatron_args
+    from charllm.probes.core.errors import UserError
     from tests.infra_megatron_lm import MIRROR
 
     def git(*args):

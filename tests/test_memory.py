@@ -10,9 +10,8 @@ import dataclasses
 
 import pytest
 
-from charllm.engine import catalog
-from charllm.engine.experiment import Cluster, Experiment, Hardware, ModelSpec, Parallel, Training
-from charllm.engine.memory import (
+from charllm.engine.model.experiment import Cluster, Experiment, Hardware, ModelSpec, Parallel, Training
+from charllm.engine.model.memory import (
     BASE_WORKSPACE_BYTES, TE_WORKSPACE_BYTES, _Shapes, count_parameters, estimate, split_layers,
 )
 
@@ -238,7 +237,7 @@ def test_three_verdicts_fits_tight_does_not_fit():
 
 
 def test_a_calibrated_reserve_replaces_the_assumed_one_for_the_same_allocator_setting():
-    from charllm.engine import calibration
+    from charllm.engine.model import calibration
 
     exp = gpt()
     calibration.save({"hardware": exp.hardware.name, "node": "n7", "date": "2026-11-20",
@@ -255,7 +254,7 @@ def test_a_calibrated_reserve_replaces_the_assumed_one_for_the_same_allocator_se
 def test_a_plan_of_55_gib_fits_an_80_gb_h100():
     """The flat 30% margin judged 55.6 GiB on one H100 as not fitting; the allocator model does not."""
     exp = gpt()
-    exp.hardware = catalog.load_hardware("h100-sxm-80gb")
+    exp.hardware = Hardware.load("h100-sxm-80gb")
     r = estimate(exp)
     churn = 0.55 * 55.6 * GIB                                      # a plan at 55.6 GiB, half of it churn
     assert 55.6 * GIB + r.budget.reserve(churn) < r.budget.allocator_bytes
@@ -294,13 +293,13 @@ def megatron_world():
 
 
 def _variant(name: str, **changes) -> ModelSpec:
-    return dataclasses.replace(catalog.load_model(name), **changes)
+    return dataclasses.replace(ModelSpec.load(name), **changes)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", [
-    catalog.load_model("tiny-dense"),
-    catalog.load_model("tiny-moe"),
+    ModelSpec.load("tiny-dense"),
+    ModelSpec.load("tiny-moe"),
     _variant("tiny-dense", swiglu=True, num_query_groups=2, normalization="RMSNorm", add_bias_linear=False,
              untie_embeddings_and_output_weights=True, position_embedding_type="rope", qk_layernorm=True),
     _variant("tiny-moe", moe_shared_expert_intermediate_size=96, moe_layer_freq=[0, 1, 1, 1], swiglu=True),
@@ -348,7 +347,7 @@ def test_precision_aware_optimizer_dtypes_and_host_offload():
 def test_the_mtp_stage_holds_its_own_embedding_copy():
     """megatron-core builds the embedding on the stage that runs the MTP layers too; with PP = 1
     that stage is the first one and the copy is the same module."""
-    from charllm.engine.memory import embedding_params
+    from charllm.engine.model.memory import embedding_params
 
     plain, mtp = estimate(gpt(pp=2)), estimate(gpt(pp=2, mtp_num_layers=1))
     one_mtp_layer = estimate(gpt(mtp_num_layers=1)).stages[0].weights - estimate(gpt()).stages[0].weights
@@ -380,7 +379,7 @@ def test_fine_grained_offloading_removes_exactly_the_modules_inputs(module):
 def test_unfused_softmax_in_fp32_keeps_an_fp32_copy_without_the_fused_kernel():
     """megatron-core's FusedScaleMaskSoftmax: with its CUDA kernel the scores stay bf16; without it
     attention_softmax_in_fp32 upcasts them, and softmax keeps its fp32 output for backward."""
-    from charllm.engine.runtime import Implementation
+    from charllm.engine.model.runtime import Implementation
 
     exp = gpt(dropout=0.0)
     exp.training.bf16, exp.training.attention_softmax_in_fp32 = True, True
@@ -397,7 +396,7 @@ def test_moe_routing_probabilities_cost_what_megatron_keeps_for_them():
     weighted SwiGLU when bias_activation_fusion is on (nothing extra kept), else as a multiply that
     keeps the activation's output (one bf16 tensor of routed tokens x moe_ffn). Unpermute keeps no
     copy of the expert output; the fp32 probabilities are 4 bytes per routed token."""
-    from charllm.engine.runtime import Implementation
+    from charllm.engine.model.runtime import Implementation
 
     exp = gpt(dropout=0.0, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=1024, swiglu=True)
     exp.training.bf16 = True
@@ -419,7 +418,7 @@ def test_busiest_rank_routing_excess_averages_over_the_micro_batches_held():
     """Dropless MoE with EP > 1: one micro-batch is planned with the busiest rank's routed tokens
     (MOE_DROPLESS_IMBALANCE x the mean); n micro-batches held at once carry n x the mean plus
     sqrt(n) x that excess, since the excess is a fluctuation of the routing that averages out."""
-    from charllm.engine.memory import stage_terms
+    from charllm.engine.model.memory import stage_terms
 
     def held(pp, ep):
         exp = gpt(pp=pp, dp=2, dropout=0.0, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=1024,
@@ -444,7 +443,7 @@ def test_deepep_buffers_of_the_flex_dispatcher_sit_outside_the_allocator():
     """DeepEP v1.2.1 sizes (csrc/config.hpp, deep_ep/buffer.py) for hidden 7168 over 16 EP ranks:
     10 channels (20 SMs), 8 NVLink peers, 2 RDMA ranks, 288 tokens per channel and peer over
     NVLink, 128 over RDMA; a token is 2 x 7168 hidden bytes + 8 metadata + 128 x (8 + 4 + 4)."""
-    from charllm.engine.memory import budget, dispatcher_buffer_bytes
+    from charllm.engine.model.memory import budget, dispatcher_buffer_bytes
 
     exp = gpt(dp=16, hidden_size=7168, num_attention_heads=56, num_moe_experts=64, moe_router_topk=8,
               moe_ffn_hidden_size=2048)

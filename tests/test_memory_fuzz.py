@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charllm.engine.experiment import Cluster, Experiment, Hardware, ModelSpec, Parallel, Training
-from charllm.engine.memory import estimate
-from charllm.engine.validate import validate
+from charllm.engine.model.experiment import Cluster, Experiment, Hardware, ModelSpec, Parallel, Training
+from charllm.engine.model.memory import estimate
+from charllm.engine.model.validate import validate
 from charllm.tui.cli import main
 
 powers = st.sampled_from([1, 2, 4, 8])

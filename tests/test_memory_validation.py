@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from charllm.engine.megatron import import_megatron_args
-from charllm.engine.memory import estimate
+from charllm.engine.model.megatron import import_megatron_args
+from charllm.engine.model.memory import estimate
 
 DATA = Path(os.environ.get("CHARLLM_MEMORY_DEV", Path(__file__).parent / "data" / "memory_dev" / "memory_dev.json"))
 

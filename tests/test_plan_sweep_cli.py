@@ -9,6 +9,7 @@ import polars as pl
 import pytest
 
 from charllm.tui.cli import main
+from charllm.engine.model.experiment import Experiment
 from infra_cli import one_error_line, run
 
 MEGATRON = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
@@ -139,8 +140,8 @@ def test_sweep_set_and_recompute_change_every_layout(capsys):
     # a shorter sequence than llama3-8b's 8192 but unfused attention (s x s scores): every peak changes
     assert all(r["peak_bytes"] != base[tuple(r[k] for k in KEYS)] for r in rows)
     first = rows[0]
-    from charllm.engine.memory import estimate
-    from charllm.engine.sweep import base_experiment, layout_to_experiment
+    from charllm.engine.model.memory import estimate
+    from charllm.engine.model.sweep import base_experiment, layout_to_experiment
 
     exp = layout_to_experiment(base_experiment("llama3-8b", "h100-sxm-80gb", 1, 8, 64, training={
         "seq_length": 4096, "attention_backend": "unfused"}), first)
@@ -201,7 +202,7 @@ def test_a_set_that_breaks_another_field_names_it_and_a_value_that_works(capsys)
 
 def test_plan_exit_status_follows_the_verdict(capsys, tmp_path):
     """0 fits, 3 tight, 1 does not fit: the same plan on CPU "devices" sized around its peak."""
-    from charllm.probes import paths
+    from charllm.probes.core import paths
 
     code, out, _ = run(capsys, "plan", "tiny-local", "--json")
     report = json.loads(out)
@@ -227,10 +228,9 @@ def test_sweep_of_an_experiment_keeps_its_settings(capsys):
     assert code == 0
     rows = json.loads(out)
     assert {r["recompute"] for r in rows} == {"full"} and {r["use_distributed_optimizer"] for r in rows} == {True}
-    from charllm.engine import catalog
-    from charllm.engine.memory import estimate
-    from charllm.engine.sweep import layout_to_experiment
+    from charllm.engine.model.memory import estimate
+    from charllm.engine.model.sweep import layout_to_experiment
 
-    composed = catalog.load_experiment("ppt-h100-llama3-70b-1-01000").apply(["attention_backend=unfused"])
+    composed = Experiment.load("ppt-h100-llama3-70b-1-01000").apply(["attention_backend=unfused"])
     for row in [r for r in rows if r["fits"]][:20]:
         assert estimate(layout_to_experiment(composed, row)).peak_bytes == row["peak_bytes"]

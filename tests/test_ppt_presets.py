@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from charllm.engine import catalog
+from charllm.engine.model import catalog
+from charllm.engine.model.experiment import Experiment
 
 TABLES = Path(__file__).parent / "data" / "charllm_ppt" / "configs.md"
 VARIANTS = ("00000", "10000", "01000", "11000")
@@ -65,7 +66,7 @@ def test_every_layout_of_the_tables_has_its_four_variants():
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_matches_the_artifact(name):
     gpu, model, index, code = re.fullmatch(r"ppt-(h\d+)-(.+)-(\d)-(\d{5})", name).groups()
-    exp = catalog.load_experiment(name)
+    exp = Experiment.load(name)
     m, p, t = exp.model, exp.parallel, exp.training
     layout = LAYOUTS[gpu, model, int(index)]
     overlap, recompute = code[0] == "1", code[1] == "1"

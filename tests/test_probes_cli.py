@@ -12,7 +12,7 @@ import time
 import polars as pl
 import pytest
 
-from charllm.probes.rundir import RunDir
+from charllm.probes.store.rundir import RunDir
 from charllm.tui.cli import main
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from charllm.probes.backends import BackendUnavailable, open_backend, open_backends
-from charllm.probes.errors import UserError
-from charllm.probes.schema import THROTTLE_BITS
+from charllm.probes.backends import open_backend, open_backends
+
+from charllm.probes.backends.base import BackendUnavailable
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.schema import THROTTLE_BITS
 from tests.fakes_amdsmi import FakeAmdSmi, FakeGcd, load_real_amdsmi, unload_amdsmi
 from tests.fakes_nvml import FakeGpu, FakeNvml
 
@@ -133,7 +135,7 @@ def _nvml_present() -> bool:
 
 
 def _amdsmi_present() -> bool:
-    from charllm.probes.backend_amdsmi import import_amdsmi
+    from charllm.probes.backends.amdsmi import import_amdsmi
 
     try:
         import_amdsmi()
@@ -151,7 +153,7 @@ def real_amdsmi(monkeypatch):
 
 
 def test_amdsmi_import_without_library_prints_nothing(capfd):
-    from charllm.probes.backend_amdsmi import import_amdsmi
+    from charllm.probes.backends.amdsmi import import_amdsmi
 
     if _amdsmi_present():
         pytest.skip("libamd_smi.so is installed here")

@@ -7,11 +7,11 @@ import json
 import psutil
 import pytest
 
-from charllm.probes.backend_host import HostBackend
-from charllm.probes.backend_sim import SimBackend, SimHardware
+from charllm.probes.backends.host import HostBackend
+from charllm.probes.backends.sim import SimBackend, SimHardware
 from charllm.probes.backends import open_backend
-from charllm.probes.errors import UserError
-from charllm.probes.schema import HOST_METRICS, THROTTLE_BITS, THROTTLE_PERF_MASK
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.schema import HOST_METRICS, THROTTLE_BITS, THROTTLE_PERF_MASK
 
 
 class FakeClock:

@@ -13,15 +13,15 @@ import time
 import polars as pl
 import pytest
 
-from charllm.probes.backend_sim import SimBackend
+from charllm.probes.backends.sim import SimBackend
 from charllm.probes.backends import open_backend, open_backends
-from charllm.probes.errors import UserError
-from charllm.probes.recorder import ChunkWriter
-from charllm.probes.rundir import RunDir
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.recorder import ChunkWriter
+from charllm.probes.store.rundir import RunDir
 from charllm.probes.sampler import Sampler
-from charllm.probes.schema import TELEMETRY_SCHEMA
-from charllm.probes.stream import StreamWriter, read_stream
-from charllm.probes.tail import IterationTail, TelemetryTail
+from charllm.probes.store.schema import TELEMETRY_SCHEMA
+from charllm.probes.store.stream import StreamWriter, read_stream
+from charllm.probes.store.tail import IterationTail, TelemetryTail
 
 
 def _sim(gpus: int = 2, **kw) -> SimBackend:
@@ -337,8 +337,8 @@ def test_a_crash_mid_compaction_leaves_a_consistent_set(tmp_path):
 _WRITER_LOOP = """
 import sys, time, polars as pl
 from pathlib import Path
-from charllm.probes.recorder import ChunkWriter
-from charllm.probes.rundir import RunDir
+from charllm.probes.store.recorder import ChunkWriter
+from charllm.probes.store.rundir import RunDir
 run = RunDir(Path(sys.argv[1]))
 frame = run.scan_telemetry().select(pl.col("ts_ns").max()).collect().item()
 k = 0 if frame is None else frame + 1

@@ -9,6 +9,7 @@ in the README, in an HTML comment right before its block, with the reason:
     <!-- readme-test: not run `COMMAND`: REASON -->       one command of it
     <!-- readme-test: file <config>/NAME -->              the block is that file (written before it is used)
     <!-- readme-test: duckdb in <runs> -->                the SQL runs in DuckDB in the runs directory
+    <!-- readme-test: tree (...) -->, layers (...)        the repository layout, checked by test_layering.py
 
 A marker that names no command of its block, or a block with no way to run it, fails too.
 `probe` without --duration records until it is signalled: it is interrupted after a few seconds
@@ -187,7 +188,7 @@ class Session:
         return text
 
     def _launch(self, extra: str, wait_iterations: int = 0) -> str:
-        from charllm.probes.rundir import RunDir
+        from charllm.probes.store.rundir import RunDir
         from infra_runs import iterations_logged, wait_for
 
         before = set(self.runs())
@@ -240,7 +241,8 @@ def test_every_block_of_the_readme_is_run_or_marked_with_a_reason():
         for marker in block.markers:
             named = re.match(r"not run `(.+)`: (.+)$", marker)
             assert (marker.startswith("not run: ") and len(marker) > 20) or (named and named.group(1) in commands) \
-                or re.match(r"file <config>/[\w.]+$", marker) or marker == "duckdb in <runs>", \
+                or re.match(r"file <config>/[\w.]+$", marker) or marker == "duckdb in <runs>" \
+                or re.match(r"(tree|layers) \(tests/test_layering.py checks", marker), \
                 f"{where}: marker {marker!r} names no command of its block, or gives no reason"
         if block.lang != "bash":
             assert block.markers, f"{where}: a {block.lang!r} block needs a readme-test marker saying how it is used"
@@ -259,7 +261,7 @@ def test_readme_command_runs_as_written(session, command):
 
 
 def test_readme_config_files_are_read_as_the_readme_says(session):
-    from charllm.engine.targets import load_file
+    from charllm.engine.launch.targets import load_file
     from charllm.tui.app import load_settings
 
     files = {m.removeprefix("file <config>/"): b.text for b in readme_blocks(README.read_text()) for m in b.markers

@@ -2,8 +2,8 @@
 
 import pytest
 
-from charllm.probes.errors import UserError
-from charllm.probes.rundir import RunDir, check_run_id, resolve_run
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import RunDir, check_run_id, resolve_run
 
 
 def _run(root, run_id, status):

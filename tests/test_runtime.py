@@ -1,4 +1,4 @@
-"""engine.runtime: what an experiment becomes on a node's software, what cannot run there, and
+"""engine.model.runtime: what an experiment becomes on a node's software, what cannot run there, and
 the Megatron configs the workload builds from it (checked here against megatron-core itself).
 
 The stacks below stand for nodes this machine is not: an H100 with and without Transformer
@@ -14,10 +14,10 @@ import re
 
 import pytest
 
-from charllm.engine import calibration, catalog, runtime
-from charllm.engine.experiment import Training
-from charllm.engine.runtime import Stack
-from charllm.engine.validate import validate
+from charllm.engine.model import calibration, catalog, runtime
+from charllm.engine.model.experiment import Experiment, Hardware, Training
+from charllm.engine.model.runtime import Stack
+from charllm.engine.model.validate import validate
 from charllm.engine.workload import train
 
 CPU = Stack(cuda=False, source="test: a CPU node")
@@ -27,7 +27,7 @@ GPU_TE = Stack(cuda=True, capability=(9, 0), extensions=frozenset({"transformer_
 
 
 def exp(preset: str = "tiny-local", *assignments: str):
-    return catalog.load_experiment(preset).apply(list(assignments))
+    return Experiment.load(preset).apply(list(assignments))
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,12 +265,12 @@ def calibrate(hardware="h100-sxm-80gb", *, extensions=(), devices=8, usable=80 *
 
 
 def test_planning_assumes_transformer_engine_on_nvidia_until_a_node_is_calibrated(charllm_dirs):
-    h100 = catalog.load_hardware("h100-sxm-80gb")
-    assert runtime.for_planning(h100).te and "assumed for h100-sxm-80gb" in runtime.for_planning(h100).source
-    assert not runtime.for_planning(catalog.load_hardware("cpu")).cuda
+    h100 = Hardware.load("h100-sxm-80gb")
+    assert calibration.for_planning(h100).te and "assumed for h100-sxm-80gb" in calibration.for_planning(h100).source
+    assert not calibration.for_planning(Hardware.load("cpu")).cuda
     path = calibrate()
     assert path.parent == charllm_dirs["data"] / "calibrations"
-    stack = runtime.for_planning(h100)
+    stack = calibration.for_planning(h100)
     assert not stack.te and stack.source == "calibrated on gpu-node-1, 2026-11-20"
 
 
@@ -278,7 +278,7 @@ def test_plan_says_what_will_run_and_what_the_calibrated_node_cannot(capsys):
     from charllm.tui.cli import main
 
     name = "ppt-h100-llama3-70b-1-01000"
-    assert catalog.load_experiment(name).parallel.sequence_parallel
+    assert Experiment.load(name).parallel.sequence_parallel
     assert main(["plan", name, "--json"]) == 0
     assumed = json.loads(capsys.readouterr().out)
     assert assumed["implementation"]["transformer_impl"] == "transformer_engine" and assumed["cannot_run"] == []
@@ -298,22 +298,22 @@ def test_plan_says_what_will_run_and_what_the_calibrated_node_cannot(capsys):
 
 
 def test_a_one_device_calibration_does_not_stand_for_nccl_peers(capsys):
-    from charllm.engine.memory import budget
+    from charllm.engine.model.memory import budget
 
     calibrate(devices=1, outside=int(0.5 * 2**30))
     one, eight = exp("tiny-local", "gpus_per_node=1"), exp("tiny-local", "gpus_per_node=8")
-    one.hardware = eight.hardware = catalog.load_hardware("h100-sxm-80gb")
+    one.hardware = eight.hardware = Hardware.load("h100-sxm-80gb")
     assert budget(one).outside_allocator_bytes == int(0.5 * 2**30)
-    assert budget(eight).outside_allocator_bytes == catalog.load_hardware("h100-sxm-80gb").outside_allocator_bytes
+    assert budget(eight).outside_allocator_bytes == Hardware.load("h100-sxm-80gb").outside_allocator_bytes
     assert "without NCCL peers" in budget(eight).outside_source
 
 
 def test_a_damaged_calibration_is_ignored_with_one_warning(capsys):
     path = calibrate()
     path.write_text('{"hardware": "h100-sxm-80gb", "node": ')
-    h100 = catalog.load_hardware("h100-sxm-80gb")
-    assert runtime.for_planning(h100).source.startswith("assumed")
-    runtime.for_planning(h100)
+    h100 = Hardware.load("h100-sxm-80gb")
+    assert calibration.for_planning(h100).source.startswith("assumed")
+    calibration.for_planning(h100)
     err = capsys.readouterr().err
     assert err.count("not a usable calibration") == 1 and str(path) in err
 
@@ -331,9 +331,9 @@ def test_launch_refuses_what_the_planned_node_cannot_run(capsys):
 # One FLOP count
 # --------------------------------------------------------------------------------------------
 def test_the_workload_counts_flops_as_the_summaries_do(tmp_path):
-    """One formula (probes.flops, Megatron-LM's num_floating_point_operations, causal attention
+    """One formula (engine.model.flops, Megatron-LM's num_floating_point_operations, causal attention
     counted half) for the live TFLOP/s and for summaries and MFU."""
-    from charllm.probes.flops import read_experiment
+    from charllm.engine.model.flops import read_experiment
 
     for name in catalog.entries("experiments"):
         e = exp(name)
@@ -352,13 +352,13 @@ def test_the_memory_model_follows_the_attention_that_runs():
     """Megatron's unfused attention keeps s x s scores; SDPA keeps K and V at every head in fp32,
     where it expands them for the kernel, and at the query-group count in bf16 (FlashAttention-2
     takes GQA as is); Transformer Engine keeps them at the group count."""
-    from charllm.engine.memory import _Shapes
+    from charllm.engine.model.memory import _Shapes
 
     def saved(stack_extensions, *assignments):
         calibration.delete("h100-sxm-80gb")
         calibrate(extensions=stack_extensions)
         e = exp("tiny-local", "num_query_groups=1", *assignments)
-        e.hardware = catalog.load_hardware("h100-sxm-80gb")
+        e.hardware = Hardware.load("h100-sxm-80gb")
         return _Shapes(e).layer(False).saved
 
     m, t = exp("tiny-local").model, exp("tiny-local").training
@@ -374,4 +374,4 @@ def test_a_malformed_compute_capability_is_a_validation_problem_not_a_crash():
     e = exp("tiny-local", "hardware.compute_capability=full")
     assert [str(p) for p in validate(e)] == ["compute_capability = 'full': must be major.minor, e.g. \"9.0\""]
     e.hardware.vendor = "nvidia"
-    assert runtime.for_planning(e.hardware).capability is None       # planning goes on without it
+    assert calibration.for_planning(e.hardware).capability is None       # planning goes on without it

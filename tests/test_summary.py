@@ -8,10 +8,10 @@ import pytest
 from polars.testing import assert_frame_equal
 from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
 
-from charllm.probes.errors import UserError
-from charllm.probes.flops import num_floating_point_operations
-from charllm.probes.schema import THROTTLE_BITS
-from charllm.probes.summary import cached_summary, summarize
+from charllm.probes.core.errors import UserError
+from charllm.engine.model.flops import num_floating_point_operations
+from charllm.probes.store.schema import THROTTLE_BITS
+from charllm.probes.analysis.summary import cached_summary, summarize
 
 T = np.round(np.arange(0, 101) * 0.1, 10)             # 10 s at 10 Hz, both ends sampled
 SQUARE = np.where(np.floor(T + 1e-9) % 2 == 0, 100.0, 300.0)  # 100 W / 300 W, 1 s each
@@ -331,7 +331,7 @@ def test_finished_runs_are_cached_and_refreshed_when_files_change(square_run):
 
 
 def test_one_pass_keeps_every_level(square_run, monkeypatch):
-    import charllm.probes.summary as summary
+    import charllm.probes.analysis.summary as summary
 
     passes = []
     real = summary._summarize
@@ -389,7 +389,7 @@ def test_summaries_do_not_depend_on_how_the_recording_is_laid_out(tmp_path):
     the same samples give the same statistics (device and time order are rebuilt, never assumed).
     Equal to the last bits that float summation order allows: polars' sums vary there with the
     memory layout of equal inputs."""
-    from charllm.probes.recorder import ChunkWriter
+    from charllm.probes.store.recorder import ChunkWriter
 
     data = _recording(np.random.default_rng(3))
     layouts = {"one file per node": make_run(tmp_path / "a", [data], chunks=1)}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from charllm.probes.errors import UserError
-from charllm.probes.flops import num_floating_point_operations, read_experiment
+from charllm.probes.core.errors import UserError
+from charllm.engine.model.flops import num_floating_point_operations, read_experiment
 
 GPT3 = {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96, "vocab_size": 51200,
         "make_vocab_size_divisible_by": 128}

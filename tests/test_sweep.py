@@ -8,16 +8,17 @@ import random
 import polars as pl
 import pytest
 
-from charllm.engine import runtime
-from charllm.engine.memory import estimate
-from charllm.engine.sweep import (MICRO_BATCH_SIZES, RECOMPUTE, REQUIRED_COLUMNS, base_experiment,
+from charllm.engine.model import calibration, runtime
+from charllm.engine.model.memory import estimate
+from charllm.engine.model.sweep import (MICRO_BATCH_SIZES, RECOMPUTE, REQUIRED_COLUMNS, base_experiment,
                                   layout_to_experiment, sweep)
-from charllm.engine.validate import validate
+from charllm.engine.model.validate import validate
 
 KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "micro_batch_size", "recompute",
         "use_distributed_optimizer")
-from charllm.probes.errors import UserError
+from charllm.probes.core.errors import UserError
+from charllm.engine.model.experiment import Experiment
 
 
 ALL = {"recompute": tuple(RECOMPUTE), "distributed_optimizer": (True, False)}   # vary these too
@@ -92,11 +93,11 @@ def test_every_row_equals_estimate_exactly(args, training):
 @pytest.mark.timeout(120)
 def test_rows_are_exactly_what_validate_accepts(hardware, training):
     """Brute force: every combination of a grid wider than the sweep's, through `validate`, with
-    sequence and context parallelism only where the node planned for runs them (engine.runtime:
+    sequence and context parallelism only where the node planned for runs them (engine.model.runtime:
     a CPU node has no Transformer Engine, an H100 is assumed to have it)."""
     args = ("tiny-moe", hardware, 1, 4, 8)
     base = base_experiment(*args, training=training)
-    stack = runtime.for_planning(base.hardware)
+    stack = calibration.for_planning(base.hardware)
     expected = set()
     for tp, cp, pp, vp, ep, mbs, name, dist in itertools.product(
             (1, 2, 4), (1, 2, 4), range(1, 5), range(1, 5), range(1, 5), MICRO_BATCH_SIZES, RECOMPUTE,
@@ -174,7 +175,7 @@ def test_bad_input_is_a_user_error(kwargs, message):
 def test_a_node_without_transformer_engine_is_offered_what_it_can_run():
     """A calibrated H100 node without TE: TP without sequence parallelism, no context parallelism,
     and every row launchable there."""
-    from charllm.engine import calibration
+    from charllm.engine.model import calibration
 
     calibration.save({"hardware": "h100-sxm-80gb", "node": "plain-pip", "date": "2026-11-20",
                       "stack": {"cuda": True, "capability": [9, 0], "extensions": []},
@@ -184,7 +185,7 @@ def test_a_node_without_transformer_engine_is_offered_what_it_can_run():
     assert df["tensor_model_parallel_size"].max() > 1 and not df["sequence_parallel"].any()
     assert set(df["context_parallel_size"]) == {1}
     base = base_experiment(*args)
-    stack = runtime.for_planning(base.hardware)
+    stack = calibration.for_planning(base.hardware)
     assert stack.source == "calibrated on plain-pip, 2026-11-20"
     for row in df.head(50).iter_rows(named=True):
         assert runtime.problems(layout_to_experiment(base, row), stack) == []
@@ -193,9 +194,8 @@ def test_a_node_without_transformer_engine_is_offered_what_it_can_run():
 def test_a_composed_experiment_is_swept_with_everything_but_its_layout_kept():
     """One estimator, one input: the sweep of a composed experiment keeps its precision, attention,
     recompute and optimizer settings, and every fitting row, loaded back, plans to the same bytes."""
-    from charllm.engine import catalog
 
-    composed = catalog.load_experiment("ppt-h100-llama3-70b-1-01000").apply([
+    composed = Experiment.load("ppt-h100-llama3-70b-1-01000").apply([
         "attention_backend=unfused", "attention_softmax_in_fp32=true", "grad_reduce_in_bf16=true",
         "cross_entropy_loss_fusion=true", "recompute_granularity=selective",
         "recompute_method=none", "recompute_num_layers=none", "recompute_modules=['core_attn','mlp']",

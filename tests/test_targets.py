@@ -6,12 +6,12 @@ import shlex
 
 import pytest
 
-from charllm.engine import slurm, ssh
-from charllm.engine.launch import plan, remote_line
-from charllm.engine.catalog import load_experiment
-from charllm.engine.targets import LOCAL, from_record, get_target, load_targets
-from charllm.probes import paths
-from charllm.probes.errors import UserError
+from charllm.engine.launch import slurm, ssh
+from charllm.engine.launch.launcher import plan, remote_line
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.launch.targets import LOCAL, from_record, get_target, load_targets
+from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError
 
 GOOD = """
 [lab]
@@ -87,7 +87,7 @@ def test_unknown_target_names_the_nearest():
 def test_ssh_remote_commands_cannot_inject_shell(tmp_path):
     write(GOOD)
     target = get_target("lab")
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.cluster.nodes = 2
     run_dir = tmp_path / "x; touch PWNED $(id)"
     steps, script = plan(exp, target, run_dir)
@@ -107,7 +107,7 @@ def test_ssh_remote_commands_cannot_inject_shell(tmp_path):
 def test_slurm_script_has_directives_and_per_node_steps(tmp_path):
     write(GOOD)
     target = get_target("hpc")
-    exp = load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.cluster.nodes = 2
     exp.hardware.vendor = "nvidia"
     steps, script = plan(exp, target, tmp_path / "run")
@@ -131,7 +131,7 @@ def _torchrun_summary(rank: int, code: int) -> str:
 
 
 def test_failure_names_the_killed_rank_not_the_peer_that_exited_after_it(tmp_path):
-    from charllm.engine.supervise import Step, describe_failure, killed_first
+    from charllm.engine.launch.supervise import Step, describe_failure, killed_first
 
     echo = tmp_path / "train-n1.log"      # rank 0 noticed its peer vanish and exited 1, first
     killed = tmp_path / "train-n2.log"    # rank 1 was killed by SIGKILL

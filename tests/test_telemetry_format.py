@@ -16,13 +16,13 @@ import pytest
 from polars.testing import assert_frame_equal
 from runfactory import T0_NS, gpu_frame, iteration_rows, tiny_experiment
 
-from charllm.probes import baselines
-from charllm.probes.backend_replay import ReplayBackend
-from charllm.probes.compare import compare
-from charllm.probes.recorder import ChunkWriter
-from charllm.probes.rundir import RunDir, scan_runs
-from charllm.probes.schema import ID_COLUMNS, conform
-from charllm.probes.summary import summarize
+from charllm.probes.analysis import baselines
+from charllm.probes.backends.replay import ReplayBackend
+from charllm.probes.analysis.compare import compare
+from charllm.probes.store.recorder import ChunkWriter
+from charllm.probes.store.rundir import RunDir, scan_runs
+from charllm.probes.store.schema import ID_COLUMNS, conform
+from charllm.probes.analysis.summary import summarize
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 T = np.round(np.arange(0, 200) * 0.05, 10)  # 10 s at 20 Hz
@@ -71,7 +71,7 @@ def test_a_finished_recording_is_compact_parquet_that_lost_no_row(tmp_path):
 def test_an_import_writes_the_same_format_directly(tmp_path):
     from test_import_charllm_ppt import make_results
 
-    from charllm.probes.importers import import_charllm_ppt
+    from charllm.probes.store.importers import import_charllm_ppt
 
     run = import_charllm_ppt(make_results(tmp_path / "res", ranks=2), gpus_per_node=2)
     files = [p for p in run.telemetry_dir.rglob("*") if p.is_file()]
@@ -161,7 +161,7 @@ def test_a_restarted_recorder_compacts_past_a_damaged_chunk(tmp_path):
 
 
 def test_live_follows_past_a_damaged_chunk(tmp_path):
-    from charllm.probes.tail import TelemetryTail
+    from charllm.probes.store.tail import TelemetryTail
 
     run, written = _recorded_run(tmp_path, "live", compact_every=None, finished=False)
     victim = run.telemetry_files()[2]
@@ -213,7 +213,7 @@ def test_a_full_disk_stops_the_probe_with_one_line_and_keeps_what_was_written(sm
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("batch_rows", [450, 150])  # whole nodes per batch; a node's devices split
 def test_a_summary_in_batches_equals_the_summary_in_one(tmp_path, monkeypatch, batch_rows):
-    from charllm.probes import summary
+    from charllm.probes.analysis import summary
 
     run = RunDir(tmp_path / "big")
     for n in range(3):

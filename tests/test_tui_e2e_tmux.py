@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from charllm.probes.rundir import FINAL_STATUSES, list_runs
+from charllm.probes.store.rundir import FINAL_STATUSES, list_runs
 
 pytestmark = [
     pytest.mark.integration,

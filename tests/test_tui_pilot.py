@@ -13,10 +13,10 @@ import time
 import polars as pl
 import pytest
 
-from charllm.engine import catalog
-from charllm.probes.errors import UserError
+from charllm.probes.core.errors import UserError
 from charllm.tui.app import CharllmApp, load_settings
 from charllm.tui.demo import make_demo_run
+from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -91,16 +91,16 @@ async def test_compose_model_and_hardware_change_reestimates_against_new_capacit
     async with run_app(app) as pilot:
         screen = app.screen
         await wait_for(pilot, lambda: screen.last is not None)
-        exp = catalog.load_experiment("tiny-local")
-        exp.model = catalog.load_model("llama3-8b")
-        exp.hardware = catalog.load_hardware("h100-sxm-80gb")
+        exp = Experiment.load("tiny-local")
+        exp.model = ModelSpec.load("llama3-8b")
+        exp.hardware = Hardware.load("h100-sxm-80gb")
         exp.cluster.gpus_per_node = 8
         exp.training.global_batch_size = 64
         exp.training.micro_batch_size = 1
         app.use_experiment(exp)
         await wait_for(pilot, lambda: screen.last.serial == screen.edit_serial and screen.last.report is not None)
         assert screen.query_one("#model").value == "llama3-8b"
-        assert screen.last.report["usable_bytes"] == catalog.load_hardware("h100-sxm-80gb").usable_bytes
+        assert screen.last.report["usable_bytes"] == Hardware.load("h100-sxm-80gb").usable_bytes
 
 
 @pilot_test
@@ -119,7 +119,7 @@ async def test_compose_save_preset_round_trips(charllm_dirs):
         await wait_for(pilot, lambda: app.screen is screen)
     path = charllm_dirs["config"] / "experiments" / "my-tiny.toml"
     assert path.is_file()
-    saved = catalog.load_experiment("my-tiny")
+    saved = Experiment.load("my-tiny")
     assert saved.seq_length == 64 and saved.model.name == "tiny-dense"
     assert saved.cluster.gpus_per_node == 2
 
@@ -170,9 +170,9 @@ async def test_compose_export_writes_megatron_flags_and_copies_them(charllm_dirs
 
 # -- Sweep -----------------------------------------------------------------------------------------
 def llama3_8b_on_8_h100():
-    exp = catalog.load_experiment("tiny-local")
-    exp.model = catalog.load_model("llama3-8b")
-    exp.hardware = catalog.load_hardware("h100-sxm-80gb")
+    exp = Experiment.load("tiny-local")
+    exp.model = ModelSpec.load("llama3-8b")
+    exp.hardware = Hardware.load("h100-sxm-80gb")
     exp.cluster.gpus_per_node = 8
     exp.training.global_batch_size = 64
     exp.training.bf16 = True
@@ -192,7 +192,7 @@ async def swept(pilot):
 
 @pilot_test
 async def test_sweep_runs_and_a_pick_loads_into_compose():
-    pytest.importorskip("charllm.engine.sweep", reason="engine.sweep is not in this build")
+    pytest.importorskip("charllm.engine.model.sweep", reason="engine.model.sweep is not in this build")
     from charllm.tui.screens.sweep import TABLE_PAGE
 
     exp = llama3_8b_on_8_h100()
@@ -257,7 +257,7 @@ async def test_sweep_table_shows_what_tells_layouts_apart_and_the_map_gives_way_
     """Columns with one value across the sweep are hidden and named once; the verdict columns come
     before the options, and at 80 columns the map starts hidden (m shows it) so that they fit."""
 
-    app = CharllmApp(catalog.load_experiment("tiny-local"))
+    app = CharllmApp(Experiment.load("tiny-local"))
     async with run_app(app, size=(80, 24)) as pilot:
         await pilot.press("f3")
         screen = await swept(pilot)
@@ -289,7 +289,7 @@ async def test_sweep_screen_opens_on_the_sweep_made_ahead_and_resweeps_after_an_
     from charllm.tui.screens.sweep import SweepDone
 
     messages: list = []
-    app = CharllmApp(catalog.load_experiment("ppt-h100-llama3-70b-1-01000"))
+    app = CharllmApp(Experiment.load("ppt-h100-llama3-70b-1-01000"))
     async with run_app(app, messages) as pilot:
         await wait_for(pilot, lambda: app.swept_ahead is not None, timeout=60, what="the sweep ahead")
         key, ahead = app.swept_ahead
@@ -487,7 +487,7 @@ async def test_runs_lists_headlines_and_compare_shows_both(charllm_dirs):
         assert float(table.get_cell(b.name, "peak W")) <= 460     # capped at 450 W (+ sensor noise)
         assert float(table.get_cell(a.name, "peak W")) > float(table.get_cell(b.name, "peak W"))
         # one tokens/s per run: the Runs list shows the steady window, as summarize and compare do
-        from charllm.probes.summary import summarize
+        from charllm.probes.analysis.summary import summarize
 
         steady = summarize(b, "steady", by="run")["tokens_per_s"][0]
         assert table.get_cell(b.name, "tokens/s") == f"{steady:,.0f}"
@@ -514,7 +514,7 @@ async def test_runs_lists_headlines_and_compare_shows_both(charllm_dirs):
 
 @pilot_test
 async def test_runs_fills_kept_summaries_first_keeps_them_on_refresh_and_keeps_its_keys_line(charllm_dirs):
-    from charllm.probes.summary import summarize
+    from charllm.probes.analysis.summary import summarize
     from charllm.tui.screens.runs import Headline
 
     old = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-old", seconds=6)
@@ -562,7 +562,7 @@ async def test_runs_delete_asks_first(charllm_dirs):
 
 @pilot_test
 async def test_runs_save_as_baseline_then_bad_name_is_refused(charllm_dirs):
-    from charllm.probes import baselines
+    from charllm.probes.analysis import baselines
 
     make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-base", seconds=6)
     app = CharllmApp(start_mode="runs")
@@ -605,13 +605,14 @@ async def test_launch_tiny_local_then_live_runs_and_compare(charllm_dirs):
         await wait_for(pilot, lambda: app.current_mode == "live")
         live = app.screen
         await wait_for(pilot, lambda: live.last_frame is not None and live.last_frame.iterations
-                       and live.last_frame.kind == "host", timeout=180, what="iterations and host telemetry")
+                       and live.last_frame.kind == "host" and live.last_frame.runtime, timeout=180,
+                       what="iterations, host telemetry and what ran")
         assert "iteration" in str(live.query_one("#iterations").render())
         # What ran, as the workload recorded it: never a silent downgrade.
         ran = str(live.query_one("#live-runtime").render())
         assert ran.startswith("ran as local layers · attention sdpa · fusions none · CPU · torch "), ran
         run_dir = done.result.run_dir
-        from charllm.probes.rundir import RunDir
+        from charllm.probes.store.rundir import RunDir
 
         await wait_for(pilot, lambda: RunDir(run_dir).status in ("completed", "failed"), timeout=240)
         assert RunDir(run_dir).status == "completed"
@@ -682,7 +683,7 @@ async def test_help_lists_binding_ids():
 
 @pilot_test
 async def test_compare_a_run_against_a_saved_baseline(charllm_dirs):
-    from charllm.probes import baselines
+    from charllm.probes.analysis import baselines
 
     a = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-a", seconds=12)
     b = make_demo_run(charllm_dirs["runs"], "20251121-090000-demo-b", seconds=12, power_limit_w=450.0, seed=3)
@@ -704,12 +705,12 @@ async def test_compare_a_run_against_a_saved_baseline(charllm_dirs):
 @pytest.mark.slow
 @pilot_test
 async def test_runs_cancel_stops_a_running_run(charllm_dirs):
-    from charllm.engine import launch, targets
-    from charllm.probes.rundir import RunDir
+    from charllm.engine.launch import launcher, targets
+    from charllm.probes.store.rundir import RunDir
 
-    exp = catalog.load_experiment("tiny-local")
+    exp = Experiment.load("tiny-local")
     exp.training.train_iters = 100_000          # runs until cancelled
-    result = launch.launch(exp, targets.get_target("local"))
+    result = launcher.launch(exp, targets.get_target("local"))
     rd = RunDir(result.run_dir)
     try:
         app = CharllmApp(start_mode="runs")
@@ -723,4 +724,4 @@ async def test_runs_cancel_stops_a_running_run(charllm_dirs):
             await wait_for(pilot, lambda: str(table.get_cell(rd.id, "status")) == "cancelled", timeout=30)
     finally:
         if rd.status not in ("completed", "failed", "cancelled"):
-            launch.cancel(rd.path)
+            launcher.cancel(rd.path)

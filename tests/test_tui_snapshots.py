@@ -65,7 +65,7 @@ def test_compose_invalid_layout(snap_compare, size):
 
 @pytest.mark.parametrize("size", SIZES)
 def test_sweep(snap_compare, size):
-    pytest.importorskip("charllm.engine.sweep", reason="engine.sweep is not in this build")
+    pytest.importorskip("charllm.engine.model.sweep", reason="engine.model.sweep is not in this build")
 
     async def swept(pilot):
         await pilot.press("f3")

@@ -1,13 +1,14 @@
-"""engine.validate: one test per rule; each checks the field, the value and the rule in the message."""
+"""engine.model.validate: one test per rule; each checks the field, the value and the rule in the message."""
 
 from __future__ import annotations
 
 import pytest
 
-from charllm.engine import catalog
-from charllm.engine.experiment import Experiment
-from charllm.engine.validate import Problem, check, validate
-from charllm.probes.errors import UserError
+from charllm.engine.model import catalog
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.model.experiment import Problem
+from charllm.engine.model.validate import check, validate
+from charllm.probes.core.errors import UserError
 
 
 def base() -> Experiment:
@@ -266,7 +267,7 @@ def test_bad_sizes_stop_before_division_rules():
 
 @pytest.mark.parametrize("name", list(catalog.entries("experiments")))
 def test_shipped_experiments_are_valid(name):
-    assert validate(catalog.load_experiment(name)) == []
+    assert validate(Experiment.load(name)) == []
 
 
 @pytest.mark.parametrize("key, close", [
@@ -290,10 +291,10 @@ def test_unknown_keys_in_toml_suggest_the_nearest(tmp_path):
 def test_what_megatron_ignores_is_accepted_and_listed():
     """Megatron takes recompute settings that do not apply (no granularity, or modules outside
     selective recompute) and ignores them; so do validate and plan, which say so."""
-    from charllm.engine.memory import estimate
-    from charllm.engine.validate import ignored
+    from charllm.engine.model.memory import estimate
+    from charllm.engine.model.validate import ignored
 
-    exp = catalog.load_experiment("tiny-local").apply(["recompute_method='uniform'", "recompute_num_layers=1",
+    exp = Experiment.load("tiny-local").apply(["recompute_method='uniform'", "recompute_num_layers=1",
                                                  "recompute_modules=['mlp']"])
     assert validate(exp) == []
     assert ignored(exp) == [
@@ -301,7 +302,7 @@ def test_what_megatron_ignores_is_accepted_and_listed():
         "recompute_num_layers = 1: ignored without recompute_granularity (as Megatron does)",
         "recompute_modules = ['mlp']: ignored without recompute_granularity = 'selective' (as Megatron does)"]
     assert ignored(exp)[1] in estimate(exp).warnings
-    assert estimate(exp).peak_bytes == estimate(catalog.load_experiment("tiny-local")).peak_bytes
+    assert estimate(exp).peak_bytes == estimate(Experiment.load("tiny-local")).peak_bytes
 
 
 @pytest.mark.parametrize("sets", [s for s, message in RULES.values() if message.endswith(" works")],
@@ -315,7 +316,7 @@ def test_a_suggested_fix_resolves_its_problem(sets):
 
 
 def test_offload_modules_without_fine_grained_offloading_are_listed_as_ignored():
-    from charllm.engine.validate import ignored
+    from charllm.engine.model.validate import ignored
 
     exp = base().apply(["offload_modules=['core_attn']"])
     assert validate(exp) == []

@@ -18,11 +18,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from charllm.engine import runtime
-from charllm.engine.catalog import load_experiment
-from charllm.engine.experiment import Experiment
+from charllm.engine.model import runtime
+from charllm.engine.model.experiment import Experiment
 from charllm.engine.workload import CANCELLED_EXIT
-from charllm.probes.schema import ITERATION_FIELDS
+from charllm.probes.store.schema import ITERATION_FIELDS
 from infra_runs import finish, start
 
 pytestmark = pytest.mark.integration
@@ -34,7 +33,7 @@ TRAIN_MODULE = "charllm.engine.workload.train"
 # helpers
 # --------------------------------------------------------------------------------------------
 def make_run(tmp_path: Path, preset: str, *assignments: str) -> Path:
-    exp = load_experiment(preset).apply(list(assignments))
+    exp = Experiment.load(preset).apply(list(assignments))
     run_dir = tmp_path / "run"
     exp.save(run_dir / "experiment.toml")
     return run_dir
@@ -96,7 +95,7 @@ def check_log(run_dir: Path, world: int, iters: int, *, loss_falls: bool = True)
     assert sorted(r["rank"] for r in starts) == writers
     assert all(r["world_size"] == world for r in starts)
     assert starts[0]["layout"]["tensor_model_parallel_size"] == exp.parallel.tensor_model_parallel_size
-    # What ran, as engine.runtime resolved it on this (CPU) node, with the versions behind it.
+    # What ran, as engine.model.runtime resolved it on this (CPU) node, with the versions behind it.
     ran = starts[0]["runtime"]
     assert ran["implementation"] == runtime.resolve(exp, runtime.detect()).to_dict()
     assert ran["stack"]["cuda"] is False and ran["implementation"]["fusions"] == []
@@ -349,8 +348,8 @@ import os, sys, warnings
 from pathlib import Path
 warnings.simplefilter("ignore")
 import torch
-from charllm.engine import runtime
-from charllm.engine.experiment import Experiment
+from charllm.engine.model import runtime
+from charllm.engine.model.experiment import Experiment
 from charllm.engine.workload import cpu_compat, train
 from megatron.core import parallel_state as ps
 

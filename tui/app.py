@@ -15,7 +15,6 @@ User settings come from `<config_dir>/tui.toml`:
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Callable
 
@@ -23,21 +22,14 @@ from textual.app import App
 from textual.binding import Binding
 from textual.screen import Screen
 
-from charllm.engine.experiment import Experiment
-from charllm.probes import paths
-from charllm.probes.errors import UserError, did_you_mean
+from charllm.engine.model.experiment import Experiment
+from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError, did_you_mean
 from charllm.tui.providers import ActionsProvider, PresetsProvider, RunsProvider, ScreensProvider
+from charllm.tui.screens import SCREENS, screen_class
+from charllm.tui.screens.dialogs import AskName, Confirm
+from charllm.tui.screens.help import HelpScreen
 
-# (mode, title, key, module:class) in tab-bar order.
-SCREENS: tuple[tuple[str, str, str, str], ...] = (
-    ("compose", "Compose", "f2", "compose:ComposeScreen"),
-    ("sweep", "Sweep", "f3", "sweep:SweepScreen"),
-    ("launch", "Launch", "f4", "launch:LaunchScreen"),
-    ("live", "Live", "f5", "live:LiveScreen"),
-    ("runs", "Runs", "f6", "runs:RunsScreen"),
-    ("compare", "Compare", "f7", "compare:CompareScreen"),
-    ("doctor", "Doctor", "f8", "doctor:DoctorScreen"),
-)
 DEFAULT_EXPERIMENT = "tiny-local"
 # Once the first screen is up and idle, the work other screens' first keys would pay for is done
 # (`_when_idle`): the Sweep screen (F3) then opens on a ready table.
@@ -47,7 +39,7 @@ IDLE_WORK_AFTER_S = 1.0
 def _screen_factory(target: str) -> Callable[[], Screen]:
     """Import a screen module only when its mode is first shown (keeps the first frame fast)."""
     def make() -> Screen:
-        screen = _screen_class(target)()
+        screen = screen_class(target)()
         # A new screen is styled from the current stylesheet as it mounts. Textual would first re-parse
         # the whole stylesheet and restyle every node, twice (the screen is not mounted yet when it
         # compares its CSS generation with the app's): 200-400 ms of each screen's first key here.
@@ -83,16 +75,8 @@ def load_settings(path: Path | None = None) -> dict:
 
 def binding_ids() -> set[str]:
     """Every binding id of the app and its screens (what [keymap] may rebind)."""
-    from charllm.tui.screens.dialogs import AskName, Confirm
-    from charllm.tui.screens.help import HelpScreen
-
-    classes = [CharllmApp, HelpScreen, AskName, Confirm, *(_screen_class(target) for *_, target in SCREENS)]
+    classes = [CharllmApp, HelpScreen, AskName, Confirm, *(screen_class(target) for *_, target in SCREENS)]
     return {b.id for cls in classes for b in cls.BINDINGS if isinstance(b, Binding) and b.id}
-
-
-def _screen_class(target: str) -> type[Screen]:
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(f"charllm.tui.screens.{module}"), cls)
 
 
 class CharllmApp(App[None]):
@@ -116,9 +100,7 @@ class CharllmApp(App[None]):
         super().__init__()
         self.settings = settings if settings is not None else {"theme": None, "keymap": {}}
         if experiment is None:
-            from charllm.engine import catalog
-
-            experiment = catalog.load_experiment(DEFAULT_EXPERIMENT)
+            experiment = Experiment.load(DEFAULT_EXPERIMENT)
         self.experiment: Experiment = experiment
         self.experiment_serial = 0      # bumped when the experiment is replaced from outside Compose
         self.run_path: Path | None = Path(run) if run else None
@@ -141,7 +123,7 @@ class CharllmApp(App[None]):
     def _when_idle(self) -> None:
         """What start-up leaves for later: the sweep of the composed experiment and the CSS of the
         other screens' widgets, so that their first key does not pay for them."""
-        from charllm.tui.screens.sweep import sweep_ahead
+        from charllm.tui.screens.sweep import sweep_ahead   # deferred: see screen_class
 
         if self.current_mode != "sweep":
             sweep_ahead(self)
@@ -189,8 +171,6 @@ class CharllmApp(App[None]):
 
     # -- actions ---------------------------------------------------------------------------
     def action_help(self) -> None:
-        from charllm.tui.screens.help import HelpScreen
-
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 

@@ -8,26 +8,14 @@ lazily, inside their handlers, so `--help` and the TUI start fast.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-from charllm.probes.errors import UserError, os_error_line
+from charllm.probes.core.errors import UserError, os_error_line
+from charllm.tui.commands import (baseline, compare, doctor, export, import_results, launch, plan, presets, probe,
+                                  runs, summarize, sweep)
 
-# (module under charllm.tui.commands) in the order `--help` lists them.
-COMMAND_MODULES = (
-    "plan",
-    "sweep",
-    "presets",
-    "export",
-    "probe",
-    "summarize",
-    "compare",
-    "baseline",
-    "import_results",
-    "launch",
-    "runs",
-    "doctor",
-)
+# In the order `--help` lists them.
+COMMANDS = (plan, sweep, presets, export, probe, summarize, compare, baseline, import_results, launch, runs, doctor)
 
 DESCRIPTION = """\
 A terminal workbench for the power, performance and thermal characterization of distributed
@@ -59,14 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"charllm.tui.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"charllm.tui.commands.{name}":
-                continue  # not built yet in this checkout
-            raise
-        module.register(sub)
+    for command in COMMANDS:
+        command.register(sub)
     return parser
 
 
@@ -100,13 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_tui() -> int:
-    try:
-        from charllm.tui.app import main as app_main
-    except ModuleNotFoundError as exc:
-        if exc.name != "charllm.tui.app":
-            raise
-        build_parser().print_help()
-        return 0
+    from charllm.tui.app import main as app_main   # deferred: textual is not loaded for headless commands
+
     return int(app_main() or 0)
 
 

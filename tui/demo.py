@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from charllm.engine import doctor
+from charllm.engine.model import calibration
+from charllm.engine.model.experiment import Cluster, Experiment, Hardware, ModelSpec
+from charllm.probes.backends import open_backend
+from charllm.probes.store.rundir import RunDir
 
 T0_NS = 1_763_712_000_000_000_000        # 2025-11-21 08:00:00 UTC: the fixed clock's zero
 
@@ -20,17 +25,13 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
                   hardware: str = "h100-sxm-80gb", model: str = "llama3-8b") -> Path:
     import polars as pl
 
-    from charllm.engine import catalog
-    from charllm.engine.experiment import Cluster, Experiment
-    from charllm.probes.backends import open_backend
-    from charllm.probes.recorder import ChunkWriter
-    from charllm.probes.rundir import RunDir
-    from charllm.probes.schema import conform
+    from charllm.probes.store.recorder import ChunkWriter  # deferred: loads polars (start-up time)
+    from charllm.probes.store.schema import conform  # deferred: loads polars (start-up time)
 
     rd = RunDir(Path(root) / run_id)
     rd.logs_dir.mkdir(parents=True, exist_ok=True)
-    exp = Experiment(name=run_id.split("-", 2)[-1], model=catalog.load_model(model),
-                     hardware=catalog.load_hardware(hardware), cluster=Cluster(nodes=nodes, gpus_per_node=gpus))
+    exp = Experiment(name=run_id.split("-", 2)[-1], model=ModelSpec.load(model),
+                     hardware=Hardware.load(hardware), cluster=Cluster(nodes=nodes, gpus_per_node=gpus))
     # 8 sequences of 8192 tokens in 1.2 s on 8 H100s: about 40% MFU for Llama-3 8B, as measured runs give
     exp.training.global_batch_size = 8
     exp.training.bf16 = True
@@ -85,8 +86,6 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
 def save_demo_calibration(node: str = "node0", date: str = "2025-11-21") -> Path:
     """A fixed CPU-node calibration, as `charllm-tui doctor --train` saved it on a 2-core CPU machine
     (its figures rounded), for the Doctor screen's snapshot and screenshot. No GPU is claimed."""
-    from charllm.engine import calibration, doctor
-
     host = {"device": "host", "backend": "host", "target_hz": 20.0, "rows": 40, "achieved_hz": 20.0}
     report = {
         "node": node, "date": date, "hardware": "cpu", "hardware_reason": "no GPU: training runs on the CPU",

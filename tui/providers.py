@@ -8,6 +8,12 @@ from typing import Callable
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
+from charllm.engine.model import catalog
+from charllm.engine.model.experiment import Experiment
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import list_runs
+from charllm.tui.screens import SCREENS
+
 
 class _ListProvider(Provider):
     """A provider over a list of (text, help, callback) built once per palette opening."""
@@ -36,33 +42,24 @@ class _ListProvider(Provider):
 
 class ScreensProvider(_ListProvider):
     def items(self):
-        from charllm.tui.app import SCREENS
-
         return [(f"Go to {title}", f"show the {title} screen ({key.upper()})",
                  partial(self.app.switch_mode, mode)) for mode, title, key, _ in SCREENS]
 
 
 class PresetsProvider(_ListProvider):
     def items(self):
-        from charllm.engine import catalog
-
         return [(f"Load experiment {name}", "compose this experiment preset", partial(self._load, name))
                 for name in catalog.entries("experiments")]
 
     def _load(self, name: str) -> None:
-        from charllm.engine import catalog
-        from charllm.probes.errors import UserError
-
         try:
-            self.app.use_experiment(catalog.load_experiment(name))
+            self.app.use_experiment(Experiment.load(name))
         except UserError as exc:
             self.app.notify(str(exc), severity="error")
 
 
 class RunsProvider(_ListProvider):
     def items(self):
-        from charllm.probes.rundir import list_runs
-
         return [(f"Open run {run.id}", f"{run.status} · watch or replay it on the Live screen",
                  partial(self.app.open_run, run.path)) for run in reversed(list_runs())]
 

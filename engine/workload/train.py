@@ -5,7 +5,7 @@
 Reads RUN_DIR/experiment.toml, trains `training.train_iters` steps of GPTModel (dense or MoE)
 with Megatron's DDP, optimizer and pipeline schedules, on synthetic tokens or a Megatron indexed
 dataset (`training.data_path`), and appends the iteration log RUN_DIR/iterations.jsonl (rank 0
-and the last rank). With CUDA it runs on GPUs with NCCL, built the way `engine.runtime` resolves
+and the last rank). With CUDA it runs on GPUs with NCCL, built the way `engine.model.runtime` resolves
 the experiment on this node (Transformer Engine where it imports, else megatron-core's local layers
 with SDPA attention); without, on CPU with gloo through `cpu_compat`. It follows Megatron-LM's
 training.py, arguments.py and initialize.py; where it departs, a comment says why.
@@ -29,8 +29,12 @@ import warnings
 from functools import partial
 from pathlib import Path
 
+from charllm.engine.model import runtime
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.model.flops import num_floating_point_operations
+from charllm.engine.model.validate import check
 from charllm.engine.workload import CANCELLED_EXIT
-from charllm.probes.errors import UserError, plural
+from charllm.probes.core.errors import UserError, plural
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,7 +56,7 @@ class IterationLog:
 
     def iteration(self, iteration, start_ns, end_ns, loss, grad_norm, samples, tokens,
                   mem_peak_bytes, mem_reserved_bytes, tflops_per_gpu, warmup) -> None:
-        # Exactly probes.schema.ITERATION_FIELDS.
+        # Exactly probes.store.schema.ITERATION_FIELDS.
         self.write("iteration", iteration=iteration, start_ns=start_ns, end_ns=end_ns, loss=loss,
                    grad_norm=grad_norm, samples=samples, tokens=tokens, mem_peak_bytes=mem_peak_bytes,
                    mem_reserved_bytes=mem_reserved_bytes, tflops_per_gpu=tflops_per_gpu, warmup=warmup)
@@ -78,9 +82,7 @@ class StopFlag:
 # What this workload can run
 # --------------------------------------------------------------------------------------------
 def check_supported(exp, stack) -> None:
-    """Refuse, before any collective, what cannot run on this node (engine.runtime's rules)."""
-    from charllm.engine import runtime
-
+    """Refuse, before any collective, what cannot run on this node (engine.model.runtime's rules)."""
     found = runtime.problems(exp, stack)
     if found:
         raise UserError(str(found[0]))
@@ -204,13 +206,13 @@ def transformer_settings(exp, impl) -> dict:
 
 def layer_spec(exp, config, impl, vp_stage):
     """Megatron-LM's decoder block spec (gpt_builders.py), with SDPA core attention on the local
-    path where engine.runtime chose it."""
+    path where engine.model.runtime chose it."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=impl.transformer == "transformer_engine",
                                       normalization=exp.model.normalization, vp_stage=vp_stage)
     if impl.attention.startswith("sdpa"):
-        from charllm.engine.workload.attention import with_sdpa
+        from charllm.engine.workload.attention import with_sdpa  # deferred: loads megatron-core, torch (start-up time)
 
         spec = with_sdpa(spec, impl.sdpa_kernels)
     return spec
@@ -403,10 +405,8 @@ def slice_for_context_parallel(tensor, cp_rank: int, cp_size: int):
 
 
 def flops_per_iteration(exp) -> float:
-    """Model FLOPs of one global batch: Megatron-LM's count, the one probes.flops keeps."""
+    """Model FLOPs of one global batch: Megatron-LM's count, the one engine.model.flops keeps."""
     import dataclasses
-
-    from charllm.probes.flops import num_floating_point_operations
 
     return num_floating_point_operations(dataclasses.asdict(exp.model), exp.training.global_batch_size,
                                          exp.seq_length, exp.parallel.tensor_model_parallel_size)
@@ -574,10 +574,6 @@ def alloc_conf(inherited: str, expandable: bool) -> str:
 
 
 def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
-    from charllm.engine import runtime
-    from charllm.engine.experiment import Experiment
-    from charllm.engine.validate import check
-
     exp = Experiment.load(run_dir / "experiment.toml")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -607,7 +603,7 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     if cuda:
         torch.cuda.set_device(local_rank)
     else:
-        from charllm.engine.workload import cpu_compat
+        from charllm.engine.workload import cpu_compat  # deferred: loads torch (start-up time)
 
         cpu_compat.apply()
     # Everything setup needs, imported here so that import time is one figure.
@@ -764,7 +760,7 @@ def teardown() -> None:
 if __name__ == "__main__":
     # A rank never outlives torchrun: torch starts it in a session of its own, out of reach of
     # the signals that stop torchrun's process group.
-    from charllm.engine.lifeline import die_with_parent
+    from charllm.probes.core.lifeline import die_with_parent
 
     die_with_parent()
     code = main()

@@ -28,8 +28,8 @@ def register(subparsers) -> None:
 
 
 def _save(args: argparse.Namespace) -> int:
-    from charllm.probes import baselines
-    from charllm.probes.summary import parse_window
+    from charllm.probes.analysis import baselines  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.summary import parse_window  # deferred: loads polars (start-up time)
 
     path = baselines.save(args.run, args.name, window=parse_window(args.window),
                           description=args.description, overwrite=args.force)
@@ -38,7 +38,7 @@ def _save(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from charllm.probes import baselines
+    from charllm.probes.analysis import baselines  # deferred: loads polars (start-up time)
 
     rows = baselines.list()
     if not rows:
@@ -51,8 +51,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from charllm.probes import baselines
-    from charllm.probes.summary import render
+    from charllm.probes.analysis import baselines  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.summary import render  # deferred: loads polars (start-up time)
 
     b = baselines.show(args.name)
     if args.format in ("table", "markdown"):
@@ -62,7 +62,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from charllm.probes import baselines
+    from charllm.probes.analysis import baselines  # deferred: loads polars (start-up time)
 
     baselines.delete(args.name)
     print(f"deleted baseline {args.name}")

@@ -10,7 +10,9 @@ import argparse
 import json
 import sys
 
-from charllm.probes.errors import plural
+from charllm.engine import doctor
+from charllm.engine.launch.targets import get_target
+from charllm.probes.core.errors import did_you_mean, plural, UserError
 
 EPILOG = """\
 what the figures mean:
@@ -98,10 +100,6 @@ def run(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from charllm.engine import doctor
-    from charllm.engine.targets import get_target
-    from charllm.probes.errors import UserError
-
     options = dict(train=args.train, hardware=args.hardware, sample_seconds=args.sample_seconds,
                    iters=args.iters, timeout=args.timeout, progress=_progress)
     if args.target is not None and not args.target.strip():
@@ -135,8 +133,6 @@ def _progress(line: str) -> None:
 
 def save(results) -> dict:
     """Save one calibration per hardware, from the first node without errors that has it."""
-    from charllm.engine import doctor
-
     saved, by_hardware = {}, {}
     for result in results:
         report = result.report
@@ -177,9 +173,6 @@ def print_results(results, saved: dict, no_save: bool) -> None:
 
 def show(hardware: str, as_json: bool) -> int:
     from rich.console import Console
-
-    from charllm.engine import doctor
-    from charllm.probes.errors import UserError, did_you_mean
 
     records = doctor.saved_calibrations()
     if hardware:

@@ -7,8 +7,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from charllm.probes import paths
-from charllm.probes.errors import plural
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.model.megatron import export_environment, export_megatron_args, export_script, format_megatron_args
+from charllm.engine.model.validate import check
+from charllm.probes.core import paths
+from charllm.probes.core.errors import plural, UserError
 
 
 def register(sub) -> None:
@@ -36,21 +39,14 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from charllm.engine import catalog
-    from charllm.engine.validate import check
-
-    exp = catalog.load_experiment(args.experiment).apply(args.sets)
+    exp = Experiment.load(args.experiment).apply(args.sets)
     if not args.no_validate:
         check(exp)
     if args.format == "toml":
         text = exp.to_toml()
     elif args.script:
-        from charllm.engine.megatron import export_script
-
         text = export_script(exp, args.megatron_version)
     else:
-        from charllm.engine.megatron import export_megatron_args, format_megatron_args
-
         text = format_megatron_args(export_megatron_args(exp, args.megatron_version)) + "\n"
     if args.out is None:
         sys.stdout.write(text)
@@ -59,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
                           executable=args.format == "megatron" and args.script)
         print(f"wrote {args.out}", file=sys.stderr)
     if args.format == "megatron" and not args.script:   # the world size and environment are the launcher's
-        from charllm.engine.megatron import export_environment
 
         env = "".join(f"{name}={value} " for name, value in export_environment(exp).items())
         print(f"# world size {exp.world_size} = {plural(exp.cluster.nodes, 'node')} x {exp.cluster.gpus_per_node}: "
@@ -69,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_atomically(path: Path, text: str, *, executable: bool = False) -> None:
-    from charllm.probes.errors import UserError
-
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(text)

@@ -34,7 +34,7 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
 
     from rich.progress import Progress
 
-    from charllm.probes.importers import import_charllm_ppt, import_charllm_ppt_tree, is_result_folder
+    from charllm.probes.store.importers import import_charllm_ppt, import_charllm_ppt_tree, is_result_folder  # deferred: loads numpy, polars (start-up time)
 
     src = Path(args.dir).expanduser()
     if not src.is_dir() or is_result_folder(src):

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from charllm.probes.errors import plural
+from charllm.engine.launch.launcher import cancel, launch, PORT_AT_LAUNCH, watch
+from charllm.engine.launch.targets import get_target
+from charllm.engine.model.experiment import Experiment
+from charllm.probes.core.errors import plural
+from charllm.probes.store.rundir import RunDir
 
 
 def register(sub) -> None:
@@ -28,12 +32,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from charllm.engine.catalog import load_experiment
-    from charllm.engine.launch import PORT_AT_LAUNCH, launch
-    from charllm.engine.targets import get_target
-
     console = Console(stderr=True, highlight=False)
-    exp = load_experiment(args.experiment).apply(args.assignments)
+    exp = Experiment.load(args.experiment).apply(args.assignments)
     target = get_target(args.target, args.target_file)
     with console.status("launching") as status:
         result = launch(exp, target, dry_run=args.dry_run, force=args.force, nproc=args.nproc,
@@ -63,9 +63,6 @@ def follow(run_dir) -> int:
     import time
 
     import polars as pl
-
-    from charllm.engine.launch import cancel, watch
-    from charllm.probes.rundir import RunDir
 
     # Rank 0 and the last rank both log each step; the last rank's line carries the loss.
     last_rank = RunDir(run_dir).read_manifest().get("world_size", 1) - 1

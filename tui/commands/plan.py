@@ -6,7 +6,11 @@ import argparse
 import json
 import sys
 
-from charllm.probes.errors import plural
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.model.megatron import import_megatron_args, launcher_world_size
+from charllm.engine.model.memory import estimate
+from charllm.engine.model.validate import check
+from charllm.probes.core.errors import plural, UserError
 
 EPILOG = """\
 what the numbers mean:
@@ -65,8 +69,6 @@ def register(sub) -> None:
 
 def load(args: argparse.Namespace):
     """(experiment, ignored Megatron flags, warnings) from either form of the command line."""
-    from charllm.probes.errors import UserError
-
     if args.megatron_args is not None:
         if args.experiment:
             raise UserError("plan: give either EXPERIMENT_OR_PRESET or --megatron-args, not both")
@@ -74,7 +76,6 @@ def load(args: argparse.Namespace):
             raise UserError("plan --megatron-args: --hardware is required")
         if args.world_size is not None and args.world_size < 1:
             raise UserError(f"--world-size = {args.world_size!r}: must be a positive integer")
-        from charllm.engine.megatron import import_megatron_args, launcher_world_size
 
         if args.world_size is None and launcher_world_size(args.megatron_args) is None:
             raise UserError("plan --megatron-args: --world-size is required unless the line starts with "
@@ -90,15 +91,11 @@ def load(args: argparse.Namespace):
         if getattr(args, flag) is not None:
             raise UserError(f"plan: --{flag.replace('_', '-')} only goes with --megatron-args "
                             f"(use --set for an experiment)")
-    from charllm.engine import catalog
 
-    return catalog.load_experiment(args.experiment).apply(args.sets), [], []
+    return Experiment.load(args.experiment).apply(args.sets), [], []
 
 
 def run(args: argparse.Namespace) -> int:
-    from charllm.engine.memory import estimate
-    from charllm.engine.validate import check
-
     exp, ignored, warnings = load(args)
     check(exp)
     report = estimate(exp, ignored_args=ignored, warnings=warnings)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from charllm.probes.errors import plural
+from charllm.engine.model import catalog
+from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec, _drop_none
+from charllm.engine.model.validate import validate, value_problems
+from charllm.probes.core.errors import did_you_mean, plural, UserError
 
 KINDS = ("models", "hardware", "experiments")
 SINGULAR = {"models": "model", "hardware": "hardware", "experiments": "experiment"}
@@ -39,9 +42,6 @@ def run(args: argparse.Namespace) -> int:
 def _entries(kinds) -> list[dict]:
     """One row per preset: kind, name, source, file, description and a one-line summary (or the error
     that makes the file unreadable: a broken user preset must not hide the others)."""
-    from charllm.engine import catalog
-    from charllm.probes.errors import UserError
-
     rows = []
     for kind in kinds:
         for name, path in catalog.entries(kind).items():
@@ -59,10 +59,7 @@ def _entries(kinds) -> list[dict]:
 
 
 def _load(kind: str, name: str):
-    from charllm.engine import catalog
-
-    return {"models": catalog.load_model, "hardware": catalog.load_hardware,
-            "experiments": catalog.load_experiment}[kind](name)
+    return {"models": ModelSpec, "hardware": Hardware, "experiments": Experiment}[kind].load(name)
 
 
 def _summary(kind: str, obj) -> str:
@@ -81,7 +78,6 @@ def _summary(kind: str, obj) -> str:
         gib = h.usable_bytes / 2**30
         fp8 = f", FP8 {h.fp8_tflops:g}" if h.fp8 and h.fp8_tflops else ""
         return f"{gib:.1f} GiB usable, BF16 {h.bf16_tflops:g} TFLOP/s{fp8}, {h.tdp_w:g} W"
-    from charllm.engine.validate import value_problems
 
     e, p = obj, obj.parallel
     if value_problems(e):
@@ -124,9 +120,6 @@ def _list(kind: str | None, as_json: bool) -> int:
 
 # --------------------------------------------------------------------------------------------
 def _find_kind(name: str) -> str:
-    from charllm.engine import catalog
-    from charllm.probes.errors import UserError, did_you_mean
-
     kinds = [k for k in KINDS if name in catalog.entries(k)]
     if len(kinds) == 1:
         return kinds[0]
@@ -142,10 +135,6 @@ def _show(name: str, kind: str | None, as_json: bool) -> int:
     import dataclasses
 
     import tomli_w
-
-    from charllm.engine import catalog
-    from charllm.engine.experiment import Experiment, _drop_none
-    from charllm.engine.validate import validate, value_problems
 
     kind = kind or _find_kind(name)
     path = catalog.find(kind, name)

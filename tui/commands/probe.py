@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from charllm.probes.cli import add_arguments
+from charllm.probes.cli import add_arguments, run
 
 
 def register(subparsers) -> None:
@@ -15,6 +15,4 @@ def register(subparsers) -> None:
 
 
 def _handle(args) -> int:
-    from charllm.probes.cli import run
-
     return run(args)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from charllm.engine.launch.launcher import cancel, reconcile
+from charllm.probes.core.errors import plural, UserError
+from charllm.probes.store.rundir import list_runs, resolve_run, runtime_line, status_line
+from charllm.tui.commands.launch import follow
+
 
 def register(sub) -> None:
     p = sub.add_parser("runs", help="list, inspect, follow, cancel and delete runs",
@@ -25,10 +30,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from charllm.engine.launch import reconcile
-    from charllm.probes.errors import UserError
-    from charllm.probes.rundir import resolve_run
-
     action = args.action or "list"
     if action == "list":
         return _list()
@@ -42,10 +43,6 @@ def run(args: argparse.Namespace) -> int:
 def _list() -> int:
     from rich.console import Console
     from rich.table import Table
-
-    from charllm.engine.launch import reconcile
-    from charllm.probes.errors import UserError
-    from charllm.probes.rundir import list_runs, status_line
 
     runs = list_runs()
     if not runs:
@@ -90,9 +87,6 @@ def _duration(m: dict) -> str:
 
 
 def _show(rd, args) -> int:
-    from charllm.probes.errors import plural
-    from charllm.probes.rundir import runtime_line, status_line
-
     m = rd.read_manifest()
     print(f"run       {rd.id}")
     print(f"path      {rd.path}")
@@ -124,8 +118,6 @@ def _show(rd, args) -> int:
 
 def _logs(rd, args) -> int:
     if args.follow:
-        from charllm.tui.commands.launch import follow
-
         return follow(rd.path)
     files = sorted(rd.logs_dir.glob("*.log")) if rd.logs_dir.is_dir() else []
     if not files:
@@ -137,8 +129,6 @@ def _logs(rd, args) -> int:
 
 
 def _cancel(rd, args) -> int:
-    from charllm.engine.launch import cancel
-
     print(f"run {rd.id}: cancelling...", flush=True)
     status = cancel(rd)
     print(f"run {rd.id}: {status}")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from charllm.probes import paths
+from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError
 
 FORMATS = ("table", "markdown", "csv", "json", "parquet")
 
@@ -27,7 +28,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from charllm.probes.summary import parse_window, render, summarize, write_summary
+    from charllm.probes.analysis.summary import parse_window, render, summarize, write_summary  # deferred: loads polars (start-up time)
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None  # before the work
     df = summarize(args.run, parse_window(args.window), by=args.by)
@@ -37,8 +38,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         fmt = args.format or "table"
         if fmt == "parquet":
-            from charllm.probes.errors import UserError
-
             raise UserError("--format parquet is binary: give --out FILE")
         print(render(df, fmt), end="")
     return 0

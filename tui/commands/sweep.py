@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from charllm.probes import paths
-from charllm.probes.errors import plural
+from charllm.engine.model.experiment import Experiment, parse_value
+from charllm.engine.model.memory import budget
+from charllm.engine.model.sweep import base_experiment, layout_to_experiment, recompute_name, sweep, SWEPT
+from charllm.engine.model.validate import validate
+from charllm.probes.core import paths
+from charllm.probes.core.errors import plural, UserError
+from charllm.tui.commands.plan import VERDICT_STYLE
 
 EPILOG = """\
 what is swept: the layout of an experiment (a preset or TOML file, as Compose and `plan` take it),
@@ -18,7 +23,7 @@ those two as well (default: an experiment's own settings; with --model, recomput
 / full and the distributed optimizer on / off). Sequence parallelism is on whenever TP > 1 and the
 node planned for runs it (with Transformer Engine; a node calibrated without it, see `charllm-tui
 doctor`, gets TP without SP and no CP), unless the experiment runs TP without it. Only layouts
-that `engine.validate` accepts are listed.
+that `engine.model.validate` accepts are listed.
 
 ranking (rank 1 = most promising):
   1. layouts that fit first, then tight ones (the allocated peak fits, not the allocator's
@@ -82,8 +87,6 @@ MODEL_FLAGS = ("model", "hardware", "nodes", "gpus_per_node", "global_batch_size
 
 
 def run(args: argparse.Namespace) -> int:
-    from charllm.probes.errors import UserError
-
     if args.parquet is not None:  # before the work
         args.parquet = paths.output_file(args.parquet, "--parquet")
     for flag in ("nodes", "gpus_per_node", "global_batch_size", "seq_length"):
@@ -94,8 +97,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--top = {args.top!r}: must be 0 (all) or more")
     import polars as pl
     from rich.console import Console
-
-    from charllm.engine.sweep import sweep
 
     base, from_model = load(args)
     recompute = _choices("--recompute", args.recompute, {"none": "none", "selective": "selective", "full": "full"})
@@ -124,8 +125,6 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--parquet {str(args.parquet)!r}: cannot write ({exc.strerror})") from None
         console.print(f"wrote {plural(df.height, 'layout')} to {args.parquet}")
     else:
-        from charllm.engine.memory import budget
-
         render(df, args, base)
         print(budget(base).describe())
     return 0
@@ -133,10 +132,6 @@ def run(args: argparse.Namespace) -> int:
 
 def load(args: argparse.Namespace):
     """(the experiment whose layouts are swept, whether it was built from --model and friends)."""
-    from charllm.engine.experiment import parse_value
-    from charllm.engine.sweep import base_experiment
-    from charllm.probes.errors import UserError
-
     options = {}
     for item in args.sets:
         key, sep, raw = item.partition("=")
@@ -147,10 +142,8 @@ def load(args: argparse.Namespace):
         given = [f"--{f.replace('_', '-')}" for f in (*MODEL_FLAGS, "seq_length") if getattr(args, f) is not None]
         if given:
             raise UserError(f"sweep: {given[0]} goes with --model, not with an experiment (use --set on the experiment)")
-        from charllm.engine import catalog
-        from charllm.engine.sweep import SWEPT
 
-        exp = catalog.load_experiment(args.experiment)
+        exp = Experiment.load(args.experiment)
         for key, value in options.items():
             if key.rpartition(".")[2] in SWEPT:
                 raise UserError(f"{key} = {value!r}: the sweep varies {key.rpartition('.')[2]} itself; it cannot be fixed")
@@ -163,8 +156,6 @@ def load(args: argparse.Namespace):
 
 
 def _choices(flag: str, text: str | None, allowed: dict) -> tuple | None:
-    from charllm.probes.errors import UserError
-
     if text is None:
         return None
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -177,11 +168,8 @@ def _choices(flag: str, text: str | None, allowed: dict) -> tuple | None:
 
 
 def why_none(base, recompute: tuple | None, dists: tuple | None) -> str:
-    """What `engine.validate` says about the plainest layout (no parallelism, micro batch 1) with the
+    """What `engine.model.validate` says about the plainest layout (no parallelism, micro batch 1) with the
     first recompute and optimizer choice swept."""
-    from charllm.engine.sweep import layout_to_experiment, recompute_name
-    from charllm.engine.validate import validate
-
     plain = layout_to_experiment(base, {
         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "micro_batch_size": 1,
         "recompute": (recompute or (recompute_name(base),))[0],
@@ -194,8 +182,6 @@ def render(df, args, base) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
-
-    from charllm.tui.commands.plan import VERDICT_STYLE
 
     fitting = int(df["fits"].sum()) if df.height else 0
     shown = df if args.top == 0 else df.head(min(args.top, df.height))

@@ -1,28 +1,12 @@
-"""What every workbench screen shares: header, tab bar of screens, footer, and API look-up."""
+"""What every workbench screen shares: header, tab bar of screens, footer."""
 
 from __future__ import annotations
-
-import importlib
-from types import ModuleType
 
 from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Tab, Tabs
 
-
-class MissingAPI(Exception):
-    """A headless module this screen needs is not in this checkout yet (said so on screen)."""
-
-
-def api(module: str) -> ModuleType:
-    """Import `charllm.<module>`, or raise MissingAPI naming it (never fake its results)."""
-    name = f"charllm.{module}"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name == name:
-            raise MissingAPI(f"{name} is not available in this build") from None
-        raise
+from charllm.tui.screens import SCREENS
 
 
 def edited_name(name: str) -> str:
@@ -37,8 +21,6 @@ class ScreenTabs(Tabs):
     can_focus = False
 
     def __init__(self, active: str):
-        from charllm.tui.app import SCREENS
-
         super().__init__(*(Tab(f"{title} {key.upper()}", id=mode) for mode, title, key, _ in SCREENS),
                          active=active)
 

@@ -1,6 +1,6 @@
 """Compare: 2–4 runs and/or a baseline side by side.
 
-The table is `probes.compare.compare(refs, baseline)`'s, figures formatted with their units as
+The table is `probes.analysis.compare.compare(refs, baseline)`'s, figures formatted with their units as
 `charllm-tui compare` prints them. The baseline selector offers the runs compared and the saved
 baselines, and always shows the baseline the figures are measured against. The overlaid charts
 show each run per training iteration (from its telemetry's `iteration` column): mean GPU power
@@ -22,8 +22,11 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Label, Select, Static
 
-from charllm.probes.errors import UserError
-from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+from charllm.probes.analysis import baselines, compare
+from charllm.probes.analysis.summary import read_iterations
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import resolve_run
+from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import Chart
 
 FIRST_RUN = "(first run)"
@@ -39,7 +42,7 @@ NO_CHARTS = "no charts: none of these runs recorded telemetry per training itera
 
 @dataclass
 class Compared(Message):
-    result: object | None          # probes.compare.CompareResult
+    result: object | None          # probes.analysis.compare.CompareResult
     curves: dict                   # curve -> {run label: (iterations, values)}, runs with data only
     error: str | None = None
 
@@ -78,8 +81,8 @@ class CompareScreen(WorkbenchScreen):
         """The selector's choices: the runs compared, then the saved baselines (the current one kept)."""
         select = self.query_one("#baseline", Select)
         try:
-            names = [b["name"] for b in api("probes.baselines").list()]
-        except (MissingAPI, UserError):
+            names = [b["name"] for b in baselines.list()]
+        except UserError:
             names = []
         choices = {ref: f"{Path(ref).name} (run)" for ref in refs}
         choices.update({f"baseline:{n}": f"{n} (saved baseline)" for n in names if f"baseline:{n}" not in choices})
@@ -118,8 +121,8 @@ class CompareScreen(WorkbenchScreen):
     @work(thread=True, exclusive=True, group="compare")
     def compare(self, refs: list[str], baseline: str | None) -> None:
         try:
-            result = api("probes.compare").compare(refs, baseline=baseline)
-        except (MissingAPI, UserError) as exc:
+            result = compare.compare(refs, baseline=baseline)
+        except UserError as exc:
             result, error = None, str(exc)
         except Exception as exc:  # noqa: BLE001 - reported on screen, the app stays up
             result, error = None, f"compare failed: {exc!r}"
@@ -193,9 +196,6 @@ def per_iteration_curves(refs: list[str]) -> dict:
     curves it has data for: means over GPUs (or hosts) and samples within each iteration, and
     each iteration's time from the iteration log."""
     import polars as pl
-
-    from charllm.probes.rundir import resolve_run
-    from charllm.probes.summary import read_iterations
 
     curves: dict[str, dict] = {curve: {} for curve, _ in (*GPU_CHARTS, *HOST_CHARTS)}
     for ref in refs:

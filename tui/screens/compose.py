@@ -1,6 +1,6 @@
 """Compose: pick model, hardware and cluster; edit the layout; see validation and memory at once.
 
-Every edit re-validates (`engine.validate.validate`) and re-estimates (`engine.memory.estimate`)
+Every edit re-validates (`engine.model.validate.validate`) and re-estimates (`engine.model.memory.estimate`)
 in a thread worker (debounced, the newest edit wins) that posts `ComposeScreen.Estimated`.
 """
 
@@ -20,11 +20,12 @@ from textual.message import Message
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 from textual.worker import get_current_worker
 
-from charllm.engine import catalog
-from charllm.engine.experiment import Experiment, resolve_key
-from charllm.probes import paths
-from charllm.probes.errors import UserError, plural
-from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api, edited_name
+from charllm.engine.model import catalog, megatron, memory, validate
+from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec, resolve_key
+from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError, plural
+from charllm.tui.screens.base import WorkbenchScreen, edited_name
+from charllm.tui.screens.dialogs import AskName
 from charllm.tui.widgets.memory_bars import MemoryBars
 
 DEBOUNCE_S = 0.05
@@ -134,10 +135,10 @@ class ComposeScreen(WorkbenchScreen):
         """Validation and memory estimate for experiment edit number `serial`."""
 
         serial: int
-        problems: list            # engine.validate.Problem
+        problems: list            # engine.model.validate.Problem
         report: dict | None       # MemoryReport.to_dict(), None when it could not be computed
         error: str | None         # why there is no report
-        flags: list[str] | None = None   # engine.megatron.export_megatron_args(exp)
+        flags: list[str] | None = None   # engine.model.megatron.export_megatron_args(exp)
 
     def __init__(self):
         super().__init__()
@@ -250,9 +251,9 @@ class ComposeScreen(WorkbenchScreen):
         exp = self.app.experiment.copy()
         try:
             if wid == "model":
-                exp.model = catalog.load_model(event.value)
+                exp.model = ModelSpec.load(event.value)
             elif wid == "hardware":
-                exp.hardware = catalog.load_hardware(event.value)
+                exp.hardware = Hardware.load(event.value)
             elif wid in FIELDS:
                 set_value(exp, FIELDS[wid], event.value)
             else:
@@ -270,7 +271,7 @@ class ComposeScreen(WorkbenchScreen):
 
     def _load_preset(self, name: str) -> None:
         try:
-            exp = catalog.load_experiment(name)
+            exp = Experiment.load(name)
         except UserError as exc:
             self.notify(str(exc), severity="error")
             return
@@ -317,23 +318,18 @@ class ComposeScreen(WorkbenchScreen):
         if get_current_worker().is_cancelled:
             return
         problems, report, error = [], None, None
-        try:
-            problems = api("engine.validate").validate(exp)
-        except MissingAPI as exc:
-            error = str(exc)
+        problems = validate.validate(exp)
         if not problems:
             try:
-                report = api("engine.memory").estimate(exp).to_dict()
-            except MissingAPI as exc:
-                error = f"{exc}: no memory estimate"
+                report = memory.estimate(exp).to_dict()
             except UserError as exc:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - an estimator bug is shown, editing goes on
                 error = f"estimate failed: {exc!r}"
         flags = None
         try:
-            flags = api("engine.megatron").export_megatron_args(exp)
-        except (MissingAPI, UserError):
+            flags = megatron.export_megatron_args(exp)
+        except UserError:
             pass
         self.post_message(self.Estimated(serial, problems, report, error, flags))
 
@@ -379,8 +375,6 @@ class ComposeScreen(WorkbenchScreen):
         {"save": self.action_save, "export": self.action_export, "launch": self.action_launch}[event.button.id]()
 
     def action_save(self) -> None:
-        from charllm.tui.screens.dialogs import AskName
-
         def save(name: str | None) -> None:
             if not name:
                 return
@@ -401,8 +395,8 @@ class ComposeScreen(WorkbenchScreen):
 
     def action_export(self) -> None:
         try:
-            args = api("engine.megatron").export_megatron_args(self.app.experiment)
-        except (MissingAPI, UserError) as exc:
+            args = megatron.export_megatron_args(self.app.experiment)
+        except UserError as exc:
             self.notify(str(exc), severity="error")
             return
         text = shlex.join(args)

@@ -19,8 +19,10 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Log, ProgressBar, Static
 
-from charllm.probes.errors import UserError
-from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+from charllm.engine import doctor
+from charllm.probes.core.errors import UserError
+from charllm.tui.commands.doctor import render
+from charllm.tui.screens.base import WorkbenchScreen
 
 HINT = ("[b]r[/b] checks this node · [b]t[/b] also trains a short job and saves the calibration "
         "(Compose, Sweep and plan use it for this hardware)")
@@ -85,11 +87,7 @@ class DoctorScreen(WorkbenchScreen):
     # -- saved calibrations ------------------------------------------------------------------------
     def show_saved(self) -> None:
         status = self.query_one("#doctor-status", Static)
-        try:
-            records = api("engine.doctor").saved_calibrations()
-        except MissingAPI as exc:
-            status.update(f"[yellow]{escape(str(exc))}[/]")
-            return
+        records = doctor.saved_calibrations()
         if not records:
             status.update(f"No calibration saved yet. {HINT}")
             return
@@ -98,8 +96,6 @@ class DoctorScreen(WorkbenchScreen):
         self._show(records[0])
 
     def _show(self, report: dict) -> None:
-        from charllm.tui.commands.doctor import render
-
         self.query_one("#doctor-report-text", Static).update(render(report))
 
     # -- checks ----------------------------------------------------------------------------------
@@ -124,12 +120,11 @@ class DoctorScreen(WorkbenchScreen):
     @work(thread=True, exclusive=True, group="doctor")
     def run_checks(self, train: bool) -> None:
         try:
-            doctor = api("engine.doctor")
             report = doctor.gather(train=train, stop=self.stop,
                                    progress=lambda text: self.post_message(DoctorProgress(text)))
             saved = str(doctor.save_calibration(report)) if train and not report["errors"] else None
             self.post_message(DoctorDone(report, saved))
-        except (MissingAPI, UserError) as exc:
+        except UserError as exc:
             self.post_message(DoctorDone(None, error=str(exc)))
         except Exception as exc:  # noqa: BLE001 - reported on screen, the app stays up
             self.post_message(DoctorDone(None, error=f"doctor failed: {exc!r}"))

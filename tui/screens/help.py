@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
-
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
+
+from charllm.tui.screens import SCREENS, screen_class
 
 FLOW = """\
 # charllm-tui
@@ -39,12 +39,8 @@ class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,f1", "dismiss", "Close", id="help.close")]
 
     def compose(self) -> ComposeResult:
-        from charllm.tui.app import SCREENS, CharllmApp
-
-        lines = [FLOW, *_rows("Everywhere", CharllmApp.BINDINGS)]
-        for mode, title, _, target in SCREENS:
-            module, _, cls = target.partition(":")
-            screen = getattr(importlib.import_module(f"charllm.tui.screens.{module}"), cls)
-            lines += _rows(title, screen.BINDINGS)
+        lines = [FLOW, *_rows("Everywhere", type(self.app).BINDINGS)]
+        for _, title, _, target in SCREENS:
+            lines += _rows(title, screen_class(target).BINDINGS)
         with VerticalScroll(id="help"):
             yield Markdown("\n".join(lines))

@@ -1,6 +1,6 @@
 """Launch: pick a target, see the dry run (commands, sbatch script), launch, then watch it live.
 
-`engine.launch.launch` runs in a thread worker; its `on_progress` messages are posted to the
+`engine.launch.launcher.launch` runs in a thread worker; its `on_progress` messages are posted to the
 screen while it starts. Once the run directory exists the Live screen follows it.
 """
 
@@ -17,9 +17,10 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Label, Log, ProgressBar, Select, Static
 
-from charllm.probes import paths
-from charllm.probes.errors import UserError, plural
-from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+from charllm.engine.launch import launcher, targets
+from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError, plural
+from charllm.tui.screens.base import WorkbenchScreen
 
 
 @dataclass
@@ -29,7 +30,7 @@ class LaunchProgress(Message):
 
 @dataclass
 class LaunchDone(Message):
-    result: object | None        # engine.launch.LaunchResult
+    result: object | None        # engine.launch.launcher.LaunchResult
     error: str | None = None
 
 
@@ -71,8 +72,8 @@ class LaunchScreen(WorkbenchScreen):
     def load_targets(self) -> None:
         select = self.query_one("#target", Select)
         try:
-            self.targets = api("engine.targets").load_targets()
-        except (MissingAPI, UserError) as exc:
+            self.targets = targets.load_targets()
+        except UserError as exc:
             self.targets = {}
             self.query_one("#launch-summary", Static).update(f"[red]{escape(str(exc))}[/]")
             return
@@ -104,10 +105,10 @@ class LaunchScreen(WorkbenchScreen):
     @work(thread=True, exclusive=True, group="launch-plan")
     def plan(self, exp, target) -> None:
         try:
-            result = api("engine.launch").launch(exp, target, dry_run=True, force=True)
+            result = launcher.launch(exp, target, dry_run=True, force=True)
             self.app.call_from_thread(self._show_plan, result)
         except Exception as exc:  # noqa: BLE001 - UserError, a missing API or an engine bug: said on screen
-            text = str(exc) if isinstance(exc, (MissingAPI, UserError)) else f"dry run failed: {exc!r}"
+            text = str(exc) if isinstance(exc, UserError) else f"dry run failed: {exc!r}"
             self.app.call_from_thread(self.query_one("#dry-run-text", Static).update, f"[yellow]{escape(text)}[/]")
 
     def _show_plan(self, result) -> None:
@@ -117,7 +118,7 @@ class LaunchScreen(WorkbenchScreen):
             return escape(text.replace(sys.executable, "python"))
 
         parts = ["[b]Dry run[/b] — nothing starts until you press [b]l[/b] ($RUNS: the runs directory; "
-                 f"<run-id> and {api('engine.launch').PORT_AT_LAUNCH}, torchrun's rendezvous port, are picked at launch)"]
+                 f"<run-id> and {launcher.PORT_AT_LAUNCH}, torchrun's rendezvous port, are picked at launch)"]
         if result.forced:
             parts.append("\n[b red]This layout has problems[/] (launch refuses it; [b]f[/b] launches anyway):")
             parts += [f"  [red]✗[/] {escape(p)}" for p in result.forced]
@@ -146,10 +147,10 @@ class LaunchScreen(WorkbenchScreen):
     @work(thread=True, exclusive=True, group="launch")
     def start(self, exp, target, force: bool) -> None:
         try:
-            result = api("engine.launch").launch(
+            result = launcher.launch(
                 exp, target, force=force, on_progress=lambda text: self.post_message(LaunchProgress(text)))
             self.post_message(LaunchDone(result))
-        except (MissingAPI, UserError) as exc:
+        except UserError as exc:
             self.post_message(LaunchDone(None, str(exc)))
         except Exception as exc:  # noqa: BLE001 - reported on screen, the app stays up
             self.post_message(LaunchDone(None, f"launch failed: {exc!r}"))

@@ -1,7 +1,7 @@
 """Live: power, temperatures, SM clock and throttling per GPU, iteration speed, ranks and log.
 
 A thread worker (`LiveScreen.feed`) follows one source — a run directory through
-`probes.tail.TelemetryTail` / `IterationTail` (live or recorded: a finished run replays whole),
+`probes.store.tail.TelemetryTail` / `IterationTail` (live or recorded: a finished run replays whole),
 or, with no run selected, this machine's host telemetry from an in-process `probes.sampler.Sampler`
 — and posts a `LiveScreen.Frame` about four times a second. The UI thread only draws.
 """
@@ -26,7 +26,11 @@ from textual.message import Message
 from textual.widgets import Log, Static
 from textual.worker import get_current_worker
 
-from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+from charllm.probes import backends, sampler
+from charllm.probes.backends.base import hostname
+from charllm.probes.store import rundir, tail
+from charllm.probes.store.schema import conform
+from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import MAX_POINTS, Chart
 
 POLL_S = 0.25
@@ -81,8 +85,7 @@ class RunSource:
     """New telemetry rows, iteration events and log lines of a run directory."""
 
     def __init__(self, run_dir: Path):
-        tail = api("probes.tail")
-        self.run = api("probes.rundir").RunDir(Path(run_dir))
+        self.run = rundir.RunDir(Path(run_dir))
         self.name = self.run.id
         self.telemetry = tail.TelemetryTail(run_dir)
         self.iterations = tail.IterationTail(run_dir)
@@ -127,9 +130,8 @@ class HostSource:
     """This machine's host telemetry, sampled in-process (no run directory, nothing written)."""
 
     def __init__(self):
-        backends, sampler = api("probes.backends"), api("probes.sampler")
-        self.name = f"host telemetry: {backends.hostname()}"
-        self.sampler = sampler.Sampler([backends.open_backend("host")], hz=HOST_HZ, node=backends.hostname())
+        self.name = f"host telemetry: {hostname()}"
+        self.sampler = sampler.Sampler([backends.open_backend("host")], hz=HOST_HZ, node=hostname())
         self.ticks = self.sampler.subscribe()
         self.sampler.start()
 
@@ -138,8 +140,6 @@ class HostSource:
 
     def poll(self):
         import polars as pl
-
-        from charllm.probes.schema import conform
 
         rows = []
         while True:
@@ -236,10 +236,7 @@ class LiveScreen(WorkbenchScreen):
         self._shown.clear()
         finished = False
         if run_dir is not None:
-            try:
-                finished = api("probes.rundir").RunDir(run_dir).status in ("completed", "failed", "cancelled")
-            except MissingAPI:
-                pass
+            finished = rundir.RunDir(run_dir).status in ("completed", "failed", "cancelled")
         self.window = len(WINDOWS_S) - 1 if finished else DEFAULT_WINDOW   # a replay shows it all
         self.feed(run_dir)
 
@@ -248,7 +245,7 @@ class LiveScreen(WorkbenchScreen):
         worker = get_current_worker()
         try:
             source = RunSource(run_dir) if run_dir else HostSource()
-        except (MissingAPI, Exception) as exc:  # noqa: BLE001 - shown on screen, never raised into the UI
+        except Exception as exc:  # noqa: BLE001 - shown on screen, never raised into the UI
             self.post_message(Frame(source=str(run_dir or "host telemetry"), status="", kind="none",
                                     error=str(exc)))
             return
@@ -307,7 +304,7 @@ class LiveScreen(WorkbenchScreen):
                 frame.log_lines = log_lines
                 frame.ranks = ranks_text(iterations, starts)
                 if starts.get("runtime"):
-                    frame.runtime = api("probes.rundir").runtime_line(starts["runtime"])
+                    frame.runtime = rundir.runtime_line(starts["runtime"])
                 self.post_message(frame)
                 time.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
         finally:

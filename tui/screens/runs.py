@@ -1,6 +1,6 @@
 """Runs: every run directory with status, target, experiment and headline numbers.
 
-The list comes from `probes.rundir.list_runs`; the headline numbers from `probes.summary.summarize`
+The list comes from `probes.store.rundir.list_runs`; the headline numbers from `probes.analysis.summary.summarize`
 (by="run"), in a thread worker: first every summary kept in the run directories (a Parquet read
 each), then the others, top row first; each row is filled in as its numbers arrive, and keeps
 them across refreshes.
@@ -20,8 +20,12 @@ from textual.message import Message
 from textual.widgets import DataTable, Static
 from textual.worker import get_current_worker
 
-from charllm.probes.errors import UserError
-from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api
+from charllm.engine.launch import launcher
+from charllm.probes.analysis import baselines, summary
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import list_runs, RunDir, runtime_line, status_line
+from charllm.tui.screens.base import WorkbenchScreen
+from charllm.tui.screens.dialogs import AskName, Confirm
 
 STATUS_STYLE = {"running": "bold green", "pending": "yellow", "completed": "", "failed": "bold red",
                 "cancelled": "magenta"}
@@ -86,15 +90,13 @@ class RunsScreen(WorkbenchScreen):
 
     # -- listing -----------------------------------------------------------------------------
     def action_refresh(self) -> None:
-        from charllm.probes.rundir import list_runs, status_line
-
         table = self.query_one(DataTable)
         cursor = self.current_run()
         table.clear()
         self.runs = {}
         for rd in reversed(list_runs()):        # newest first
             try:
-                api("engine.launch").reconcile(rd)   # a run whose supervisor died is finished now
+                launcher.reconcile(rd)   # a run whose supervisor died is finished now
                 m = rd.read_manifest()
             except UserError:                       # a damaged manifest costs only its own row
                 m = {"status": "damaged"}
@@ -127,12 +129,6 @@ class RunsScreen(WorkbenchScreen):
     @work(thread=True, exclusive=True, group="headlines")
     def headlines(self, runs: list[tuple[str, Path]]) -> None:
         worker = get_current_worker()
-        try:
-            summary = api("probes.summary")
-        except MissingAPI as exc:
-            for run_id, _ in runs:
-                self.post_message(Headline(run_id, {}, str(exc)))
-            return
         to_compute = []
         for run_id, path in runs:      # kept summaries first: the whole screen fills at once
             if worker.is_cancelled:    # a newer refresh took over
@@ -168,8 +164,6 @@ class RunsScreen(WorkbenchScreen):
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         run_id = event.row_key.value if event.row_key else None
         if run_id in self.runs:
-            from charllm.probes.rundir import RunDir, runtime_line
-
             note = self.notes.get(run_id)
             ran = RunDir(self.runs[run_id]).runtime()
             self.query_one("#runs-detail", Static).update(
@@ -220,15 +214,13 @@ class RunsScreen(WorkbenchScreen):
     @work(thread=True, group="cancel")
     def cancel_run(self, path: Path) -> None:
         try:
-            status = api("engine.launch").cancel(path)
+            status = launcher.cancel(path)
             self.app.call_from_thread(self.notify, f"{path.name}: {status}")
-        except (UserError, MissingAPI) as exc:
+        except UserError as exc:
             self.app.call_from_thread(self.notify, str(exc), severity="error")
         self.app.call_from_thread(self.action_refresh)
 
     def action_save_baseline(self) -> None:
-        from charllm.tui.screens.dialogs import AskName
-
         run_id = self.current_run()
         if run_id:
             self.app.push_screen(AskName(f"Save run {run_id} as baseline:"),
@@ -237,8 +229,6 @@ class RunsScreen(WorkbenchScreen):
     @work(thread=True, group="baseline")
     def save_baseline(self, path: Path, name: str) -> None:
         """`charllm-tui baseline save` (a summary pass over the run: off the UI thread)."""
-        from charllm.probes import baselines
-
         try:
             baselines.save(str(path), name)
             self.app.call_from_thread(self.notify, f"saved baseline {name!r}; pick it on Compare with b")
@@ -246,9 +236,6 @@ class RunsScreen(WorkbenchScreen):
             self.app.call_from_thread(self.notify, str(exc), severity="error")
 
     def action_delete(self) -> None:
-        from charllm.probes.rundir import RunDir
-        from charllm.tui.screens.dialogs import Confirm
-
         run_id = self.current_run()
         if not run_id:
             return

@@ -1,13 +1,13 @@
 """Sweep: which layouts of the whole space fit, for the composed experiment.
 
-`engine.sweep.sweep` varies the layout of the experiment composed in Compose (its precision,
+`engine.model.sweep.sweep` varies the layout of the experiment composed in Compose (its precision,
 attention, recompute and optimizer settings stay), in a thread worker, or ahead of time: the app
 sweeps the composed experiment once the workbench is idle after start-up (`sweep_ahead`), so that
 F3 finds the table ready (the first sweep of a process also pays for importing polars and numpy).
 The result (a polars DataFrame, one row per valid
 layout) feeds a TP × PP feasibility map (per micro batch and recompute choice, coloured by the best
 headroom in that cell) and a sortable table. Enter on a map cell or a table row loads that layout
-into Compose through `engine.sweep.layout_to_experiment`.
+into Compose through `engine.model.sweep.layout_to_experiment`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Label, ProgressBar, Select, Static
 
-from charllm.probes.errors import UserError
+from charllm.engine.model import memory, sweep
+from charllm.probes.core.errors import UserError
 from charllm.tui.commands.plan import VERDICT_STYLE
-from charllm.tui.screens.base import MissingAPI, WorkbenchScreen, api, edited_name
+from charllm.tui.screens.base import WorkbenchScreen, edited_name
 
 GIB = 1024**3
 ANY = "any"
@@ -64,10 +65,10 @@ def sweep_experiment(exp) -> SweepDone:
     """Sweep `exp` (a copy the caller does not change) and say so as a message; errors included."""
     began = time.perf_counter()
     try:
-        frame = api("engine.sweep").sweep(exp)
-        basis = api("engine.memory").budget(exp).describe()
+        frame = sweep.sweep(exp)
+        basis = memory.budget(exp).describe()
         return SweepDone(frame, time.perf_counter() - began, basis=basis)
-    except (MissingAPI, UserError) as exc:
+    except UserError as exc:
         return SweepDone(None, time.perf_counter() - began, str(exc))
     except Exception as exc:  # noqa: BLE001 - an engine bug is reported on screen, the app stays up
         return SweepDone(None, time.perf_counter() - began, f"sweep failed: {exc!r}")
@@ -321,8 +322,8 @@ class SweepScreen(WorkbenchScreen):
 
     def pick(self, row: dict) -> None:
         try:
-            exp = api("engine.sweep").layout_to_experiment(self.app.experiment, row)
-        except (MissingAPI, UserError) as exc:
+            exp = sweep.layout_to_experiment(self.app.experiment, row)
+        except UserError as exc:
             self.notify(str(exc), severity="error")
             return
         exp.name = edited_name(exp.name)

@@ -1,6 +1,6 @@
 """Per-pipeline-stage stacked memory bars against what the allocator may hold on the device.
 
-Input is `engine.memory.estimate(exp).to_dict()`; nothing is computed here but the drawing.
+Input is `engine.model.memory.estimate(exp).to_dict()`; nothing is computed here but the drawing.
 """
 
 from __future__ import annotations

@@ -1,0 +1,494 @@
+"""Launching an experiment onto a target, cancelling it, and following it.
+
+`launch()` checks the layout, creates the run directory, and hands the run to a detached
+supervisor (`python -m charllm.engine.launch.supervise RUN_DIR`) that owns the processes: a sampler per
+node, then torchrun per node with a static rendezvous on the first node. Under Slurm it submits an
+sbatch script instead and the supervisor follows the job. Logs, iterations and telemetry land in
+the local run directory for every target, so the live view and summaries work the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from charllm.engine.launch import slurm, ssh
+from charllm.engine.launch.targets import Target, from_record
+from charllm.engine.model.memory import estimate
+from charllm.engine.model.validate import validate
+from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError, os_error_line, plural
+from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, new_run_id, status_line
+
+TRAIN_MODULE = "charllm.engine.workload.train"
+SAMPLER_MODULE = "charllm.probes"
+CANCEL_GRACE_S = 10.0
+
+
+@dataclass
+class Step:
+    """One process of a run on one node: the exact argv run there."""
+
+    node: str
+    role: str                 # sampler | train | tail
+    argv: list[str]
+    host: str | None = None   # ssh: the host it runs on (argv then runs through `ssh`)
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+    def to_dict(self) -> dict:
+        out = {"node": self.node, "role": self.role, "argv": self.argv, "command": self.command}
+        if self.host:
+            out["host"] = self.host
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Step":
+        return cls(node=d["node"], role=d["role"], argv=list(d["argv"]), host=d.get("host"))
+
+
+@dataclass
+class LaunchResult:
+    run_id: str
+    run_dir: Path | None              # None for a dry run (nothing was created)
+    commands: list[str]
+    sbatch_script: str | None = None
+    forced: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    job_id: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+def problems(exp) -> list[str]:
+    """Why this layout should not run: validation problems, else what the node it is planned for
+    cannot run (engine.model.runtime) and a memory overflow. The workload checks the first two again
+    on the node itself, against the software it finds there."""
+    found = [str(p) for p in validate(exp)]
+    if found:
+        return found  # the memory model assumes a valid layout
+    report = estimate(exp)
+    found = list(report.runtime_problems)
+    if report.verdict == "does not fit":   # a tight plan launches: the allocator may still manage
+        stage = report.peak_stage
+        found.append(f"memory: peak {_size(report.peak_bytes)} on pipeline stage {stage} exceeds the "
+                     f"{_size(report.budget.allocator_bytes)} the allocator may use per device of "
+                     f"{exp.hardware.name!r} (charllm-tui plan shows the arithmetic)")
+    return found
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _fit_to_target(exp, target: Target, nproc: int | None):
+    exp = exp.copy()
+    if nproc is not None:
+        if nproc < 1:
+            raise UserError(f"--nproc = {nproc}: must be at least 1")
+        exp.cluster.gpus_per_node = nproc
+    if target.gpus_per_node and exp.cluster.gpus_per_node > target.gpus_per_node:
+        raise UserError(f"cluster.gpus_per_node = {exp.cluster.gpus_per_node}: target {target.name!r} "
+                        f"has {target.gpus_per_node} per node")
+    if target.kind == "local" and exp.cluster.nodes != 1:
+        raise UserError(f"cluster.nodes = {exp.cluster.nodes}: the local target is one node; "
+                        "use an ssh or slurm target for more")
+    if target.kind == "ssh" and exp.cluster.nodes > len(target.hosts):
+        raise UserError(f"cluster.nodes = {exp.cluster.nodes}: target {target.name!r} lists only "
+                        f"{plural(len(target.hosts), 'host')}")
+    return exp
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# What a dry run shows for torchrun's rendezvous port: the port is picked when the run launches
+# (a port free now may not be free then), so a dry run names none.
+PORT_AT_LAUNCH = "PORT"
+
+
+def rendezvous_port(target: Target, dry_run: bool) -> int | str:
+    """A free port here for the local target; elsewhere a random one (the first node's free ports
+    cannot be seen from here)."""
+    if dry_run:
+        return PORT_AT_LAUNCH
+    return free_port() if target.kind == "local" else random.randint(20000, 40000)
+
+
+def sampler_argv(python: str, exp, run_dir: str, node: str, stream: bool = False) -> list[str]:
+    argv = [python, "-m", SAMPLER_MODULE, "--backend", exp.telemetry.backend, "--hz", f"{exp.telemetry.hz:g}",
+            "--out", run_dir, "--node", node]
+    return argv + ["--stream"] if stream else argv
+
+
+def train_argv(python: str, exp, run_dir: str, *, node_rank, master_addr: str, master_port: int) -> list[str]:
+    """torchrun (as `python -m torch.distributed.run`, so the target's python picks torch)."""
+    return [python, "-m", "torch.distributed.run", f"--nnodes={exp.cluster.nodes}", f"--node-rank={node_rank}",
+            f"--master-addr={master_addr}", f"--master-port={master_port}",
+            f"--nproc-per-node={exp.cluster.gpus_per_node}",
+            "-m", TRAIN_MODULE, "--run-dir", run_dir]
+
+
+def plan(exp, target: Target, run_dir: Path, *, dry_run: bool = False) -> tuple[list[Step], str | None]:
+    """The processes per node (and the sbatch script under Slurm)."""
+    python = target.python_path
+    run_id = run_dir.name
+    port = rendezvous_port(target, dry_run)
+    if target.kind == "local":
+        node = socket.gethostname()
+        steps = [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node)),
+                 Step(node, "train", train_argv(python, exp, str(run_dir), node_rank=0,
+                                                master_addr="127.0.0.1", master_port=port))]
+        return steps, None
+    if target.kind == "ssh":
+        hosts = target.hosts[: exp.cluster.nodes]
+        steps = []
+        for rank, host in enumerate(hosts):
+            # One remote run directory per node, so nodes sharing a filesystem never collide.
+            remote = ssh.remote_path(target, "runs", run_id, host)
+            steps.append(Step(host, "sampler", sampler_argv(python, exp, remote, host, stream=True), host))
+            steps.append(Step(host, "tail", ["tail", "-n", "+1", "-F", remote + "/iterations.jsonl"], host))
+            steps.append(Step(host, "train", train_argv(python, exp, remote, node_rank=rank,
+                                                        master_addr=hosts[0], master_port=port), host))
+        return steps, None
+    # slurm
+    gpus = exp.hardware.vendor != "cpu"
+    sampler = sampler_argv(python, exp, str(run_dir), "@@NODE@@")
+    train = train_argv(python, exp, str(run_dir), node_rank="@@NODE_RANK@@", master_addr="@@MASTER_ADDR@@",
+                       master_port=port)
+    text = slurm.script(target=target, run_dir=str(run_dir), run_id=run_id, nodes=exp.cluster.nodes,
+                        nproc=exp.cluster.gpus_per_node, gpus=gpus, sampler=sampler, train=train)
+    return [Step("every-node", "sampler", sampler), Step("every-node", "train", train)], text
+
+
+def display_commands(steps: list[Step], target: Target) -> list[str]:
+    out = []
+    for step in steps:
+        if step.host:
+            out.append(f"[{step.role}@{step.node}] " + shlex.join(ssh.ssh_argv(target, step.host)
+                                                                  + [remote_line(target, step)]))
+        else:
+            out.append(f"[{step.role}@{step.node}] {step.command}")
+    return out
+
+
+def remote_line(target: Target, step: Step) -> str:
+    """The shell line an ssh step runs remotely: own process group, pgid printed first."""
+    return ssh.in_process_group(target, step.argv)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------
+def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, nproc: int | None = None,
+           on_progress: Callable[[str], None] | None = None) -> LaunchResult:
+    say = on_progress or (lambda message: None)
+    exp = _fit_to_target(exp, target, nproc)
+    say("checking the layout")
+    found = problems(exp)
+    if found and not force:
+        raise UserError(f"{found[0]} (launch anyway with --force)")
+    run_id = new_run_id(exp.name)
+    run_dir = _unique(paths.runs_dir() / run_id)
+    steps, script = plan(exp, target, run_dir, dry_run=dry_run)
+    commands = display_commands(steps, target)
+    result = LaunchResult(run_id=run_dir.name, run_dir=None, commands=commands, sbatch_script=script,
+                          forced=found, dry_run=dry_run)
+    if dry_run:
+        return result
+
+    if target.kind == "ssh":
+        for host in dict.fromkeys(s.host for s in steps):  # in node order: the first bad host is named
+            say(f"checking ssh to {host}")
+            ssh.check(target, host)
+    if target.kind == "slurm" and shutil.which("sbatch") is None:
+        raise UserError(f"target {target.name!r}: `sbatch` is not on PATH (run from a Slurm login node)")
+
+    base = run_dir.with_name(run_id)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    while True:  # claim the name: a simultaneous launch may have taken it since (never remove theirs)
+        try:
+            run_dir.mkdir()
+            break
+        except FileExistsError:
+            run_dir = _unique(base)
+            steps, script = plan(exp, target, run_dir)
+            result.run_id, result.sbatch_script = run_dir.name, script
+            result.commands = commands = display_commands(steps, target)
+    rd = RunDir(run_dir)
+    say(f"creating {run_dir}")
+    try:
+        rd.logs_dir.mkdir()
+        exp.save(rd.experiment_path)
+        rd.write_manifest({
+            "id": rd.id, "kind": "train", "name": exp.name, "status": "pending",
+            "created_ns": time.time_ns(), "target": target.to_dict(),
+            "nodes": sorted({s.node for s in steps}), "steps": [s.to_dict() for s in steps],
+            "commands": commands, "forced": found if force else [], "world_size": exp.world_size,
+        })
+        if target.kind == "ssh":
+            for host in sorted({s.host for s in steps}):
+                say(f"preparing {host}")
+                remote = ssh.remote_path(target, "runs", rd.id, host)
+                ssh.check(target, host, f"mkdir -p {shlex.quote(remote)} && cat > "
+                          + shlex.quote(remote + "/experiment.toml"), stdin=rd.experiment_path.read_bytes())
+        if target.kind == "slurm":
+            script_path = rd.path / "job.sbatch"
+            script_path.write_text(script)
+            say("submitting to Slurm")
+            result.job_id = slurm.submit(str(script_path))
+            rd.update_manifest(slurm_job_id=result.job_id)
+        say("starting the supervisor")
+        with open(rd.logs_dir / "supervisor.log", "ab") as log:
+            subprocess.Popen([sys.executable, "-m", "charllm.engine.launch.supervise", str(rd.path)],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                             close_fds=True)
+    except BaseException:
+        # A launch that did not start leaves nothing behind.
+        if result.job_id:
+            slurm.cancel(result.job_id)
+        shutil.rmtree(rd.path, ignore_errors=True)
+        raise
+    result.run_dir = rd.path
+    return result
+
+
+def _unique(path: Path) -> Path:
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
+# --------------------------------------------------------------------------------------------
+# Cancel
+# --------------------------------------------------------------------------------------------
+def _process(info: dict | None):
+    """The psutil process recorded as {pid, create_time}, if it is still that process."""
+    import psutil
+
+    if not info:
+        return None
+    try:
+        proc = psutil.Process(info["pid"])
+        if abs(proc.create_time() - info["create_time"]) < 1.0 and _alive(proc):
+            return proc
+    except psutil.Error:
+        pass
+    return None
+
+
+def reconcile(rd: RunDir) -> str:
+    """The run's status, after finishing it if whoever owned it died without saying so.
+
+    A launched run is owned by its supervisor, a probe-only run by its sampler. When that
+    process is gone but the status is not final, stop what it recorded (the ranks die with
+    torchrun, see probes.core.lifeline; under Slurm, cancel the job) and record what happened:
+    completed if every node's workload said so, else failed, naming the lost owner."""
+    manifest = rd.read_manifest()
+    status = manifest.get("status")
+    if status in FINAL_STATUSES or status == "unknown":
+        return status
+    probe_only = manifest.get("kind") == "probe"
+    owner = manifest.get("sampler" if probe_only else "supervisor")
+    if owner is None and not probe_only and _supervisor_never_started(rd, manifest):
+        if manifest.get("target", {}).get("kind") == "slurm" and manifest.get("slurm_job_id"):
+            slurm.cancel(manifest["slurm_job_id"])
+        return _record(rd, status="failed", ended_ns=time.time_ns(),
+                       failure="the supervisor died before it started the run (see logs/supervisor.log)")
+    if owner is None or _elsewhere(owner) or _process(owner) is not None:
+        return status       # not started yet (launch records it within moments), on another host, or alive
+    manifest = rd.read_manifest()
+    if manifest.get("status") in FINAL_STATUSES:  # it wrote its last word just now
+        return manifest["status"]
+    found = time.strftime("%H:%M:%S")
+    if probe_only:
+        return _record(rd, status="failed", ended_ns=time.time_ns(),
+                       failure=f"the sampler died (found at {found}); telemetry up to then is kept")
+    if manifest.get("target", {}).get("kind") == "slurm" and manifest.get("slurm_job_id"):
+        slurm.cancel(manifest["slurm_job_id"])
+    else:
+        _kill_recorded(manifest, grace=2.0)
+    ended = [r.get("status") for r in _end_events(rd)]
+    done = bool(ended) and all(s == "completed" for s in ended)
+    return _record(rd, status="completed" if done else "failed", ended_ns=time.time_ns(),
+                   failure=manifest.get("failure") or (None if done else
+                                                       f"the supervisor died (found at {found}); its processes were stopped"),
+                   note=f"the supervisor died (found at {found})")
+
+
+SUPERVISOR_START_S = 60  # launch hands a run to its supervisor within seconds (ssh checks included)
+
+
+def _supervisor_never_started(rd: RunDir, manifest: dict) -> bool:
+    """Whether a run created a while ago has no supervisor: none recorded itself, none is running."""
+    created = manifest.get("created_ns")
+    if not isinstance(created, int) or time.time_ns() - created < SUPERVISOR_START_S * 1_000_000_000:
+        return False
+    return not _supervisor_processes(rd) and "supervisor" not in rd.read_manifest()  # (recorded meanwhile)
+
+
+def _supervisor_processes(rd: RunDir) -> list:
+    """The run's supervisor processes found by command line (before it recorded itself)."""
+    import psutil
+
+    return [proc for proc in psutil.process_iter(["cmdline"])
+            if (proc.info["cmdline"] or [])[-3:] == ["-m", "charllm.engine.launch.supervise", str(rd.path)]
+            and _alive(proc)]
+
+
+def _elsewhere(owner: dict) -> str | None:
+    """The host a recorded process runs on when it is not this one (its pid means nothing here):
+    a probe started on a compute node whose run directory is on a shared filesystem."""
+    host = owner.get("host") if isinstance(owner, dict) else None
+    return host if host and host != socket.gethostname() else None
+
+
+def _record(rd: RunDir, **fields) -> str:
+    """Record a final status; a run directory that cannot take it (a full disk, made read-only)
+    is one line saying the processes are stopped regardless."""
+    try:
+        return rd.update_manifest(**fields)["status"]
+    except OSError as exc:
+        raise UserError(f"run {rd.id!r}: its processes were stopped, but its status ({fields['status']}) "
+                        f"could not be recorded: {os_error_line(exc, rd.path)}") from None
+
+
+def _end_events(rd: RunDir) -> list[dict]:
+    return [r for r in rd.iteration_records() if isinstance(r, dict) and r.get("event") == "end"]
+
+
+def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str:
+    """Stop every process of the run on every node; returns the final status."""
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    reconcile(rd)
+    manifest = rd.read_manifest()
+    if manifest.get("status") in FINAL_STATUSES:
+        raise UserError(f"run {rd.id!r} is already {status_line(manifest)}")
+    if manifest.get("kind") == "probe":
+        return _cancel_probe(rd, manifest.get("sampler") or {}, grace)
+    kind = manifest.get("target", {}).get("kind")
+    sup = None
+    if kind == "slurm":
+        slurm.cancel(manifest["slurm_job_id"])  # the supervisor sees CANCELLED and records it
+    else:
+        deadline = time.monotonic() + 10
+        while "supervisor" not in manifest and time.monotonic() < deadline:  # just launched
+            time.sleep(0.1)
+            manifest = rd.read_manifest()
+        # One still starting (a loaded machine) has not recorded itself yet: found by its command
+        # line, a SIGTERM ends it before it starts a step (it handles SIGTERM before it records itself).
+        sup = _process(manifest.get("supervisor")) or next(iter(_supervisor_processes(rd)), None)
+        if sup is not None:
+            sup.send_signal(signal.SIGTERM)  # it stops its steps (TERM, grace, KILL) and records the status
+    status = _wait_final(rd, wait if kind == "slurm" or sup else 0, sup)
+    if status in FINAL_STATUSES:
+        return status
+    # The supervisor is gone or stuck: stop what it recorded ourselves.
+    manifest = rd.read_manifest()
+    sup = _process(manifest.get("supervisor"))
+    if sup is not None:
+        sup.kill()
+    _kill_recorded(manifest, grace)
+    return _record(rd, status="cancelled", ended_ns=time.time_ns(), note="cancelled without its supervisor")
+
+
+def _cancel_probe(rd: RunDir, owner: dict, grace: float) -> str:
+    """A probe-only run: its sampler stops on SIGTERM (closing its last chunk), KILL after `grace`."""
+    host = _elsewhere(owner)
+    if host:
+        raise UserError(f"run {rd.id!r}: its sampler runs on {host!r}, not here; stop it there "
+                        f"(kill -TERM {owner.get('pid')} on {host})")
+    sampler = _process(owner)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        if sampler is None or not _alive(sampler):
+            break
+        try:
+            sampler.send_signal(sig)
+        except Exception:  # noqa: BLE001 - psutil.Error: it ended just now
+            break
+        deadline = time.monotonic() + wait
+        while _alive(sampler) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return _record(rd, status="cancelled", ended_ns=time.time_ns())
+
+
+def _alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_final(rd: RunDir, timeout: float, supervisor=None) -> str:
+    """The run's final status, or its current one once `timeout` passed or its supervisor died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = rd.status
+        if status in FINAL_STATUSES or (supervisor is not None and not _alive(supervisor)):
+            return rd.status
+        time.sleep(0.2)
+    return rd.status
+
+
+def _kill_recorded(manifest: dict, grace: float) -> None:
+    record = manifest.get("target", {})
+    target = from_record(record) if record.get("kind") == "ssh" else None
+    for sig in ("TERM", "KILL"):
+        for proc in manifest.get("processes", []):
+            if proc.get("host") and target is not None and proc.get("remote_pgid"):
+                ssh.kill_group(target, proc["host"], proc["remote_pgid"], sig)
+            if proc.get("pgid"):
+                try:
+                    os.killpg(proc["pgid"], getattr(signal, f"SIG{sig}"))
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if sig == "TERM" and manifest.get("processes"):
+            time.sleep(grace)
+
+
+# --------------------------------------------------------------------------------------------
+# Follow
+# --------------------------------------------------------------------------------------------
+def watch(run_dir, *, interval: float = 0.5) -> Iterator[tuple[str, object]]:
+    """Events until the run ends: ("iteration", dict), ("telemetry", polars rows), ("status", str)."""
+    from charllm.probes.store.tail import IterationTail, TelemetryTail  # deferred: loads polars (start-up time)
+
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    iterations, telemetry = IterationTail(rd.path), TelemetryTail(rd.path)
+    last_status = None
+    while True:
+        status = reconcile(rd)
+        if status != last_status:
+            yield "status", status
+            last_status = status
+        for row in iterations.poll():
+            yield "iteration", row
+        rows = telemetry.poll()
+        if rows is not None and len(rows):
+            yield "telemetry", rows
+        if status in FINAL_STATUSES:
+            return
+        time.sleep(interval)

@@ -1,0 +1,125 @@
+"""Slurm: the generated sbatch script, submission, job state and cancellation.
+
+The run directory is on a filesystem shared with the compute nodes, so the job writes logs,
+iterations and telemetry there directly. One `srun --overlap` step runs the sampler on every
+node; one `srun` step runs torchrun on every node (static rendezvous on the first node's
+address); `--kill-on-bad-exit` stops every node when one fails.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+
+from charllm.engine.launch.targets import Target
+from charllm.probes.core.errors import UserError
+
+# Per-node values in the argv given to `script`, expanded by each node's shell.
+PLACEHOLDERS = {"@@NODE@@": '"$SLURMD_NODENAME"', "@@NODE_RANK@@": '"$SLURM_NODEID"',
+                "@@MASTER_ADDR@@": '"$MASTER_ADDR"'}
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                "BOOT_FAIL", "DEADLINE"}
+
+
+def script(*, target: Target, run_dir: str, run_id: str, nodes: int, nproc: int, gpus: bool,
+           sampler: list[str], train: list[str]) -> str:
+    """The sbatch script. `sampler` and `train` are argv lists run on each node, where the
+    placeholders in PLACEHOLDERS become the node's values at run time."""
+    q = shlex.quote
+    lines = ["#!/bin/bash",
+             f"#SBATCH --job-name={q('charllm-' + run_id)}",
+             f"#SBATCH --nodes={nodes}",
+             "#SBATCH --ntasks-per-node=1",
+             f"#SBATCH --cpus-per-task={nproc}" if not gpus else f"#SBATCH --gpus-per-node={nproc}",
+             f"#SBATCH --output={q(run_dir + '/logs/slurm-%j.out')}",
+             f"#SBATCH --chdir={q(run_dir)}"]
+    for option in ("partition", "account", "qos", "time", "constraint"):
+        value = getattr(target, option)
+        if value:
+            lines.append(f"#SBATCH --{option}={q(value)}")
+    lines += [f"#SBATCH {line}" for line in target.sbatch_lines]
+    for line in lines:  # targets.parse_target refuses these already; a header line must stay one line
+        if "\n" in line or "\r" in line:
+            raise UserError(f"target {target.name!r}: {line!r} would span several lines of the sbatch script")
+    lines += ["set -u"]
+    if target.env_setup:
+        lines.append(target.env_setup)
+    lines += [
+        f"export RUN_DIR={q(run_dir)}",
+        'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'export MASTER_ADDR=$(scontrol show node "$FIRST_NODE" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")',
+        "",
+        "# The sampler: one task per node, sharing the node with training.",
+        f"srun --overlap --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 bash -c "
+        + q(_sampler_line(sampler)) + " &",
+        "SAMPLERS=$!",
+        "",
+        "# Training: torchrun on every node; one failing node stops the others.",
+        f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "
+        + q(_node_line(train, "train")),
+        "RC=$?",
+        'echo "$RC" > "$RUN_DIR/logs/train.exit"',
+        "kill -TERM $SAMPLERS 2>/dev/null; wait $SAMPLERS",
+        "exit $RC",
+        ""]
+    return "\n".join(lines)
+
+
+def _words(argv: list[str]) -> str:
+    """ARGV as shell words, with the per-node placeholders expanded by the node's shell."""
+    words = []
+    for word in argv:
+        # Placeholders may sit inside a word (--node-rank=@@NODE_RANK@@); quote the rest of it.
+        parts = re.split(f"({'|'.join(PLACEHOLDERS)})", word)
+        words.append("".join(PLACEHOLDERS.get(p) or (shlex.quote(p) if p else "") for p in parts))
+    return " ".join(words)
+
+
+def _node_line(argv: list[str], role: str) -> str:
+    """exec ARGV > logs/ROLE-$NODE.log."""
+    return f'exec {_words(argv)} > "$RUN_DIR/logs/{role}-$SLURMD_NODENAME.log" 2>&1'
+
+
+# Written by a node's sampler task when the sampler ends: "EXIT_STATUS END_NS" (shell status, so
+# 128+N for a sampler killed by signal N). The supervisor, which cannot see the node's processes,
+# reads it to tell a sampler lost mid-run from one stopped at the end.
+SAMPLER_EXIT = "sampler-{node}.exit"
+
+
+def _sampler_line(argv: list[str]) -> str:
+    """ARGV > logs/sampler-$NODE.log, then its exit record (SAMPLER_EXIT). The shell waits for
+    the sampler even on SIGTERM (a trap runs only after the foreground command ends), so the
+    sampler closes its last chunk before the task ends."""
+    log = '"$RUN_DIR/logs/sampler-$SLURMD_NODENAME.log"'
+    record = '"$RUN_DIR/logs/' + SAMPLER_EXIT.format(node="$SLURMD_NODENAME") + '"'
+    return f'trap : TERM; {_words(argv)} > {log} 2>&1; echo "$? $(date +%s%N)" > {record}'
+
+
+def submit(script_path: str) -> str:
+    try:
+        done = subprocess.run(["sbatch", "--parsable", "--export=ALL", script_path],
+                              capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise UserError("slurm target: `sbatch` is not on PATH (run from a login node)") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise UserError(f"sbatch refused the job: {last}")
+    return done.stdout.strip().split(";")[0]
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """scontrol's fields for the job (JobState, ExitCode, Reason, NodeList...); {} once forgotten."""
+    done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                          timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", done.stdout)) if done.returncode == 0 else {}
+
+
+def hostnames(nodelist: str) -> list[str]:
+    done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                          timeout=30)
+    return done.stdout.split()
+
+
+def cancel(job_id: str) -> None:
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=30)

@@ -1,0 +1,488 @@
+"""Validation of an experiment: every rule Megatron-LM enforces, or that makes a layout impossible.
+
+`validate(exp)` returns all problems found, each naming the field, its value and the rule it breaks;
+`check(exp)` raises the first as a UserError. Rules that divide by a size run only when the sizes are
+positive, so a bad size is reported as itself rather than as a follow-on error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from charllm.engine.model.experiment import Experiment, Problem, Training, parse_pipeline_layout
+from charllm.engine.model.runtime import parse_capability
+from charllm.probes.backends.base import MAX_HZ
+from charllm.probes.core.errors import UserError, plural
+
+
+# Choices, as Megatron-LM's argument parser (or our own tooling, for telemetry/vendor) lists them.
+CHOICES: dict[str, tuple[str, tuple]] = {
+    "position_embedding_type": ("model", ("learned_absolute", "rope", "mrope", "relative", "none")),
+    "normalization": ("model", ("LayerNorm", "RMSNorm")),
+    "data_parallel_sharding_strategy": ("parallel", ("no_shard", "optim", "optim_grads", "optim_grads_params")),
+    "fp8": ("training", (None, "e4m3", "hybrid")),
+    "fp8_recipe": ("training", ("delayed", "tensorwise", "blockwise", "mxfp8", "custom")),
+    "recompute_granularity": ("training", (None, "full", "selective")),
+    "recompute_method": ("training", (None, "uniform", "block")),
+    "attention_backend": ("training", ("auto", "flash", "fused", "unfused", "local")),
+    "transformer_impl": ("training", ("auto", "transformer_engine", "local")),
+    "optimizer": ("training", ("adam", "sgd", "muon")),
+    "moe_token_dispatcher_type": ("training", ("allgather", "alltoall", "flex")),
+    "moe_router_dtype": ("training", (None, "fp32", "fp64")),
+    "moe_flex_dispatcher_backend": ("training", ("deepep", "hybridep")),
+    "cuda_graph_impl": ("training", ("none", "local", "transformer_engine")),
+    "main_grads_dtype": ("training", ("fp32", "bf16")),
+    "main_params_dtype": ("training", ("fp32", "fp16")),
+    "exp_avg_dtype": ("training", ("fp32", "fp16", "bf16", "fp8")),
+    "exp_avg_sq_dtype": ("training", ("fp32", "fp16", "bf16", "fp8")),
+    "vendor": ("hardware", ("nvidia", "amd", "cpu")),
+}
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+# megatron-core TransformerConfig.offload_modules in core_v0.16.1 (core_v0.19.0 adds fused_group_mlp)
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+TELEMETRY_BACKENDS = ("auto", "nvml", "amdsmi", "host", "sim")
+
+# Sizes that must be at least 1 (None = not set, allowed where the field is optional).
+POSITIVE = {
+    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "seq_length", "max_position_embeddings", "vocab_size",
+              "make_vocab_size_divisible_by", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+              "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+              "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers"),
+    "cluster": ("nodes", "gpus_per_node"),
+    "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "num_distributed_optimizer_instances",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
+    "training": ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "recompute_num_layers"),
+}
+
+
+# Upper bounds far beyond any real model or cluster, checked before any rule, plan or sweep loops
+# over a size (a loop over 10^20 nodes or layers never ends) or the arithmetic overflows.
+MAX_SIZE = 2**31 - 1      # layer, batch and parallel sizes
+MAX_NUMBER = 2**53        # any integer (bytes too): exact as a float, and no overflow in a table
+MAX_BOUNDS = {"num_layers": 10_000, "mtp_num_layers": 10_000, "num_moe_experts": 100_000,
+              "gpus_per_node": 1024, "nodes": 1_000_000}
+MAX_WORLD_SIZE = 2**20
+MAX_LAYOUT_CHARS = 10_000
+# Hardware numbers that are 0 when unknown, never negative.
+HARDWARE_AMOUNTS = ("memory_bytes", "usable_bytes", "outside_allocator_bytes", "bf16_tflops", "fp8_tflops",
+                    "mem_bandwidth_gbs", "tdp_w", "max_sm_clock_mhz")
+
+
+def check(exp: Experiment) -> None:
+    """Raise UserError naming the first problem, if any."""
+    problems = validate(exp)
+    if problems:
+        raise UserError(str(problems[0]))
+
+
+def validate(exp: Experiment) -> list[Problem]:
+    problems = value_problems(exp)
+    if problems:  # the layout rules below divide by these sizes
+        return problems
+    for rules in (_layout, _model, _pipeline, _batch, _experts, _sequence, _precision, _recompute,
+                  _offloading, _optimizer):
+        problems.extend(rules(exp))
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    """A section's field names (the sweep validates thousands of layouts: `dataclasses.fields` each
+    time was a third of its time)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def value_problems(exp: Experiment) -> list[Problem]:
+    """Problems with single values (sizes, ranges, choices). When there are none, the experiment's
+    derived sizes (data-parallel size, micro-batch count, ...) are well defined."""
+    import math
+
+    out = []
+    for section in ("model", "hardware", "cluster", "parallel", "training", "telemetry"):
+        obj = getattr(exp, section)
+        for name in _field_names(type(obj)):
+            value = getattr(obj, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                out.append(Problem(name, value, "must be a finite number"))
+            elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+                out.append(Problem(name, value, f"must be at most {MAX_NUMBER:,} in size"))
+    if out:
+        return out
+    for section, names in POSITIVE.items():
+        obj = getattr(exp, section)
+        for name in names:
+            value = getattr(obj, name)
+            if value is not None and value < 1:
+                out.append(Problem(name, value, "must be at least 1"))
+            elif value is not None and value > MAX_BOUNDS.get(name, MAX_SIZE):
+                out.append(Problem(name, value, f"must be at most {MAX_BOUNDS.get(name, MAX_SIZE):,}"))
+    if not out and exp.world_size > MAX_WORLD_SIZE:
+        out.append(Problem("cluster", f"{exp.cluster.nodes} x {exp.cluster.gpus_per_node}",
+                           f"at most {MAX_WORLD_SIZE:,} devices in all"))
+    for name in HARDWARE_AMOUNTS:
+        value = getattr(exp.hardware, name)
+        if value is not None and value < 0:
+            out.append(Problem(name, value, "must be 0 (unknown) or more"))
+    m, t = exp.model, exp.training
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(m, name)
+        if not 0.0 <= value <= 1.0:
+            out.append(Problem(name, value, "is a probability, between 0 and 1"))
+    if t.warmup_iters < 0:
+        out.append(Problem("warmup_iters", t.warmup_iters, "must be 0 or more"))
+    if t.lr <= 0:
+        out.append(Problem("lr", t.lr, "must be greater than 0"))
+    for name in ("loss_scale", "initial_loss_scale"):
+        value = getattr(t, name)
+        if value is not None and value <= 0:
+            out.append(Problem(name, value, "must be greater than 0"))
+    capability = exp.hardware.compute_capability
+    if capability is not None and parse_capability(capability) is None:
+        out.append(Problem("compute_capability", capability, "must be major.minor, e.g. \"9.0\""))
+    if t.moe_expert_capacity_factor is not None and t.moe_expert_capacity_factor <= 0:
+        out.append(Problem("moe_expert_capacity_factor", t.moe_expert_capacity_factor, "must be greater than 0"))
+    if t.moe_aux_loss_coeff < 0:
+        out.append(Problem("moe_aux_loss_coeff", t.moe_aux_loss_coeff, "must be 0 or more"))
+
+    if not 0 < exp.telemetry.hz <= MAX_HZ:  # what the sampler accepts (probes.backends.base.check_hz)
+        out.append(Problem("hz", exp.telemetry.hz, f"telemetry sampling rate must be > 0 and at most {MAX_HZ:g}"))
+    backend = exp.telemetry.backend
+    if backend not in TELEMETRY_BACKENDS and not backend.startswith("replay:"):
+        out.append(Problem("backend", backend, f"must be one of {', '.join(TELEMETRY_BACKENDS)} or replay:RUN"))
+    for name, (section, choices) in CHOICES.items():
+        value = getattr(getattr(exp, section), name)
+        if value not in choices:
+            listed = ", ".join("none" if c is None else c for c in choices)
+            out.append(Problem(name, value, f"must be one of {listed}"))
+    for module in t.offload_modules or []:
+        if module not in OFFLOAD_MODULES:
+            out.append(Problem("offload_modules", t.offload_modules,
+                               f"{module!r} is not one of {', '.join(OFFLOAD_MODULES)}"))
+    if t.cpu_offloading_num_layers < 0:
+        out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers, "must be 0 (off) or more"))
+    for module in t.recompute_modules or []:
+        if module not in RECOMPUTE_MODULES:
+            out.append(Problem("recompute_modules", t.recompute_modules,
+                               f"{module!r} is not one of {', '.join(RECOMPUTE_MODULES)}"))
+    freq = m.moe_layer_freq
+    if isinstance(freq, list):
+        if len(freq) != m.num_layers:
+            out.append(Problem("moe_layer_freq", freq, f"a per-layer pattern needs one entry per layer "
+                                                        f"(num_layers = {m.num_layers}), got {len(freq)}"))
+        elif any(v not in (0, 1) for v in freq):
+            out.append(Problem("moe_layer_freq", freq, "a per-layer pattern holds only 0 (dense) and 1 (MoE)"))
+    elif freq < 1:
+        out.append(Problem("moe_layer_freq", freq, "must be at least 1 (every Nth layer is MoE)"))
+    return out
+
+
+def _layout(exp: Experiment) -> list[Problem]:
+    p = exp.parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    out = []
+    if exp.world_size % (tp * pp * cp):
+        out.append(Problem("world_size", exp.world_size,
+                           f"must be a multiple of tensor x pipeline x context parallel sizes "
+                           f"({tp} x {pp} x {cp} = {tp * pp * cp}) for a whole data-parallel size"))
+    if exp.training.attention_backend == "local" and exp.training.transformer_impl == "transformer_engine":
+        # Megatron-LM asserts --spec local for it: it is megatron-core's own attention module.
+        out.append(Problem("attention_backend", "local", "is megatron-core's local attention: it needs "
+                                                         "transformer_impl = \"local\" or \"auto\""))
+    if p.sequence_parallel and tp == 1:
+        out.append(Problem("sequence_parallel", True, "needs tensor_model_parallel_size > 1",
+                           "sequence_parallel=false"))
+    if exp.training.tp_comm_overlap and not p.sequence_parallel:
+        out.append(Problem("tp_comm_overlap", True, "needs sequence_parallel = true", "sequence_parallel=true"))
+    if p.use_megatron_fsdp and p.use_torch_fsdp2:
+        out.append(Problem("use_torch_fsdp2", True, "cannot be combined with use_megatron_fsdp"))
+    if p.data_parallel_sharding_strategy != "no_shard" and not p.use_megatron_fsdp:
+        out.append(Problem("data_parallel_sharding_strategy", p.data_parallel_sharding_strategy,
+                           "applies only with use_megatron_fsdp = true"))
+    if p.use_torch_fsdp2:
+        for name, value, ok in (("pipeline_model_parallel_size", pp, pp == 1),
+                                ("expert_model_parallel_size", p.expert_model_parallel_size,
+                                 p.expert_model_parallel_size == 1),
+                                ("use_distributed_optimizer", p.use_distributed_optimizer,
+                                 not p.use_distributed_optimizer)):
+            if not ok:
+                out.append(Problem(name, value, "is not supported with use_torch_fsdp2"))
+        if not exp.model.untie_embeddings_and_output_weights:     # Megatron's validate_args (0.16.1+)
+            out.append(Problem("untie_embeddings_and_output_weights", False, "use_torch_fsdp2 needs untied "
+                               "embeddings", "untie_embeddings_and_output_weights=true"))
+    return out
+
+
+def _model(exp: Experiment) -> list[Problem]:
+    m, p = exp.model, exp.parallel
+    tp = p.tensor_model_parallel_size
+    out = []
+    if m.num_attention_heads % tp:
+        out.append(Problem("num_attention_heads", m.num_attention_heads,
+                           f"must be divisible by tensor_model_parallel_size ({tp})"))
+    if m.num_query_groups is not None:
+        if m.num_query_groups % tp:
+            out.append(Problem("num_query_groups", m.num_query_groups,
+                               f"must be divisible by tensor_model_parallel_size ({tp})"))
+        if m.num_attention_heads % m.num_query_groups:
+            out.append(Problem("num_query_groups", m.num_query_groups,
+                               f"must divide num_attention_heads ({m.num_attention_heads})"))
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        out.append(Problem("hidden_size", m.hidden_size, f"must be divisible by num_attention_heads "
+                                                         f"({m.num_attention_heads}) unless kv_channels is set"))
+    if m.ffn % tp:
+        out.append(Problem("ffn_hidden_size", m.ffn, f"must be divisible by tensor_model_parallel_size ({tp})"))
+    if m.swiglu and m.squared_relu:
+        out.append(Problem("squared_relu", True, "cannot be combined with swiglu (one MLP activation)"))
+    if not m.multi_latent_attention and m.q_lora_rank is not None:
+        out.append(Problem("q_lora_rank", m.q_lora_rank, "applies only with multi_latent_attention = true"))
+    if m.multi_latent_attention and m.num_query_groups is not None:
+        out.append(Problem("num_query_groups", m.num_query_groups,
+                           "multi-latent attention has no query groups; leave it unset"))
+    if m.mtp_num_layers and m.position_embedding_type not in ("rope", "none"):
+        out.append(Problem("mtp_num_layers", m.mtp_num_layers,
+                           f"multi-token prediction needs position_embedding_type rope or none, "
+                           f"not {m.position_embedding_type}"))
+    return out
+
+
+def _pipeline(exp: Experiment) -> list[Problem]:
+    m, p = exp.model, exp.parallel
+    pp, vp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    out = []
+    if vp > 1 and pp == 1:
+        out.append(Problem("virtual_pipeline_model_parallel_size", vp,
+                           "needs pipeline_model_parallel_size > 1 (the interleaved schedule)"))
+    if p.pipeline_model_parallel_layout is not None:
+        layout = p.pipeline_model_parallel_layout
+        if len(layout) > MAX_LAYOUT_CHARS:
+            return out + [Problem("pipeline_model_parallel_layout", f"{layout[:40]}...",
+                                  f"at most {MAX_LAYOUT_CHARS:,} characters")]
+        try:
+            stages = parse_pipeline_layout(layout)
+        except ValueError as exc:
+            return out + [Problem("pipeline_model_parallel_layout", layout, str(exc))]
+        decoders = sum(stage.count("t") for stage in stages)
+        if len(stages) % pp:
+            out.append(Problem("pipeline_model_parallel_layout", layout,
+                               f"its {len(stages)} stages must divide over pipeline_model_parallel_size ({pp})"))
+        elif p.virtual_pipeline_model_parallel_size not in (None, len(stages) // pp):
+            out.append(Problem("virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size,
+                               f"the layout gives {len(stages) // pp} virtual stages per pipeline rank"))
+        if decoders != m.num_layers:
+            out.append(Problem("pipeline_model_parallel_layout", layout,
+                               f"places {decoders} decoder layers (t) but num_layers = {m.num_layers}"))
+        return out
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if first is not None or last is not None:
+        if pp == 1:
+            return out + [Problem("decoder_first_pipeline_num_layers" if first is not None else
+                                  "decoder_last_pipeline_num_layers", first if first is not None else last,
+                                  "an uneven pipeline split needs pipeline_model_parallel_size > 1")]
+        for name, value in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
+            if value is not None and value % vp:
+                out.append(Problem(name, value, f"must be divisible by virtual_pipeline_model_parallel_size ({vp})"))
+        middle = pp - (first is not None) - (last is not None)
+        rest = m.num_layers - (first or 0) - (last or 0)
+        if rest < 0 or (middle == 0 and rest) or (middle and rest % (middle * vp)):
+            out.append(Problem("num_layers", m.num_layers,
+                               f"after {first or 0} first-stage and {last or 0} last-stage layers, the other "
+                               f"{rest} must split evenly over {middle} middle stages x {vp} virtual stages"))
+        return out
+    layers = m.num_layers + p.account_for_embedding_in_pipeline_split + p.account_for_loss_in_pipeline_split
+    if layers % (pp * vp):
+        counted = " (counting embedding/loss as layers)" if layers != m.num_layers else ""
+        out.append(Problem("num_layers", m.num_layers,
+                           f"must be divisible by pipeline x virtual stages ({pp} x {vp} = {pp * vp}){counted}, "
+                           "or give decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers"))
+    return out
+
+
+def _batch(exp: Experiment) -> list[Problem]:
+    t = exp.training
+    dp = exp.data_parallel_size
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        step = t.micro_batch_size * dp
+        return [Problem("global_batch_size", t.global_batch_size,
+                        f"must be divisible by micro_batch_size x data-parallel size "
+                        f"({t.micro_batch_size} x {dp} = {step})",
+                        f"global_batch_size={max(step, t.global_batch_size // step * step)}")]
+    return []
+
+
+def _experts(exp: Experiment) -> list[Problem]:
+    m, p = exp.model, exp.parallel
+    ep, etp, pp = p.expert_model_parallel_size, exp.expert_tensor_parallel_size, p.pipeline_model_parallel_size
+    out = []
+    if not m.is_moe:
+        if ep > 1:
+            out.append(Problem("expert_model_parallel_size", ep, "needs a mixture-of-experts model (num_moe_experts)"))
+        return out
+    if m.num_moe_experts % ep:
+        out.append(Problem("num_moe_experts", m.num_moe_experts,
+                           f"must be divisible by expert_model_parallel_size ({ep})"))
+    if m.moe_router_topk > m.num_moe_experts:
+        out.append(Problem("moe_router_topk", m.moe_router_topk,
+                           f"cannot exceed num_moe_experts ({m.num_moe_experts})"))
+    if exp.world_size % (etp * ep * pp):
+        stage = exp.world_size // pp
+        out.append(Problem("expert_model_parallel_size", ep,
+                           f"expert tensor x expert x pipeline parallel ({etp} x {ep} x {pp} = {etp * ep * pp}) "
+                           f"must divide the world size ({exp.world_size}); ETP x EP must divide the "
+                           f"{plural(stage, 'rank')} (TP x CP x DP) of a pipeline stage"))
+    if m.moe_ffn % etp:
+        out.append(Problem("moe_ffn_hidden_size", m.moe_ffn,
+                           f"must be divisible by expert_tensor_parallel_size ({etp})"))
+    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        out.append(Problem("sequence_parallel", False, "a mixture-of-experts model with "
+                           "tensor_model_parallel_size > 1 needs sequence_parallel = true", "sequence_parallel=true"))
+    if exp.training.fp16 and ep > 1:
+        out.append(Problem("fp16", True, "expert parallelism does not support fp16 training"))
+    return out
+
+
+def _sequence(exp: Experiment) -> list[Problem]:
+    m, cp, seq = exp.model, exp.parallel.context_parallel_size, exp.seq_length
+    out = []
+    if cp > 1 and seq % (2 * cp):
+        out.append(Problem("seq_length", seq, f"must be divisible by 2 x context_parallel_size (2 x {cp} = {2 * cp})"))
+    max_pos = m.max_position_embeddings or m.seq_length
+    if seq > max_pos:
+        out.append(Problem("seq_length", seq, f"must not exceed max_position_embeddings ({max_pos})"))
+    return out
+
+
+def _precision(exp: Experiment) -> list[Problem]:
+    t, hw = exp.training, exp.hardware
+    out = []
+    if not t.fp16:
+        for name in ("loss_scale", "initial_loss_scale"):
+            if getattr(t, name) != getattr(Training, name):
+                out.append(Problem(name, getattr(t, name), "applies only with fp16 = true (loss scaling)"))
+    if t.fp16 and t.bf16:
+        out.append(Problem("fp16", True, "cannot be combined with bf16 (choose one)"))
+    if t.fp8 is not None and not hw.fp8:
+        out.append(Problem("fp8", t.fp8, f"hardware {hw.name} has no FP8 support"))
+    if t.moe_grouped_gemm and not t.bf16:
+        out.append(Problem("moe_grouped_gemm", True, "needs bf16 = true"))
+    if t.fp8_param_gather and not (exp.parallel.use_distributed_optimizer or exp.parallel.use_megatron_fsdp
+                                   or exp.parallel.use_torch_fsdp2):
+        out.append(Problem("fp8_param_gather", True, "needs use_distributed_optimizer = true (or FSDP)",
+                           "use_distributed_optimizer=true"))
+    return out
+
+
+def _recompute(exp: Experiment) -> list[Problem]:
+    t, m, p = exp.training, exp.model, exp.parallel
+    g = t.recompute_granularity
+    out = []
+    # Without a granularity Megatron ignores the method and layer count (engine.model.validate.ignored
+    # lists them); selective recompute refuses both: Megatron-LM's arguments.py asserts on the
+    # method, megatron-core's TransformerConfig on the layer count.
+    if g == "selective":
+        if t.recompute_method is not None:
+            out.append(Problem("recompute_method", t.recompute_method,
+                               "is not supported with recompute_granularity = 'selective' (only with 'full')"))
+        if t.recompute_num_layers is not None:
+            out.append(Problem("recompute_num_layers", t.recompute_num_layers,
+                               "must be unset with recompute_granularity = 'selective' (it applies to 'full')"))
+    if g == "full" and t.cuda_graph_impl != "none":
+        out.append(Problem("cuda_graph_impl", t.cuda_graph_impl, "CUDA graphs cannot be combined with full recompute"))
+    if g == "full":
+        if t.recompute_method is None:
+            out.append(Problem("recompute_method", None, "full recompute needs a method: uniform or block"))
+        if t.recompute_num_layers is None:
+            out.append(Problem("recompute_num_layers", None, "full recompute needs the number of layers"))
+        chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
+        even = (p.pipeline_model_parallel_layout is None and p.decoder_first_pipeline_num_layers is None
+                and p.decoder_last_pipeline_num_layers is None and m.num_layers % chunks == 0)
+        per_chunk = m.num_layers // chunks
+        if even and t.recompute_num_layers is not None and t.recompute_num_layers > per_chunk:
+            out.append(Problem("recompute_num_layers", t.recompute_num_layers,
+                               f"cannot exceed the {plural(per_chunk, 'layer')} of one pipeline stage "
+                               f"({plural(m.num_layers, 'layer')} / {plural(chunks, 'model chunk')})", f"recompute_num_layers={per_chunk}"))
+    return out
+
+
+def ignored(exp: Experiment) -> list[str]:
+    """Settings Megatron accepts here but does not use: one line each, for plan and Compose."""
+    t = exp.training
+    out = []
+    if t.recompute_granularity is None:
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(t, name) is not None:
+                out.append(f"{name} = {getattr(t, name)!r}: ignored without recompute_granularity (as Megatron does)")
+    if t.recompute_granularity != "selective" and t.recompute_modules is not None:
+        out.append(f"recompute_modules = {t.recompute_modules!r}: ignored without recompute_granularity = "
+                   "'selective' (as Megatron does)")
+    if t.offload_modules and not t.fine_grained_activation_offloading:
+        out.append(f"offload_modules = {t.offload_modules!r}: ignored without fine_grained_activation_offloading "
+                   "(as Megatron does)")
+    return out
+
+
+def _offloading(exp: Experiment) -> list[Problem]:
+    """megatron-core TransformerConfig's rules for activation offloading (core_v0.16.1)."""
+    t, m, p = exp.training, exp.model, exp.parallel
+    out = []
+    if t.cpu_offloading_num_layers:
+        if t.cpu_offloading_num_layers >= m.num_layers:
+            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
+                               f"must be below num_layers ({m.num_layers})", f"cpu_offloading_num_layers={m.num_layers - 1}"))
+        if p.pipeline_model_parallel_size > 1:
+            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
+                               "layer offloading does not support pipeline parallelism", "pipeline_model_parallel_size=1"))
+        if t.recompute_granularity is not None:
+            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
+                               "layer offloading does not work with activation recompute", "recompute_granularity=none"))
+        if t.cuda_graph_impl != "none":
+            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
+                               "layer offloading does not work with CUDA graphs", "cuda_graph_impl=none"))
+        if t.fine_grained_activation_offloading:
+            out.append(Problem("fine_grained_activation_offloading", True,
+                               "cannot be combined with layer offloading (cpu_offloading_num_layers)",
+                               "cpu_offloading_num_layers=0"))
+    if t.fine_grained_activation_offloading:
+        modules = t.offload_modules or []
+        if not modules:
+            out.append(Problem("offload_modules", t.offload_modules,
+                               "fine-grained offloading needs the modules whose inputs leave the GPU",
+                               "offload_modules=['core_attn']"))
+        if "attn_proj" in modules and "core_attn" not in modules:
+            out.append(Problem("offload_modules", modules, "attn_proj needs core_attn too (its input is core "
+                                                           "attention's output, which core attention's backward reads)"))
+    return out
+
+
+def _optimizer(exp: Experiment) -> list[Problem]:
+    p, t = exp.parallel, exp.training
+    out = []
+    if t.overlap_param_gather:
+        if not (p.use_distributed_optimizer or p.use_megatron_fsdp):
+            out.append(Problem("overlap_param_gather", True,
+                               "needs use_distributed_optimizer = true (or use_megatron_fsdp)",
+                               "use_distributed_optimizer=true"))
+        if not t.overlap_grad_reduce:
+            out.append(Problem("overlap_param_gather", True, "needs overlap_grad_reduce = true",
+                               "overlap_grad_reduce=true"))
+    if p.num_distributed_optimizer_instances > 1 and not p.use_distributed_optimizer:
+        out.append(Problem("num_distributed_optimizer_instances", p.num_distributed_optimizer_instances,
+                           "applies only with use_distributed_optimizer = true"))
+    if not t.use_precision_aware_optimizer:
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(t, name) != "fp32":
+                out.append(Problem(name, getattr(t, name), "applies only with use_precision_aware_optimizer = true"))
+        if t.optimizer_cpu_offload:
+            out.append(Problem("optimizer_cpu_offload", True, "needs use_precision_aware_optimizer = true"))
+    if t.use_precision_aware_optimizer:   # megatron.core.optimizer.OptimizerConfig asserts these
+        if t.optimizer != "adam":
+            out.append(Problem("use_precision_aware_optimizer", True, f"works only with optimizer = adam, not {t.optimizer}"))
+        if not p.use_distributed_optimizer:
+            out.append(Problem("use_precision_aware_optimizer", True, "needs use_distributed_optimizer = true",
+                               "use_distributed_optimizer=true"))
+    if t.optimizer == "muon" and (p.use_distributed_optimizer or p.use_megatron_fsdp or p.use_torch_fsdp2):
+        out.append(Problem("optimizer", "muon", "does not support the distributed optimizer or FSDP"))
+    return out

@@ -1,0 +1,1 @@
+"""What recorded runs mean: summaries, comparisons and named baselines."""

@@ -1,0 +1,176 @@
+"""NVIDIA GPUs through NVML (nvidia-ml-py, module `pynvml`).
+
+Per GPU per tick: one batched `nvmlDeviceGetFieldValues` (instant/average/memory power, total
+energy, memory temperature, PCIe byte counters, NVLink throughput over all links), then GPU
+temperature, SM/memory clocks, clocks-event (throttle) reasons, utilization, memory and the
+enforced power limit. NVML has no field id for the GPU die temperature, hence the extra call.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pynvml
+
+from charllm.probes.backends.base import Backend, BackendUnavailable, Device
+
+UINT_MAX = 0xFFFFFFFF  # scopeId meaning "all NVLink links"
+
+# (column, fieldId, scopeId, scale to the column's unit)
+FIELDS: tuple[tuple[str, int, int, float], ...] = (
+    ("power_w", pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_POWER_SCOPE_GPU, 1e-3),      # mW
+    ("power_avg_w", pynvml.NVML_FI_DEV_POWER_AVERAGE, pynvml.NVML_POWER_SCOPE_GPU, 1e-3),
+    ("mem_power_w", pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_POWER_SCOPE_MEMORY, 1e-3),
+    ("energy_j", pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, 0, 1e-3),                      # mJ
+    ("temp_mem_c", pynvml.NVML_FI_DEV_MEMORY_TEMP, 0, 1.0),
+    ("pcie_tx_bytes", pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 0, 1.0),    # counters -> rates below
+    ("pcie_rx_bytes", pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, 0, 1.0),
+    ("nvlink_tx_bytes", pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, UINT_MAX, 1024.0),    # KiB
+    ("nvlink_rx_bytes", pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, UINT_MAX, 1024.0),
+)
+_INT_COLUMNS = {"nvlink_tx_bytes", "nvlink_rx_bytes"}
+_VALUE_MEMBER = {
+    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
+}
+# Answers that mean "this device will never report it".
+NOT_SUPPORTED_CODES = {pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+                       pynvml.NVML_ERROR_NO_PERMISSION}
+NOT_SUPPORTED = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound,
+                 pynvml.NVMLError_NoPermission)
+
+
+class NvmlBackend(Backend):
+    name = "nvml"
+    metrics = ("power_w", "power_avg_w", "mem_power_w", "energy_j", "temp_gpu_c", "temp_mem_c",
+               "sm_clock_mhz", "mem_clock_mhz", "util_gpu_pct", "util_mem_pct", "mem_used_bytes",
+               "mem_total_bytes", "power_limit_w", "throttle_reasons", "pcie_tx_bytes_s",
+               "pcie_rx_bytes_s", "nvlink_tx_bytes", "nvlink_rx_bytes")
+
+    def __init__(self) -> None:
+        super().__init__()
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise BackendUnavailable(f"nvmlInit failed: {exc} ({type(exc).__name__})") from None
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            for i in range(count):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                self._devices.append(Device(f"gpu{i}", _text(pynvml.nvmlDeviceGetUUID(handle)),
+                                            _text(pynvml.nvmlDeviceGetName(handle)), handle))
+        except pynvml.NVMLError as exc:
+            pynvml.nvmlShutdown()
+            raise BackendUnavailable(f"NVML device query failed ({type(exc).__name__})") from None
+        if not self._devices:
+            pynvml.nvmlShutdown()
+            raise BackendUnavailable("NVML found no GPUs")
+        # Per device: the field requests still worth making, and the last PCIe counters for rates.
+        self._fields = {d.label: list(FIELDS) for d in self._devices}
+        self._pcie_prev: dict[str, tuple[float, int, int]] = {}
+        self._throttle_fn = {d.label: pynvml.nvmlDeviceGetCurrentClocksEventReasons for d in self._devices}
+
+    def close(self) -> None:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+    def sample(self) -> list[dict]:
+        return [self._sample_device(d) for d in self._devices]
+
+    def _sample_device(self, dev: Device) -> dict:
+        row = self._row(dev)
+        h = dev.handle
+        self._read_fields(dev, row)
+        read = self._read
+        read(dev, row, ("temp_gpu_c",), lambda: (float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),),
+             NOT_SUPPORTED, (pynvml.NVMLError,))
+        read(dev, row, ("sm_clock_mhz",), lambda: (float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),),
+             NOT_SUPPORTED, (pynvml.NVMLError,))
+        read(dev, row, ("mem_clock_mhz",), lambda: (float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),),
+             NOT_SUPPORTED, (pynvml.NVMLError,))
+        read(dev, row, ("throttle_reasons",), lambda: (self._throttle(dev),), NOT_SUPPORTED, (pynvml.NVMLError,))
+
+        def util():
+            u = pynvml.nvmlDeviceGetUtilizationRates(h)
+            return float(u.gpu), float(u.memory)
+
+        def memory():
+            m = pynvml.nvmlDeviceGetMemoryInfo(h)
+            return int(m.used), int(m.total)
+
+        read(dev, row, ("util_gpu_pct", "util_mem_pct"), util, NOT_SUPPORTED, (pynvml.NVMLError,))
+        read(dev, row, ("mem_used_bytes", "mem_total_bytes"), memory, NOT_SUPPORTED, (pynvml.NVMLError,))
+        read(dev, row, ("power_limit_w",), lambda: (pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,),
+             NOT_SUPPORTED, (pynvml.NVMLError,))
+        row["errors"] = dev.errors
+        return row
+
+    def _throttle(self, dev: Device) -> int:
+        """Clocks-event reasons; drivers older than the rename only know the Throttle name."""
+        try:
+            return int(self._throttle_fn[dev.label](dev.handle))
+        except pynvml.NVMLError_FunctionNotFound:
+            if self._throttle_fn[dev.label] is pynvml.nvmlDeviceGetCurrentClocksThrottleReasons:
+                raise
+            self._throttle_fn[dev.label] = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+            return int(self._throttle_fn[dev.label](dev.handle))
+
+    def _read_fields(self, dev: Device, row: dict) -> None:
+        fields = self._fields[dev.label]
+        if not fields:
+            return
+        try:
+            values = pynvml.nvmlDeviceGetFieldValues(dev.handle, [(f[1], f[2]) for f in fields])
+        except NOT_SUPPORTED:
+            dev.unsupported.update(f[0] for f in fields)
+            fields.clear()
+            return
+        except pynvml.NVMLError:
+            dev.errors += 1
+            return
+        now = time.monotonic()
+        keep, counters, failed = [], {}, False
+        for spec, value in zip(fields, values):
+            column, _fid, _scope, scale = spec
+            if value.nvmlReturn in NOT_SUPPORTED_CODES:
+                dev.unsupported.add(column)
+                continue
+            keep.append(spec)
+            if value.nvmlReturn != pynvml.NVML_SUCCESS:
+                failed = True
+                continue
+            raw = getattr(value.value, _VALUE_MEMBER.get(value.valueType, "ullVal"))
+            if column.startswith("pcie_"):
+                counters[column] = int(raw)
+            elif column in _INT_COLUMNS:
+                row[column] = int(raw * scale)
+            else:
+                row[column] = float(raw) * scale
+        dev.errors += failed
+        self._fields[dev.label] = keep
+        self._pcie_rates(dev, row, now, counters)
+
+    def _pcie_rates(self, dev: Device, row: dict, now: float, counters: dict) -> None:
+        """Bytes/s from the cumulative PCIe counters (cheaper than nvmlDeviceGetPcieThroughput's 20 ms)."""
+        for column in ("pcie_tx_bytes", "pcie_rx_bytes"):
+            if column in dev.unsupported:
+                dev.unsupported.add(column + "_s")
+        if len(counters) != 2:
+            return
+        prev = self._pcie_prev.get(dev.label)
+        self._pcie_prev[dev.label] = (now, counters["pcie_tx_bytes"], counters["pcie_rx_bytes"])
+        if prev and now > prev[0]:
+            dt = now - prev[0]
+            row["pcie_tx_bytes_s"] = max(0, counters["pcie_tx_bytes"] - prev[1]) / dt
+            row["pcie_rx_bytes_s"] = max(0, counters["pcie_rx_bytes"] - prev[2]) / dt
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

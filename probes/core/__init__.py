@@ -1,0 +1,1 @@
+"""Basics shared by every charllm package; they import nothing else of charllm."""

@@ -1,0 +1,314 @@
+"""Import other tools' results into our run format, so old results compare with new runs.
+
+CharLLM-PPT / Zeus result directory (sitar-lab/CharLLM-PPT, zeus/zeus/monitor/power.py):
+one CSV per metric and global rank, `{metric}_{rank}.csv`, rows `unix_time_s,value`, no
+header, one row per 20 Hz tick (every metric of a tick has the same time). What the
+artifact's files hold, and what they become here:
+
+| artifact file | read with (NVML) | artifact unit | our column |
+|---|---|---|---|
+| gpu_power (or power) | field POWER_INSTANT / 1000 | W | power_w |
+| mem_power | field POWER_AVERAGE, memory scope / 1000 | W | mem_power_w |
+| gpu_thermal, mem_thermal | GetTemperature, field MEMORY_TEMP | °C | temp_gpu_c, temp_mem_c |
+| sm_clock, mem_clock | GetClockInfo | MHz (plotted as GHz) | sm_clock_mhz, mem_clock_mhz |
+| gpu_util, mem_util | GetUtilizationRates | % | util_gpu_pct, util_mem_pct |
+| pcie_tx/rx_bytes | field PCIE_COUNT_TX/RX_BYTES (.uiVal) | bytes, 32-bit counter | pcie_tx/rx_bytes_s (deltas / time) |
+| pcie_tx/rx_throughput | GetPcieThroughput | KB/s | pcie_tx/rx_bytes_s (x1024; only without the counters) |
+| nvlink_tx/rx_throughput | field NVLINK_THROUGHPUT_RAW_TX/RX (.uiVal) | KiB, 32-bit counter | nvlink_tx/rx_bytes (unwrapped, x1024) |
+| system_cpu_usage/idle_rank_R_id_CPU | node_exporter node_cpu_seconds | s, cumulative | cpu_util_pct (host row) |
+| system_cpu_temp_rank_R_id_ZONE | node_thermal_zone_temp | °C | temp_cpu_c (hottest zone) |
+| system_ib_rx/tx_bytes_rank_R_id_DEV | node_network_*_bytes | bytes, cumulative | ib_rx/tx_bytes (sum over ports) |
+| system_memory_used_R / system_memory_free_R | MemTotal (sic) / MemFree | bytes | host_mem_total_bytes / host_mem_used_bytes |
+
+The artifact writes -1 for a failed read; that becomes null. Rank r is node r // gpus_per_node,
+device gpu{r % gpus_per_node}. The artifact exports ZEUS_MONITOR_SYS=1 on every rank, so each rank
+of a node wrote the same host files: the node's lowest rank gives its host row. What the files
+cannot tell us is listed in the manifest (`limitations`) and in LIMITATIONS below.
+
+A results tree (the artifact's `results/<sweep>/<model>/<run>/`) is imported one run per folder
+that holds such files (`import_charllm_ppt_tree`), named after its path under the tree.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.recorder import write_parquet
+from charllm.probes.store.rundir import RunDir, check_run_id, new_run_id
+from charllm.probes.store.schema import conform
+
+FORMAT = "charllm-ppt"
+BACKEND = "import:charllm-ppt"
+
+# artifact metric -> (our column, factor to our unit)
+_GAUGES = {
+    "gpu_power": ("power_w", 1.0), "power": ("power_w", 1.0), "mem_power": ("mem_power_w", 1.0),
+    "gpu_thermal": ("temp_gpu_c", 1.0), "mem_thermal": ("temp_mem_c", 1.0),
+    "sm_clock": ("sm_clock_mhz", 1.0), "mem_clock": ("mem_clock_mhz", 1.0),
+    "gpu_util": ("util_gpu_pct", 1.0), "mem_util": ("util_mem_pct", 1.0),
+    "pcie_tx_throughput": ("pcie_tx_bytes_s", 1024.0), "pcie_rx_throughput": ("pcie_rx_bytes_s", 1024.0),
+}
+_COUNTERS = {  # 32-bit counters, unwrapped: metric -> (our column, bytes per count)
+    "nvlink_tx_throughput": ("nvlink_tx_bytes", 1024), "nvlink_rx_throughput": ("nvlink_rx_bytes", 1024),
+    "pcie_tx_bytes": ("pcie_tx_bytes_s", 1), "pcie_rx_bytes": ("pcie_rx_bytes_s", 1),
+}
+GPU_METRICS = tuple(_GAUGES) + tuple(_COUNTERS)
+
+LIMITATIONS = [
+    "no throttle reasons: the artifact did not record clocks-event reasons (throttle_* are null)",
+    "no energy counter: energy is the trapezoidal integral of sampled instantaneous power",
+    "no power limit: spikes over the power limit cannot be counted",
+    "no GPU memory use: mem_used_bytes is null",
+    "NVLink bytes cover one link: the NVLink throughput field was read without scopeId = all links, "
+    "and as a 32-bit KiB counter (unwrapped on import, so a wrap between two samples is assumed once)",
+    "no iteration log and no experiment: no tokens/s, TFLOP/s, MFU or steady window; the artifact "
+    "sampled one training iteration (step 10 of 11), so the whole recording is that iteration",
+    "timestamps are the sampler's wall clock (time.time()); mono_ns is derived from them",
+    "system_memory_used holds MemTotal in the artifact; used memory is MemTotal - MemFree",
+]
+
+_GPU_FILE = re.compile(r"^(?P<metric>[a-z_]+?)_(?P<rank>\d+)\.csv$")
+_SYS_LABELLED = re.compile(r"^system_(?P<metric>[a-z_]+?)_rank_(?P<rank>\d+)_id_(?P<id>[A-Za-z0-9_.-]+)\.csv$")
+_SYS_SIMPLE = re.compile(r"^system_(?P<metric>memory_used|memory_free)_(?P<rank>\d+)\.csv$")
+
+
+def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_node: int = 8,
+                       simulated: bool = False, on_progress=None) -> RunDir:
+    """Turn a CharLLM-PPT / Zeus result directory into a new run directory; returns it.
+
+    `simulated` labels data known to be synthetic (e.g. generated CSVs), never real recordings.
+    """
+    src = Path(src).expanduser()
+    if not src.is_dir():
+        raise UserError(f"charllm-ppt directory {str(src)!r}: no such directory")
+    if gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
+    gpu_files: dict[int, dict[str, Path]] = {}
+    sys_files: dict[int, list[tuple[str, str, Path]]] = {}
+    for f in sorted(src.iterdir()):
+        if m := _SYS_LABELLED.match(f.name):
+            sys_files.setdefault(int(m["rank"]), []).append((m["metric"], m["id"], f))
+        elif m := _SYS_SIMPLE.match(f.name):
+            sys_files.setdefault(int(m["rank"]), []).append((m["metric"], "", f))
+        elif (m := _GPU_FILE.match(f.name)) and m["metric"] in GPU_METRICS:
+            gpu_files.setdefault(int(m["rank"]), {})[m["metric"]] = f
+    if not gpu_files:
+        raise UserError(f"charllm-ppt directory {str(src)!r}: no {{metric}}_{{rank}}.csv files "
+                        f"(metrics {', '.join(GPU_METRICS)})")
+
+    run_id = check_run_id(new_run_id(name or src.name))
+    final = paths.runs_dir() / run_id
+    if final.exists():
+        raise UserError(f"run {run_id!r}: already exists in {final.parent}; give another --name")
+    # A name of its own: a simultaneous import of the same run id never removes this one's files.
+    tmp = final.with_name(f".{run_id}.{os.getpid()}-{threading.get_ident()}.importing")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed import that had the same ids
+    run = RunDir(tmp)
+    try:
+        # One file per device (numbered as chunks), each written before the next is read: memory
+        # holds one rank's samples however long or wide the run.
+        ranks: dict[str, list[int]] = {}
+        for rank in sorted(gpu_files):
+            ranks.setdefault(f"node{rank // gpus_per_node}", []).append(rank)
+        first_rank: dict[str, int] = {}          # every rank wrote its node's host files: keep one
+        for rank in sorted(sys_files):
+            first_rank.setdefault(f"node{rank // gpus_per_node}", rank)
+        first = last = None
+        done = 0
+        for node in sorted({*ranks, *first_rank}, key=lambda n: int(n.removeprefix("node"))):
+            out = run.node_telemetry_dir(node)
+            out.mkdir(parents=True, exist_ok=True)
+            parts = [(True, lambda rank=rank: _gpu_rank(gpu_files[rank], node, f"gpu{rank % gpus_per_node}", rank,
+                                                        simulated))
+                     for rank in ranks.get(node, [])]
+            if node in first_rank:
+                parts.append((False, lambda: _host(sys_files[first_rank[node]], node, simulated)))
+            chunk = 0
+            for is_gpu, part in parts:
+                frame = part()
+                if frame is not None and frame.height:
+                    write_parquet(conform(frame), out / f"{chunk:06d}.parquet")
+                    chunk += 1
+                    lo, hi = frame["ts_ns"].min(), frame["ts_ns"].max()
+                    first = lo if first is None else min(first, lo)
+                    last = hi if last is None else max(last, hi)
+                if is_gpu:
+                    done += 1
+                    if on_progress:
+                        on_progress(done, len(gpu_files))
+        if first is None:
+            raise UserError(f"charllm-ppt directory {str(src)!r}: its CSV files hold no samples")
+        run.write_manifest({
+            "id": run_id, "name": name or src.name, "kind": "import", "status": "completed",
+            "simulated": simulated, "started_at": first / 1e9, "ended_at": last / 1e9,
+            "imported_at": time.time(),
+            "imported_from": {"format": FORMAT, "path": str(src.resolve()), "ranks": sorted(gpu_files),
+                              "gpus_per_node": gpus_per_node,
+                              "files": sum(len(f) for f in gpu_files.values()) + sum(len(f) for f in sys_files.values())},
+            "limitations": LIMITATIONS,
+        })
+        try:
+            tmp.rename(final)
+        except OSError:
+            if final.exists():  # taken while this import ran
+                raise UserError(f"run {run_id!r}: already exists in {final.parent}; give another --name") from None
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return RunDir(final)
+
+
+def is_result_folder(folder: Path) -> bool:
+    """Whether `folder` itself holds a result ({metric}_{rank}.csv files of a known metric)."""
+    return any((m := _GPU_FILE.match(f.name)) and m["metric"] in GPU_METRICS for f in folder.iterdir()
+               if f.is_file())
+
+
+def result_folders(root: str | Path) -> list[Path]:
+    """Every folder under `root` (itself included) that holds a result, in path order."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise UserError(f"charllm-ppt directory {str(root)!r}: no such directory")
+    return sorted(d for d in [root, *root.rglob("*")] if d.is_dir() and is_result_folder(d))
+
+
+def import_charllm_ppt_tree(root: str | Path, *, prefix: str | None = None, gpus_per_node: int = 8,
+                            simulated: bool = False, on_folder=None) -> list[tuple[Path, RunDir | UserError]]:
+    """Import every result folder under `root` as its own run, named after its path under `root`
+    (`<sweep>-<model>-<run>` for the artifact's tree; `prefix`-… when given). A folder that fails is
+    returned with its error and does not stop the others. `on_folder(done, total, folder)` reports progress."""
+    root = Path(root).expanduser()
+    folders = result_folders(root)
+    if not folders:
+        raise UserError(f"charllm-ppt directory {str(root)!r}: no result folder under it (none holds "
+                        f"{{metric}}_{{rank}}.csv files of {', '.join(GPU_METRICS)})")
+    if gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
+    out: list[tuple[Path, RunDir | UserError]] = []
+    for i, folder in enumerate(folders):
+        relative = "-".join(folder.relative_to(root).parts) or root.name
+        name = f"{prefix}-{relative}" if prefix else relative
+        try:
+            out.append((folder, import_charllm_ppt(folder, name=name, gpus_per_node=gpus_per_node,
+                                                   simulated=simulated)))
+        except UserError as exc:
+            out.append((folder, exc))
+        if on_folder:
+            on_folder(i + 1, len(folders), folder)
+    return out
+
+
+def _read(path: Path) -> pl.DataFrame:
+    """`unix_time_s,value` rows -> ts_ns, v (-1, the artifact's failed read, -> null)."""
+    try:
+        df = pl.read_csv(path, has_header=False, new_columns=["t", "v"],
+                         schema_overrides={"t": pl.Float64, "v": pl.Float64})
+    except (pl.exceptions.ComputeError, pl.exceptions.NoDataError, pl.exceptions.ShapeError,
+            pl.exceptions.SchemaError) as exc:
+        if path.stat().st_size == 0:
+            return pl.DataFrame(schema={"ts_ns": pl.Int64, "v": pl.Float64})
+        first = str(exc).strip().splitlines()[0]
+        raise UserError(f"{path}: expected `unix_time_s,value` rows without a header ({first})") from None
+    if df.width != 2:
+        raise UserError(f"{path}: expected 2 columns `unix_time_s,value`, found {df.width}")
+    return df.select(
+        (pl.col("t") * 1e9).round().cast(pl.Int64).alias("ts_ns"),
+        pl.when(pl.col("v") != -1).then(pl.col("v")).alias("v"),
+    ).drop_nulls("ts_ns")
+
+
+def _unwrap32(values: pl.Series) -> np.ndarray:
+    """A 32-bit counter as a running total since its first sample (nulls carry the last value)."""
+    v = values.fill_null(strategy="forward").fill_null(0).cast(pl.Int64).to_numpy()
+    d = np.diff(v, prepend=v[:1])
+    d[d < 0] += 2**32
+    return np.cumsum(d)
+
+
+def _gpu_rank(files: dict[str, Path], node: str, device: str, rank: int, simulated: bool) -> pl.DataFrame:
+    columns: dict[str, pl.DataFrame] = {}
+    for metric, path in files.items():
+        df = _read(path)
+        if metric in _COUNTERS:
+            col, unit = _COUNTERS[metric]
+            total = _unwrap32(df["v"]) * unit
+            if col.endswith("_bytes_s"):  # a byte counter -> the rate over the interval each sample owns
+                t = df["ts_ns"].to_numpy() / 1e9
+                rate = np.full(len(total), np.nan)
+                if len(total) > 1:
+                    rate[:-1] = np.diff(total) / np.maximum(np.diff(t), 1e-9)
+                df = df.with_columns(pl.Series("v", rate).fill_nan(None))
+            else:
+                df = df.with_columns(pl.Series("v", total, dtype=pl.Int64))
+        else:
+            col, factor = _GAUGES[metric]
+            if col in columns:  # `power_{r}.csv` and `gpu_power_{r}.csv`: keep gpu_power
+                continue
+            if col.startswith("pcie_") and metric.replace("_throughput", "_bytes") in files:
+                continue  # the byte counters give exact totals; the throughput is a point sample
+            df = df.with_columns(pl.col("v") * factor)
+        columns[col] = df.unique("ts_ns", keep="first").rename({"v": col})
+    frame = None
+    for df in columns.values():  # every metric of a tick shares its time: join on it
+        frame = df if frame is None else frame.join(df, on="ts_ns", how="full", coalesce=True)
+    frame = frame.sort("ts_ns")
+    return frame.with_columns(
+        (pl.col("ts_ns") - pl.col("ts_ns").min()).alias("mono_ns"),
+        pl.lit(node).alias("node"), pl.lit(device).alias("device"),
+        pl.lit(f"charllm-ppt-rank{rank}").alias("uuid"), pl.lit(BACKEND).alias("backend"),
+        pl.lit(simulated).alias("simulated"),
+    )
+
+
+def _host(files: list[tuple[str, str, Path]], node: str, simulated: bool) -> pl.DataFrame | None:
+    """One host row per tick from the system_* files of a node's first rank."""
+    by_metric: dict[str, list[pl.DataFrame]] = {}
+    for metric, ident, path in files:
+        by_metric.setdefault(metric, []).append(_read(path).with_columns(pl.lit(ident).alias("id")))
+    parts = []
+
+    def total(metric):  # sum over CPUs / ports / modes at each tick
+        return pl.concat(by_metric[metric]).group_by("ts_ns").agg(pl.col("v").sum()).sort("ts_ns")
+
+    if "cpu_usage" in by_metric and "cpu_idle" in by_metric:
+        busy, idle = total("cpu_usage"), total("cpu_idle").rename({"v": "idle"})
+        if "cpu_iowait" in by_metric:
+            idle = idle.join(total("cpu_iowait").rename({"v": "iowait"}), on="ts_ns", how="left").select(
+                "ts_ns", (pl.col("idle") + pl.col("iowait").fill_null(0)).alias("idle"))
+        both = busy.join(idle, on="ts_ns").sort("ts_ns")
+        d_busy, d_idle = pl.col("v").shift(-1) - pl.col("v"), pl.col("idle").shift(-1) - pl.col("idle")
+        parts.append(both.select(
+            "ts_ns", pl.when(d_busy + d_idle > 0).then(100 * d_busy / (d_busy + d_idle)).alias("cpu_util_pct")))
+    if "cpu_temp" in by_metric:
+        parts.append(pl.concat(by_metric["cpu_temp"]).group_by("ts_ns").agg(pl.col("v").max().alias("temp_cpu_c")))
+    for d in ("rx", "tx"):
+        if f"ib_{d}_bytes" in by_metric:
+            parts.append(total(f"ib_{d}_bytes").select("ts_ns", pl.col("v").cast(pl.Int64).alias(f"ib_{d}_bytes")))
+    if "memory_used" in by_metric:  # the artifact's "memory_used" is MemTotal
+        mem = pl.concat(by_metric["memory_used"]).select("ts_ns", pl.col("v").alias("host_mem_total_bytes"))
+        if "memory_free" in by_metric:
+            free = pl.concat(by_metric["memory_free"]).select("ts_ns", pl.col("v").alias("free"))
+            mem = mem.join(free, on="ts_ns", how="left").with_columns(
+                (pl.col("host_mem_total_bytes") - pl.col("free")).alias("host_mem_used_bytes")).drop("free")
+        parts.append(mem.with_columns(pl.exclude("ts_ns").cast(pl.Int64)))
+    if not parts:
+        return None
+    frame = parts[0]
+    for p in parts[1:]:
+        frame = frame.join(p, on="ts_ns", how="full", coalesce=True)
+    return frame.sort("ts_ns").with_columns(
+        (pl.col("ts_ns") - pl.col("ts_ns").min()).alias("mono_ns"), pl.lit(node).alias("node"),
+        pl.lit("host").alias("device"), pl.lit(f"host-{node}").alias("uuid"), pl.lit(BACKEND).alias("backend"),
+        pl.lit(simulated).alias("simulated"),
+    )

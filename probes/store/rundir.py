@@ -1,0 +1,467 @@
+"""The run directory: the contract between engine, probes and TUI.
+
+    <runs_dir>/<run_id>/
+        experiment.toml      the experiment as launched (engine writes it)
+        manifest.json        id, target, times, status, exact commands (atomic rewrites)
+        iterations.jsonl     the workload's iteration log (probes.store.schema.ITERATION_FIELDS)
+        logs/                one log file per rank / sampler / launcher
+        telemetry/<node>/    Arrow IPC chunks, NNNNNN.arrow, one sampler per node; compacted
+                             Parquet files NNNNNN-MMMMMM.parquet hold chunks NNNNNN..MMMMMM
+                             (finished telemetry: recorder.write_parquet; imports write it too)
+
+A run can be watched live, replayed, summarised and compared from any process, after a crash
+too: nothing important lives only in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError, plural
+
+STATUSES = ("pending", "running", "completed", "failed", "cancelled")
+FINAL_STATUSES = ("completed", "failed", "cancelled")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A chunk (NNNNNN.arrow, Arrow IPC) or a compacted file holding chunks NNNNNN..MMMMMM
+# (NNNNNN-MMMMMM.parquet); see probes/store/recorder.py.
+CHUNK_NAME = re.compile(r"^(\d{6,})(?:-(\d{6,}))?\.(?:arrow|parquet)$")
+
+
+def chunk_span(name: str) -> tuple[int, int] | None:
+    """(first, last) chunk number held by a telemetry file name; None for anything else (.tmp files)."""
+    m = CHUNK_NAME.match(name)
+    if not m:
+        return None
+    first = int(m.group(1))
+    return first, int(m.group(2) or first)
+
+
+def node_chunks(directory: Path) -> list[tuple[int, int, Path]]:
+    """(first, last, path) of the files that hold each of a node's chunks exactly once, in order.
+
+    The recorder renames a compacted file into place before it deletes the chunks it holds, so a
+    chunk inside a compacted file's span is skipped. The union of two listings makes this hold
+    even when a compaction happens while the directory is read: a chunk missing from the first
+    listing was deleted after its compacted file appeared, which the second listing then sees.
+    """
+    try:
+        names = set(os.listdir(directory)) | set(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    spans = sorted((s[0], -s[1], name) for name in names if (s := chunk_span(name)))
+    out, reach = [], -1
+    for first, neg_last, name in spans:  # by first, widest first: a span within an earlier one is covered
+        if -neg_last > reach:
+            out.append((first, -neg_last, directory / name))
+            reach = -neg_last
+    return out
+
+
+# The manifest fields readers rely on, and their JSON types (others are left to their writers).
+_MANIFEST_TYPES = {
+    "id": str, "kind": str, "name": str, "status": str, "failure": (str, type(None)), "note": str,
+    "target": dict, "nodes": list, "steps": list, "commands": list, "forced": list, "processes": list,
+    "supervisor": dict, "sampler": dict, "created_ns": int, "started_ns": (int, type(None)),
+    "ended_ns": (int, type(None)), "world_size": int, "slurm_job_id": str, "telemetry_lost": list,
+    "exit_codes": dict, "runtime": (dict, type(None)), "disk_full": str,
+}
+_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", list: "a list",
+               dict: "an object", type(None): "null"}
+
+
+def manifest_problem(data) -> str | None:
+    """What is wrong with a manifest's shape, or None."""
+    if not isinstance(data, dict):
+        return f"{_JSON_NAMES.get(type(data), type(data).__name__)} instead of an object"
+    for name, kinds in _MANIFEST_TYPES.items():
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        value = data.get(name)
+        if name in data and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+            want = " or ".join(_JSON_NAMES[k] for k in kinds)
+            return f"field {name!r} is {_JSON_NAMES.get(type(value), type(value).__name__)}, expected {want}"
+    if "status" in data and data["status"] not in STATUSES + ("unknown",):
+        return f"field 'status' = {data['status']!r}, expected one of {', '.join(STATUSES)}"
+    return None
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write JSON so a reader never sees half a file (write a sibling, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)  # a full disk leaves the old file, and no half of a new one
+        if isinstance(exc, OSError) and not exc.filename:
+            exc.filename = str(path)  # a failed write names no file; the user needs to know which
+        raise
+
+
+def check_run_id(run_id: str) -> str:
+    if not _RUN_ID.match(run_id):
+        raise UserError(
+            f"run id {run_id!r}: use letters, digits, '.', '_' and '-' (at most 128, not starting with '.' or '-')"
+        )
+    return run_id
+
+
+def check_node_name(node: str) -> str:
+    """A node name names a directory (telemetry/<node>/): one plain name, never a path."""
+    if not _RUN_ID.match(node):
+        raise UserError(f"node {node!r}: use letters, digits, '.', '_' and '-' (at most 128, "
+                        "not starting with '.' or '-'); it names a directory of the run")
+    return node
+
+
+def new_run_id(name: str) -> str:
+    """A sortable, unique, shell-safe id: <UTC time>-<sanitised experiment name>."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")[:80] or "run"
+    return f"{stamp}-{safe}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    @property
+    def experiment_path(self) -> Path:
+        return self.path / "experiment.toml"
+
+    @property
+    def iterations_path(self) -> Path:
+        return self.path / "iterations.jsonl"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def telemetry_dir(self) -> Path:
+        return self.path / "telemetry"
+
+    def node_telemetry_dir(self, node: str) -> Path:
+        return self.telemetry_dir / node
+
+    def exists(self) -> bool:
+        return self.manifest_path.is_file() or self.telemetry_dir.is_dir()
+
+    # -- manifest ---------------------------------------------------------------------------
+    def read_manifest(self) -> dict:
+        """The manifest; a damaged one (not JSON, not an object, a field of the wrong type) is
+        one UserError naming the file, so it costs only this run."""
+        try:
+            data = json.loads(self.manifest_path.read_bytes())
+        except FileNotFoundError:
+            return {"id": self.id, "status": "unknown"}
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{self.manifest_path}: damaged manifest, not valid JSON "
+                            f"({exc.msg} at line {exc.lineno})") from None
+        except ValueError:  # UnicodeDecodeError: binary content
+            raise UserError(f"{self.manifest_path}: damaged manifest, not UTF-8 text") from None
+        except RecursionError:
+            raise UserError(f"{self.manifest_path}: damaged manifest, nested too deeply") from None
+        except OSError as exc:
+            raise UserError(f"{self.manifest_path}: cannot read the manifest ({exc.strerror})") from None
+        problem = manifest_problem(data)
+        if problem:
+            raise UserError(f"{self.manifest_path}: damaged manifest, {problem}")
+        return data
+
+    def write_manifest(self, manifest: dict) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.manifest_path, manifest)
+
+    def update_manifest(self, **changes) -> dict:
+        manifest = self.read_manifest()
+        manifest.update(changes)
+        self.write_manifest(manifest)
+        return manifest
+
+    @property
+    def status(self) -> str:
+        return self.read_manifest().get("status", "unknown")
+
+    def check_deletable(self) -> None:
+        """A run still pending or running must be cancelled first (its processes own the files)."""
+        status = self.status
+        if status not in FINAL_STATUSES and status != "unknown":
+            raise UserError(f"run {self.id!r} is {status}; cancel it first "
+                            f"(charllm-tui runs cancel {self.id}, or c on the Runs screen)")
+
+    def delete(self) -> None:
+        import shutil
+
+        self.check_deletable()
+        try:
+            shutil.rmtree(self.path)
+        except OSError as exc:  # rmtree names only the entry (read-only, or not ours)
+            raise UserError(f"run {self.id!r}: cannot delete {self.path}: {exc.strerror or exc}") from None
+
+    # -- data -------------------------------------------------------------------------------
+    def telemetry_files(self) -> list[Path]:
+        """Complete telemetry files, per node oldest first, each chunk once (see node_chunks)."""
+        if not self.telemetry_dir.is_dir():
+            return []
+        nodes = sorted(d for d in self.telemetry_dir.iterdir() if d.is_dir())
+        return [path for d in nodes for _, _, path in node_chunks(d)]
+
+    def scan_telemetry(self, skipped: list[str] | None = None, *, columns: set[str] | None = None):
+        """A polars LazyFrame over every readable telemetry file, conformed to the schema.
+
+        A file that cannot be read (truncated, garbage, empty, a column of the wrong type) is
+        left out; when `skipped` is given, one line saying what was lost is appended to it
+        (`damage_note`). `columns`, when given, receives the names of the columns the files
+        hold (finished files leave out all-null ones: a reader may skip what none holds).
+        Compacted Parquet files go into one scan, given the schema (a file missing a column
+        gets nulls); Arrow chunks with the schema's exact columns likewise, others (older or
+        imported files) are conformed one by one. One scan is far faster than a scan per file.
+        """
+        import itertools
+
+        import polars as pl
+
+        from charllm.probes.store.schema import conform, empty_frame  # deferred: loads polars (start-up time)
+
+        files = self.telemetry_files()
+        kinds, damaged = {}, []
+        for f in files:
+            try:
+                kinds[f], held = _telemetry_kind(f)
+                if columns is not None:
+                    columns.update(held)
+            except _Unreadable as exc:
+                damaged.append((f, str(exc)))
+        if damaged and skipped is not None:
+            skipped.append(damage_note(self, damaged, len(files)))
+        files = [f for f in files if f in kinds]
+        if not files:
+            return empty_frame().lazy()
+        parts = []
+        for k, group in itertools.groupby(files, key=kinds.get):
+            group = list(group)
+            if k == "parquet":
+                parts.append(scan_parquet(group))
+            else:
+                parts += [pl.scan_ipc(group, glob=False)] if k == "arrow" else \
+                    [conform(pl.scan_ipc(f, glob=False)) for f in group]
+        return parts[0] if len(parts) == 1 else pl.concat(parts, how="vertical")
+
+    def runtime(self) -> dict | None:
+        """What actually ran (the workload's record: engine.model.runtime's implementation, stack,
+        versions, devices): the manifest's copy once the run ended, else the iteration log's
+        start event. None before the workload started, or for a probe-only run."""
+        saved = self.read_manifest().get("runtime")
+        if isinstance(saved, dict) and saved:
+            return saved
+        for record in self.iteration_records():
+            if not isinstance(record, dict):
+                continue
+            if record.get("event") == "start" and isinstance(record.get("runtime"), dict):
+                return record["runtime"]
+            if record.get("event") == "iteration":
+                return None    # start events come first; this run's workload wrote none
+        return None
+
+    def read_iterations(self):
+        """The iteration log as a DataFrame (tolerates a half-written last line)."""
+        import polars as pl
+
+        from charllm.probes.store.schema import ITERATION_SCHEMA  # deferred: loads polars (start-up time)
+
+        rows = [r for r in self.iteration_records() if isinstance(r, dict)]
+        if not rows:
+            return pl.DataFrame(schema=ITERATION_SCHEMA)
+        clean = [{k: _typed(r.get(k), dtype) for k, dtype in ITERATION_SCHEMA.items()} for r in rows]
+        return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
+
+    def iteration_records(self):
+        """Each JSON line of the iteration log; a damaged line (half-written, binary, not JSON)
+        is skipped, costing only itself."""
+        try:
+            with open(self.iterations_path, "rb") as fh:
+                for line in fh:
+                    try:
+                        record = json.loads(line)
+                    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply
+                        continue
+                    yield record
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return
+
+
+def _typed(value, dtype):
+    """A value of the column's type, else null (a wrong-typed field costs only that field)."""
+    import polars as pl
+
+    if value is None or isinstance(value, bool) and dtype != pl.Boolean:
+        return None
+    if dtype == pl.Boolean:
+        return value if isinstance(value, bool) else None
+    if dtype.is_integer():
+        return value if isinstance(value, int) and -2**63 <= value < 2**63 else None
+    if dtype.is_float():
+        return float(value) if isinstance(value, (int, float)) and abs(value) < 2**1023 else None
+    if dtype == pl.String:
+        return value if isinstance(value, str) else None
+    return value
+
+
+def status_line(manifest: dict) -> str:
+    """The status as the user should read it: "completed, telemetry lost at 12:03:04 (node n1)"."""
+    line = str(manifest.get("status", "unknown"))
+    lost = manifest.get("telemetry_lost")
+    for entry in lost if isinstance(lost, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("at_ns"), int):
+            at = time.strftime("%H:%M:%S", time.localtime(entry["at_ns"] / 1e9))
+            line += f", telemetry lost at {at} (node {entry.get('node', '?')})"
+    if manifest.get("disk_full") and "disk full" not in str(manifest.get("failure")):
+        line += f", {manifest['disk_full']}"
+    return line
+
+
+class _Unreadable(Exception):
+    """A telemetry file that cannot be read as what its name says."""
+
+
+def _telemetry_kind(path: Path) -> tuple[str, list[str]]:
+    """("parquet", "arrow" (exactly the schema) or "other" (conformable), the file's columns);
+    raises _Unreadable for a file whose footer or schema cannot be read, or whose columns have
+    types the schema's cannot take."""
+    import polars as pl
+
+    from charllm.probes.store.schema import TELEMETRY_SCHEMA  # deferred: loads polars (start-up time)
+
+    try:
+        schema = pl.read_parquet_schema(path) if path.suffix == ".parquet" else pl.read_ipc_schema(path)
+    except FileNotFoundError:
+        raise  # merged and deleted since the listing: not damage
+    except Exception as exc:  # noqa: BLE001 - polars raises many kinds for a damaged file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise _Unreadable(f"not {'Parquet' if path.suffix == '.parquet' else 'Arrow IPC'} ({first[:80]})") from None
+    for name, dtype in schema.items():
+        want = TELEMETRY_SCHEMA.get(name)
+        if want is not None and dtype != want and not _widens(dtype, want):
+            raise _Unreadable(f"column {name} is {dtype}, expected {want}")
+    if path.suffix == ".parquet":
+        return "parquet", list(schema)
+    return "arrow" if schema == dict(TELEMETRY_SCHEMA) else "other", list(schema)
+
+
+def _widens(have, want) -> bool:
+    """Whether a column of type `have` is read as `want` without loss (what the scans cast)."""
+    import polars as pl
+
+    if want == pl.Int64():
+        return have.is_integer() and have != pl.UInt64()
+    if want == pl.Float64():
+        return have.is_float() or have.is_integer()
+    if want == pl.String():
+        return isinstance(have, (pl.Categorical, pl.Enum))
+    return False
+
+
+def damage_note(run: RunDir, damaged: list[tuple[Path, str]], total: int) -> str:
+    """One line: how many telemetry files were skipped, which, why, and about how much time they held."""
+    chunks = sum(last - first + 1 for f, _ in damaged for first, last in [chunk_span(f.name)])
+    names = ", ".join(f"{f.relative_to(run.path)} ({why})" for f, why in damaged[:3])
+    more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
+    return (f"{len(damaged)} of {total} telemetry files unreadable, skipped: {names}{more}; "
+            f"{plural(chunks, 'chunk')} lost, about {chunks * 1.0:.1f} s at the sampler's 1 s chunks")
+
+
+def scan_parquet(files: list[Path], **options):
+    """One polars scan of finished telemetry files, conformed to the schema (the compact files
+    leave out all-null columns, and a file may hold narrower numbers: both are filled in)."""
+    import polars as pl
+
+    from charllm.probes.store.schema import TELEMETRY_SCHEMA  # deferred: loads polars (start-up time)
+
+    return pl.scan_parquet(
+        files, glob=False, schema=dict(TELEMETRY_SCHEMA), missing_columns="insert", extra_columns="ignore",
+        cast_options=pl.ScanCastOptions(integer_cast="upcast", float_cast="upcast"), **options)
+
+
+def scan_runs(root: Path | None = None):
+    """The finished telemetry of every run under `root` (the runs directory) as one polars
+    LazyFrame with a `run` column first: the campaign-wide scan the layout is made for
+    (`<runs>/<run>/telemetry/<node>/*.parquet`; the README shows the same in DuckDB)."""
+    import polars as pl
+
+    from charllm.probes.store.schema import empty_frame  # deferred: loads polars (start-up time)
+
+    files = sorted(f for f in (root or paths.runs_dir()).glob("*/telemetry/*/*.parquet")
+                   if not f.parents[2].name.startswith("."))  # not an import still being written
+    if not files:
+        return empty_frame().lazy().select(pl.lit(None, pl.String).alias("run"), pl.all())
+    scan = scan_parquet(files, include_file_paths="_path")
+    run = pl.col("_path").str.split(os.sep).list.get(-4)  # <run>/telemetry/<node>/<file>
+    return scan.select(run.alias("run"), pl.exclude("_path"))
+
+
+def runtime_line(record: dict | None) -> str:
+    """One line saying what ran: implementation, attention, fusions, devices, versions."""
+    if not record:
+        return "not recorded (the workload has not started, or predates this record)"
+    impl, versions = record.get("implementation") or {}, record.get("versions") or {}
+    transformer = {"transformer_engine": f"Transformer Engine {versions.get('transformer_engine') or ''}".strip(),
+                   "local": "local layers"}.get(impl.get("transformer_impl"), "?")
+    devices = record.get("devices") or []
+    if devices:
+        names = sorted({d.get("name", "?") for d in devices})
+        where = f"{len(devices)}x {'/'.join(names)}" + (f" (driver {record['driver']})" if record.get("driver") else "")
+    else:
+        where = "CPU"
+    torch = f"torch {versions.get('torch', '?')}"
+    if versions.get("cuda"):
+        torch += f" (CUDA {versions['cuda']}" + (f", NCCL {versions['nccl']})" if versions.get("nccl") else ")")
+    return " · ".join([transformer, f"attention {impl.get('attention', '?')}",
+                       f"fusions {', '.join(f.removesuffix('_fusion') for f in impl.get('fusions', [])) or 'none'}",
+                       where, torch, f"megatron-core {versions.get('megatron_core', '?')}"])
+
+
+def list_runs(root: Path | None = None) -> list[RunDir]:
+    root = root or paths.runs_dir()
+    if not root.is_dir():
+        return []
+    return sorted((RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "manifest.json").exists()),
+                  key=lambda r: r.id)
+
+
+def resolve_run(ref: str | os.PathLike, root: Path | None = None) -> RunDir:
+    """A run given as a path, an id, or a unique id prefix/suffix."""
+    if not str(ref).strip():
+        raise UserError("run '': give a run id, a unique prefix or suffix of one, or a path")
+    candidate = Path(ref).expanduser()
+    if candidate.is_dir() and ((candidate / "manifest.json").exists() or (candidate / "telemetry").is_dir()):
+        return RunDir(candidate.resolve())
+    root = root or paths.runs_dir()
+    ref = str(ref)
+    exact = root / ref
+    if _RUN_ID.match(ref) and exact.is_dir():
+        return RunDir(exact)
+    matches = [r for r in list_runs(root) if r.id.startswith(ref) or r.id.endswith(ref)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise UserError(f"run {ref!r}: no such run directory or run id under {root}")
+    names = ", ".join(r.id for r in matches[:5])
+    raise UserError(f"run {ref!r}: ambiguous, matches {len(matches)} runs ({names}); give more of the id")
