@@ -8,7 +8,7 @@ summarised in the team's shared/charllm-ppt-configs.md. One file per layout and 
     00000 base      10000 communication overlap      01000 activation recomputation      11000 both
 
 The fields the presets take from the artifact are tabled in tests/data/charllm_ppt/configs.md, which
-tests/test_ppt_presets.py compares every preset with. Model-parallel runs: bf16, global batch 128, micro
+tests/engine/model/test_ppt_presets.py compares every preset with. Model-parallel runs: bf16, global batch 128, micro
 batch 1, CP 1, no virtual pipeline, sequence parallel when TP>1, 8 GPUs per node. Dense layouts use the
 distributed optimizer; MoE layouts too, with the alltoall dispatcher, capacity factor 1.0 with padding and
 aux-loss coefficient 0.01, and max position embeddings 4096 as the artifact's Mixtral runs have. FSDP layouts

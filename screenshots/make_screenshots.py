@@ -2,7 +2,7 @@
 
     python screenshots/make_screenshots.py [--out screenshots] [--only NAME ...]
 
-The data is deterministic, as in tests/test_tui_snapshots.py: private config/data/runs directories
+The data is deterministic, as in tests/tui/test_tui_snapshots.py: private config/data/runs directories
 in a temp dir, recorded runs from `charllm.tui.demo` (simulated backend, fixed seed and clock), the
 shipped tiny-local preset, a dry run with this host's name and the free port pinned, and a fixed
 saved calibration of a CPU node (`charllm.tui.demo.save_demo_calibration`) for the Doctor screen.

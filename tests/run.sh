@@ -45,8 +45,8 @@ if (($# == 0)) && [ -z "${CHARLLM_SKIP_PY312:-}" ]; then
         [ -x "$venv/bin/python" ] || "$py312" -m venv "$venv"
         "$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[train,test]'
         echo "tests/run.sh: Python 3.12, megatron-core $("$venv/bin/python" -c 'from importlib.metadata import version; print(version("megatron-core"))')"
-        "$venv/bin/python" -m pytest -p no:cacheprovider tests/test_workload.py tests/test_launch_local.py \
-            tests/test_cpu_compat.py || status=$?
+        "$venv/bin/python" -m pytest -p no:cacheprovider tests/engine/workload/test_workload.py tests/engine/launch/test_launch_local.py \
+            tests/engine/workload/test_cpu_compat.py || status=$?
     fi
 fi
 exit "$status"

@@ -184,3 +184,10 @@ def test_readme_layers_are_the_contracts():
         below = {c for r in rows[i + 1:] for c in r}
         for concern in row:
             assert ALLOWED[concern] <= below, f"{concern} may import {ALLOWED[concern] - below}, drawn beside or above it"
+
+
+def test_the_tests_mirror_the_packages():
+    """tests/engine/model/ tests engine/model/, and so on; only whole-product tests sit in tests/."""
+    homes = {p.parent.relative_to(REPO / "tests") for p in (REPO / "tests").rglob("test_*.py")} - {Path(".")}
+    assert homes
+    assert [h for h in homes if not (REPO / h / "__init__.py").exists()] == [], "tests with no package of that name"

@@ -35,7 +35,7 @@ from charllm.probes.core.errors import UserError, plural
 # needs for the same experiment. Found by comparing parse_args() defaults of core_v0.16.1, 0.17.1, 0.18.0
 # and 0.19.0, and the TransformerConfig, DistributedDataParallelConfig and OptimizerConfig field
 # defaults: of the changes, only these two reach the memory plan or a flag charllm writes
-# (tests/test_megatron_lm.py checks the table against each release's own code where a mirror is at hand).
+# (tests/engine/model/test_megatron_lm.py checks the table against each release's own code where a mirror is at hand).
 VERSIONED_DEFAULTS: dict[str, tuple[tuple[str, Any], ...]] = {
     # megatron/training/arguments.py: 'no_shard' up to core_v0.17.1, 'optim_grads_params' from core_v0.18.0
     "--data-parallel-sharding-strategy": (("0.18.0", "optim_grads_params"), ("0.0", "no_shard")),

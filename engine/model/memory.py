@@ -11,7 +11,7 @@ shape (SwiGLU, GQA, MLA, flash vs unfused attention, dropout masks only when dro
 sequence-parallel sharding only where SP shards), routed-token MoE activations, the in-flight
 micro-batches of 1F1B and of the interleaved schedule (walked chunk by chunk), recompute, and the
 last stage's logits: the bf16 logits plus the fp32 copy that the cross-entropy keeps for backward.
-Calibrated against measured Megatron-LM runs (tests/test_memory_validation.py).
+Calibrated against measured Megatron-LM runs (tests/engine/model/test_memory_validation.py).
 
 Memory outside the allocator (CUDA context, NCCL buffers) and what the allocator reserves beyond
 its allocated peak are not in `total_bytes`; they enter the fit verdict (`Budget`), which is one of
@@ -33,7 +33,7 @@ from charllm.probes.core.errors import UserError
 GIB = 1 << 30
 
 # Allocations that stay between iterations beyond weights/grads/optimizer state (measured on H100,
-# see tests/test_memory_validation.py): RNG states, autograd/NCCL-registered buffers, loss-scaler
+# see tests/engine/model/test_memory_validation.py): RNG states, autograd/NCCL-registered buffers, loss-scaler
 # and grad-norm scalars, and the cuBLAS/cuDNN workspaces Transformer Engine takes from the allocator.
 MIB = 1 << 20
 BASE_WORKSPACE_BYTES = 32 * MIB

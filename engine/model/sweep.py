@@ -150,7 +150,7 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
     `validate` sees each layout once, with its first micro batch (the micro batch only enters the
     batch rule, applied here) and one recompute/optimizer choice. Which choices are valid is asked
     for every combination once per pipeline shape (PP, VP), the layout sizes the recompute rules
-    read; tests/test_sweep.py checks the result against `validate` on every combination."""
+    read; tests/engine/model/test_sweep.py checks the result against `validate` on every combination."""
     m, world, gpn = base.model, base.world_size, base.cluster.gpus_per_node
     gbs, seq = base.training.global_batch_size, base.seq_length
     probe = base.copy()

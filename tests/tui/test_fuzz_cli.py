@@ -2,7 +2,7 @@
 non-zero exit, or a clean success; never a traceback, never a hang past 2 s, never a write
 outside the intended place. The inputs are generated lists (deterministic: a fixed seed), run
 in-process; the suite prints its counts. Telemetry files are fuzzed with the storage format
-(tests/test_summary*.py); manifests and iteration logs also in tests/test_damaged_runs.py."""
+(tests/test_summary*.py); manifests and iteration logs also in tests/probes/store/test_damaged_runs.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What charllm writes for Megatron-LM, checked against Megatron-LM's own argument code of each supported
 release (parse_args, validate_args and the tokenizer builder, as pretrain_gpt.py runs them before it
 needs a GPU). Needs a Megatron-LM git mirror (tests/infra_megatron_lm.py); without one these are skipped,
-and tests/test_megatron_args.py still holds each rule as a plain unit test."""
+and tests/engine/model/test_megatron_args.py still holds each rule as a plain unit test."""
 
 from __future__ import annotations
 

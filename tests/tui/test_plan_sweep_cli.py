@@ -209,7 +209,7 @@ def test_plan_exit_status_follows_the_verdict(capsys, tmp_path):
     worst = next(s for s in report["stages"] if s["pp_rank"] == report["verdict_stage"])
     assert worst["reserve_bytes"] > 0
     (paths.config_dir() / "hardware").mkdir(parents=True, exist_ok=True)
-    cpu = (Path(__file__).parents[1] / "presets" / "hardware" / "cpu.toml").read_text()
+    cpu = (Path(__file__).parents[2] / "presets" / "hardware" / "cpu.toml").read_text()
     for room, expected, status in ((worst["total_bytes"] + worst["reserve_bytes"] + 1, "fits", 0),
                                    (worst["total_bytes"] + worst["reserve_bytes"] // 2, "tight", 3),
                                    (worst["total_bytes"] - 1, "does not fit", 1)):
@@ -217,7 +217,7 @@ def test_plan_exit_status_follows_the_verdict(capsys, tmp_path):
         (paths.config_dir() / "hardware" / f"{name}.toml").write_text(
             cpu.replace("usable_bytes = 4294967296", f"usable_bytes = {room}"))
         experiment = tmp_path / f"{name}.toml"
-        experiment.write_text((Path(__file__).parents[1] / "presets" / "experiments" / "tiny-local.toml")
+        experiment.write_text((Path(__file__).parents[2] / "presets" / "experiments" / "tiny-local.toml")
                               .read_text().replace('hardware = "cpu"', f'hardware = "{name}"'))
         code, out, _ = run(capsys, "plan", str(experiment), "--json")
         assert (code, json.loads(out)["verdict"]) == (status, expected)

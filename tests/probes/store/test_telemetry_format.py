@@ -24,7 +24,7 @@ from charllm.probes.store.rundir import RunDir, scan_runs
 from charllm.probes.store.schema import ID_COLUMNS, conform
 from charllm.probes.analysis.summary import summarize
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 T = np.round(np.arange(0, 200) * 0.05, 10)  # 10 s at 20 Hz
 
 

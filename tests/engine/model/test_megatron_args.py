@@ -474,7 +474,7 @@ def test_the_exported_environment_is_what_megatron_asks_for(sets, env):
 
 
 # --------------------------------------------------------------------------------------------
-# Exports that start and imports of whole launch lines (tests/test_megatron_lm.py checks the same
+# Exports that start and imports of whole launch lines (tests/engine/model/test_megatron_lm.py checks the same
 # rules against Megatron-LM's own code where a mirror is at hand)
 # --------------------------------------------------------------------------------------------
 def _flag(tokens: list[str], flag: str) -> str | None:

@@ -20,7 +20,7 @@ import pytest
 from charllm.engine.model.megatron import import_megatron_args
 from charllm.engine.model.memory import estimate
 
-DATA = Path(os.environ.get("CHARLLM_MEMORY_DEV", Path(__file__).parent / "data" / "memory_dev" / "memory_dev.json"))
+DATA = Path(os.environ.get("CHARLLM_MEMORY_DEV", Path(__file__).parents[2] / "data" / "memory_dev" / "memory_dev.json"))
 
 # Achieved on the 39 cases (mean / max absolute relative error, share within ±5%).
 STATIC_MEAN, STATIC_MAX = 0.03, 0.235

@@ -126,7 +126,7 @@ def test_hardware_known_values():
     assert "GCD" in mi250x.description
 
 
-# The presets against the artifact's tables: tests/test_ppt_presets.py
+# The presets against the artifact's tables: tests/engine/model/test_ppt_presets.py
 def test_ppt_presets_are_what_the_generator_writes(tmp_path, monkeypatch):
     """The committed files are the generator's output (nobody edited one by hand)."""
     import importlib.util
@@ -134,7 +134,7 @@ def test_ppt_presets_are_what_the_generator_writes(tmp_path, monkeypatch):
 
     import tomli_w
 
-    script = Path(__file__).resolve().parents[1] / "presets" / "generate_ppt_experiments.py"
+    script = Path(__file__).resolve().parents[3] / "presets" / "generate_ppt_experiments.py"
     spec = importlib.util.spec_from_file_location("gen", script)
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)

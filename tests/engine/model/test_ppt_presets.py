@@ -11,7 +11,7 @@ import pytest
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment
 
-TABLES = Path(__file__).parent / "data" / "charllm_ppt" / "configs.md"
+TABLES = Path(__file__).parents[2] / "data" / "charllm_ppt" / "configs.md"
 VARIANTS = ("00000", "10000", "01000", "11000")
 NUM_LAYERS = {"gpt3-175b": 96, "llama3-70b": 80, "mixtral-8x7b": 32, "mixtral-8x22b": 56}
 
