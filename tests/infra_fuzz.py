@@ -12,11 +12,14 @@ from pathlib import Path
 
 from charllm.tui.cli import main
 
-HANG_S = 2.0
+HANG_S = 2.0          # of CPU time: a loop that grows with a hostile number
+BLOCKED_S = 20.0      # of wall time: a call that waits on something that never comes
+# CPU time, not wall time, is what a hostile input can run up; on a loaded 2-core CI machine a
+# call's wall time stretches several-fold (a 36-minute suite run timed `runs show` out at 2 s).
 
 
 class Hang(BaseException):
-    """Raised in the main thread by the watchdog when a call runs past HANG_S."""
+    """Raised in the main thread by the watchdogs when a call runs past HANG_S of CPU or BLOCKED_S."""
 
 
 @dataclass
@@ -43,13 +46,27 @@ def _alarm(signum, frame):
     raise Hang()
 
 
+@contextlib.contextmanager
+def watchdog(cpu_s: float = HANG_S):
+    """Raise Hang in the main thread past `cpu_s` of this process's CPU time (all threads), or past
+    BLOCKED_S of wall time."""
+    previous = {sig: signal.signal(sig, _alarm) for sig in (signal.SIGALRM, signal.SIGPROF)}
+    signal.setitimer(signal.ITIMER_PROF, cpu_s)
+    signal.setitimer(signal.ITIMER_REAL, max(cpu_s, BLOCKED_S))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def call(argv: list[str], timeout: float = HANG_S) -> Outcome:
     out, err = io.StringIO(), io.StringIO()
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
     code, crash, hung = None, None, False
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with watchdog(timeout), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(list(argv))
     except SystemExit as exc:  # argparse's usage errors
         code = exc.code if isinstance(exc.code, int) else 2
@@ -59,9 +76,6 @@ def call(argv: list[str], timeout: float = HANG_S) -> Outcome:
         hung = True
     except BaseException:  # noqa: BLE001 - what the test counts
         crash = traceback.format_exc()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
     return Outcome(list(argv), code, out.getvalue(), err.getvalue(), crash, hung)
 
 

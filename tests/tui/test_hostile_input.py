@@ -91,7 +91,7 @@ def test_compare_threshold_is_a_finite_percentage(threshold, charllm_dirs, capsy
       "--global-batch-size", "100000000000000000000"], "global_batch_size"),
 ])
 def test_bounded_before_any_loop(argv, field):
-    outcome = call(argv)  # a watchdog: past 2 s it counts as a hang
+    outcome = call(argv)  # a watchdog: past 2 s of CPU time it counts as a hang
     assert not outcome.hung and not outcome.crash, str(outcome)
     assert outcome.code == 2 and outcome.one_clear_line and field in outcome.err, str(outcome)
 
