@@ -757,12 +757,14 @@ def teardown() -> None:
             pass
 
 
+TORCHRUN = ("torch.distributed.run", "torchrun")    # how a rank's parent is started (launcher.train_argv)
+
 if __name__ == "__main__":
     # A rank never outlives torchrun: torch starts it in a session of its own, out of reach of
     # the signals that stop torchrun's process group.
     from charllm.probes.core.lifeline import die_with_parent
 
-    die_with_parent()
+    die_with_parent(started_by=TORCHRUN)
     code = main()
     # Everything that matters is written and closed; skip the interpreter's module teardown
     # (seconds with torch and megatron loaded) so the launcher sees the exit at once.

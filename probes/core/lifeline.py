@@ -4,7 +4,8 @@ torchrun starts its ranks in new sessions (`start_new_session=True`), so signall
 process group misses them, and a killed parent leaves its children running with PPID 1. Each
 process a run starts therefore asks the kernel for a signal when its parent dies
 (`PR_SET_PDEATHSIG`, Linux), and the ranks also poll their parent id, which works everywhere and
-catches a parent that died before the request was made.
+catches a parent that died before the request was made; a rank whose parent is no longer torchrun
+when it starts (torchrun died while the rank's interpreter loaded) ends at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 POLL_S = 1.0
@@ -50,11 +52,25 @@ def terminated_with_parent() -> None:
     signal_on_parent_death(signal.SIGTERM)
 
 
-def die_with_parent() -> None:
-    """For a rank: SIGKILL when the parent dies, by the kernel and by a polling thread."""
+def _command_line(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None          # no /proc (not Linux), or the process is gone
+
+
+def die_with_parent(started_by: tuple[str, ...] = ()) -> None:
+    """For a rank: SIGKILL when the parent dies, by the kernel and by a polling thread.
+
+    `started_by`: words of the command line of the parent this process was started by (torchrun).
+    A parent that died while this process started up, before it got here, left it to init or a
+    subreaper, whose command line has none of them: no signal would ever come, so it ends now.
+    """
     parent = os.getppid()
     signal_on_parent_death(signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the request: no signal will come
+    command = _command_line(parent) if started_by else None
+    orphaned = command is not None and not any(word in command for word in started_by)
+    if orphaned or os.getppid() != parent:  # the parent died before the request: no signal will come
         os.kill(os.getpid(), signal.SIGKILL)
 
     def watch() -> None:
