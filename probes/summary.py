@@ -202,6 +202,8 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
     gpu_names = keyed.filter(pl.col("device") != "host").select("_key", *KEYS, *_GPU_LABELS)
     host_names = keyed.filter(pl.col("device") == "host").select("_key", "node")
     metrics = [c for c in {*_GPU_COLUMNS, *_HOST_COLUMNS} - {"node", "device"} if c in held]
+    # Comparing every sample's device name to "host" is skipped when the run has no host rows.
+    host_row = pl.col("device") == "host" if host_names.height else pl.lit(False)
 
     def load(batch):
         """((GPU samples by device, their names), or None; host samples likewise) of one batch."""
@@ -209,8 +211,7 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
         rows = scan.filter(in_window, pl.col("node").is_in(nodes))  # pushed down to the files' statistics
         if devs is not None:
             rows = rows.filter(pl.col("device").is_in(devs))
-        frame = rows.select(key.alias("_key"), (pl.col("device") == "host").alias("_host"),
-                            *sorted(metrics)).collect(engine="streaming")
+        frame = rows.select(key.alias("_key"), host_row.alias("_host"), *sorted(metrics)).collect(engine="streaming")
         # Columns no file holds are all null: never read, added as (unallocated) constants.
         frame = frame.with_columns(pl.lit(None, dtype).alias(c) for c, dtype in TELEMETRY_SCHEMA.items()
                                    if c not in frame.columns and c in {*_GPU_COLUMNS, *_HOST_COLUMNS})
