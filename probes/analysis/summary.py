@@ -124,6 +124,22 @@ def _read_cache(cache: Path, meta: Path, key: dict) -> pl.DataFrame | None:
 def _cache_places(run: RunDir, window) -> dict[str, tuple[Path, Path, dict]] | None:
     """Per level, (summary file, its key file, the key that says it is current) of a finished
     run's summaries; None while it runs."""
+    files = _run_files(run)
+    if files is None:
+        return None
+    span = window if isinstance(window, str) else f"{window[0]:g}-{window[1]:g}"
+    places = {}
+    for by in BY:
+        key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
+               "by": by, "files": files}
+        cache = run.path / "summaries" / f"{by}-{span}.parquet"
+        places[by] = (cache, cache.with_suffix(".json"), key)
+    return places
+
+
+def _run_files(run: RunDir) -> list | None:
+    """What says a finished run's cached results are current: its experiment, iteration log and
+    telemetry directories (names, sizes or entries, mtimes); None while it runs."""
     if run.status not in FINAL_STATUSES:
         return None
     # Chunks are added by atomic renames, which change their directory's mtime; listing a
@@ -133,14 +149,19 @@ def _cache_places(run: RunDir, window) -> dict[str, tuple[Path, Path, dict]] | N
     if run.telemetry_dir.is_dir():
         stat += [[d.name, d.stat().st_mtime_ns, len(os.listdir(d))]
                  for d in sorted(run.telemetry_dir.iterdir()) if d.is_dir()]
-    span = window if isinstance(window, str) else f"{window[0]:g}-{window[1]:g}"
-    places = {}
-    for by in BY:
-        key = {"version": SUMMARY_VERSION, "window": list(window) if isinstance(window, tuple) else window,
-               "by": by, "files": stat}
-        cache = run.path / "summaries" / f"{by}-{span}.parquet"
-        places[by] = (cache, cache.with_suffix(".json"), key)
-    return places
+    return stat
+
+
+def _write_cache(df: pl.DataFrame, cache: Path, meta: Path, key: dict) -> None:
+    """Keep a finished run's result (atomically; a read-only run directory keeps nothing)."""
+    try:
+        cache.parent.mkdir(exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        df.write_parquet(tmp)
+        tmp.replace(cache)
+        write_json_atomic(meta, key)
+    except OSError:
+        pass
 
 
 def _cached(run: RunDir, window, by: str) -> pl.DataFrame:
@@ -158,17 +179,38 @@ def _cached(run: RunDir, window, by: str) -> pl.DataFrame:
     if df is not None:
         return df
     levels = _summarize(run, window, BY)
-    try:
-        for level, df in levels.items():
-            cache, meta, key = places[level]
-            cache.parent.mkdir(exist_ok=True)
-            tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-            df.write_parquet(tmp)
-            tmp.replace(cache)
-            write_json_atomic(meta, key)
-    except OSError:
-        pass  # a read-only run directory is summarized every time
+    for level, df in levels.items():
+        _write_cache(df, *places[level])
     return _level(levels, run, by)
+
+
+def per_iteration(run: RunDir | str | os.PathLike) -> pl.DataFrame:
+    """One row per training iteration the telemetry names (its `iteration` column): the mean
+    over the GPUs' samples in it of `power_w` and `temp_gpu_c`, and over the hosts' of
+    `cpu_util_pct` (the Compare screen's curves). One pass over those columns; a finished run's
+    result is kept in RUN_DIR/summaries/ like its summaries (see _cached)."""
+    run = run if isinstance(run, RunDir) else resolve_run(run)
+    files = _run_files(run)
+    place = None
+    if files is not None:
+        cache = run.path / "summaries" / "per-iteration.parquet"
+        place = (cache, cache.with_suffix(".json"), {"version": SUMMARY_VERSION, "files": files})
+        df = _read_cache(*place)
+        if df is not None:
+            return df
+    held: set[str] = set()
+    scan = run.scan_telemetry(columns=held)
+    if "iteration" not in held:  # no file names an iteration (an import): nothing to read
+        scan = scan.clear()
+    host = pl.col("device") == "host"
+    df = (scan.filter(pl.col("iteration").is_not_null())
+          .group_by("iteration")
+          .agg(pl.col("power_w").filter(~host).mean(), pl.col("temp_gpu_c").filter(~host).mean(),
+               pl.col("cpu_util_pct").filter(host).mean())
+          .sort("iteration").collect())
+    if place is not None:
+        _write_cache(df, *place)
+    return df
 
 
 def _level(levels: dict[str, pl.DataFrame], run: RunDir, by: str) -> pl.DataFrame:
@@ -198,6 +240,8 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
     gpu_names = keyed.filter(pl.col("device") != "host").select("_key", *KEYS, *_GPU_LABELS)
     host_names = keyed.filter(pl.col("device") == "host").select("_key", "node")
     metrics = [c for c in {*_GPU_COLUMNS, *_HOST_COLUMNS} - {"node", "device"} if c in held]
+    # Comparing every sample's device name to "host" is skipped when the run has no host rows.
+    host_row = pl.col("device") == "host" if host_names.height else pl.lit(False)
 
     def load(batch):
         """((GPU samples by device, their names), or None; host samples likewise) of one batch."""
@@ -205,8 +249,7 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
         rows = scan.filter(in_window, pl.col("node").is_in(nodes))  # pushed down to the files' statistics
         if devs is not None:
             rows = rows.filter(pl.col("device").is_in(devs))
-        frame = rows.select(key.alias("_key"), (pl.col("device") == "host").alias("_host"),
-                            *sorted(metrics)).collect(engine="streaming")
+        frame = rows.select(key.alias("_key"), host_row.alias("_host"), *sorted(metrics)).collect(engine="streaming")
         # Columns no file holds are all null: never read, added as (unallocated) constants.
         frame = frame.with_columns(pl.lit(None, dtype).alias(c) for c, dtype in TELEMETRY_SCHEMA.items()
                                    if c not in frame.columns and c in {*_GPU_COLUMNS, *_HOST_COLUMNS})

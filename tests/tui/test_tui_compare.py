@@ -172,3 +172,28 @@ async def test_the_selector_always_names_the_baseline_in_use(charllm_dirs):
         await pilot.press("f7")
         await pilot.pause(0.5)
         assert pilot.app.screen.result is third and shown_baseline(pilot.app.screen) == "busy-60 (saved baseline)"
+
+
+def test_per_iteration_curves_of_a_finished_run_are_kept_and_equal_a_fresh_pass(charllm_dirs, monkeypatch):
+    """The charts' per-iteration means are kept beside the summaries: a reopened Compare reads
+    no telemetry, gets exactly the fresh pass's numbers, and a changed run is read again."""
+    from polars.testing import assert_frame_equal
+
+    from charllm.probes.analysis import summary
+    from charllm.probes.store.rundir import RunDir
+
+    run = gpu_run(charllm_dirs["runs"], "20261121-100000-gpu-a", 300.0)
+    fresh = summary.per_iteration(run)
+    assert fresh.height == 11 and fresh["power_w"].mean() == pytest.approx(300.0, abs=5)
+    assert (run.path / "summaries" / "per-iteration.parquet").is_file()
+    scans = []
+    real_scan = RunDir.scan_telemetry
+    monkeypatch.setattr(RunDir, "scan_telemetry",
+                        lambda self, *a, **k: scans.append(self) or real_scan(self, *a, **k))
+    curves = compare_screen.per_iteration_curves([str(run.path)])
+    assert scans == []                                                      # from the kept result
+    assert curves["power_w"]["gpu-a"] == (fresh["iteration"].to_list(), fresh["power_w"].to_list())
+    assert_frame_equal(summary.per_iteration(run), fresh, check_exact=True)
+    gpu_frame(T + 20, power_w=100.0, iteration=99).write_ipc(run.node_telemetry_dir("n0") / "000009.arrow")
+    again = summary.per_iteration(run)
+    assert len(scans) == 1 and again["iteration"].to_list()[-1] == 99      # a changed run is read again

@@ -23,7 +23,7 @@ from textual.message import Message
 from textual.widgets import DataTable, Label, Select, Static
 
 from charllm.probes.analysis import baselines, compare
-from charllm.probes.analysis.summary import read_iterations
+from charllm.probes.analysis.summary import per_iteration, read_iterations
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import resolve_run
 from charllm.tui.screens.base import WorkbenchScreen
@@ -195,8 +195,6 @@ def per_iteration_curves(refs: list[str]) -> dict:
     """curve -> {run id: (iterations, values)} for GPU_CHARTS and HOST_CHARTS, each run in the
     curves it has data for: means over GPUs (or hosts) and samples within each iteration, and
     each iteration's time from the iteration log."""
-    import polars as pl
-
     curves: dict[str, dict] = {curve: {} for curve, _ in (*GPU_CHARTS, *HOST_CHARTS)}
     for ref in refs:
         try:
@@ -204,13 +202,7 @@ def per_iteration_curves(refs: list[str]) -> dict:
         except UserError:
             continue
         label = short_id(rd.id)
-        host = pl.col("device") == "host"
-        # One pass over the telemetry: only these columns are read.
-        per_it = (rd.scan_telemetry().filter(pl.col("iteration").is_not_null())
-                  .group_by("iteration")
-                  .agg(pl.col("power_w").filter(~host).mean(), pl.col("temp_gpu_c").filter(~host).mean(),
-                       pl.col("cpu_util_pct").filter(host).mean())
-                  .sort("iteration").collect())
+        per_it = per_iteration(rd)  # a finished run's is kept: reopening Compare reads no telemetry
         for curve in ("power_w", "temp_gpu_c", "cpu_util_pct"):
             points = per_it.select("iteration", curve).drop_nulls()
             if points.height:
