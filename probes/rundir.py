@@ -201,11 +201,33 @@ class RunDir:
         return self.read_manifest().get("status", "unknown")
 
     def check_deletable(self) -> None:
-        """A run still pending or running must be cancelled first (its processes own the files)."""
-        status = self.status
+        """A run still pending or running must be cancelled first (its processes own the files).
+        A damaged manifest says nothing, and deleting is the way to get rid of such a run: it
+        goes once no process here names the run's directory (its supervisor, a probe's --out)."""
+        try:
+            status = self.status
+        except UserError as damaged:
+            users = self.processes()
+            if users:
+                raise UserError(f"{damaged}; still in use by process {users[0].pid} "
+                                f"({' '.join(users[0].info['cmdline'])[:120]}), stop it first") from None
+            return
         if status not in FINAL_STATUSES and status != "unknown":
             raise UserError(f"run {self.id!r} is {status}; cancel it first "
                             f"(charllm-tui runs cancel {self.id}, or c on the Runs screen)")
+
+    def processes(self) -> list:
+        """Live processes on this host whose command line names the run's directory."""
+        import psutil
+
+        here = str(self.path.resolve())
+        found = []
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            words = proc.info["cmdline"] or []
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.pid != os.getpid() \
+                    and any(here in word for word in words):
+                found.append(proc)
+        return found
 
     def delete(self) -> None:
         import shutil
