@@ -26,7 +26,7 @@ from charllm.engine import slurm, ssh
 from charllm.engine.targets import Target, from_record
 from charllm.probes import paths
 from charllm.probes.errors import UserError, os_error_line, plural
-from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id, status_line
+from charllm.probes.rundir import FINAL_STATUSES, RunDir, new_run_id, remove_abandoned_staging, status_line
 
 TRAIN_MODULE = "charllm.engine.workload.train"
 SAMPLER_MODULE = "charllm.probes"
@@ -226,6 +226,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
 
     base = run_dir.with_name(run_id)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_staging(run_dir.parent)
     while True:  # claim the name: a simultaneous launch may have taken it since (never remove theirs)
         try:
             run_dir.mkdir()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -460,10 +461,38 @@ def runtime_line(record: dict | None) -> str:
                        where, torch, f"megatron-core {versions.get('megatron_core', '?')}"])
 
 
+def staging_dir(final: Path) -> Path:
+    """Where a run is written before it takes its name (an import). Named for its writer, process
+    and thread, so a simultaneous writer of the same id never removes it, and hidden from lists."""
+    return final.with_name(f".{final.name}.{os.getpid()}-{threading.get_ident()}.importing")
+
+
+_STAGING = re.compile(r"^\..+\.(\d+)-\d+\.importing$")
+
+
+def remove_abandoned_staging(root: Path) -> None:
+    """Remove the staging directories of writers that died (a killed import); a live one's stays."""
+    import shutil
+
+    import psutil
+
+    for entry in root.iterdir() if root.is_dir() else []:
+        m = _STAGING.match(entry.name)
+        if not m:
+            continue
+        try:
+            alive = psutil.Process(int(m[1])).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            alive = False
+        if not alive:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def list_runs(root: Path | None = None) -> list[RunDir]:
     root = root or paths.runs_dir()
     if not root.is_dir():
         return []
+    remove_abandoned_staging(root)
     return sorted((RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "manifest.json").exists()),
                   key=lambda r: r.id)
 
