@@ -218,14 +218,17 @@ class RunDir:
                             f"(charllm-tui runs cancel {self.id}, or c on the Runs screen)")
 
     def processes(self) -> list:
-        """Live processes on this host whose command line names the run's directory."""
+        """Live processes on this host whose command line names the run's directory, leaving out
+        this one and its ancestors (`timeout 10 charllm-tui runs delete DIR` names it too)."""
         import psutil
 
         here = str(self.path.resolve())
+        me = psutil.Process()
+        ours = {me.pid, *(p.pid for p in me.parents())}
         found = []
         for proc in psutil.process_iter(["cmdline", "status"]):
             words = proc.info["cmdline"] or []
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.pid != os.getpid() \
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.pid not in ours \
                     and any(here in word for word in words):
                 found.append(proc)
         return found
