@@ -80,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
         sampler = Sampler(backends, hz=args.hz, node=args.node, run_dir=run_dir.path if run_dir else None,
                           on_sample=view.update if view else None,
                           stream=sys.stdout.buffer if args.stream else None)
-        previous = {sig: signal.signal(sig, lambda *_: sampler.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        # SIGUSR1 too: it is how a Slurm job stops its sampler step, since srun turns a SIGTERM
+        # into a SIGKILL of its tasks but forwards SIGUSR1 as it is (engine.launch.slurm).
+        previous = {sig: signal.signal(sig, lambda *_: sampler.stop())
+                    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
         devices = sum(len(b.devices()) for b in backends)
         target = f" -> {sampler.writer.dir}" if sampler.writer else ""
         slower = "".join(f"; {s}" for s in sampler.slower_backends())

@@ -14,6 +14,9 @@ import importlib
 import sys
 from dataclasses import dataclass, field
 
+from charllm.probes.backends.amdsmi import import_amdsmi
+from charllm.probes.backends.base import BackendUnavailable
+
 
 class _StubFunction:
     def __init__(self, name: str) -> None:
@@ -167,3 +170,12 @@ class FakeAmdSmi:
     def amdsmi_get_violation_status(self, handle):
         g = self._gcd(handle, "amdsmi_get_violation_status")
         return {"reference_timestamp": 1, "violation_timestamp": 1, **g.violations}
+
+
+def real_amdsmi_present() -> bool:
+    """Whether the real AMD SMI library loads here (an AMD GPU machine)."""
+    try:
+        import_amdsmi()
+    except BackendUnavailable:
+        return False
+    return True

@@ -174,3 +174,13 @@ class FakeNvml:
     def nvmlDeviceGetPcieThroughput(self, gpu, counter):
         self._check(gpu, "nvmlDeviceGetPcieThroughput")
         return 0
+
+
+def real_nvml_present() -> bool:
+    """Whether the real NVML initialises here (a GPU machine)."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True

@@ -93,7 +93,7 @@ def _config(root: Path, ports: list[int]) -> str:
         "ReturnToService=2",
         "SchedulerParameters=batch_sched_delay=0,sched_min_interval=0",
         "SlurmdParameters=config_overrides",
-        "KillWait=5",
+        "KillWait=30",  # Slurm's default: processes must stop on SIGTERM, not wait for its SIGKILL
         "MinJobAge=600",
         f"NodeName=n[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{ports[1]}-{ports[2]}] "
         f"CPUs={CPUS_PER_NODE} Sockets=1 CoresPerSocket={CPUS_PER_NODE} ThreadsPerCore=1 RealMemory=4000 "

@@ -28,7 +28,7 @@ from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, os_error_line, plural
-from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, new_run_id, status_line
+from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, new_run_id, remove_abandoned_staging, status_line
 
 TRAIN_MODULE = "charllm.engine.workload.train"
 SAMPLER_MODULE = "charllm.probes"
@@ -225,6 +225,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
 
     base = run_dir.with_name(run_id)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_staging(run_dir.parent)
     while True:  # claim the name: a simultaneous launch may have taken it since (never remove theirs)
         try:
             run_dir.mkdir()

@@ -60,7 +60,9 @@ def script(*, target: Target, run_dir: str, run_id: str, nodes: int, nproc: int,
         + q(_node_line(train, "train")),
         "RC=$?",
         'echo "$RC" > "$RUN_DIR/logs/train.exit"',
-        "kill -TERM $SAMPLERS 2>/dev/null; wait $SAMPLERS",
+        # srun answers a SIGTERM with a SIGKILL of its tasks (the last chunk would be lost);
+        # SIGUSR1 it forwards as it is, and the sampler stops on it.
+        "kill -USR1 $SAMPLERS 2>/dev/null; wait $SAMPLERS",
         "exit $RC",
         ""]
     return "\n".join(lines)
@@ -89,11 +91,11 @@ SAMPLER_EXIT = "sampler-{node}.exit"
 
 def _sampler_line(argv: list[str]) -> str:
     """ARGV > logs/sampler-$NODE.log, then its exit record (SAMPLER_EXIT). The shell waits for
-    the sampler even on SIGTERM (a trap runs only after the foreground command ends), so the
-    sampler closes its last chunk before the task ends."""
+    the sampler even on SIGTERM or SIGUSR1 (a trap runs only after the foreground command ends;
+    untrapped, SIGUSR1 would end the shell), so the sampler closes its last chunk first."""
     log = '"$RUN_DIR/logs/sampler-$SLURMD_NODENAME.log"'
     record = '"$RUN_DIR/logs/' + SAMPLER_EXIT.format(node="$SLURMD_NODENAME") + '"'
-    return f'trap : TERM; {_words(argv)} > {log} 2>&1; echo "$? $(date +%s%N)" > {record}'
+    return f'trap : TERM USR1; {_words(argv)} > {log} 2>&1; echo "$? $(date +%s%N)" > {record}'
 
 
 def submit(script_path: str) -> str:

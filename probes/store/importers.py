@@ -31,10 +31,8 @@ that holds such files (`import_charllm_ppt_tree`), named after its path under th
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -44,7 +42,7 @@ import polars as pl
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.recorder import write_parquet
-from charllm.probes.store.rundir import RunDir, check_run_id, new_run_id
+from charllm.probes.store.rundir import RunDir, check_run_id, new_run_id, remove_abandoned_staging, staging_dir
 from charllm.probes.store.schema import conform
 
 FORMAT = "charllm-ppt"
@@ -110,8 +108,8 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
     final = paths.runs_dir() / run_id
     if final.exists():
         raise UserError(f"run {run_id!r}: already exists in {final.parent}; give another --name")
-    # A name of its own: a simultaneous import of the same run id never removes this one's files.
-    tmp = final.with_name(f".{run_id}.{os.getpid()}-{threading.get_ident()}.importing")
+    remove_abandoned_staging(final.parent)
+    tmp = staging_dir(final)
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed import that had the same ids
     run = RunDir(tmp)
     try:

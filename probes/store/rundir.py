@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,11 +202,36 @@ class RunDir:
         return self.read_manifest().get("status", "unknown")
 
     def check_deletable(self) -> None:
-        """A run still pending or running must be cancelled first (its processes own the files)."""
-        status = self.status
+        """A run still pending or running must be cancelled first (its processes own the files).
+        A damaged manifest says nothing, and deleting is the way to get rid of such a run: it
+        goes once no process here names the run's directory (its supervisor, a probe's --out)."""
+        try:
+            status = self.status
+        except UserError as damaged:
+            users = self.processes()
+            if users:
+                raise UserError(f"{damaged}; still in use by process {users[0].pid} "
+                                f"({' '.join(users[0].info['cmdline'])[:120]}), stop it first") from None
+            return
         if status not in FINAL_STATUSES and status != "unknown":
             raise UserError(f"run {self.id!r} is {status}; cancel it first "
                             f"(charllm-tui runs cancel {self.id}, or c on the Runs screen)")
+
+    def processes(self) -> list:
+        """Live processes on this host whose command line names the run's directory, leaving out
+        this one and its ancestors (`timeout 10 charllm-tui runs delete DIR` names it too)."""
+        import psutil
+
+        here = str(self.path.resolve())
+        me = psutil.Process()
+        ours = {me.pid, *(p.pid for p in me.parents())}
+        found = []
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            words = proc.info["cmdline"] or []
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.pid not in ours \
+                    and any(here in word for word in words):
+                found.append(proc)
+        return found
 
     def delete(self) -> None:
         import shutil
@@ -438,10 +464,38 @@ def runtime_line(record: dict | None) -> str:
                        where, torch, f"megatron-core {versions.get('megatron_core', '?')}"])
 
 
+def staging_dir(final: Path) -> Path:
+    """Where a run is written before it takes its name (an import). Named for its writer, process
+    and thread, so a simultaneous writer of the same id never removes it, and hidden from lists."""
+    return final.with_name(f".{final.name}.{os.getpid()}-{threading.get_ident()}.importing")
+
+
+_STAGING = re.compile(r"^\..+\.(\d+)-\d+\.importing$")
+
+
+def remove_abandoned_staging(root: Path) -> None:
+    """Remove the staging directories of writers that died (a killed import); a live one's stays."""
+    import shutil
+
+    import psutil
+
+    for entry in root.iterdir() if root.is_dir() else []:
+        m = _STAGING.match(entry.name)
+        if not m:
+            continue
+        try:
+            alive = psutil.Process(int(m[1])).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            alive = False
+        if not alive:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def list_runs(root: Path | None = None) -> list[RunDir]:
     root = root or paths.runs_dir()
     if not root.is_dir():
         return []
+    remove_abandoned_staging(root)
     return sorted((RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "manifest.json").exists()),
                   key=lambda r: r.id)
 

@@ -22,7 +22,7 @@ from charllm.tui.commands.doctor import EPILOG
 from charllm.engine.model.experiment import Hardware
 from infra_cli import one_error_line, run
 from infra_runs import run_processes, wait_for
-from tests.fakes_nvml import FakeGpu, FakeNvml
+from fakes_nvml import FakeGpu, FakeNvml
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,12 +14,12 @@ import pytest
 
 from charllm.probes.store.rundir import RunDir
 from charllm.tui.cli import main
+from fakes_amdsmi import real_amdsmi_present
+from fakes_nvml import real_nvml_present
 
 
 def test_list_on_this_machine_says_why_there_is_no_gpu(capsys):
-    from tests.test_probes_gpu_backends import _amdsmi_present, _nvml_present
-
-    if _nvml_present() or _amdsmi_present():
+    if real_nvml_present() or real_amdsmi_present():
         pytest.skip("this machine has a GPU library")
     assert main(["probe", "--list"]) == 0
     out = capsys.readouterr().out

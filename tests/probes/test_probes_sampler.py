@@ -220,6 +220,28 @@ def test_stream_across_processes_arrives_within_a_second(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_closes_the_last_chunk(sig, tmp_path):
+    """SIGUSR1 is how a Slurm job stops its samplers (srun turns a SIGTERM into a SIGKILL)."""
+    import signal
+
+    rd = RunDir(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "charllm.probes", "--backend", "sim", "--hz", "20",
+                             "--out", str(rd.path), "--node", "n1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not rd.telemetry_files() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(10) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+    assert rd.read_manifest()["status"] == "completed"
+    assert not list(rd.path.rglob("*.tmp")) and rd.scan_telemetry().collect().height > 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
 def test_kill_9_loses_at_most_about_a_second(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "charllm.tui", "probe", "--backend", "sim", "--sim-gpus", "4",

@@ -36,7 +36,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.run.strip():
         raise UserError("RUN = '': give a run id, a unique prefix or suffix of one, or a path")
     rd = resolve_run(args.run)
-    reconcile(rd)  # a run whose supervisor died is finished here, so what follows tells the truth
+    try:
+        reconcile(rd)  # a run whose supervisor died is finished here, so what follows tells the truth
+    except UserError:
+        if action != "delete":  # a damaged manifest: deleting is the way to get rid of the run
+            raise
     return {"show": _show, "logs": _logs, "cancel": _cancel, "delete": _delete}[action](rd, args)
 
 

@@ -57,7 +57,7 @@ def test_runs_cancel_maps_to_scancel(slurm_cluster):
     assert rd.read_manifest()["status"] == "cancelled"
     assert job not in slurm_cluster.jobs()
     assert "JobState=CANCELLED" in slurm_cluster.scontrol("show", "job", job)
-    wait_for(lambda: run_processes(rd.id) == [], 30, "every step's processes to exit")
+    wait_for(lambda: run_processes(rd.id) == [], 15, "every step's processes to exit")
 
 
 @pytest.mark.timeout(400)
@@ -68,7 +68,7 @@ def test_failing_rank_fails_the_job(slurm_cluster):
     manifest = wait_final(rd, 120)
     assert manifest["status"] == "failed", logs(rd)
     assert "node n2, rank 1" in manifest["failure"] and "SIGKILL" in manifest["failure"]
-    wait_for(lambda: run_processes(rd.id) == [], 30, "the other node to stop")
+    wait_for(lambda: run_processes(rd.id) == [], 15, "the other node to stop")
 
 
 @pytest.mark.timeout(400)
@@ -139,7 +139,7 @@ def test_a_killed_probe_only_run_is_finished_by_the_next_reader(slurm_cluster, t
     proc, rd = probe_on_n2(tmp_path / "probe-run")
     psutil.Process(rd.read_manifest()["sampler"]["pid"]).kill()
     wait_for(lambda: run_processes(str(rd.path)) == [], 15, "the probe's srun and task to exit")
-    finish(proc, 30)
+    finish(proc, 15)
     code, out, err = run(capsys, "runs", "show", str(rd.path))
     assert code == 0 and "status    failed" in out and "the sampler died" in out, out + err
     assert rd.scan_telemetry().collect().height > 0, "what was recorded stays readable"
@@ -154,7 +154,7 @@ def test_runs_cancel_stops_a_probe_only_run(slurm_cluster, tmp_path, capsys):
     code, out, err = run(capsys, "runs", "cancel", str(rd.path))
     assert code == 0 and "cancelled" in out, out + err
     wait_for(lambda: run_processes(str(rd.path)) == [], 15, "the probe's srun and task to exit")
-    finish(proc, 30)
+    finish(proc, 15)
     assert rd.read_manifest()["status"] == "cancelled"
     assert rd.scan_telemetry().collect().height > 0, "the sampler closed its last chunk"
 

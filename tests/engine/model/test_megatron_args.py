@@ -552,7 +552,7 @@ def test_the_launch_script_runs_and_imports_back(tmp_path):
 
 
 def test_export_cli_writes_an_executable_script(tmp_path, capsys):
-    from tests.infra_cli import run
+    from infra_cli import run
 
     out = tmp_path / "train.sh"
     code, _, err = run(capsys, "export", "megatron", "tiny-tp2", "--script", "--megatron-version", "0.19.0",
@@ -644,7 +644,7 @@ def test_a_functional_test_model_config_imports():
 
 
 def test_plan_takes_the_world_size_from_the_launch_line(capsys):
-    from tests.infra_cli import one_error_line, run
+    from infra_cli import one_error_line, run
 
     code, out, _ = run(capsys, "plan", "--megatron-args", LAUNCH, "--hardware", "h100-sxm-80gb", "--json")
     warnings = json.loads(out)["warnings"]

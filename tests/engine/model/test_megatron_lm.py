@@ -10,7 +10,7 @@ import pytest
 from charllm.engine.model import catalog
 from charllm.engine.model.megatron import export_environment, export_megatron_args, versioned_default
 from charllm.engine.model.experiment import Experiment
-from tests.infra_megatron_lm import RELEASES, needs_mirror, validate
+from infra_megatron_lm import RELEASES, needs_mirror, validate
 
 pytestmark = needs_mirror
 
@@ -120,7 +120,7 @@ def test_megatron_lms_own_gpt_test_configs_import():
 
     from charllm.engine.model.megatron import import_megatron_args
     from charllm.probes.core.errors import UserError
-    from tests.infra_megatron_lm import MIRROR
+    from infra_megatron_lm import MIRROR
 
     def git(*args):
         return subprocess.run(["git", "-C", str(MIRROR), *args], capture_output=True, text=True, check=True).stdout

@@ -10,8 +10,8 @@ from charllm.probes.backends import open_backend, open_backends
 from charllm.probes.backends.base import BackendUnavailable
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.schema import THROTTLE_BITS
-from tests.fakes_amdsmi import FakeAmdSmi, FakeGcd, load_real_amdsmi, unload_amdsmi
-from tests.fakes_nvml import FakeGpu, FakeNvml
+from fakes_amdsmi import FakeAmdSmi, FakeGcd, load_real_amdsmi, real_amdsmi_present, unload_amdsmi
+from fakes_nvml import FakeGpu, FakeNvml, real_nvml_present
 
 UINT_MAX = 0xFFFFFFFF
 
@@ -116,32 +116,13 @@ def test_auto_prefers_nvml_and_samples_host_beside_it(monkeypatch):
 
 
 def test_auto_on_this_machine_uses_host_and_says_why():
-    if _nvml_present() or _amdsmi_present():
+    if real_nvml_present() or real_amdsmi_present():
         pytest.skip("this machine has a GPU library; the no-GPU path cannot be checked here")
     backends, reason = open_backends("auto")
     assert [b.name for b in backends] == ["host"]
     assert reason.startswith("nvml: nvmlInit failed")
     assert "NVMLError_LibraryNotFound" in reason
     assert "amdsmi: libamd_smi.so not found" in reason and reason.endswith("using host only")
-
-
-def _nvml_present() -> bool:
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
-
-
-def _amdsmi_present() -> bool:
-    from charllm.probes.backends.amdsmi import import_amdsmi
-
-    try:
-        import_amdsmi()
-    except BackendUnavailable:
-        return False
-    return True
 
 
 # -- AMD SMI ------------------------------------------------------------------------------------
@@ -155,7 +136,7 @@ def real_amdsmi(monkeypatch):
 def test_amdsmi_import_without_library_prints_nothing(capfd):
     from charllm.probes.backends.amdsmi import import_amdsmi
 
-    if _amdsmi_present():
+    if real_amdsmi_present():
         pytest.skip("libamd_smi.so is installed here")
     capfd.readouterr()
     with pytest.raises(BackendUnavailable, match="libamd_smi.so not found"):
@@ -219,7 +200,7 @@ def test_amdsmi_init_failure_is_unavailable_and_auto_moves_on(monkeypatch, real_
     with pytest.raises(UserError, match="amdsmi_init failed"):
         open_backend("amdsmi")
     FakeAmdSmi(real_amdsmi).install(monkeypatch)
-    if _nvml_present():
+    if real_nvml_present():
         pytest.skip("NVML is present here, auto would pick it")
     backends, reason = open_backends("auto")
     assert [b.name for b in backends] == ["amdsmi", "host"]

@@ -71,3 +71,52 @@ def test_a_damaged_file_costs_only_its_run(damage, charllm_dirs, capsys):
                 assert len(err.strip().splitlines()) == 1 and "manifest" in err and "bad-run" in err, err
     code, out, err = run(capsys, "summarize", "good-run")
     assert code == 0, err
+
+
+DAMAGED_MANIFESTS = {"null": b"null", "a JSON list": b"[1, 2]", "binary": b"\xff\xfe\x00\x81garbage",
+                     "truncated JSON": b'{"id": "bad-run", "status": "runn'}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_MANIFESTS)
+def test_a_run_with_a_damaged_manifest_can_be_deleted(damage, charllm_dirs, capsys):
+    runs = charllm_dirs["runs"]
+    two_runs(runs)
+    (runs / "bad-run" / "manifest.json").write_bytes(DAMAGED_MANIFESTS[damage])
+    for ref in ("", " ", "run"):  # empty, or matching both runs
+        code, out, err = run(capsys, "runs", "delete", ref)
+        line = one_error_line(err)
+        assert code != 0 and ("give a run id" in line or "ambiguous, matches 2 runs" in line), (ref, line)
+        assert (runs / "bad-run").is_dir() and (runs / "good-run").is_dir()
+    code, out, err = run(capsys, "runs", "delete", "bad")
+    assert code == 0 and "run bad-run: deleted" in out, err
+    assert not (runs / "bad-run").exists() and (runs / "good-run" / "manifest.json").is_file()
+
+
+def test_a_damaged_run_still_in_use_is_not_deleted(charllm_dirs, capsys):
+    """A probe recording into the run (its --out names the directory) keeps it until it is gone."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from infra_runs import kill_and_wait, start, wait_for
+
+    runs = charllm_dirs["runs"]
+    two_runs(runs)
+    manifest = runs / "bad-run" / "manifest.json"
+    manifest.unlink()
+    proc = start([sys.executable, "-m", "charllm.probes", "--backend", "host", "--hz", "5",
+                  "--out", str(runs / "bad-run"), "--node", "n1"])
+    try:
+        wait_for(lambda: manifest.is_file() and b'"sampler"' in manifest.read_bytes(), 60, "the probe to record")
+        manifest.write_bytes(b"null")
+        code, out, err = run(capsys, "runs", "delete", "bad-run")
+        assert code != 0 and f"still in use by process {proc.pid}" in one_error_line(err), err
+        assert manifest.is_file()
+    finally:
+        kill_and_wait(psutil.Process(proc.pid))
+        proc.communicate()
+    # through a wrapper whose own command line names the run (not a user of it)
+    done = subprocess.run(["timeout", "60", sys.executable, "-m", "charllm.tui", "runs", "delete",
+                           str(runs / "bad-run")], capture_output=True, text=True)
+    assert done.returncode == 0 and not (runs / "bad-run").exists(), done.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -188,3 +190,36 @@ def test_simultaneous_imports_of_one_name_leave_one_whole_run(tmp_path, charllm_
             assert summarize(run).height > 0
             run.delete()
         assert not [p.name for p in charllm_dirs["runs"].iterdir()], "no temporary directory left"
+
+
+def test_a_killed_import_leaves_no_staging_directory_behind(tmp_path, charllm_dirs, capsys):
+    """SIGKILL in the middle of an import leaves its hidden staging directory; the next command
+    that lists runs, or creates one, removes it, and keeps one whose writer still lives."""
+    import sys
+
+    import psutil
+
+    from infra_runs import kill_and_wait, start, wait_for
+
+    runs = charllm_dirs["runs"]
+    src = make_results(tmp_path / "res", ranks=24, gpus_per_node=8)
+
+    def killed_import() -> None:
+        proc = start([sys.executable, "-m", "charllm.tui", "import", "charllm-ppt", str(src), "--name", "big",
+                      "--gpus-per-node", "8"])
+        staged = wait_for(lambda: [p for p in runs.glob(f".*.{proc.pid}-*.importing") if any(p.rglob("*.parquet"))],
+                          120, "the import to write its first file")
+        kill_and_wait(psutil.Process(proc.pid))
+        proc.communicate()
+        assert staged[0].is_dir(), "left behind by the kill"
+
+    live = runs / f".20260101-000000-other.{os.getpid()}-1.importing"  # this test's process lives
+    live.mkdir(parents=True)
+    killed_import()
+    assert main(["runs", "list"]) == 0
+    capsys.readouterr()
+    assert [p.name for p in runs.iterdir()] == [live.name]
+    killed_import()
+    assert main(["import", "charllm-ppt", str(make_results(tmp_path / "small")), "--name", "small"]) == 0
+    run_id = capsys.readouterr().out.strip()
+    assert sorted(p.name for p in runs.iterdir()) == sorted([live.name, run_id])
