@@ -171,7 +171,7 @@ class Session:
             self.check("charllm-tui export megatron ppt-h200-mixtral-8x7b-1-01000 --script --out train.sh")
         text = re.sub(r"\bRUN_DIR\b", "recorded", text)   # probe --out: a new run directory
         if "path/to/charllm-ppt/results" in text:
-            from test_import_charllm_ppt import make_results
+            from infra_charllm_ppt import make_results
 
             root = self.cwd / "path/to/charllm-ppt/results"
             for where in ("power-sweep/gpt3-175b/run0", "power-sweep/gpt3-175b/run1", "base/llama3-70b/run0"):
