@@ -11,7 +11,11 @@ Field names are Megatron-LM's own argument names (`--tensor-model-parallel-size`
     [training]   micro_batch_size = 1, global_batch_size = 128, ...
     [telemetry]  backend = "auto", hz = 20
 
-Validation of the layout lives in `engine.model.validate`; this module only parses, stores and derives.
+Each field's facts live once, in its dataclass metadata (`setting`): the Megatron flag that sets it,
+its choices, its Compose-form label and its TransformerConfig name; `engine.model.megatron`'s flag
+tables, `engine.model.validate.CHOICES`, the Compose form and the workload's TransformerConfig are
+derived from them. Validation of the layout lives in `engine.model.validate`; this module only parses,
+stores and derives.
 """
 
 from __future__ import annotations
@@ -125,7 +129,7 @@ class ModelSpec:
     hidden_size: int = setting(64, config=True)
     ffn_hidden_size: int | None = setting(None)          # None: 4 * hidden_size
     num_attention_heads: int = setting(4, config=True)
-    num_query_groups: int | None = None         # None: multi-head attention (= heads)
+    num_query_groups: int | None = None         # None: multi-head attention (= heads); see megatron.SPECIAL_FLAGS
     kv_channels: int | None = setting(None)              # None: hidden_size / num_attention_heads
     seq_length: int = setting(2048)                      # the model's default training sequence length
     max_position_embeddings: int | None = setting(None)  # None: seq_length
@@ -134,7 +138,8 @@ class ModelSpec:
     swiglu: bool = setting(False)
     squared_relu: bool = setting(False)
     untie_embeddings_and_output_weights: bool = setting(False)
-    position_embedding_type: str = setting("learned_absolute", aliases={"--use-rotary-position-embeddings": "rope"}, choices=("learned_absolute", "rope", "mrope", "relative", "none"))
+    position_embedding_type: str = setting("learned_absolute", aliases={"--use-rotary-position-embeddings": "rope"},
+                                           choices=("learned_absolute", "rope", "mrope", "relative", "none"))
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), config=True)
     add_bias_linear: bool = setting(True, flag="--disable-bias-linear", switch=False, config=True)
     add_qkv_bias: bool = setting(False)
@@ -146,7 +151,7 @@ class ModelSpec:
     moe_router_topk: int = setting(2, config=True)
     moe_ffn_hidden_size: int | None = setting(None)              # None: ffn_hidden_size
     moe_shared_expert_intermediate_size: int | None = setting(None, config=True)
-    moe_layer_freq: int | list[int] = setting(1, config=True)                 # every Nth layer is MoE, or a 0/1 pattern per layer
+    moe_layer_freq: int | list[int] = setting(1, config=True)   # every Nth layer is MoE, or a 0/1 pattern per layer
     # Multi-latent attention (DeepSeek)
     multi_latent_attention: bool = setting(False)
     q_lora_rank: int | None = setting(None)
@@ -227,7 +232,7 @@ class Hardware:
 @dataclass
 class Cluster:
     nodes: int = setting(1, flag=None, label="nodes")
-    gpus_per_node: int = setting(1, flag=None, label="devices/node")              # devices per node (processes per node for CPU runs)
+    gpus_per_node: int = setting(1, flag=None, label="devices/node")   # processes per node for CPU runs
 
 
 @dataclass
@@ -237,13 +242,14 @@ class Parallel:
     virtual_pipeline_model_parallel_size: int | None = setting(None, flag=None, label="VP  virtual", config=True)
     context_parallel_size: int = setting(1, label="CP  context", config=True)
     expert_model_parallel_size: int = setting(1, label="EP  expert", config=True)
-    expert_tensor_parallel_size: int | None = setting(None, label="ETP expert TP")      # None: = tensor_model_parallel_size
+    expert_tensor_parallel_size: int | None = setting(None, label="ETP expert TP")   # None: = tensor_model_parallel_size
     sequence_parallel: bool = setting(False, label="seq. parallel", config=True)
     use_distributed_optimizer: bool = setting(False, label="dist. optimizer")
     num_distributed_optimizer_instances: int = setting(1)
     use_megatron_fsdp: bool = setting(False)
     use_torch_fsdp2: bool = setting(False)
-    data_parallel_sharding_strategy: str = setting("no_shard", choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    data_parallel_sharding_strategy: str = setting("no_shard",
+                                                   choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
     decoder_first_pipeline_num_layers: int | None = setting(None, config="num_layers_in_first_pipeline_stage")
     decoder_last_pipeline_num_layers: int | None = setting(None, config="num_layers_in_last_pipeline_stage")
     account_for_embedding_in_pipeline_split: bool = setting(False, config=True)
@@ -264,20 +270,27 @@ class Training:
     initial_loss_scale: float = setting(4294967296.0)   # fp16 dynamic loss scaling starts here (Megatron: 2**32)
     fp8: str | None = setting(None, flag="--fp8-format", choices=(None, "e4m3", "hybrid"), config=True)
     fp8_recipe: str = setting("delayed", choices=("delayed", "tensorwise", "blockwise", "mxfp8", "custom"))
-    recompute_granularity: str | None = setting(None, aliases={"--recompute-activations": "selective"}, choices=(None, "full", "selective"), label="recompute", config=True)
-    recompute_method: str | None = setting(None, choices=(None, "uniform", "block"), label="recompute how", config=True)   # full only
+    recompute_granularity: str | None = setting(None, aliases={"--recompute-activations": "selective"},
+                                                choices=(None, "full", "selective"), label="recompute", config=True)
+    recompute_method: str | None = setting(None, choices=(None, "uniform", "block"), label="recompute how",
+                                           config=True)   # full only
     recompute_num_layers: int | None = setting(None, label="recompute layers", config=True)
     recompute_modules: list[str] | None = setting(None, config=True)  # selective: default ["core_attn"]
     overlap_grad_reduce: bool = setting(False, label="overlap grads")
     overlap_param_gather: bool = setting(False, label="overlap params")
     tp_comm_overlap: bool = setting(False, label="TP comm overlap", config=True)
-    attention_backend: str = setting("auto", choices=("auto", "flash", "fused", "unfused", "local"))   # see engine.model.runtime
-    transformer_impl: str = setting("auto", choices=("auto", "transformer_engine", "local"))   # auto: TE where it imports, else local
+    # what each becomes on a node: engine.model.runtime
+    attention_backend: str = setting("auto", choices=("auto", "flash", "fused", "unfused", "local"))
+    # auto: Transformer Engine where it imports, else local
+    transformer_impl: str = setting("auto", choices=("auto", "transformer_engine", "local"))
     grad_reduce_in_bf16: bool = setting(False)   # default: fp32 main grads and fp32 reduction
     # Memory-relevant Megatron flags (defaults are Megatron's):
     fp8_param_gather: bool = setting(False, config="fp8_param")      # keep compute weights in FP8 (no bf16 copy)
-    attention_softmax_in_fp32: bool = setting(False, aliases={"--apply-query-key-layer-scaling": True}, config=True)    # unfused attention upcasts the s x s scores to fp32
-    cuda_graph_impl: str = setting("none", aliases={"--enable-cuda-graph": "local", "--external-cuda-graph": "transformer_engine"}, choices=("none", "local", "transformer_engine"))   # graphs keep static buffers
+    # unfused attention upcasts the s x s scores to fp32 (--apply-query-key-layer-scaling implies it in Megatron)
+    attention_softmax_in_fp32: bool = setting(False, aliases={"--apply-query-key-layer-scaling": True}, config=True)
+    # graphs keep static buffers; --enable-cuda-graph and --external-cuda-graph are Megatron's deprecated aliases
+    cuda_graph_impl: str = setting("none", choices=("none", "local", "transformer_engine"),
+                                   aliases={"--enable-cuda-graph": "local", "--external-cuda-graph": "transformer_engine"})
     use_precision_aware_optimizer: bool = setting(False)    # enables the four optimizer dtypes below
     main_grads_dtype: str = setting("fp32", choices=("fp32", "bf16"))
     main_params_dtype: str = setting("fp32", choices=("fp32", "fp16"))
@@ -301,11 +314,15 @@ class Training:
     moe_pad_expert_input_to_capacity: bool = setting(False, config=True)
     moe_aux_loss_coeff: float = setting(0.0, config=True)
     moe_grouped_gemm: bool = setting(False, config=True)
-    moe_router_dtype: str | None = setting(None, choices=(None, "fp32", "fp64"), config=True)   # routing and the weighted expert sum
-    moe_flex_dispatcher_backend: str = setting("deepep", aliases={"--moe-enable-deepep": "deepep"}, choices=("deepep", "hybridep"), config=True)   # with moe_token_dispatcher_type "flex"
+    # routing and the weighted expert sum
+    moe_router_dtype: str | None = setting(None, choices=(None, "fp32", "fp64"), config=True)
+    # with moe_token_dispatcher_type "flex"; --moe-enable-deepep is Megatron's deprecated alias (0.16.1+)
+    moe_flex_dispatcher_backend: str = setting("deepep", aliases={"--moe-enable-deepep": "deepep"},
+                                               choices=("deepep", "hybridep"), config=True)
     lr: float = setting(1.0e-4)
     seed: int = setting(1234)
-    data_path: str | None = setting(None, join=True, aliases={"--mock-data": None})        # Megatron indexed dataset prefix; None: synthetic tokens
+    # Megatron indexed dataset prefix (--data-path 0.3 /a 0.7 /b: one string); None: synthetic tokens
+    data_path: str | None = setting(None, join=True, aliases={"--mock-data": None})
 
 
 @dataclass
@@ -377,6 +394,16 @@ class Experiment:
     @property
     def virtual_stages(self) -> int:
         return self.parallel.virtual_pipeline_model_parallel_size or 1
+
+    def transformer_config_fields(self) -> dict[str, Any]:
+        """The fields marked `config` (see `setting`), under megatron-core TransformerConfig's names."""
+        out = {}
+        for section in ("model", "parallel", "training"):
+            obj = getattr(self, section)
+            for f in fields(obj):
+                if name := f.metadata.get("config"):
+                    out[f.name if name is True else name] = getattr(obj, f.name)
+        return out
 
     # -- editing ----------------------------------------------------------------------------------
     def copy(self) -> "Experiment":
@@ -520,13 +547,14 @@ def build(kind: type, values: dict[str, Any], where: str, base=None):
 
 
 @functools.cache  # get_type_hints re-evaluates every annotation: 90% of a preset load without the cache
-def _hints(kind: type) -> dict[str, Any]:
+def field_types(kind: type) -> dict[str, Any]:
+    """Each field's annotation, evaluated."""
     return get_type_hints(kind)
 
 
 def coerce(kind: type, name: str, value: Any, *, where: str) -> Any:
     """Check `value` against the field's annotation; ints are accepted for floats."""
-    hint = _hints(kind)[name]
+    hint = field_types(kind)[name]
     options = get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in options):
         if type(None) in options:

@@ -25,11 +25,11 @@ import types
 import typing
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Callable, get_args, get_origin, get_type_hints
+from typing import Any, Callable, get_args, get_origin
 
 from charllm.engine.model import calibration, runtime
 from charllm.engine.model.experiment import (AUTO, Experiment, Hardware, ModelSpec, Parallel, Training,
-                                           parse_pipeline_layout)
+                                           field_types, parse_pipeline_layout)
 from charllm.probes.core.errors import UserError, plural
 
 # Megatron-LM defaults that changed between the releases charllm supports (core_v0.16.1 to
@@ -175,7 +175,7 @@ def _flags(kind: type) -> dict[str, tuple[str, Switch | Value | Many]]:
     """Flag -> (field, how it parses) for the fields of `kind` that name a Megatron flag
     (engine.model.experiment.setting): a field's own flag first, then its aliases, in field order."""
     out: dict[str, tuple[str, Switch | Value | Many]] = {}
-    hints = get_type_hints(kind)
+    hints = field_types(kind)
     for f in dataclasses.fields(kind):
         flag = f.metadata.get("flag")
         if flag is None:
