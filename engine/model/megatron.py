@@ -191,16 +191,16 @@ _PARSERS = {"moe_layer_freq": parse_layer_pattern}
 
 
 def _parser(name: str, hint, facts) -> Switch | Value | Many:
+    """How the flag of a field parses, from its type: a bool is a switch, a list (or a string the
+    flag's values join into) takes many values, anything else one value."""
     options = [o for o in (get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,))
                if o is not type(None)]
     if name in _PARSERS:
         return Value(_PARSERS[name])
     if options == [bool]:
         return Switch(facts["switch"])
-    if get_origin(options[0]) is list:
+    if facts["join"] or get_origin(options[0]) is list:
         return Many(str, join=facts["join"])
-    if facts["join"]:
-        return Many(str, join=True)
     return Value({int: _int, float: _float, str: str}[options[0]])
 
 

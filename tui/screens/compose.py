@@ -20,8 +20,7 @@ from textual.message import Message
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 from textual.worker import get_current_worker
 
-from charllm.engine.model import catalog, megatron, memory, validate
-from charllm.engine.model import experiment
+from charllm.engine.model import catalog, experiment, megatron, memory, validate
 from charllm.engine.model.experiment import SECTIONS, Experiment, Hardware, ModelSpec, field_types, resolve_key
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, plural
