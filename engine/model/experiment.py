@@ -11,7 +11,11 @@ Field names are Megatron-LM's own argument names (`--tensor-model-parallel-size`
     [training]   micro_batch_size = 1, global_batch_size = 128, ...
     [telemetry]  backend = "auto", hz = 20
 
-Validation of the layout lives in `engine.model.validate`; this module only parses, stores and derives.
+Each field's facts live once, in its dataclass metadata (`setting`): the Megatron flag that sets it,
+its choices, its Compose-form label and its TransformerConfig name; `engine.model.megatron`'s flag
+tables, `engine.model.validate.CHOICES`, the Compose form and the workload's TransformerConfig are
+derived from them. Validation of the layout lives in `engine.model.validate`; this module only parses,
+stores and derives.
 """
 
 from __future__ import annotations
@@ -70,6 +74,49 @@ def parse_pipeline_layout(layout: str) -> list[list[str]]:
 
 
 # --------------------------------------------------------------------------------------------
+# Field facts: each field's Megatron flag, choices, form label and TransformerConfig name, said once
+# --------------------------------------------------------------------------------------------
+AUTO = "auto"   # the flag is the field's name in Megatron's spelling: num_layers -> --num-layers
+
+
+def setting(default: Any = None, *, flag: str | None = AUTO, switch: Any = True, aliases: dict[str, Any] | None = None,
+            join: bool = False, choices: tuple | None = None, label: str | None = None,
+            config: bool | str = False) -> Any:
+    """A dataclass field with what the rest of charllm derives from it:
+
+    flag      the `pretrain_gpt.py` flag that sets it (None: no single flag does); how it parses follows
+              the field's type: a bool is a switch setting `switch`, a list takes many values (`join`:
+              one string of them), anything else one value
+    aliases   more switches and the value each sets (`--use-rotary-position-embeddings`: "rope")
+    choices   the values it accepts (engine.model.validate checks them)
+    label     its label in the Compose form
+    config    passed to megatron-core's TransformerConfig under its own name (True) or the one given"""
+    facts = {"flag": flag, "switch": switch, "aliases": dict(aliases or {}), "join": join, "choices": choices,
+             "label": label, "config": config}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=facts)
+    return field(default=default, metadata=facts)
+
+
+def facts(kind: type, name: str) -> dict[str, Any]:
+    """The facts `setting` holds for field `name` of `kind` ({} for a plain field)."""
+    return dict(_fields(kind)[name].metadata)
+
+
+def choices(kind: type, name: str) -> tuple | None:
+    return facts(kind, name).get("choices")
+
+
+def label(kind: type, name: str) -> str | None:
+    return facts(kind, name).get("label")
+
+
+@functools.cache
+def _fields(kind: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in fields(kind)}
+
+
+# --------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------
 @dataclass
@@ -78,41 +125,42 @@ class ModelSpec:
 
     name: str = "custom"
     description: str = ""
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: int | None = None          # None: 4 * hidden_size
-    num_attention_heads: int = 4
-    num_query_groups: int | None = None         # None: multi-head attention (= heads)
-    kv_channels: int | None = None              # None: hidden_size / num_attention_heads
-    seq_length: int = 2048                      # the model's default training sequence length
-    max_position_embeddings: int | None = None  # None: seq_length
-    vocab_size: int = 50257
-    make_vocab_size_divisible_by: int = 128
-    swiglu: bool = False
-    squared_relu: bool = False
-    untie_embeddings_and_output_weights: bool = False
-    position_embedding_type: str = "learned_absolute"   # learned_absolute | rope | none
-    normalization: str = "LayerNorm"                     # LayerNorm | RMSNorm
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False
-    qk_layernorm: bool = False
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
+    num_layers: int = setting(2, config=True)
+    hidden_size: int = setting(64, config=True)
+    ffn_hidden_size: int | None = setting(None)          # None: 4 * hidden_size
+    num_attention_heads: int = setting(4, config=True)
+    num_query_groups: int | None = None         # None: multi-head attention (= heads); see megatron.SPECIAL_FLAGS
+    kv_channels: int | None = setting(None)              # None: hidden_size / num_attention_heads
+    seq_length: int = setting(2048)                      # the model's default training sequence length
+    max_position_embeddings: int | None = setting(None)  # None: seq_length
+    vocab_size: int = setting(50257)
+    make_vocab_size_divisible_by: int = setting(128)
+    swiglu: bool = setting(False)
+    squared_relu: bool = setting(False)
+    untie_embeddings_and_output_weights: bool = setting(False)
+    position_embedding_type: str = setting("learned_absolute", aliases={"--use-rotary-position-embeddings": "rope"},
+                                           choices=("learned_absolute", "rope", "mrope", "relative", "none"))
+    normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), config=True)
+    add_bias_linear: bool = setting(True, flag="--disable-bias-linear", switch=False, config=True)
+    add_qkv_bias: bool = setting(False)
+    qk_layernorm: bool = setting(False, config=True)
+    hidden_dropout: float = setting(0.1, config=True)
+    attention_dropout: float = setting(0.1, config=True)
     # Mixture of experts
-    num_moe_experts: int | None = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: int | None = None              # None: ffn_hidden_size
-    moe_shared_expert_intermediate_size: int | None = None
-    moe_layer_freq: int | list[int] = 1                 # every Nth layer is MoE, or a 0/1 pattern per layer
+    num_moe_experts: int | None = setting(None, flag="--num-experts", config=True)
+    moe_router_topk: int = setting(2, config=True)
+    moe_ffn_hidden_size: int | None = setting(None)              # None: ffn_hidden_size
+    moe_shared_expert_intermediate_size: int | None = setting(None, config=True)
+    moe_layer_freq: int | list[int] = setting(1, config=True)   # every Nth layer is MoE, or a 0/1 pattern per layer
     # Multi-latent attention (DeepSeek)
-    multi_latent_attention: bool = False
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 512
-    qk_head_dim: int = 128
-    qk_pos_emb_head_dim: int = 64
-    v_head_dim: int = 128
+    multi_latent_attention: bool = setting(False)
+    q_lora_rank: int | None = setting(None)
+    kv_lora_rank: int = setting(512)
+    qk_head_dim: int = setting(128)
+    qk_pos_emb_head_dim: int = setting(64)
+    v_head_dim: int = setting(128)
     # Multi-token prediction
-    mtp_num_layers: int | None = None
+    mtp_num_layers: int | None = setting(None)
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -160,7 +208,7 @@ class Hardware:
 
     name: str = "cpu"
     description: str = ""
-    vendor: str = "cpu"                 # nvidia | amd | cpu
+    vendor: str = setting("cpu", flag=None, choices=("nvidia", "amd", "cpu"))
     memory_bytes: int = 0               # physical memory per device
     usable_bytes: int = 0               # what the framework can allocate (total minus driver reserve)
     outside_allocator_bytes: int = 0    # CUDA/HIP context, NCCL buffers, library workspaces
@@ -183,86 +231,98 @@ class Hardware:
 
 @dataclass
 class Cluster:
-    nodes: int = 1
-    gpus_per_node: int = 1              # devices per node (processes per node for CPU runs)
+    nodes: int = setting(1, flag=None, label="nodes")
+    gpus_per_node: int = setting(1, flag=None, label="devices/node")   # processes per node for CPU runs
 
 
 @dataclass
 class Parallel:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None      # None: = tensor_model_parallel_size
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    num_distributed_optimizer_instances: int = 1
-    use_megatron_fsdp: bool = False
-    use_torch_fsdp2: bool = False
-    data_parallel_sharding_strategy: str = "no_shard"   # no_shard | optim | optim_grads | optim_grads_params
-    decoder_first_pipeline_num_layers: int | None = None
-    decoder_last_pipeline_num_layers: int | None = None
-    account_for_embedding_in_pipeline_split: bool = False
-    account_for_loss_in_pipeline_split: bool = False
-    pipeline_model_parallel_layout: str | None = None
+    tensor_model_parallel_size: int = setting(1, label="TP  tensor", config=True)
+    pipeline_model_parallel_size: int = setting(1, label="PP  pipeline", config=True)
+    virtual_pipeline_model_parallel_size: int | None = setting(None, flag=None, label="VP  virtual", config=True)
+    context_parallel_size: int = setting(1, label="CP  context", config=True)
+    expert_model_parallel_size: int = setting(1, label="EP  expert", config=True)
+    expert_tensor_parallel_size: int | None = setting(None, label="ETP expert TP")   # None: = tensor_model_parallel_size
+    sequence_parallel: bool = setting(False, label="seq. parallel", config=True)
+    use_distributed_optimizer: bool = setting(False, label="dist. optimizer")
+    num_distributed_optimizer_instances: int = setting(1)
+    use_megatron_fsdp: bool = setting(False)
+    use_torch_fsdp2: bool = setting(False)
+    data_parallel_sharding_strategy: str = setting("no_shard",
+                                                   choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    decoder_first_pipeline_num_layers: int | None = setting(None, config="num_layers_in_first_pipeline_stage")
+    decoder_last_pipeline_num_layers: int | None = setting(None, config="num_layers_in_last_pipeline_stage")
+    account_for_embedding_in_pipeline_split: bool = setting(False, config=True)
+    account_for_loss_in_pipeline_split: bool = setting(False, config=True)
+    pipeline_model_parallel_layout: str | None = setting(None, config=True)
 
 
 @dataclass
 class Training:
-    micro_batch_size: int = 1
-    global_batch_size: int = 1
-    seq_length: int | None = None       # None: the model's seq_length
-    train_iters: int = 20
+    micro_batch_size: int = setting(1, label="micro batch")
+    global_batch_size: int = setting(1, label="global batch")
+    seq_length: int | None = setting(None, flag=None, label="seq length")       # None: the model's seq_length
+    train_iters: int = setting(20)
     warmup_iters: int = 2               # iterations marked warm-up in the iteration log (not LR warm-up)
-    bf16: bool = True
-    fp16: bool = False
-    loss_scale: float | None = None     # fp16: a static loss scale; None: dynamic, from initial_loss_scale
-    initial_loss_scale: float = 4294967296.0   # fp16 dynamic loss scaling starts here (Megatron: 2**32)
-    fp8: str | None = None              # None | e4m3 | hybrid
-    fp8_recipe: str = "delayed"         # delayed | tensorwise | blockwise | mxfp8
-    recompute_granularity: str | None = None   # None | full | selective
-    recompute_method: str | None = None        # None | uniform | block (full only)
-    recompute_num_layers: int | None = None
-    recompute_modules: list[str] | None = None  # selective: default ["core_attn"]
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    tp_comm_overlap: bool = False
-    attention_backend: str = "auto"     # auto | flash | fused | unfused | local (see engine.model.runtime)
-    transformer_impl: str = "auto"      # auto (TE where it imports, else local) | transformer_engine | local
-    grad_reduce_in_bf16: bool = False   # default: fp32 main grads and fp32 reduction
+    bf16: bool = setting(True, config=True)
+    fp16: bool = setting(False, config=True)
+    loss_scale: float | None = setting(None)     # fp16: a static loss scale; None: dynamic, from initial_loss_scale
+    initial_loss_scale: float = setting(4294967296.0)   # fp16 dynamic loss scaling starts here (Megatron: 2**32)
+    fp8: str | None = setting(None, flag="--fp8-format", choices=(None, "e4m3", "hybrid"), config=True)
+    fp8_recipe: str = setting("delayed", choices=("delayed", "tensorwise", "blockwise", "mxfp8", "custom"))
+    recompute_granularity: str | None = setting(None, aliases={"--recompute-activations": "selective"},
+                                                choices=(None, "full", "selective"), label="recompute", config=True)
+    recompute_method: str | None = setting(None, choices=(None, "uniform", "block"), label="recompute how",
+                                           config=True)   # full only
+    recompute_num_layers: int | None = setting(None, label="recompute layers", config=True)
+    recompute_modules: list[str] | None = setting(None, config=True)  # selective: default ["core_attn"]
+    overlap_grad_reduce: bool = setting(False, label="overlap grads")
+    overlap_param_gather: bool = setting(False, label="overlap params")
+    tp_comm_overlap: bool = setting(False, label="TP comm overlap", config=True)
+    # what each becomes on a node: engine.model.runtime
+    attention_backend: str = setting("auto", choices=("auto", "flash", "fused", "unfused", "local"))
+    # auto: Transformer Engine where it imports, else local
+    transformer_impl: str = setting("auto", choices=("auto", "transformer_engine", "local"))
+    grad_reduce_in_bf16: bool = setting(False)   # default: fp32 main grads and fp32 reduction
     # Memory-relevant Megatron flags (defaults are Megatron's):
-    fp8_param_gather: bool = False      # keep compute weights in FP8 (no bf16 copy)
-    attention_softmax_in_fp32: bool = False    # unfused attention upcasts the s x s scores to fp32
-    cuda_graph_impl: str = "none"       # none | local | transformer_engine (graphs keep static buffers)
-    use_precision_aware_optimizer: bool = False    # enables the four optimizer dtypes below
-    main_grads_dtype: str = "fp32"      # fp32 | bf16
-    main_params_dtype: str = "fp32"     # fp32 | fp16
-    exp_avg_dtype: str = "fp32"         # fp32 | fp16 | bf16 | fp8 (Adam first moment)
-    exp_avg_sq_dtype: str = "fp32"      # fp32 | fp16 | bf16 | fp8 (Adam second moment)
-    optimizer_cpu_offload: bool = False    # optimizer state on the host
-    optimizer: str = "adam"             # adam | sgd
-    cross_entropy_loss_fusion: bool = False
+    fp8_param_gather: bool = setting(False, config="fp8_param")      # keep compute weights in FP8 (no bf16 copy)
+    # unfused attention upcasts the s x s scores to fp32 (--apply-query-key-layer-scaling implies it in Megatron)
+    attention_softmax_in_fp32: bool = setting(False, aliases={"--apply-query-key-layer-scaling": True}, config=True)
+    # graphs keep static buffers; --enable-cuda-graph and --external-cuda-graph are Megatron's deprecated aliases
+    cuda_graph_impl: str = setting("none", choices=("none", "local", "transformer_engine"),
+                                   aliases={"--enable-cuda-graph": "local", "--external-cuda-graph": "transformer_engine"})
+    use_precision_aware_optimizer: bool = setting(False)    # enables the four optimizer dtypes below
+    main_grads_dtype: str = setting("fp32", choices=("fp32", "bf16"))
+    main_params_dtype: str = setting("fp32", choices=("fp32", "fp16"))
+    exp_avg_dtype: str = setting("fp32", choices=("fp32", "fp16", "bf16", "fp8"))   # Adam first moment
+    exp_avg_sq_dtype: str = setting("fp32", choices=("fp32", "fp16", "bf16", "fp8"))   # Adam second moment
+    optimizer_cpu_offload: bool = setting(False)    # optimizer state on the host
+    optimizer: str = setting("adam", choices=("adam", "sgd", "muon"))
+    cross_entropy_loss_fusion: bool = setting(False)
     # PYTORCH_CUDA_ALLOC_CONF expandable_segments for the workload (PyTorch's own default is off): the
     # caching allocator then reserves little beyond its allocated peak (see engine.model.memory.Budget)
     expandable_segments: bool = True
     # Activation offloading to the host (megatron-core). Layer-level: > 0 sends the activations of this
     # many layers to the host (Megatron then sets cpu_offloading; activations only, as its CLI offers)
-    cpu_offloading_num_layers: int = 0
+    cpu_offloading_num_layers: int = setting(0, config=True)
     # Module-level: the inputs of offload_modules (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm,
     # expert_fc1, moe_act), in every layer
-    fine_grained_activation_offloading: bool = False
-    offload_modules: list[str] | None = None
-    moe_token_dispatcher_type: str = "allgather"   # allgather | alltoall | flex
-    moe_expert_capacity_factor: float | None = None
-    moe_pad_expert_input_to_capacity: bool = False
-    moe_aux_loss_coeff: float = 0.0
-    moe_grouped_gemm: bool = False
-    moe_router_dtype: str | None = None          # None | fp32 | fp64: routing and the weighted expert sum
-    moe_flex_dispatcher_backend: str = "deepep"  # deepep | hybridep (with moe_token_dispatcher_type "flex")
-    lr: float = 1.0e-4
-    seed: int = 1234
-    data_path: str | None = None        # Megatron indexed dataset prefix; None: synthetic tokens
+    fine_grained_activation_offloading: bool = setting(False, config=True)
+    offload_modules: list[str] | None = setting(None)
+    moe_token_dispatcher_type: str = setting("allgather", choices=("allgather", "alltoall", "flex"), config=True)
+    moe_expert_capacity_factor: float | None = setting(None, config=True)
+    moe_pad_expert_input_to_capacity: bool = setting(False, config=True)
+    moe_aux_loss_coeff: float = setting(0.0, config=True)
+    moe_grouped_gemm: bool = setting(False, config=True)
+    # routing and the weighted expert sum
+    moe_router_dtype: str | None = setting(None, choices=(None, "fp32", "fp64"), config=True)
+    # with moe_token_dispatcher_type "flex"; --moe-enable-deepep is Megatron's deprecated alias (0.16.1+)
+    moe_flex_dispatcher_backend: str = setting("deepep", aliases={"--moe-enable-deepep": "deepep"},
+                                               choices=("deepep", "hybridep"), config=True)
+    lr: float = setting(1.0e-4)
+    seed: int = setting(1234)
+    # Megatron indexed dataset prefix (--data-path 0.3 /a 0.7 /b: one string); None: synthetic tokens
+    data_path: str | None = setting(None, join=True, aliases={"--mock-data": None})
 
 
 @dataclass
@@ -334,6 +394,16 @@ class Experiment:
     @property
     def virtual_stages(self) -> int:
         return self.parallel.virtual_pipeline_model_parallel_size or 1
+
+    def transformer_config_fields(self) -> dict[str, Any]:
+        """The fields marked `config` (see `setting`), under megatron-core TransformerConfig's names."""
+        out = {}
+        for section in ("model", "parallel", "training"):
+            obj = getattr(self, section)
+            for f in fields(obj):
+                if name := f.metadata.get("config"):
+                    out[f.name if name is True else name] = getattr(obj, f.name)
+        return out
 
     # -- editing ----------------------------------------------------------------------------------
     def copy(self) -> "Experiment":
@@ -477,13 +547,14 @@ def build(kind: type, values: dict[str, Any], where: str, base=None):
 
 
 @functools.cache  # get_type_hints re-evaluates every annotation: 90% of a preset load without the cache
-def _hints(kind: type) -> dict[str, Any]:
+def field_types(kind: type) -> dict[str, Any]:
+    """Each field's annotation, evaluated."""
     return get_type_hints(kind)
 
 
 def coerce(kind: type, name: str, value: Any, *, where: str) -> Any:
     """Check `value` against the field's annotation; ints are accepted for floats."""
-    hint = _hints(kind)[name]
+    hint = field_types(kind)[name]
     options = get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in options):
         if type(None) in options:

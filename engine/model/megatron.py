@@ -17,16 +17,19 @@ itself resolves a value (see `ROUND_TRIP_NORMALIZED`).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import re
 import shlex
+import types
+import typing
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, get_args, get_origin
 
 from charllm.engine.model import calibration, runtime
-from charllm.engine.model.experiment import (Experiment, Hardware, ModelSpec, Parallel, Training,
-                                           parse_pipeline_layout)
+from charllm.engine.model.experiment import (AUTO, Experiment, Hardware, ModelSpec, Parallel, Training,
+                                           field_types, parse_pipeline_layout)
 from charllm.probes.core.errors import UserError, plural
 
 # Megatron-LM defaults that changed between the releases charllm supports (core_v0.16.1 to
@@ -168,111 +171,42 @@ def format_layer_pattern(pattern: int | list[int]) -> str:
     return "(" + "+".join(f"[{v}]*{n}" if n > 1 else f"[{v}]" for v, n in runs) + ")"
 
 
-MODEL_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
-    "--num-layers": ("num_layers", Value(_int)),
-    "--hidden-size": ("hidden_size", Value(_int)),
-    "--ffn-hidden-size": ("ffn_hidden_size", Value(_int)),
-    "--num-attention-heads": ("num_attention_heads", Value(_int)),
-    "--kv-channels": ("kv_channels", Value(_int)),
-    "--seq-length": ("seq_length", Value(_int)),
-    "--max-position-embeddings": ("max_position_embeddings", Value(_int)),
-    "--vocab-size": ("vocab_size", Value(_int)),
-    "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", Value(_int)),
-    "--swiglu": ("swiglu", Switch(True)),
-    "--squared-relu": ("squared_relu", Switch(True)),
-    "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", Switch(True)),
-    "--position-embedding-type": ("position_embedding_type", Value(str)),
-    "--use-rotary-position-embeddings": ("position_embedding_type", Switch("rope")),
-    "--normalization": ("normalization", Value(str)),
-    "--disable-bias-linear": ("add_bias_linear", Switch(False)),
-    "--add-qkv-bias": ("add_qkv_bias", Switch(True)),
-    "--qk-layernorm": ("qk_layernorm", Switch(True)),
-    "--hidden-dropout": ("hidden_dropout", Value(_float)),
-    "--attention-dropout": ("attention_dropout", Value(_float)),
-    "--num-experts": ("num_moe_experts", Value(_int)),
-    "--moe-router-topk": ("moe_router_topk", Value(_int)),
-    "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", Value(_int)),
-    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", Value(_int)),
-    "--moe-layer-freq": ("moe_layer_freq", Value(parse_layer_pattern)),
-    "--multi-latent-attention": ("multi_latent_attention", Switch(True)),
-    "--q-lora-rank": ("q_lora_rank", Value(_int)),
-    "--kv-lora-rank": ("kv_lora_rank", Value(_int)),
-    "--qk-head-dim": ("qk_head_dim", Value(_int)),
-    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", Value(_int)),
-    "--v-head-dim": ("v_head_dim", Value(_int)),
-    "--mtp-num-layers": ("mtp_num_layers", Value(_int)),
-}
+def _flags(kind: type) -> dict[str, tuple[str, Switch | Value | Many]]:
+    """Flag -> (field, how it parses) for the fields of `kind` that name a Megatron flag
+    (engine.model.experiment.setting): a field's own flag first, then its aliases, in field order."""
+    out: dict[str, tuple[str, Switch | Value | Many]] = {}
+    hints = field_types(kind)
+    for f in dataclasses.fields(kind):
+        flag = f.metadata.get("flag")
+        if flag is None:
+            continue
+        flag = f"--{f.name.replace('_', '-')}" if flag == AUTO else flag
+        out[flag] = (f.name, _parser(f.name, hints[f.name], f.metadata))
+        out.update({alias: (f.name, Switch(value)) for alias, value in f.metadata["aliases"].items()})
+    return out
 
-PARALLEL_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
-    "--tensor-model-parallel-size": ("tensor_model_parallel_size", Value(_int)),
-    "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", Value(_int)),
-    "--context-parallel-size": ("context_parallel_size", Value(_int)),
-    "--expert-model-parallel-size": ("expert_model_parallel_size", Value(_int)),
-    "--expert-tensor-parallel-size": ("expert_tensor_parallel_size", Value(_int)),
-    "--sequence-parallel": ("sequence_parallel", Switch(True)),
-    "--use-distributed-optimizer": ("use_distributed_optimizer", Switch(True)),
-    "--num-distributed-optimizer-instances": ("num_distributed_optimizer_instances", Value(_int)),
-    "--use-megatron-fsdp": ("use_megatron_fsdp", Switch(True)),
-    "--use-torch-fsdp2": ("use_torch_fsdp2", Switch(True)),
-    "--data-parallel-sharding-strategy": ("data_parallel_sharding_strategy", Value(str)),
-    "--decoder-first-pipeline-num-layers": ("decoder_first_pipeline_num_layers", Value(_int)),
-    "--decoder-last-pipeline-num-layers": ("decoder_last_pipeline_num_layers", Value(_int)),
-    "--account-for-embedding-in-pipeline-split": ("account_for_embedding_in_pipeline_split", Switch(True)),
-    "--account-for-loss-in-pipeline-split": ("account_for_loss_in_pipeline_split", Switch(True)),
-    "--pipeline-model-parallel-layout": ("pipeline_model_parallel_layout", Value(str)),
-}
 
-TRAINING_FLAGS: dict[str, tuple[str, Switch | Value | Many]] = {
-    "--micro-batch-size": ("micro_batch_size", Value(_int)),
-    "--global-batch-size": ("global_batch_size", Value(_int)),
-    "--train-iters": ("train_iters", Value(_int)),
-    "--bf16": ("bf16", Switch(True)),
-    "--fp16": ("fp16", Switch(True)),
-    "--loss-scale": ("loss_scale", Value(_float)),
-    "--initial-loss-scale": ("initial_loss_scale", Value(_float)),
-    "--fp8-format": ("fp8", Value(str)),
-    "--fp8-recipe": ("fp8_recipe", Value(str)),
-    "--recompute-granularity": ("recompute_granularity", Value(str)),
-    "--recompute-activations": ("recompute_granularity", Switch("selective")),  # Megatron's alias
-    "--recompute-method": ("recompute_method", Value(str)),
-    "--recompute-num-layers": ("recompute_num_layers", Value(_int)),
-    "--recompute-modules": ("recompute_modules", Many(str)),
-    "--overlap-grad-reduce": ("overlap_grad_reduce", Switch(True)),
-    "--overlap-param-gather": ("overlap_param_gather", Switch(True)),
-    "--tp-comm-overlap": ("tp_comm_overlap", Switch(True)),
-    "--attention-backend": ("attention_backend", Value(str)),
-    "--transformer-impl": ("transformer_impl", Value(str)),
-    "--grad-reduce-in-bf16": ("grad_reduce_in_bf16", Switch(True)),
-    "--fp8-param-gather": ("fp8_param_gather", Switch(True)),
-    "--attention-softmax-in-fp32": ("attention_softmax_in_fp32", Switch(True)),
-    "--apply-query-key-layer-scaling": ("attention_softmax_in_fp32", Switch(True)),  # implies it in Megatron
-    "--cuda-graph-impl": ("cuda_graph_impl", Value(str)),
-    "--enable-cuda-graph": ("cuda_graph_impl", Switch("local")),                 # deprecated aliases
-    "--external-cuda-graph": ("cuda_graph_impl", Switch("transformer_engine")),
-    "--use-precision-aware-optimizer": ("use_precision_aware_optimizer", Switch(True)),
-    "--main-grads-dtype": ("main_grads_dtype", Value(str)),
-    "--main-params-dtype": ("main_params_dtype", Value(str)),
-    "--exp-avg-dtype": ("exp_avg_dtype", Value(str)),
-    "--exp-avg-sq-dtype": ("exp_avg_sq_dtype", Value(str)),
-    "--optimizer-cpu-offload": ("optimizer_cpu_offload", Switch(True)),
-    "--cpu-offloading-num-layers": ("cpu_offloading_num_layers", Value(_int)),
-    "--fine-grained-activation-offloading": ("fine_grained_activation_offloading", Switch(True)),
-    "--offload-modules": ("offload_modules", Many(str)),
-    "--optimizer": ("optimizer", Value(str)),
-    "--cross-entropy-loss-fusion": ("cross_entropy_loss_fusion", Switch(True)),
-    "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", Value(str)),
-    "--moe-expert-capacity-factor": ("moe_expert_capacity_factor", Value(_float)),
-    "--moe-pad-expert-input-to-capacity": ("moe_pad_expert_input_to_capacity", Switch(True)),
-    "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", Value(_float)),
-    "--moe-grouped-gemm": ("moe_grouped_gemm", Switch(True)),
-    "--moe-router-dtype": ("moe_router_dtype", Value(str)),
-    "--moe-flex-dispatcher-backend": ("moe_flex_dispatcher_backend", Value(str)),
-    "--moe-enable-deepep": ("moe_flex_dispatcher_backend", Switch("deepep")),   # deprecated alias (0.16.1+)
-    "--lr": ("lr", Value(_float)),
-    "--seed": ("seed", Value(_int)),
-    "--data-path": ("data_path", Many(str, join=True)),
-    "--mock-data": ("data_path", Switch(None)),
-}
+# Megatron's own syntax for a value that is not a plain int, float or string.
+_PARSERS = {"moe_layer_freq": parse_layer_pattern}
+
+
+def _parser(name: str, hint, facts) -> Switch | Value | Many:
+    """How the flag of a field parses, from its type: a bool is a switch, a list (or a string the
+    flag's values join into) takes many values, anything else one value."""
+    options = [o for o in (get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,))
+               if o is not type(None)]
+    if name in _PARSERS:
+        return Value(_PARSERS[name])
+    if options == [bool]:
+        return Switch(facts["switch"])
+    if facts["join"] or get_origin(options[0]) is list:
+        return Many(str, join=facts["join"])
+    return Value({int: _int, float: _float, str: str}[options[0]])
+
+
+MODEL_FLAGS = _flags(ModelSpec)
+PARALLEL_FLAGS = _flags(Parallel)
+TRAINING_FLAGS = _flags(Training)
 
 # Flags that take part in the import but set no single field.
 SPECIAL_FLAGS = {

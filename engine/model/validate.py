@@ -9,33 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from charllm.engine.model.experiment import Experiment, Problem, Training, parse_pipeline_layout
+from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Training, choices,
+                                           field_names, parse_pipeline_layout)
 from charllm.engine.model.runtime import parse_capability
 from charllm.probes.backends.base import MAX_HZ
 from charllm.probes.core.errors import UserError, plural
 
 
-# Choices, as Megatron-LM's argument parser (or our own tooling, for telemetry/vendor) lists them.
+# Choices, as Megatron-LM's argument parser (or our own tooling, for vendor) lists them: each field's own
+# (engine.model.experiment.setting).
 CHOICES: dict[str, tuple[str, tuple]] = {
-    "position_embedding_type": ("model", ("learned_absolute", "rope", "mrope", "relative", "none")),
-    "normalization": ("model", ("LayerNorm", "RMSNorm")),
-    "data_parallel_sharding_strategy": ("parallel", ("no_shard", "optim", "optim_grads", "optim_grads_params")),
-    "fp8": ("training", (None, "e4m3", "hybrid")),
-    "fp8_recipe": ("training", ("delayed", "tensorwise", "blockwise", "mxfp8", "custom")),
-    "recompute_granularity": ("training", (None, "full", "selective")),
-    "recompute_method": ("training", (None, "uniform", "block")),
-    "attention_backend": ("training", ("auto", "flash", "fused", "unfused", "local")),
-    "transformer_impl": ("training", ("auto", "transformer_engine", "local")),
-    "optimizer": ("training", ("adam", "sgd", "muon")),
-    "moe_token_dispatcher_type": ("training", ("allgather", "alltoall", "flex")),
-    "moe_router_dtype": ("training", (None, "fp32", "fp64")),
-    "moe_flex_dispatcher_backend": ("training", ("deepep", "hybridep")),
-    "cuda_graph_impl": ("training", ("none", "local", "transformer_engine")),
-    "main_grads_dtype": ("training", ("fp32", "bf16")),
-    "main_params_dtype": ("training", ("fp32", "fp16")),
-    "exp_avg_dtype": ("training", ("fp32", "fp16", "bf16", "fp8")),
-    "exp_avg_sq_dtype": ("training", ("fp32", "fp16", "bf16", "fp8")),
-    "vendor": ("hardware", ("nvidia", "amd", "cpu")),
+    name: (section, options) for section in ("model", "parallel", "training", "hardware")
+    for name in field_names(SECTIONS[section])
+    if (options := choices(SECTIONS[section], name)) is not None
 }
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 # megatron-core TransformerConfig.offload_modules in core_v0.16.1 (core_v0.19.0 adds fused_group_mlp)
@@ -153,10 +139,10 @@ def value_problems(exp: Experiment) -> list[Problem]:
     backend = exp.telemetry.backend
     if backend not in TELEMETRY_BACKENDS and not backend.startswith("replay:"):
         out.append(Problem("backend", backend, f"must be one of {', '.join(TELEMETRY_BACKENDS)} or replay:RUN"))
-    for name, (section, choices) in CHOICES.items():
+    for name, (section, options) in CHOICES.items():
         value = getattr(getattr(exp, section), name)
-        if value not in choices:
-            listed = ", ".join("none" if c is None else c for c in choices)
+        if value not in options:
+            listed = ", ".join("none" if c is None else c for c in options)
             out.append(Problem(name, value, f"must be one of {listed}"))
     for module in t.offload_modules or []:
         if module not in OFFLOAD_MODULES:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.flops import num_floating_point_operations
+from charllm.engine.model.flops import flops_per_iteration
 from charllm.engine.model.validate import check
 from charllm.engine.workload import CANCELLED_EXIT
 from charllm.probes.core.errors import UserError, plural
@@ -121,34 +121,15 @@ def transformer_settings(exp, impl) -> dict:
     dtype = params_dtype(t)
     fused = set(impl.fusions)
     vp = p.virtual_pipeline_model_parallel_size
-    return dict(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
+    # The fields passed as they are (engine.model.experiment.setting's `config`), then the computed ones.
+    return exp.transformer_config_fields() | dict(
         ffn_hidden_size=m.ffn,
-        num_attention_heads=m.num_attention_heads,
         num_query_groups=m.query_groups,
         kv_channels=m.head_dim,
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else squared_relu if m.squared_relu else F.gelu,
-        normalization=m.normalization,
-        add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias or m.add_bias_linear,   # Megatron-LM keeps them in sync
-        qk_layernorm=m.qk_layernorm,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        attention_softmax_in_fp32=t.attention_softmax_in_fp32,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vp,
-        context_parallel_size=p.context_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=exp.expert_tensor_parallel_size,
-        sequence_parallel=p.sequence_parallel,
-        num_layers_in_first_pipeline_stage=p.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=p.decoder_last_pipeline_num_layers,
-        account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
-        pipeline_model_parallel_layout=p.pipeline_model_parallel_layout,
         # Megatron-LM: the interleaved schedule overlaps its P2P (--overlap-p2p-communication is on
         # by default, and required at PP 2), and batch_p2p_comm = not overlap_p2p_comm; batched
         # sends between the same two ranks would pair activations with gradients.
@@ -158,36 +139,14 @@ def transformer_settings(exp, impl) -> dict:
         # posted send's memory alive; gloo reads a tensor when its send runs, after the free, so
         # on CPU the output stays until its backward.
         deallocate_pipeline_outputs=impl.device == "cuda",
-        num_moe_experts=m.num_moe_experts,
-        moe_router_topk=m.moe_router_topk,
         moe_ffn_hidden_size=m.moe_ffn if m.is_moe else None,
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_layer_freq=m.moe_layer_freq,
-        moe_token_dispatcher_type=t.moe_token_dispatcher_type,
-        moe_expert_capacity_factor=t.moe_expert_capacity_factor,
-        moe_pad_expert_input_to_capacity=t.moe_pad_expert_input_to_capacity,
-        moe_aux_loss_coeff=t.moe_aux_loss_coeff,
-        moe_grouped_gemm=t.moe_grouped_gemm,
-        moe_router_dtype=t.moe_router_dtype,
-        moe_flex_dispatcher_backend=t.moe_flex_dispatcher_backend,
-        recompute_granularity=t.recompute_granularity,
-        recompute_method=t.recompute_method,
-        recompute_num_layers=t.recompute_num_layers,
-        recompute_modules=t.recompute_modules,
         cpu_offloading=t.cpu_offloading_num_layers > 0,        # as Megatron's arguments.py sets it
-        cpu_offloading_num_layers=t.cpu_offloading_num_layers,
-        fine_grained_activation_offloading=t.fine_grained_activation_offloading,
         offload_modules=list(t.offload_modules or []),
-        bf16=t.bf16,
-        fp16=t.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        fp8=t.fp8,
         fp8_recipe=t.fp8_recipe if t.fp8 else "delayed",
-        fp8_param=t.fp8_param_gather,
         attention_backend=AttnBackend[impl.attention.removeprefix("te-")] if impl.transformer == "transformer_engine"
         else AttnBackend.local,
-        tp_comm_overlap=t.tp_comm_overlap,
         bias_activation_fusion="bias_activation_fusion" in fused,
         bias_dropout_fusion="bias_dropout_fusion" in fused,
         masked_softmax_fusion="masked_softmax_fusion" in fused,
@@ -402,14 +361,6 @@ def slice_for_context_parallel(tensor, cp_rank: int, cp_size: int):
 
     chunks = tensor.chunk(2 * cp_size, dim=1)
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=1)
-
-
-def flops_per_iteration(exp) -> float:
-    """Model FLOPs of one global batch: Megatron-LM's count, the one engine.model.flops keeps."""
-    import dataclasses
-
-    return num_floating_point_operations(dataclasses.asdict(exp.model), exp.training.global_batch_size,
-                                         exp.seq_length, exp.parallel.tensor_model_parallel_size)
 
 
 def initialize_userbuffers(exp) -> None:

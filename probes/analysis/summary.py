@@ -42,18 +42,20 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 
+from charllm.engine.model.experiment import Experiment, Hardware
+from charllm.engine.model.flops import flops_per_iteration
+from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
-from charllm.engine.model.flops import RunExperiment, read_experiment
 from charllm.probes.store.rundir import FINAL_STATUSES, resolve_run, RunDir, write_json_atomic
 from charllm.probes.store.schema import TELEMETRY_SCHEMA, THROTTLE_BITS, THROTTLE_PERF_MASK
 
 BY = ("gpu", "node", "run")
 FORMATS = ("table", "markdown", "csv", "json", "parquet")
-DEFAULT_TEMP_LIMIT_C = 85.0  # Hardware.temp_limit_c's default
 KEYS = ["node", "device"]
 _NS = 1e9
 _MOD32 = 2**32
@@ -222,7 +224,8 @@ def _level(levels: dict[str, pl.DataFrame], run: RunDir, by: str) -> pl.DataFram
 def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
     """The summary at each of `levels` ("gpu", "node", "run") from one pass over the telemetry;
     "gpu" is left out for a run without accelerator telemetry."""
-    exp = read_experiment(run.experiment_path)
+    exp_file = read_experiment(run.experiment_path)
+    exp = exp_file.experiment if exp_file else None
     iterations = read_iterations(run)
     skipped: list[str] = []
     held: set[str] = set()
@@ -233,8 +236,8 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
     first_ns, last_ns = devices["first_ns"].min(), devices["last_ns"].max()
     start_ns, end_ns, label, notes = _window(window, iterations, first_ns)
     notes = skipped + notes
-    temp_limit = (exp.temp_limit_c if exp else None) or DEFAULT_TEMP_LIMIT_C
-    max_clock = exp.max_sm_clock_mhz if exp else None
+    temp_limit = (exp.hardware.temp_limit_c if exp else None) or Hardware.temp_limit_c
+    max_clock = (exp.hardware.max_sm_clock_mhz or None) if exp else None
     in_window = _in_window(start_ns, end_ns)
     key, keyed = _device_key(devices)
     gpu_names = keyed.filter(pl.col("device") != "host").select("_key", *KEYS, *_GPU_LABELS)
@@ -307,7 +310,7 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
     else:
         notes.append("no accelerator telemetry: host statistics only")
 
-    it, it_notes = _iteration_stats(iterations, start_ns, end_ns, exp, gpus.height if gpus is not None else None)
+    it, it_notes = _iteration_stats(iterations, start_ns, end_ns, exp_file, gpus.height if gpus is not None else None)
     notes += it_notes
 
     def level(by: str) -> pl.DataFrame:
@@ -447,13 +450,37 @@ def _window(window, iterations: pl.DataFrame, first_ns: int):
     return first_ns + int(start_s * _NS), first_ns + int(end_s * _NS), label, []
 
 
-def _iteration_stats(iterations, start_ns, end_ns, exp: RunExperiment | None, n_gpus: int | None):
+@dataclass(frozen=True)
+class ExperimentFile:
+    """A run's experiment.toml as the typed Experiment, and the tables the file itself gives. The engine
+    writes it fully resolved; a hand-written one may leave the cluster or the global batch out, which
+    are then unknown (the telemetry's devices count, the iteration log's samples), not defaults."""
+
+    experiment: Experiment
+    data: dict
+
+    def gives(self, section: str, name: str | None = None) -> bool:
+        table = self.data.get(section)
+        return isinstance(table, dict) and bool(table) and (name is None or table.get(name) is not None)
+
+
+def read_experiment(path: Path) -> ExperimentFile | None:
+    """The experiment at `path` (RUN_DIR/experiment.toml); None when the run has none."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    data = paths.read_toml(path, "experiment file")
+    return ExperimentFile(Experiment.from_dict(data, source=str(path)), data)
+
+
+def _iteration_stats(iterations, start_ns, end_ns, exp_file: ExperimentFile | None, n_gpus: int | None):
     its = iterations.filter((pl.col("start_ns") >= start_ns) & (pl.col("end_ns") <= end_ns))
     if its.height == 0:
         return {}, [] if iterations.height == 0 else ["no whole iteration inside the window"]
     notes = []
+    exp = exp_file.experiment if exp_file else None
     seq = exp.seq_length if exp else None
-    gbs = exp.global_batch_size if exp else None
+    gbs = exp.training.global_batch_size if exp and exp_file.gives("training", "global_batch_size") else None
     its = its.with_columns(
         ((pl.col("end_ns") - pl.col("start_ns")) / _NS).alias("time_s"),
         pl.col("samples").fill_null(pl.lit(gbs, dtype=pl.Int64)),  # gbs is None without experiment.toml
@@ -469,15 +496,15 @@ def _iteration_stats(iterations, start_ns, end_ns, exp: RunExperiment | None, n_
         "samples_per_s": samples / total_s if samples and total_s > 0 else None,
         "tokens_per_s": tokens / total_s if tokens and total_s > 0 else None,
     }
-    world = (exp.world_size if exp else None) or n_gpus
+    world = (exp.world_size if exp and exp_file.gives("cluster") else None) or n_gpus
     tflops = None
     if exp and world and total_s > 0 and its["samples"].null_count() == 0:
-        flops = sum(exp.flops_per_iteration(int(s)) for s in its["samples"])
+        flops = sum(flops_per_iteration(exp, int(s)) for s in its["samples"])
         tflops = flops / total_s / world / 1e12
     elif its["tflops_per_gpu"].null_count() < its.height:
         tflops = its["tflops_per_gpu"].mean()
         notes.append("TFLOP/s from the iteration log (no experiment.toml)")
-    peak = exp.peak_tflops if exp else None
+    peak = (exp.hardware.bf16_tflops or None) if exp else None
     out["tflops_per_gpu"] = tflops
     out["mfu_pct"] = 100 * tflops / peak if tflops is not None and peak else None
     return out, notes

@@ -20,8 +20,8 @@ from textual.message import Message
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 from textual.worker import get_current_worker
 
-from charllm.engine.model import catalog, megatron, memory, validate
-from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec, resolve_key
+from charllm.engine.model import catalog, experiment, megatron, memory, validate
+from charllm.engine.model.experiment import SECTIONS, Experiment, Hardware, ModelSpec, field_types, resolve_key
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, plural
 from charllm.tui.screens.base import WorkbenchScreen, edited_name
@@ -47,38 +47,33 @@ class Field:
     def name(self) -> str:
         return self.key.rpartition(".")[2]
 
+    @classmethod
+    def of(cls, key: str) -> "Field":
+        """The form field of an experiment field: its label and choices as the field declares them."""
+        section, name = resolve_key(key)
+        kind = SECTIONS[section]
+        hint = field_types(kind)[name]
+        options = experiment.choices(kind, name)
+        if options:
+            return cls(key, experiment.label(kind, name), "choice", tuple(NONE if c is None else c for c in options))
+        form = {bool: "bool", int: "int", int | None: "int?"}[hint]
+        return cls(key, experiment.label(kind, name), form)
+
 
 PRECISIONS = ("bf16", "fp16", "fp8-e4m3", "fp8-hybrid", "fp32")
-GROUPS: tuple[tuple[str, tuple[Field, ...]], ...] = (
-    ("Cluster", (
-        Field("cluster.nodes", "nodes", "int"),
-        Field("cluster.gpus_per_node", "devices/node", "int"),
-    )),
-    ("Parallelism", (
-        Field("tensor_model_parallel_size", "TP  tensor", "int"),
-        Field("pipeline_model_parallel_size", "PP  pipeline", "int"),
-        Field("virtual_pipeline_model_parallel_size", "VP  virtual", "int?"),
-        Field("context_parallel_size", "CP  context", "int"),
-        Field("expert_model_parallel_size", "EP  expert", "int"),
-        Field("expert_tensor_parallel_size", "ETP expert TP", "int?"),
-        Field("sequence_parallel", "seq. parallel", "bool"),
-        Field("use_distributed_optimizer", "dist. optimizer", "bool"),
-    )),
-    ("Batch", (
-        Field("micro_batch_size", "micro batch", "int"),
-        Field("global_batch_size", "global batch", "int"),
-        Field("training.seq_length", "seq length", "int?"),
-    )),
-    ("Recompute & overlap", (
-        Field("recompute_granularity", "recompute", "choice", (NONE, "selective", "full")),
-        Field("recompute_method", "recompute how", "choice", (NONE, "uniform", "block")),
-        Field("recompute_num_layers", "recompute layers", "int?"),
-        Field("overlap_grad_reduce", "overlap grads", "bool"),
-        Field("overlap_param_gather", "overlap params", "bool"),
-        Field("tp_comm_overlap", "TP comm overlap", "bool"),
-        Field("precision", "precision", "choice", PRECISIONS),
-    )),
-)
+# The form's rows: experiment fields by key (Field.of), and precision, one choice over bf16, fp16 and fp8.
+GROUPS: tuple[tuple[str, tuple[Field, ...]], ...] = tuple(
+    (title, tuple(f if isinstance(f, Field) else Field.of(f) for f in group)) for title, group in (
+        ("Cluster", ("cluster.nodes", "cluster.gpus_per_node")),
+        ("Parallelism", ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                         "virtual_pipeline_model_parallel_size", "context_parallel_size",
+                         "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+                         "use_distributed_optimizer")),
+        ("Batch", ("micro_batch_size", "global_batch_size", "training.seq_length")),
+        ("Recompute & overlap", ("recompute_granularity", "recompute_method", "recompute_num_layers",
+                                 "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
+                                 Field("precision", "precision", "choice", PRECISIONS))),
+    ))
 FIELDS = {f.wid: f for _, group in GROUPS for f in group}
 
 

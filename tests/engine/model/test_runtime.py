@@ -333,12 +333,13 @@ def test_launch_refuses_what_the_planned_node_cannot_run(capsys):
 def test_the_workload_counts_flops_as_the_summaries_do(tmp_path):
     """One formula (engine.model.flops, Megatron-LM's num_floating_point_operations, causal attention
     counted half) for the live TFLOP/s and for summaries and MFU."""
-    from charllm.engine.model.flops import read_experiment
+    from charllm.engine.model import flops
+    from charllm.probes.analysis.summary import read_experiment
 
     for name in catalog.entries("experiments"):
         e = exp(name)
         e.save(tmp_path / "experiment.toml")
-        assert train.flops_per_iteration(e) == read_experiment(tmp_path / "experiment.toml").flops_per_iteration()
+        assert train.flops_per_iteration(e) == flops.flops_per_iteration(read_experiment(tmp_path / "experiment.toml").experiment)
     e = exp("tiny-local")
     m, b, s = e.model, e.training.global_batch_size, e.seq_length
     h, layers, vocab = m.hidden_size, m.num_layers, m.padded_vocab_size()

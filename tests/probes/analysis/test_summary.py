@@ -9,6 +9,7 @@ from polars.testing import assert_frame_equal
 from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.core.errors import UserError
+from charllm.engine.model.experiment import ModelSpec
 from charllm.engine.model.flops import num_floating_point_operations
 from charllm.probes.store.schema import THROTTLE_BITS
 from charllm.probes.analysis.summary import cached_summary, summarize
@@ -201,7 +202,7 @@ def test_iteration_log_gives_tokens_per_s_mfu_and_energy_per_token(tmp_path):
     assert one(s, "samples_per_s") == pytest.approx(8.0)
     assert one(s, "tokens_per_s") == pytest.approx(8 * 32)
     flops = num_floating_point_operations(
-        {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 1024}, 8, 32)
+        ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1024), 8, 32)
     assert one(s, "tflops_per_gpu") == pytest.approx(flops / 1.0 / 2 / 1e12)
     assert one(s, "mfu_pct") == pytest.approx(100 * flops / 2 / 1e12 / 0.5)
     assert one(s, "energy_j") == pytest.approx(2 * 100.0 * 8)          # 2 GPUs · 100 W · 8 s

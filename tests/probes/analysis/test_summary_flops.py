@@ -1,14 +1,15 @@
-"""Megatron's FLOP count against closed forms, and the experiment reader."""
+"""Megatron's FLOP count against closed forms, and a run's experiment as the summaries read it."""
 
 from __future__ import annotations
 
 import pytest
 
 from charllm.probes.core.errors import UserError
-from charllm.engine.model.flops import num_floating_point_operations, read_experiment
+from charllm.engine.model.experiment import ModelSpec
+from charllm.engine.model.flops import flops_per_iteration, num_floating_point_operations
+from charllm.probes.analysis.summary import read_experiment
 
-GPT3 = {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96, "vocab_size": 51200,
-        "make_vocab_size_divisible_by": 128}
+GPT3 = dict(num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=51200, make_vocab_size_divisible_by=128)
 
 
 def test_dense_mha_matches_the_closed_form():
@@ -16,7 +17,7 @@ def test_dense_mha_matches_the_closed_form():
     # plus the logits 6hV: F = 72·B·s·L·h²·(1 + s/(12h)) + 6·B·s·h·V.
     b, s, L, h, v = 128, 2048, 96, 12288, 51200
     expected = 72 * b * s * L * h * h * (1 + s / (12 * h)) + 6 * b * s * h * v
-    assert num_floating_point_operations(GPT3, b, s) == pytest.approx(expected, rel=1e-12)
+    assert num_floating_point_operations(ModelSpec(**GPT3), b, s) == pytest.approx(expected, rel=1e-12)
 
 
 def test_gqa_swiglu_moe_topk():
@@ -28,12 +29,12 @@ def test_gqa_swiglu_moe_topk():
     attn = 6 * (h * (h + 2 * kv) + h * s + h * h)
     mlp = 6 * h * f * 2 * 3                                # top-2 experts, 3 GEMMs (SwiGLU)
     logits = 6 * h * 32000
-    assert num_floating_point_operations(m, b, s) == pytest.approx(b * s * (attn + mlp + logits))
+    assert num_floating_point_operations(ModelSpec(**m), b, s) == pytest.approx(b * s * (attn + mlp + logits))
 
 
 def test_vocab_padding_depends_on_tp():
     m = dict(GPT3, vocab_size=50257)
-    assert num_floating_point_operations(m, 1, 8, tp=8) > num_floating_point_operations(m, 1, 8, tp=1)
+    assert num_floating_point_operations(ModelSpec(**m), 1, 8, tp=8) > num_floating_point_operations(ModelSpec(**m), 1, 8, tp=1)
 
 
 def test_mla_counts():
@@ -43,17 +44,17 @@ def test_mla_counts():
     s, h, n = 16, 1024, 8
     attn = 6 * (h * n * 48 + 64 * (h + n * 64 + 1) + h * 16 + n * 32 * h + s * n * 48 / 2 + s * n * 32 / 2)
     expected = s * (6 * h * 2048 * 2 + attn + 6 * h * 128)
-    assert num_floating_point_operations(m, 1, s) == pytest.approx(expected)
+    assert num_floating_point_operations(ModelSpec(**m), 1, s) == pytest.approx(expected)
 
 
 def test_read_experiment_resolves_a_shipped_preset(tmp_path):
     path = tmp_path / "experiment.toml"
     path.write_text('model = "tiny-dense"\nhardware = "cpu"\n[cluster]\nnodes = 1\ngpus_per_node = 2\n'
                     "[training]\nglobal_batch_size = 8\n")
-    exp = read_experiment(path)
-    assert exp.model["hidden_size"] == 64 and exp.seq_length == 32
-    assert exp.peak_tflops == 0.5 and exp.world_size == 2
-    assert exp.flops_per_iteration() == num_floating_point_operations(exp.model, 8, 32)
+    exp = read_experiment(path).experiment
+    assert exp.model.hidden_size == 64 and exp.seq_length == 32
+    assert exp.hardware.bf16_tflops == 0.5 and exp.world_size == 2
+    assert flops_per_iteration(exp) == num_floating_point_operations(exp.model, 8, 32)
     assert read_experiment(tmp_path / "missing.toml") is None
 
 

@@ -1,0 +1,109 @@
+"""Each experiment field's facts live once, in its dataclass metadata (engine.model.experiment.setting);
+the Megatron flag tables, the validation choices and the TransformerConfig arguments are derived from
+them. These tests read the metadata independently and check each derived table against it."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from charllm.engine.model import megatron, validate
+from charllm.engine.model.experiment import (AUTO, SECTIONS, Experiment, ModelSpec, Parallel, Training, choices,
+                                           field_types)
+from charllm.engine.model.megatron import FLAGS, Many, Switch, Value
+
+FLAG_SECTIONS = {"model": ModelSpec, "parallel": Parallel, "training": Training}
+
+
+def _declared_flags():
+    """flag -> (section, field, the value a switch sets or None) as the metadata says it."""
+    out = {}
+    for section, kind in FLAG_SECTIONS.items():
+        for f in dataclasses.fields(kind):
+            flag = f.metadata.get("flag")
+            if flag is None:
+                continue
+            own = f"--{f.name.replace('_', '-')}" if flag == AUTO else flag
+            out[own] = (section, f.name, f.metadata["switch"] if field_types(kind)[f.name] is bool else None)
+            out.update({alias: (section, f.name, value) for alias, value in f.metadata["aliases"].items()})
+    return out
+
+
+def test_the_flag_table_is_what_the_fields_declare():
+    declared = _declared_flags()
+    assert set(FLAGS) == set(declared)
+    for flag, (section, name, switch) in declared.items():
+        got_section, got_name, kind = FLAGS[flag]
+        assert (got_section, got_name) == (section, name), flag
+        if switch is not None or isinstance(kind, Switch):
+            assert kind == Switch(switch), flag
+    # A few facts as Megatron-LM's arguments.py spells them (core_v0.16.1): names that differ from ours,
+    # inverted switches, aliases, lists.
+    assert FLAGS["--fp8-format"][:2] == ("training", "fp8")
+    assert FLAGS["--num-experts"][:2] == ("model", "num_moe_experts")
+    assert FLAGS["--disable-bias-linear"] == ("model", "add_bias_linear", Switch(False))
+    assert FLAGS["--use-rotary-position-embeddings"] == ("model", "position_embedding_type", Switch("rope"))
+    assert FLAGS["--recompute-modules"] == ("training", "recompute_modules", Many(str))
+    assert FLAGS["--data-path"] == ("training", "data_path", Many(str, join=True))
+    assert FLAGS["--mock-data"] == ("training", "data_path", Switch(None))
+    assert FLAGS["--moe-layer-freq"][2] == Value(megatron.parse_layer_pattern)
+    # Fields set by flags that combine (SPECIAL_FLAGS) declare none of their own.
+    assert "--num-query-groups" not in FLAGS and "--virtual-pipeline-model-parallel-size" not in FLAGS
+
+
+def _sample(section: str, name: str, kind) -> tuple[list[str], object]:
+    """Command-line values for a flag of the table and the value its field should get."""
+    if isinstance(kind, Switch):
+        return [], kind.value
+    if isinstance(kind, Many):
+        return ["a", "b"], "a b" if kind.join else ["a", "b"]
+    options = [c for c in choices(SECTIONS[section], name) or () if c is not None]
+    if options:
+        return [options[-1]], options[-1]
+    if kind.parse is megatron.parse_layer_pattern:
+        return ["([0]*1+[1]*2)"], [0, 1, 1]
+    hint = field_types(SECTIONS[section])[name]
+    types = typing.get_args(hint) or (hint,)
+    if float in types:
+        return ["0.25"], 0.25
+    if int in types:
+        return ["7"], 7
+    return ["x"], "x"
+
+
+@pytest.mark.parametrize("flag", sorted(FLAGS))
+def test_every_flag_of_the_table_sets_its_field(flag):
+    section, name, kind = FLAGS[flag]
+    values, expected = _sample(section, name, kind)
+    exp = Experiment()
+    result = megatron.MegatronImport(experiment=exp)
+    assert megatron._read_flags([(flag, values)], exp, result) == {} and not result.ignored
+    assert getattr(getattr(exp, section), name) == expected
+
+
+def test_choices_come_from_the_fields():
+    declared = {f.name: (section, f.metadata["choices"]) for section, kind in SECTIONS.items()
+                for f in dataclasses.fields(kind) if f.metadata.get("choices") is not None}
+    assert validate.CHOICES == declared
+    for name, (section, options) in declared.items():
+        default = getattr(getattr(Experiment(), section), name)
+        assert default in options, (name, default, options)
+    # Megatron-LM's --position-embedding-type choices (arguments.py, core_v0.16.1)
+    assert declared["position_embedding_type"][1] == ("learned_absolute", "rope", "mrope", "relative", "none")
+
+
+def test_transformer_config_takes_the_fields_marked_for_it():
+    exp = Experiment.load("tiny-local")
+    passed = exp.transformer_config_fields()
+    marked = [(section, f) for section in FLAG_SECTIONS for f in dataclasses.fields(SECTIONS[section])
+              if f.metadata.get("config")]
+    assert len(passed) == len(marked)
+    for section, f in marked:
+        key = f.name if f.metadata["config"] is True else f.metadata["config"]
+        assert passed[key] == getattr(getattr(exp, section), f.name)
+    assert passed["num_layers_in_first_pipeline_stage"] is exp.parallel.decoder_first_pipeline_num_layers
+    config = pytest.importorskip("megatron.core.transformer.transformer_config")
+    known = {f.name for f in dataclasses.fields(config.TransformerConfig)}
+    assert set(passed) <= known, set(passed) - known
