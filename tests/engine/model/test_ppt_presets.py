@@ -1,5 +1,5 @@
 """The ppt-* presets against the CharLLM-PPT artifact's configurations, as tabled in
-tests/data/charllm_ppt/configs.md (written by presets/generate_ppt_experiments.py)."""
+tests/data/charllm_ppt/configs.md (the presets are written by tools/generate_ppt_experiments.py)."""
 
 from __future__ import annotations
 
