@@ -218,7 +218,7 @@ class LiveScreen(WorkbenchScreen):
         self._shown.clear()
         finished = False
         if run_dir is not None:
-            finished = rundir.RunDir(run_dir).status in ("completed", "failed", "cancelled")
+            finished = rundir.RunDir(run_dir).manifest().final
         self.window = len(WINDOWS_S) - 1 if finished else DEFAULT_WINDOW   # a replay shows it all
         self.feed(run_dir)
 
