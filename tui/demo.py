@@ -14,7 +14,7 @@ from charllm.engine import doctor
 from charllm.engine.model import calibration
 from charllm.engine.model.experiment import Cluster, Experiment, Hardware, ModelSpec
 from charllm.probes.backends import open_backend
-from charllm.probes.store.rundir import RunDir
+from charllm.probes.store.rundir import RunDir, run_id_name
 
 T0_NS = 1_763_712_000_000_000_000        # 2025-11-21 08:00:00 UTC: the fixed clock's zero
 
@@ -30,7 +30,7 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
 
     rd = RunDir(Path(root) / run_id)
     rd.logs_dir.mkdir(parents=True, exist_ok=True)
-    exp = Experiment(name=run_id.split("-", 2)[-1], model=ModelSpec.load(model),
+    exp = Experiment(name=run_id_name(run_id) or run_id, model=ModelSpec.load(model),
                      hardware=Hardware.load(hardware), cluster=Cluster(nodes=nodes, gpus_per_node=gpus))
     # 8 sequences of 8192 tokens in 1.2 s on 8 H100s: about 40% MFU for Llama-3 8B, as measured runs give
     exp.training.global_batch_size = 8

@@ -1,2 +1,2 @@
 """Putting an experiment onto a target and keeping it honest: targets, the launcher (plan, launch,
-cancel, reconcile, watch), the SSH and Slurm clients, and the supervisor that runs beside each run."""
+cancel, reconcile), the SSH and Slurm clients, and the supervisor that runs beside each run."""

@@ -1,10 +1,11 @@
-"""Launching an experiment onto a target, cancelling it, and following it.
+"""Launching an experiment onto a target, cancelling it, and settling a run whose owner died.
 
 `launch()` checks the layout, creates the run directory, and hands the run to a detached
 supervisor (`python -m charllm.engine.launch.supervise RUN_DIR`) that owns the processes: a sampler per
 node, then torchrun per node with a static rendezvous on the first node. Under Slurm it submits an
 sbatch script instead and the supervisor follows the job. Logs, iterations and telemetry land in
-the local run directory for every target, so the live view and summaries work the same way.
+the local run directory for every target, so the live view and summaries work the same way;
+`probes.store.follow` follows a run, with `reconcile` settling it on each pass.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from charllm.engine.launch import slurm, ssh
 from charllm.engine.launch.targets import Target, from_record
@@ -473,23 +474,3 @@ def _kill_recorded(manifest: dict, grace: float) -> None:
 # --------------------------------------------------------------------------------------------
 # Follow
 # --------------------------------------------------------------------------------------------
-def watch(run_dir, *, interval: float = 0.5) -> Iterator[tuple[str, object]]:
-    """Events until the run ends: ("iteration", dict), ("telemetry", polars rows), ("status", str)."""
-    from charllm.probes.store.tail import IterationTail, TelemetryTail  # deferred: loads polars (start-up time)
-
-    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
-    iterations, telemetry = IterationTail(rd.path), TelemetryTail(rd.path)
-    last_status = None
-    while True:
-        status = reconcile(rd)
-        if status != last_status:
-            yield "status", status
-            last_status = status
-        for row in iterations.poll():
-            yield "iteration", row
-        rows = telemetry.poll()
-        if rows is not None and len(rows):
-            yield "telemetry", rows
-        if status in FINAL_STATUSES:
-            return
-        time.sleep(interval)

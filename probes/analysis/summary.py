@@ -226,7 +226,7 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
     "gpu" is left out for a run without accelerator telemetry."""
     exp_file = read_experiment(run.experiment_path)
     exp = exp_file.experiment if exp_file else None
-    iterations = read_iterations(run)
+    iterations = run.read_steps()
     skipped: list[str] = []
     held: set[str] = set()
     scan = run.scan_telemetry(skipped, columns=held)
@@ -341,21 +341,6 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
 # --------------------------------------------------------------------------------------------
 # Window and iteration log
 # --------------------------------------------------------------------------------------------
-def read_iterations(run: RunDir) -> pl.DataFrame:
-    """One row per training iteration (rank 0 and the last rank both log each step)."""
-    log = run.read_iterations().filter(pl.col("event") == "iteration")
-    return (
-        log.group_by("iteration")
-        .agg(
-            pl.col("start_ns").min(), pl.col("end_ns").max(),
-            pl.col("samples").drop_nulls().first(), pl.col("tokens").drop_nulls().first(),
-            pl.col("tflops_per_gpu").drop_nulls().first(), pl.col("warmup").fill_null(False).any(),
-        )
-        .drop_nulls(["start_ns", "end_ns"])
-        .sort("iteration")
-    )
-
-
 def window_phrase(label: str) -> str:
     """What a summary's `window` label covers, in words (every figure shown names its window)."""
     if label == "steady":

@@ -20,7 +20,8 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from charllm.probes.core import paths
@@ -29,6 +30,7 @@ from charllm.probes.core.errors import UserError, plural
 STATUSES = ("pending", "running", "completed", "failed", "cancelled")
 FINAL_STATUSES = ("completed", "failed", "cancelled")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RUN_ID_STAMP = "%Y%m%d-%H%M%S"   # UTC: ids sort by start time
 # A chunk (NNNNNN.arrow, Arrow IPC) or a compacted file holding chunks NNNNNN..MMMMMM
 # (NNNNNN-MMMMMM.parquet); see probes/store/recorder.py.
 CHUNK_NAME = re.compile(r"^(\d{6,})(?:-(\d{6,}))?\.(?:arrow|parquet)$")
@@ -64,14 +66,54 @@ def node_chunks(directory: Path) -> list[tuple[int, int, Path]]:
     return out
 
 
-# The manifest fields readers rely on, and their JSON types (others are left to their writers).
-_MANIFEST_TYPES = {
-    "id": str, "kind": str, "name": str, "status": str, "failure": (str, type(None)), "note": str,
-    "target": dict, "nodes": list, "steps": list, "commands": list, "forced": list, "processes": list,
-    "supervisor": dict, "sampler": dict, "created_ns": int, "started_ns": (int, type(None)),
-    "ended_ns": (int, type(None)), "world_size": int, "slurm_job_id": str, "telemetry_lost": list,
-    "exit_codes": dict, "runtime": (dict, type(None)), "disk_full": str,
-}
+@dataclass(frozen=True)
+class Manifest:
+    """The manifest's fields readers rely on, typed. Each annotation is the field's JSON type when
+    present (manifest_problem checks it); an absent field reads as its default. Writers add other
+    fields freely: `RunDir.read_manifest()` keeps every field as the plain dict they update."""
+
+    id: str = ""
+    kind: str = ""                       # "probe" for a probe-only run
+    name: str = ""
+    status: str = "unknown"
+    failure: str | None = None
+    note: str = ""
+    target: dict = field(default_factory=dict)
+    nodes: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+    commands: list = field(default_factory=list)
+    forced: list = field(default_factory=list)
+    processes: list = field(default_factory=list)
+    supervisor: dict = field(default_factory=dict)
+    sampler: dict = field(default_factory=dict)
+    created_ns: int = 0
+    started_ns: int | None = None
+    ended_ns: int | None = None
+    world_size: int = 1
+    slurm_job_id: str = ""
+    telemetry_lost: list = field(default_factory=list)
+    exit_codes: dict = field(default_factory=dict)
+    runtime: dict | None = None
+    disk_full: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Manifest":
+        """The typed view of a manifest that manifest_problem passed."""
+        return cls(**{name: data[name] for name in _MANIFEST_TYPES if name in data})
+
+    @property
+    def target_name(self) -> str:
+        """The target it ran on; a probe-only run names its kind instead."""
+        return self.target.get("name", self.kind or "?")
+
+    @property
+    def final(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+
+# Each manifest field's JSON types, from Manifest's annotations (bool is never taken for int).
+_MANIFEST_TYPES = {f.name: typing.get_args(kind) or (kind,)
+                   for f in fields(Manifest) for kind in [typing.get_type_hints(Manifest)[f.name]]}
 _JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", list: "a list",
                dict: "an object", type(None): "null"}
 
@@ -81,7 +123,6 @@ def manifest_problem(data) -> str | None:
     if not isinstance(data, dict):
         return f"{_JSON_NAMES.get(type(data), type(data).__name__)} instead of an object"
     for name, kinds in _MANIFEST_TYPES.items():
-        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
         value = data.get(name)
         if name in data and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
             want = " or ".join(_JSON_NAMES[k] for k in kinds)
@@ -126,9 +167,16 @@ def check_node_name(node: str) -> str:
 
 def new_run_id(name: str) -> str:
     """A sortable, unique, shell-safe id: <UTC time>-<sanitised experiment name>."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    stamp = time.strftime(_RUN_ID_STAMP, time.gmtime())
     safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")[:80] or "run"
     return f"{stamp}-{safe}"
+
+
+def run_id_name(run_id: str) -> str | None:
+    """The name part of an id new_run_id made ("20250101-120000-gpt" -> "gpt"); None for another id."""
+    day, _, rest = run_id.partition("-")
+    clock, _, name = rest.partition("-")
+    return name if day.isdigit() and clock.isdigit() and name else None
 
 
 @dataclass(frozen=True)
@@ -186,6 +234,10 @@ class RunDir:
         if problem:
             raise UserError(f"{self.manifest_path}: damaged manifest, {problem}")
         return data
+
+    def manifest(self) -> Manifest:
+        """The typed manifest (read_manifest's checks and errors; a missing one is "unknown")."""
+        return Manifest.from_dict({"id": self.id, **self.read_manifest()})
 
     def write_manifest(self, manifest: dict) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -319,6 +371,24 @@ class RunDir:
         clean = [{k: _typed(r.get(k), dtype) for k, dtype in ITERATION_SCHEMA.items()} for r in rows]
         return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
 
+    def read_steps(self):
+        """One row per training step: the lines its ranks logged (rank 0 and the last rank both
+        log each step) merged, from the first start to the last end; a step without both times is
+        left out."""
+        import polars as pl  # deferred: loads polars (start-up time)
+
+        log = self.read_iterations().filter(pl.col("event") == "iteration")
+        return (
+            log.group_by("iteration")
+            .agg(
+                pl.col("start_ns").min(), pl.col("end_ns").max(),
+                pl.col("samples").drop_nulls().first(), pl.col("tokens").drop_nulls().first(),
+                pl.col("tflops_per_gpu").drop_nulls().first(), pl.col("warmup").fill_null(False).any(),
+            )
+            .drop_nulls(["start_ns", "end_ns"])
+            .sort("iteration")
+        )
+
     def iteration_records(self):
         """Each JSON line of the iteration log; a damaged line (half-written, binary, not JSON)
         is skipped, costing only itself."""
@@ -332,6 +402,16 @@ class RunDir:
                     yield record
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return
+
+
+def one_per_step(events: list[dict]) -> list[dict]:
+    """One iteration-log line per step, in step order: the first line logged for it (rank 0 and
+    the last rank both log each step). read_steps merges a step's lines instead, and the CLI's
+    follower prints the last rank's line (it carries the loss)."""
+    steps: dict = {}
+    for event in events:
+        steps.setdefault(event.get("iteration"), event)
+    return [steps[k] for k in sorted(steps, key=lambda k: (k is None, k))]
 
 
 def _typed(value, dtype):

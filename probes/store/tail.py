@@ -1,7 +1,7 @@
-"""Follow a run directory while it is written: new telemetry rows and new iteration-log lines.
+"""Follow a run directory while it is written: new telemetry rows, iteration-log lines and log lines.
 
-Both tails only ever read what is complete: chunk files appear whole (see recorder.py), and an
-iteration line counts once it ends with a newline.
+Each tail reads only what is complete: chunk files appear whole (see recorder.py), and an
+iteration-log or log line counts once it ends with a newline. `probes.store.follow` puts them together.
 """
 
 from __future__ import annotations
@@ -109,3 +109,37 @@ class IterationTail:
             if isinstance(event, dict):
                 events.append(event)
         return events
+
+
+class LogTail:
+    """`poll()` returns the complete lines appended to the run's logs (logs/*.log) since the
+    previous poll, each as "<log name>: <line>"; a log first seen shows only its last LOG_START bytes."""
+
+    LOG_START = 64_000
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.logs_dir = RunDir(Path(run_dir)).logs_dir
+        self._offsets: dict[Path, int] = {}
+
+    def poll(self) -> list[str]:
+        lines: list[str] = []
+        if not self.logs_dir.is_dir():
+            return lines
+        for path in sorted(self.logs_dir.glob("*.log")):
+            start = self._offsets.get(path, 0)
+            try:
+                size = path.stat().st_size
+                if size <= start:
+                    continue
+                pos = max(start, size - self.LOG_START)     # opening a long log shows only its end
+                with open(path, "rb") as fh:
+                    fh.seek(pos)
+                    data = fh.read(size - pos)
+            except OSError:
+                continue
+            complete, newline, _ = data.rpartition(b"\n")  # a half-written last line waits
+            if not newline:
+                continue
+            self._offsets[path] = pos + len(complete) + 1
+            lines += [f"{path.stem}: {line}" for line in complete.decode(errors="replace").splitlines()]
+        return lines

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from charllm.engine.launch.launcher import cancel, launch, PORT_AT_LAUNCH, watch
+from charllm.engine.launch.launcher import cancel, launch, PORT_AT_LAUNCH, reconcile
 from charllm.engine.launch.targets import get_target
 from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import plural
@@ -64,31 +64,35 @@ def follow(run_dir) -> int:
 
     import polars as pl
 
+    from charllm.probes.store.follow import (
+        follow as follow_run, NewIterations, NewTelemetry, StatusChanged)  # deferred: loads polars (start-up time)
+
     # Rank 0 and the last rank both log each step; the last rank's line carries the loss.
-    last_rank = RunDir(run_dir).read_manifest().get("world_size", 1) - 1
+    last_rank = RunDir(run_dir).manifest().world_size - 1
     seen = set()
     pending, last_headline = [], 0.0
     try:
-        for kind, value in watch(run_dir):
-            if kind == "status":
-                print(f"status: {value}", flush=True)
-            elif kind == "iteration":
-                key = (value.get("event"), value.get("iteration"))
-                if key not in seen and (key[0] != "iteration" or value.get("rank") == last_rank):
-                    seen.add(key)
-                    print(_iteration_line(value), flush=True)
-            elif kind == "telemetry":  # one headline every HEADLINE_S, over the rows since the last
-                pending.append(value)
+        for event in follow_run(run_dir, settle=reconcile):
+            if isinstance(event, StatusChanged):
+                print(f"status: {event.status}", flush=True)
+            elif isinstance(event, NewIterations):
+                for row in event.events:
+                    key = (row.get("event"), row.get("iteration"))
+                    if key not in seen and (key[0] != "iteration" or row.get("rank") == last_rank):
+                        seen.add(key)
+                        print(_iteration_line(row), flush=True)
+            elif isinstance(event, NewTelemetry):  # one headline every HEADLINE_S, over the rows since the last
+                pending.append(event.rows)
                 if time.monotonic() - last_headline >= HEADLINE_S:
                     print(_telemetry_line(pl.concat(pending, how="diagonal_relaxed")), flush=True)
                     pending, last_headline = [], time.monotonic()
     except KeyboardInterrupt:
         print("cancelling...", flush=True)
         cancel(run_dir)
-    manifest = RunDir(run_dir).read_manifest()
-    if manifest.get("failure"):
-        print(f"failed: {manifest['failure']}")
-    return {"completed": 0, "cancelled": 130}.get(manifest.get("status"), 1)
+    manifest = RunDir(run_dir).manifest()
+    if manifest.failure:
+        print(f"failed: {manifest.failure}")
+    return {"completed": 0, "cancelled": 130}.get(manifest.status, 1)
 
 
 HEADLINE_S = 2.0

@@ -23,9 +23,9 @@ from textual.message import Message
 from textual.widgets import DataTable, Label, Select, Static
 
 from charllm.probes.analysis import baselines, compare
-from charllm.probes.analysis.summary import per_iteration, read_iterations
+from charllm.probes.analysis.summary import per_iteration
 from charllm.probes.core.errors import UserError
-from charllm.probes.store.rundir import resolve_run
+from charllm.probes.store.rundir import resolve_run, run_id_name
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import Chart
 
@@ -207,7 +207,7 @@ def per_iteration_curves(refs: list[str]) -> dict:
             points = per_it.select("iteration", curve).drop_nulls()
             if points.height:
                 curves[curve][label] = (points["iteration"].to_list(), points[curve].to_list())
-        its = read_iterations(rd)
+        its = rd.read_steps()
         if its.height:
             curves["iter_time_s"][label] = (its["iteration"].to_list(),
                                             ((its["end_ns"] - its["start_ns"]) / 1e9).to_list())
@@ -216,6 +216,4 @@ def per_iteration_curves(refs: list[str]) -> dict:
 
 def short_id(run_id: str) -> str:
     """A run id without its 'YYYYMMDD-HHMMSS-' stamp (chart legends are narrow)."""
-    stamp, _, rest = run_id.partition("-")
-    time_part, _, name = rest.partition("-")
-    return name if stamp.isdigit() and time_part.isdigit() and name else run_id[-24:]
+    return run_id_name(run_id) or run_id[-24:]

@@ -1,7 +1,7 @@
 """Live: power, temperatures, SM clock and throttling per GPU, iteration speed, ranks and log.
 
 A thread worker (`LiveScreen.feed`) follows one source — a run directory through
-`probes.store.tail.TelemetryTail` / `IterationTail` (live or recorded: a finished run replays whole),
+`probes.store.follow.RunFollower` (live or recorded: a finished run replays whole),
 or, with no run selected, this machine's host telemetry from an in-process `probes.sampler.Sampler`
 — and posts a `LiveScreen.Frame` about four times a second. The UI thread only draws.
 """
@@ -28,7 +28,8 @@ from textual.worker import get_current_worker
 
 from charllm.probes import backends, sampler
 from charllm.probes.backends.base import hostname
-from charllm.probes.store import rundir, tail
+from charllm.probes.store import rundir
+from charllm.probes.store.follow import NewIterations, NewLogLines, NewTelemetry, RunFollower
 from charllm.probes.store.schema import conform
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import MAX_POINTS, Chart
@@ -82,45 +83,26 @@ class Frame(Message):
 
 
 class RunSource:
-    """New telemetry rows, iteration events and log lines of a run directory."""
+    """New telemetry rows, iteration events and log lines of a run directory (probes.store.follow)."""
 
     def __init__(self, run_dir: Path):
-        self.run = rundir.RunDir(Path(run_dir))
-        self.name = self.run.id
-        self.telemetry = tail.TelemetryTail(run_dir)
-        self.iterations = tail.IterationTail(run_dir)
-        self._log_offsets: dict[Path, int] = {}
+        self.follower = RunFollower(run_dir)
+        self.name = self.follower.run.id
 
     def status(self) -> str:
-        m = self.run.read_manifest()
-        target = (m.get("target") or {}).get("name", m.get("kind", "?"))
-        return f"{m.get('status', 'unknown')} · target {target}"
+        m = self.follower.manifest or self.follower.run.manifest()
+        return f"{m.status} · target {m.target_name}"
 
     def poll(self):
-        return self.telemetry.poll(), self.iterations.poll(), self._new_log_lines()
-
-    def _new_log_lines(self) -> list[str]:
-        lines: list[str] = []
-        if not self.run.logs_dir.is_dir():
-            return lines
-        for path in sorted(self.run.logs_dir.glob("*.log")):
-            start = self._log_offsets.get(path, 0)
-            try:
-                size = path.stat().st_size
-                if size <= start:
-                    continue
-                pos = max(start, size - 64_000)             # opening a long log shows only its end
-                with open(path, "rb") as fh:
-                    fh.seek(pos)
-                    data = fh.read(size - pos)
-            except OSError:
-                continue
-            complete, newline, _ = data.rpartition(b"\n")  # a half-written last line waits
-            if not newline:
-                continue
-            self._log_offsets[path] = pos + len(complete) + 1
-            lines += [f"{path.stem}: {line}" for line in complete.decode(errors="replace").splitlines()]
-        return lines
+        rows, events, log_lines = None, [], []
+        for event in self.follower.poll():
+            if isinstance(event, NewTelemetry):
+                rows = event.rows
+            elif isinstance(event, NewIterations):
+                events = event.events
+            elif isinstance(event, NewLogLines):
+                log_lines = event.lines
+        return rows, events, log_lines
 
     def close(self) -> None:
         pass
@@ -236,7 +218,7 @@ class LiveScreen(WorkbenchScreen):
         self._shown.clear()
         finished = False
         if run_dir is not None:
-            finished = rundir.RunDir(run_dir).status in ("completed", "failed", "cancelled")
+            finished = rundir.RunDir(run_dir).manifest().final
         self.window = len(WINDOWS_S) - 1 if finished else DEFAULT_WINDOW   # a replay shows it all
         self.feed(run_dir)
 
@@ -487,12 +469,9 @@ def _throttle_glyph(bits: int) -> tuple[str, str]:
 def iterations_text(events: list[dict]) -> str:
     """The latest iteration and the recent mean of iteration time and tokens/s, named as such: the
     last 10 steady steps (Runs, Compare and `summarize` give the whole steady window)."""
-    done = {}
-    for e in events:   # one line per step (rank 0 and the last rank both write one)
-        done.setdefault(e.get("iteration"), e)
-    if not done:
+    steps = rundir.one_per_step(events)   # rank 0 and the last rank both write one
+    if not steps:
         return "[b]iterations[/]  none yet"
-    steps = [done[k] for k in sorted(done)]
     last = steps[-1]
     recent = [e for e in steps[-10:] if not e.get("warmup")] or steps[-10:]
     secs = [(e["end_ns"] - e["start_ns"]) / 1e9 for e in recent if e.get("end_ns") and e.get("start_ns")]

@@ -1,9 +1,13 @@
 """The run directory contract: ids, resolution, manifest, deletion rules."""
 
+import json
+import re
+
 import pytest
 
 from charllm.probes.core.errors import UserError
-from charllm.probes.store.rundir import RunDir, check_run_id, resolve_run
+from charllm.probes.store.rundir import (check_run_id, Manifest, manifest_problem, new_run_id, one_per_step,
+                                         resolve_run, run_id_name, RunDir)
 
 
 def _run(root, run_id, status):
@@ -44,3 +48,64 @@ def test_manifest_updates_are_whole_files(tmp_path):
     rd.update_manifest(status="running", started_ns=5)
     assert rd.read_manifest() == {"id": "r1", "status": "running", "started_ns": 5}
     assert not list(rd.path.glob(".*.tmp"))
+
+
+def test_run_ids_are_built_and_taken_apart_in_one_place():
+    made = new_run_id("llama 8b / tp2")
+    assert re.fullmatch(r"\d{8}-\d{6}-llama-8b-tp2", made), made
+    assert run_id_name(made) == "llama-8b-tp2"
+    assert run_id_name("20251121-080000-demo-8gpu") == "demo-8gpu"
+    for other in ("run-a", "imported", "20251121-demo", "20251121-080000-", "2025x121-080000-a"):
+        assert run_id_name(other) is None, other
+
+
+def test_the_typed_manifest_reads_each_field_and_defaults_what_is_absent(tmp_path):
+    rd = RunDir(tmp_path / "20260101-000000-a")
+    assert rd.manifest() == Manifest(id="20260101-000000-a", status="unknown")   # none written yet
+    rd.write_manifest({"id": rd.id, "kind": "train", "status": "failed", "failure": "rank 3 died",
+                       "target": {"name": "lab", "kind": "ssh"}, "world_size": 4, "started_ns": 5,
+                       "ended_ns": None, "slurm_state": "written by the supervisor, not modelled"})
+    m = rd.manifest()
+    assert (m.status, m.failure, m.world_size, m.started_ns, m.ended_ns) == ("failed", "rank 3 died", 4, 5, None)
+    assert m.final and m.target_name == "lab" and m.nodes == [] and m.runtime is None
+    assert rd.read_manifest()["slurm_state"] == "written by the supervisor, not modelled"  # writers keep it
+    probe = Manifest.from_dict({"kind": "probe", "status": "running"})
+    assert probe.target_name == "probe" and not probe.final and probe.world_size == 1
+    assert Manifest().target_name == "?"
+
+
+@pytest.mark.parametrize("data, problem", [
+    ({"world_size": True}, "field 'world_size' is true/false, expected an integer"),
+    ({"failure": 3}, "field 'failure' is an integer, expected a string or null"),
+    ({"target": "x", "nodes": 3}, "field 'target' is a string, expected an object"),
+    ({"runtime": []}, "field 'runtime' is a list, expected an object or null"),
+    ({"status": "done"}, "field 'status' = 'done', expected one of pending, running, completed, failed, cancelled"),
+])
+def test_the_typed_manifest_refuses_a_damaged_file_as_one_line(tmp_path, data, problem):
+    rd = RunDir(tmp_path / "r")
+    rd.path.mkdir()
+    rd.manifest_path.write_text(json.dumps(data))
+    with pytest.raises(UserError) as caught:
+        rd.manifest()
+    assert str(caught.value) == f"{rd.manifest_path}: damaged manifest, {problem}"
+    assert manifest_problem({"failure": None, "started_ns": None, "world_size": 2}) is None
+
+
+def test_steps_one_row_per_step_merged_or_first_line(tmp_path):
+    rows = [{"event": "start", "rank": 0},
+            {"event": "iteration", "iteration": 2, "rank": 0, "start_ns": 20, "end_ns": 29, "warmup": False},
+            {"event": "iteration", "iteration": 1, "rank": 0, "start_ns": 10, "end_ns": 18, "warmup": True},
+            {"event": "iteration", "iteration": 1, "rank": 1, "start_ns": 11, "end_ns": 19, "loss": 2.5,
+             "samples": 8, "tokens": 256},
+            {"event": "iteration", "iteration": 3, "rank": 1, "start_ns": 30}]      # no end: left out
+    rd = RunDir(tmp_path / "r")
+    rd.path.mkdir()
+    rd.iterations_path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"event": "iter')
+    steps = rd.read_steps()
+    assert steps.to_dicts() == [
+        {"iteration": 1, "start_ns": 10, "end_ns": 19, "samples": 8, "tokens": 256, "tflops_per_gpu": None,
+         "warmup": True},
+        {"iteration": 2, "start_ns": 20, "end_ns": 29, "samples": None, "tokens": None, "tflops_per_gpu": None,
+         "warmup": False}]
+    first = one_per_step([r for r in rows if r["event"] == "iteration"])
+    assert [(r["iteration"], r["rank"]) for r in first] == [(1, 0), (2, 0), (3, 1)]
