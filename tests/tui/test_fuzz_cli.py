@@ -19,7 +19,7 @@ import pytest
 
 from charllm.engine.model.experiment import Experiment
 from infra_fuzz import HANG_S, Outcome, call, tree
-from runfactory import gpu_frame, iteration_rows, make_run
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 
 SEED = 13
 # One usage or input error: ours ("charllm-tui: error: ...") or argparse's ("charllm-tui CMD: error: ...").
