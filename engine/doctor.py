@@ -56,8 +56,8 @@ from charllm.probes.backends import inventory, open_backends
 from charllm.probes.backends.base import check_hz, hostname
 from charllm.probes.core import lifeline
 from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.formatting import gib
 
-GIB = 1 << 30
 SAMPLING_HZ = (20.0, 100.0)
 SAMPLE_SECONDS = 2.0
 TRAIN_ITERS = 10
@@ -158,14 +158,14 @@ def match_hardware(devices: list[dict]) -> tuple[str | None, str]:
     if len(names) > 1:
         return None, f"mixed GPUs ({', '.join(names)}): say which preset with --hardware NAME"
     name, total = devices[0]["name"], min(d["total_bytes"] for d in devices)
-    seen = f"{name!r} with {total / GIB:.2f} GiB"
+    seen = f"{name!r} with {gib(total)}"
     lowered = name.lower()
     for preset, wants, refuses in GPU_PRESETS:
         if all(w.lower() in lowered for w in wants) and not any(r.lower() in lowered for r in refuses):
             hw = Hardware.load(preset)
             expected = hw.usable_bytes or hw.memory_bytes
             if abs(total - expected) <= MEMORY_TOLERANCE * expected:
-                return preset, f"{len(devices)} x {name}, {total / GIB:.2f} GiB"
+                return preset, f"{len(devices)} x {name}, {gib(total)}"
     return None, (f"unknown GPU {seen}: no hardware preset matches; pass --hardware NAME "
                   "(`charllm-tui presets list hardware`, or add one to <config>/hardware/)")
 
@@ -455,7 +455,7 @@ def gather(*, hardware: str | None = None, train: bool = False, node: str | None
             try:
                 exp, plan = train_experiment(hw, len(report["devices"]), iters)
                 say(f"{node}: train check: {exp.model.name}, {exp.world_size} process(es), planned peak "
-                    f"{plan.stages[-1].total_bytes / GIB:.2f} GiB per device")
+                    f"{gib(plan.stages[-1].total_bytes)} per device")
                 report["train"] = run_train(exp, plan, node=node, progress=say, timeout=timeout, stop=stop)
                 say(f"{node}: train check: done")
             except CheckFailed as exc:

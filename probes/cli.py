@@ -10,6 +10,7 @@ from charllm.probes.backends import inventory, open_backends
 from charllm.probes.backends.base import check_hz
 from charllm.probes.core import paths
 from charllm.probes.core.errors import plural, UserError
+from charllm.probes.core.formatting import GIB
 from charllm.probes.store.rundir import check_node_name, RunDir
 
 MAX_DURATION_S = 366 * 24 * 3600
@@ -221,7 +222,7 @@ class _LiveTable:
                 if value is None:
                     cells.append("–")
                 elif col == "mem_used_bytes":
-                    cells.append(fmt.format(value / 2**30))
+                    cells.append(fmt.format(value / GIB))
                 elif col == "throttle_reasons":
                     cells.append(",".join(n for n, bit in THROTTLE_BITS.items() if value & bit and n != "gpu_idle") or "-")
                 else:

@@ -128,6 +128,8 @@ def run() -> None:
         for name in ("CONFIG", "DATA", "RUNS"):
             os.environ[f"CHARLLM_{name}_DIR"] = str(Path(tmp) / name.lower())
         socket.gethostname = lambda: "node0"       # the dry run names the host
+        os.environ["TZ"] = "UTC"                  # the Runs screen shows local time: the same on every machine
+        time.tzset()
         asyncio.run(main(args.out, set(args.only)))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -13,6 +14,10 @@ import pytest
 _SESSION_DIR = tempfile.mkdtemp(prefix="charllm-tests-")
 for _kind in ("CONFIG", "DATA", "RUNS"):
     os.environ[f"CHARLLM_{_kind}_DIR"] = os.path.join(_SESSION_DIR, _kind.lower())
+# Times show in the local zone (probes/core/formatting.py): pin it, so the screens' snapshots are
+# the same on every machine.
+os.environ["TZ"] = "UTC"
+time.tzset()
 
 
 @pytest.fixture

@@ -1,20 +1,26 @@
 """Deterministic recorded runs for snapshot tests, screenshots and benchmarks.
 
 `make_demo_run()` writes a complete run directory — manifest, experiment, iteration log, logs and
-telemetry chunks — from the simulated backend driven by a fixed clock and seed, so every byte
+telemetry chunks, through the one synthetic-run builder (`charllm.probes.store.synthetic`) — from
+the simulated backend driven by a fixed clock and seed, so every byte
 (and every pixel of the screens that show it) is the same on every machine. Everything it writes
 says it is simulated (`simulated = true` rows, `"simulated": true` in the manifest).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+import polars as pl
+
 from charllm.engine import doctor
 from charllm.engine.model import calibration
 from charllm.engine.model.experiment import Cluster, Experiment, Hardware, ModelSpec
 from charllm.probes.backends import open_backend
-from charllm.probes.store.rundir import RunDir, run_id_name
+from charllm.probes.core.formatting import GIB
+from charllm.probes.store.rundir import run_id_name
+from charllm.probes.store.schema import conform
+from charllm.probes.store.synthetic import make_run, write_telemetry
 
 T0_NS = 1_763_712_000_000_000_000        # 2025-11-21 08:00:00 UTC: the fixed clock's zero
 
@@ -23,13 +29,6 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
                   seconds: float = 40.0, hz: float = 10.0, seed: int = 7, iteration_s: float = 1.2,
                   power_limit_w: float | None = 550.0, status: str = "completed",
                   hardware: str = "h100-sxm-80gb", model: str = "llama3-8b") -> Path:
-    import polars as pl
-
-    from charllm.probes.store.recorder import ChunkWriter  # deferred: loads polars (start-up time)
-    from charllm.probes.store.schema import conform  # deferred: loads polars (start-up time)
-
-    rd = RunDir(Path(root) / run_id)
-    rd.logs_dir.mkdir(parents=True, exist_ok=True)
     exp = Experiment(name=run_id_name(run_id) or run_id, model=ModelSpec.load(model),
                      hardware=Hardware.load(hardware), cluster=Cluster(nodes=nodes, gpus_per_node=gpus))
     # 8 sequences of 8192 tokens in 1.2 s on 8 H100s: about 40% MFU for Llama-3 8B, as measured runs give
@@ -37,7 +36,6 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
     exp.training.bf16 = True
     exp.parallel.use_distributed_optimizer = True
     exp.training.train_iters = int(seconds / iteration_s)
-    exp.save(rd.experiment_path)
 
     # The iteration log first: the simulator's load follows it (busy inside iterations).
     ns = 10**9
@@ -48,18 +46,21 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
         end = start + int((iteration_s - 0.1 - 0.02 * (i % 3)) * ns)
         events.append({"event": "iteration", "iteration": i, "rank": 0, "node": "node0", "start_ns": start,
                        "end_ns": end, "loss": round(10.5 - 0.12 * i, 4), "grad_norm": 1.0,
-                       "samples": exp.training.global_batch_size, "tokens": tokens, "mem_peak_bytes": 61 * 1024**3, "mem_reserved_bytes": 64 * 1024**3,
-                       "tflops_per_gpu": 388.0 + i % 5,
-                       "warmup": i <= 2})
+                       "samples": exp.training.global_batch_size, "tokens": tokens, "mem_peak_bytes": 61 * GIB,
+                       "mem_reserved_bytes": 64 * GIB, "tflops_per_gpu": 388.0 + i % 5, "warmup": i <= 2})
     events.append({"event": "end", "status": status, "rank": 0, "node": "node0",
                    "end_ns": T0_NS + int(seconds * ns)})
-    rd.iterations_path.write_text("".join(json.dumps(e) + "\n" for e in events))
-    (rd.logs_dir / "rank0.log").write_text("".join(
-        f"iteration {e['iteration']:>4} | loss {e['loss']:.4f} | {(e['end_ns'] - e['start_ns']) / 1e6:.0f} ms\n"
-        for e in events if e["event"] == "iteration"))
+    log = "".join(f"iteration {e['iteration']:>4} | loss {e['loss']:.4f} | {(e['end_ns'] - e['start_ns']) / 1e6:.0f} ms\n"
+                  for e in events if e["event"] == "iteration")
+    manifest = {"id": run_id, "kind": "train", "name": exp.name, "status": status, "simulated": True,
+                "created_ns": T0_NS, "started_ns": T0_NS, "ended_ns": T0_NS + int(seconds * ns),
+                "target": {"name": "local", "kind": "local"},
+                "nodes": [f"node{n}" for n in range(nodes)], "world_size": nodes * gpus}
+    rd = make_run(root, run_id=run_id, manifest=manifest, experiment=exp.to_toml(), iterations=events,
+                  logs={"rank0.log": log})
 
+    frames = []
     for n in range(nodes):
-        node = f"node{n}"
         now = [0.0]
         sim = open_backend("sim", gpus=gpus, seed=seed + n, clock=lambda: now[0], profile="iterations:" + str(rd.path),
                            hardware=hardware, power_limit_w=power_limit_w, tau_s=6.0)
@@ -69,17 +70,10 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
             ts = T0_NS + int(k / hz * ns)
             it = next((e["iteration"] for e in events[1:-1] if e["start_ns"] <= ts <= e["end_ns"]), None)
             for row in sim.sample():
-                row.update(ts_ns=ts, mono_ns=int(k / hz * ns), node=node, iteration=it, missed_deadlines=0)
+                row.update(ts_ns=ts, mono_ns=int(k / hz * ns), node=f"node{n}", iteration=it, missed_deadlines=0)
                 rows.append(row)
-        frame = conform(pl.from_dicts(rows, infer_schema_length=None))
-        writer = ChunkWriter(rd.node_telemetry_dir(node))
-        step = int(hz * 10) * gpus                      # ten-second chunks, as a sampler would flush
-        for lo in range(0, frame.height, step):
-            writer.write(frame.slice(lo, step))
-    rd.write_manifest({"id": rd.id, "kind": "train", "name": exp.name, "status": status, "simulated": True,
-                       "created_ns": T0_NS, "started_ns": T0_NS, "ended_ns": T0_NS + int(seconds * ns),
-                       "target": {"name": "local", "kind": "local"},
-                       "nodes": [f"node{n}" for n in range(nodes)], "world_size": nodes * gpus})
+        frames.append(conform(pl.from_dicts(rows, infer_schema_length=None)))
+    write_telemetry(rd, frames, chunk_rows=int(hz * 10) * gpus)  # ten-second chunks, as a sampler would flush
     return rd.path
 
 

@@ -29,6 +29,7 @@ from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, os_error_line, plural
+from charllm.probes.core.formatting import clock, size
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, new_run_id, remove_abandoned_staging, status_line
 
 TRAIN_MODULE = "charllm.engine.workload.train"
@@ -85,14 +86,12 @@ def problems(exp) -> list[str]:
     found = list(report.runtime_problems)
     if report.verdict == "does not fit":   # a tight plan launches: the allocator may still manage
         stage = report.peak_stage
-        found.append(f"memory: peak {_size(report.peak_bytes)} on pipeline stage {stage} exceeds the "
-                     f"{_size(report.budget.allocator_bytes)} the allocator may use per device of "
+        found.append(f"memory: peak {size(report.peak_bytes, 1)} on pipeline stage {stage} exceeds the "
+                     f"{size(report.budget.allocator_bytes, 1)} the allocator may use per device of "
                      f"{exp.hardware.name!r} (charllm-tui plan shows the arithmetic)")
     return found
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _fit_to_target(exp, target: Target, nproc: int | None):
@@ -323,7 +322,7 @@ def reconcile(rd: RunDir) -> str:
     manifest = rd.read_manifest()
     if manifest.get("status") in FINAL_STATUSES:  # it wrote its last word just now
         return manifest["status"]
-    found = time.strftime("%H:%M:%S")
+    found = clock()
     if probe_only:
         return _record(rd, status="failed", ended_ns=time.time_ns(),
                        failure=f"the sampler died (found at {found}); telemetry up to then is kept")

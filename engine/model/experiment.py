@@ -33,6 +33,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from charllm.engine.model import catalog
 from charllm.probes.core import paths
+from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, did_you_mean
 
 
@@ -454,10 +455,7 @@ class Experiment:
         text = self.to_toml()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-        return path
+        return write_atomic(path, text)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "experiment") -> "Experiment":

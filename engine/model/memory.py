@@ -29,13 +29,11 @@ from charllm.engine.model import calibration, runtime
 from charllm.engine.model.experiment import Experiment, parse_pipeline_layout
 from charllm.engine.model.validate import ignored
 from charllm.probes.core.errors import UserError
-
-GIB = 1 << 30
+from charllm.probes.core.formatting import MIB, size
 
 # Allocations that stay between iterations beyond weights/grads/optimizer state (measured on H100,
 # see tests/engine/model/test_memory_validation.py): RNG states, autograd/NCCL-registered buffers, loss-scaler
 # and grad-norm scalars, and the cuBLAS/cuDNN workspaces Transformer Engine takes from the allocator.
-MIB = 1 << 20
 BASE_WORKSPACE_BYTES = 32 * MIB
 TE_WORKSPACE_BYTES = 64 * MIB
 # TE's grouped GEMM keeps one 32 MiB cuBLAS workspace per stream, 4 streams.
@@ -988,7 +986,7 @@ class Budget:
         return self.usable_bytes - self.outside_allocator_bytes - self.dispatcher_bytes
 
     def dispatcher_text(self) -> str:
-        return f" - {_gib(self.dispatcher_bytes)} DeepEP buffers (flex dispatcher)" if self.dispatcher_bytes else ""
+        return f" - {size(self.dispatcher_bytes)} DeepEP buffers (flex dispatcher)" if self.dispatcher_bytes else ""
 
     def reserve(self, churn_bytes):
         """Bytes the allocator reserves beyond the allocated peak (numbers or numpy arrays)."""
@@ -996,9 +994,9 @@ class Budget:
 
     def describe(self) -> str:
         """The device side of every verdict, with where each figure comes from."""
-        return (f"usable {_gib(self.usable_bytes)} per device ({self.usable_source}) - "
-                f"{_gib(self.outside_allocator_bytes)} outside the allocator (CUDA context, NCCL; "
-                f"{self.outside_source}){self.dispatcher_text()} = {_gib(self.allocator_bytes)} for the allocator; it reserves "
+        return (f"usable {size(self.usable_bytes)} per device ({self.usable_source}) - "
+                f"{size(self.outside_allocator_bytes)} outside the allocator (CUDA context, NCCL; "
+                f"{self.outside_source}){self.dispatcher_text()} = {size(self.allocator_bytes)} for the allocator; it reserves "
                 f"{self.reserve_fraction:.0%} of each iteration's churn beyond the allocated peak "
                 f"({self.segments_text()}; {self.reserve_source})")
 
@@ -1009,27 +1007,24 @@ class Budget:
         """The verdict for `stage`, in three lines of arithmetic."""
         total, reserve = stage.total_bytes, stage.reserve_bytes
         lines = [
-            f"allocator: usable {_gib(self.usable_bytes)} ({self.usable_source}) - "
-            f"{_gib(self.outside_allocator_bytes)} outside it: CUDA context, NCCL ({self.outside_source})"
-            f"{self.dispatcher_text()} = {_gib(self.allocator_bytes)}",
-            f"stage {stage.pp_rank}: allocated peak {_gib(total)} + reserved beyond it {_gib(reserve)} "
-            f"({self.reserve_fraction:.0%} of {_gib(stage.churn_bytes)} allocated and freed each iteration, "
-            f"{self.segments_text()}; {self.reserve_source}) = {_gib(total + reserve)}",
+            f"allocator: usable {size(self.usable_bytes)} ({self.usable_source}) - "
+            f"{size(self.outside_allocator_bytes)} outside it: CUDA context, NCCL ({self.outside_source})"
+            f"{self.dispatcher_text()} = {size(self.allocator_bytes)}",
+            f"stage {stage.pp_rank}: allocated peak {size(total)} + reserved beyond it {size(reserve)} "
+            f"({self.reserve_fraction:.0%} of {size(stage.churn_bytes)} allocated and freed each iteration, "
+            f"{self.segments_text()}; {self.reserve_source}) = {size(total + reserve)}",
         ]
         room = self.allocator_bytes - total
         if stage.verdict == FITS:
-            lines.append(f"fits: {_gib(stage.headroom_bytes)} to spare")
+            lines.append(f"fits: {size(stage.headroom_bytes)} to spare")
         elif stage.verdict == TIGHT:
-            lines.append(f"tight: the allocated peak fits with {_gib(room)} left, less than the "
-                         f"{_gib(reserve)} the allocator reserves beyond it; it may run out of memory")
+            lines.append(f"tight: the allocated peak fits with {size(room)} left, less than the "
+                         f"{size(reserve)} the allocator reserves beyond it; it may run out of memory")
         else:
-            lines.append(f"does not fit: the allocated peak alone is {_gib(-room)} over")
+            lines.append(f"does not fit: the allocated peak alone is {size(-room)} over")
         return lines
 
 
-def _gib(n: float) -> str:
-    """Bytes for the arithmetic lines: GiB, or MiB below one GiB (a CPU run's model is small)."""
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
 
 
 def budget(exp: Experiment) -> Budget:

@@ -50,7 +50,9 @@ import polars as pl
 from charllm.engine.model.experiment import Experiment, Hardware
 from charllm.engine.model.flops import flops_per_iteration
 from charllm.probes.core import paths
+from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError
+from charllm.probes.core.formatting import binary_scale
 from charllm.probes.store.rundir import FINAL_STATUSES, resolve_run, RunDir, write_json_atomic
 from charllm.probes.store.schema import TELEMETRY_SCHEMA, THROTTLE_BITS, THROTTLE_PERF_MASK
 
@@ -158,9 +160,7 @@ def _write_cache(df: pl.DataFrame, cache: Path, meta: Path, key: dict) -> None:
     """Keep a finished run's result (atomically; a read-only run directory keeps nothing)."""
     try:
         cache.parent.mkdir(exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        df.write_parquet(tmp)
-        tmp.replace(cache)
+        write_atomic(cache, df.write_parquet)
         write_json_atomic(meta, key)
     except OSError:
         pass
@@ -376,9 +376,7 @@ def format_figure(metric: str, value) -> str:
     if unit == "%" and metric.endswith("_frac"):
         value *= 100
     if unit == "B":
-        scale, unit = next(((s, u) for s, u in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
-                            if abs(value) >= s), (1, "B"))
-        value /= scale
+        value, unit = binary_scale(value)
     elif unit in ("J", "s") and value and not (unit == "s" and abs(value) >= 1):
         scale, prefix = next(((s, p) for s, p in _PREFIXES if abs(value) >= s), _PREFIXES[-1])
         value, unit = value / scale, prefix + unit
@@ -905,12 +903,7 @@ def write_summary(df: pl.DataFrame, target: str | os.PathLike, fmt: str | None =
         raise UserError(f"--out {str(path)!r}: unknown format; use a .parquet, .csv, .json, .md or .txt name, "
                         "or give --format")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    if fmt == "parquet":
-        df.write_parquet(tmp)
-    else:
-        tmp.write_text(render(df, fmt))
-    tmp.replace(path)
+    write_atomic(path, df.write_parquet if fmt == "parquet" else render(df, fmt))
     return None
 
 

@@ -30,11 +30,11 @@ from typing import Callable
 from charllm.probes.backends.base import Backend, Device
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
+from charllm.probes.core.formatting import GIB
 from charllm.probes.store.rundir import resolve_run
 from charllm.probes.store.schema import THROTTLE_BITS
 
 PROFILES = ("steady", "bursty", "iterations")
-GIB = 1024 ** 3
 
 
 @dataclass(frozen=True)

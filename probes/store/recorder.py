@@ -1,6 +1,6 @@
 """Crash-safe telemetry recording: Arrow IPC files that are complete or invisible.
 
-Every `write(df)` produces one chunk: written as a hidden `.NNNNNN.arrow.tmp`, fsynced, then
+Every `write(df)` produces one chunk: written as a hidden `.NNNNNN.arrow.PID.tmp`, fsynced, then
 atomically renamed to `NNNNNN.arrow`. A reader (polars, TelemetryTail) therefore only ever sees
 whole files, and `kill -9` of the sampler loses at most the rows not yet handed to `write` —
 the sampler hands over a batch at least every second.
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import polars as pl
 
+from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, is_disk_full, mount_point
 from charllm.probes.store.rundir import chunk_span, node_chunks
 from charllm.probes.store.schema import ID_COLUMNS, TELEMETRY_SCHEMA, conform
@@ -52,13 +53,13 @@ def compact_frame(frame: pl.DataFrame) -> pl.DataFrame:
     return frame.select(keep).sort(DEVICE_KEYS, maintain_order=True)
 
 
-def write_parquet(frame: pl.DataFrame, path: Path) -> Path:
+def write_parquet(frame: pl.DataFrame, path: Path, *, sync_dir: bool = False) -> Path:
     """Write finished telemetry (`compact_frame`) to `path` atomically: hidden, fsynced, renamed.
 
     A failed write (a full disk) removes its hidden file and raises; nothing half-written stays.
     """
     return _write_atomic(path, lambda tmp: compact_frame(frame).write_parquet(
-        tmp, compression="zstd", row_group_size=ROW_GROUP_ROWS, statistics=True))
+        tmp, compression="zstd", row_group_size=ROW_GROUP_ROWS, statistics=True), sync_dir=sync_dir)
 
 
 class DiskFull(UserError):
@@ -71,19 +72,13 @@ class DiskFull(UserError):
                          "written before is kept")
 
 
-def _write_atomic(final: Path, write) -> Path:
-    tmp = final.with_name(f".{final.name}.tmp")
+def _write_atomic(final: Path, write, sync_dir: bool = False) -> Path:
     try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
+        return write_atomic(final, write, sync_dir=sync_dir)
+    except Exception as exc:  # noqa: BLE001 - polars reports a full disk as its own error too
         if is_disk_full(exc):
             raise DiskFull(final.parent) from None
         raise
-    return final
 
 
 class ChunkWriter:
@@ -106,7 +101,7 @@ class ChunkWriter:
         """Continue after the files a previous writer left, finishing what a crash interrupted."""
         names = os.listdir(self.dir)
         for name in names:
-            if name.startswith(".") and name.endswith((".arrow.tmp", ".parquet.tmp")):
+            if name.startswith(".") and name.endswith(".tmp"):
                 (self.dir / name).unlink(missing_ok=True)  # never renamed: no reader saw it
         live = node_chunks(self.dir)
         kept = {path.name for _, _, path in live}
@@ -149,8 +144,8 @@ class ChunkWriter:
         if not frames:
             return None
         frame = pl.concat(frames)
-        merged = write_parquet(frame, self.dir / f"{first:06d}-{last:06d}.parquet")
-        self._fsync_dir()  # the compacted file is durable before any chunk it holds goes
+        # sync_dir: the compacted file is durable before any chunk it holds goes
+        merged = write_parquet(frame, self.dir / f"{first:06d}-{last:06d}.parquet", sync_dir=True)
         self.compactions += 1
         self._merged, self._open = self._open, []
         if delete_now:
@@ -161,13 +156,6 @@ class ChunkWriter:
     def close(self) -> None:
         """Compact what is left, so a finished recording is a few large files."""
         self.compact(delete_now=True)
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     @staticmethod
     def _delete(paths: list[Path]) -> None:

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from charllm.probes.core import paths
+from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.formatting import clock
 
 STATUSES = ("pending", "running", "completed", "failed", "cancelled")
 FINAL_STATUSES = ("completed", "failed", "cancelled")
@@ -133,20 +135,8 @@ def manifest_problem(data) -> str | None:
 
 
 def write_json_atomic(path: Path, data) -> None:
-    """Write JSON so a reader never sees half a file (write a sibling, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)  # a full disk leaves the old file, and no half of a new one
-        if isinstance(exc, OSError) and not exc.filename:
-            exc.filename = str(path)  # a failed write names no file; the user needs to know which
-        raise
+    """Write JSON (indented, keys sorted) so a reader never sees half a file."""
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def check_run_id(run_id: str) -> str:
@@ -437,7 +427,7 @@ def status_line(manifest: dict) -> str:
     lost = manifest.get("telemetry_lost")
     for entry in lost if isinstance(lost, list) else []:
         if isinstance(entry, dict) and isinstance(entry.get("at_ns"), int):
-            at = time.strftime("%H:%M:%S", time.localtime(entry["at_ns"] / 1e9))
+            at = clock(entry["at_ns"])
             line += f", telemetry lost at {at} (node {entry.get('node', '?')})"
     if manifest.get("disk_full") and "disk full" not in str(manifest.get("failure")):
         line += f", {manifest['disk_full']}"

@@ -14,7 +14,7 @@ import pytest
 from charllm.engine.model.experiment import Experiment
 from charllm.tui.cli import EXIT_STATUS
 from infra_cli import one_error_line, run
-from runfactory import gpu_frame, iteration_rows, make_run
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 
 
 def test_help_states_the_convention(capsys):

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from charllm.engine.model.experiment import Experiment
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 from infra_fuzz import BLOCKED_S, HANG_S, Outcome, call, tree
-from runfactory import gpu_frame, iteration_rows, make_run
 
 SEED = 13
 # One usage or input error: ours ("charllm-tui: error: ...") or argparse's ("charllm-tui CMD: error: ...").

@@ -11,7 +11,7 @@ from charllm.engine.launch.targets import parse_target
 from charllm.probes.core.errors import UserError
 from infra_cli import one_error_line, run
 from infra_fuzz import call
-from runfactory import gpu_frame, iteration_rows, make_run
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 
 SLURM = {"kind": "slurm", "partition": "gpu", "account": "proj", "qos": "normal", "time": "01:00:00",
          "constraint": "H100", "env_setup": "module load cuda", "python": "python3", "description": "x"}

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import polars as pl
 import pytest
-from runfactory import gpu_frame, make_run
+from charllm.probes.store.synthetic import gpu_frame, make_run
 
 from charllm.tui.cli import main
 
@@ -65,7 +65,7 @@ def test_summarize_table_fits_the_terminal_and_says_shared_rows_once(charllm_dir
 
 
 def test_runs_show_counts_agree_with_their_nouns(charllm_dirs, capsys):
-    from runfactory import iteration_rows
+    from charllm.probes.store.synthetic import iteration_rows
 
     make_run(charllm_dirs["runs"], [gpu_frame(T, power_w=150.0)], run_id="20261121-000000-one",
              iterations=iteration_rows([0.0], 0.5), chunks=1)

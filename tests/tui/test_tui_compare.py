@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from runfactory import cpu_run, gpu_frame, iteration_rows, make_run, tiny_experiment
+from charllm.probes.store.synthetic import cpu_run, gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.analysis import baselines
 from charllm.probes.analysis.compare import compare, render

@@ -405,7 +405,7 @@ async def test_live_without_a_run_shows_host_telemetry():
 
 def test_live_host_panes_plot_reported_figures_and_counter_rates():
     import numpy as np
-    from runfactory import gpu_frame
+    from charllm.probes.store.synthetic import gpu_frame
 
     from charllm.tui.screens.live import build_frame
 

@@ -120,7 +120,7 @@ def test_compare(snap_compare, size, demo_runs):
 @pytest.mark.parametrize("size", SIZES)
 def test_compare_cpu_runs(snap_compare, size, charllm_dirs):
     """Host-only runs: iteration time and CPU use are charted, not empty GPU boxes."""
-    from runfactory import cpu_run
+    from charllm.probes.store.synthetic import cpu_run
 
     app = CharllmApp()
     app.compare_refs = [str(cpu_run(charllm_dirs["runs"], "20261121-100000-cpu-a", 1.0).path),

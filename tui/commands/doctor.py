@@ -13,6 +13,7 @@ import sys
 from charllm.engine import doctor
 from charllm.engine.launch.targets import get_target
 from charllm.probes.core.errors import did_you_mean, plural, UserError
+from charllm.probes.core.formatting import size
 
 EPILOG = """\
 what the figures mean:
@@ -206,7 +207,7 @@ def _escape(text) -> str:
 def _size(n) -> str:
     if n is None:
         return "–"
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return size(n)
 
 
 def _num(value, fmt: str = "{:.1f}") -> str:

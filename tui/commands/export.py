@@ -11,6 +11,7 @@ from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.megatron import export_environment, export_megatron_args, export_script, format_megatron_args
 from charllm.engine.model.validate import check
 from charllm.probes.core import paths
+from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import plural, UserError
 
 
@@ -64,12 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_atomically(path: Path, text: str, *, executable: bool = False) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text)
-        if executable:
-            tmp.chmod(0o755)
-        tmp.replace(path)
+        write_atomic(path, text, mode=0o755 if executable else None)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"--out {str(path)!r}: cannot write ({exc.strerror})") from None

@@ -9,6 +9,7 @@ from charllm.engine.launch.launcher import cancel, launch, PORT_AT_LAUNCH, recon
 from charllm.engine.launch.targets import get_target
 from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import plural
+from charllm.probes.core.formatting import GIB
 from charllm.probes.store.rundir import RunDir
 
 
@@ -127,7 +128,7 @@ def _telemetry_line(rows) -> str:
     parts = [f"telemetry {plural(rows.height, 'row')}, means over the last {span:.0f} s:"]
     for column, label, scale in (("power_w", "GPU power {:.0f} W", 1), ("temp_gpu_c", "GPU {:.0f} C", 1),
                                  ("cpu_util_pct", "CPU {:.0f} %", 1), ("temp_cpu_c", "CPU {:.0f} C", 1),
-                                 ("host_mem_used_bytes", "host memory {:.1f} GiB", 2**30)):
+                                 ("host_mem_used_bytes", "host memory {:.1f} GiB", GIB)):
         if column in rows.columns:
             value = rows[column].mean()
             if value is not None:

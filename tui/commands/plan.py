@@ -11,6 +11,7 @@ from charllm.engine.model.megatron import import_megatron_args, launcher_world_s
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import check
 from charllm.probes.core.errors import plural, UserError
+from charllm.probes.core.formatting import GIB
 
 EPILOG = """\
 what the numbers mean:
@@ -111,7 +112,7 @@ VERDICT_STYLE = {"fits": "green", "tight": "yellow", "does not fit": "red"}   # 
 
 
 def gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f}"
+    return f"{n / GIB:.2f}"
 
 
 def render(exp, report) -> None:

@@ -9,6 +9,7 @@ from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec, _drop_none
 from charllm.engine.model.validate import validate, value_problems
 from charllm.probes.core.errors import did_you_mean, plural, UserError
+from charllm.probes.core.formatting import GIB
 
 KINDS = ("models", "hardware", "experiments")
 SINGULAR = {"models": "model", "hardware": "hardware", "experiments": "experiment"}
@@ -75,7 +76,7 @@ def _summary(kind: str, obj) -> str:
         return ", ".join(parts)
     if kind == "hardware":
         h = obj
-        gib = h.usable_bytes / 2**30
+        gib = h.usable_bytes / GIB
         fp8 = f", FP8 {h.fp8_tflops:g}" if h.fp8 and h.fp8_tflops else ""
         return f"{gib:.1f} GiB usable, BF16 {h.bf16_tflops:g} TFLOP/s{fp8}, {h.tdp_w:g} W"
 

@@ -7,6 +7,7 @@ import sys
 
 from charllm.engine.launch.launcher import cancel, reconcile
 from charllm.probes.core.errors import plural, UserError
+from charllm.probes.core.formatting import duration, local_time
 from charllm.probes.store.rundir import list_runs, resolve_run, runtime_line, status_line
 from charllm.tui.commands.launch import follow
 
@@ -66,18 +67,12 @@ def _list() -> int:
             table.add_row(rd.id, "damaged", "-", "-", "-", "-")
             continue
         table.add_row(rd.id, status_line(m), m.get("target", {}).get("name", "-"),
-                      str(len(m.get("nodes", [])) or "-"), _time(m.get("started_ns") or m.get("created_ns")),
+                      str(len(m.get("nodes", [])) or "-"), local_time(m.get("started_ns") or m.get("created_ns")),
                       _duration(m))
     Console().print(table)
     for line in damaged:
         print(f"charllm-tui: warning: {line}", file=sys.stderr)
     return 0
-
-
-def _time(ns) -> str:
-    import time
-
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) if ns else "-"
 
 
 def _duration(m: dict) -> str:
@@ -87,7 +82,7 @@ def _duration(m: dict) -> str:
     if not start:
         return "-"
     end = m.get("ended_ns") or time.time_ns()
-    return f"{(end - start) / 1e9:.1f} s"
+    return duration((end - start) / 1e9)
 
 
 def _show(rd, args) -> int:
@@ -106,7 +101,7 @@ def _show(rd, args) -> int:
     if m.get("slurm_job_id"):
         print(f"slurm job {m['slurm_job_id']} ({m.get('slurm_state', '')})")
     print(f"nodes     {', '.join(m.get('nodes', [])) or '-'}")
-    print(f"started   {_time(m.get('started_ns'))}   duration {_duration(m)}")
+    print(f"started   {local_time(m.get('started_ns'))}   duration {_duration(m)}")
     if m.get("kind", "train") == "train":
         print(f"ran as    {runtime_line(rd.runtime())}")
     for reason in m.get("forced", []):

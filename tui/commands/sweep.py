@@ -10,7 +10,9 @@ from charllm.engine.model.memory import budget
 from charllm.engine.model.sweep import base_experiment, layout_to_experiment, recompute_name, sweep, SWEPT
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
+from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import plural, UserError
+from charllm.probes.core.formatting import GIB
 from charllm.tui.commands.plan import VERDICT_STYLE
 
 EPILOG = """\
@@ -116,12 +118,9 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(df.to_dicts()))
     elif args.parquet is not None:
-        tmp = args.parquet.with_name(f".{args.parquet.name}.tmp")
         try:
-            df.write_parquet(tmp)
-            tmp.replace(args.parquet)
+            write_atomic(args.parquet, df.write_parquet)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise UserError(f"--parquet {str(args.parquet)!r}: cannot write ({exc.strerror})") from None
         console.print(f"wrote {plural(df.height, 'layout')} to {args.parquet}")
     else:
@@ -197,8 +196,8 @@ def render(df, args, base) -> None:
                       str(r["virtual_pipeline_model_parallel_size"]), str(r["context_parallel_size"]),
                       str(r["expert_model_parallel_size"]), str(r["data_parallel_size"]),
                       str(r["micro_batch_size"]), r["recompute"], "on" if r["use_distributed_optimizer"] else "off",
-                      f"{r['bubble']:.1%}", f"{r['peak_bytes'] / (1 << 30):.1f}", str(r["peak_stage"]),
-                      f"{r['headroom_bytes'] / (1 << 30):.1f}", f"[{VERDICT_STYLE[r['verdict']]}]{r['verdict']}[/]")
+                      f"{r['bubble']:.1%}", f"{r['peak_bytes'] / GIB:.1f}", str(r["peak_stage"]),
+                      f"{r['headroom_bytes'] / GIB:.1f}", f"[{VERDICT_STYLE[r['verdict']]}]{r['verdict']}[/]")
     Console(width=None if sys.stdout.isatty() else 120).print(table)
     if shown.height < df.height:
         print(f"({df.height - shown.height} more; --top 0 shows all, --json/--parquet give every column)")

@@ -33,6 +33,7 @@ from charllm.probes.store.follow import NewIterations, NewLogLines, NewTelemetry
 from charllm.probes.store.schema import conform
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import MAX_POINTS, Chart
+from charllm.probes.core.formatting import GIB
 
 POLL_S = 0.25
 WINDOWS_S = (15, 30, 60, 120, 300, 900, None)     # zoom steps; None: everything recorded
@@ -434,7 +435,7 @@ def host_metrics(history):
     def rate(counter):
         return pl.when(dt > 0).then(counter.diff().over("node") / dt)
 
-    return rows.with_columns((pl.col("host_mem_used_bytes") / 1024**3).alias("host_mem_used_gib"),
+    return rows.with_columns((pl.col("host_mem_used_bytes") / GIB).alias("host_mem_used_gib"),
                              rate(pl.col("cpu_energy_j")).alias("cpu_power_w"),
                              (rate(pl.col("net_tx_bytes") + pl.col("net_rx_bytes")) / 1e6).alias("net_mb_s"))
 

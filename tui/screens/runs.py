@@ -8,7 +8,6 @@ them across refreshes.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from textual.worker import get_current_worker
 from charllm.engine.launch import launcher
 from charllm.probes.analysis import baselines, summary
 from charllm.probes.core.errors import UserError
+from charllm.probes.core.formatting import local_time
 from charllm.probes.store.rundir import list_runs, RunDir, runtime_line, status_line
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.screens.dialogs import AskName, Confirm
@@ -106,7 +106,7 @@ class RunsScreen(WorkbenchScreen):
             table.add_row(self._mark(rd.id), Text(status_line(m), STATUS_STYLE.get(status, "")),
                           *self._headline_cells(self.shown.get(rd.id)),
                           (m.get("target") or {}).get("name", m.get("kind", "-")), m.get("name", "-"),
-                          time.strftime("%Y-%m-%d %H:%M", time.gmtime(started / 1e9)) if started else "-",
+                          local_time(started, "%Y-%m-%d %H:%M"),
                           key=rd.id)
         if cursor in self.runs:
             table.move_cursor(row=table.get_row_index(cursor))

@@ -26,10 +26,10 @@ from textual.widgets import DataTable, Label, ProgressBar, Select, Static
 
 from charllm.engine.model import memory, sweep
 from charllm.probes.core.errors import UserError
+from charllm.probes.core.formatting import GIB
 from charllm.tui.commands.plan import VERDICT_STYLE
 from charllm.tui.screens.base import WorkbenchScreen, edited_name
 
-GIB = 1024**3
 ANY = "any"
 # DataFrame column -> table heading, in the order shown: the layout, what it leaves free, then its options
 # (at 80 columns the verdict must be on screen before the options)

@@ -10,8 +10,8 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from charllm.tui.commands.plan import VERDICT_STYLE
+from charllm.probes.core.formatting import size
 
-GIB = 1024**3
 # breakdown key -> (legend name, colour)
 PARTS = {
     "weights": ("weights", "dodger_blue2"),
@@ -25,7 +25,7 @@ RESERVE = "yellow3"
 
 def gib(n: float) -> str:
     """Bytes in GiB, or MiB below one GiB (a CPU run's model is small)."""
-    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.0f} MiB"
+    return size(n, 1, 0)
 
 
 class MemoryBars(Widget):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from runfactory import gpu_frame, make_run
+from charllm.probes.store.synthetic import gpu_frame, make_run
 
 from charllm.probes.analysis import baselines
 from charllm.probes.core.errors import UserError

@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 import pytest
-from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.analysis import baselines
 from charllm.probes.analysis.compare import compare, direction, render

@@ -7,7 +7,7 @@ import json
 import re
 
 import numpy as np
-from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.analysis.compare import compare, render
 from charllm.probes.analysis.summary import summarize

@@ -6,7 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
-from runfactory import gpu_frame, iteration_rows, make_run, tiny_experiment
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.core.errors import UserError
 from charllm.engine.model.experiment import ModelSpec

@@ -11,7 +11,7 @@ import pytest
 
 from charllm.engine.model.experiment import Experiment
 from infra_cli import one_error_line, run
-from runfactory import gpu_frame, iteration_rows, make_run
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 
 DIRECTORY = object()
 DAMAGES = {

@@ -13,7 +13,7 @@ from charllm.probes.core.errors import UserError
 from charllm.probes.store.follow import follow, NewIterations, NewLogLines, NewTelemetry, RunFollower, StatusChanged
 from charllm.probes.store.recorder import ChunkWriter
 from charllm.probes.store.rundir import RunDir
-from runfactory import gpu_frame, iteration_rows
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows
 
 
 def _start(root) -> RunDir:

@@ -3,7 +3,6 @@ itself; a full disk stops the recording cleanly."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -14,7 +13,7 @@ import numpy as np
 import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
-from runfactory import T0_NS, gpu_frame, iteration_rows, tiny_experiment
+from charllm.probes.store.synthetic import T0_NS, gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.analysis import baselines
 from charllm.probes.backends.replay import ReplayBackend
@@ -31,20 +30,16 @@ T = np.round(np.arange(0, 200) * 0.05, 10)  # 10 s at 20 Hz
 def _recorded_run(root: Path, run_id: str, seconds_per_chunk: float = 1.0, compact_every: int = 3,
                   finished: bool = True, node: str = "n0") -> tuple[RunDir, pl.DataFrame]:
     """A run the recorder wrote: two GPUs taking turns, a chunk per second, compacted as it goes."""
-    run = RunDir(root / run_id)
+    run = make_run(root, run_id=run_id, experiment=tiny_experiment(gpus_per_node=None),
+                   iterations=iteration_rows(np.arange(0, 9, 1.0), 1.0, warmup=1))
     frame = pl.concat([gpu_frame(T, node=node, device=d, power_w=100.0 + 10 * i + T, temp_gpu_c=50.0)
                        for i, d in enumerate(("gpu0", "gpu1"))]).sort("ts_ns", maintain_order=True)
-    writer = ChunkWriter(run.node_telemetry_dir(node), compact_every=compact_every)
+    writer = ChunkWriter(run.node_telemetry_dir(node), compact_every=compact_every)  # the recorder itself
     per_chunk = int(seconds_per_chunk / 0.05) * 2
     for start in range(0, frame.height, per_chunk):
         writer.write(frame.slice(start, per_chunk))
     if finished:
         writer.close()
-    run.experiment_path.write_text(tiny_experiment(gpus_per_node=None))
-    with open(run.iterations_path, "w") as fh:
-        for row in iteration_rows(np.arange(0, 9, 1.0), 1.0, warmup=1):
-            fh.write(json.dumps(row) + "\n")
-    run.write_manifest({"id": run_id, "status": "completed", "kind": "test"})
     return run, frame
 
 

@@ -1,0 +1,43 @@
+"""How sizes, durations and times read, in every command and screen.
+
+Sizes are binary (1 GiB = 2**30 bytes). Durations are seconds. Times are shown in this machine's
+local time zone — `runs list`, `runs show` and the Runs screen alike — while what is stored stays
+zone-free (nanoseconds since the epoch; run ids carry a UTC stamp).
+"""
+
+from __future__ import annotations
+
+import time
+
+KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+
+def gib(n: float, digits: int = 2) -> str:
+    """`n` bytes in GiB, whatever its size: "0.04 GiB", "79.65 GiB"."""
+    return f"{n / GIB:.{digits}f} GiB"
+
+
+def size(n: float, digits: int = 2, mib_digits: int = 1) -> str:
+    """`n` bytes in GiB, or in MiB below one GiB (a CPU run's model is small): "1.50 GiB", "12.0 MiB"."""
+    return f"{n / GIB:.{digits}f} GiB" if abs(n) >= GIB else f"{n / MIB:.{mib_digits}f} MiB"
+
+
+def binary_scale(n: float) -> tuple[float, str]:
+    """`n` bytes in the largest binary unit it reaches: (1.5, "GiB"); (512, "B") below one KiB."""
+    return next(((n / s, u) for s, u in ((TIB, "TiB"), (GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")) if abs(n) >= s),
+                (float(n), "B"))
+
+
+def duration(seconds: float, digits: int = 1) -> str:
+    """A span of time in seconds: "12.5 s"."""
+    return f"{seconds:.{digits}f} s"
+
+
+def local_time(ns: int | None, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
+    """A stored time (ns since the epoch) in the local zone; "-" when there is none."""
+    return time.strftime(fmt, time.localtime(ns / 1e9)) if ns else "-"
+
+
+def clock(ns: int | None = None) -> str:
+    """The local time of day, "14:03:07", of `ns` (ns since the epoch) or of now."""
+    return time.strftime("%H:%M:%S", time.localtime(None if ns is None else ns / 1e9))
