@@ -41,7 +41,7 @@ class SshTarget(Target):
     connect_timeout: int = number(10, 1, 3600)
 
     @classmethod
-    def check(cls, values: dict, where: str) -> None:
+    def validate(cls, values: dict, where: str) -> None:
         hosts = values.get("hosts", ())
         if not hosts:
             raise UserError(f"{where}.hosts: an ssh target needs at least one host")
@@ -85,7 +85,7 @@ class SshTarget(Target):
             say(f"checking ssh to {host}")
             self.run_on(host)
 
-    def prepare(self, rd, steps: list[Step], script: None, say: Say) -> dict:
+    def prepare(self, rd, steps: list[Step], script: str | None, say: Say) -> dict:
         for host in sorted({s.host for s in steps}):
             say(f"preparing {host}")
             remote = self.remote_path("runs", rd.id, host)

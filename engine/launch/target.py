@@ -92,7 +92,7 @@ class Target(ABC):
         return ("kind",) + tuple(f.name for f in dataclasses.fields(cls) if f.name != "name")
 
     @classmethod
-    def check(cls, values: dict, where: str) -> None:
+    def validate(cls, values: dict, where: str) -> None:
         """What a kind requires of its parsed values beyond their types (one-line UserErrors)."""
 
     def to_dict(self) -> dict:

@@ -95,7 +95,7 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
         if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
             raise UserError(f"{where}.{key} = {value!r}: must be a list of non-empty strings")
         values[key] = tuple(v.strip() for v in value)
-    cls.check(values, where)
+    cls.validate(values, where)
     for key in lists:
         for line in values[key]:
             if _CONTROL.search(line):
