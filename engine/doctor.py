@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shlex
 import shutil
 import signal
 import statistics
@@ -44,8 +43,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from charllm.engine.launch import ssh
-from charllm.engine.launch.launcher import CANCEL_GRACE_S, free_port, train_argv
+from charllm.engine.launch.launcher import CANCEL_GRACE_S
+from charllm.engine.launch.local import free_port
+from charllm.engine.launch.target import train_argv
 from charllm.engine.launch.supervise import describe_exit, root_cause
 from charllm.engine.model import calibration, runtime
 from charllm.engine.model.experiment import Experiment, Hardware
@@ -548,16 +548,34 @@ def on_target(target, *, nodes: int | None = None, train: bool = False, hardware
     if hardware:
         Hardware.load(hardware)   # a bad name is said once, here, not by every node
     check_options(sample_seconds=sample_seconds, iters=iters, timeout=timeout)
-    if nodes is not None and target.kind != "slurm":
-        raise UserError(f"--nodes = {nodes}: only for a slurm target (target {target.name!r} is {target.kind})")
-    if nodes is not None and nodes < 1:
-        raise UserError(f"--nodes = {nodes}: must be at least 1")
     options = dict(train=train, hardware=hardware, sample_seconds=sample_seconds, iters=iters, timeout=timeout)
-    if target.kind == "ssh":
-        return _on_ssh(target, options, say)
-    if target.kind == "slurm":
-        return _on_slurm(target, nodes or 1, options, say)
-    return [NodeResult.of(gather(progress=say, **options))]
+    return target.run_doctor(_OnNodes(options, say), nodes)
+
+
+class _OnNodes:
+    """doctor on a target's nodes, one method per way of reaching them (Target.run_doctor picks)."""
+
+    def __init__(self, options: dict, say: Progress):
+        self.options, self.say = options, say
+
+    def here(self, target, nodes: int | None) -> list[NodeResult]:
+        _no_node_count(target, nodes)
+        return [NodeResult.of(gather(progress=self.say, **self.options))]
+
+    def over_ssh(self, target, nodes: int | None) -> list[NodeResult]:
+        _no_node_count(target, nodes)
+        return _on_ssh(target, self.options, self.say)
+
+    def over_slurm(self, target, nodes: int | None) -> list[NodeResult]:
+        if nodes is not None and nodes < 1:
+            raise UserError(f"--nodes = {nodes}: must be at least 1")
+        return _on_slurm(target, nodes or 1, self.options, self.say)
+
+
+def _no_node_count(target, nodes: int | None) -> None:
+    """--nodes picks how many nodes Slurm allocates; other targets name their nodes."""
+    if nodes is not None:
+        raise UserError(f"--nodes = {nodes}: only for a slurm target (target {target.name!r} is {target.kind})")
 
 
 def _remote_wait(timeout: float, train: bool) -> float:
@@ -570,11 +588,11 @@ def _on_ssh(target, options: dict, say: Progress) -> list[NodeResult]:
 
     def one(host: str) -> NodeResult:
         try:
-            ssh.check(target, host)
+            target.run_on(host)
         except UserError as exc:
             return NodeResult(host, None, str(exc))
         argv = doctor_argv(target.python_path, node=host, **options)
-        proc = subprocess.Popen(ssh.ssh_argv(target, host) + [ssh.in_process_group(target, argv)],
+        proc = subprocess.Popen(target.ssh_argv(host) + [target.in_process_group(argv)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, text=True,   # its end stops the remote group
                                 preexec_fn=lifeline.killed_with_parent)
@@ -619,12 +637,12 @@ def _on_ssh(target, options: dict, say: Progress) -> list[NodeResult]:
 
 def _stop_ssh(target, host: str, proc, out: "_Collect") -> None:
     """Stop a node's doctor: its remote process group (closing the channel does not stop it, see
-    engine.launch.ssh; the pgid is the first line it printed), then the ssh client."""
+    engine/launch/ssh.py; the pgid is the first line it printed), then the ssh client."""
     if proc.poll() is not None:
         return
     first = out.first_line(timeout=1)
     if first.strip().isdigit():
-        ssh.kill_group(target, host, int(first))
+        target.kill_group(host, int(first))
     proc.kill()
     proc.wait()
 
@@ -668,27 +686,13 @@ def _parse_report(text: str) -> dict | None:
     return report if isinstance(report, dict) and "node" in report else None
 
 
-def srun_argv(target, nodes: int, line: str) -> list[str]:
-    """One srun step, one task per node, every task's output labelled with its task id."""
-    argv = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--label",
-            "--job-name=charllm-doctor", "--kill-on-bad-exit=0"]   # a failing node leaves the others be
-    for option in ("partition", "account", "qos", "time", "constraint"):
-        value = getattr(target, option)
-        if value:
-            argv.append(f"--{option}={value}")
-    # As the sbatch script: the node's GPUs, or the CPUs of the 2-process CPU job.
-    argv.append(f"--gpus-per-node={target.gpus_per_node}" if target.gpus_per_node else "--cpus-per-task=2")
-    argv += [word for extra in target.sbatch_lines for word in shlex.split(extra)]
-    return argv + ["bash", "-c", line]
-
-
 def _on_slurm(target, nodes: int, options: dict, say: Progress) -> list[NodeResult]:
     import re
 
     if shutil.which("srun") is None:
         raise UserError(f"target {target.name!r}: `srun` is not on PATH (run from a Slurm login node)")
     label = re.compile(r"^\s*(\d+): ?(.*)$")
-    argv = srun_argv(target, nodes, ssh.shell_line(target, doctor_argv(target.python_path, node=None, **options)))
+    argv = target.srun_argv(nodes, target.shell_line(doctor_argv(target.python_path, node=None, **options)))
     say(f"srun: {plural(nodes, 'node')} of target {target.name!r}")
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,

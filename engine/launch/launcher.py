@@ -10,9 +10,6 @@ the local run directory for every target, so the live view and summaries work th
 
 from __future__ import annotations
 
-import os
-import random
-import shlex
 import shutil
 import signal
 import socket
@@ -23,42 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from charllm.engine.launch import slurm, ssh
-from charllm.engine.launch.targets import Target, from_record
+from charllm.engine.launch.target import Step, Target
+from charllm.engine.launch.targets import LOCAL, from_record
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
-from charllm.probes.core.errors import UserError, os_error_line, plural
+from charllm.probes.core.errors import UserError, os_error_line
 from charllm.probes.core.formatting import clock, size
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, new_run_id, remove_abandoned_staging, status_line
 
-TRAIN_MODULE = "charllm.engine.workload.train"
-SAMPLER_MODULE = "charllm.probes"
 CANCEL_GRACE_S = 10.0
-
-
-@dataclass
-class Step:
-    """One process of a run on one node: the exact argv run there."""
-
-    node: str
-    role: str                 # sampler | train | tail
-    argv: list[str]
-    host: str | None = None   # ssh: the host it runs on (argv then runs through `ssh`)
-
-    @property
-    def command(self) -> str:
-        return shlex.join(self.argv)
-
-    def to_dict(self) -> dict:
-        out = {"node": self.node, "role": self.role, "argv": self.argv, "command": self.command}
-        if self.host:
-            out["host"] = self.host
-        return out
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Step":
-        return cls(node=d["node"], role=d["role"], argv=list(d["argv"]), host=d.get("host"))
 
 
 @dataclass
@@ -103,97 +74,25 @@ def _fit_to_target(exp, target: Target, nproc: int | None):
     if target.gpus_per_node and exp.cluster.gpus_per_node > target.gpus_per_node:
         raise UserError(f"cluster.gpus_per_node = {exp.cluster.gpus_per_node}: target {target.name!r} "
                         f"has {target.gpus_per_node} per node")
-    if target.kind == "local" and exp.cluster.nodes != 1:
-        raise UserError(f"cluster.nodes = {exp.cluster.nodes}: the local target is one node; "
-                        "use an ssh or slurm target for more")
-    if target.kind == "ssh" and exp.cluster.nodes > len(target.hosts):
-        raise UserError(f"cluster.nodes = {exp.cluster.nodes}: target {target.name!r} lists only "
-                        f"{plural(len(target.hosts), 'host')}")
+    target.check_nodes(exp.cluster.nodes)
     return exp
 
 
 # --------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # What a dry run shows for torchrun's rendezvous port: the port is picked when the run launches
 # (a port free now may not be free then), so a dry run names none.
 PORT_AT_LAUNCH = "PORT"
 
 
-def rendezvous_port(target: Target, dry_run: bool) -> int | str:
-    """A free port here for the local target; elsewhere a random one (the first node's free ports
-    cannot be seen from here)."""
-    if dry_run:
-        return PORT_AT_LAUNCH
-    return free_port() if target.kind == "local" else random.randint(20000, 40000)
-
-
-def sampler_argv(python: str, exp, run_dir: str, node: str, stream: bool = False) -> list[str]:
-    argv = [python, "-m", SAMPLER_MODULE, "--backend", exp.telemetry.backend, "--hz", f"{exp.telemetry.hz:g}",
-            "--out", run_dir, "--node", node]
-    return argv + ["--stream"] if stream else argv
-
-
-def train_argv(python: str, exp, run_dir: str, *, node_rank, master_addr: str, master_port: int) -> list[str]:
-    """torchrun (as `python -m torch.distributed.run`, so the target's python picks torch)."""
-    return [python, "-m", "torch.distributed.run", f"--nnodes={exp.cluster.nodes}", f"--node-rank={node_rank}",
-            f"--master-addr={master_addr}", f"--master-port={master_port}",
-            f"--nproc-per-node={exp.cluster.gpus_per_node}",
-            "-m", TRAIN_MODULE, "--run-dir", run_dir]
-
-
 def plan(exp, target: Target, run_dir: Path, *, dry_run: bool = False) -> tuple[list[Step], str | None]:
     """The processes per node (and the sbatch script under Slurm)."""
-    python = target.python_path
-    run_id = run_dir.name
-    port = rendezvous_port(target, dry_run)
-    if target.kind == "local":
-        node = socket.gethostname()
-        steps = [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node)),
-                 Step(node, "train", train_argv(python, exp, str(run_dir), node_rank=0,
-                                                master_addr="127.0.0.1", master_port=port))]
-        return steps, None
-    if target.kind == "ssh":
-        hosts = target.hosts[: exp.cluster.nodes]
-        steps = []
-        for rank, host in enumerate(hosts):
-            # One remote run directory per node, so nodes sharing a filesystem never collide.
-            remote = ssh.remote_path(target, "runs", run_id, host)
-            steps.append(Step(host, "sampler", sampler_argv(python, exp, remote, host, stream=True), host))
-            steps.append(Step(host, "tail", ["tail", "-n", "+1", "-F", remote + "/iterations.jsonl"], host))
-            steps.append(Step(host, "train", train_argv(python, exp, remote, node_rank=rank,
-                                                        master_addr=hosts[0], master_port=port), host))
-        return steps, None
-    # slurm
-    gpus = exp.hardware.vendor != "cpu"
-    sampler = sampler_argv(python, exp, str(run_dir), "@@NODE@@")
-    train = train_argv(python, exp, str(run_dir), node_rank="@@NODE_RANK@@", master_addr="@@MASTER_ADDR@@",
-                       master_port=port)
-    text = slurm.script(target=target, run_dir=str(run_dir), run_id=run_id, nodes=exp.cluster.nodes,
-                        nproc=exp.cluster.gpus_per_node, gpus=gpus, sampler=sampler, train=train)
-    return [Step("every-node", "sampler", sampler), Step("every-node", "train", train)], text
+    return target.plan(exp, run_dir, PORT_AT_LAUNCH if dry_run else target.rendezvous_port())
 
 
 def display_commands(steps: list[Step], target: Target) -> list[str]:
-    out = []
-    for step in steps:
-        if step.host:
-            out.append(f"[{step.role}@{step.node}] " + shlex.join(ssh.ssh_argv(target, step.host)
-                                                                  + [remote_line(target, step)]))
-        else:
-            out.append(f"[{step.role}@{step.node}] {step.command}")
-    return out
-
-
-def remote_line(target: Target, step: Step) -> str:
-    """The shell line an ssh step runs remotely: own process group, pgid printed first."""
-    return ssh.in_process_group(target, step.argv)
+    return [f"[{step.role}@{step.node}] {target.display_command(step)}" for step in steps]
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,12 +115,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     if dry_run:
         return result
 
-    if target.kind == "ssh":
-        for host in dict.fromkeys(s.host for s in steps):  # in node order: the first bad host is named
-            say(f"checking ssh to {host}")
-            ssh.check(target, host)
-    if target.kind == "slurm" and shutil.which("sbatch") is None:
-        raise UserError(f"target {target.name!r}: `sbatch` is not on PATH (run from a Slurm login node)")
+    target.check_ready(steps, say)
 
     base = run_dir.with_name(run_id)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -237,27 +131,18 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
             result.commands = commands = display_commands(steps, target)
     rd = RunDir(run_dir)
     say(f"creating {run_dir}")
+    manifest = {
+        "id": rd.id, "kind": "train", "name": exp.name, "status": "pending",
+        "created_ns": time.time_ns(), "target": target.to_dict(),
+        "nodes": sorted({s.node for s in steps}), "steps": [s.to_dict() for s in steps],
+        "commands": commands, "forced": found if force else [], "world_size": exp.world_size,
+    }
     try:
         rd.logs_dir.mkdir()
         exp.save(rd.experiment_path)
-        rd.write_manifest({
-            "id": rd.id, "kind": "train", "name": exp.name, "status": "pending",
-            "created_ns": time.time_ns(), "target": target.to_dict(),
-            "nodes": sorted({s.node for s in steps}), "steps": [s.to_dict() for s in steps],
-            "commands": commands, "forced": found if force else [], "world_size": exp.world_size,
-        })
-        if target.kind == "ssh":
-            for host in sorted({s.host for s in steps}):
-                say(f"preparing {host}")
-                remote = ssh.remote_path(target, "runs", rd.id, host)
-                ssh.check(target, host, f"mkdir -p {shlex.quote(remote)} && cat > "
-                          + shlex.quote(remote + "/experiment.toml"), stdin=rd.experiment_path.read_bytes())
-        if target.kind == "slurm":
-            script_path = rd.path / "job.sbatch"
-            script_path.write_text(script)
-            say("submitting to Slurm")
-            result.job_id = slurm.submit(str(script_path))
-            rd.update_manifest(slurm_job_id=result.job_id)
+        rd.write_manifest(manifest)
+        manifest.update(target.prepare(rd, steps, script, say))
+        result.job_id = manifest.get("slurm_job_id")
         say("starting the supervisor")
         with open(rd.logs_dir / "supervisor.log", "ab") as log:
             subprocess.Popen([sys.executable, "-m", "charllm.engine.launch.supervise", str(rd.path)],
@@ -265,8 +150,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
                              close_fds=True)
     except BaseException:
         # A launch that did not start leaves nothing behind.
-        if result.job_id:
-            slurm.cancel(result.job_id)
+        target.cancel_job(manifest)
         shutil.rmtree(rd.path, ignore_errors=True)
         raise
     result.run_dir = rd.path
@@ -313,8 +197,7 @@ def reconcile(rd: RunDir) -> str:
     probe_only = manifest.get("kind") == "probe"
     owner = manifest.get("sampler" if probe_only else "supervisor")
     if owner is None and not probe_only and _supervisor_never_started(rd, manifest):
-        if manifest.get("target", {}).get("kind") == "slurm" and manifest.get("slurm_job_id"):
-            slurm.cancel(manifest["slurm_job_id"])
+        _target(manifest).cancel_job(manifest)
         return _record(rd, status="failed", ended_ns=time.time_ns(),
                        failure="the supervisor died before it started the run (see logs/supervisor.log)")
     if owner is None or _elsewhere(owner) or _process(owner) is not None:
@@ -326,10 +209,7 @@ def reconcile(rd: RunDir) -> str:
     if probe_only:
         return _record(rd, status="failed", ended_ns=time.time_ns(),
                        failure=f"the sampler died (found at {found}); telemetry up to then is kept")
-    if manifest.get("target", {}).get("kind") == "slurm" and manifest.get("slurm_job_id"):
-        slurm.cancel(manifest["slurm_job_id"])
-    else:
-        _kill_recorded(manifest, grace=2.0)
+    _target(manifest).stop_processes(manifest, grace=2.0)
     ended = [r.get("status") for r in _end_events(rd)]
     done = bool(ended) and all(s == "completed" for s in ended)
     return _record(rd, status="completed" if done else "failed", ended_ns=time.time_ns(),
@@ -356,6 +236,11 @@ def _supervisor_processes(rd: RunDir) -> list:
     return [proc for proc in psutil.process_iter(["cmdline"])
             if (proc.info["cmdline"] or [])[-3:] == ["-m", "charllm.engine.launch.supervise", str(rd.path)]
             and _alive(proc)]
+
+
+def _target(manifest: dict) -> Target:
+    """The target the run was launched on (local where its manifest recorded none)."""
+    return from_record(manifest.get("target") or LOCAL.to_dict())
 
 
 def _elsewhere(owner: dict) -> str | None:
@@ -388,11 +273,10 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
         raise UserError(f"run {rd.id!r} is already {status_line(manifest)}")
     if manifest.get("kind") == "probe":
         return _cancel_probe(rd, manifest.get("sampler") or {}, grace)
-    kind = manifest.get("target", {}).get("kind")
+    target = _target(manifest)
     sup = None
-    if kind == "slurm":
-        slurm.cancel(manifest["slurm_job_id"])  # the supervisor sees CANCELLED and records it
-    else:
+    scheduled = target.cancel_job(manifest)  # under a scheduler, the supervisor sees the job end and records it
+    if not scheduled:
         deadline = time.monotonic() + 10
         while "supervisor" not in manifest and time.monotonic() < deadline:  # just launched
             time.sleep(0.1)
@@ -402,7 +286,7 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
         sup = _process(manifest.get("supervisor")) or next(iter(_supervisor_processes(rd)), None)
         if sup is not None:
             sup.send_signal(signal.SIGTERM)  # it stops its steps (TERM, grace, KILL) and records the status
-    status = _wait_final(rd, wait if kind == "slurm" or sup else 0, sup)
+    status = _wait_final(rd, wait if scheduled or sup else 0, sup)
     if status in FINAL_STATUSES:
         return status
     # The supervisor is gone or stuck: stop what it recorded ourselves.
@@ -410,7 +294,7 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
     sup = _process(manifest.get("supervisor"))
     if sup is not None:
         sup.kill()
-    _kill_recorded(manifest, grace)
+    target.stop_processes(manifest, grace)
     return _record(rd, status="cancelled", ended_ns=time.time_ns(), note="cancelled without its supervisor")
 
 
@@ -452,22 +336,6 @@ def _wait_final(rd: RunDir, timeout: float, supervisor=None) -> str:
             return rd.status
         time.sleep(0.2)
     return rd.status
-
-
-def _kill_recorded(manifest: dict, grace: float) -> None:
-    record = manifest.get("target", {})
-    target = from_record(record) if record.get("kind") == "ssh" else None
-    for sig in ("TERM", "KILL"):
-        for proc in manifest.get("processes", []):
-            if proc.get("host") and target is not None and proc.get("remote_pgid"):
-                ssh.kill_group(target, proc["host"], proc["remote_pgid"], sig)
-            if proc.get("pgid"):
-                try:
-                    os.killpg(proc["pgid"], getattr(signal, f"SIG{sig}"))
-                except (ProcessLookupError, PermissionError):
-                    pass
-        if sig == "TERM" and manifest.get("processes"):
-            time.sleep(grace)
 
 
 # --------------------------------------------------------------------------------------------

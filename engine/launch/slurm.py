@@ -1,4 +1,4 @@
-"""Slurm: the generated sbatch script, submission, job state and cancellation.
+"""Slurm targets: the generated sbatch script, submission, job state and cancellation.
 
 The run directory is on a filesystem shared with the compute nodes, so the job writes logs,
 iterations and telemetry there directly. One `srun --overlap` step runs the sampler on every
@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
 
-from charllm.engine.launch.targets import Target
+from charllm.engine.launch.target import Say, Step, Target, sampler_argv, train_argv
 from charllm.probes.core.errors import UserError
 
 # Per-node values in the argv given to `script`, expanded by each node's shell.
@@ -22,7 +26,76 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PRE
                 "BOOT_FAIL", "DEADLINE"}
 
 
-def script(*, target: Target, run_dir: str, run_id: str, nodes: int, nproc: int, gpus: bool,
+@dataclass(frozen=True)
+class SlurmTarget(Target):
+    """Slurm owns the processes: the supervisor submits the job and follows it."""
+
+    kind: ClassVar[str] = "slurm"
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    constraint: str | None = None
+    sbatch_lines: tuple[str, ...] = ()
+
+    def options(self) -> list[tuple[str, str]]:
+        """(option, value): the job options the target sets, for sbatch and srun alike."""
+        return [(option, value) for option in ("partition", "account", "qos", "time", "constraint")
+                if (value := getattr(self, option))]
+
+    def plan(self, exp, run_dir: Path, port) -> tuple[list[Step], str]:
+        python = self.python_path
+        sampler = sampler_argv(python, exp, str(run_dir), "@@NODE@@")
+        train = train_argv(python, exp, str(run_dir), node_rank="@@NODE_RANK@@", master_addr="@@MASTER_ADDR@@",
+                           master_port=port)
+        text = script(target=self, run_dir=str(run_dir), run_id=run_dir.name, nodes=exp.cluster.nodes,
+                      nproc=exp.cluster.gpus_per_node, gpus=exp.hardware.vendor != "cpu", sampler=sampler,
+                      train=train)
+        return [Step("every-node", "sampler", sampler), Step("every-node", "train", train)], text
+
+    def check_ready(self, steps: list[Step], say: Say) -> None:
+        if shutil.which("sbatch") is None:
+            raise UserError(f"target {self.name!r}: `sbatch` is not on PATH (run from a Slurm login node)")
+
+    def prepare(self, rd, steps: list[Step], script: str, say: Say) -> dict:
+        script_path = rd.path / "job.sbatch"
+        script_path.write_text(script)
+        say("submitting to Slurm")
+        recorded = {"slurm_job_id": submit(str(script_path))}
+        try:
+            rd.update_manifest(**recorded)
+        except BaseException:
+            cancel(recorded["slurm_job_id"])
+            raise
+        return recorded
+
+    def supervise(self, supervisor) -> str:
+        return supervisor.follow_slurm()
+
+    def cancel_job(self, manifest: dict) -> bool:
+        if manifest.get("slurm_job_id"):
+            cancel(manifest["slurm_job_id"])
+        return True
+
+    def stop_processes(self, manifest: dict, grace: float) -> None:
+        self.cancel_job(manifest)   # the processes are Slurm's
+
+    def run_doctor(self, doctor, nodes: int | None) -> list:
+        return doctor.over_slurm(self, nodes)   # one srun step over `nodes` nodes
+
+    def srun_argv(self, nodes: int, line: str) -> list[str]:
+        """One srun step, one task per node, every task's output labelled with its task id."""
+        argv = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--label",
+                "--job-name=charllm-doctor", "--kill-on-bad-exit=0"]   # a failing node leaves the others be
+        argv += [f"--{option}={value}" for option, value in self.options()]
+        # As the sbatch script: the node's GPUs, or the CPUs of the 2-process CPU job.
+        argv.append(f"--gpus-per-node={self.gpus_per_node}" if self.gpus_per_node else "--cpus-per-task=2")
+        argv += [word for extra in self.sbatch_lines for word in shlex.split(extra)]
+        return argv + ["bash", "-c", line]
+
+
+def script(*, target: SlurmTarget, run_dir: str, run_id: str, nodes: int, nproc: int, gpus: bool,
            sampler: list[str], train: list[str]) -> str:
     """The sbatch script. `sampler` and `train` are argv lists run on each node, where the
     placeholders in PLACEHOLDERS become the node's values at run time."""
@@ -34,10 +107,7 @@ def script(*, target: Target, run_dir: str, run_id: str, nodes: int, nproc: int,
              f"#SBATCH --cpus-per-task={nproc}" if not gpus else f"#SBATCH --gpus-per-node={nproc}",
              f"#SBATCH --output={q(run_dir + '/logs/slurm-%j.out')}",
              f"#SBATCH --chdir={q(run_dir)}"]
-    for option in ("partition", "account", "qos", "time", "constraint"):
-        value = getattr(target, option)
-        if value:
-            lines.append(f"#SBATCH --{option}={q(value)}")
+    lines += [f"#SBATCH --{option}={q(value)}" for option, value in target.options()]
     lines += [f"#SBATCH {line}" for line in target.sbatch_lines]
     for line in lines:  # targets.parse_target refuses these already; a header line must stay one line
         if "\n" in line or "\r" in line:

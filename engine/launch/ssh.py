@@ -1,4 +1,4 @@
-"""Running commands on SSH nodes with the OpenSSH client (honours ~/.ssh/config, agents, jump hosts).
+"""SSH targets: nodes reached with the OpenSSH client (honours ~/.ssh/config, agents, jump hosts).
 
 Every remote command starts in its own process group and first prints that group's id, because
 closing an SSH channel does not stop a remote process (and OpenSSH ignores signal requests for
@@ -8,46 +8,17 @@ root): to stop it we kill the group over a second connection. Arguments are join
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from charllm.engine.launch.targets import Target
-from charllm.probes.core.errors import UserError
+from charllm.engine.launch.target import Say, Step, Target, number, sampler_argv, train_argv
+from charllm.probes.core.errors import UserError, plural
 
-
-def ssh_argv(target: Target, host: str) -> list[str]:
-    """The local `ssh` command line up to (not including) the remote command."""
-    argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-            "-o", f"ConnectTimeout={target.connect_timeout}",
-            # A node that dies is noticed within ~15 s instead of at the TCP timeout.
-            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
-            "-o", "LogLevel=ERROR", "-p", str(target.port)]
-    if target.known_hosts:
-        argv += ["-o", f"UserKnownHostsFile={Path(target.known_hosts).expanduser()}"]
-    if target.identity_file:
-        argv += ["-i", str(Path(target.identity_file).expanduser()), "-o", "IdentitiesOnly=yes"]
-    if target.user:
-        argv += ["-l", target.user]
-    return argv + ["--", host]
-
-
-def remote_path(target: Target, *parts: str) -> str:
-    """A path on the node: relative workdirs are under the remote home (where ssh starts)."""
-    base = target.workdir[2:] if target.workdir.startswith("~/") else target.workdir
-    return "/".join([base.rstrip("/") or "."] + list(parts))
-
-
-def shell_line(target: Target, argv: list[str], cwd: str | None = None, *, replace_shell: bool = True) -> str:
-    """`cd DIR && ENV_SETUP; exec ARGV` — the env line is the user's own shell, the rest is quoted."""
-    parts = []
-    if cwd:
-        parts.append(f"cd {shlex.quote(cwd)} &&")
-    if target.env_setup:
-        parts.append(f"{target.env_setup};")
-    parts.append(("exec " if replace_shell else "") + shlex.join(argv))
-    return " ".join(parts)
-
+_HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")  # names and addresses; never an ssh option
 
 # Reads the connection's stdin until it closes (the local client or its parent died, or the
 # caller closed it), then stops the group: TERM, up to 10 s for its leader to end, KILL. It ignores TERM itself, and its
@@ -57,81 +28,161 @@ _STOP_WITH_CONNECTION = ('{ trap "" TERM; cat >/dev/null; kill -TERM -- -$$; '
                          '<&0 >/dev/null 2>&1 & exec </dev/null; ')
 
 
-def in_process_group(target: Target, argv: list[str]) -> str:
-    """Run `argv` in a new session (pgid = its leader shell's pid), printing that pgid first. The
-    group lives as long as the connection's stdin stays open: callers keep it open as a pipe.
+@dataclass(frozen=True)
+class SshTarget(Target):
+    kind: ClassVar[str] = "ssh"
 
-    The leader shell waits for `argv` (on SIGTERM too: a trap runs only once it ended) and exits
-    with its status, 128+N when signal N killed it; `setsid -w` would report a killed leader as N."""
-    line = shell_line(target, argv, replace_shell=False)
-    return "setsid -w bash -c " + shlex.quote("echo $$; " + _STOP_WITH_CONNECTION + "trap : TERM; " + line
-                                              + "; exit $?")
+    hosts: tuple[str, ...] = ()      # the first host is the torchrun rendezvous master
+    user: str | None = None
+    port: int = number(22, 1, 65535)
+    identity_file: str | None = None
+    known_hosts: str | None = None    # None: OpenSSH's default (~/.ssh/known_hosts)
+    workdir: str = "charllm"          # remote; relative paths are under the remote home
+    connect_timeout: int = number(10, 1, 3600)
 
+    @classmethod
+    def validate(cls, values: dict, where: str) -> None:
+        hosts = values.get("hosts", ())
+        if not hosts:
+            raise UserError(f"{where}.hosts: an ssh target needs at least one host")
+        for host in hosts:
+            if not _HOST.match(host):
+                raise UserError(f"{where}.hosts: {host!r} is not a host name or address")
+        if len(set(hosts)) != len(hosts):
+            raise UserError(f"{where}.hosts = {list(hosts)!r}: a host is listed twice")
+        user = values.get("user")
+        if user is not None and (user.startswith("-") or "@" in user or any(c.isspace() for c in user)):
+            raise UserError(f"{where}.user = {user!r}: not a user name")
 
-def offered_fingerprints(target: Target, host: str) -> list[str]:
-    """The fingerprints of the host keys `host` offers now ("SHA256:... (ED25519)"): shown, never trusted."""
-    try:
-        scan = subprocess.run(["ssh-keyscan", "-T", "5", "-p", str(target.port), "--", host],
-                              capture_output=True, timeout=15)
-        keys = subprocess.run(["ssh-keygen", "-l", "-f", "-"], input=scan.stdout, capture_output=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    out = []
-    for line in keys.stdout.decode(errors="replace").splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[1].startswith("SHA256:"):
-            out.append(f"{parts[1]} {parts[-1]}")
-    return out
+    # -- planning ------------------------------------------------------------------------------
+    def check_nodes(self, nodes: int) -> None:
+        if nodes > len(self.hosts):
+            raise UserError(f"cluster.nodes = {nodes}: target {self.name!r} lists only "
+                            f"{plural(len(self.hosts), 'host')}")
 
+    def plan(self, exp, run_dir: Path, port) -> tuple[list[Step], None]:
+        python, hosts = self.python_path, self.hosts[: exp.cluster.nodes]
+        steps = []
+        for rank, host in enumerate(hosts):
+            # One remote run directory per node, so nodes sharing a filesystem never collide.
+            remote = self.remote_path("runs", run_dir.name, host)
+            steps.append(Step(host, "sampler", sampler_argv(python, exp, remote, host, stream=True), host))
+            steps.append(Step(host, "tail", ["tail", "-n", "+1", "-F", remote + "/iterations.jsonl"], host))
+            steps.append(Step(host, "train", train_argv(python, exp, remote, node_rank=rank,
+                                                        master_addr=hosts[0], master_port=port), host))
+        return steps, None
 
-def trust_hint(target: Target, host: str) -> str:
-    """How to trust a host key safely: compare what the host offers with a fingerprint obtained
-    over a trusted channel, and only then record it (never trust a scan blindly)."""
-    known = target.known_hosts or "~/.ssh/known_hosts"
-    offered = offered_fingerprints(target, host)
-    seen = f"it offers {', '.join(offered)}" if offered else "its key could not be read now"
-    where = ("known_hosts is /dev/null, so no key is ever kept: set known_hosts in targets.toml"
-             if str(Path(known).expanduser()) == "/dev/null" else f"add that key to {known}")
-    return (f"{seen}; compare with the fingerprint from the node's administrator or console "
-            f"(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub there) and, only if they match, {where}")
+    def display_command(self, step: Step) -> str:
+        return shlex.join(self.remote_argv(step))
 
+    def remote_argv(self, step: Step) -> list[str]:
+        """The local command that runs `step` on its host, in a process group of its own."""
+        return self.ssh_argv(step.host) + [self.in_process_group(step.argv)]
 
-def check(target: Target, host: str, remote: str = "true", stdin: bytes | None = None) -> str:
-    """Run a short command on `host`; a refused host key or login is a UserError naming the fix."""
-    try:
-        done = subprocess.run(ssh_argv(target, host) + [remote], input=stdin, capture_output=True,
-                              timeout=target.connect_timeout + 30)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"target {target.name!r}: host {host!r} did not answer within "
-                        f"{target.connect_timeout + 30} s") from None
-    err = done.stderr.decode(errors="replace").strip()
-    if done.returncode == 255:
-        if "host key" in err.lower() or "Host key verification failed" in err:
-            raise UserError(f"target {target.name!r}: host {host!r} has an unknown or changed host key; "
-                            f"{trust_hint(target, host)}")
-        last = err.splitlines()[-1] if err else "connection failed"
-        raise UserError(f"target {target.name!r}: cannot reach {host!r} over ssh: {last}")
-    if done.returncode != 0:
-        last = err.splitlines()[-1] if err else f"exit status {done.returncode}"
-        raise UserError(f"target {target.name!r}: on {host!r}, {remote!r} failed: {last}")
-    return done.stdout.decode(errors="replace")
+    # -- launching -----------------------------------------------------------------------------
+    def check_ready(self, steps: list[Step], say: Say) -> None:
+        for host in dict.fromkeys(s.host for s in steps):  # in node order: the first bad host is named
+            say(f"checking ssh to {host}")
+            self.run_on(host)
 
+    def prepare(self, rd, steps: list[Step], script: str | None, say: Say) -> dict:
+        for host in sorted({s.host for s in steps}):
+            say(f"preparing {host}")
+            remote = self.remote_path("runs", rd.id, host)
+            self.run_on(host, f"mkdir -p {shlex.quote(remote)} && cat > " + shlex.quote(remote + "/experiment.toml"),
+                     stdin=rd.experiment_path.read_bytes())
+        return {}
 
-def kill_group(target: Target, host: str, pgid: int, signal: str = "TERM") -> None:
-    """Signal a remote process group over a fresh connection (best effort: the node may be gone)."""
-    remote = f"kill -{signal} -- -{int(pgid)} 2>/dev/null; true"
-    try:
-        subprocess.run(ssh_argv(target, host) + [remote], capture_output=True,
-                       timeout=target.connect_timeout + 10)
-    except subprocess.TimeoutExpired:
-        pass
+    def run_doctor(self, doctor, nodes: int | None) -> list:
+        return doctor.over_ssh(self, nodes)   # on every host
 
+    def signal_recorded(self, proc: dict, sig: str) -> None:
+        if proc.get("host") and proc.get("remote_pgid"):
+            self.kill_group(proc["host"], proc["remote_pgid"], sig)
+        super().signal_recorded(proc, sig)   # the local ssh client
 
-def group_alive(target: Target, host: str, pgid: int) -> bool:
-    remote = f"kill -0 -- -{int(pgid)} 2>/dev/null && echo alive; true"
-    try:
-        done = subprocess.run(ssh_argv(target, host) + [remote], capture_output=True,
-                              timeout=target.connect_timeout + 10)
-    except subprocess.TimeoutExpired:
-        return False
-    return b"alive" in done.stdout
+    # -- the OpenSSH client --------------------------------------------------------------------
+    def ssh_argv(self, host: str) -> list[str]:
+        """The local `ssh` command line up to (not including) the remote command."""
+        argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                "-o", f"ConnectTimeout={self.connect_timeout}",
+                # A node that dies is noticed within ~15 s instead of at the TCP timeout.
+                "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
+                "-o", "LogLevel=ERROR", "-p", str(self.port)]
+        if self.known_hosts:
+            argv += ["-o", f"UserKnownHostsFile={Path(self.known_hosts).expanduser()}"]
+        if self.identity_file:
+            argv += ["-i", str(Path(self.identity_file).expanduser()), "-o", "IdentitiesOnly=yes"]
+        if self.user:
+            argv += ["-l", self.user]
+        return argv + ["--", host]
+
+    def remote_path(self, *parts: str) -> str:
+        """A path on the node: relative workdirs are under the remote home (where ssh starts)."""
+        base = self.workdir[2:] if self.workdir.startswith("~/") else self.workdir
+        return "/".join([base.rstrip("/") or "."] + list(parts))
+
+    def in_process_group(self, argv: list[str]) -> str:
+        """Run `argv` in a new session (pgid = its leader shell's pid), printing that pgid first. The
+        group lives as long as the connection's stdin stays open: callers keep it open as a pipe.
+
+        The leader shell waits for `argv` (on SIGTERM too: a trap runs only once it ended) and exits
+        with its status, 128+N when signal N killed it; `setsid -w` would report a killed leader as N."""
+        line = self.shell_line(argv, replace_shell=False)
+        return "setsid -w bash -c " + shlex.quote("echo $$; " + _STOP_WITH_CONNECTION + "trap : TERM; " + line
+                                                  + "; exit $?")
+
+    def offered_fingerprints(self, host: str) -> list[str]:
+        """The fingerprints of the host keys `host` offers now ("SHA256:... (ED25519)"): shown, never trusted."""
+        try:
+            scan = subprocess.run(["ssh-keyscan", "-T", "5", "-p", str(self.port), "--", host],
+                                  capture_output=True, timeout=15)
+            keys = subprocess.run(["ssh-keygen", "-l", "-f", "-"], input=scan.stdout, capture_output=True,
+                                  timeout=15)
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        out = []
+        for line in keys.stdout.decode(errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[1].startswith("SHA256:"):
+                out.append(f"{parts[1]} {parts[-1]}")
+        return out
+
+    def trust_hint(self, host: str) -> str:
+        """How to trust a host key safely: compare what the host offers with a fingerprint obtained
+        over a trusted channel, and only then record it (never trust a scan blindly)."""
+        known = self.known_hosts or "~/.ssh/known_hosts"
+        offered = self.offered_fingerprints(host)
+        seen = f"it offers {', '.join(offered)}" if offered else "its key could not be read now"
+        where = ("known_hosts is /dev/null, so no key is ever kept: set known_hosts in targets.toml"
+                 if str(Path(known).expanduser()) == "/dev/null" else f"add that key to {known}")
+        return (f"{seen}; compare with the fingerprint from the node's administrator or console "
+                f"(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub there) and, only if they match, {where}")
+
+    def run_on(self, host: str, remote: str = "true", stdin: bytes | None = None) -> str:
+        """Run a short command on `host`; a refused host key or login is a UserError naming the fix."""
+        try:
+            done = subprocess.run(self.ssh_argv(host) + [remote], input=stdin, capture_output=True,
+                                  timeout=self.connect_timeout + 30)
+        except subprocess.TimeoutExpired:
+            raise UserError(f"target {self.name!r}: host {host!r} did not answer within "
+                            f"{self.connect_timeout + 30} s") from None
+        err = done.stderr.decode(errors="replace").strip()
+        if done.returncode == 255:
+            if "host key" in err.lower() or "Host key verification failed" in err:
+                raise UserError(f"target {self.name!r}: host {host!r} has an unknown or changed host key; "
+                                f"{self.trust_hint(host)}")
+            last = err.splitlines()[-1] if err else "connection failed"
+            raise UserError(f"target {self.name!r}: cannot reach {host!r} over ssh: {last}")
+        if done.returncode != 0:
+            last = err.splitlines()[-1] if err else f"exit status {done.returncode}"
+            raise UserError(f"target {self.name!r}: on {host!r}, {remote!r} failed: {last}")
+        return done.stdout.decode(errors="replace")
+
+    def kill_group(self, host: str, pgid: int, signal: str = "TERM") -> None:
+        """Signal a remote process group over a fresh connection (best effort: the node may be gone)."""
+        remote = f"kill -{signal} -- -{int(pgid)} 2>/dev/null; true"
+        try:
+            subprocess.run(self.ssh_argv(host) + [remote], capture_output=True, timeout=self.connect_timeout + 10)
+        except subprocess.TimeoutExpired:
+            pass

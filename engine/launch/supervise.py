@@ -20,9 +20,10 @@ from pathlib import Path
 
 from charllm.probes.core import lifeline
 
-from charllm.engine.launch import slurm, ssh
-from charllm.engine.launch.launcher import CANCEL_GRACE_S, Step, remote_line
-from charllm.engine.launch.targets import Target, from_record
+from charllm.engine.launch import slurm
+from charllm.engine.launch.launcher import CANCEL_GRACE_S
+from charllm.engine.launch.target import Step, Target
+from charllm.engine.launch.targets import from_record
 from charllm.engine.workload import CANCELLED_EXIT
 from charllm.probes.core.errors import is_disk_full, mount_point, os_error_line
 from charllm.probes.store.rundir import RunDir
@@ -48,7 +49,7 @@ class Proc:
         log = open(self.log_path, "ab")
         # Each step dies with the supervisor: the sampler is asked to stop (it closes its last
         # chunk), torchrun is killed (its ranks follow it, see probes.core.lifeline), and an ssh
-        # client's death closes the connection, which stops its remote group (ssh.in_process_group).
+        # client's death closes the connection, which stops its remote group (SshTarget.in_process_group).
         with_parent = lifeline.terminated_with_parent if self.step.role == "sampler" else lifeline.killed_with_parent
         if self.step.host is None:
             self.popen = subprocess.Popen(self.step.argv, stdin=subprocess.DEVNULL, stdout=log,
@@ -56,12 +57,17 @@ class Proc:
                                           preexec_fn=with_parent)
             self.pgid_known.set()
         else:
-            argv = ssh.ssh_argv(self.target, self.step.host) + [remote_line(self.target, self.step)]
             # stdin stays open while the step should run: its end is the remote group's end.
-            self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                          start_new_session=True, preexec_fn=lifeline.killed_with_parent)
+            self.popen = subprocess.Popen(self.target.remote_argv(self.step), stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+                                          preexec_fn=lifeline.killed_with_parent)
             self.reader = threading.Thread(target=self._read, args=(log,), daemon=True)
             self.reader.start()
+
+    def wait_started(self) -> None:
+        """Until the step's process group is known: a remote one's comes over its connection."""
+        if self.step.host is not None:
+            self.pgid_known.wait(timeout=self.target.connect_timeout + 20)
 
     def _read(self, log) -> None:
         """Remote stdout: the pgid line, then the log, the telemetry stream or iteration lines."""
@@ -98,13 +104,13 @@ class Proc:
 
     def exit_status(self) -> int:
         """How the step ended, as Popen says (-N: killed by signal N); remotely, the leader shell's
-        status carried home by ssh (ssh.in_process_group)."""
+        status carried home by ssh (SshTarget.in_process_group)."""
         return shell_status(self.poll()) if self.step.host else self.poll()
 
     def signal(self, sig: signal.Signals) -> None:
         """Signal the whole process group (a dead leader can leave ranks behind in it)."""
         if self.step.host is not None and self.remote_pgid:
-            ssh.kill_group(self.target, self.step.host, self.remote_pgid, sig.name.removeprefix("SIG"))
+            self.target.kill_group(self.step.host, self.remote_pgid, sig.name.removeprefix("SIG"))
         if self.step.host is None or sig == signal.SIGKILL:
             try:
                 os.killpg(self.popen.pid, sig)
@@ -267,8 +273,10 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         me = psutil.Process()
         self.rd.update_manifest(supervisor={"pid": me.pid, "create_time": me.create_time(), "pgid": os.getpgid(0)})
-        if self.target.kind == "slurm":
-            return self.follow_slurm()
+        return self.target.supervise(self)
+
+    def own_steps(self) -> str:
+        """Start the steps, wait for them to end, stop the rest: local and ssh targets."""
         steps = [Step.from_dict(s) for s in self.manifest["steps"]]
         helpers = [Proc(self.rd, self.target, s, sink=self._append_iteration) for s in steps if s.role != "train"]
         trains = [Proc(self.rd, self.target, s) for s in steps if s.role == "train"]
@@ -278,7 +286,7 @@ class Supervisor:
                 p.start()
         started = [p for p in everything if p.popen]
         for p in started:
-            p.pgid_known.wait(timeout=self.target.connect_timeout + 20)
+            p.wait_started()
         self.rd.update_manifest(status="running", started_ns=time.time_ns(),
                                 processes=[p.record() for p in started])
 
@@ -349,6 +357,7 @@ class Supervisor:
         return describe_failure(culprit.step, culprit.poll(), culprit.log_path) + disk_note(self.rd.path)
 
     def follow_slurm(self) -> str:
+        """Follow the Slurm job, which owns the processes, until it ends."""
         job = self.manifest["slurm_job_id"]
         running = False
         while True:

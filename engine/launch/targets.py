@@ -1,5 +1,8 @@
 """Targets: where a run goes — this machine, SSH nodes, or a Slurm cluster.
 
+Each kind is a class behind the one interface in target.py (local.py, ssh.py, slurm.py); this
+module reads targets.toml into them.
+
 Targets live in `<config_dir>/targets.toml` (or a file given with `--target-file`), one table per
 target; `local` is built in:
 
@@ -31,67 +34,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from charllm.engine.launch.local import LocalTarget
+from charllm.engine.launch.slurm import SlurmTarget
+from charllm.engine.launch.ssh import SshTarget
+from charllm.engine.launch.target import Target
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, did_you_mean
 
-KINDS = ("local", "ssh", "slurm")
+KINDS: dict[str, type[Target]] = {cls.kind: cls for cls in (LocalTarget, SshTarget, SlurmTarget)}
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")   # newlines, NUL, escapes: never in a config value
-_HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")  # names and addresses; never an ssh option
 
-_COMMON = ("kind", "description", "env_setup", "python", "gpus_per_node")
-KEYS = {
-    "local": _COMMON,
-    "ssh": _COMMON + ("hosts", "user", "port", "identity_file", "known_hosts", "workdir", "connect_timeout"),
-    "slurm": _COMMON + ("partition", "account", "qos", "time", "constraint", "sbatch_lines"),
-}
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    kind: str = "local"
-    description: str = ""
-    env_setup: str = ""               # a shell line run before every remote command
-    python: str = ""                  # "" : this interpreter (local) / "python3" (remote)
-    gpus_per_node: int | None = None  # None: the experiment's cluster.gpus_per_node
-    # ssh
-    hosts: tuple[str, ...] = ()
-    user: str | None = None
-    port: int = 22
-    identity_file: str | None = None
-    known_hosts: str | None = None    # None: OpenSSH's default (~/.ssh/known_hosts)
-    workdir: str = "charllm"
-    connect_timeout: int = 10
-    # slurm
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str | None = None
-    constraint: str | None = None
-    sbatch_lines: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def python_path(self) -> str:
-        if self.python:
-            return self.python
-        return sys.executable if self.kind == "local" else "python3"
-
-    def to_dict(self) -> dict:
-        """What the manifest records: the non-default fields (no secrets live in a target)."""
-        out = {"name": self.name, "kind": self.kind}
-        defaults = Target(name=self.name, kind=self.kind)
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name not in out and value != getattr(defaults, f.name):
-                out[f.name] = list(value) if isinstance(value, tuple) else value
-        return out
-
-
-LOCAL = Target(name="local", kind="local", description="this machine")
+LOCAL = LocalTarget(name="local", description="this machine")
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +59,7 @@ def _want(where: str, key: str, value, kind: type | tuple, rule: str):
 
 
 def parse_target(name: str, data: dict, source: str = "targets") -> Target:
-    """One target table -> Target, with one-line messages for every mistake."""
+    """One target table -> the Target of its kind, with one-line messages for every mistake."""
     where = f"{source}: [{name}]"
     if not isinstance(data, dict):
         raise UserError(f"{where}: must be a table with kind = \"ssh\" or \"slurm\"")
@@ -112,52 +67,40 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
     if kind not in KINDS:
         hint = did_you_mean(kind, KINDS, cutoff=0.5)
         raise UserError(f"{where}.kind = {kind!r}: must be one of {', '.join(KINDS)}{hint}")
-    allowed = KEYS[kind]
+    cls = KINDS[kind]
+    allowed = cls.keys()
     for key in data:
         if key not in allowed:
             hint = did_you_mean(key, allowed, f" for kind {kind!r}")
             raise UserError(f"{where}: unknown key {key!r}{hint}")
-    values: dict = {"name": name, "kind": kind}
-    text = "a string"
-    for key in ("description", "env_setup", "python", "user", "identity_file", "known_hosts", "workdir",
-                "partition", "account", "qos", "time", "constraint"):
-        if key in data:
-            values[key] = _want(where, key, data[key], str, f"must be {text}")
+    fields = [f for f in dataclasses.fields(cls) if f.name in data]
+    ranges = {f.name: f.metadata["range"] for f in fields if "range" in f.metadata}
+    lists = [f.name for f in fields if f.name not in ranges and isinstance(f.default, tuple)]
+    values: dict = {"name": name}
+    for key in (f.name for f in fields if f.name not in ranges and f.name not in lists):
+        values[key] = _want(where, key, data[key], str, "must be a string")
     if _CONTROL.search(name):
         raise UserError(f"{source}: target name {name!r}: must be one line of printable characters")
     for key, value in values.items():
         if key != "name" and _CONTROL.search(value):  # a newline would break out of an #SBATCH line
             rule = "join commands with ';'" if key == "env_setup" else "no newlines or control characters"
             raise UserError(f"{where}.{key} = {value!r}: must be one line ({rule})")
-    for key, low, high in (("gpus_per_node", 1, 1024), ("port", 1, 65535), ("connect_timeout", 1, 3600)):
-        if key in data:
-            value = _want(where, key, data[key], int, "must be an integer")
-            if not low <= value <= high:
-                raise UserError(f"{where}.{key} = {value!r}: must be between {low} and {high}")
-            values[key] = value
-    for key in ("hosts", "sbatch_lines"):
-        if key in data:
-            value = data[key]
-            if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
-                raise UserError(f"{where}.{key} = {value!r}: must be a list of non-empty strings")
-            values[key] = tuple(v.strip() for v in value)
-    if kind == "ssh":
-        hosts = values.get("hosts", ())
-        if not hosts:
-            raise UserError(f"{where}.hosts: an ssh target needs at least one host")
-        for host in hosts:
-            if not _HOST.match(host):
-                raise UserError(f"{where}.hosts: {host!r} is not a host name or address")
-        if len(set(hosts)) != len(hosts):
-            raise UserError(f"{where}.hosts = {list(hosts)!r}: a host is listed twice")
-        user = values.get("user")
-        if user is not None and (user.startswith("-") or "@" in user or any(c.isspace() for c in user)):
-            raise UserError(f"{where}.user = {user!r}: not a user name")
-    for key in ("hosts", "sbatch_lines"):
-        for line in values.get(key, ()):
+    for key, (low, high) in ranges.items():
+        value = _want(where, key, data[key], int, "must be an integer")
+        if not low <= value <= high:
+            raise UserError(f"{where}.{key} = {value!r}: must be between {low} and {high}")
+        values[key] = value
+    for key in lists:
+        value = data[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+            raise UserError(f"{where}.{key} = {value!r}: must be a list of non-empty strings")
+        values[key] = tuple(v.strip() for v in value)
+    cls.validate(values, where)
+    for key in lists:
+        for line in values[key]:
             if _CONTROL.search(line):
                 raise UserError(f"{where}.{key}: {line!r} must be one line (no newlines or control characters)")
-    return Target(**values)
+    return cls(**values)
 
 
 def load_file(path: Path) -> dict[str, Target]:

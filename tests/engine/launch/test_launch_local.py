@@ -161,7 +161,7 @@ def test_stopping_steps_skips_one_a_cancel_kept_from_starting(tmp_path):
     records "cancelled" (it once died on the step that never started and recorded "failed")."""
     import sys
 
-    from charllm.engine.launch.launcher import Step
+    from charllm.engine.launch.target import Step
     from charllm.engine.launch.supervise import Proc, stop
 
     rd = RunDir(tmp_path / "run")

@@ -157,13 +157,12 @@ def test_a_dead_remote_sampler_is_told_in_the_status(ssh_nodes):
 def probe_on_node(ssh_nodes, out_dir):
     import sys
 
-    from charllm.engine.launch import ssh
     from infra_runs import start
 
     target = parse_target("nodes", ssh_nodes.target_table())
     argv = [sys.executable, "-m", "charllm.probes", "--backend", "host", "--hz", "5", "--out", str(out_dir),
             "--node", ssh_nodes.hosts[1]]
-    proc = start(ssh.ssh_argv(target, ssh_nodes.hosts[1]) + [ssh.shell_line(target, argv)])
+    proc = start(target.ssh_argv(ssh_nodes.hosts[1]) + [target.shell_line(argv)])
     rd = RunDir(out_dir)
     wait_for(lambda: rd.manifest_path.is_file() and rd.read_manifest().get("sampler") and rd.telemetry_files(),
              60, "the probe to record")

@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from charllm.engine.launch import slurm, ssh
-from charllm.engine.launch.launcher import plan, remote_line
+from charllm.engine.launch.launcher import plan
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.targets import LOCAL, from_record, get_target, load_targets
 from charllm.probes.core import paths
@@ -93,7 +93,7 @@ def test_ssh_remote_commands_cannot_inject_shell(tmp_path):
     steps, script = plan(exp, target, run_dir)
     assert script is None
     for step in steps:
-        line = remote_line(target, step)
+        line = target.in_process_group(step.argv)
         # The remote shell sees: setsid -w bash -c '<inner>'; the inner line runs exactly argv.
         outer = shlex.split(line)
         assert outer[:3] == ["setsid", "-w", "bash"] and outer[3] == "-c"
@@ -101,7 +101,7 @@ def test_ssh_remote_commands_cannot_inject_shell(tmp_path):
         setup = "echo $$; " + ssh._STOP_WITH_CONNECTION + "trap : TERM; module load cuda; conda activate train; "
         assert inner.startswith(setup) and inner.endswith("; exit $?")
         assert shlex.split(inner.removeprefix(setup).removesuffix("; exit $?")) == step.argv
-    assert ssh.ssh_argv(target, "node1")[-2:] == ["--", "node1"]
+    assert target.ssh_argv("node1")[-2:] == ["--", "node1"]
 
 
 def test_slurm_script_has_directives_and_per_node_steps(tmp_path):

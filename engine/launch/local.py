@@ -1,0 +1,41 @@
+"""The local target: this machine, one node; sampler and torchrun are child processes of the supervisor."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from charllm.engine.launch.target import Step, Target, sampler_argv, train_argv
+from charllm.probes.core.errors import UserError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LocalTarget(Target):
+    kind: ClassVar[str] = "local"
+    default_python: ClassVar[str] = sys.executable   # this interpreter
+
+    def check_nodes(self, nodes: int) -> None:
+        if nodes != 1:
+            raise UserError(f"cluster.nodes = {nodes}: the local target is one node; "
+                            "use an ssh or slurm target for more")
+
+    def rendezvous_port(self) -> int:
+        return free_port()   # a free port here
+
+    def plan(self, exp, run_dir: Path, port) -> tuple[list[Step], None]:
+        node, python = socket.gethostname(), self.python_path
+        return [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node)),
+                Step(node, "train", train_argv(python, exp, str(run_dir), node_rank=0,
+                                               master_addr="127.0.0.1", master_port=port))], None
+
+    def run_doctor(self, doctor, nodes: int | None) -> list:
+        return doctor.here(self, nodes)   # in this process

@@ -1,0 +1,174 @@
+"""The interface every kind of target implements (local.py, ssh.py, slurm.py), and the steps they plan.
+
+A target's fields are what targets.toml gives it; what differs by kind is a method: which layouts it
+can take, the processes it plans per node, how a command is shown, what it checks and prepares
+before a run starts, and how the run's processes are stopped when its supervisor cannot. Parsing
+targets.toml into the right kind is targets.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shlex
+import signal
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ClassVar
+
+TRAIN_MODULE = "charllm.engine.workload.train"
+SAMPLER_MODULE = "charllm.probes"
+
+Say = Callable[[str], None]
+
+
+def number(default, low: int, high: int):
+    """An integer field and the range targets.toml may set it in."""
+    return dataclasses.field(default=default, metadata={"range": (low, high)})
+
+
+@dataclass
+class Step:
+    """One process of a run on one node: the exact argv run there."""
+
+    node: str
+    role: str                 # sampler | train | tail
+    argv: list[str]
+    host: str | None = None   # ssh: the host it runs on (argv then runs through `ssh`)
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+    def to_dict(self) -> dict:
+        out = {"node": self.node, "role": self.role, "argv": self.argv, "command": self.command}
+        if self.host:
+            out["host"] = self.host
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Step":
+        return cls(node=d["node"], role=d["role"], argv=list(d["argv"]), host=d.get("host"))
+
+
+def sampler_argv(python: str, exp, run_dir: str, node: str, stream: bool = False) -> list[str]:
+    argv = [python, "-m", SAMPLER_MODULE, "--backend", exp.telemetry.backend, "--hz", f"{exp.telemetry.hz:g}",
+            "--out", run_dir, "--node", node]
+    return argv + ["--stream"] if stream else argv
+
+
+def train_argv(python: str, exp, run_dir: str, *, node_rank, master_addr: str, master_port) -> list[str]:
+    """torchrun (as `python -m torch.distributed.run`, so the target's python picks torch)."""
+    return [python, "-m", "torch.distributed.run", f"--nnodes={exp.cluster.nodes}", f"--node-rank={node_rank}",
+            f"--master-addr={master_addr}", f"--master-port={master_port}",
+            f"--nproc-per-node={exp.cluster.gpus_per_node}",
+            "-m", TRAIN_MODULE, "--run-dir", run_dir]
+
+
+@dataclass(frozen=True)
+class Target(ABC):
+    """Fields every kind has. A kind adds its own fields: a text field is a `str`, an integer one
+    a `number(...)` with its range, a list a tuple of strings."""
+
+    kind: ClassVar[str]
+    default_python: ClassVar[str] = "python3"   # the interpreter when `python` is not given
+
+    name: str
+    description: str = ""
+    env_setup: str = ""               # a shell line run before every remote command
+    python: str = ""                  # "" : `default_python`
+    gpus_per_node: int | None = number(None, 1, 1024)  # None: the experiment's cluster.gpus_per_node
+
+    @property
+    def python_path(self) -> str:
+        return self.python or self.default_python
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The keys its table in targets.toml may have."""
+        return ("kind",) + tuple(f.name for f in dataclasses.fields(cls) if f.name != "name")
+
+    @classmethod
+    def validate(cls, values: dict, where: str) -> None:
+        """What a kind requires of its parsed values beyond their types (one-line UserErrors)."""
+
+    def to_dict(self) -> dict:
+        """What the manifest records: the non-default fields (no secrets live in a target)."""
+        out = {"name": self.name, "kind": self.kind}
+        defaults = type(self)(name=self.name)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in out and value != getattr(defaults, f.name):
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def shell_line(self, argv: list[str], cwd: str | None = None, *, replace_shell: bool = True) -> str:
+        """`cd DIR && ENV_SETUP; exec ARGV` — the env line is the user's own shell, the rest is quoted."""
+        parts = []
+        if cwd:
+            parts.append(f"cd {shlex.quote(cwd)} &&")
+        if self.env_setup:
+            parts.append(f"{self.env_setup};")
+        parts.append(("exec " if replace_shell else "") + shlex.join(argv))
+        return " ".join(parts)
+
+    # -- planning ------------------------------------------------------------------------------
+    def check_nodes(self, nodes: int) -> None:
+        """Refuse a layout of `nodes` nodes this target cannot hold (a UserError naming why)."""
+
+    def rendezvous_port(self) -> int:
+        """torchrun's port on the first node, whose free ports cannot be seen from here."""
+        return random.randint(20000, 40000)
+
+    @abstractmethod
+    def plan(self, exp, run_dir: Path, port) -> tuple[list[Step], str | None]:
+        """The processes per node, and the batch script where a scheduler runs them."""
+
+    def display_command(self, step: Step) -> str:
+        """The command line that runs `step`, as the dry run and the manifest show it."""
+        return step.command
+
+    # -- launching -----------------------------------------------------------------------------
+    def check_ready(self, steps: list[Step], say: Say) -> None:
+        """Before anything is created: can the run start there (a UserError naming the fix)?"""
+
+    def prepare(self, rd, steps: list[Step], script: str | None, say: Say) -> dict:
+        """Ready the nodes once the run directory exists; returns the fields it added to the
+        manifest (a scheduler's job)."""
+        return {}
+
+    def supervise(self, supervisor) -> str:
+        """Run the supervisor's part (supervise.py) until the run ends; returns its final status.
+        Here the supervisor owns the steps' processes."""
+        return supervisor.own_steps()
+
+    @abstractmethod
+    def run_doctor(self, doctor, nodes: int | None) -> list:
+        """Run `charllm-tui doctor` on the target's nodes: `doctor` (engine/doctor.py, above this
+        package) has one method per way of reaching them."""
+
+    # -- stopping ------------------------------------------------------------------------------
+    def cancel_job(self, manifest: dict) -> bool:
+        """Ask the scheduler that runs the run's job to end it (the supervisor then records the
+        end); False where there is no scheduler: the supervisor owns the processes."""
+        return False
+
+    def stop_processes(self, manifest: dict, grace: float) -> None:
+        """Stop what the manifest recorded, without the supervisor: TERM, `grace`, KILL."""
+        recorded = manifest.get("processes", [])
+        for sig in ("TERM", "KILL"):
+            for proc in recorded:
+                self.signal_recorded(proc, sig)
+            if sig == "TERM" and recorded:
+                time.sleep(grace)
+
+    def signal_recorded(self, proc: dict, sig: str) -> None:
+        """Signal one recorded process group (TERM or KILL) on this machine."""
+        if proc.get("pgid"):
+            try:
+                os.killpg(proc["pgid"], getattr(signal, f"SIG{sig}"))
+            except (ProcessLookupError, PermissionError):
+                pass
