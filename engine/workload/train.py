@@ -708,14 +708,16 @@ def teardown() -> None:
             pass
 
 
-TORCHRUN = ("torch.distributed.run", "torchrun")    # how a rank's parent is started (launcher.train_argv)
+# How torchrun, a rank's parent, is started (launch.target.train_argv); torchrun puts TORCHELASTIC_RUN_ID
+# in its workers' environment (torch/distributed/elastic/agent/server/local_elastic_agent.py).
+TORCHRUN = ("torch.distributed.run", "torchrun")
 
 if __name__ == "__main__":
     # A rank never outlives torchrun: torch starts it in a session of its own, out of reach of
     # the signals that stop torchrun's process group.
     from charllm.probes.core.lifeline import die_with_parent
 
-    die_with_parent(started_by=TORCHRUN)
+    die_with_parent(started_by=TORCHRUN if "TORCHELASTIC_RUN_ID" in os.environ else ())
     code = main()
     # Everything that matters is written and closed; skip the interpreter's module teardown
     # (seconds with torch and megatron loaded) so the launcher sees the exit at once.
