@@ -63,8 +63,6 @@ def problems(exp) -> list[str]:
     return found
 
 
-
-
 def _fit_to_target(exp, target: Target, nproc: int | None):
     exp = exp.copy()
     if nproc is not None:

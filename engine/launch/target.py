@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
-TRAIN_MODULE = "charllm.engine.workload.train"
+from charllm.engine.workload import TORCHRUN_MODULE, TRAIN_MODULE
+
 SAMPLER_MODULE = "charllm.probes"
 
 Say = Callable[[str], None]
@@ -61,8 +62,8 @@ def sampler_argv(python: str, exp, run_dir: str, node: str, stream: bool = False
 
 
 def train_argv(python: str, exp, run_dir: str, *, node_rank, master_addr: str, master_port) -> list[str]:
-    """torchrun (as `python -m torch.distributed.run`, so the target's python picks torch)."""
-    return [python, "-m", "torch.distributed.run", f"--nnodes={exp.cluster.nodes}", f"--node-rank={node_rank}",
+    """torchrun, starting the workload on every rank of the node."""
+    return [python, "-m", TORCHRUN_MODULE, f"--nnodes={exp.cluster.nodes}", f"--node-rank={node_rank}",
             f"--master-addr={master_addr}", f"--master-port={master_port}",
             f"--nproc-per-node={exp.cluster.gpus_per_node}",
             "-m", TRAIN_MODULE, "--run-dir", run_dir]

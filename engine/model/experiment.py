@@ -41,7 +41,6 @@ from charllm.probes.core.errors import UserError, did_you_mean
 class Problem:
     """What is wrong with an experiment: the field, its value, the rule it breaks (and a fix)."""
 
-
     field: str
     value: Any
     rule: str
@@ -49,7 +48,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.field} = {self.value!r}: {self.rule}" + (f"; {self.fix} works" if self.fix else "")
-
 
 
 def parse_pipeline_layout(layout: str) -> list[list[str]]:
@@ -71,7 +69,6 @@ def parse_pipeline_layout(layout: str) -> list[list[str]]:
     if bad:
         raise ValueError(f"unknown layer letter(s) {''.join(bad)!r}; known: E, t, m, L")
     return stages
-
 
 
 # --------------------------------------------------------------------------------------------

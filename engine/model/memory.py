@@ -1025,8 +1025,6 @@ class Budget:
         return lines
 
 
-
-
 def budget(exp: Experiment) -> Budget:
     """The device's memory budget for `exp`: a calibration of its hardware (`charllm-tui doctor`)
     where there is one, else the hardware preset's figures and the assumed allocator reserve."""

@@ -33,7 +33,7 @@ from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.flops import flops_per_iteration
 from charllm.engine.model.validate import check
-from charllm.engine.workload import CANCELLED_EXIT
+from charllm.engine.workload import CANCELLED_EXIT, TORCHRUN_MODULE
 from charllm.probes.core.errors import UserError, plural
 
 
@@ -708,9 +708,9 @@ def teardown() -> None:
             pass
 
 
-# How torchrun, a rank's parent, is started (launch.target.train_argv); torchrun puts TORCHELASTIC_RUN_ID
-# in its workers' environment (torch/distributed/elastic/agent/server/local_elastic_agent.py).
-TORCHRUN = ("torch.distributed.run", "torchrun")
+# A rank's parent as launched (TORCHRUN_MODULE) or as a user may start it; torchrun puts
+# TORCHELASTIC_RUN_ID in its workers' environment (torch/distributed/elastic/agent/server/local_elastic_agent.py).
+TORCHRUN = (TORCHRUN_MODULE, "torchrun")
 
 if __name__ == "__main__":
     # A rank never outlives torchrun: torch starts it in a session of its own, out of reach of

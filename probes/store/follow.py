@@ -3,7 +3,8 @@
 `RunFollower.poll()` makes one pass over the run and returns what changed since the previous pass
 as typed events: the status, new telemetry rows, new iteration-log lines, new log lines.
 `follow()` repeats it until the run has ended. The command line (`launch --follow`, `runs logs -f`)
-and the launcher follow with `follow()`; the Live screen calls `poll()` at its own pace.
+follows with `follow()`, settling each pass with the launcher's `reconcile`; the Live screen calls
+`poll()` at its own pace.
 """
 
 from __future__ import annotations

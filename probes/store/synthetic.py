@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from charllm.probes.core.formatting import GIB
 from charllm.probes.store.recorder import ChunkWriter
 from charllm.probes.store.rundir import RunDir
 from charllm.probes.store.schema import conform
@@ -101,7 +102,7 @@ def cpu_run(root, run_id: str, step_s: float, *, with_iterations: bool = True, b
     starts = np.arange(0, 12 - step_s, step_s)
     iteration = np.searchsorted(starts, t, side="right") if with_iterations else None
     metrics = {"cpu_util_pct": busy_pct + 5 * np.sin(t), "cpu_freq_mhz": 2400.0, "temp_cpu_c": 50.0 + t,
-               "host_mem_used_bytes": 3 * 2**30}
+               "host_mem_used_bytes": 3 * GIB}
     if iteration is not None:
         metrics["iteration"] = iteration
     rows = iteration_rows(starts, step_s * 0.95, warmup=2, tokens=256)

@@ -29,8 +29,6 @@ pytestmark = pytest.mark.timeout(300)
 FAST = ("--sample-seconds", "0.5")
 
 
-
-
 # -- this node -----------------------------------------------------------------------------------
 def test_doctor_on_this_cpu_node_says_no_gpu_and_measures_host_sampling(capsys, charllm_dirs):
     code, out, err = run(capsys, "doctor", "--no-save", "--sample-seconds", "1")

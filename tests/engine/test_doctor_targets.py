@@ -25,7 +25,6 @@ def write_targets(charllm_dirs, **tables) -> None:
     (config / "targets.toml").write_text(tomli_w.dumps(tables))
 
 
-
 def test_every_ssh_node_reports_and_an_unreachable_one_is_one_line(ssh_nodes, charllm_dirs, capsys):
     # 127.0.0.1 on the nodes' port has no sshd of theirs: refused, or an unknown host key.
     table = ssh_nodes.target_table(hosts=[*ssh_nodes.hosts, "127.0.0.1"], connect_timeout=5)

@@ -15,7 +15,6 @@ from charllm.engine.model.megatron import import_megatron_args
 from infra_cli import run
 
 
-
 def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
     assert code == 2
     lines = err.strip().splitlines()

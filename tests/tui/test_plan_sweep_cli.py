@@ -18,8 +18,6 @@ MEGATRON = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-leng
             "--use-distributed-optimizer --vocab-size 50257 --log-interval 1 --weight-decay 0.1")
 
 
-
-
 # -- plan -------------------------------------------------------------------------------------
 def test_plan_prints_a_per_stage_table(capsys):
     code, out, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000")

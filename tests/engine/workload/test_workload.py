@@ -339,7 +339,6 @@ def test_two_writers_never_interleave_within_a_line(tmp_path):
     assert len(records) == 400 and {r["rank"] for r in records} == {0, 1}
 
 
-
 # --------------------------------------------------------------------------------------------
 # How a rank is set up, as Megatron-LM sets it up (checked inside two real ranks)
 # --------------------------------------------------------------------------------------------
