@@ -30,7 +30,7 @@ from charllm.probes.store.rundir import RunDir
 
 
 POLL_S = 0.2
-FAILURE_SETTLE_S = 1.0
+FAILURE_SETTLE_S = 5.0  # how long the other nodes get to exit and log their account
 
 
 class Proc:
@@ -347,10 +347,13 @@ class Supervisor:
         return "cancelled", None
 
     def first_failure(self, trains: list[Proc]) -> str:
-        """The cause, not the echo: a lost node makes its peers fail too, so wait a moment and
-        prefer a node whose connection was lost, then the node that failed first."""
+        """The cause, not the echo: a lost or killed rank makes its peers fail too, and a peer's
+        node may report first. So give every node a moment to end, then prefer a node whose
+        connection was lost, then one whose rank was killed by a signal, then any."""
+        deadline = time.monotonic() + FAILURE_SETTLE_S
+        while any(p.poll() is None for p in trains) and time.monotonic() < deadline:
+            time.sleep(POLL_S)  # the killed rank's node may write its summary after a peer's
         failed = [p for p in trains if p.poll() not in (None, 0)]
-        time.sleep(FAILURE_SETTLE_S)
         lost = [p for p in trains if p.step.host and p.poll() == 255]
         by_log = {p.log_path: p for p in failed}
         culprit = (lost or [by_log[log] for log in killed_first(list(by_log))])[0]

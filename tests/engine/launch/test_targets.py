@@ -147,3 +147,26 @@ def test_failure_names_the_killed_rank_not_the_peer_that_exited_after_it(tmp_pat
     order = killed_first([echo, quiet, killed])
     assert order == [killed, echo, quiet]
     assert describe_failure(Step("n2", "train", []), 1, order[0]) == "node n2, rank 1 (local rank 0) was killed by SIGKILL"
+
+
+def test_the_killed_rank_is_named_even_when_its_node_reports_after_the_peer(tmp_path):
+    # The CI race: rank 0's node exits 1 at once, the killed rank's node a moment later.
+    import sys
+
+    from charllm.engine.launch.supervise import Proc, Step, Supervisor
+    from charllm.probes.store.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    rd.logs_dir.mkdir()
+
+    def node(name: str, rank: int, code: int, after_s: float) -> Proc:
+        script = f"import sys, time; time.sleep({after_s}); print({_torchrun_summary(rank, code)!r}); sys.exit(1)"
+        proc = Proc(rd, LOCAL, Step(name, "train", [sys.executable, "-c", script]))
+        proc.start()
+        return proc
+
+    echo, killed = node("n1", 0, 1, 0.0), node("n2", 1, -9, 1.5)
+    echo.popen.wait()
+    supervisor = Supervisor.__new__(Supervisor)  # first_failure needs only the run directory
+    supervisor.rd = rd
+    assert supervisor.first_failure([echo, killed]) == "node n2, rank 1 (local rank 0) was killed by SIGKILL"
