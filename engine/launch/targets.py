@@ -103,28 +103,53 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
     return cls(**values)
 
 
-def load_file(path: Path) -> dict[str, Target]:
+def read_file(path: Path) -> tuple[dict[str, Target], dict[str, str]]:
+    """The targets in `path`, and the one-line problem of each table that is wrong: a bad
+    table costs only itself (the file's other targets, and `local`, still work). A file that
+    is not TOML at all raises, since none of its tables can be told apart."""
     path = Path(path).expanduser()
     data = paths.read_toml(path, "targets file")
-    out = {}
+    good, bad = {}, {}
     for name, table in data.items():
-        if name == "local":
-            raise UserError(f"{path}: [local] is built in; give your target another name")
-        out[name] = parse_target(name, table, source=str(path))
-    return out
+        try:
+            if name == "local":
+                raise UserError(f"{path}: [local] is built in; give your target another name")
+            good[name] = parse_target(name, table, source=str(path))
+        except UserError as exc:
+            bad[name] = str(exc)
+    return good, bad
 
 
-def load_targets(path: Path | None = None) -> dict[str, Target]:
-    """`local` plus the targets in `path` (default: the user's targets.toml, if any)."""
-    path = Path(path) if path else paths.targets_file()
-    targets = {"local": LOCAL}
-    if path.is_file() or path != paths.targets_file():
-        targets.update(load_file(path))
-    return targets
+def load_file(path: Path) -> dict[str, Target]:
+    """Every target in `path`; the first wrong table is an error (for checking a whole file)."""
+    good, bad = read_file(path)
+    if bad:
+        raise UserError(next(iter(bad.values())))
+    return good
+
+
+def _user_file(path: Path | None) -> Path | None:
+    """The targets file to read: the one given, or the user's if it exists."""
+    if path:
+        return Path(path)
+    return paths.targets_file() if paths.targets_file().is_file() else None
+
+
+def load_targets(path: Path | None = None) -> tuple[dict[str, Target], dict[str, str]]:
+    """`local` plus the targets in `path` (default: the user's targets.toml, if any), and the
+    problem of each table that could not be read (by target name)."""
+    good, bad = read_file(file) if (file := _user_file(path)) else ({}, {})
+    return {"local": LOCAL, **good}, bad
 
 
 def get_target(name: str = "local", target_file: Path | None = None) -> Target:
-    targets = load_targets(target_file)
+    """The target called `name`. `local` needs no file; another name needs only its own table
+    to be right."""
+    if name == "local" and target_file is None:
+        return LOCAL
+    targets, bad = load_targets(target_file)
+    if name in bad:
+        raise UserError(bad[name])
     if name in targets:
         return targets[name]
     hint = did_you_mean(name, targets, f"; define it in {target_file or paths.targets_file()}", cutoff=0.5)

@@ -117,3 +117,14 @@ def test_a_deep_or_huge_file_is_one_line(tmp_path, capsys):
         path.write_text(content)
         code, _, err = run(capsys, "plan", str(path))
         assert code == 2 and "exp.toml" in one_error_line(err)
+
+
+def test_a_broken_target_table_blocks_only_itself(charllm_dirs, capsys):
+    from charllm.probes.core import paths
+
+    paths.targets_file().parent.mkdir(parents=True, exist_ok=True)
+    paths.targets_file().write_text('[old]\nkind = "ftp"\n')
+    code, out, _ = run(capsys, "launch", "tiny-local", "--dry-run")
+    assert code == 0 and "torch.distributed.run" in out
+    code, _, err = run(capsys, "launch", "tiny-local", "--target", "old", "--dry-run")
+    assert code == 2 and "[old].kind = 'ftp': must be one of local, ssh, slurm" in one_error_line(err)

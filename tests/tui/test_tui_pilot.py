@@ -623,6 +623,22 @@ async def test_launch_tiny_local_then_live_runs_and_compare(charllm_dirs):
         assert RunDir(run_dir).read_manifest()["runtime"]["implementation"]["attention"] == "sdpa"
 
 
+@pilot_test
+async def test_launch_offers_the_good_targets_and_names_a_broken_one(charllm_dirs):
+    config = charllm_dirs["config"]
+    config.mkdir(parents=True)
+    (config / "targets.toml").write_text('[lab]\nkind = "ssh"\nhosts = ["node1"]\n\n[old]\nkind = "ftp"\n')
+    app = CharllmApp()
+    async with run_app(app) as pilot:
+        await pilot.press("f4")
+        screen = app.screen
+        await wait_for(pilot, lambda: "torch.distributed.run" in str(screen.query_one("#dry-run-text").render()),
+                       what="the dry run on the built-in target")
+        assert sorted(screen.targets) == ["lab", "local"] and screen.target.name == "local"
+        summary = str(screen.query_one("#launch-summary").render())
+        assert "not offered:" in summary and "[old].kind = 'ftp'" in summary, summary
+
+
 # -- settings, palette -------------------------------------------------------------------------------
 @pilot_test
 async def test_keymap_and_theme_from_tui_toml(charllm_dirs):

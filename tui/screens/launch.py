@@ -45,6 +45,7 @@ class LaunchScreen(WorkbenchScreen):
     def __init__(self):
         super().__init__()
         self.targets: dict = {}
+        self.target_problems: dict[str, str] = {}   # by target name: why targets.toml could not give it
         self.launching = False
         self.result = None
 
@@ -72,11 +73,9 @@ class LaunchScreen(WorkbenchScreen):
     def load_targets(self) -> None:
         select = self.query_one("#target", Select)
         try:
-            self.targets = targets.load_targets()
-        except UserError as exc:
-            self.targets = {}
-            self.query_one("#launch-summary", Static).update(f"[red]{escape(str(exc))}[/]")
-            return
+            self.targets, self.target_problems = targets.load_targets()
+        except UserError as exc:  # not TOML at all: only the built-in target is known
+            self.targets, self.target_problems = {"local": targets.LOCAL}, {"targets.toml": str(exc)}
         current = select.value
         with self.prevent(Select.Changed):
             select.set_options([(f"{name} ({t.kind})", name) for name, t in self.targets.items()])
@@ -92,7 +91,8 @@ class LaunchScreen(WorkbenchScreen):
             f"[b]{escape(exp.name)}[/b]: {exp.model.name} on {exp.cluster.nodes}×{exp.cluster.gpus_per_node} "
             f"{exp.hardware.name} · TP{exp.parallel.tensor_model_parallel_size} "
             f"PP{exp.parallel.pipeline_model_parallel_size} DP{exp.data_parallel_size} · "
-            f"{plural(exp.training.train_iters, 'iteration')}{extra}")
+            f"{plural(exp.training.train_iters, 'iteration')}{extra}"
+            + "".join(f"\n[yellow]not offered: {escape(problem)}[/]" for problem in self.target_problems.values()))
 
     # -- dry run -------------------------------------------------------------------------------
     @on(Select.Changed, "#target")

@@ -9,7 +9,7 @@ import pytest
 from charllm.engine.launch import slurm, ssh
 from charllm.engine.launch.launcher import plan
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.launch.targets import LOCAL, from_record, get_target, load_targets
+from charllm.engine.launch.targets import LOCAL, from_record, get_target, load_file, load_targets
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
 
@@ -42,13 +42,14 @@ def write(text: str):
 
 
 def test_local_is_built_in_without_a_file():
-    assert load_targets() == {"local": LOCAL}
+    assert load_targets() == ({"local": LOCAL}, {})
     assert get_target("local") is LOCAL
 
 
 def test_targets_file_parses_every_kind():
     write(GOOD)
-    targets = load_targets()
+    targets, problems = load_targets()
+    assert problems == {}
     assert targets["lab"].hosts == ("node1", "10.0.0.2") and targets["lab"].port == 2222
     assert targets["hpc"].gpus_per_node == 8 and targets["hpc"].sbatch_lines == ("--exclusive",)
     assert from_record(targets["lab"].to_dict()) == targets["lab"]
@@ -74,8 +75,32 @@ def test_target_file_given_explicitly(tmp_path):
 def test_bad_targets_are_one_line_errors(text, message):
     write(text)
     with pytest.raises(UserError) as err:
-        load_targets()
+        load_file(paths.targets_file())
     assert message in str(err.value) and "\n" not in str(err.value)
+    name = text[1:text.index("]")] if "]" in text else "a"
+    if name == "local":  # built in: a [local] table cannot shadow it, and launching there needs no file
+        assert get_target(name) is LOCAL
+        return
+    with pytest.raises(UserError) as err:
+        get_target(name)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_bad_target_costs_only_itself():
+    write(GOOD + '\n[broken]\nkind = "ftp"\n')
+    targets, problems = load_targets()
+    assert sorted(targets) == ["hpc", "lab", "local"]
+    assert list(problems) == ["broken"] and "kind = 'ftp'" in problems["broken"]
+    assert get_target("local") is LOCAL and get_target("lab").hosts == ("node1", "10.0.0.2")
+    with pytest.raises(UserError, match=r"\[broken\]\.kind = 'ftp': must be one of"):
+        get_target("broken")
+
+
+def test_a_file_that_is_not_toml_leaves_local_working():
+    write("[a\n")
+    assert get_target("local") is LOCAL
+    with pytest.raises(UserError, match="invalid TOML"):
+        get_target("a")
 
 
 def test_unknown_target_names_the_nearest():
