@@ -624,6 +624,20 @@ async def test_launch_tiny_local_then_live_runs_and_compare(charllm_dirs):
 
 
 @pilot_test
+async def test_runs_keys_line_follows_the_keymap(charllm_dirs):
+    make_demo_run(charllm_dirs["runs"], "20251121-080000-demo", seconds=6)
+    app = CharllmApp(settings={"theme": None, "keymap": {"runs.delete": "x", "runs.mark": "ctrl+k"}},
+                     start_mode="runs")
+    async with run_app(app) as pilot:
+        await pilot.press("x")  # the remapped delete asks first
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "Confirm", what="the delete question")
+        await pilot.press("escape")
+        keys = str(app.screen.query_one("#runs-keys").render())
+        assert "x delete" in keys and "^k mark" in keys and "d delete" not in keys, keys
+        assert "b save as baseline" in keys
+
+
+@pilot_test
 async def test_launch_offers_the_good_targets_and_names_a_broken_one(charllm_dirs):
     config = charllm_dirs["config"]
     config.mkdir(parents=True)

@@ -45,7 +45,9 @@ COLUMNS = ("run", "status", *(h for h, _ in HEADLINE.values()), "target", "exper
 WINDOW = "steady"
 WINDOW_TEXT = "figures over each run's steady window (non-warm-up iterations), as summarize and compare give them"
 # The keys the footer has no room for at 80 columns first; this line stays under the run's details.
-KEYS_TEXT = "b save as baseline · Space mark, m compare · Enter open · c cancel · d delete"
+# Groups of (binding id, what it does), shown with the keys the user's [keymap] gives them.
+KEYS_LINE = ((("runs.baseline", "save as baseline"),), (("runs.mark", "mark"), ("runs.compare", "compare")),
+             (("runs.open", "open"),), (("runs.cancel", "cancel"),), (("runs.delete", "delete"),))
 
 
 @dataclass
@@ -62,7 +64,7 @@ class RunsScreen(WorkbenchScreen):
         Binding("space", "mark", "Mark", id="runs.mark"),
         Binding("m", "compare", "Compare marked", id="runs.compare"),
         Binding("c", "cancel_run", "Cancel run", id="runs.cancel"),
-        # on the keys line (KEYS_TEXT): the 80-column footer is full
+        # on the keys line (KEYS_LINE): the 80-column footer is full
         Binding("b", "save_baseline", "Save as baseline", id="runs.baseline", show=False),
         Binding("delete,d", "delete", "Delete", id="runs.delete"),
         Binding("r", "refresh", "Refresh", id="runs.refresh"),
@@ -78,12 +80,25 @@ class RunsScreen(WorkbenchScreen):
     def compose_body(self) -> ComposeResult:
         yield DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
         yield Static(id="runs-detail", classes="hint")
-        yield Static(KEYS_TEXT, id="runs-keys", classes="hint")
+        yield Static(id="runs-keys", classes="hint")
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         for name in COLUMNS:
             table.add_column(name, key=name)
+        self.query_one("#runs-keys", Static).update(self.keys_text())
+
+    def keys_text(self) -> str:
+        """KEYS_LINE with the keys bound now (a [keymap] in tui.toml moves them): the shortest
+        of a binding's keys, written as the footer writes it (named keys capitalized)."""
+        bound = {b.id: b.key for b in self.BINDINGS if isinstance(b, Binding)} | self.app.settings["keymap"]
+
+        def shown(key: str) -> str:
+            text = self.app.get_key_display(Binding(key, ""))
+            return text.capitalize() if text.isalpha() and len(text) > 1 else text
+
+        keys = {bid: min((shown(k.strip()) for k in bound[bid].split(",")), key=len) for bid, _ in sum(KEYS_LINE, ())}
+        return " · ".join(", ".join(f"{keys[bid]} {what}" for bid, what in group) for group in KEYS_LINE)
 
     def on_screen_resume(self) -> None:
         self.action_refresh()
