@@ -45,8 +45,11 @@ if (($# == 0)) && [ -z "${CHARLLM_SKIP_PY312:-}" ]; then
         [ -x "$venv/bin/python" ] || "$py312" -m venv "$venv"
         "$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[train,test]'
         echo "tests/run.sh: Python 3.12, megatron-core $("$venv/bin/python" -c 'from importlib.metadata import version; print(version("megatron-core"))')"
+        # (test_model_builder and test_memory: the HybridModel that 0.19 builds, checked against GPTModel
+        # and the memory model's parameter count; on 3.11 those checks are skipped)
         "$venv/bin/python" -m pytest -p no:cacheprovider tests/engine/workload/test_workload.py tests/engine/launch/test_launch_local.py \
-            tests/engine/workload/test_cpu_compat.py || status=$?
+            tests/engine/workload/test_cpu_compat.py tests/engine/workload/test_model_builder.py \
+            tests/engine/model/test_memory.py || status=$?
     fi
 fi
 exit "$status"

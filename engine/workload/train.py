@@ -2,13 +2,14 @@
 
     torchrun --nproc-per-node N -m charllm.engine.workload.train --run-dir RUN_DIR
 
-Reads RUN_DIR/experiment.toml, trains `training.train_iters` steps of GPTModel (dense or MoE)
-with Megatron's DDP, optimizer and pipeline schedules, on synthetic tokens or a Megatron indexed
-dataset (`training.data_path`), and appends the iteration log RUN_DIR/iterations.jsonl (rank 0
-and the last rank). With CUDA it runs on GPUs with NCCL, built the way `engine.model.runtime` resolves
-the experiment on this node (Transformer Engine where it imports, else megatron-core's local layers
-with SDPA attention); without, on CPU with gloo through `cpu_compat`. It follows Megatron-LM's
-training.py, arguments.py and initialize.py; where it departs, a comment says why.
+Reads RUN_DIR/experiment.toml, trains `training.train_iters` steps of a GPT (dense or MoE: GPTModel,
+or HybridModel where megatron-core prefers it, see `model_builder`) with Megatron's DDP, optimizer
+and pipeline schedules, on synthetic tokens or a Megatron indexed dataset (`training.data_path`),
+and appends the iteration log RUN_DIR/iterations.jsonl (rank 0 and the last rank). With CUDA it
+runs on GPUs with NCCL, built the way `engine.model.runtime` resolves the experiment on this node
+(Transformer Engine where it imports, else megatron-core's local layers with SDPA attention);
+without, on CPU with gloo through `cpu_compat`. It follows Megatron-LM's training.py, arguments.py
+and initialize.py; where it departs, a comment says why.
 
 Exit status: 0 completed, CANCELLED_EXIT (143) after SIGTERM (the current iteration finishes
 first, on every rank), 2 for an experiment this workload cannot run, 1 for any other failure.
@@ -33,7 +34,7 @@ from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.flops import flops_per_iteration
 from charllm.engine.model.validate import check
-from charllm.engine.workload import CANCELLED_EXIT, TORCHRUN_MODULE
+from charllm.engine.workload import CANCELLED_EXIT, TORCHRUN_MODULE, model_builder
 from charllm.probes.core.errors import UserError, plural
 
 
@@ -104,10 +105,10 @@ def params_dtype(t):
     return torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
 
 
-def transformer_config(exp, impl):
+def transformer_config(exp, impl, builder):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(**transformer_settings(exp, impl))
+    return TransformerConfig(**builder.config_settings(exp, transformer_settings(exp, impl)))
 
 
 def transformer_settings(exp, impl) -> dict:
@@ -163,44 +164,21 @@ def transformer_settings(exp, impl) -> dict:
     )
 
 
-def layer_spec(exp, config, impl, vp_stage):
-    """Megatron-LM's decoder block spec (gpt_builders.py), with SDPA core attention on the local
-    path where engine.model.runtime chose it."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=impl.transformer == "transformer_engine",
-                                      normalization=exp.model.normalization, vp_stage=vp_stage)
-    if impl.attention.startswith("sdpa"):
-        from charllm.engine.workload.attention import with_sdpa  # deferred: loads megatron-core, torch (start-up time)
-
-        spec = with_sdpa(spec, impl.sdpa_kernels)
-    return spec
-
-
-def build_model(exp, config, impl):
-    """One GPTModel chunk per virtual stage on this rank, wrapped in Float16Module and DDP."""
+def build_model(exp, config, impl, builder):
+    """One model chunk per virtual stage on this rank (GPTModel or HybridModel, as `builder`
+    chose), wrapped in Float16Module and DDP."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    m, p = exp.model, exp.parallel
-    vp = p.virtual_pipeline_model_parallel_size
+    vp = exp.parallel.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vp or 1):
         stage = vp_stage if vp else None
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec(exp, config, impl, stage),
-            vocab_size=m.padded_vocab_size(p.tensor_model_parallel_size),
-            max_sequence_length=m.max_position_embeddings or m.seq_length,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-            position_embedding_type=m.position_embedding_type,
-            vp_stage=stage,
-        )
+        model = builder.build(exp, config, impl, vp_stage=stage,
+                              pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                              post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage))
         # As Megatron-LM's get_model: onto this rank's GPU first (the local spec's torch norms are
         # built on the host), then the half-precision wrapper, whose optimizer wants CUDA tensors.
         model.cuda(torch.cuda.current_device())
@@ -422,8 +400,9 @@ class Trainer:
         if t.tp_comm_overlap:
             initialize_userbuffers(exp)
 
-        config = transformer_config(exp, impl)
-        self.model = build_model(exp, config, impl)
+        self.builder = model_builder.choose(exp)
+        config = transformer_config(exp, impl, self.builder)
+        self.model = build_model(exp, config, impl, self.builder)
         from megatron.core.optimizer import get_megatron_optimizer
 
         self.optimizer = get_megatron_optimizer(optimizer_config(exp), self.model,
@@ -567,7 +546,8 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     trainer = Trainer(exp, impl, cuda=cuda, local_rank=local_rank)
     if log.fd is not None:   # what ran, as the run directory, `runs show` and Live report it
         log.write("start", start_ns=time.time_ns(), world_size=world, layout=trainer.layout(), seed=trainer.seed,
-                  runtime={"implementation": impl.to_dict(), **runtime.describe(stack)},
+                  runtime={"implementation": impl.to_dict(), "model": trainer.builder.describe(exp),
+                           **runtime.describe(stack)},
                   startup_s={
                       "import": round(setup_started - import_started, 3),      # torch, megatron (+ TE)
                       "setup": round(time.monotonic() - setup_started, 3),     # process groups, model, optimizer

@@ -272,7 +272,7 @@ def test_to_dict_shape():
     assert d["peak_bytes"] == max(s["total_bytes"] for s in d["stages"])
 
 
-# -- the weight formula against a real megatron-core GPTModel ---------------------------------
+# -- the weight formula against the real megatron-core models the workload builds -------------
 @pytest.fixture(scope="module")
 def megatron_world():
     torch = pytest.importorskip("torch")
@@ -297,6 +297,7 @@ def _variant(name: str, **changes) -> ModelSpec:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_class", ["GPTModel", "HybridModel"])
 @pytest.mark.parametrize("model", [
     ModelSpec.load("tiny-dense"),
     ModelSpec.load("tiny-moe"),
@@ -304,31 +305,25 @@ def _variant(name: str, **changes) -> ModelSpec:
              untie_embeddings_and_output_weights=True, position_embedding_type="rope", qk_layernorm=True),
     _variant("tiny-moe", moe_shared_expert_intermediate_size=96, moe_layer_freq=[0, 1, 1, 1], swiglu=True),
 ], ids=["tiny-dense", "tiny-moe", "tiny-gqa-swiglu-rms-untied", "tiny-moe-shared-pattern"])
-def test_parameter_count_matches_a_megatron_core_gpt_model(megatron_world, model):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def test_parameter_count_matches_the_megatron_core_model_the_workload_builds(megatron_world, model, model_class):
+    """GPTModel, and HybridModel where megatron-core prefers it, as engine.workload.model_builder
+    builds them for the workload (megatron-core's local layers on this CPU)."""
     from megatron.core.transformer import TransformerConfig
 
-    m = model
-    config = TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-        add_bias_linear=m.add_bias_linear, gated_linear_unit=m.swiglu, normalization=m.normalization,
-        qk_layernorm=m.qk_layernorm, num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
-        moe_ffn_hidden_size=m.moe_ffn if m.is_moe else None,
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_layer_freq=m.moe_layer_freq, use_cpu_initialization=True)
-    spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, normalization=m.normalization,
-                                    qk_layernorm=m.qk_layernorm)
-    if m.is_moe and isinstance(m.moe_layer_freq, list):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from charllm.engine.model import runtime
+    from charllm.engine.workload import model_builder
+    from charllm.engine.workload.train import transformer_settings
 
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=m.normalization)
-    gpt_model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=m.padded_vocab_size(),
-                         max_sequence_length=m.max_position_embeddings or m.seq_length,
-                         position_embedding_type=m.position_embedding_type,
-                         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
-    assert sum(p.numel() for p in gpt_model.parameters()) == count_parameters(m)
+    if model_class == "HybridModel" and not model_builder.hybrid_preferred():
+        pytest.skip("this megatron-core does not prefer HybridModel; the workload builds GPTModel")
+    exp = dataclasses.replace(Experiment.load("tiny-local").apply(["gpus_per_node=1"]), model=model)
+    impl = runtime.resolve(exp, runtime.detect())
+    builder = model_builder.ModelBuilder(model_class, "under test")
+    settings = transformer_settings(exp, impl) | {"use_cpu_initialization": True}
+    config = TransformerConfig(**builder.config_settings(exp, settings))
+    built = builder.build(exp, config, impl, pre_process=True, post_process=True, vp_stage=None)
+    assert type(built).__name__ == model_class
+    assert sum(p.numel() for p in built.parameters()) == count_parameters(model)
 
 
 def test_precision_aware_optimizer_dtypes_and_host_offload():

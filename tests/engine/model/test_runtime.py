@@ -18,7 +18,7 @@ from charllm.engine.model import calibration, catalog, runtime
 from charllm.engine.model.experiment import Experiment, Hardware, Training
 from charllm.engine.model.runtime import Stack
 from charllm.engine.model.validate import validate
-from charllm.engine.workload import train
+from charllm.engine.workload import model_builder, train
 
 CPU = Stack(cuda=False, source="test: a CPU node")
 GPU = Stack(cuda=True, capability=(9, 0), source="test: an H100 without TE")
@@ -96,7 +96,16 @@ def test_gpu_configs_of_every_shipped_experiment_are_accepted_by_megatron_core()
             continue   # CP 1 can leave a layout that no longer divides
         assert runtime.problems(e, GPU) == [], name
         impl = runtime.resolve(e, GPU)
-        config = train.transformer_config(e, impl)
+        # as the class the workload builds with this megatron-core (HybridModel from 0.19)
+        builder = model_builder.choose(e)
+        config = train.transformer_config(e, impl, builder)
+        if builder.hybrid:   # megatron-core's own reading of the pattern: the config's layers, every chunk
+            from megatron.core.models.hybrid import hybrid_layer_allocation as allocation
+
+            pattern = model_builder.hybrid_pattern(e)
+            assert allocation.get_hybrid_total_layer_count(pattern) == config.num_layers, name
+            assert allocation.get_hybrid_total_pipeline_segment_count(pattern) == \
+                e.parallel.pipeline_model_parallel_size * e.virtual_stages, name
         assert config.bias_activation_fusion == ("bias_activation_fusion" in impl.fusions)
         train.optimizer_config(e)
         train.ddp_config(e, e.data_parallel_size)
@@ -108,7 +117,7 @@ def test_squared_relu_is_megatrons_own_activation_not_a_lambda():
     from megatron.core.activations import squared_relu
 
     e = exp("tiny-local", "squared_relu=true")
-    config = train.transformer_config(e, runtime.resolve(e, GPU))
+    config = train.transformer_config(e, runtime.resolve(e, GPU), model_builder.choose(e))
     assert config.activation_func is squared_relu and not config.bias_activation_fusion
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.workload import CANCELLED_EXIT
+from charllm.engine.workload import CANCELLED_EXIT, model_builder
 from charllm.probes.store.schema import ITERATION_FIELDS
 from infra_runs import finish, start
 
@@ -97,11 +97,21 @@ def check_log(run_dir: Path, world: int, iters: int, *, loss_falls: bool = True)
     assert starts[0]["layout"]["tensor_model_parallel_size"] == exp.parallel.tensor_model_parallel_size
     # What ran, as engine.model.runtime resolved it on this (CPU) node, with the versions behind it.
     ran = starts[0]["runtime"]
+    pp = exp.parallel.pipeline_model_parallel_size
     assert ran["implementation"] == runtime.resolve(exp, runtime.detect()).to_dict()
     assert ran["stack"]["cuda"] is False and ran["implementation"]["fusions"] == []
     assert ran["versions"]["torch"] and ran["versions"]["megatron_core"] == metadata.version("megatron-core")
+    # Which megatron-core class built the model: HybridModel, two layers per GPT layer, where this
+    # megatron-core prefers it.
+    model = ran["model"]
+    if model_builder.hybrid_preferred():
+        assert model["class"] == "HybridModel"
+        layers = model["hybrid_layer_pattern"].replace("|", "")
+        assert len(layers) == 2 * exp.model.num_layers and set(layers[::2]) == {"*"}
+        assert model["hybrid_layer_pattern"].count("|") == pp * exp.virtual_stages - 1
+    else:
+        assert model["class"] == "GPTModel" and model["hybrid_layer_pattern"] is None
     # Megatron-LM's seeds: each pipeline stage its own.
-    pp = exp.parallel.pipeline_model_parallel_size
     for r in starts:
         assert r["seed"] == exp.training.seed + 100 * (r["rank"] * pp // world)
     steps = [r for r in records if r["event"] == "iteration"]
@@ -183,6 +193,38 @@ def test_sdpa_attention_trains_like_megatrons_own(tmp_path):
     assert ran == {"sdpa", "megatron-unfused"}
     assert sdpa_loss == pytest.approx(ref_loss, rel=1e-5)
     assert sdpa_norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+FORCED_CLASS = '''
+import sys
+from charllm.engine.workload import model_builder, train
+
+name = sys.argv.pop()
+model_builder.choose = lambda exp: model_builder.ModelBuilder(name, "chosen by the test")
+raise SystemExit(train.main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not model_builder.hybrid_preferred(),
+                    reason=f"megatron-core {metadata.version('megatron-core')} does not prefer HybridModel")
+def test_hybrid_model_trains_exactly_as_gpt_model(tmp_path):
+    """The same experiment built as GPTModel and as HybridModel (pipeline chunks as "|", dense and
+    MoE layers as "-" and "E"): the same initial weights, so the same losses and gradient norms."""
+    script = tmp_path / "forced_class.py"
+    script.write_text(FORCED_CLASS)
+    runs = {}
+    for name in ("GPTModel", "HybridModel"):
+        run_dir = make_run(tmp_path / name, "tiny-pp2", "model=tiny-moe", "moe_layer_freq=[0,1,1,1]", "train_iters=4")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+               "--run-dir", str(run_dir), name]
+        rc, out, err = finish(start(cmd), timeout=240)
+        assert rc == 0, err[-3000:]
+        steps = [r for r in read_log(run_dir) if r["event"] == "iteration" and r["rank"] == 1]
+        runs[name] = [(r["loss"], r["grad_norm"]) for r in steps]
+        start_record = next(r for r in read_log(run_dir) if r["event"] == "start")
+        assert start_record["runtime"]["model"]["class"] == name
+    assert len(runs["GPTModel"]) == 4 and runs["HybridModel"] == runs["GPTModel"]
 
 
 @pytest.mark.timeout(300)
@@ -370,6 +412,8 @@ for getter in (ps.get_data_parallel_group_gloo, ps.get_expert_data_parallel_grou
         raise SystemExit(f"{getter.__name__}: a gloo group was created")
 # Every parameter of every chunk on the (virtual) device, as megatron's optimizer requires.
 params = [p for chunk in trainer.model for p in chunk.parameters()]
+# Each chunk (under DDP, and Float16Module for bf16/fp16) is the class model_builder chose.
+assert {type(chunk.module).__name__ for chunk in trainer.model} == {trainer.builder.name}
 assert params and all(p.type().startswith("torch.cuda.") for p in params), {p.type() for p in params}
 config = trainer.model[0].config
 assert config.grad_scale_func == trainer.optimizer.scale_loss                # fp16 loss scaling
