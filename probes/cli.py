@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from charllm.probes.backends import inventory, open_backends
+from charllm.probes.backends import BACKEND_NAMES, inventory, open_backends
 from charllm.probes.backends.base import check_hz
 from charllm.probes.core import paths
 from charllm.probes.core.errors import plural, UserError
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--list", action="store_true", help="list devices, backend and supported metrics, then exit")
     parser.add_argument("--backend", default="auto", metavar="NAME",
-                        help="auto | nvml | amdsmi | host | sim | replay:RUN (default: auto)")
+                        help=f"{' | '.join(BACKEND_NAMES)} (default: auto)")
     parser.add_argument("--hz", type=float, default=20.0, help="samples per second, at most 100 (default: 20)")
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds (default: until signalled)")
     parser.add_argument("--out", metavar="RUN_DIR",
