@@ -120,6 +120,12 @@ def help_text(kind: type, name: str) -> str:
     return facts(kind, name)["help"]
 
 
+def megatron_flag(kind: type, name: str) -> str | None:
+    """The `pretrain_gpt.py` flag that sets the field (`--num-layers`); None where no single flag does."""
+    flag = facts(kind, name)["flag"]
+    return f"--{name.replace('_', '-')}" if flag == AUTO else flag
+
+
 @functools.cache
 def _fields(kind: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in fields(kind)}
@@ -651,10 +657,25 @@ def field_types(kind: type) -> dict[str, Any]:
     return get_type_hints(kind)
 
 
+def _options(kind: type, name: str) -> tuple:
+    """The types the field's annotation allows (`int | None`: int, NoneType)."""
+    hint = field_types(kind)[name]
+    return get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
+
+
+def expected(kind: type, name: str) -> str:
+    """What the field takes, in words: "an integer or none" (as coerce's errors say it)."""
+    return " or ".join(_type_name(o) for o in _options(kind, name))
+
+
+def set_key(section: str, name: str) -> str:
+    """The key `Experiment.set` (and --set) takes for the field: its bare name where that names it."""
+    return name if all_keys().get(name) == section else f"{section}.{name}"
+
+
 def coerce(kind: type, name: str, value: Any, *, where: str) -> Any:
     """Check `value` against the field's annotation; ints are accepted for floats."""
-    hint = field_types(kind)[name]
-    options = get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
+    options = _options(kind, name)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in options):
         if type(None) in options:
             return None
@@ -682,8 +703,7 @@ def coerce(kind: type, name: str, value: Any, *, where: str) -> Any:
             (item,) = get_args(option)
             if isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in value):
                 return list(value)
-    expected = " or ".join(_type_name(o) for o in options)
-    raise UserError(f"{where}: expected {expected}, got {value!r}")
+    raise UserError(f"{where}: expected {expected(kind, name)}, got {value!r}")
 
 
 def _type_name(option) -> str:

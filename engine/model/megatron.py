@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, get_args, get_origin
 
 from charllm.engine.model import calibration, runtime
-from charllm.engine.model.experiment import (AUTO, Experiment, Hardware, ModelSpec, Parallel, Training,
-                                           field_types, parse_pipeline_layout)
+from charllm.engine.model.experiment import (Experiment, Hardware, ModelSpec, Parallel, Training, field_types,
+                                           megatron_flag, parse_pipeline_layout)
 from charllm.probes.core.errors import UserError, plural
 
 # Megatron-LM defaults that changed between the releases charllm supports (core_v0.16.1 to
@@ -177,10 +177,9 @@ def _flags(kind: type) -> dict[str, tuple[str, Switch | Value | Many]]:
     out: dict[str, tuple[str, Switch | Value | Many]] = {}
     hints = field_types(kind)
     for f in dataclasses.fields(kind):
-        flag = f.metadata.get("flag")
+        flag = megatron_flag(kind, f.name)
         if flag is None:
             continue
-        flag = f"--{f.name.replace('_', '-')}" if flag == AUTO else flag
         out[flag] = (f.name, _parser(f.name, hints[f.name], f.metadata))
         out.update({alias: (f.name, Switch(value)) for alias, value in f.metadata["aliases"].items()})
     return out

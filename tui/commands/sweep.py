@@ -70,7 +70,8 @@ def register(sub) -> None:
     p.add_argument("--global-batch-size", type=int, metavar="B")
     p.add_argument("--seq-length", type=int, metavar="S", help="default: the model's")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="fix a training/parallel option of every layout, e.g. --set seq_length=4096 (repeatable)")
+                   help="fix a training/parallel option of every layout, e.g. --set seq_length=4096 (repeatable; "
+                        "charllm-tui fields lists them)")
     p.add_argument("--recompute", metavar="LIST",
                    help="recompute choices to sweep, comma-separated from none,selective,full (default: the "
                         "experiment's own; with --model all three)")
