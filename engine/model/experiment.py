@@ -278,8 +278,9 @@ class Cluster:
 
 @dataclass
 class Parallel:
-    tensor_model_parallel_size: int = setting(1, minimum=1, label="TP  tensor", config=True,
-                                              help="tensor parallel: each layer's matrices split over this many devices")
+    tensor_model_parallel_size: int = setting(
+        1, minimum=1, label="TP  tensor", config=True,
+        help="tensor parallel: each layer's matrices split over this many devices")
     pipeline_model_parallel_size: int = setting(1, minimum=1, label="PP  pipeline", config=True,
                                                 help="pipeline parallel: the layers split into this many stages")
     virtual_pipeline_model_parallel_size: int | None = setting(   # set by either of two flags: SPECIAL_FLAGS
