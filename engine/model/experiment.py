@@ -104,7 +104,7 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
 
 
 def facts(kind: type, name: str) -> dict[str, Any]:
-    """The facts `setting` holds for field `name` of `kind`."""
+    """The facts `setting` holds for field `name` of `kind` ({} for a plain field)."""
     return dict(_fields(kind)[name].metadata)
 
 
