@@ -33,6 +33,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from charllm.engine.model import catalog
 from charllm.probes.backends import BACKEND_NAMES
+from charllm.probes.backends.base import DEFAULT_HZ
 from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, did_you_mean
@@ -438,7 +439,7 @@ class Training:
 class Telemetry:
     backend: str = setting("auto", flag=None, choices=BACKEND_NAMES,
                            help="where telemetry comes from (replay:RUN replays a recorded run)")
-    hz: float = setting(20.0, flag=None, help="telemetry samples per second (Hz)")
+    hz: float = setting(DEFAULT_HZ, flag=None, help="telemetry samples per second (Hz)")
 
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
