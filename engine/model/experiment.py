@@ -659,7 +659,7 @@ def field_types(kind: type) -> dict[str, Any]:
     return get_type_hints(kind)
 
 
-def _options(kind: type, name: str) -> tuple:
+def field_options(kind: type, name: str) -> tuple:
     """The types the field's annotation allows (`int | None`: int, NoneType)."""
     hint = field_types(kind)[name]
     return get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
@@ -667,7 +667,7 @@ def _options(kind: type, name: str) -> tuple:
 
 def expected(kind: type, name: str) -> str:
     """What the field takes, in words: "an integer or none" (as coerce's errors say it)."""
-    return " or ".join(_type_name(o) for o in _options(kind, name))
+    return " or ".join(_type_name(o) for o in field_options(kind, name))
 
 
 def set_key(section: str, name: str) -> str:
@@ -677,7 +677,7 @@ def set_key(section: str, name: str) -> str:
 
 def coerce(kind: type, name: str, value: Any, *, where: str) -> Any:
     """Check `value` against the field's annotation; ints are accepted for floats."""
-    options = _options(kind, name)
+    options = field_options(kind, name)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in options):
         if type(None) in options:
             return None

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
-import typing
-from typing import Any, get_args, get_origin
+from typing import Any, get_origin
 
 from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Telemetry, Training, choices, facts,
-                                           field_names, field_types, parse_pipeline_layout)
+                                           field_names, field_options, parse_pipeline_layout)
 from charllm.engine.model.runtime import parse_capability
 from charllm.probes.backends import REPLAY
 from charllm.probes.backends.base import MAX_HZ
@@ -29,9 +27,7 @@ def _declared(fact: str, sections=tuple(SECTIONS)) -> list[tuple[str, str, Any]]
 
 
 def _is_list(section: str, name: str) -> bool:
-    hint = field_types(SECTIONS[section])[name]
-    options = get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
-    return any(get_origin(option) is list for option in options)
+    return any(get_origin(option) is list for option in field_options(SECTIONS[section], name))
 
 
 # Choices, as Megatron-LM's argument parser (or our own tooling, for vendor) lists them, in the order their
