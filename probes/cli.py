@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from charllm.probes.backends import inventory, open_backends
-from charllm.probes.backends.base import check_hz
+from charllm.probes.backends import BACKEND_NAMES, inventory, open_backends
+from charllm.probes.backends.base import DEFAULT_HZ, MAX_HZ, check_hz
 from charllm.probes.core import paths
 from charllm.probes.core.errors import plural, UserError
 from charllm.probes.core.formatting import GIB
@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--list", action="store_true", help="list devices, backend and supported metrics, then exit")
     parser.add_argument("--backend", default="auto", metavar="NAME",
-                        help="auto | nvml | amdsmi | host | sim | replay:RUN (default: auto)")
-    parser.add_argument("--hz", type=float, default=20.0, help="samples per second, at most 100 (default: 20)")
+                        help=f"{' | '.join(BACKEND_NAMES)} (default: auto)")
+    parser.add_argument("--hz", type=float, default=DEFAULT_HZ,
+                        help=f"samples per second, at most {MAX_HZ:g} (default: {DEFAULT_HZ:g})")
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds (default: until signalled)")
     parser.add_argument("--out", metavar="RUN_DIR",
                         help="run directory; 1-s chunks go to RUN_DIR/telemetry/<node>/NNNNNN.arrow and are compacted into NNNNNN-MMMMMM.parquet every minute")

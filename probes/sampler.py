@@ -30,7 +30,7 @@ from typing import BinaryIO, Callable
 
 import polars as pl
 
-from charllm.probes.backends.base import Backend, check_hz, hostname
+from charllm.probes.backends.base import DEFAULT_HZ, Backend, check_hz, hostname
 from charllm.probes.core.errors import plural
 from charllm.probes.store.recorder import ChunkWriter
 from charllm.probes.store.rundir import RunDir
@@ -40,7 +40,6 @@ from charllm.probes.store.tail import IterationTail
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HZ = 20.0
 ITERATION_POLL_S = 0.1
 STREAM_S = 0.25         # stream batch interval (chunks still close every flush_s)
 

@@ -11,10 +11,10 @@ Field names are Megatron-LM's own argument names (`--tensor-model-parallel-size`
     [training]   micro_batch_size = 1, global_batch_size = 128, ...
     [telemetry]  backend = "auto", hz = 20
 
-Each field's facts live once, in its dataclass metadata (`setting`): the Megatron flag that sets it,
-its choices, its Compose-form label and its TransformerConfig name; `engine.model.megatron`'s flag
-tables, `engine.model.validate.CHOICES`, the Compose form and the workload's TransformerConfig are
-derived from them. Validation of the layout lives in `engine.model.validate`; this module only parses,
+Each field's facts live once, in its dataclass metadata (`setting`): its one-line help, the Megatron
+flag that sets it, its choices and bounds, its Compose-form label and its TransformerConfig name;
+`engine.model.megatron`'s flag tables, `engine.model.validate`'s choice and size checks, the Compose
+form, `charllm-tui fields` and the workload's TransformerConfig are derived from them. Validation of the layout lives in `engine.model.validate`; this module only parses,
 stores and derives.
 """
 
@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from charllm.engine.model import catalog
+from charllm.probes.backends import BACKEND_NAMES
+from charllm.probes.backends.base import DEFAULT_HZ
 from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, did_you_mean
@@ -72,25 +74,31 @@ def parse_pipeline_layout(layout: str) -> list[list[str]]:
 
 
 # --------------------------------------------------------------------------------------------
-# Field facts: each field's Megatron flag, choices, form label and TransformerConfig name, said once
+# Field facts: each field's help, Megatron flag, choices, bounds, form label and TransformerConfig
+# name, said once
 # --------------------------------------------------------------------------------------------
 AUTO = "auto"   # the flag is the field's name in Megatron's spelling: num_layers -> --num-layers
 
 
-def setting(default: Any = None, *, flag: str | None = AUTO, switch: Any = True, aliases: dict[str, Any] | None = None,
-            join: bool = False, choices: tuple | None = None, label: str | None = None,
+def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: Any = True,
+            aliases: dict[str, Any] | None = None, join: bool = False, choices: tuple | None = None,
+            minimum: int | None = None, maximum: int | None = None, label: str | None = None,
             config: bool | str = False) -> Any:
     """A dataclass field with what the rest of charllm derives from it:
 
+    help      one line saying what it sets, with its unit (Compose's hint line, `charllm-tui fields`)
     flag      the `pretrain_gpt.py` flag that sets it (None: no single flag does); how it parses follows
               the field's type: a bool is a switch setting `switch`, a list takes many values (`join`:
               one string of them), anything else one value
     aliases   more switches and the value each sets (`--use-rotary-position-embeddings`: "rope")
-    choices   the values it accepts (engine.model.validate checks them)
+    choices   the values it accepts; for a list, the values each item accepts (engine.model.validate
+              checks them)
+    minimum   the least value it accepts when set; a size (minimum 1) is also at most `maximum`, else
+              engine.model.validate.MAX_SIZE
     label     its label in the Compose form
     config    passed to megatron-core's TransformerConfig under its own name (True) or the one given"""
-    facts = {"flag": flag, "switch": switch, "aliases": dict(aliases or {}), "join": join, "choices": choices,
-             "label": label, "config": config}
+    facts = {"help": help, "flag": flag, "switch": switch, "aliases": dict(aliases or {}), "join": join,
+             "choices": choices, "minimum": minimum, "maximum": maximum, "label": label, "config": config}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=facts)
     return field(default=default, metadata=facts)
@@ -109,6 +117,16 @@ def label(kind: type, name: str) -> str | None:
     return facts(kind, name).get("label")
 
 
+def help_text(kind: type, name: str) -> str:
+    return facts(kind, name)["help"]
+
+
+def megatron_flag(kind: type, name: str) -> str | None:
+    """The `pretrain_gpt.py` flag that sets the field (`--num-layers`); None where no single flag does."""
+    flag = facts(kind, name)["flag"]
+    return f"--{name.replace('_', '-')}" if flag == AUTO else flag
+
+
 @functools.cache
 def _fields(kind: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in fields(kind)}
@@ -119,46 +137,66 @@ def _fields(kind: type) -> dict[str, dataclasses.Field]:
 # --------------------------------------------------------------------------------------------
 @dataclass
 class ModelSpec:
-    """Architecture, in Megatron-LM argument names."""
+    """Architecture, in Megatron-LM argument names. Help texts follow Megatron-LM's own (core_v0.16.1:
+    megatron/training/arguments.py and the TransformerConfig docstrings)."""
 
-    name: str = "custom"
-    description: str = ""
-    num_layers: int = setting(2, config=True)
-    hidden_size: int = setting(64, config=True)
-    ffn_hidden_size: int | None = setting(None)          # None: 4 * hidden_size
-    num_attention_heads: int = setting(4, config=True)
-    num_query_groups: int | None = None         # None: multi-head attention (= heads); see megatron.SPECIAL_FLAGS
-    kv_channels: int | None = setting(None)              # None: hidden_size / num_attention_heads
-    seq_length: int = setting(2048)                      # the model's default training sequence length
-    max_position_embeddings: int | None = setting(None)  # None: seq_length
-    vocab_size: int = setting(50257)
-    make_vocab_size_divisible_by: int = setting(128)
-    swiglu: bool = setting(False)
-    squared_relu: bool = setting(False)
-    untie_embeddings_and_output_weights: bool = setting(False)
-    position_embedding_type: str = setting("learned_absolute", aliases={"--use-rotary-position-embeddings": "rope"},
-                                           choices=("learned_absolute", "rope", "mrope", "relative", "none"))
-    normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), config=True)
-    add_bias_linear: bool = setting(True, flag="--disable-bias-linear", switch=False, config=True)
-    add_qkv_bias: bool = setting(False)
-    qk_layernorm: bool = setting(False, config=True)
-    hidden_dropout: float = setting(0.1, config=True)
-    attention_dropout: float = setting(0.1, config=True)
+    name: str = setting("custom", flag=None, help="the model preset's name")
+    description: str = setting("", flag=None, help="one line about the model, shown by presets list")
+    num_layers: int = setting(2, minimum=1, maximum=10_000, config=True, help="transformer (decoder) layers")
+    hidden_size: int = setting(64, minimum=1, config=True, help="width of the hidden states (elements per token)")
+    ffn_hidden_size: int | None = setting(None, minimum=1, help="MLP inner width (elements); unset: 4 x hidden_size")
+    num_attention_heads: int = setting(4, minimum=1, config=True, help="attention heads per layer")
+    num_query_groups: int | None = setting(   # set by two flags together: see megatron.SPECIAL_FLAGS
+        None, flag=None, minimum=1,
+        help="key/value head groups (grouped-query attention); unset: one per head (multi-head attention)")
+    kv_channels: int | None = setting(None, minimum=1,
+                                      help="width of one attention head (elements); unset: hidden_size / heads")
+    seq_length: int = setting(2048, minimum=1, help="the model's default training sequence length (tokens)")
+    max_position_embeddings: int | None = setting(
+        None, minimum=1, help="longest sequence the position embedding covers (tokens); unset: seq_length")
+    vocab_size: int = setting(50257, minimum=1, help="tokenizer vocabulary before padding (tokens)")
+    make_vocab_size_divisible_by: int = setting(
+        128, minimum=1, help="pad the vocabulary to a multiple of this times the tensor-parallel size")
+    swiglu: bool = setting(False, help="gated SiLU MLP (SwiGLU) instead of GeLU")
+    squared_relu: bool = setting(False, help="squared-ReLU MLP activation instead of GeLU")
+    untie_embeddings_and_output_weights: bool = setting(
+        False, help="separate weights for the input embedding and the output layer")
+    position_embedding_type: str = setting(
+        "learned_absolute", aliases={"--use-rotary-position-embeddings": "rope"},
+        choices=("learned_absolute", "rope", "mrope", "relative", "none"),
+        help="how positions are encoded: a learned table, rotary (rope, mrope), relative, or none")
+    normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), config=True,
+                                 help="the normalization layers: LayerNorm or RMSNorm")
+    add_bias_linear: bool = setting(True, flag="--disable-bias-linear", switch=False, config=True,
+                                    help="bias terms in the linear layers (QKV, attention output, MLP)")
+    add_qkv_bias: bool = setting(False, help="a bias on the QKV projection only")
+    qk_layernorm: bool = setting(False, config=True, help="normalize queries and keys before attention")
+    hidden_dropout: float = setting(0.1, config=True, help="dropout probability of the hidden states (0 to 1)")
+    attention_dropout: float = setting(0.1, config=True, help="dropout probability after attention (0 to 1)")
     # Mixture of experts
-    num_moe_experts: int | None = setting(None, flag="--num-experts", config=True)
-    moe_router_topk: int = setting(2, config=True)
-    moe_ffn_hidden_size: int | None = setting(None)              # None: ffn_hidden_size
-    moe_shared_expert_intermediate_size: int | None = setting(None, config=True)
-    moe_layer_freq: int | list[int] = setting(1, config=True)   # every Nth layer is MoE, or a 0/1 pattern per layer
+    num_moe_experts: int | None = setting(None, flag="--num-experts", minimum=1, maximum=100_000, config=True,
+                                          help="experts per MoE layer; unset: a dense model")
+    moe_router_topk: int = setting(2, minimum=1, config=True, help="experts each token is routed to")
+    moe_ffn_hidden_size: int | None = setting(
+        None, minimum=1, help="MLP inner width of one expert (elements); unset: ffn_hidden_size")
+    moe_shared_expert_intermediate_size: int | None = setting(
+        None, minimum=1, config=True, help="MLP width of all shared experts together (elements); unset: none")
+    moe_layer_freq: int | list[int] = setting(
+        1, config=True, help="which layers are MoE: every Nth, or a 0/1 list with one entry per layer")
     # Multi-latent attention (DeepSeek)
-    multi_latent_attention: bool = setting(False)
-    q_lora_rank: int | None = setting(None)
-    kv_lora_rank: int = setting(512)
-    qk_head_dim: int = setting(128)
-    qk_pos_emb_head_dim: int = setting(64)
-    v_head_dim: int = setting(128)
+    multi_latent_attention: bool = setting(
+        False, help="multi-latent attention (DeepSeek): keys and values through a low-rank latent")
+    q_lora_rank: int | None = setting(None, minimum=1,
+                                      help="MLA: rank of the queries' low-rank projection; unset: full rank")
+    kv_lora_rank: int = setting(512, minimum=1, help="MLA: rank of the key/value latent")
+    qk_head_dim: int = setting(128, minimum=1,
+                               help="MLA: query/key width per head, rotary part excluded (elements)")
+    qk_pos_emb_head_dim: int = setting(64, minimum=1,
+                                       help="MLA: rotary part of the query/key width per head (elements)")
+    v_head_dim: int = setting(128, minimum=1, help="MLA: value width per head (elements)")
     # Multi-token prediction
-    mtp_num_layers: int | None = setting(None)
+    mtp_num_layers: int | None = setting(None, minimum=1, maximum=10_000,
+                                         help="multi-token prediction layers after the decoder; unset: none")
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -202,24 +240,29 @@ class ModelSpec:
 
 @dataclass
 class Hardware:
-    """One accelerator as the software sees it (one MI250X GCD is one device)."""
+    """One accelerator as the software sees it (one MI250X GCD is one device). No Megatron flag sets these."""
 
-    name: str = "cpu"
-    description: str = ""
-    vendor: str = setting("cpu", flag=None, choices=("nvidia", "amd", "cpu"))
-    memory_bytes: int = 0               # physical memory per device
-    usable_bytes: int = 0               # what the framework can allocate (total minus driver reserve)
-    outside_allocator_bytes: int = 0    # CUDA/HIP context, NCCL buffers, library workspaces
-    bf16_tflops: float = 0.0            # peak dense BF16 TFLOP/s
-    fp8_tflops: float | None = None     # peak dense FP8 TFLOP/s; None: no FP8
-    fp8: bool = False
-    mem_bandwidth_gbs: float = 0.0
-    tdp_w: float = 0.0
-    devices_per_package: int = 1        # MI250X: 2 GCDs per package
-    max_sm_clock_mhz: float = 0.0
-    compute_capability: str | None = None   # NVIDIA "major.minor" ("9.0": Hopper); what kernels it can run
-    temp_limit_c: float = 85.0          # GPU temperature above which time is counted as hot
-    interconnect: str = ""
+    name: str = setting("cpu", flag=None, help="the hardware preset's name")
+    description: str = setting("", flag=None, help="one line about the hardware, shown by presets list")
+    vendor: str = setting("cpu", flag=None, choices=("nvidia", "amd", "cpu"),
+                          help="who makes the device: which telemetry and kernels apply")
+    memory_bytes: int = setting(0, flag=None, help="physical memory per device (bytes)")
+    usable_bytes: int = setting(0, flag=None, help="memory the framework can allocate: the total minus the "
+                                                   "driver's reserve (bytes)")
+    outside_allocator_bytes: int = setting(0, flag=None, help="memory outside PyTorch's allocator: CUDA/HIP "
+                                                              "context, NCCL buffers, library workspaces (bytes)")
+    bf16_tflops: float = setting(0.0, flag=None, help="peak dense BF16 throughput (TFLOP/s)")
+    fp8_tflops: float | None = setting(None, flag=None, help="peak dense FP8 throughput (TFLOP/s); unset: no FP8")
+    fp8: bool = setting(False, flag=None, help="the device has FP8 matrix units")
+    mem_bandwidth_gbs: float = setting(0.0, flag=None, help="peak memory bandwidth (GB/s)")
+    tdp_w: float = setting(0.0, flag=None, help="board power limit (W)")
+    devices_per_package: int = setting(1, flag=None, help="devices one package shows the software "
+                                                          "(MI250X: 2 GCDs)")
+    max_sm_clock_mhz: float = setting(0.0, flag=None, help="highest SM clock (MHz)")
+    compute_capability: str | None = setting(None, flag=None, help="NVIDIA compute capability, major.minor "
+                                                                   "(9.0: Hopper): which kernels it can run")
+    temp_limit_c: float = setting(85.0, flag=None, help="GPU temperature above which time counts as hot (°C)")
+    interconnect: str = setting("", flag=None, help="how the devices are connected, as shown (e.g. NVLink 4)")
 
     @classmethod
     def load(cls, name: str) -> "Hardware":
@@ -229,105 +272,174 @@ class Hardware:
 
 @dataclass
 class Cluster:
-    nodes: int = setting(1, flag=None, label="nodes")
-    gpus_per_node: int = setting(1, flag=None, label="devices/node")   # processes per node for CPU runs
+    nodes: int = setting(1, flag=None, minimum=1, maximum=1_000_000, label="nodes", help="machines in the run")
+    gpus_per_node: int = setting(1, flag=None, minimum=1, maximum=1024, label="devices/node",
+                                 help="devices used on each node (processes per node for CPU runs)")
 
 
 @dataclass
 class Parallel:
-    tensor_model_parallel_size: int = setting(1, label="TP  tensor", config=True)
-    pipeline_model_parallel_size: int = setting(1, label="PP  pipeline", config=True)
-    virtual_pipeline_model_parallel_size: int | None = setting(None, flag=None, label="VP  virtual", config=True)
-    context_parallel_size: int = setting(1, label="CP  context", config=True)
-    expert_model_parallel_size: int = setting(1, label="EP  expert", config=True)
-    expert_tensor_parallel_size: int | None = setting(None, label="ETP expert TP")   # None: = tensor_model_parallel_size
-    sequence_parallel: bool = setting(False, label="seq. parallel", config=True)
-    use_distributed_optimizer: bool = setting(False, label="dist. optimizer")
-    num_distributed_optimizer_instances: int = setting(1)
-    use_megatron_fsdp: bool = setting(False)
-    use_torch_fsdp2: bool = setting(False)
-    data_parallel_sharding_strategy: str = setting("no_shard",
-                                                   choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
-    decoder_first_pipeline_num_layers: int | None = setting(None, config="num_layers_in_first_pipeline_stage")
-    decoder_last_pipeline_num_layers: int | None = setting(None, config="num_layers_in_last_pipeline_stage")
-    account_for_embedding_in_pipeline_split: bool = setting(False, config=True)
-    account_for_loss_in_pipeline_split: bool = setting(False, config=True)
-    pipeline_model_parallel_layout: str | None = setting(None, config=True)
+    tensor_model_parallel_size: int = setting(
+        1, minimum=1, label="TP  tensor", config=True,
+        help="tensor parallel: each layer's matrices split over this many devices")
+    pipeline_model_parallel_size: int = setting(1, minimum=1, label="PP  pipeline", config=True,
+                                                help="pipeline parallel: the layers split into this many stages")
+    virtual_pipeline_model_parallel_size: int | None = setting(   # set by either of two flags: SPECIAL_FLAGS
+        None, flag=None, minimum=1, label="VP  virtual", config=True,
+        help="interleaved pipeline: model chunks per pipeline stage; unset: 1")
+    context_parallel_size: int = setting(1, minimum=1, label="CP  context", config=True,
+                                         help="context parallel: each sequence split over this many devices")
+    expert_model_parallel_size: int = setting(1, minimum=1, label="EP  expert", config=True,
+                                              help="expert parallel: the experts split over this many devices")
+    expert_tensor_parallel_size: int | None = setting(
+        None, minimum=1, label="ETP expert TP",
+        help="tensor parallel inside the experts; unset: tensor_model_parallel_size")
+    sequence_parallel: bool = setting(False, label="seq. parallel", config=True,
+                                      help="with TP: norms and dropout split along the sequence too (less memory)")
+    use_distributed_optimizer: bool = setting(False, label="dist. optimizer",
+                                              help="shard the optimizer state over the data-parallel ranks")
+    num_distributed_optimizer_instances: int = setting(
+        1, minimum=1, help="copies of the distributed optimizer across the data-parallel ranks")
+    use_megatron_fsdp: bool = setting(False, help="shard with Megatron FSDP (see data_parallel_sharding_strategy)")
+    use_torch_fsdp2: bool = setting(False, help="shard parameters, gradients and optimizer state with PyTorch FSDP2")
+    data_parallel_sharding_strategy: str = setting(
+        "no_shard", choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+        help="Megatron FSDP: what is sharded: nothing, the optimizer state, + gradients, + parameters")
+    decoder_first_pipeline_num_layers: int | None = setting(
+        None, minimum=1, config="num_layers_in_first_pipeline_stage",
+        help="layers on the first pipeline stage; unset: an even split")
+    decoder_last_pipeline_num_layers: int | None = setting(
+        None, minimum=1, config="num_layers_in_last_pipeline_stage",
+        help="layers on the last pipeline stage; unset: an even split")
+    account_for_embedding_in_pipeline_split: bool = setting(
+        False, config=True, help="count the embedding as a layer when splitting the pipeline")
+    account_for_loss_in_pipeline_split: bool = setting(
+        False, config=True, help="count the loss as a layer when splitting the pipeline")
+    pipeline_model_parallel_layout: str | None = setting(
+        None, config=True, help="layers per stage, e.g. E|(t|)*3,m|L (Embedding, decoder t, MTP m, Loss; "
+                                "| ends a stage)")
 
 
 @dataclass
 class Training:
-    micro_batch_size: int = setting(1, label="micro batch")
-    global_batch_size: int = setting(1, label="global batch")
-    seq_length: int | None = setting(None, flag=None, label="seq length")       # None: the model's seq_length
-    train_iters: int = setting(20)
-    warmup_iters: int = 2               # iterations marked warm-up in the iteration log (not LR warm-up)
-    bf16: bool = setting(True, config=True)
-    fp16: bool = setting(False, config=True)
-    loss_scale: float | None = setting(None)     # fp16: a static loss scale; None: dynamic, from initial_loss_scale
-    initial_loss_scale: float = setting(4294967296.0)   # fp16 dynamic loss scaling starts here (Megatron: 2**32)
-    fp8: str | None = setting(None, flag="--fp8-format", choices=(None, "e4m3", "hybrid"), config=True)
-    fp8_recipe: str = setting("delayed", choices=("delayed", "tensorwise", "blockwise", "mxfp8", "custom"))
-    recompute_granularity: str | None = setting(None, aliases={"--recompute-activations": "selective"},
-                                                choices=(None, "full", "selective"), label="recompute", config=True)
-    recompute_method: str | None = setting(None, choices=(None, "uniform", "block"), label="recompute how",
-                                           config=True)   # full only
-    recompute_num_layers: int | None = setting(None, label="recompute layers", config=True)
-    recompute_modules: list[str] | None = setting(None, config=True)  # selective: default ["core_attn"]
-    overlap_grad_reduce: bool = setting(False, label="overlap grads")
-    overlap_param_gather: bool = setting(False, label="overlap params")
-    tp_comm_overlap: bool = setting(False, label="TP comm overlap", config=True)
+    micro_batch_size: int = setting(1, minimum=1, label="micro batch",
+                                    help="sequences per micro-batch on one data-parallel rank")
+    global_batch_size: int = setting(1, minimum=1, label="global batch",
+                                     help="sequences per optimizer step, over all data-parallel ranks")
+    seq_length: int | None = setting(None, flag=None, minimum=1, label="seq length",   # --seq-length sets the model's
+                                     help="training sequence length (tokens); unset: the model's seq_length")
+    train_iters: int = setting(20, minimum=1, help="optimizer steps (iterations) to run")
+    warmup_iters: int = setting(2, flag=None, help="first iterations marked warm-up in the iteration log "
+                                                   "(not learning-rate warm-up)")
+    bf16: bool = setting(True, config=True, help="BF16 mixed precision")
+    fp16: bool = setting(False, config=True, help="FP16 mixed precision, with loss scaling")
+    loss_scale: float | None = setting(None, help="FP16: a static loss scale; unset: dynamic, from "
+                                                  "initial_loss_scale")
+    initial_loss_scale: float = setting(4294967296.0, help="FP16: where dynamic loss scaling starts "
+                                                           "(Megatron: 2^32)")
+    fp8: str | None = setting(None, flag="--fp8-format", choices=(None, "e4m3", "hybrid"), config=True,
+                              help="FP8 (Transformer Engine): e4m3 throughout, or hybrid (e5m2 gradients); "
+                                   "unset: off")
+    fp8_recipe: str = setting("delayed", choices=("delayed", "tensorwise", "blockwise", "mxfp8", "custom"),
+                              help="FP8 scaling recipe (mxfp8: Blackwell only)")
+    recompute_granularity: str | None = setting(
+        None, aliases={"--recompute-activations": "selective"}, choices=(None, "full", "selective"),
+        label="recompute", config=True,
+        help="activation recompute: whole layers (full), some modules (selective), or none")
+    recompute_method: str | None = setting(
+        None, choices=(None, "uniform", "block"), label="recompute how", config=True,
+        help="full recompute: layers in uniform chunks, or a block of layers per stage")
+    recompute_num_layers: int | None = setting(
+        None, minimum=1, label="recompute layers", config=True,
+        help="full recompute: layers per chunk (uniform) or per pipeline stage (block)")
+    recompute_modules: list[str] | None = setting(
+        None, config=True,
+        choices=("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"),
+        help="selective recompute: the modules recomputed; unset: core_attn")
+    overlap_grad_reduce: bool = setting(False, label="overlap grads",
+                                        help="overlap the gradient reduce with the backward pass")
+    overlap_param_gather: bool = setting(
+        False, label="overlap params", help="overlap the distributed optimizer's parameter all-gather "
+                                            "with the forward pass")
+    tp_comm_overlap: bool = setting(False, label="TP comm overlap", config=True,
+                                    help="overlap tensor-parallel communication with the GEMMs")
     # what each becomes on a node: engine.model.runtime
-    attention_backend: str = setting("auto", choices=("auto", "flash", "fused", "unfused", "local"))
-    # auto: Transformer Engine where it imports, else local
-    transformer_impl: str = setting("auto", choices=("auto", "transformer_engine", "local"))
-    grad_reduce_in_bf16: bool = setting(False)   # default: fp32 main grads and fp32 reduction
+    attention_backend: str = setting("auto", choices=("auto", "flash", "fused", "unfused", "local"),
+                                     help="attention kernel; auto: Transformer Engine picks (local: "
+                                          "megatron-core's own)")
+    transformer_impl: str = setting("auto", choices=("auto", "transformer_engine", "local"),
+                                    help="layer implementation; auto: Transformer Engine where it imports, "
+                                         "else local")
+    grad_reduce_in_bf16: bool = setting(False, help="reduce gradients in BF16 (default: FP32 main gradients "
+                                                    "and reduction)")
     # Memory-relevant Megatron flags (defaults are Megatron's):
-    fp8_param_gather: bool = setting(False, config="fp8_param")      # keep compute weights in FP8 (no bf16 copy)
+    fp8_param_gather: bool = setting(False, config="fp8_param",
+                                     help="keep the compute weights in FP8 and all-gather them in FP8 "
+                                          "(no BF16 copy)")
     # unfused attention upcasts the s x s scores to fp32 (--apply-query-key-layer-scaling implies it in Megatron)
-    attention_softmax_in_fp32: bool = setting(False, aliases={"--apply-query-key-layer-scaling": True}, config=True)
+    attention_softmax_in_fp32: bool = setting(False, aliases={"--apply-query-key-layer-scaling": True},
+                                              config=True, help="attention masking and softmax in FP32")
     # graphs keep static buffers; --enable-cuda-graph and --external-cuda-graph are Megatron's deprecated aliases
     cuda_graph_impl: str = setting("none", choices=("none", "local", "transformer_engine"),
-                                   aliases={"--enable-cuda-graph": "local", "--external-cuda-graph": "transformer_engine"})
-    use_precision_aware_optimizer: bool = setting(False)    # enables the four optimizer dtypes below
-    main_grads_dtype: str = setting("fp32", choices=("fp32", "bf16"))
-    main_params_dtype: str = setting("fp32", choices=("fp32", "fp16"))
-    exp_avg_dtype: str = setting("fp32", choices=("fp32", "fp16", "bf16", "fp8"))   # Adam first moment
-    exp_avg_sq_dtype: str = setting("fp32", choices=("fp32", "fp16", "bf16", "fp8"))   # Adam second moment
-    optimizer_cpu_offload: bool = setting(False)    # optimizer state on the host
-    optimizer: str = setting("adam", choices=("adam", "sgd", "muon"))
-    cross_entropy_loss_fusion: bool = setting(False)
-    # PYTORCH_CUDA_ALLOC_CONF expandable_segments for the workload (PyTorch's own default is off): the
-    # caching allocator then reserves little beyond its allocated peak (see engine.model.memory.Budget)
-    expandable_segments: bool = True
-    # Activation offloading to the host (megatron-core). Layer-level: > 0 sends the activations of this
-    # many layers to the host (Megatron then sets cpu_offloading; activations only, as its CLI offers)
-    cpu_offloading_num_layers: int = setting(0, config=True)
-    # Module-level: the inputs of offload_modules (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm,
-    # expert_fc1, moe_act), in every layer
-    fine_grained_activation_offloading: bool = setting(False, config=True)
-    offload_modules: list[str] | None = setting(None)
-    moe_token_dispatcher_type: str = setting("allgather", choices=("allgather", "alltoall", "flex"), config=True)
-    moe_expert_capacity_factor: float | None = setting(None, config=True)
-    moe_pad_expert_input_to_capacity: bool = setting(False, config=True)
-    moe_aux_loss_coeff: float = setting(0.0, config=True)
-    moe_grouped_gemm: bool = setting(False, config=True)
-    # routing and the weighted expert sum
-    moe_router_dtype: str | None = setting(None, choices=(None, "fp32", "fp64"), config=True)
-    # with moe_token_dispatcher_type "flex"; --moe-enable-deepep is Megatron's deprecated alias (0.16.1+)
+                                   aliases={"--enable-cuda-graph": "local",
+                                            "--external-cuda-graph": "transformer_engine"},
+                                   help="CUDA graph capture: none, megatron-core's (local) or Transformer Engine's")
+    use_precision_aware_optimizer: bool = setting(
+        False, help="Transformer Engine's optimizer, with the four optimizer dtypes below")
+    main_grads_dtype: str = setting("fp32", choices=("fp32", "bf16"),
+                                    help="precision-aware optimizer: dtype of the main gradients")
+    main_params_dtype: str = setting("fp32", choices=("fp32", "fp16"),
+                                     help="precision-aware optimizer: dtype of the main parameters")
+    exp_avg_dtype: str = setting("fp32", choices=("fp32", "fp16", "bf16", "fp8"),
+                                 help="precision-aware optimizer: dtype of Adam's first moment")
+    exp_avg_sq_dtype: str = setting("fp32", choices=("fp32", "fp16", "bf16", "fp8"),
+                                    help="precision-aware optimizer: dtype of Adam's second moment")
+    optimizer_cpu_offload: bool = setting(False, help="keep the optimizer state in host memory")
+    optimizer: str = setting("adam", choices=("adam", "sgd", "muon"), help="the optimizer")
+    cross_entropy_loss_fusion: bool = setting(False, help="a fused cross-entropy kernel for the loss")
+    # PyTorch's own default is off; on, the caching allocator reserves little beyond its allocated peak
+    # (see engine.model.memory.Budget)
+    expandable_segments: bool = setting(True, flag=None, help="the workload's PyTorch allocator grows "
+                                                              "segments in place (PYTORCH_CUDA_ALLOC_CONF)")
+    # Activation offloading to the host (megatron-core). Layer-level: Megatron then sets cpu_offloading;
+    # activations only, as its CLI offers
+    cpu_offloading_num_layers: int = setting(0, config=True,
+                                             help="layers whose activations go to host memory; 0: off")
+    # Module-level
+    fine_grained_activation_offloading: bool = setting(
+        False, config=True, help="send the inputs of offload_modules to host memory, in every layer")
+    # megatron-core TransformerConfig.offload_modules in core_v0.16.1 (core_v0.19.0 adds fused_group_mlp)
+    offload_modules: list[str] | None = setting(
+        None, choices=("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"),
+        help="fine-grained offloading: the modules whose inputs leave the GPU")
+    moe_token_dispatcher_type: str = setting("allgather", choices=("allgather", "alltoall", "flex"), config=True,
+                                             help="how tokens reach their experts (flex: DeepEP or HybridEP)")
+    moe_expert_capacity_factor: float | None = setting(
+        None, config=True, help="tokens an expert takes, as a multiple of an even share; unset: none dropped")
+    moe_pad_expert_input_to_capacity: bool = setting(
+        False, config=True, help="pad each expert's input to its capacity (with a capacity factor)")
+    moe_aux_loss_coeff: float = setting(0.0, config=True, help="weight of the router's load-balancing loss; 0: off")
+    moe_grouped_gemm: bool = setting(False, config=True, help="one grouped GEMM for a rank's local experts")
+    moe_router_dtype: str | None = setting(None, choices=(None, "fp32", "fp64"), config=True,
+                                           help="dtype of routing and the weighted expert sum; unset: the "
+                                                "training dtype")
+    # --moe-enable-deepep is Megatron's deprecated alias (0.16.1+)
     moe_flex_dispatcher_backend: str = setting("deepep", aliases={"--moe-enable-deepep": "deepep"},
-                                               choices=("deepep", "hybridep"), config=True)
-    lr: float = setting(1.0e-4)
-    seed: int = setting(1234)
-    # Megatron indexed dataset prefix (--data-path 0.3 /a 0.7 /b: one string); None: synthetic tokens
-    data_path: str | None = setting(None, join=True, aliases={"--mock-data": None})
+                                               choices=("deepep", "hybridep"), config=True,
+                                               help="the flex token dispatcher's backend")
+    lr: float = setting(1.0e-4, help="initial learning rate")
+    seed: int = setting(1234, help="random seed")
+    # --data-path 0.3 /a 0.7 /b: one string
+    data_path: str | None = setting(None, join=True, aliases={"--mock-data": None},
+                                    help="Megatron indexed dataset prefix, or weights and prefixes; unset: "
+                                         "synthetic tokens")
 
 
 @dataclass
 class Telemetry:
-    backend: str = "auto"               # auto | nvml | amdsmi | host | sim
-    hz: float = 20.0
-
+    backend: str = setting("auto", flag=None, choices=BACKEND_NAMES,
+                           help="where telemetry comes from (replay:RUN replays a recorded run)")
+    hz: float = setting(DEFAULT_HZ, flag=None, help="telemetry samples per second (Hz)")
 
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,
@@ -547,10 +659,25 @@ def field_types(kind: type) -> dict[str, Any]:
     return get_type_hints(kind)
 
 
+def field_options(kind: type, name: str) -> tuple:
+    """The types the field's annotation allows (`int | None`: int, NoneType)."""
+    hint = field_types(kind)[name]
+    return get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
+
+
+def expected(kind: type, name: str) -> str:
+    """What the field takes, in words: "an integer or none" (as coerce's errors say it)."""
+    return " or ".join(_type_name(o) for o in field_options(kind, name))
+
+
+def set_key(section: str, name: str) -> str:
+    """The key `Experiment.set` (and --set) takes for the field: its bare name where that names it."""
+    return name if all_keys().get(name) == section else f"{section}.{name}"
+
+
 def coerce(kind: type, name: str, value: Any, *, where: str) -> Any:
     """Check `value` against the field's annotation; ints are accepted for floats."""
-    hint = field_types(kind)[name]
-    options = get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
+    options = field_options(kind, name)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in options):
         if type(None) in options:
             return None
@@ -578,8 +705,7 @@ def coerce(kind: type, name: str, value: Any, *, where: str) -> Any:
             (item,) = get_args(option)
             if isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in value):
                 return list(value)
-    expected = " or ".join(_type_name(o) for o in options)
-    raise UserError(f"{where}: expected {expected}, got {value!r}")
+    raise UserError(f"{where}: expected {expected(kind, name)}, got {value!r}")
 
 
 def _type_name(option) -> str:

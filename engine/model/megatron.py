@@ -21,15 +21,13 @@ import dataclasses
 import math
 import re
 import shlex
-import types
-import typing
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Callable, get_args, get_origin
+from typing import Any, Callable, get_origin
 
 from charllm.engine.model import calibration, runtime
-from charllm.engine.model.experiment import (AUTO, Experiment, Hardware, ModelSpec, Parallel, Training,
-                                           field_types, parse_pipeline_layout)
+from charllm.engine.model.experiment import (Experiment, Hardware, ModelSpec, Parallel, Training, field_options,
+                                           megatron_flag, parse_pipeline_layout)
 from charllm.probes.core.errors import UserError, plural
 
 # Megatron-LM defaults that changed between the releases charllm supports (core_v0.16.1 to
@@ -175,13 +173,11 @@ def _flags(kind: type) -> dict[str, tuple[str, Switch | Value | Many]]:
     """Flag -> (field, how it parses) for the fields of `kind` that name a Megatron flag
     (engine.model.experiment.setting): a field's own flag first, then its aliases, in field order."""
     out: dict[str, tuple[str, Switch | Value | Many]] = {}
-    hints = field_types(kind)
     for f in dataclasses.fields(kind):
-        flag = f.metadata.get("flag")
+        flag = megatron_flag(kind, f.name)
         if flag is None:
             continue
-        flag = f"--{f.name.replace('_', '-')}" if flag == AUTO else flag
-        out[flag] = (f.name, _parser(f.name, hints[f.name], f.metadata))
+        out[flag] = (f.name, _parser(kind, f.name, f.metadata))
         out.update({alias: (f.name, Switch(value)) for alias, value in f.metadata["aliases"].items()})
     return out
 
@@ -190,11 +186,10 @@ def _flags(kind: type) -> dict[str, tuple[str, Switch | Value | Many]]:
 _PARSERS = {"moe_layer_freq": parse_layer_pattern}
 
 
-def _parser(name: str, hint, facts) -> Switch | Value | Many:
+def _parser(kind: type, name: str, facts) -> Switch | Value | Many:
     """How the flag of a field parses, from its type: a bool is a switch, a list (or a string the
     flag's values join into) takes many values, anything else one value."""
-    options = [o for o in (get_args(hint) if get_origin(hint) in (types.UnionType, typing.Union) else (hint,))
-               if o is not type(None)]
+    options = [o for o in field_options(kind, name) if o is not type(None)]
     if name in _PARSERS:
         return Value(_PARSERS[name])
     if options == [bool]:

@@ -9,48 +9,48 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Training, choices,
-                                           field_names, parse_pipeline_layout)
+from typing import Any, get_origin
+
+from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Telemetry, Training, choices, facts,
+                                           field_names, field_options, parse_pipeline_layout)
 from charllm.engine.model.runtime import parse_capability
+from charllm.probes.backends import REPLAY
 from charllm.probes.backends.base import MAX_HZ
 from charllm.probes.core.errors import UserError, plural
 
 
-# Choices, as Megatron-LM's argument parser (or our own tooling, for vendor) lists them: each field's own
-# (engine.model.experiment.setting).
+def _declared(fact: str, sections=tuple(SECTIONS)) -> list[tuple[str, str, Any]]:
+    """(section, field, value) of every field whose metadata (engine.model.experiment.setting) states
+    `fact`, in section and field order."""
+    return [(section, name, value) for section in sections for name in field_names(SECTIONS[section])
+            if (value := facts(SECTIONS[section], name).get(fact)) is not None]
+
+
+def _is_list(section: str, name: str) -> bool:
+    return any(get_origin(option) is list for option in field_options(SECTIONS[section], name))
+
+
+# Choices, as Megatron-LM's argument parser (or our own tooling, for vendor) lists them, in the order their
+# problems are listed. The telemetry backend is checked on its own: its last choice is a pattern, replay:RUN.
 CHOICES: dict[str, tuple[str, tuple]] = {
-    name: (section, options) for section in ("model", "parallel", "training", "hardware")
-    for name in field_names(SECTIONS[section])
-    if (options := choices(SECTIONS[section], name)) is not None
+    name: (section, options) for section, name, options in _declared("choices", ("model", "parallel", "training",
+                                                                                 "hardware"))
+    if not _is_list(section, name)
 }
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-# megatron-core TransformerConfig.offload_modules in core_v0.16.1 (core_v0.19.0 adds fused_group_mlp)
-OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
-TELEMETRY_BACKENDS = ("auto", "nvml", "amdsmi", "host", "sim")
-
-# Sizes that must be at least 1 (None = not set, allowed where the field is optional).
-POSITIVE = {
-    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-              "kv_channels", "seq_length", "max_position_embeddings", "vocab_size",
-              "make_vocab_size_divisible_by", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
-              "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-              "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers"),
-    "cluster": ("nodes", "gpus_per_node"),
-    "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-                 "expert_tensor_parallel_size", "num_distributed_optimizer_instances",
-                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
-    "training": ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "recompute_num_layers"),
+ITEM_CHOICES: dict[str, tuple[str, tuple]] = {       # lists whose every item is one of the choices
+    name: (section, options) for section, name, options in _declared("choices") if _is_list(section, name)
 }
-
+BACKENDS = choices(Telemetry, "backend")   # probes.backends.BACKEND_NAMES, through the field
 
 # Upper bounds far beyond any real model or cluster, checked before any rule, plan or sweep loops
 # over a size (a loop over 10^20 nodes or layers never ends) or the arithmetic overflows.
 MAX_SIZE = 2**31 - 1      # layer, batch and parallel sizes
 MAX_NUMBER = 2**53        # any integer (bytes too): exact as a float, and no overflow in a table
-MAX_BOUNDS = {"num_layers": 10_000, "mtp_num_layers": 10_000, "num_moe_experts": 100_000,
-              "gpus_per_node": 1024, "nodes": 1_000_000}
 MAX_WORLD_SIZE = 2**20
+# Sizes: at least their minimum (None = not set, allowed where the field is optional) and at most their
+# own maximum, else MAX_SIZE.
+SIZES = [(section, name, minimum, facts(SECTIONS[section], name)["maximum"] or MAX_SIZE)
+         for section, name, minimum in _declared("minimum")]
 MAX_LAYOUT_CHARS = 10_000
 # Hardware numbers that are 0 when unknown, never negative.
 HARDWARE_AMOUNTS = ("memory_bytes", "usable_bytes", "outside_allocator_bytes", "bf16_tflops", "fp8_tflops",
@@ -98,14 +98,12 @@ def value_problems(exp: Experiment) -> list[Problem]:
                 out.append(Problem(name, value, f"must be at most {MAX_NUMBER:,} in size"))
     if out:
         return out
-    for section, names in POSITIVE.items():
-        obj = getattr(exp, section)
-        for name in names:
-            value = getattr(obj, name)
-            if value is not None and value < 1:
-                out.append(Problem(name, value, "must be at least 1"))
-            elif value is not None and value > MAX_BOUNDS.get(name, MAX_SIZE):
-                out.append(Problem(name, value, f"must be at most {MAX_BOUNDS.get(name, MAX_SIZE):,}"))
+    for section, name, minimum, maximum in SIZES:
+        value = getattr(getattr(exp, section), name)
+        if value is not None and value < minimum:
+            out.append(Problem(name, value, f"must be at least {minimum}"))
+        elif value is not None and value > maximum:
+            out.append(Problem(name, value, f"must be at most {maximum:,}"))
     if not out and exp.world_size > MAX_WORLD_SIZE:
         out.append(Problem("cluster", f"{exp.cluster.nodes} x {exp.cluster.gpus_per_node}",
                            f"at most {MAX_WORLD_SIZE:,} devices in all"))
@@ -137,23 +135,20 @@ def value_problems(exp: Experiment) -> list[Problem]:
     if not 0 < exp.telemetry.hz <= MAX_HZ:  # what the sampler accepts (probes.backends.base.check_hz)
         out.append(Problem("hz", exp.telemetry.hz, f"telemetry sampling rate must be > 0 and at most {MAX_HZ:g}"))
     backend = exp.telemetry.backend
-    if backend not in TELEMETRY_BACKENDS and not backend.startswith("replay:"):
-        out.append(Problem("backend", backend, f"must be one of {', '.join(TELEMETRY_BACKENDS)} or replay:RUN"))
+    if backend not in BACKENDS and not backend.startswith(REPLAY):
+        out.append(Problem("backend", backend, f"must be one of {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}"))
     for name, (section, options) in CHOICES.items():
         value = getattr(getattr(exp, section), name)
         if value not in options:
             listed = ", ".join("none" if c is None else c for c in options)
             out.append(Problem(name, value, f"must be one of {listed}"))
-    for module in t.offload_modules or []:
-        if module not in OFFLOAD_MODULES:
-            out.append(Problem("offload_modules", t.offload_modules,
-                               f"{module!r} is not one of {', '.join(OFFLOAD_MODULES)}"))
     if t.cpu_offloading_num_layers < 0:
         out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers, "must be 0 (off) or more"))
-    for module in t.recompute_modules or []:
-        if module not in RECOMPUTE_MODULES:
-            out.append(Problem("recompute_modules", t.recompute_modules,
-                               f"{module!r} is not one of {', '.join(RECOMPUTE_MODULES)}"))
+    for name, (section, options) in ITEM_CHOICES.items():
+        items = getattr(getattr(exp, section), name)
+        for item in items or []:
+            if item not in options:
+                out.append(Problem(name, items, f"{item!r} is not one of {', '.join(options)}"))
     freq = m.moe_layer_freq
     if isinstance(freq, list):
         if len(freq) != m.num_layers:

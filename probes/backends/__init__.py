@@ -10,7 +10,7 @@ from __future__ import annotations
 from charllm.probes.backends.base import Backend, BackendUnavailable
 from charllm.probes.core.errors import UserError, plural
 
-BACKEND_NAMES = ("auto", "nvml", "amdsmi", "host", "sim", "replay:RUN")
+REPLAY = "replay:"      # replay:RUN replays the telemetry a run recorded
 
 
 def inventory(backends: list[Backend]) -> list[dict]:
@@ -26,22 +26,21 @@ def inventory(backends: list[Backend]) -> list[dict]:
 
 
 def open_backend(name: str, **kw) -> Backend:
-    """The backend called `name` (see BACKEND_NAMES); `auto` picks one and sets `.reason`.
+    """The backend called `name` (one of BACKEND_NAMES); `auto` picks one and sets `.reason`.
 
     Keyword arguments go to the chosen backend (sim: gpus, profile, seed, clock, ...;
     replay: speed). Raises UserError for an unknown name or a backend that cannot run here.
     """
     if name == "auto":
         return _auto(**kw)
-    if name.startswith("replay:"):
+    if name.startswith(REPLAY):
         from charllm.probes.backends.replay import ReplayBackend  # deferred: a vendor library loads only when its backend is opened
 
-        return ReplayBackend(name.split(":", 1)[1], **_only(kw, "speed", "clock"))
-    factories = {"nvml": _nvml, "amdsmi": _amdsmi, "host": _host, "sim": _sim}
-    if name not in factories:
+        return ReplayBackend(name.removeprefix(REPLAY), **_only(kw, "speed", "clock"))
+    if name not in FACTORIES:
         raise UserError(f"backend = {name!r}: must be one of {', '.join(BACKEND_NAMES)}")
     try:
-        return factories[name](**kw)
+        return FACTORIES[name](**kw)
     except BackendUnavailable as exc:
         raise UserError(f"backend = {name!r}: unavailable on this machine ({exc})") from None
 
@@ -54,7 +53,7 @@ def open_backends(name: str, **kw) -> tuple[list[Backend], str]:
     """
     backend = open_backend(name, **kw)
     reason = getattr(backend, "reason", f"{backend.name}: requested")
-    if backend.name == "host" or name.startswith("replay:"):
+    if backend.name == "host" or name.startswith(REPLAY):
         return [backend], reason
     return [backend, _host()], reason
 
@@ -102,3 +101,8 @@ def _auto(**_kw) -> Backend:
     backend = _host()
     backend.reason = "; ".join([*reasons, "using host only"])
     return backend
+
+
+FACTORIES = {"nvml": _nvml, "amdsmi": _amdsmi, "host": _host, "sim": _sim}
+# What `open_backend` takes (the experiment's telemetry.backend and `probe --backend` say so too).
+BACKEND_NAMES = ("auto", *FACTORIES, f"{REPLAY}RUN")

@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 from charllm.probes.core.errors import UserError
 
 MAX_HZ = 100.0          # NVML power counters update at 10-50 Hz; faster gains nothing
+DEFAULT_HZ = 20.0       # the rate unless asked otherwise (probe --hz, an experiment's telemetry.hz)
 
 
 def check_hz(hz: float) -> float:

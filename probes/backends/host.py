@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from charllm.probes.backends.base import Backend, Device, hostname
+from charllm.probes.backends.base import DEFAULT_HZ, Backend, Device, hostname
 
 POWERCAP = "/sys/class/powercap"
 INFINIBAND = "/sys/class/infiniband"
@@ -74,7 +74,7 @@ def find_ib_counters(root: str = INFINIBAND) -> list[tuple[str, str]]:
 
 class HostBackend(Backend):
     name = "host"
-    max_hz = 20.0   # the default rate; faster costs a core's ~0.6 % per 20 Hz for counters that change slowly
+    max_hz = DEFAULT_HZ   # faster costs a core's ~0.6 % per 20 Hz for counters that change slowly
     max_hz_why = "psutil reads /proc and /sys, ~0.3 ms a sample, and host counters change slowly"
     metrics = ("cpu_util_pct", "cpu_freq_mhz", "host_mem_used_bytes", "host_mem_total_bytes",
                "cpu_energy_j", "dram_energy_j", "temp_cpu_c", "ib_tx_bytes", "ib_rx_bytes",

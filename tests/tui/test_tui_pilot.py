@@ -62,6 +62,24 @@ async def test_opens_on_compose_with_tiny_local_and_estimates_it():
 
 
 @pilot_test
+async def test_compose_shows_the_focused_fields_help():
+    app = CharllmApp()
+    async with run_app(app) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last is not None)
+        hint = screen.query_one("#field-help")
+        assert "experiment preset" in str(hint.render())          # the form starts on the preset picker
+        await pilot.press("tab")
+        assert str(hint.render()) == "the model preset: architecture and sizes"
+        screen.query_one("#f-tensor_model_parallel_size").focus()
+        await pilot.pause()
+        assert str(hint.render()) == "tensor parallel: each layer's matrices split over this many devices"
+        screen.query_one("#save").focus()
+        await pilot.pause()
+        assert str(hint.render()) == ""
+
+
+@pilot_test
 async def test_compose_edit_revalidates_and_shows_the_rule_beside_the_field():
     messages: list = []
     app = CharllmApp()

@@ -25,7 +25,8 @@ def register(sub) -> None:
         f = formats.add_parser(name, help=help_text)
         f.add_argument("experiment", metavar="EXPERIMENT_OR_PRESET")
         f.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field, e.g. --set tensor_model_parallel_size=4 (repeatable)")
+                       help="override a field, e.g. --set tensor_model_parallel_size=4 (repeatable; charllm-tui fields "
+                            "lists them)")
         f.add_argument("--out", metavar="FILE", help="write to FILE (atomically) instead of stdout")
         f.add_argument("--no-validate", action="store_true", help="export even if the layout is invalid")
         if name == "megatron":

@@ -21,7 +21,8 @@ def register(sub) -> None:
     p.add_argument("--target", default="local", help="target name: local (default) or one from targets.toml")
     p.add_argument("--target-file", type=Path, help="targets TOML file (default: <config>/targets.toml)")
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
-                   help="override an experiment field, e.g. --set tensor_model_parallel_size=2 (repeatable)")
+                   help="override an experiment field, e.g. --set tensor_model_parallel_size=2 (repeatable; "
+                        "charllm-tui fields lists them)")
     p.add_argument("--nproc", type=int, help="processes per node (CPU runs; default: cluster.gpus_per_node)")
     p.add_argument("--dry-run", action="store_true", help="print the commands (and sbatch script); touch nothing")
     p.add_argument("--follow", action="store_true", help="print iterations and telemetry until the run ends")

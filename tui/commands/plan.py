@@ -55,7 +55,7 @@ def register(sub) -> None:
                    help="an experiment TOML file or preset name")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set tensor_model_parallel_size=4, or the model or hardware "
-                        "preset, e.g. --set model=llama3-8b (repeatable)")
+                        "preset, e.g. --set model=llama3-8b (repeatable; charllm-tui fields lists the fields)")
     p.add_argument("--megatron-args", metavar="FLAGS", help="a pretrain_gpt.py command line instead of an experiment")
     p.add_argument("--world-size", type=int, metavar="N",
                    help="number of GPUs (with --megatron-args; default: what a torchrun prefix in the line says)")

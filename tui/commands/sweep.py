@@ -7,7 +7,7 @@ import sys
 
 from charllm.engine.model.experiment import Experiment, parse_value
 from charllm.engine.model.memory import budget
-from charllm.engine.model.sweep import base_experiment, layout_to_experiment, recompute_name, sweep, SWEPT
+from charllm.engine.model.sweep import RECOMPUTE, SWEPT, base_experiment, layout_to_experiment, recompute_name, sweep
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
@@ -70,9 +70,10 @@ def register(sub) -> None:
     p.add_argument("--global-batch-size", type=int, metavar="B")
     p.add_argument("--seq-length", type=int, metavar="S", help="default: the model's")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="fix a training/parallel option of every layout, e.g. --set seq_length=4096 (repeatable)")
+                   help="fix a training/parallel option of every layout, e.g. --set seq_length=4096 (repeatable; "
+                        "charllm-tui fields lists them)")
     p.add_argument("--recompute", metavar="LIST",
-                   help="recompute choices to sweep, comma-separated from none,selective,full (default: the "
+                   help=f"recompute choices to sweep, comma-separated from {','.join(RECOMPUTE)} (default: the "
                         "experiment's own; with --model all three)")
     p.add_argument("--distributed-optimizer", metavar="LIST",
                    help="distributed optimizer settings to sweep, comma-separated from on,off (default: the "

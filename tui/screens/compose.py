@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from rich.markup import escape
-from textual import on, work
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, VerticalScroll
@@ -38,6 +38,7 @@ class Field:
     label: str
     kind: str                   # int | int? (blank = unset) | bool | choice
     choices: tuple[str, ...] = ()
+    help: str = ""              # the hint line shown while the field has focus
 
     @property
     def wid(self) -> str:
@@ -49,15 +50,15 @@ class Field:
 
     @classmethod
     def of(cls, key: str) -> "Field":
-        """The form field of an experiment field: its label and choices as the field declares them."""
+        """The form field of an experiment field: its label, choices and help as the field declares them."""
         section, name = resolve_key(key)
         kind = SECTIONS[section]
-        hint = field_types(kind)[name]
+        label, help = experiment.label(kind, name), experiment.help_text(kind, name)
         options = experiment.choices(kind, name)
         if options:
-            return cls(key, experiment.label(kind, name), "choice", tuple(NONE if c is None else c for c in options))
-        form = {bool: "bool", int: "int", int | None: "int?"}[hint]
-        return cls(key, experiment.label(kind, name), form)
+            return cls(key, label, "choice", tuple(NONE if c is None else c for c in options), help)
+        form = {bool: "bool", int: "int", int | None: "int?"}[field_types(kind)[name]]
+        return cls(key, label, form, help=help)
 
 
 PRECISIONS = ("bf16", "fp16", "fp8-e4m3", "fp8-hybrid", "fp32")
@@ -72,9 +73,15 @@ GROUPS: tuple[tuple[str, tuple[Field, ...]], ...] = tuple(
         ("Batch", ("micro_batch_size", "global_batch_size", "training.seq_length")),
         ("Recompute & overlap", ("recompute_granularity", "recompute_method", "recompute_num_layers",
                                  "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
-                                 Field("precision", "precision", "choice", PRECISIONS))),
+                                 Field("precision", "precision", "choice", PRECISIONS,
+                                       "mixed precision: BF16, FP16, FP8 (e4m3 or hybrid, over BF16), or plain FP32"))),
     ))
 FIELDS = {f.wid: f for _, group in GROUPS for f in group}
+# The hint line of each control: the pickers' own, the fields' from their metadata.
+HELP = {"preset": "load an experiment preset (shipped, or saved with ^s)",
+        "model": "the model preset: architecture and sizes",
+        "hardware": "the hardware preset: one device's memory, speed and power",
+        **{wid: f.help for wid, f in FIELDS.items()}}
 
 
 def get_value(exp: Experiment, field: Field):
@@ -170,6 +177,7 @@ class ComposeScreen(WorkbenchScreen):
                     yield Button("Flags ^g", id="export", compact=True)
                     yield Button("Launch ^l", id="launch", variant="primary", compact=True)
                 yield Static(id="flags")
+        yield Static(id="field-help", classes="hint")
 
     @staticmethod
     def _options(kind: str) -> list[tuple[str, str]]:
@@ -231,6 +239,12 @@ class ComposeScreen(WorkbenchScreen):
             names.insert(0, name)
         select.set_options([(n, n) for n in names])
         select.value = name
+
+    @on(events.DescendantFocus)
+    def show_help(self, event: events.DescendantFocus) -> None:
+        """The focused control's hint line (a Select's open list counts as the Select); none for a button."""
+        wid = next((node.id for node in event.widget.ancestors_with_self if node.id in HELP), None)
+        self.query_one("#field-help", Static).update(HELP.get(wid, ""))
 
     @on(Input.Changed)
     @on(Checkbox.Changed)

@@ -1,6 +1,6 @@
 """Each experiment field's facts live once, in its dataclass metadata (engine.model.experiment.setting);
-the Megatron flag tables, the validation choices and the TransformerConfig arguments are derived from
-them. These tests read the metadata independently and check each derived table against it."""
+the Megatron flag tables, the validation choices and sizes and the TransformerConfig arguments are derived
+from them. These tests read the metadata independently and check each derived table against it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 
 from charllm.engine.model import megatron, validate
 from charllm.engine.model.experiment import (AUTO, SECTIONS, Experiment, ModelSpec, Parallel, Training, choices,
-                                           field_types)
+                                           facts, field_types, help_text)
 from charllm.engine.model.megatron import FLAGS, Many, Switch, Value
+from charllm.probes.backends import BACKEND_NAMES, open_backend
+from charllm.probes.core.errors import UserError
 
 FLAG_SECTIONS = {"model": ModelSpec, "parallel": Parallel, "training": Training}
 
@@ -86,12 +88,65 @@ def test_every_flag_of_the_table_sets_its_field(flag):
 def test_choices_come_from_the_fields():
     declared = {f.name: (section, f.metadata["choices"]) for section, kind in SECTIONS.items()
                 for f in dataclasses.fields(kind) if f.metadata.get("choices") is not None}
-    assert validate.CHOICES == declared
+    lists = {name for name, (section, _) in declared.items()
+             if "list" in str(field_types(SECTIONS[section])[name])}
+    assert lists == {"recompute_modules", "offload_modules"}
+    assert validate.CHOICES == {n: c for n, c in declared.items() if n not in lists and n != "backend"}
+    assert validate.ITEM_CHOICES == {n: declared[n] for n in lists}
+    assert validate.BACKENDS == declared["backend"][1]
     for name, (section, options) in declared.items():
         default = getattr(getattr(Experiment(), section), name)
-        assert default in options, (name, default, options)
+        assert default in options or (default is None and name in lists), (name, default, options)
     # Megatron-LM's --position-embedding-type choices (arguments.py, core_v0.16.1)
     assert declared["position_embedding_type"][1] == ("learned_absolute", "rope", "mrope", "relative", "none")
+    # megatron-core TransformerConfig.recompute_modules' documented choices (core_v0.16.1)
+    assert declared["recompute_modules"][1] == ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                                                "shared_experts")
+
+
+def test_the_telemetry_backends_are_the_registrys():
+    """telemetry.backend accepts what probes.backends opens, and nothing else."""
+    assert choices(SECTIONS["telemetry"], "backend") == BACKEND_NAMES
+    for name in [*BACKEND_NAMES[:-1], "replay:runs/some-run"]:
+        exp = Experiment()
+        exp.telemetry.backend = name
+        assert validate.value_problems(exp) == [], name
+    exp = Experiment()
+    exp.telemetry.backend = "dcgm"
+    with pytest.raises(UserError, match="must be one of"):
+        open_backend("dcgm")
+    assert [str(p) for p in validate.value_problems(exp)] == [
+        "backend = 'dcgm': must be one of auto, nvml, amdsmi, host, sim or replay:RUN"]
+
+
+def test_every_field_has_a_one_line_help():
+    for section, kind in SECTIONS.items():
+        for f in dataclasses.fields(kind):
+            text = help_text(kind, f.name)
+            assert text and "\n" not in text and len(text) <= 110, (section, f.name, text)
+            assert not text.endswith("."), (section, f.name)     # a hint line, not a sentence
+
+
+@pytest.mark.parametrize("section, name, minimum, maximum", validate.SIZES)
+def test_each_size_is_checked_against_its_bounds(section, name, minimum, maximum):
+    meta = facts(SECTIONS[section], name)
+    assert (minimum, maximum) == (meta["minimum"], meta["maximum"] or validate.MAX_SIZE)
+    for value, rule in ((minimum - 1, f"must be at least {minimum}"), (maximum + 1, f"must be at most {maximum:,}")):
+        exp = Experiment()
+        setattr(getattr(exp, section), name, value)
+        assert [str(p) for p in validate.value_problems(exp)][:1] == [f"{name} = {value!r}: {rule}"]
+    exp = Experiment()
+    setattr(getattr(exp, section), name, minimum)
+    assert not [p for p in validate.value_problems(exp) if p.field == name]
+
+
+def test_the_sizes_are_the_declared_ones():
+    sized = {(section, f.name) for section, kind in SECTIONS.items() for f in dataclasses.fields(kind)
+             if f.metadata["minimum"] is not None}
+    assert {(s, n) for s, n, _, _ in validate.SIZES} == sized
+    assert ("model", "num_layers", 1, 10_000) in validate.SIZES
+    assert ("cluster", "gpus_per_node", 1, 1024) in validate.SIZES
+    assert ("training", "micro_batch_size", 1, validate.MAX_SIZE) in validate.SIZES
 
 
 def test_transformer_config_takes_the_fields_marked_for_it():
