@@ -141,10 +141,23 @@ def hybrid_pattern(exp) -> str:
     return PIPE.join("".join(ATTENTION + (MOE if moe[i] else MLP) for i in chunk.layers) for chunk in ordered)
 
 
+class _OneDenseOneMoE:
+    """The TransformerConfig as get_gpt_decoder_layer_specs reads it, asked for two GPT layers,
+    dense then MoE: it then builds exactly the layer specs GPTModel's block gets."""
+
+    num_layers, moe_layer_freq = 2, [0, 1]
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
 def hybrid_stack_spec(exp, config, impl):
     """A HybridStack spec whose attention, MLP and MoE layers are the halves of the GPT layer
-    specs (gpt_layer_specs.get_gpt_decoder_layer_specs builds the dense and MoE ones with these
-    arguments), and whose final norm is the GPT block's."""
+    specs megatron-core builds for GPTModel (gpt_layer_specs.get_gpt_decoder_layer_specs, with
+    the same arguments gpt_block_spec gives), and whose final norm is the GPT block's."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -155,16 +168,9 @@ def hybrid_stack_spec(exp, config, impl):
         TransformerLayerSubmodules,
     )
 
-    m = exp.model
     te = impl.transformer == "transformer_engine"
-
-    def gpt_layer(num_experts):
-        grouped = bool(num_experts) and config.moe_grouped_gemm
-        if te:
-            return specs.get_gpt_layer_with_transformer_engine_spec(
-                num_experts=num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm)
-        return specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped,
-                                              qk_layernorm=config.qk_layernorm, normalization=m.normalization)
+    dense, moe = specs.get_gpt_decoder_layer_specs(_OneDenseOneMoE(config), use_transformer_engine=te,
+                                                   normalization=exp.model.normalization)
 
     def half(layer, module, parts):
         sub = layer.submodules
@@ -174,11 +180,11 @@ def hybrid_stack_spec(exp, config, impl):
 
     attention_parts = ("input_layernorm", "self_attention", "self_attn_bda")
     mlp_parts = ("pre_mlp_layernorm", "mlp", "mlp_bda")
-    dense = _with_attention(gpt_layer(None), impl)
+    dense = _with_attention(dense, impl)
     submodules = HybridStackSubmodules(attention_layer=half(dense, TransformerLayer, attention_parts),
                                        mlp_layer=half(dense, MLPLayer, mlp_parts))
-    if m.is_moe:
-        submodules.moe_layer = half(gpt_layer(m.num_moe_experts), MoETransformerLayer, mlp_parts)
+    if exp.model.is_moe:
+        submodules.moe_layer = half(moe, MoETransformerLayer, mlp_parts)
     final_norm = specs.TENorm if te else specs.LNImpl
     return ModuleSpec(module=_hybrid_stack_class(), submodules=submodules, params={"final_norm": final_norm})
 
