@@ -514,7 +514,8 @@ def scan_runs(root: Path | None = None):
 
 
 def runtime_line(record: dict | None) -> str:
-    """One line saying what ran: implementation, attention, fusions, devices, versions."""
+    """One line saying what ran: implementation, attention, fusions, devices, versions, and the
+    megatron-core class that built the model."""
     if not record:
         return "not recorded (the workload has not started, or predates this record)"
     impl, versions = record.get("implementation") or {}, record.get("versions") or {}
@@ -531,7 +532,8 @@ def runtime_line(record: dict | None) -> str:
         torch += f" (CUDA {versions['cuda']}" + (f", NCCL {versions['nccl']})" if versions.get("nccl") else ")")
     return " · ".join([transformer, f"attention {impl.get('attention', '?')}",
                        f"fusions {', '.join(f.removesuffix('_fusion') for f in impl.get('fusions', [])) or 'none'}",
-                       where, torch, f"megatron-core {versions.get('megatron_core', '?')}"])
+                       where, torch, f"megatron-core {versions.get('megatron_core', '?')}"
+                       + (f" {model['class']}" if (model := record.get("model") or {}).get("class") else "")])
 
 
 def staging_dir(final: Path) -> Path:

@@ -109,3 +109,15 @@ def test_steps_one_row_per_step_merged_or_first_line(tmp_path):
          "warmup": False}]
     first = one_per_step([r for r in rows if r["event"] == "iteration"])
     assert [(r["iteration"], r["rank"]) for r in first] == [(1, 0), (2, 0), (3, 1)]
+
+
+def test_runtime_line_names_what_ran_and_the_class_that_built_the_model():
+    from charllm.probes.store.rundir import runtime_line
+
+    record = {"implementation": {"transformer_impl": "local", "attention": "sdpa", "fusions": []},
+              "versions": {"torch": "2.13.0", "megatron_core": "0.19.2"}, "devices": [],
+              "model": {"class": "HybridModel", "hybrid_layer_pattern": "*-*-"}}
+    assert runtime_line(record) == ("local layers · attention sdpa · fusions none · CPU · torch 2.13.0 · "
+                                    "megatron-core 0.19.2 HybridModel")
+    del record["model"]   # a run recorded before the class was
+    assert runtime_line(record).endswith("megatron-core 0.19.2")
