@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
+from charllm.engine.launch.process import Proc
 from charllm.engine.workload import TORCHRUN_MODULE, TRAIN_MODULE
 
 SAMPLER_MODULE = "charllm.probes"
@@ -143,8 +144,8 @@ class Target(ABC):
 
     def supervise(self, supervisor) -> str:
         """Run the supervisor's part (supervise.py) until the run ends; returns its final status.
-        Here the supervisor owns the steps' processes."""
-        return supervisor.own_steps()
+        Here the supervisor owns the steps' processes, run on this machine (process.Proc)."""
+        return supervisor.own_steps(Proc)
 
     @abstractmethod
     def run_doctor(self, doctor, nodes: int | None) -> list:
