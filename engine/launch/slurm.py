@@ -20,6 +20,7 @@ from typing import ClassVar
 from charllm.engine.launch.process import describe_exit, killed_first, last_line, rank_failure, shell_status
 from charllm.engine.launch.target import Say, Step, Target, sampler_argv, train_argv
 from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import Manifest
 
 # Per-node values in the argv given to `script`, expanded by each node's shell.
 PLACEHOLDERS = {"@@NODE@@": '"$SLURMD_NODENAME"', "@@NODE_RANK@@": '"$SLURM_NODEID"',
@@ -75,12 +76,12 @@ class SlurmTarget(Target):
     def supervise(self, supervisor) -> str:
         return follow(supervisor)
 
-    def cancel_job(self, manifest: dict) -> bool:
-        if manifest.get("slurm_job_id"):
-            cancel(manifest["slurm_job_id"])
+    def cancel_job(self, manifest: Manifest) -> bool:
+        if manifest.slurm_job_id:
+            cancel(manifest.slurm_job_id)
         return True
 
-    def stop_processes(self, manifest: dict, grace: float) -> None:
+    def stop_processes(self, manifest: Manifest, grace: float) -> None:
         self.cancel_job(manifest)   # the processes are Slurm's
 
     def run_doctor(self, doctor, nodes: int | None) -> list:
