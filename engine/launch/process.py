@@ -28,7 +28,7 @@ class Proc:
         self.reader: threading.Thread | None = None   # a thread reading the process's output, if any
         self.popen: subprocess.Popen | None = None
 
-    def lifeline(self):
+    def with_parent(self):
         """What ties the step to the supervisor's life: the sampler is asked to stop (it closes
         its last chunk), anything else is killed (torchrun's ranks follow it, see
         probes.core.lifeline)."""
@@ -38,7 +38,7 @@ class Proc:
         log = open(self.log_path, "ab")
         self.popen = subprocess.Popen(self.step.argv, stdin=subprocess.DEVNULL, stdout=log,
                                       stderr=subprocess.STDOUT, cwd=self.rd.path, start_new_session=True,
-                                      preexec_fn=self.lifeline())
+                                      preexec_fn=self.with_parent())
 
     def wait_started(self) -> None:
         """Until the step's process group is known (here at once)."""

@@ -73,6 +73,10 @@ def disk_note(path: Path) -> str:
 
 
 class Supervisor:
+    """One run's supervisor. A target's `supervise(supervisor)` uses `own_steps` (its processes run
+    under the supervisor) or follows them elsewhere with `rd`, `manifest`, `cancel_requested`,
+    `lose_sampler` and `record_final` (slurm.follow)."""
+
     def __init__(self, rd: RunDir):
         self.rd = rd
         self.manifest = rd.manifest()
