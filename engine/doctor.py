@@ -45,8 +45,8 @@ from typing import Callable
 
 from charllm.engine.launch.launcher import CANCEL_GRACE_S
 from charllm.engine.launch.local import free_port
+from charllm.engine.launch.process import describe_exit, root_cause
 from charllm.engine.launch.target import train_argv
-from charllm.engine.launch.supervise import describe_exit, root_cause
 from charllm.engine.model import calibration, runtime
 from charllm.engine.model.experiment import Experiment, Hardware
 from charllm.engine.model.memory import estimate

@@ -93,6 +93,59 @@ def logs(rd: RunDir) -> str:
     return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(rd.logs_dir.iterdir()))
 
 
+def a_dead_sampler_is_told(rd: RunDir, node: str) -> dict:
+    """Kill `node`'s sampler once training runs: the run still completes, and its manifest and
+    status line tell the loss. Returns the final manifest."""
+    wait_for(lambda: iterations_logged(rd) >= 1, 300, f"the first iteration\n{logs(rd)}")
+    sampler_process(rd.id, node).kill()
+    manifest = wait_final(rd, 300)
+    assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
+    lost = manifest["telemetry_lost"]
+    assert [entry["node"] for entry in lost] == [node] and "SIGKILL" in lost[0]["reason"], lost
+    line = rd.manifest().status_line
+    assert line.startswith("completed, telemetry lost at ") and f"(node {node})" in line, line
+    return manifest
+
+
+def recording_probe(out_dir, node: str, wrap=lambda argv: argv) -> tuple[subprocess.Popen, RunDir]:
+    """A probe-only run (`python -m charllm.probes --out DIR`) on `node`, started by `wrap(argv)`
+    (ssh, srun), once it recorded its sampler and a first chunk."""
+    import sys
+
+    argv = [sys.executable, "-m", "charllm.probes", "--backend", "host", "--hz", "5", "--out", str(out_dir),
+            "--node", node]
+    proc = start(wrap(argv))
+    rd = RunDir(out_dir)
+    wait_for(lambda: rd.manifest().sampler and rd.telemetry_files(), 60, "the probe to record")
+    return proc, rd
+
+
+def a_killed_probe_is_finished_by_the_next_reader(proc: subprocess.Popen, rd: RunDir, capsys, gone, what: str):
+    """Kill a probe-only run's sampler where it runs (`proc` started it there); once `gone()`,
+    `runs show` finds the run failed, saying why, and what it recorded stays readable."""
+    from infra_cli import run
+
+    psutil.Process(rd.manifest().sampler["pid"]).kill()
+    wait_for(gone, 15, what)
+    finish(proc, 30)
+    code, out, err = run(capsys, "runs", "show", str(rd.path))
+    assert code == 0 and "status    failed" in out and "the sampler died" in out, out + err
+    assert rd.scan_telemetry().collect().height > 0, "what was recorded stays readable"
+
+
+def runs_cancel_stops_a_probe(proc: subprocess.Popen, rd: RunDir, capsys, gone, what: str):
+    """`runs cancel` stops a probe-only run where it runs (`proc` started it there): once `gone()`,
+    the run is cancelled and its last chunk closed."""
+    from infra_cli import run
+
+    code, out, err = run(capsys, "runs", "cancel", str(rd.path))
+    assert code == 0 and "cancelled" in out, out + err
+    wait_for(gone, 15, what)
+    finish(proc, 30)
+    assert rd.read_manifest()["status"] == "cancelled"
+    assert rd.scan_telemetry().collect().height > 0, "the sampler closed its last chunk"
+
+
 def role_process(marker: str, module: str) -> psutil.Process:
     """The run's process running `python -m module` (torch.distributed.run, charllm.probes, ...)."""
     for proc in run_processes(marker):

@@ -27,7 +27,7 @@ from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, os_error_line
 from charllm.probes.core.formatting import clock, size
-from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, new_run_id, remove_abandoned_staging, status_line
+from charllm.probes.store.rundir import FINAL_STATUSES, Manifest, RunDir, new_run_id, remove_abandoned_staging
 
 CANCEL_GRACE_S = 10.0
 
@@ -148,7 +148,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
                              close_fds=True)
     except BaseException:
         # A launch that did not start leaves nothing behind.
-        target.cancel_job(manifest)
+        target.cancel_job(Manifest.from_dict(manifest))
         shutil.rmtree(rd.path, ignore_errors=True)
         raise
     result.run_dir = rd.path
@@ -188,21 +188,21 @@ def reconcile(rd: RunDir) -> str:
     process is gone but the status is not final, stop what it recorded (the ranks die with
     torchrun, see probes.core.lifeline; under Slurm, cancel the job) and record what happened:
     completed if every node's workload said so, else failed, naming the lost owner."""
-    manifest = rd.read_manifest()
-    status = manifest.get("status")
-    if status in FINAL_STATUSES or status == "unknown":
+    manifest = rd.manifest()
+    status = manifest.status
+    if manifest.final or status == "unknown":
         return status
-    probe_only = manifest.get("kind") == "probe"
-    owner = manifest.get("sampler" if probe_only else "supervisor")
-    if owner is None and not probe_only and _supervisor_never_started(rd, manifest):
+    probe_only = manifest.kind == "probe"
+    owner = manifest.sampler if probe_only else manifest.supervisor
+    if not owner and not probe_only and _supervisor_never_started(rd, manifest):
         _target(manifest).cancel_job(manifest)
         return _record(rd, status="failed", ended_ns=time.time_ns(),
                        failure="the supervisor died before it started the run (see logs/supervisor.log)")
-    if owner is None or _elsewhere(owner) or _process(owner) is not None:
+    if not owner or _elsewhere(owner) or _process(owner) is not None:
         return status       # not started yet (launch records it within moments), on another host, or alive
-    manifest = rd.read_manifest()
-    if manifest.get("status") in FINAL_STATUSES:  # it wrote its last word just now
-        return manifest["status"]
+    manifest = rd.manifest()
+    if manifest.final:  # it wrote its last word just now
+        return manifest.status
     found = clock()
     if probe_only:
         return _record(rd, status="failed", ended_ns=time.time_ns(),
@@ -211,7 +211,7 @@ def reconcile(rd: RunDir) -> str:
     ended = [r.get("status") for r in _end_events(rd)]
     done = bool(ended) and all(s == "completed" for s in ended)
     return _record(rd, status="completed" if done else "failed", ended_ns=time.time_ns(),
-                   failure=manifest.get("failure") or (None if done else
+                   failure=manifest.failure or (None if done else
                                                        f"the supervisor died (found at {found}); its processes were stopped"),
                    note=f"the supervisor died (found at {found})")
 
@@ -219,12 +219,11 @@ def reconcile(rd: RunDir) -> str:
 SUPERVISOR_START_S = 60  # launch hands a run to its supervisor within seconds (ssh checks included)
 
 
-def _supervisor_never_started(rd: RunDir, manifest: dict) -> bool:
+def _supervisor_never_started(rd: RunDir, manifest: Manifest) -> bool:
     """Whether a run created a while ago has no supervisor: none recorded itself, none is running."""
-    created = manifest.get("created_ns")
-    if not isinstance(created, int) or time.time_ns() - created < SUPERVISOR_START_S * 1_000_000_000:
+    if not manifest.created_ns or time.time_ns() - manifest.created_ns < SUPERVISOR_START_S * 1_000_000_000:
         return False
-    return not _supervisor_processes(rd) and "supervisor" not in rd.read_manifest()  # (recorded meanwhile)
+    return not _supervisor_processes(rd) and not rd.manifest().supervisor  # (recorded meanwhile)
 
 
 def _supervisor_processes(rd: RunDir) -> list:
@@ -236,9 +235,9 @@ def _supervisor_processes(rd: RunDir) -> list:
             and _alive(proc)]
 
 
-def _target(manifest: dict) -> Target:
+def _target(manifest: Manifest) -> Target:
     """The target the run was launched on (local where its manifest recorded none)."""
-    return from_record(manifest.get("target") or LOCAL.to_dict())
+    return from_record(manifest.target or LOCAL.to_dict())
 
 
 def _elsewhere(owner: dict) -> str | None:
@@ -266,30 +265,30 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
     """Stop every process of the run on every node; returns the final status."""
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
     reconcile(rd)
-    manifest = rd.read_manifest()
-    if manifest.get("status") in FINAL_STATUSES:
-        raise UserError(f"run {rd.id!r} is already {status_line(manifest)}")
-    if manifest.get("kind") == "probe":
-        return _cancel_probe(rd, manifest.get("sampler") or {}, grace)
+    manifest = rd.manifest()
+    if manifest.final:
+        raise UserError(f"run {rd.id!r} is already {manifest.status_line}")
+    if manifest.kind == "probe":
+        return _cancel_probe(rd, manifest.sampler, grace)
     target = _target(manifest)
     sup = None
     scheduled = target.cancel_job(manifest)  # under a scheduler, the supervisor sees the job end and records it
     if not scheduled:
         deadline = time.monotonic() + 10
-        while "supervisor" not in manifest and time.monotonic() < deadline:  # just launched
+        while not manifest.supervisor and time.monotonic() < deadline:  # just launched
             time.sleep(0.1)
-            manifest = rd.read_manifest()
+            manifest = rd.manifest()
         # One still starting (a loaded machine) has not recorded itself yet: found by its command
         # line, a SIGTERM ends it before it starts a step (it handles SIGTERM before it records itself).
-        sup = _process(manifest.get("supervisor")) or next(iter(_supervisor_processes(rd)), None)
+        sup = _process(manifest.supervisor) or next(iter(_supervisor_processes(rd)), None)
         if sup is not None:
             sup.send_signal(signal.SIGTERM)  # it stops its steps (TERM, grace, KILL) and records the status
     status = _wait_final(rd, wait if scheduled or sup else 0, sup)
     if status in FINAL_STATUSES:
         return status
     # The supervisor is gone or stuck: stop what it recorded ourselves.
-    manifest = rd.read_manifest()
-    sup = _process(manifest.get("supervisor"))
+    manifest = rd.manifest()
+    sup = _process(manifest.supervisor)
     if sup is not None:
         sup.kill()
     target.stop_processes(manifest, grace)

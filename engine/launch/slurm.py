@@ -12,12 +12,15 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from charllm.engine.launch.process import describe_exit, killed_first, last_line, rank_failure, shell_status
 from charllm.engine.launch.target import Say, Step, Target, sampler_argv, train_argv
 from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import Manifest
 
 # Per-node values in the argv given to `script`, expanded by each node's shell.
 PLACEHOLDERS = {"@@NODE@@": '"$SLURMD_NODENAME"', "@@NODE_RANK@@": '"$SLURM_NODEID"',
@@ -71,14 +74,14 @@ class SlurmTarget(Target):
         return recorded
 
     def supervise(self, supervisor) -> str:
-        return supervisor.follow_slurm()
+        return follow(supervisor)
 
-    def cancel_job(self, manifest: dict) -> bool:
-        if manifest.get("slurm_job_id"):
-            cancel(manifest["slurm_job_id"])
+    def cancel_job(self, manifest: Manifest) -> bool:
+        if manifest.slurm_job_id:
+            cancel(manifest.slurm_job_id)
         return True
 
-    def stop_processes(self, manifest: dict, grace: float) -> None:
+    def stop_processes(self, manifest: Manifest, grace: float) -> None:
         self.cancel_job(manifest)   # the processes are Slurm's
 
     def run_doctor(self, doctor, nodes: int | None) -> list:
@@ -195,3 +198,64 @@ def hostnames(nodelist: str) -> list[str]:
 
 def cancel(job_id: str) -> None:
     subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+
+
+# -- the supervisor's part: Slurm owns the processes, the supervisor follows the job --------------
+def follow(supervisor) -> str:
+    """Follow the run's Slurm job until it ends, recording its start, lost samplers and its end;
+    returns the final status."""
+    rd, job = supervisor.rd, supervisor.manifest.slurm_job_id
+    running = False
+    while True:
+        info = job_info(job)
+        state = info.get("JobState", "UNKNOWN")
+        if state == "RUNNING" and not running:
+            running = True
+            rd.update_manifest(status="running", started_ns=time.time_ns(),
+                               nodes=hostnames(info.get("NodeList", "")))
+        watch_samplers(supervisor)
+        if state in FINAL_STATES or state == "UNKNOWN":
+            break
+        time.sleep(0.5)
+    if state == "UNKNOWN":  # purged from the controller: the job's own exit record decides
+        exit_file = rd.logs_dir / "train.exit"
+        state = "COMPLETED" if exit_file.is_file() and exit_file.read_text().strip() == "0" else "FAILED"
+    failure = None
+    if state == "COMPLETED":
+        status = "completed"
+    elif state == "CANCELLED" or supervisor.cancel_requested:
+        status = "cancelled"
+    else:
+        status = "failed"
+        failure = _failure(rd, state, info)
+    supervisor.record_final(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state,
+                            runtime=rd.runtime())
+    return status
+
+
+def _failure(rd, state: str, info: dict) -> str:
+    """The rank that failed first where a node's torchrun summary names one, else the job's end."""
+    for log in killed_first(sorted(rd.logs_dir.glob("train-*.log"))):
+        line = rank_failure(log.stem.removeprefix("train-"), log)
+        if line:
+            return line
+    details = f"exit code {info.get('ExitCode', '?')}, reason {info.get('Reason', '?')}"
+    return f"slurm job {state.lower()} ({details}) on {info.get('NodeList', '?')}"
+
+
+def watch_samplers(supervisor) -> None:
+    """Record the samplers lost, from each node's sampler exit record (SAMPLER_EXIT): one that died
+    or failed, or that stopped before training ended. One stopped with the job (a cancel, a time
+    limit) is no separate loss: the job's own status says it."""
+    logs = supervisor.rd.logs_dir
+    train_exit = logs / "train.exit"
+    for record in logs.glob(SAMPLER_EXIT.format(node="*")):
+        try:
+            code, at_ns = (int(word) for word in record.read_text().split())
+            train_end = train_exit.stat().st_mtime_ns if train_exit.is_file() else None
+        except (OSError, ValueError):
+            continue  # being written; read again at the next poll
+        if code != 0 or (train_end is not None and at_ns < train_end):
+            node = record.name.removeprefix("sampler-").removesuffix(".exit")
+            log = logs / f"sampler-{node}.log"
+            supervisor.lose_sampler(node, at_ns, f"sampler {describe_exit(shell_status(code))}: {last_line(log)}")

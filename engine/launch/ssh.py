@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import re
 import shlex
+import signal
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from charllm.engine.launch.process import Proc, describe_exit, shell_status
 from charllm.engine.launch.target import Say, Step, Target, number, sampler_argv, train_argv
+from charllm.probes.core import lifeline
 from charllm.probes.core.errors import UserError, plural
 
 _HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")  # names and addresses; never an ssh option
@@ -92,6 +96,9 @@ class SshTarget(Target):
             self.run_on(host, f"mkdir -p {shlex.quote(remote)} && cat > " + shlex.quote(remote + "/experiment.toml"),
                      stdin=rd.experiment_path.read_bytes())
         return {}
+
+    def supervise(self, supervisor) -> str:
+        return supervisor.own_steps(SshProc)
 
     def run_doctor(self, doctor, nodes: int | None) -> list:
         return doctor.over_ssh(self, nodes)   # on every host
@@ -186,3 +193,82 @@ class SshTarget(Target):
             subprocess.run(self.ssh_argv(host) + [remote], capture_output=True, timeout=self.connect_timeout + 10)
         except subprocess.TimeoutExpired:
             pass
+
+
+class SshProc(Proc):
+    """One step on its node, run through a local ssh client whose stdin stays open while the step
+    should run: its end (the client's death included) is the remote group's end
+    (SshTarget.in_process_group). The client's stdout brings the remote group's id, then the
+    step's output: the telemetry stream, iteration lines or the log."""
+
+    def __init__(self, rd, target: SshTarget, step: Step, sink=None):
+        super().__init__(rd, target, step, sink)
+        self.remote_pgid: int | None = None
+        self.pgid_known = threading.Event()
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(self.target.remote_argv(self.step), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+                                      preexec_fn=lifeline.killed_with_parent)
+        self.reader = threading.Thread(target=self._read, args=(log,), daemon=True)
+        self.reader.start()
+
+    def wait_started(self) -> None:
+        """Until the remote group's id came over the connection."""
+        self.pgid_known.wait(timeout=self.target.connect_timeout + 20)
+
+    def _read(self, log) -> None:
+        """Remote stdout: the pgid line, then the log, the telemetry stream or iteration lines."""
+        out = self.popen.stdout
+        first = out.readline()
+        try:
+            self.remote_pgid = int(first)
+        except ValueError:
+            log.write(first)
+        self.pgid_known.set()
+        role = self.step.role
+        if role == "sampler":
+            from charllm.probes.store.recorder import ChunkWriter  # deferred: loads polars (start-up time)
+            from charllm.probes.store.stream import read_stream  # deferred: loads polars (start-up time)
+
+            writer = ChunkWriter(self.rd.node_telemetry_dir(self.step.node))
+            try:
+                read_stream(out, writer.write)
+            except Exception as exc:  # a cut connection ends the stream mid-batch
+                log.write(f"telemetry stream ended: {exc}\n".encode())
+                log.flush()
+            finally:
+                writer.close()
+        elif role == "tail":
+            for line in out:
+                self.sink(line)
+        else:
+            for chunk in iter(lambda: out.read1(65536), b""):
+                log.write(chunk)
+                log.flush()
+
+    def exit_status(self) -> int:
+        """The remote leader shell's status, carried home by ssh (SshTarget.in_process_group)."""
+        return shell_status(self.poll())
+
+    def connection_lost(self) -> bool:
+        return self.poll() == 255   # ssh's own status: the connection failed, not the command
+
+    def how_ended(self) -> str:
+        if self.connection_lost():
+            return "lost the ssh connection (the node died or is unreachable)"
+        return f"torchrun {describe_exit(self.exit_status())}"
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Signal the remote group over a second connection; a KILL also ends the local client."""
+        if self.remote_pgid:
+            self.target.kill_group(self.step.host, self.remote_pgid, sig.name.removeprefix("SIG"))
+        if sig == signal.SIGKILL:
+            super().signal(sig)
+
+    def descendants(self) -> list:
+        return []   # the step's processes live on its node: the remote group is signalled instead
+
+    def record(self) -> dict:
+        return {**super().record(), "host": self.step.host, "remote_pgid": self.remote_pgid}

@@ -1,15 +1,15 @@
 """The supervisor of one run: `python -m charllm.engine.launch.supervise RUN_DIR`.
 
-Started detached by `launch()`, it owns the run's processes (samplers, torchrun, remote log
-tails), records their process groups in the manifest, stops the rest when a node or rank fails,
-stops everything on SIGTERM (what `cancel` sends), and writes the final status. Under Slurm it
-only follows the job, since Slurm owns the processes.
+Started detached by `launch()`, it runs the target's part (`Target.supervise`) and writes the
+final status. Where the supervisor owns the run's processes (samplers, torchrun, remote log tails:
+local and ssh targets, whose process class says how a step runs), it records their process groups
+in the manifest, stops the rest when a node or rank fails, and stops everything on SIGTERM (what
+`cancel` sends). Under Slurm, which owns the processes, it follows the job (slurm.follow).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,11 +18,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from charllm.probes.core import lifeline
-
-from charllm.engine.launch import slurm
 from charllm.engine.launch.launcher import CANCEL_GRACE_S
-from charllm.engine.launch.target import Step, Target
+from charllm.engine.launch.process import Proc, describe_exit, killed_first, last_line
+from charllm.engine.launch.target import Step
 from charllm.engine.launch.targets import from_record
 from charllm.engine.workload import CANCELLED_EXIT
 from charllm.probes.core.errors import is_disk_full, mount_point, os_error_line
@@ -33,111 +31,6 @@ POLL_S = 0.2
 FAILURE_SETTLE_S = 5.0  # how long the other nodes get to exit and log their account
 
 
-class Proc:
-    """One step's process: local (its own process group) or remote through ssh."""
-
-    def __init__(self, rd: RunDir, target: Target, step: Step, sink=None):
-        self.rd, self.target, self.step = rd, target, step
-        self.sink = sink                      # tail: receives each remote iteration line
-        self.log_path = rd.logs_dir / f"{step.role}-{step.node}.log"
-        self.remote_pgid: int | None = None
-        self.pgid_known = threading.Event()
-        self.reader: threading.Thread | None = None
-        self.popen: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        log = open(self.log_path, "ab")
-        # Each step dies with the supervisor: the sampler is asked to stop (it closes its last
-        # chunk), torchrun is killed (its ranks follow it, see probes.core.lifeline), and an ssh
-        # client's death closes the connection, which stops its remote group (SshTarget.in_process_group).
-        with_parent = lifeline.terminated_with_parent if self.step.role == "sampler" else lifeline.killed_with_parent
-        if self.step.host is None:
-            self.popen = subprocess.Popen(self.step.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=self.rd.path, start_new_session=True,
-                                          preexec_fn=with_parent)
-            self.pgid_known.set()
-        else:
-            # stdin stays open while the step should run: its end is the remote group's end.
-            self.popen = subprocess.Popen(self.target.remote_argv(self.step), stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=log, start_new_session=True,
-                                          preexec_fn=lifeline.killed_with_parent)
-            self.reader = threading.Thread(target=self._read, args=(log,), daemon=True)
-            self.reader.start()
-
-    def wait_started(self) -> None:
-        """Until the step's process group is known: a remote one's comes over its connection."""
-        if self.step.host is not None:
-            self.pgid_known.wait(timeout=self.target.connect_timeout + 20)
-
-    def _read(self, log) -> None:
-        """Remote stdout: the pgid line, then the log, the telemetry stream or iteration lines."""
-        out = self.popen.stdout
-        first = out.readline()
-        try:
-            self.remote_pgid = int(first)
-        except ValueError:
-            log.write(first)
-        self.pgid_known.set()
-        role = self.step.role
-        if role == "sampler":
-            from charllm.probes.store.recorder import ChunkWriter  # deferred: loads polars (start-up time)
-            from charllm.probes.store.stream import read_stream  # deferred: loads polars (start-up time)
-
-            writer = ChunkWriter(self.rd.node_telemetry_dir(self.step.node))
-            try:
-                read_stream(out, writer.write)
-            except Exception as exc:  # a cut connection ends the stream mid-batch
-                log.write(f"telemetry stream ended: {exc}\n".encode())
-                log.flush()
-            finally:
-                writer.close()
-        elif role == "tail":
-            for line in out:
-                self.sink(line)
-        else:
-            for chunk in iter(lambda: out.read1(65536), b""):
-                log.write(chunk)
-                log.flush()
-
-    def poll(self) -> int | None:
-        return self.popen.poll()
-
-    def exit_status(self) -> int:
-        """How the step ended, as Popen says (-N: killed by signal N); remotely, the leader shell's
-        status carried home by ssh (SshTarget.in_process_group)."""
-        return shell_status(self.poll()) if self.step.host else self.poll()
-
-    def signal(self, sig: signal.Signals) -> None:
-        """Signal the whole process group (a dead leader can leave ranks behind in it)."""
-        if self.step.host is not None and self.remote_pgid:
-            self.target.kill_group(self.step.host, self.remote_pgid, sig.name.removeprefix("SIG"))
-        if self.step.host is None or sig == signal.SIGKILL:
-            try:
-                os.killpg(self.popen.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def record(self) -> dict:
-        out = {"node": self.step.node, "role": self.step.role, "pid": self.popen.pid, "pgid": self.popen.pid}
-        if self.step.host:
-            out.update(host=self.step.host, remote_pgid=self.remote_pgid)
-        return out
-
-
-def descendants(procs: list[Proc]) -> list:
-    """Every local process below the steps (torchrun's ranks live in sessions of their own)."""
-    import psutil
-
-    found = []
-    for p in procs:
-        if p.step.host is None:
-            try:
-                found += psutil.Process(p.popen.pid).children(recursive=True)
-            except psutil.Error:
-                pass
-    return found
-
-
 def stop(procs: list[Proc], grace: float) -> None:
     """SIGTERM, then SIGKILL to every group and every process below it after `grace` seconds
     (stragglers outlive leaders, and a rank stuck in a collective ignores SIGTERM).
@@ -146,7 +39,7 @@ def stop(procs: list[Proc], grace: float) -> None:
 
     procs = [p for p in procs if p.popen is not None]
     live = [p for p in procs if p.poll() is None]
-    below = descendants(live)
+    below = [child for p in live for child in p.descendants()]
     with ThreadPoolExecutor(max_workers=8) as pool:  # remote signals are one ssh connection each
         list(pool.map(lambda p: p.signal(signal.SIGTERM), live))
         deadline = time.monotonic() + grace
@@ -168,54 +61,6 @@ def stop(procs: list[Proc], grace: float) -> None:
             pass
 
 
-# One failure entry of torchrun's ChildFailedError summary ("Failures:" and "Root Cause" alike).
-_FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-
-
-def shell_status(code: int) -> int:
-    """A shell's exit status as Popen's: 128+N (a command killed by signal N) becomes -N."""
-    return 128 - code if 128 < code < 128 + signal.NSIG else code
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with status {code}"
-
-
-def root_cause(log_path: Path) -> tuple[int, int, int] | None:
-    """(rank, local rank, exit code) of the cause in torchrun's error summary in a node's log.
-
-    torchrun's "first observed failure" can be a peer that exited 1 because the killed rank
-    vanished; a rank killed by a signal is the cause whenever the summary lists one."""
-    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-    summary = text[text.rfind("ChildFailedError"):] if "ChildFailedError" in text else ""
-    failures = [tuple(int(g) for g in m.groups()) for m in _FAILED_RANK.finditer(summary)]
-    return min(failures, key=lambda f: f[2] >= 0) if failures else None
-
-
-def describe_failure(step: Step, rc: int, log_path: Path) -> str:
-    """Name the node and, from torchrun's error summary, the rank that failed first."""
-    cause = root_cause(log_path)
-    if cause:
-        rank, local_rank, code = cause
-        return f"node {step.node}, rank {rank} (local rank {local_rank}) {describe_exit(code)}"
-    if step.host and rc == 255:
-        return f"node {step.node}: lost the ssh connection (the node died or is unreachable)"
-    return f"node {step.node}: torchrun {describe_exit(shell_status(rc) if step.host else rc)}"
-
-
-def last_line(log_path: Path) -> str:
-    """The last non-empty line of a log (a step's own account of why it ended)."""
-    try:
-        with open(log_path, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
-            lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "no log"
-    return lines[-1][:300] if lines else "no output"
-
-
 def disk_note(path: Path) -> str:
     """'; disk full on /x' when the run's disk has no room left (the likely cause of a failure)."""
     import shutil
@@ -227,20 +72,15 @@ def disk_note(path: Path) -> str:
     return f"; disk full on {mount_point(path)}" if full else ""
 
 
-def killed_first(logs: list[Path]) -> list[Path]:
-    """Order node logs so a rank killed by a signal comes before the peers that merely exited
-    non-zero because it vanished (they fail too, and may report first)."""
-    def key(log: Path) -> int:
-        cause = root_cause(log)
-        return 0 if cause and cause[2] < 0 else 1 if cause else 2
-    return sorted(logs, key=key)
-
-
 class Supervisor:
+    """One run's supervisor. A target's `supervise(supervisor)` uses `own_steps` (its processes run
+    under the supervisor) or follows them elsewhere with `rd`, `manifest`, `cancel_requested`,
+    `lose_sampler` and `record_final` (slurm.follow)."""
+
     def __init__(self, rd: RunDir):
         self.rd = rd
-        self.manifest = rd.read_manifest()
-        self.target = from_record(self.manifest["target"])
+        self.manifest = rd.manifest()
+        self.target = from_record(self.manifest.target)
         self.cancel_requested = False
         self.lines_lock = threading.Lock()
         self.procs: list[Proc] = []
@@ -275,11 +115,11 @@ class Supervisor:
         self.rd.update_manifest(supervisor={"pid": me.pid, "create_time": me.create_time(), "pgid": os.getpgid(0)})
         return self.target.supervise(self)
 
-    def own_steps(self) -> str:
-        """Start the steps, wait for them to end, stop the rest: local and ssh targets."""
-        steps = [Step.from_dict(s) for s in self.manifest["steps"]]
-        helpers = [Proc(self.rd, self.target, s, sink=self._append_iteration) for s in steps if s.role != "train"]
-        trains = [Proc(self.rd, self.target, s) for s in steps if s.role == "train"]
+    def own_steps(self, proc_class: type[Proc]) -> str:
+        """Start the steps as `proc_class` processes, wait for them to end, stop the rest."""
+        steps = [Step.from_dict(s) for s in self.manifest.steps]
+        helpers = [proc_class(self.rd, self.target, s, sink=self._append_iteration) for s in steps if s.role != "train"]
+        trains = [proc_class(self.rd, self.target, s) for s in steps if s.role == "train"]
         everything = self.procs = helpers + trains
         for p in everything:  # samplers first, so telemetry covers the whole run
             if not self.cancel_requested:
@@ -311,22 +151,6 @@ class Supervisor:
                 self.lose_sampler(p.step.node, time.time_ns(),
                                   f"sampler {describe_exit(p.exit_status())}: {last_line(p.log_path)}")
 
-    def watch_slurm_samplers(self) -> None:
-        """The same under Slurm, from each node's sampler exit record (slurm.SAMPLER_EXIT): a
-        sampler that died or failed, or that stopped before training ended. One stopped with the
-        job (a cancel, a time limit) is no separate loss: the job's own status says it."""
-        train_exit = self.rd.logs_dir / "train.exit"
-        for record in self.rd.logs_dir.glob(slurm.SAMPLER_EXIT.format(node="*")):
-            try:
-                code, at_ns = (int(word) for word in record.read_text().split())
-                train_end = train_exit.stat().st_mtime_ns if train_exit.is_file() else None
-            except (OSError, ValueError):
-                continue  # being written; read again at the next poll
-            if code != 0 or (train_end is not None and at_ns < train_end):
-                node = record.name.removeprefix("sampler-").removesuffix(".exit")
-                log = self.rd.logs_dir / f"sampler-{node}.log"
-                self.lose_sampler(node, at_ns, f"sampler {describe_exit(shell_status(code))}: {last_line(log)}")
-
     def lose_sampler(self, node: str, at_ns: int, reason: str) -> None:
         if node not in self.samplers_lost:
             self.samplers_lost[node] = {"node": node, "at_ns": at_ns, "reason": reason}
@@ -354,47 +178,10 @@ class Supervisor:
         while any(p.poll() is None for p in trains) and time.monotonic() < deadline:
             time.sleep(POLL_S)  # the killed rank's node may write its summary after a peer's
         failed = [p for p in trains if p.poll() not in (None, 0)]
-        lost = [p for p in trains if p.step.host and p.poll() == 255]
+        lost = [p for p in trains if p.connection_lost()]
         by_log = {p.log_path: p for p in failed}
         culprit = (lost or [by_log[log] for log in killed_first(list(by_log))])[0]
-        return describe_failure(culprit.step, culprit.poll(), culprit.log_path) + disk_note(self.rd.path)
-
-    def follow_slurm(self) -> str:
-        """Follow the Slurm job, which owns the processes, until it ends."""
-        job = self.manifest["slurm_job_id"]
-        running = False
-        while True:
-            info = slurm.job_info(job)
-            state = info.get("JobState", "UNKNOWN")
-            if state == "RUNNING" and not running:
-                running = True
-                self.rd.update_manifest(status="running", started_ns=time.time_ns(),
-                                        nodes=slurm.hostnames(info.get("NodeList", "")))
-            self.watch_slurm_samplers()
-            if state in slurm.FINAL_STATES or state == "UNKNOWN":
-                break
-            time.sleep(0.5)
-        if state == "UNKNOWN":  # purged from the controller: the job's own exit record decides
-            exit_file = self.rd.logs_dir / "train.exit"
-            state = "COMPLETED" if exit_file.is_file() and exit_file.read_text().strip() == "0" else "FAILED"
-        failure = None
-        if state == "COMPLETED":
-            status = "completed"
-        elif state == "CANCELLED" or self.cancel_requested:
-            status = "cancelled"
-        else:
-            status = "failed"
-            failure = self._slurm_failure(state, info)
-        self.record_final(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state,
-                          runtime=self.rd.runtime())
-        return status
-
-    def _slurm_failure(self, state: str, info: dict) -> str:
-        for log in killed_first(sorted(self.rd.logs_dir.glob("train-*.log"))):
-            if root_cause(log):
-                return describe_failure(Step(log.stem.removeprefix("train-"), "train", []), 1, log)
-        details = f"exit code {info.get('ExitCode', '?')}, reason {info.get('Reason', '?')}"
-        return f"slurm job {state.lower()} ({details}) on {info.get('NodeList', '?')}"
+        return culprit.describe_failure() + disk_note(self.rd.path)
 
 
 def main(argv: list[str] | None = None) -> int:

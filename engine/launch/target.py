@@ -2,8 +2,9 @@
 
 A target's fields are what targets.toml gives it; what differs by kind is a method: which layouts it
 can take, the processes it plans per node, how a command is shown, what it checks and prepares
-before a run starts, and how the run's processes are stopped when its supervisor cannot. Parsing
-targets.toml into the right kind is targets.py.
+before a run starts, how its supervisor runs the steps (here, or on a node: process.py, ssh.py) or
+follows a scheduler's job (slurm.py), and how the run's processes are stopped when its supervisor
+cannot. Parsing targets.toml into the right kind is targets.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
+from charllm.engine.launch.process import Proc
 from charllm.engine.workload import TORCHRUN_MODULE, TRAIN_MODULE
+from charllm.probes.store.rundir import Manifest
 
 SAMPLER_MODULE = "charllm.probes"
 
@@ -143,8 +146,8 @@ class Target(ABC):
 
     def supervise(self, supervisor) -> str:
         """Run the supervisor's part (supervise.py) until the run ends; returns its final status.
-        Here the supervisor owns the steps' processes."""
-        return supervisor.own_steps()
+        Here the supervisor owns the steps' processes, run on this machine (process.Proc)."""
+        return supervisor.own_steps(Proc)
 
     @abstractmethod
     def run_doctor(self, doctor, nodes: int | None) -> list:
@@ -152,14 +155,14 @@ class Target(ABC):
         package) has one method per way of reaching them."""
 
     # -- stopping ------------------------------------------------------------------------------
-    def cancel_job(self, manifest: dict) -> bool:
+    def cancel_job(self, manifest: Manifest) -> bool:
         """Ask the scheduler that runs the run's job to end it (the supervisor then records the
         end); False where there is no scheduler: the supervisor owns the processes."""
         return False
 
-    def stop_processes(self, manifest: dict, grace: float) -> None:
+    def stop_processes(self, manifest: Manifest, grace: float) -> None:
         """Stop what the manifest recorded, without the supervisor: TERM, `grace`, KILL."""
-        recorded = manifest.get("processes", [])
+        recorded = manifest.processes
         for sig in ("TERM", "KILL"):
             for proc in recorded:
                 self.signal_recorded(proc, sig)

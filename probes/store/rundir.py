@@ -93,6 +93,7 @@ class Manifest:
     ended_ns: int | None = None
     world_size: int = 1
     slurm_job_id: str = ""
+    slurm_state: str = ""                # the job's final state, as Slurm named it
     telemetry_lost: list = field(default_factory=list)
     exit_codes: dict = field(default_factory=dict)
     runtime: dict | None = None
@@ -111,6 +112,17 @@ class Manifest:
     @property
     def final(self) -> bool:
         return self.status in FINAL_STATUSES
+
+    @property
+    def status_line(self) -> str:
+        """The status as the user should read it: "completed, telemetry lost at 12:03:04 (node n1)"."""
+        line = self.status
+        for entry in self.telemetry_lost:
+            if isinstance(entry, dict) and isinstance(entry.get("at_ns"), int):
+                line += f", telemetry lost at {clock(entry['at_ns'])} (node {entry.get('node', '?')})"
+        if self.disk_full and "disk full" not in str(self.failure):
+            line += f", {self.disk_full}"
+        return line
 
 
 # Each manifest field's JSON types, from Manifest's annotations (bool is never taken for int).
@@ -241,7 +253,7 @@ class RunDir:
 
     @property
     def status(self) -> str:
-        return self.read_manifest().get("status", "unknown")
+        return self.manifest().status
 
     def check_deletable(self) -> None:
         """A run still pending or running must be cancelled first (its processes own the files).
@@ -337,8 +349,8 @@ class RunDir:
         """What actually ran (the workload's record: engine.model.runtime's implementation, stack,
         versions, devices): the manifest's copy once the run ended, else the iteration log's
         start event. None before the workload started, or for a probe-only run."""
-        saved = self.read_manifest().get("runtime")
-        if isinstance(saved, dict) and saved:
+        saved = self.manifest().runtime
+        if saved:
             return saved
         for record in self.iteration_records():
             if not isinstance(record, dict):
@@ -419,19 +431,6 @@ def _typed(value, dtype):
     if dtype == pl.String:
         return value if isinstance(value, str) else None
     return value
-
-
-def status_line(manifest: dict) -> str:
-    """The status as the user should read it: "completed, telemetry lost at 12:03:04 (node n1)"."""
-    line = str(manifest.get("status", "unknown"))
-    lost = manifest.get("telemetry_lost")
-    for entry in lost if isinstance(lost, list) else []:
-        if isinstance(entry, dict) and isinstance(entry.get("at_ns"), int):
-            at = clock(entry["at_ns"])
-            line += f", telemetry lost at {at} (node {entry.get('node', '?')})"
-    if manifest.get("disk_full") and "disk full" not in str(manifest.get("failure")):
-        line += f", {manifest['disk_full']}"
-    return line
 
 
 class _Unreadable(Exception):

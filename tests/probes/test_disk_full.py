@@ -14,7 +14,7 @@ from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.launcher import launch
 from charllm.engine.launch.targets import LOCAL
 from charllm.probes.core.errors import mount_point
-from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, status_line
+from charllm.probes.store.rundir import FINAL_STATUSES, RunDir
 from infra_cli import one_error_line, run
 from infra_runs import iterations_logged, left_after, logs, wait_final, wait_for
 
@@ -86,7 +86,7 @@ def test_runs_cancel_on_a_full_disk_is_one_line_and_keeps_the_cause(small_disk, 
         assert "already failed" in one_error_line(err)
     manifest = wait_final(rd, 60)
     assert manifest["status"] in FINAL_STATUSES
-    assert "disk full on" in status_line(manifest) + str(manifest.get("failure")), manifest
+    assert "disk full on" in rd.manifest().status_line + str(manifest.get("failure")), manifest
     assert left_after(str(rd.path)) == 0
 
 

@@ -8,7 +8,7 @@ import sys
 from charllm.engine.launch.launcher import cancel, reconcile
 from charllm.probes.core.errors import plural, UserError
 from charllm.probes.core.formatting import duration, local_time
-from charllm.probes.store.rundir import list_runs, resolve_run, runtime_line, status_line
+from charllm.probes.store.rundir import list_runs, Manifest, resolve_run, runtime_line
 from charllm.tui.commands.launch import follow
 
 
@@ -61,53 +61,49 @@ def _list() -> int:
     for rd in runs:
         try:
             reconcile(rd)
-            m = rd.read_manifest()
+            m = rd.manifest()
         except UserError as exc:  # a damaged run costs only its own row
             damaged.append(str(exc))
             table.add_row(rd.id, "damaged", "-", "-", "-", "-")
             continue
-        table.add_row(rd.id, status_line(m), m.get("target", {}).get("name", "-"),
-                      str(len(m.get("nodes", [])) or "-"), local_time(m.get("started_ns") or m.get("created_ns")),
-                      _duration(m))
+        table.add_row(rd.id, m.status_line, m.target.get("name", "-"), str(len(m.nodes) or "-"),
+                      local_time(m.started_ns or m.created_ns), _duration(m))
     Console().print(table)
     for line in damaged:
         print(f"charllm-tui: warning: {line}", file=sys.stderr)
     return 0
 
 
-def _duration(m: dict) -> str:
+def _duration(m: Manifest) -> str:
     import time
 
-    start = m.get("started_ns")
-    if not start:
+    if not m.started_ns:
         return "-"
-    end = m.get("ended_ns") or time.time_ns()
-    return duration((end - start) / 1e9)
+    return duration(((m.ended_ns or time.time_ns()) - m.started_ns) / 1e9)
 
 
 def _show(rd, args) -> int:
-    m = rd.read_manifest()
+    m = rd.manifest()
     print(f"run       {rd.id}")
     print(f"path      {rd.path}")
-    print(f"status    {status_line(m)}")
-    if m.get("failure"):
-        print(f"failure   {m['failure']}")
-    for lost in m.get("telemetry_lost", []):
+    print(f"status    {m.status_line}")
+    if m.failure:
+        print(f"failure   {m.failure}")
+    for lost in m.telemetry_lost:
         print(f"telemetry {lost.get('reason', 'lost')}")
-    if m.get("note"):
-        print(f"note      {m['note']}")
-    target = m.get("target", {})
-    print(f"target    {target.get('name', '-')} ({target.get('kind', '-')})")
-    if m.get("slurm_job_id"):
-        print(f"slurm job {m['slurm_job_id']} ({m.get('slurm_state', '')})")
-    print(f"nodes     {', '.join(m.get('nodes', [])) or '-'}")
-    print(f"started   {local_time(m.get('started_ns'))}   duration {_duration(m)}")
-    if m.get("kind", "train") == "train":
+    if m.note:
+        print(f"note      {m.note}")
+    print(f"target    {m.target.get('name', '-')} ({m.target.get('kind', '-')})")
+    if m.slurm_job_id:
+        print(f"slurm job {m.slurm_job_id} ({m.slurm_state})")
+    print(f"nodes     {', '.join(m.nodes) or '-'}")
+    print(f"started   {local_time(m.started_ns)}   duration {_duration(m)}")
+    if m.kind in ("train", ""):   # a launched run (one without a kind predates probe-only runs)
         print(f"ran as    {runtime_line(rd.runtime())}")
-    for reason in m.get("forced", []):
+    for reason in m.forced:
         print(f"forced    {reason}")
     print("commands")
-    for command in m.get("commands", []):
+    for command in m.commands:
         print(f"  {command}")
     steps = rd.read_iterations()
     print(f"iterations {plural(steps.filter(steps['event'] == 'iteration')['iteration'].n_unique(), 'step')} logged")

@@ -23,7 +23,7 @@ from charllm.engine.launch import launcher
 from charllm.probes.analysis import baselines, summary
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import local_time
-from charllm.probes.store.rundir import list_runs, RunDir, runtime_line, status_line
+from charllm.probes.store.rundir import list_runs, Manifest, RunDir, runtime_line
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.screens.dialogs import AskName, Confirm
 
@@ -112,16 +112,14 @@ class RunsScreen(WorkbenchScreen):
         for rd in reversed(list_runs()):        # newest first
             try:
                 launcher.reconcile(rd)   # a run whose supervisor died is finished now
-                m = rd.read_manifest()
+                m = rd.manifest()
             except UserError:                       # a damaged manifest costs only its own row
-                m = {"status": "damaged"}
+                m = Manifest(status="damaged")
             self.runs[rd.id] = rd.path
-            started = m.get("started_ns") or m.get("created_ns")
-            status = m.get("status", "unknown")
-            table.add_row(self._mark(rd.id), Text(status_line(m), STATUS_STYLE.get(status, "")),
+            table.add_row(self._mark(rd.id), Text(m.status_line, STATUS_STYLE.get(m.status, "")),
                           *self._headline_cells(self.shown.get(rd.id)),
-                          (m.get("target") or {}).get("name", m.get("kind", "-")), m.get("name", "-"),
-                          local_time(started, "%Y-%m-%d %H:%M"),
+                          m.target.get("name", m.kind or "-"), m.name or "-",
+                          local_time(m.started_ns or m.created_ns, "%Y-%m-%d %H:%M"),
                           key=rd.id)
         if cursor in self.runs:
             table.move_cursor(row=table.get_row_index(cursor))

@@ -10,7 +10,7 @@ import pytest
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.launcher import cancel, launch, reconcile
 from charllm.engine.launch.targets import LOCAL
-from charllm.probes.store.rundir import RunDir, status_line
+from charllm.probes.store.rundir import RunDir
 from infra_cli import run
 from infra_runs import (iterations_logged, left_after, logs, rank_process, role_process, run_processes,
                         supervisor_process, wait_final, wait_for)
@@ -80,21 +80,27 @@ def test_a_dead_sampler_is_told_in_the_status():
     role_process(str(rd.path), "charllm.probes").kill()
     manifest = wait_final(rd, 240)
     assert manifest["status"] == "completed", logs(rd)
-    line = status_line(manifest)
+    line = rd.manifest().status_line
     assert line.startswith("completed, telemetry lost at ") and "SIGKILL" in manifest["telemetry_lost"][0]["reason"]
     assert left_after(str(rd.path)) == 0
 
 
-@pytest.mark.timeout(120)
-def test_a_killed_probe_only_run_is_finished_by_the_next_reader(tmp_path, capsys):
+def probe_here(out_dir):
+    """A probe-only run on this machine (`python -m charllm.probes --out DIR`), once it recorded."""
     import subprocess
     import sys
 
-    out_dir = tmp_path / "probe-run"
     proc = subprocess.Popen([sys.executable, "-m", "charllm.probes", "--backend", "host", "--out", str(out_dir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rd = RunDir(out_dir)
-    wait_for(lambda: rd.read_manifest().get("sampler") and rd.telemetry_files(), 60, "the probe to record")
+    wait_for(lambda: rd.manifest().sampler and rd.telemetry_files(), 60, "the probe to record")
+    return proc, rd
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_probe_only_run_is_finished_by_the_next_reader(tmp_path, capsys):
+    out_dir = tmp_path / "probe-run"
+    proc, rd = probe_here(out_dir)
     proc.kill()
     proc.wait()
     assert rd.status == "running"
@@ -107,14 +113,8 @@ def test_a_killed_probe_only_run_is_finished_by_the_next_reader(tmp_path, capsys
 @pytest.mark.timeout(120)
 def test_runs_cancel_stops_a_probe_only_run(tmp_path, capsys):
     """It once recorded `cancelled` after 20 s of waiting for a supervisor, the sampler still running."""
-    import subprocess
-    import sys
-
     out_dir = tmp_path / "probe-run"
-    proc = subprocess.Popen([sys.executable, "-m", "charllm.probes", "--backend", "host", "--out", str(out_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rd = RunDir(out_dir)
-    wait_for(lambda: rd.read_manifest().get("sampler") and rd.telemetry_files(), 60, "the probe to record")
+    proc, rd = probe_here(out_dir)
     code, out, err = run(capsys, "runs", "cancel", str(out_dir))
     assert code == 0 and "cancelled" in out, out + err
     assert proc.wait(timeout=15) == 0, "the sampler stopped cleanly on SIGTERM"

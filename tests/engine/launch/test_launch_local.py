@@ -162,7 +162,8 @@ def test_stopping_steps_skips_one_a_cancel_kept_from_starting(tmp_path):
     import sys
 
     from charllm.engine.launch.target import Step
-    from charllm.engine.launch.supervise import Proc, stop
+    from charllm.engine.launch.process import Proc
+    from charllm.engine.launch.supervise import stop
 
     rd = RunDir(tmp_path / "run")
     rd.logs_dir.mkdir(parents=True)

@@ -101,17 +101,12 @@ def test_killed_torchrun_on_a_node_fails_the_job_and_leaves_nothing(slurm_cluste
 
 @pytest.mark.timeout(400)
 def test_a_dead_sampler_is_told_in_the_status(slurm_cluster):
-    from charllm.probes.store.rundir import status_line
-    from infra_runs import sampler_process
+    from infra_runs import a_dead_sampler_is_told
 
     rd = RunDir(launch(two_nodes(60), target()).run_dir)
-    wait_for(lambda: iterations_logged(rd) >= 1, 300, f"the first iteration\n{logs(rd)}")
-    sampler_process(rd.id, "n2").kill()
-    manifest = wait_final(rd, 300)
-    assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
+    manifest = a_dead_sampler_is_told(rd, "n2")
     lost = manifest["telemetry_lost"]
-    assert [entry["node"] for entry in lost] == ["n2"] and "killed by SIGKILL" in lost[0]["reason"], lost
-    assert status_line(manifest).startswith("completed, telemetry lost at ") and "(node n2)" in status_line(manifest)
+    assert "killed by SIGKILL" in lost[0]["reason"], lost
     assert manifest["started_ns"] < lost[0]["at_ns"] < manifest["ended_ns"]
     wait_for(lambda: run_processes(rd.id) == [], 15, "every process of the job to exit")
 
@@ -119,44 +114,27 @@ def test_a_dead_sampler_is_told_in_the_status(slurm_cluster):
 # A probe-only run on a compute node (`srun python -m charllm.probes --out DIR`), its directory
 # on the filesystem the nodes share: the next reader finishes it, `runs cancel` stops it.
 def probe_on_n2(out_dir):
-    from infra_runs import start
+    from infra_runs import recording_probe
 
-    proc = start(["srun", "--nodes=1", "--nodelist=n2", sys.executable, "-m", "charllm.probes",
-                  "--backend", "host", "--hz", "5", "--out", str(out_dir), "--node", "n2"])
-    rd = RunDir(out_dir)
-    wait_for(lambda: rd.manifest_path.is_file() and rd.read_manifest().get("sampler") and rd.telemetry_files(),
-             60, "the probe to record")
-    return proc, rd
+    return recording_probe(out_dir, "n2", lambda argv: ["srun", "--nodes=1", "--nodelist=n2"] + argv)
 
 
 @pytest.mark.timeout(200)
 def test_a_killed_probe_only_run_is_finished_by_the_next_reader(slurm_cluster, tmp_path, capsys):
-    import psutil
-
-    from infra_cli import run
-    from infra_runs import finish
+    from infra_runs import a_killed_probe_is_finished_by_the_next_reader
 
     proc, rd = probe_on_n2(tmp_path / "probe-run")
-    psutil.Process(rd.read_manifest()["sampler"]["pid"]).kill()
-    wait_for(lambda: run_processes(str(rd.path)) == [], 15, "the probe's srun and task to exit")
-    finish(proc, 15)
-    code, out, err = run(capsys, "runs", "show", str(rd.path))
-    assert code == 0 and "status    failed" in out and "the sampler died" in out, out + err
-    assert rd.scan_telemetry().collect().height > 0, "what was recorded stays readable"
+    a_killed_probe_is_finished_by_the_next_reader(proc, rd, capsys, lambda: run_processes(str(rd.path)) == [],
+                                                  "the probe's srun and task to exit")
 
 
 @pytest.mark.timeout(200)
 def test_runs_cancel_stops_a_probe_only_run(slurm_cluster, tmp_path, capsys):
-    from infra_cli import run
-    from infra_runs import finish
+    from infra_runs import runs_cancel_stops_a_probe
 
     proc, rd = probe_on_n2(tmp_path / "probe-run")
-    code, out, err = run(capsys, "runs", "cancel", str(rd.path))
-    assert code == 0 and "cancelled" in out, out + err
-    wait_for(lambda: run_processes(str(rd.path)) == [], 15, "the probe's srun and task to exit")
-    finish(proc, 15)
-    assert rd.read_manifest()["status"] == "cancelled"
-    assert rd.scan_telemetry().collect().height > 0, "the sampler closed its last chunk"
+    runs_cancel_stops_a_probe(proc, rd, capsys, lambda: run_processes(str(rd.path)) == [],
+                              "the probe's srun and task to exit")
 
 
 def test_which_sampler_exit_records_are_a_loss(tmp_path):
@@ -165,6 +143,7 @@ def test_which_sampler_exit_records_are_a_loss(tmp_path):
     import os
     import time
 
+    from charllm.engine.launch import slurm
     from charllm.engine.launch.supervise import Supervisor
 
     rd = RunDir(tmp_path / "run")
@@ -178,7 +157,7 @@ def test_which_sampler_exit_records_are_a_loss(tmp_path):
         (rd.logs_dir / f"sampler-{node}.exit").write_text(f"{code} {at}\n")
     (rd.logs_dir / "sampler-n4.log").write_text("charllm-probes: error: hz = 1000: must be > 0 and at most 200\n")
     (rd.logs_dir / "sampler-n5.exit").write_text("13")  # being written
-    Supervisor(rd).watch_slurm_samplers()
+    slurm.watch_samplers(Supervisor(rd))
     lost = {entry["node"]: entry for entry in rd.read_manifest()["telemetry_lost"]}
     assert sorted(lost) == ["n1", "n2", "n4"]
     assert "killed by SIGKILL" in lost["n1"]["reason"] and lost["n1"]["at_ns"] == now - 10**9

@@ -134,19 +134,11 @@ def test_killed_remote_rank_fails_the_run_naming_it_and_leaves_nothing(ssh_nodes
 
 @pytest.mark.timeout(400)
 def test_a_dead_remote_sampler_is_told_in_the_status(ssh_nodes):
-    from charllm.probes.store.rundir import status_line
-    from infra_runs import sampler_process
+    from infra_runs import a_dead_sampler_is_told
 
     target = parse_target("nodes", ssh_nodes.target_table())
     rd = RunDir(launch(two_nodes(60), target).run_dir)
-    wait_for(lambda: iterations_logged(rd) >= 1, 300, f"the first iteration\n{logs(rd)}")
-    node = ssh_nodes.hosts[1]
-    sampler_process(rd.id, node).kill()
-    manifest = wait_final(rd, 300)
-    assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
-    lost = manifest["telemetry_lost"]
-    assert [entry["node"] for entry in lost] == [node] and "SIGKILL" in lost[0]["reason"], lost
-    assert status_line(manifest).startswith("completed, telemetry lost at ") and f"(node {node})" in status_line(manifest)
+    a_dead_sampler_is_told(rd, ssh_nodes.hosts[1])
     assert rd.scan_telemetry().collect().height > 0, "what came home before stays readable"
     wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 15,
              "every process on both nodes and every ssh client to exit")
@@ -155,50 +147,28 @@ def test_a_dead_remote_sampler_is_told_in_the_status(ssh_nodes):
 # A probe-only run started over ssh on a node (`ssh NODE python -m charllm.probes --out DIR`), its
 # directory on a filesystem this machine reads: the next reader finishes it, `runs cancel` stops it.
 def probe_on_node(ssh_nodes, out_dir):
-    import sys
+    """The probe on node 2, and a check that it and its ssh client are gone."""
+    from infra_runs import recording_probe
 
-    from infra_runs import start
-
-    target = parse_target("nodes", ssh_nodes.target_table())
-    argv = [sys.executable, "-m", "charllm.probes", "--backend", "host", "--hz", "5", "--out", str(out_dir),
-            "--node", ssh_nodes.hosts[1]]
-    proc = start(target.ssh_argv(ssh_nodes.hosts[1]) + [target.shell_line(argv)])
-    rd = RunDir(out_dir)
-    wait_for(lambda: rd.manifest_path.is_file() and rd.read_manifest().get("sampler") and rd.telemetry_files(),
-             60, "the probe to record")
-    return proc, rd
+    target, host = parse_target("nodes", ssh_nodes.target_table()), ssh_nodes.hosts[1]
+    proc, rd = recording_probe(out_dir, host, lambda argv: target.ssh_argv(host) + [target.shell_line(argv)])
+    return proc, rd, lambda: remote_leftovers(ssh_nodes, str(rd.path)) == [] and run_processes(str(rd.path)) == []
 
 
 @pytest.mark.timeout(200)
 def test_a_killed_remote_probe_only_run_is_finished_by_the_next_reader(ssh_nodes, tmp_path, capsys):
-    import psutil
+    from infra_runs import a_killed_probe_is_finished_by_the_next_reader
 
-    from infra_cli import run
-    from infra_runs import finish
-
-    proc, rd = probe_on_node(ssh_nodes, tmp_path / "probe-run")
-    psutil.Process(rd.read_manifest()["sampler"]["pid"]).kill()
-    wait_for(lambda: remote_leftovers(ssh_nodes, str(rd.path)) == [] and run_processes(str(rd.path)) == [], 15,
-             "the probe and its ssh client to exit")
-    finish(proc, 30)
-    code, out, err = run(capsys, "runs", "show", str(rd.path))
-    assert code == 0 and "status    failed" in out and "the sampler died" in out, out + err
-    assert rd.scan_telemetry().collect().height > 0, "what was recorded stays readable"
+    proc, rd, gone = probe_on_node(ssh_nodes, tmp_path / "probe-run")
+    a_killed_probe_is_finished_by_the_next_reader(proc, rd, capsys, gone, "the probe and its ssh client to exit")
 
 
 @pytest.mark.timeout(200)
 def test_runs_cancel_stops_a_remote_probe_only_run(ssh_nodes, tmp_path, capsys):
-    from infra_cli import run
-    from infra_runs import finish
+    from infra_runs import runs_cancel_stops_a_probe
 
-    proc, rd = probe_on_node(ssh_nodes, tmp_path / "probe-run")
-    code, out, err = run(capsys, "runs", "cancel", str(rd.path))
-    assert code == 0 and "cancelled" in out, out + err
-    wait_for(lambda: remote_leftovers(ssh_nodes, str(rd.path)) == [] and run_processes(str(rd.path)) == [], 15,
-             "the probe and its ssh client to exit")
-    finish(proc, 30)
-    assert rd.read_manifest()["status"] == "cancelled"
-    assert rd.scan_telemetry().collect().height > 0, "the sampler closed its last chunk"
+    proc, rd, gone = probe_on_node(ssh_nodes, tmp_path / "probe-run")
+    runs_cancel_stops_a_probe(proc, rd, capsys, gone, "the probe and its ssh client to exit")
 
 
 @pytest.mark.timeout(400)

@@ -156,7 +156,7 @@ def _torchrun_summary(rank: int, code: int) -> str:
 
 
 def test_failure_names_the_killed_rank_not_the_peer_that_exited_after_it(tmp_path):
-    from charllm.engine.launch.supervise import Step, describe_failure, killed_first
+    from charllm.engine.launch.process import killed_first, rank_failure
 
     echo = tmp_path / "train-n1.log"      # rank 0 noticed its peer vanish and exited 1, first
     killed = tmp_path / "train-n2.log"    # rank 1 was killed by SIGKILL
@@ -168,17 +168,19 @@ def test_failure_names_the_killed_rank_not_the_peer_that_exited_after_it(tmp_pat
     both = tmp_path / "train-n4.log"
     both.write_text(_torchrun_summary(1, -9).replace("Root Cause (first observed failure):\n", "Failures:\n")
                     + "------\nRoot Cause (first observed failure):\n" + _torchrun_summary(0, 1).split("ChildFailedError:\n")[1])
-    assert describe_failure(Step("n4", "train", []), 1, both) == "node n4, rank 1 (local rank 0) was killed by SIGKILL"
+    assert rank_failure("n4", both) == "node n4, rank 1 (local rank 0) was killed by SIGKILL"
     order = killed_first([echo, quiet, killed])
     assert order == [killed, echo, quiet]
-    assert describe_failure(Step("n2", "train", []), 1, order[0]) == "node n2, rank 1 (local rank 0) was killed by SIGKILL"
+    assert rank_failure("n2", order[0]) == "node n2, rank 1 (local rank 0) was killed by SIGKILL"
 
 
 def test_the_killed_rank_is_named_even_when_its_node_reports_after_the_peer(tmp_path):
     # The CI race: rank 0's node exits 1 at once, the killed rank's node a moment later.
     import sys
 
-    from charllm.engine.launch.supervise import Proc, Step, Supervisor
+    from charllm.engine.launch.process import Proc
+    from charllm.engine.launch.supervise import Supervisor
+    from charllm.engine.launch.target import Step
     from charllm.probes.store.rundir import RunDir
 
     rd = RunDir(tmp_path)
