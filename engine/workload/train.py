@@ -540,6 +540,8 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
+    if model_builder.hybrid_preferred():
+        import megatron.core.models.hybrid.hybrid_model  # noqa: F401
     define_te_general_gemm()
 
     setup_started = time.monotonic()
