@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from charllm.probes.analysis import baselines
-from charllm.probes.analysis.summary import format_figure, summarize, text_table, window_phrase
+from charllm.probes.analysis.render import format_figure, text_table
+from charllm.probes.analysis.summary import summarize
+from charllm.probes.analysis.windows import window_phrase
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import resolve_run
