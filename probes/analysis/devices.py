@@ -36,12 +36,9 @@ BATCH_ROWS = 5_000_000  # samples summarized at once: an hour of 64 GPUs at 20 H
 
 
 def scan_devices(scan: pl.LazyFrame) -> pl.DataFrame:
-    """One row per device: its samples, first and last time, and names (a streaming pass over
-    the identity columns only)."""
-    return scan.group_by("node", "device").agg(
-        pl.len().alias("rows"), pl.col("ts_ns").min().alias("first_ns"), pl.col("ts_ns").max().alias("last_ns"),
-        **GPU_LABELS,
-    ).sort("node", "device").collect(engine="streaming")
+    """One row per device: its samples and names (a streaming pass over the identity columns only)."""
+    return scan.group_by("node", "device").agg(pl.len().alias("rows"), **GPU_LABELS).sort("node", "device").collect(
+        engine="streaming")
 
 
 def device_batches(devices: pl.DataFrame) -> list[tuple[list[str], list[str] | None]]:
@@ -95,8 +92,6 @@ def by_device(samples: pl.DataFrame, devices: pl.DataFrame) -> tuple[pl.DataFram
     # Finished files group rows by device (recorder.py): an import's samples arrive grouped
     # already; a recording's compacted files hold a minute each, whose runs are copied together
     # (a stable sort by device at a fraction of its cost).
-    import numpy as np
-
     runs = samples["_key"].rle().struct.unnest().rename({"value": "_key"})
     if runs["_key"].n_unique() < runs.height:  # a device's samples lie in several runs
         if runs.height <= max(1024, samples.height // 256):
@@ -108,8 +103,7 @@ def by_device(samples: pl.DataFrame, devices: pl.DataFrame) -> tuple[pl.DataFram
             samples = samples.sort("_key", maintain_order=True)
         runs = samples["_key"].rle().struct.unnest().rename({"value": "_key"})
     keys = runs.select("_key")
-    dev = np.repeat(np.arange(runs.height, dtype=np.uint32), runs["len"].to_numpy())
-    samples = samples.drop("_key").insert_column(0, pl.Series("_dev", dev))
+    samples = samples.select(pl.col("_key").rle_id().alias("_dev"), pl.exclude("_key"))  # each device is one run now
     # Files hold chunks in time order; only a clock step disorders a device's samples.
     if samples.select(((pl.col("_dev") == pl.col("_dev").shift(1)) & (pl.col("ts_ns").diff() < 0)).any()).item():
         samples = samples.sort(["_dev", "ts_ns"], maintain_order=True)

@@ -122,26 +122,29 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
     devices = scan_devices(scan)
     if devices.height == 0:
         raise UserError(f"run {run.id}: no telemetry under {run.telemetry_dir} (nothing to summarize)")
-    first_ns, last_ns = devices["first_ns"].min(), devices["last_ns"].max()
-    start_ns, end_ns, label, notes = resolve_window(window, iterations, first_ns)
-    notes = skipped + notes
-    temp_limit = (exp.hardware.temp_limit_c if exp else None) or Hardware.temp_limit_c
-    max_clock = (exp.hardware.max_sm_clock_mhz or None) if exp else None
-    in_span = in_window(start_ns, end_ns)
     key, keyed = device_key(devices)
     gpu_names = keyed.filter(pl.col("device") != "host").select("_key", *KEYS, *GPU_LABELS)
     host_names = keyed.filter(pl.col("device") == "host").select("_key", "node")
     metrics = [c for c in {*GPU_COLUMNS, *HOST_COLUMNS} - {"node", "device"} if c in held]
     # Comparing every sample's device name to "host" is skipped when the run has no host rows.
     host_row = pl.col("device") == "host" if host_names.height else pl.lit(False)
+    # Devices are summarized a batch at a time (whole nodes, or a big node's devices in groups),
+    # so memory stays bounded however long or wide the run; spikes above the run's mean power
+    # need that mean first, so a run of several batches is read twice.
+    batches = device_batches(devices)
 
-    def load(batch):
-        """((GPU samples by device, their names), or None; host samples likewise) of one batch."""
-        nodes, devs = batch
-        rows = scan.filter(in_span, pl.col("node").is_in(nodes))  # pushed down to the files' statistics
-        if devs is not None:
-            rows = rows.filter(pl.col("device").is_in(devs))
-        frame = rows.select(key.alias("_key"), host_row.alias("_host"), *sorted(metrics)).collect(engine="streaming")
+    def read(batch, keep: pl.Expr) -> pl.DataFrame:
+        """The samples of one batch that `keep` selects: a device key, whether it is a host, the metrics."""
+        rows = scan.filter(keep)
+        if len(batches) > 1:
+            nodes, devs = batch
+            rows = rows.filter(pl.col("node").is_in(nodes))  # pushed down to the files' statistics
+            if devs is not None:
+                rows = rows.filter(pl.col("device").is_in(devs))
+        return rows.select(key.alias("_key"), host_row.alias("_host"), *sorted(metrics)).collect(engine="streaming")
+
+    def load(frame: pl.DataFrame):
+        """((GPU samples by device, their names), or None; host samples likewise) of one batch's samples."""
         # Columns no file holds are all null: never read, added as (unallocated) constants.
         frame = frame.with_columns(pl.lit(None, dtype).alias(c) for c, dtype in TELEMETRY_SCHEMA.items()
                                    if c not in frame.columns and c in {*GPU_COLUMNS, *HOST_COLUMNS})
@@ -154,14 +157,22 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
         return (by_device(gpu, gpu_names) if gpu.height else None,
                 by_device(host, host_names) if host.height else None)
 
-    # Devices are summarized a batch at a time (whole nodes, or a big node's devices in groups),
-    # so memory stays bounded however long or wide the run; spikes above the run's mean power
-    # need that mean first, so a run of several batches is read twice.
-    batches = device_batches(devices)
+    # One batch (the usual case) is read once, whole: its times are the run's span, and the
+    # window is cut from it in memory. Several batches need the span first, to read each one's window.
+    whole = read(batches[0], pl.lit(True)) if len(batches) == 1 else None
+    span = whole.lazy() if whole is not None else scan
+    first_ns, last_ns = span.select(pl.col("ts_ns").min().alias("first"), pl.col("ts_ns").max().alias("last")).collect().row(0)
+    start_ns, end_ns, label, notes = resolve_window(window, iterations, first_ns)
+    notes = skipped + notes
+    temp_limit = (exp.hardware.temp_limit_c if exp else None) or Hardware.temp_limit_c
+    max_clock = (exp.hardware.max_sm_clock_mhz or None) if exp else None
+    in_span = in_window(start_ns, end_ns)
+
     gpu_parts, host_parts, loaded = [], [], None
     for batch in batches:
         loaded = gpu = host = None  # one batch in memory at a time
-        loaded = load(batch)
+        loaded = load(whole.filter(in_span) if whole is not None else read(batch, in_span))
+        whole = None
         gpu, host = loaded
         if gpu is not None:
             gpu_parts.append(gpu_stats(*gpu, temp_limit, max_clock))
@@ -188,7 +199,7 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
         for batch in batches:
             if len(batches) > 1:
                 loaded = gpu = None
-            gpu = (loaded or load(batch))[0]
+            gpu = (loaded or load(read(batch, in_span)))[0]
             if gpu is not None:
                 spikes.append(excursions(gpu[0], run_mean_w))
         del loaded, gpu
