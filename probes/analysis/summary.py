@@ -22,7 +22,7 @@ from charllm.probes.analysis.devices import (GPU_COLUMNS, GPU_LABELS, HOST_COLUM
 from charllm.probes.analysis.iterations import iteration_stats, read_experiment, with_iteration_stats
 from charllm.probes.analysis.windows import in_window, parse_window, resolve_window
 from charllm.probes.core.errors import UserError
-from charllm.probes.store.rundir import resolve_run, RunDir
+from charllm.probes.store.rundir import FINAL_STATUSES, resolve_run, RunDir
 from charllm.probes.store.schema import TELEMETRY_SCHEMA
 
 BY = ("gpu", "node", "run")
@@ -56,6 +56,21 @@ def cached_summary(run: RunDir | str | os.PathLike, window="steady", by: str = "
     run = run if isinstance(run, RunDir) else resolve_run(run)
     places = kept_places(run, window, BY)
     return read_kept(*places[by]) if places else None
+
+
+def keep_summaries(run: RunDir | str | os.PathLike) -> None:
+    """Summarize a finished run now, as lists and comparisons show it (every level of the steady
+    window, and the per-iteration curves), so that they read kept results instead of telemetry.
+    The commands that finish a run (import, launch --follow) call it; a run with nothing to
+    summarize, or not finished, keeps nothing."""
+    run = run if isinstance(run, RunDir) else resolve_run(run)
+    if run.status not in FINAL_STATUSES:
+        return
+    try:
+        summarize(run, "steady", by="run")
+    except UserError:
+        return
+    per_iteration(run)
 
 
 def _cached(run: RunDir, window, by: str) -> pl.DataFrame:
