@@ -176,7 +176,8 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
     # window is cut from it in memory. Several batches need the span first, to read each one's window.
     whole = read(batches[0], pl.lit(True)) if len(batches) == 1 else None
     span = whole.lazy() if whole is not None else scan
-    first_ns, last_ns = span.select(pl.col("ts_ns").min().alias("first"), pl.col("ts_ns").max().alias("last")).collect().row(0)
+    first_ns, last_ns = span.select(pl.col("ts_ns").min().alias("first"),
+                                    pl.col("ts_ns").max().alias("last")).collect().row(0)
     start_ns, end_ns, label, notes = resolve_window(window, iterations, first_ns)
     notes = skipped + notes
     temp_limit = (exp.hardware.temp_limit_c if exp else None) or Hardware.temp_limit_c
