@@ -14,7 +14,9 @@ A ref is a run (id, prefix/suffix or directory) or a baseline name; `baseline:NA
 from __future__ import annotations
 
 import json
+import os
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -123,11 +125,12 @@ def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: floa
         raise UserError("compare: give at least two runs or baselines (or one and --baseline NAME)")
     if not 0 <= threshold_pct < 1e6:  # nan, inf and 1e400 (inf) compare false
         raise UserError(f"--threshold {threshold_pct}: must be a percentage from 0 to 1,000,000")
-    # Each ref once, one after another: summarizing runs side by side was no faster on 2 cores
-    # (polars already spreads one run over every core) and held several runs' samples at once
-    # (benchmarks/bench_summary.py: 4 cold runs, 2.9 s either way, peak RSS 0.55 GB against 0.8 GB).
-    summarized = {ref: _load(ref, window) for ref in dict.fromkeys(refs)}
-    loaded = [summarized[ref] for ref in refs]
+    # Runs are summarized side by side (polars frees the GIL while it works); each ref once. On 2 idle
+    # cores this is the faster way (4 cold 1-h runs: 1.5-1.8 s against 1.7-2.1 s one after another), on
+    # busy ones a wash; it costs peak memory (0.75-0.9 GB against 0.5; benchmarks/bench_summary.py).
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        futures = {ref: pool.submit(_load, ref, window) for ref in dict.fromkeys(refs)}
+        loaded = [futures[ref].result() for ref in refs]
     labels = _unique([label for label, _, _ in loaded])
     base_label = labels[refs.index(baseline)] if baseline is not None else labels[0]
 
