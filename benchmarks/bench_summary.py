@@ -1,7 +1,8 @@
 """Benchmark: a CharLLM-PPT campaign at cluster scale, from the artifact's CSVs to summaries.
 
     python benchmarks/bench_summary.py [--cache /tmp/charllm-bench-summary] [--seconds 3600]
-                                       [--gpus 64] [--runs 4] [--skip-artifact] [--scale-to-gpus N]
+                                       [--gpus 64] [--runs 4] [--repeat 1] [--skip-artifact]
+                                       [--scale-to-gpus N]
 
 24 h x 512 GPUs (885 M samples) does not fit this machine's time budget; it is measured on a
 subset and scaled: `--seconds 86400 --gpus 8 --runs 1 --scale-to-gpus 512` measures one node
@@ -15,6 +16,11 @@ measured, each step in a fresh process so its peak RSS is its own:
 - cold `summarize --by gpu` and `--by run` (cached summaries removed first);
 - the artifact's own way, a numpy loop over the same CSVs (vistools' averages and energy);
 - cold compare of the --runs runs (no cached summaries), then again with them cached.
+
+--repeat N measures each summary and compare N times and reports the minimum and the median (the
+machine is shared: one measurement says little). The CSVs are kept in --cache for the next
+invocation; the imported runs go to a directory of this invocation's own, removed at the end, so
+invocations running at once do not disturb each other's data.
 
 Targets (this 2-core machine, 1 h x 64 GPUs x 20 Hz, 3 metrics): <= 40 bytes per sample; cold
 summarize --by gpu >= 8x faster than the numpy loop and under 1 s, in <= 800 MB RSS; compare of
@@ -31,8 +37,10 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,18 +68,27 @@ def gpu_signals(seconds: int, gpu: int, rng: np.random.Generator) -> dict[str, n
 
 
 def make_csvs(root: Path, seconds: int, gpus: int, seed: int) -> Path:
-    """The artifact's result folder: `{metric}_{rank}.csv`, rows `unix_time_s,value`."""
+    """The artifact's result folder: `{metric}_{rank}.csv`, rows `unix_time_s,value` (made once,
+    in a folder of its own renamed into place, so an invocation running alongside never sees half)."""
     out = root / f"csv-{seed}"
     if (out / "done").exists():
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".csv-{seed}-", dir=root))
     rng = np.random.default_rng(seed)
     for rank in range(gpus):
         s = gpu_signals(seconds, rank, rng)
         for metric in METRICS:
             pl.DataFrame({"t": s["t"], "v": s[metric]}).write_csv(
-                out / f"{metric}_{rank}.csv", include_header=False, float_precision=6)
-    (out / "done").touch()
+                staging / f"{metric}_{rank}.csv", include_header=False, float_precision=6)
+    (staging / "done").touch()
+    try:
+        staging.rename(out)
+    except OSError:  # made by another invocation meanwhile (or left half-made by an older version)
+        if not (out / "done").exists():
+            shutil.rmtree(out)
+            staging.rename(out)
+        else:
+            shutil.rmtree(staging)
     return out
 
 
@@ -82,6 +99,29 @@ def _measure(kind: str, args: list[str]) -> dict:
     code = f"import sys; sys.argv = {['x', kind, *args]!r}; import runpy; runpy.run_path({__file__!r}, run_name='__child__')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _repeated(n: int, kind: str, args: list[str], runs: list[str] | None) -> dict:
+    """`n` measurements (cold: kept summaries of `runs` removed before each, unless None): the
+    first's details, with the minimum and median wall and CPU seconds of all."""
+    results = []
+    for _ in range(n):
+        if runs is not None:
+            _uncache(runs)
+        results.append(_measure(kind, args))
+    out = dict(results[0])
+    for k in ("seconds", "cpu_s"):
+        values = [r[k] for r in results]
+        out[k], out[f"{k}_median"], out[f"{k}_all"] = min(values), statistics.median(values), values
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
+    return out
+
+
+def _times(r: dict) -> str:
+    if len(r["seconds_all"]) == 1:
+        return f"{r['seconds']:.2f} s wall, {r['cpu_s']:.2f} s CPU"
+    return (f"{r['seconds']:.2f} s wall (median {r['seconds_median']:.2f}), {r['cpu_s']:.2f} s CPU "
+            f"(median {r['cpu_s_median']:.2f}), min of {len(r['seconds_all'])}")
 
 
 def _uncache(runs: list[str]) -> None:
@@ -153,6 +193,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=int, default=3600)
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1, help="measure each summary and compare N times (min, median)")
     ap.add_argument("--skip-artifact", action="store_true")
     ap.add_argument("--scale-to-gpus", type=int, metavar="N", help="also print the figures scaled to N GPUs")
     a = ap.parse_args()
@@ -163,9 +204,15 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     with console.status("generating the artifact's CSVs (cached after the first time)..."):
         csvs = [make_csvs(root, a.seconds, a.gpus, seed) for seed in range(a.runs)]
-    runs_dir = root / "runs"
-    shutil.rmtree(runs_dir, ignore_errors=True)
+    runs_dir = Path(tempfile.mkdtemp(prefix="runs-", dir=root))  # this invocation's own
     os.environ["CHARLLM_RUNS_DIR"] = str(runs_dir)
+    try:
+        measure(a, console, csvs)
+    finally:
+        shutil.rmtree(runs_dir, ignore_errors=True)
+
+
+def measure(a: argparse.Namespace, console, csvs: list[Path]) -> None:
     report = {"load_average_1min": os.getloadavg()[0], "gpus": a.gpus, "seconds": a.seconds, "hz": HZ}
     runs = []
     for i, csv in enumerate(csvs):
@@ -180,17 +227,15 @@ def main() -> None:
                           f"{r['bytes'] / 1e6:.1f} MB in {r['files']} files = {r['bytes_per_sample']:.1f} bytes/sample "
                           f"(CSVs: {csv_bytes / r['rows']:.1f} bytes/sample; target <= 40)")
     for by in ("gpu", "run"):
-        _uncache(runs)
-        report[f"summary_by_{by}"] = r = _measure("summary", [runs[0], by])
-        console.print(f"summarize --by {by} (cold): {r['seconds']:.2f} s wall, {r['cpu_s']:.2f} s CPU, "
+        report[f"summary_by_{by}"] = r = _repeated(a.repeat, "summary", [runs[0], by], runs)
+        console.print(f"summarize --by {by} (cold): {_times(r)}, "
                       f"peak RSS {r['peak_rss_mb']:.0f} MB (target < 1 s, <= 800 MB)")
     if len(runs) > 1:
-        _uncache(runs)
-        report["compare_cold"] = r = _measure("compare", runs)
-        console.print(f"compare of {len(runs)} runs, cold: {r['seconds']:.2f} s wall, {r['cpu_s']:.2f} s CPU, "
+        report["compare_cold"] = r = _repeated(a.repeat, "compare", runs, runs)
+        console.print(f"compare of {len(runs)} runs, cold: {_times(r)}, "
                       f"peak RSS {r['peak_rss_mb']:.0f} MB (target < 2 s)")
-        report["compare_cached"] = r = _measure("compare", runs)
-        console.print(f"compare of {len(runs)} runs, summaries cached: {r['seconds']:.2f} s wall")
+        report["compare_cached"] = r = _repeated(a.repeat, "compare", runs, None)
+        console.print(f"compare of {len(runs)} runs, summaries kept: {_times(r)}")
     if a.scale_to_gpus:
         k = a.scale_to_gpus / a.gpus
         imp, summ = report["import"], report["summary_by_gpu"]

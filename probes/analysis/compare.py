@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from charllm.probes.analysis import baselines
-from charllm.probes.analysis.summary import format_figure, summarize, text_table, window_phrase
+from charllm.probes.analysis.render import format_figure, text_table
+from charllm.probes.analysis.summary import summarize
+from charllm.probes.analysis.windows import window_phrase
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import resolve_run
@@ -123,7 +125,9 @@ def compare(refs: list[str], baseline: str | None = None, *, threshold_pct: floa
         raise UserError("compare: give at least two runs or baselines (or one and --baseline NAME)")
     if not 0 <= threshold_pct < 1e6:  # nan, inf and 1e400 (inf) compare false
         raise UserError(f"--threshold {threshold_pct}: must be a percentage from 0 to 1,000,000")
-    # Runs are summarized side by side (polars frees the GIL while it works); each ref once.
+    # Runs are summarized side by side (polars frees the GIL while it works); each ref once. On 2 idle
+    # cores this is the faster way (4 cold 1-h runs: 1.5-1.8 s against 1.7-2.1 s one after another), on
+    # busy ones a wash; it costs peak memory (0.75-0.9 GB against 0.5; benchmarks/bench_summary.py).
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         futures = {ref: pool.submit(_load, ref, window) for ref in dict.fromkeys(refs)}
         loaded = [futures[ref].result() for ref in refs]

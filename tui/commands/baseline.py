@@ -29,7 +29,7 @@ def register(subparsers) -> None:
 
 def _save(args: argparse.Namespace) -> int:
     from charllm.probes.analysis import baselines  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.summary import parse_window  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.windows import parse_window  # deferred: loads polars (start-up time)
 
     path = baselines.save(args.run, args.name, window=parse_window(args.window),
                           description=args.description, overwrite=args.force)
@@ -52,7 +52,7 @@ def _list(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     from charllm.probes.analysis import baselines  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.summary import render  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.render import render  # deferred: loads polars (start-up time)
 
     b = baselines.show(args.name)
     if args.format in ("table", "markdown"):

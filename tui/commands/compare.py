@@ -24,7 +24,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from charllm.probes.analysis.compare import compare, render  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.summary import parse_window  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.windows import parse_window  # deferred: loads polars (start-up time)
 
     result = compare(args.refs, args.baseline, threshold_pct=args.threshold, window=parse_window(args.window))
     print(render(result, args.format), end="")

@@ -34,6 +34,7 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
 
     from rich.progress import Progress
 
+    from charllm.probes.analysis.summary import keep_summaries  # deferred: loads polars (start-up time)
     from charllm.probes.store.importers import import_charllm_ppt, import_charllm_ppt_tree, is_result_folder  # deferred: loads numpy, polars (start-up time)
 
     src = Path(args.dir).expanduser()
@@ -42,6 +43,8 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
             task = progress.add_task("importing ranks", total=None)
             run = import_charllm_ppt(src, name=args.name, gpus_per_node=args.gpus_per_node,
                                      on_progress=lambda done, total: progress.update(task, completed=done, total=total))
+            progress.update(task, description="summarizing")
+            keep_summaries(run)  # compares and lists of it read this, not its telemetry
         print(run.id)
         return 0
     with Progress(transient=True) as progress:
@@ -51,12 +54,16 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
             on_folder=lambda done, total, folder: progress.update(task, completed=done, total=total,
                                                                   description=f"imported {folder.name}"))
     failed = 0
-    for folder, outcome in results:
-        if isinstance(outcome, Exception):
-            failed += 1
-            print(f"charllm-tui: error: {folder}: {outcome}", file=sys.stderr)
-        else:
-            print(outcome.id)
+    with Progress(transient=True) as progress:
+        task = progress.add_task("summarizing runs", total=len(results))
+        for folder, outcome in results:
+            if isinstance(outcome, Exception):
+                failed += 1
+                print(f"charllm-tui: error: {folder}: {outcome}", file=sys.stderr)
+            else:
+                keep_summaries(outcome)  # compares and lists of it read this, not its telemetry
+                print(outcome.id)
+            progress.advance(task)
     if failed:
         print(f"charllm-tui: {failed} of {len(results)} folders not imported (above)", file=sys.stderr)
     return 1 if failed else 0

@@ -28,7 +28,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from charllm.probes.analysis.summary import parse_window, render, summarize, write_summary  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.render import render, write_summary  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.summary import summarize  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.windows import parse_window  # deferred: loads polars (start-up time)
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None  # before the work
     df = summarize(args.run, parse_window(args.window), by=args.by)

@@ -343,7 +343,7 @@ def test_the_workload_counts_flops_as_the_summaries_do(tmp_path):
     """One formula (engine.model.flops, Megatron-LM's num_floating_point_operations, causal attention
     counted half) for the live TFLOP/s and for summaries and MFU."""
     from charllm.engine.model import flops
-    from charllm.probes.analysis.summary import read_experiment
+    from charllm.probes.analysis.iterations import read_experiment
 
     for name in catalog.entries("experiments"):
         e = exp(name)

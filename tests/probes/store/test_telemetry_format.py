@@ -208,7 +208,7 @@ def test_a_full_disk_stops_the_probe_with_one_line_and_keeps_what_was_written(sm
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("batch_rows", [450, 150])  # whole nodes per batch; a node's devices split
 def test_a_summary_in_batches_equals_the_summary_in_one(tmp_path, monkeypatch, batch_rows):
-    from charllm.probes.analysis import summary
+    from charllm.probes.analysis import devices
 
     run = RunDir(tmp_path / "big")
     for n in range(3):
@@ -224,7 +224,7 @@ def test_a_summary_in_batches_equals_the_summary_in_one(tmp_path, monkeypatch, b
         writer.close()
     run.write_manifest({"id": "big", "status": "running"})  # never cached
     whole = {by: summarize(run, "all", by=by) for by in ("gpu", "node", "run")}
-    monkeypatch.setattr(summary, "BATCH_ROWS", batch_rows)
-    assert len(summary._batches(summary._devices(run.scan_telemetry()))) > (3 if batch_rows < 200 else 1)
+    monkeypatch.setattr(devices, "BATCH_ROWS", batch_rows)
+    assert len(devices.device_batches(devices.scan_devices(run.scan_telemetry()))) > (3 if batch_rows < 200 else 1)
     for by, expected in whole.items():  # the same numbers, up to the order floats are summed in
         assert_frame_equal(summarize(run, "all", by=by), expected, rel_tol=1e-12)

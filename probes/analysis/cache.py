@@ -1,0 +1,71 @@
+"""Kept summaries: a finished run never changes, so what is computed from it is kept in
+RUN_DIR/summaries/ and recomputed when the experiment, the iteration log or a telemetry
+directory changes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import polars as pl
+
+from charllm.probes.core.atomic import write_atomic
+from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, write_json_atomic
+
+
+# Bump when a statistic changes meaning, so cached summaries of finished runs are recomputed.
+SUMMARY_VERSION = 1
+
+
+def read_kept(cache: Path, meta: Path, key: dict) -> pl.DataFrame | None:
+    try:
+        if meta.is_file() and cache.is_file() and json.loads(meta.read_text()) == key:
+            return pl.read_parquet(cache)
+    except (OSError, ValueError, pl.exceptions.PolarsError):
+        pass  # a damaged cache is recomputed
+    return None
+
+
+def kept_places(run: RunDir, window, levels) -> dict[str, tuple[Path, Path, dict]] | None:
+    """Per level of `levels`, where a finished run's summary over `window` is kept (see kept_place);
+    None while it runs."""
+    span = window if isinstance(window, str) else f"{window[0]:g}-{window[1]:g}"
+    spec = list(window) if isinstance(window, tuple) else window
+    places = {by: kept_place(run, f"{by}-{span}", window=spec, by=by) for by in levels}
+    return None if None in places.values() else places
+
+
+def kept_place(run: RunDir, name: str, **spec) -> tuple[Path, Path, dict] | None:
+    """(the kept file, its key file, the key that says it is current) of a finished run's result
+    `name` computed as `spec` says; None while it runs."""
+    files = run_files(run)
+    if files is None:
+        return None
+    kept = run.path / "summaries" / f"{name}.parquet"
+    return kept, kept.with_suffix(".json"), {"version": SUMMARY_VERSION, **spec, "files": files}
+
+
+def run_files(run: RunDir) -> list | None:
+    """What says a finished run's cached results are current: its experiment, iteration log and
+    telemetry directories (names, sizes or entries, mtimes); None while it runs."""
+    if run.status not in FINAL_STATUSES:
+        return None
+    # Chunks are added by atomic renames, which change their directory's mtime; listing a
+    # directory is far cheaper than a stat per chunk (a run holds one per node per second).
+    stat = [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
+            for f in (run.experiment_path, run.iterations_path) if f.exists()]
+    if run.telemetry_dir.is_dir():
+        stat += [[d.name, d.stat().st_mtime_ns, len(os.listdir(d))]
+                 for d in sorted(run.telemetry_dir.iterdir()) if d.is_dir()]
+    return stat
+
+
+def keep(df: pl.DataFrame, cache: Path, meta: Path, key: dict) -> None:
+    """Keep a finished run's result (atomically; a read-only run directory keeps nothing)."""
+    try:
+        cache.parent.mkdir(exist_ok=True)
+        write_atomic(cache, df.write_parquet)
+        write_json_atomic(meta, key)
+    except OSError:
+        pass
