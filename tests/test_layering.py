@@ -29,7 +29,7 @@ ALLOWED = {
     "engine.model": {"probes.core", "probes.store", "probes.backends"},      # pure arithmetic and rules
     "probes.analysis": {"probes.core", "probes.store", "engine.model"},
     "engine.workload": {"probes.core", "engine.model"},
-    "engine.launch": {"probes.core", "probes.store", "engine.model", "engine.workload"},
+    "engine.launch": {"probes.core", "probes.store", "probes.analysis", "engine.model", "engine.workload"},
     "engine": {"probes.core", "probes.store", "probes.backends", "probes", "engine.model", "engine.launch"},
     "tui": {"probes.core", "probes.store", "probes.backends", "probes", "probes.analysis", "engine.model",
             "engine.launch", "engine"},

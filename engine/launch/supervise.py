@@ -184,6 +184,21 @@ class Supervisor:
         return culprit.describe_failure() + disk_note(self.rd.path)
 
 
+def keep_summaries(rd: RunDir) -> None:
+    """Summarize the finished run once, here, so that the Runs list and every compare of it read
+    kept results instead of its telemetry (however it was launched, and whoever watches). A run
+    whose summary cannot be kept is summarized when first looked at: say why, and go on."""
+    from charllm.probes.analysis.summary import keep_summaries as keep  # deferred: loads polars (start-up time)
+
+    try:
+        keep(rd)
+    except Exception as exc:  # noqa: BLE001 - the run has ended and is recorded; this is a convenience
+        try:
+            print(f"run {rd.id}: summaries not kept: {exc!r}", flush=True)
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -206,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc, OSError):
             raise  # a bug: its traceback goes to supervisor.log
         status = f"failed: {why}"
+    keep_summaries(rd)
     supervisor.reserve.release()
     try:
         print(f"run {rd.id}: {status}", flush=True)

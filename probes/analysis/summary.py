@@ -61,8 +61,8 @@ def cached_summary(run: RunDir | str | os.PathLike, window="steady", by: str = "
 def keep_summaries(run: RunDir | str | os.PathLike) -> None:
     """Summarize a finished run now, as lists and comparisons show it (every level of the steady
     window, and the per-iteration curves), so that they read kept results instead of telemetry.
-    The commands that finish a run (import, launch --follow) call it; a run with nothing to
-    summarize, or not finished, keeps nothing."""
+    What finishes a run calls it (the supervisor, import); a run with nothing to summarize, or
+    not finished, keeps nothing."""
     run = run if isinstance(run, RunDir) else resolve_run(run)
     if run.status not in FINAL_STATUSES:
         return

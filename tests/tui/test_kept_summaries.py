@@ -1,5 +1,6 @@
-"""The commands that finish a run keep its summaries (import, launch --follow), so that the usual
-compare is warm; what they keep is exactly what a fresh pass computes."""
+"""What finishes a run keeps its summaries (import here; the supervisor, whose end-to-end check
+is in tests/engine/launch/test_launch_local.py), so that the usual compare is warm; what they
+keep is exactly what a fresh pass computes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from charllm.probes.analysis.summary import BY, cached_summary, per_iteration, s
 from charllm.probes.store.rundir import resolve_run
 from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 from charllm.tui.cli import main
-from charllm.tui.commands.launch import follow
+from charllm.engine.launch.supervise import keep_summaries
 from infra_charllm_ppt import make_results
 
 
@@ -44,19 +45,33 @@ def test_import_of_a_tree_keeps_the_summaries_of_every_run(tmp_path, capsys):
         _kept_equals_a_fresh_pass(resolve_run(run_id))
 
 
-def test_following_a_run_to_its_end_keeps_its_summaries(charllm_dirs, tmp_path):
+def test_the_supervisor_keeps_the_summaries_of_the_run_it_finished(charllm_dirs, tmp_path):
     experiment = tmp_path / "experiment.toml"
     Experiment.load("tiny-local").save(experiment)
     t = np.arange(0, 10, 0.05)
     run = make_run(charllm_dirs["runs"], [gpu_frame(t, power_w=150.0 + 50 * np.sin(t), temp_gpu_c=60.0)],
                    experiment=experiment.read_text(), iterations=iteration_rows(np.arange(0, 9, 1.0), 0.9, warmup=2),
-                   run_id="followed")
-    assert follow(run.path) == 0
+                   run_id="supervised")
+    keep_summaries(run)
     assert cached_summary(run, "steady", by="run")["window"][0] == "steady"
     _kept_equals_a_fresh_pass(run)
 
 
-def test_a_run_with_nothing_to_summarize_keeps_nothing_and_the_command_still_succeeds(charllm_dirs, tmp_path):
+def test_a_run_with_nothing_to_summarize_keeps_nothing(charllm_dirs):
     run = make_run(charllm_dirs["runs"], run_id="empty")      # finished, but no telemetry
-    assert follow(run.path) == 0
+    keep_summaries(run)
     assert not (run.path / "summaries").exists()
+
+
+def test_a_summary_that_fails_is_said_and_costs_the_run_nothing(charllm_dirs, capsys, monkeypatch):
+    from charllm.probes.analysis import summary
+
+    run = make_run(charllm_dirs["runs"], [gpu_frame(np.arange(0, 10, 0.05), power_w=150.0)], run_id="buggy")
+
+    def broken(run):
+        raise RuntimeError("a bug in the analysis")
+
+    monkeypatch.setattr(summary, "keep_summaries", broken)
+    keep_summaries(run)   # the supervisor goes on to exit normally
+    assert "summaries not kept: RuntimeError('a bug in the analysis')" in capsys.readouterr().out
+    assert run.status == "completed"

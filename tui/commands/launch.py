@@ -66,7 +66,6 @@ def follow(run_dir) -> int:
 
     import polars as pl
 
-    from charllm.probes.analysis.summary import keep_summaries  # deferred: loads polars (start-up time)
     from charllm.probes.store.follow import (
         follow as follow_run, NewIterations, NewTelemetry, StatusChanged)  # deferred: loads polars (start-up time)
 
@@ -92,7 +91,6 @@ def follow(run_dir) -> int:
     except KeyboardInterrupt:
         print("cancelling...", flush=True)
         cancel(run_dir)
-    keep_summaries(run_dir)  # the Runs list and compares of it read this, not its telemetry
     manifest = RunDir(run_dir).manifest()
     if manifest.failure:
         print(f"failed: {manifest.failure}")

@@ -40,6 +40,10 @@ def test_dp2_trains_and_records_iterations_and_host_telemetry():
     assert host.height > 0 and host["cpu_util_pct"].drop_nulls().len() > 0
     # the supervisor writes the final status just before it exits itself
     wait_for(lambda: run_processes(str(rd.path)) == [], 15, "every process of the run to exit")
+    # ... after keeping the run's summaries, so that lists and compares need not read its telemetry
+    from charllm.probes.analysis.summary import cached_summary
+
+    assert cached_summary(rd, "steady", by="gpu") is not None and (rd.path / "summaries" / "per-iteration.parquet").is_file()
     check_cli_on_finished_run(rd)
 
 
