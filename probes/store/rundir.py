@@ -106,8 +106,8 @@ class Manifest:
 
     @property
     def target_name(self) -> str:
-        """The target it ran on; a probe-only run names its kind instead."""
-        return self.target.get("name", self.kind or "?")
+        """The target it ran on; a probe-only or imported run names its kind instead ("-": neither)."""
+        return self.target.get("name") or self.kind or "-"
 
     @property
     def final(self) -> bool:

@@ -66,7 +66,7 @@ def _list() -> int:
             damaged.append(str(exc))
             table.add_row(rd.id, "damaged", "-", "-", "-", "-")
             continue
-        table.add_row(rd.id, m.status_line, m.target.get("name", "-"), str(len(m.nodes) or "-"),
+        table.add_row(rd.id, m.status_line, m.target_name, str(len(m.nodes) or "-"),
                       local_time(m.started_ns or m.created_ns), _duration(m))
     Console().print(table)
     for line in damaged:

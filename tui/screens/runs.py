@@ -118,7 +118,7 @@ class RunsScreen(WorkbenchScreen):
             self.runs[rd.id] = rd.path
             table.add_row(self._mark(rd.id), Text(m.status_line, STATUS_STYLE.get(m.status, "")),
                           *self._headline_cells(self.shown.get(rd.id)),
-                          m.target.get("name", m.kind or "-"), m.name or "-",
+                          m.target_name, m.name or "-",
                           local_time(m.started_ns or m.created_ns, "%Y-%m-%d %H:%M"),
                           key=rd.id)
         if cursor in self.runs:

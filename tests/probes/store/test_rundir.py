@@ -71,7 +71,7 @@ def test_the_typed_manifest_reads_each_field_and_defaults_what_is_absent(tmp_pat
     assert rd.read_manifest()["slurm_state"] == "written by the supervisor, not modelled"  # writers keep it
     probe = Manifest.from_dict({"kind": "probe", "status": "running"})
     assert probe.target_name == "probe" and not probe.final and probe.world_size == 1
-    assert Manifest().target_name == "?"
+    assert Manifest().target_name == "-"   # as `runs list` and the Runs screen write it
 
 
 @pytest.mark.parametrize("data, problem", [
