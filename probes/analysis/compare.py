@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from charllm.probes.analysis import baselines
+from charllm.probes.analysis import COMPARE_FORMATS
 from charllm.probes.analysis.render import format_figure, text_table
 from charllm.probes.analysis.summary import summarize
 from charllm.probes.analysis.windows import window_phrase
@@ -30,7 +31,6 @@ from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import resolve_run
 
 
-FORMATS = ("table", "markdown", "csv", "json")
 DEFAULT_THRESHOLD_PCT = 5.0
 
 # Columns that identify or describe a summary rather than measure the run.
@@ -237,7 +237,7 @@ def render(result: CompareResult, fmt: str = "table") -> str:
             "windows": result.windows, "notes": result.notes,
         }, indent=2) + "\n"
     if fmt not in ("table", "markdown"):
-        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+        raise UserError(f"--format {fmt!r}: expected one of {', '.join(COMPARE_FORMATS)}")
     md = fmt == "markdown"
     parts = []
     if result.experiment_diff.height:

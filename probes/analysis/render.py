@@ -10,11 +10,10 @@ from pathlib import Path
 
 import polars as pl
 
+from charllm.probes.analysis import SUMMARY_FORMATS
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import binary_scale
-
-FORMATS = ("table", "markdown", "csv", "json", "parquet")
 
 # Units of the summary's figures, by how their column names end (longest first); each figure is
 # shown with its unit at about four significant digits.
@@ -78,14 +77,14 @@ def render(df: pl.DataFrame, fmt: str) -> str:
 
 def write_summary(df: pl.DataFrame, target: str | os.PathLike, fmt: str | None = None) -> str | None:
     """Render to a format name (returns the text) or write to a file (format from `fmt` or the suffix)."""
-    if fmt is None and str(target) in FORMATS:
+    if fmt is None and str(target) in SUMMARY_FORMATS:
         if target == "parquet":
             raise UserError("format 'parquet' is binary: give a file to write it to (--out FILE)")
         return render(df, str(target))
     path = Path(target)
     fmt = fmt or {".parquet": "parquet", ".csv": "csv", ".json": "json", ".md": "markdown",
                   ".txt": "table"}.get(path.suffix.lower())
-    if fmt not in FORMATS:
+    if fmt not in SUMMARY_FORMATS:
         raise UserError(f"--out {str(path)!r}: unknown format; use a .parquet, .csv, .json, .md or .txt name, "
                         "or give --format")
     path.parent.mkdir(parents=True, exist_ok=True)

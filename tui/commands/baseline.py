@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from charllm.probes.analysis import COMPARE_FORMATS
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("baseline", help="save, list, show and delete baselines",
@@ -20,7 +22,7 @@ def register(subparsers) -> None:
     sub.add_parser("list", help="list baselines").set_defaults(func=_list)
     show = sub.add_parser("show", help="show a baseline's summary")
     show.add_argument("name")
-    show.add_argument("--format", choices=("table", "markdown", "csv", "json"), default="table")
+    show.add_argument("--format", choices=COMPARE_FORMATS, default="table")
     show.set_defaults(func=_show)
     delete = sub.add_parser("delete", help="delete a user baseline")
     delete.add_argument("name")

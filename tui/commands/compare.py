@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from charllm.probes.analysis import COMPARE_FORMATS
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -16,7 +18,7 @@ def register(subparsers) -> None:
     p.add_argument("refs", nargs="+", metavar="RUN_OR_BASELINE",
                    help="run id/prefix/directory or baseline name ('baseline:NAME' to force a baseline)")
     p.add_argument("--baseline", metavar="NAME", help="the ref (run or baseline) to measure changes against")
-    p.add_argument("--format", choices=("table", "markdown", "csv", "json"), default="table")
+    p.add_argument("--format", choices=COMPARE_FORMATS, default="table")
     p.add_argument("--threshold", type=float, default=5.0, metavar="PCT", help="flag changes beyond this %% (5)")
     p.add_argument("--window", default="steady", metavar="steady|all|START:END", help="window for runs (steady)")
     p.set_defaults(func=run)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from charllm.probes.analysis import SUMMARY_FORMATS
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
-
-FORMATS = ("table", "markdown", "csv", "json", "parquet")
 
 
 def register(subparsers) -> None:
@@ -22,7 +21,7 @@ def register(subparsers) -> None:
                         "run, or seconds after the first sample")
     p.add_argument("--by", choices=("gpu", "node", "run"), default="auto",
                    help="default: gpu, or node when the run has no GPU telemetry (a CPU run)")
-    p.add_argument("--format", choices=FORMATS, default=None, help="default: table, or from --out's suffix")
+    p.add_argument("--format", choices=SUMMARY_FORMATS, default=None, help="default: table, or from --out's suffix")
     p.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     p.set_defaults(func=run)
 
