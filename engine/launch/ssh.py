@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from charllm.engine.launch.process import Proc, describe_exit, shell_status
+from charllm.engine.launch.process import Proc, shell_status
 from charllm.engine.launch.target import Say, Step, Target, number, sampler_argv, train_argv
 from charllm.probes.core import lifeline
 from charllm.probes.core.errors import UserError, plural
@@ -258,7 +258,7 @@ class SshProc(Proc):
     def how_ended(self) -> str:
         if self.connection_lost():
             return "lost the ssh connection (the node died or is unreachable)"
-        return f"torchrun {describe_exit(self.exit_status())}"
+        return super().how_ended()   # torchrun's own status, as exit_status reads it here
 
     def signal(self, sig: signal.Signals) -> None:
         """Signal the remote group over a second connection; a KILL also ends the local client."""

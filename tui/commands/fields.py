@@ -46,13 +46,13 @@ def rows() -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    found = rows()
+    every = found = rows()
     if args.pattern is not None:
         pattern = args.pattern.lower()
-        found = [r for r in found if pattern in f"{r['section']}.{r['name']}".lower()]
+        found = [r for r in every if pattern in f"{r['section']}.{r['name']}".lower()]
         if not found:
             raise UserError(f"fields: no field matches {args.pattern!r}"
-                            f"{did_you_mean(args.pattern, [r['key'] for r in rows()])}")
+                            f"{did_you_mean(args.pattern, [r['key'] for r in every])}")
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
