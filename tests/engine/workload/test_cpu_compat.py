@@ -23,11 +23,21 @@ assert cpu_compat.apply()
 CUDA, HOST = "torch.cuda.FloatTensor", "torch.FloatTensor"
 '''
 
+# Each script ends as the workload's ranks end (train.py's __main__): it leaves its process groups
+# and skips the interpreter's teardown, where threads torch still runs may abort the process.
+ENDING = '''
+import sys
+from charllm.engine.workload import train
+train.teardown()
+sys.stdout.flush()
+os._exit(0)
+'''
+
 
 def run_script(tmp_path: Path, body: str, *, nproc: int | None = None, timeout: float = 180) -> str:
     """Run PRELUDE + body (under torchrun with `nproc` gloo ranks, or plain python); return stdout."""
     script = tmp_path / "check.py"
-    script.write_text(PRELUDE + body)
+    script.write_text(PRELUDE + body + ENDING)
     cmd = [sys.executable, str(script)] if nproc is None else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
     code, out, err = finish(start(cmd), timeout)

@@ -420,6 +420,10 @@ assert config.grad_scale_func == trainer.optimizer.scale_loss                # f
 assert config.overlap_p2p_comm and not config.batch_p2p_comm                # the interleaved schedule
 assert config.no_sync_func is None                                          # no overlapped grad reduce
 os.write(1, f"setup ok {torch.distributed.get_rank()}\\n".encode())
+# End as the workload's ranks end (train.py's __main__): leave the process groups, then skip the
+# interpreter's teardown, where threads torch still runs may abort the process.
+train.teardown()
+os._exit(0)
 '''
 
 
