@@ -33,7 +33,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from charllm.engine.model import catalog
 from charllm.probes.backends import BACKEND_NAMES
-from charllm.probes.backends.base import DEFAULT_HZ
+from charllm.probes.backends.base import DEFAULT_HZ, MAX_HZ
 from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, did_you_mean
@@ -82,7 +82,8 @@ AUTO = "auto"   # the flag is the field's name in Megatron's spelling: num_layer
 
 def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: Any = True,
             aliases: dict[str, Any] | None = None, join: bool = False, choices: tuple | None = None,
-            minimum: int | None = None, maximum: int | None = None, label: str | None = None,
+            minimum: float | None = None, above: float | None = None, maximum: float | None = None,
+            label: str | None = None,
             config: bool | str = False) -> Any:
     """A dataclass field with what the rest of charllm derives from it:
 
@@ -95,10 +96,13 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
               checks them)
     minimum   the least value it accepts when set; a size (minimum 1) is also at most `maximum`, else
               engine.model.validate.MAX_SIZE
+    above     a value it must exceed when set (a rate or a scale: above 0)
+    maximum   the most it accepts when set
     label     its label in the Compose form
     config    passed to megatron-core's TransformerConfig under its own name (True) or the one given"""
     facts = {"help": help, "flag": flag, "switch": switch, "aliases": dict(aliases or {}), "join": join,
-             "choices": choices, "minimum": minimum, "maximum": maximum, "label": label, "config": config}
+             "choices": choices, "minimum": minimum, "above": above, "maximum": maximum, "label": label,
+             "config": config}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=facts)
     return field(default=default, metadata=facts)
@@ -171,8 +175,8 @@ class ModelSpec:
                                     help="bias terms in the linear layers (QKV, attention output, MLP)")
     add_qkv_bias: bool = setting(False, help="a bias on the QKV projection only")
     qk_layernorm: bool = setting(False, config=True, help="normalize queries and keys before attention")
-    hidden_dropout: float = setting(0.1, config=True, help="dropout probability of the hidden states (0 to 1)")
-    attention_dropout: float = setting(0.1, config=True, help="dropout probability after attention (0 to 1)")
+    hidden_dropout: float = setting(0.1, minimum=0, maximum=1, config=True, help="dropout probability of the hidden states")
+    attention_dropout: float = setting(0.1, minimum=0, maximum=1, config=True, help="dropout probability after attention")
     # Mixture of experts
     num_moe_experts: int | None = setting(None, flag="--num-experts", minimum=1, maximum=100_000, config=True,
                                           help="experts per MoE layer; unset: a dense model")
@@ -246,19 +250,22 @@ class Hardware:
     description: str = setting("", flag=None, help="one line about the hardware, shown by presets list")
     vendor: str = setting("cpu", flag=None, choices=("nvidia", "amd", "cpu"),
                           help="who makes the device: which telemetry and kernels apply")
-    memory_bytes: int = setting(0, flag=None, help="physical memory per device (bytes)")
-    usable_bytes: int = setting(0, flag=None, help="memory the framework can allocate: the total minus the "
-                                                   "driver's reserve (bytes)")
-    outside_allocator_bytes: int = setting(0, flag=None, help="memory outside PyTorch's allocator: CUDA/HIP "
-                                                              "context, NCCL buffers, library workspaces (bytes)")
-    bf16_tflops: float = setting(0.0, flag=None, help="peak dense BF16 throughput (TFLOP/s)")
-    fp8_tflops: float | None = setting(None, flag=None, help="peak dense FP8 throughput (TFLOP/s); unset: no FP8")
+    # Amounts below are 0 where unknown (a CPU, or a device the presets lack)
+    memory_bytes: int = setting(0, flag=None, minimum=0, help="physical memory per device (bytes); 0: unknown")
+    usable_bytes: int = setting(0, flag=None, minimum=0, help="memory the framework can allocate: the total "
+                                                              "minus the driver's reserve (bytes); 0: unknown")
+    outside_allocator_bytes: int = setting(0, flag=None, minimum=0,
+                                           help="memory outside PyTorch's allocator: CUDA/HIP context, NCCL "
+                                                "buffers, library workspaces (bytes); 0: unknown")
+    bf16_tflops: float = setting(0.0, flag=None, minimum=0, help="peak dense BF16 throughput (TFLOP/s); 0: unknown")
+    fp8_tflops: float | None = setting(None, flag=None, minimum=0,
+                                       help="peak dense FP8 throughput (TFLOP/s); unset: no FP8")
     fp8: bool = setting(False, flag=None, help="the device has FP8 matrix units")
-    mem_bandwidth_gbs: float = setting(0.0, flag=None, help="peak memory bandwidth (GB/s)")
-    tdp_w: float = setting(0.0, flag=None, help="board power limit (W)")
-    devices_per_package: int = setting(1, flag=None, help="devices one package shows the software "
-                                                          "(MI250X: 2 GCDs)")
-    max_sm_clock_mhz: float = setting(0.0, flag=None, help="highest SM clock (MHz)")
+    mem_bandwidth_gbs: float = setting(0.0, flag=None, minimum=0, help="peak memory bandwidth (GB/s); 0: unknown")
+    tdp_w: float = setting(0.0, flag=None, minimum=0, help="board power limit (W); 0: unknown")
+    devices_per_package: int = setting(1, flag=None, minimum=1, maximum=64,
+                                       help="devices one package shows the software (MI250X: 2 GCDs)")
+    max_sm_clock_mhz: float = setting(0.0, flag=None, minimum=0, help="highest SM clock (MHz); 0: unknown")
     compute_capability: str | None = setting(None, flag=None, help="NVIDIA compute capability, major.minor "
                                                                    "(9.0: Hopper): which kernels it can run")
     temp_limit_c: float = setting(85.0, flag=None, help="GPU temperature above which time counts as hot (°C)")
@@ -329,13 +336,13 @@ class Training:
     seq_length: int | None = setting(None, flag=None, minimum=1, label="seq length",   # --seq-length sets the model's
                                      help="training sequence length (tokens); unset: the model's seq_length")
     train_iters: int = setting(20, minimum=1, help="optimizer steps (iterations) to run")
-    warmup_iters: int = setting(2, flag=None, help="first iterations marked warm-up in the iteration log "
+    warmup_iters: int = setting(2, flag=None, minimum=0, help="first iterations marked warm-up in the iteration log "
                                                    "(not learning-rate warm-up)")
     bf16: bool = setting(True, config=True, help="BF16 mixed precision")
     fp16: bool = setting(False, config=True, help="FP16 mixed precision, with loss scaling")
-    loss_scale: float | None = setting(None, help="FP16: a static loss scale; unset: dynamic, from "
+    loss_scale: float | None = setting(None, above=0, help="FP16: a static loss scale; unset: dynamic, from "
                                                   "initial_loss_scale")
-    initial_loss_scale: float = setting(4294967296.0, help="FP16: where dynamic loss scaling starts "
+    initial_loss_scale: float = setting(4294967296.0, above=0, help="FP16: where dynamic loss scaling starts "
                                                            "(Megatron: 2^32)")
     fp8: str | None = setting(None, flag="--fp8-format", choices=(None, "e4m3", "hybrid"), config=True,
                               help="FP8 (Transformer Engine): e4m3 throughout, or hybrid (e5m2 gradients); "
@@ -403,7 +410,7 @@ class Training:
                                                               "segments in place (PYTORCH_CUDA_ALLOC_CONF)")
     # Activation offloading to the host (megatron-core). Layer-level: Megatron then sets cpu_offloading;
     # activations only, as its CLI offers
-    cpu_offloading_num_layers: int = setting(0, config=True,
+    cpu_offloading_num_layers: int = setting(0, minimum=0, config=True,
                                              help="layers whose activations go to host memory; 0: off")
     # Module-level
     fine_grained_activation_offloading: bool = setting(
@@ -415,10 +422,10 @@ class Training:
     moe_token_dispatcher_type: str = setting("allgather", choices=("allgather", "alltoall", "flex"), config=True,
                                              help="how tokens reach their experts (flex: DeepEP or HybridEP)")
     moe_expert_capacity_factor: float | None = setting(
-        None, config=True, help="tokens an expert takes, as a multiple of an even share; unset: none dropped")
+        None, above=0, config=True, help="tokens an expert takes, as a multiple of an even share; unset: none dropped")
     moe_pad_expert_input_to_capacity: bool = setting(
         False, config=True, help="pad each expert's input to its capacity (with a capacity factor)")
-    moe_aux_loss_coeff: float = setting(0.0, config=True, help="weight of the router's load-balancing loss; 0: off")
+    moe_aux_loss_coeff: float = setting(0.0, minimum=0, config=True, help="weight of the router's load-balancing loss; 0: off")
     moe_grouped_gemm: bool = setting(False, config=True, help="one grouped GEMM for a rank's local experts")
     moe_router_dtype: str | None = setting(None, choices=(None, "fp32", "fp64"), config=True,
                                            help="dtype of routing and the weighted expert sum; unset: the "
@@ -427,7 +434,7 @@ class Training:
     moe_flex_dispatcher_backend: str = setting("deepep", aliases={"--moe-enable-deepep": "deepep"},
                                                choices=("deepep", "hybridep"), config=True,
                                                help="the flex token dispatcher's backend")
-    lr: float = setting(1.0e-4, help="initial learning rate")
+    lr: float = setting(1.0e-4, above=0, help="initial learning rate")
     seed: int = setting(1234, help="random seed")
     # --data-path 0.3 /a 0.7 /b: one string
     data_path: str | None = setting(None, join=True, aliases={"--mock-data": None},
@@ -439,7 +446,8 @@ class Training:
 class Telemetry:
     backend: str = setting("auto", flag=None, choices=BACKEND_NAMES,
                            help="where telemetry comes from (replay:RUN replays a recorded run)")
-    hz: float = setting(DEFAULT_HZ, flag=None, help="telemetry samples per second (Hz)")
+    hz: float = setting(DEFAULT_HZ, flag=None, above=0, maximum=MAX_HZ,   # what the sampler accepts
+                       help="telemetry samples per second (Hz)")
 
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,

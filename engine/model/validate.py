@@ -15,7 +15,6 @@ from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Tele
                                            field_names, field_options, parse_pipeline_layout)
 from charllm.engine.model.runtime import parse_capability
 from charllm.probes.backends import REPLAY
-from charllm.probes.backends.base import MAX_HZ
 from charllm.probes.core.errors import UserError, plural
 
 
@@ -47,14 +46,36 @@ BACKENDS = choices(Telemetry, "backend")   # probes.backends.BACKEND_NAMES, thro
 MAX_SIZE = 2**31 - 1      # layer, batch and parallel sizes
 MAX_NUMBER = 2**53        # any integer (bytes too): exact as a float, and no overflow in a table
 MAX_WORLD_SIZE = 2**20
-# Sizes: at least their minimum (None = not set, allowed where the field is optional) and at most their
-# own maximum, else MAX_SIZE.
-SIZES = [(section, name, minimum, facts(SECTIONS[section], name)["maximum"] or MAX_SIZE)
-         for section, name, minimum in _declared("minimum")]
 MAX_LAYOUT_CHARS = 10_000
-# Hardware numbers that are 0 when unknown, never negative.
-HARDWARE_AMOUNTS = ("memory_bytes", "usable_bytes", "outside_allocator_bytes", "bf16_tflops", "fp8_tflops",
-                    "mem_bandwidth_gbs", "tdp_w", "max_sm_clock_mhz")
+
+
+def _bounds(section: str, name: str) -> tuple[float | None, float | None, float | None]:
+    """A field's (minimum, above, maximum), as its metadata states them; a size (minimum 1) is at most
+    its own maximum, else MAX_SIZE."""
+    stated = facts(SECTIONS[section], name)
+    maximum = stated["maximum"] if stated["maximum"] is not None else MAX_SIZE if stated["minimum"] == 1 else None
+    return stated["minimum"], stated["above"], maximum
+
+
+# Every field with a range: (section, field, minimum, above, maximum). None (not set) is allowed where the
+# field is optional.
+RANGES = [(section, name, *bounds) for section in SECTIONS for name in field_names(SECTIONS[section])
+          if (bounds := _bounds(section, name)) != (None, None, None)]
+
+
+def out_of_range(value: float, minimum: float | None, above: float | None, maximum: float | None) -> str | None:
+    """The rule `value` breaks, if any."""
+    if minimum is not None and value < minimum:
+        return "must be 0 or more" if minimum == 0 else f"must be at least {_number(minimum)}"
+    if above is not None and value <= above:
+        return f"must be greater than {_number(above)}"
+    if maximum is not None and value > maximum:
+        return f"must be at most {_number(maximum)}"
+    return None
+
+
+def _number(value: float) -> str:
+    return f"{value:,}" if isinstance(value, int) else f"{value:,g}"
 
 
 def check(exp: Experiment) -> None:
@@ -98,42 +119,16 @@ def value_problems(exp: Experiment) -> list[Problem]:
                 out.append(Problem(name, value, f"must be at most {MAX_NUMBER:,} in size"))
     if out:
         return out
-    for section, name, minimum, maximum in SIZES:
+    for section, name, *bounds in RANGES:
         value = getattr(getattr(exp, section), name)
-        if value is not None and value < minimum:
-            out.append(Problem(name, value, f"must be at least {minimum}"))
-        elif value is not None and value > maximum:
-            out.append(Problem(name, value, f"must be at most {maximum:,}"))
+        if value is not None and (rule := out_of_range(value, *bounds)):
+            out.append(Problem(name, value, rule))
     if not out and exp.world_size > MAX_WORLD_SIZE:
         out.append(Problem("cluster", f"{exp.cluster.nodes} x {exp.cluster.gpus_per_node}",
                            f"at most {MAX_WORLD_SIZE:,} devices in all"))
-    for name in HARDWARE_AMOUNTS:
-        value = getattr(exp.hardware, name)
-        if value is not None and value < 0:
-            out.append(Problem(name, value, "must be 0 (unknown) or more"))
-    m, t = exp.model, exp.training
-    for name in ("hidden_dropout", "attention_dropout"):
-        value = getattr(m, name)
-        if not 0.0 <= value <= 1.0:
-            out.append(Problem(name, value, "is a probability, between 0 and 1"))
-    if t.warmup_iters < 0:
-        out.append(Problem("warmup_iters", t.warmup_iters, "must be 0 or more"))
-    if t.lr <= 0:
-        out.append(Problem("lr", t.lr, "must be greater than 0"))
-    for name in ("loss_scale", "initial_loss_scale"):
-        value = getattr(t, name)
-        if value is not None and value <= 0:
-            out.append(Problem(name, value, "must be greater than 0"))
     capability = exp.hardware.compute_capability
     if capability is not None and parse_capability(capability) is None:
         out.append(Problem("compute_capability", capability, "must be major.minor, e.g. \"9.0\""))
-    if t.moe_expert_capacity_factor is not None and t.moe_expert_capacity_factor <= 0:
-        out.append(Problem("moe_expert_capacity_factor", t.moe_expert_capacity_factor, "must be greater than 0"))
-    if t.moe_aux_loss_coeff < 0:
-        out.append(Problem("moe_aux_loss_coeff", t.moe_aux_loss_coeff, "must be 0 or more"))
-
-    if not 0 < exp.telemetry.hz <= MAX_HZ:  # what the sampler accepts (probes.backends.base.check_hz)
-        out.append(Problem("hz", exp.telemetry.hz, f"telemetry sampling rate must be > 0 and at most {MAX_HZ:g}"))
     backend = exp.telemetry.backend
     if backend not in BACKENDS and not backend.startswith(REPLAY):
         out.append(Problem("backend", backend, f"must be one of {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}"))
@@ -142,13 +137,12 @@ def value_problems(exp: Experiment) -> list[Problem]:
         if value not in options:
             listed = ", ".join("none" if c is None else c for c in options)
             out.append(Problem(name, value, f"must be one of {listed}"))
-    if t.cpu_offloading_num_layers < 0:
-        out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers, "must be 0 (off) or more"))
     for name, (section, options) in ITEM_CHOICES.items():
         items = getattr(getattr(exp, section), name)
         for item in items or []:
             if item not in options:
                 out.append(Problem(name, items, f"{item!r} is not one of {', '.join(options)}"))
+    m = exp.model
     freq = m.moe_layer_freq
     if isinstance(freq, list):
         if len(freq) != m.num_layers:

@@ -40,7 +40,8 @@ def rows() -> list[dict]:
             facts = experiment.facts(kind, f.name)
             out.append({"key": experiment.set_key(section, f.name), "section": section, "name": f.name,
                         "default": getattr(kind(), f.name), "takes": experiment.expected(kind, f.name),
-                        "choices": facts["choices"], "minimum": facts["minimum"], "maximum": facts["maximum"],
+                        "choices": facts["choices"], "minimum": facts["minimum"], "above": facts["above"],
+                        "maximum": facts["maximum"],
                         "flag": experiment.megatron_flag(kind, f.name), "help": facts["help"]})
     return out
 
@@ -69,11 +70,17 @@ def _takes(row: dict) -> str:
     if row["choices"] is not None:
         options = ", ".join("none" if c is None else c for c in row["choices"])   # as validate lists them
         return f"a list of {options}" if row["takes"].startswith("a list") else f"one of {options}"
-    if row["maximum"] is not None:
-        return f"{row['takes']}, {row['minimum']} to {row['maximum']:,}"
-    if row["minimum"] is not None:
-        return f"{row['takes']}, at least {row['minimum']}"
-    return row["takes"]
+    bounds = [f"{_number(row['minimum'])} to {_number(row['maximum'])}"
+              if row["minimum"] is not None and row["maximum"] is not None else
+              f"at least {_number(row['minimum'])}" if row["minimum"] is not None else
+              f"at most {_number(row['maximum'])}" if row["maximum"] is not None else None]
+    if row["above"] is not None:
+        bounds.insert(0, f"above {_number(row['above'])}")
+    return ", ".join([row["takes"], *filter(None, bounds)])
+
+
+def _number(value: float) -> str:
+    return f"{value:,}" if isinstance(value, int) else f"{value:,g}"
 
 
 def _value(value) -> str:

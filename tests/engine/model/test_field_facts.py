@@ -11,9 +11,10 @@ import pytest
 
 from charllm.engine.model import megatron, validate
 from charllm.engine.model.experiment import (AUTO, SECTIONS, Experiment, ModelSpec, Parallel, Training, choices,
-                                           facts, field_types, help_text)
+                                           expected, facts, field_types, help_text)
 from charllm.engine.model.megatron import FLAGS, Many, Switch, Value
 from charllm.probes.backends import BACKEND_NAMES, open_backend
+from charllm.probes.backends.base import MAX_HZ
 from charllm.probes.core.errors import UserError
 
 FLAG_SECTIONS = {"model": ModelSpec, "parallel": Parallel, "training": Training}
@@ -127,26 +128,45 @@ def test_every_field_has_a_one_line_help():
             assert not text.endswith("."), (section, f.name)     # a hint line, not a sentence
 
 
-@pytest.mark.parametrize("section, name, minimum, maximum", validate.SIZES)
-def test_each_size_is_checked_against_its_bounds(section, name, minimum, maximum):
+def _typed(section: str, name: str, value: float) -> float:
+    """`value` as the field holds it (an integer field's bounds are integers, a number field's floats)."""
+    return float(value) if expected(SECTIONS[section], name) == "a number" else value
+
+
+@pytest.mark.parametrize("section, name, minimum, above, maximum", validate.RANGES)
+def test_each_range_is_checked_against_its_bounds(section, name, minimum, above, maximum):
     meta = facts(SECTIONS[section], name)
-    assert (minimum, maximum) == (meta["minimum"], meta["maximum"] or validate.MAX_SIZE)
-    for value, rule in ((minimum - 1, f"must be at least {minimum}"), (maximum + 1, f"must be at most {maximum:,}")):
+    assert (minimum, above) == (meta["minimum"], meta["above"])
+    assert maximum == (meta["maximum"] if meta["maximum"] is not None else
+                       validate.MAX_SIZE if minimum == 1 else None)
+    def shown(bound):   # as a problem shows a bound: 10,000 and 100 (not 100.0)
+        return f"{bound:,g}" if isinstance(bound, float) else f"{bound:,}"
+
+    outside = [(minimum - 1, "must be 0 or more" if minimum == 0 else f"must be at least {shown(minimum)}")] \
+        if minimum is not None else []
+    outside += [(above, f"must be greater than {shown(above)}")] if above is not None else []
+    outside += [(maximum + 1, f"must be at most {shown(maximum)}")] if maximum is not None else []
+    for value, rule in outside:
         exp = Experiment()
-        setattr(getattr(exp, section), name, value)
+        setattr(getattr(exp, section), name, value := _typed(section, name, value))
         assert [str(p) for p in validate.value_problems(exp)][:1] == [f"{name} = {value!r}: {rule}"]
-    exp = Experiment()
-    setattr(getattr(exp, section), name, minimum)
-    assert not [p for p in validate.value_problems(exp) if p.field == name]
+    for value in {b for b in (minimum, maximum, None if above is None else above + 1) if b is not None}:
+        exp = Experiment()
+        setattr(getattr(exp, section), name, _typed(section, name, value))
+        assert not [p for p in validate.value_problems(exp) if p.field == name], value
 
 
-def test_the_sizes_are_the_declared_ones():
-    sized = {(section, f.name) for section, kind in SECTIONS.items() for f in dataclasses.fields(kind)
-             if f.metadata["minimum"] is not None}
-    assert {(s, n) for s, n, _, _ in validate.SIZES} == sized
-    assert ("model", "num_layers", 1, 10_000) in validate.SIZES
-    assert ("cluster", "gpus_per_node", 1, 1024) in validate.SIZES
-    assert ("training", "micro_batch_size", 1, validate.MAX_SIZE) in validate.SIZES
+def test_the_ranges_are_the_declared_ones():
+    bounded = {(section, f.name) for section, kind in SECTIONS.items() for f in dataclasses.fields(kind)
+               if any(f.metadata[bound] is not None for bound in ("minimum", "above", "maximum"))}
+    assert {(s, n) for s, n, *_ in validate.RANGES} == bounded
+    assert ("model", "num_layers", 1, None, 10_000) in validate.RANGES
+    assert ("cluster", "gpus_per_node", 1, None, 1024) in validate.RANGES
+    assert ("training", "micro_batch_size", 1, None, validate.MAX_SIZE) in validate.RANGES
+    assert ("model", "hidden_dropout", 0, None, 1) in validate.RANGES          # a probability
+    assert ("hardware", "memory_bytes", 0, None, None) in validate.RANGES       # 0: unknown, no size cap
+    # what the sampler accepts (probes.backends.base.check_hz)
+    assert ("telemetry", "hz", None, 0, MAX_HZ) in validate.RANGES
 
 
 def test_transformer_config_takes_the_fields_marked_for_it():

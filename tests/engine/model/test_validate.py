@@ -181,7 +181,7 @@ RULES = {
     "optional sizes positive": (
         ["num_moe_experts=0"], "num_moe_experts = 0: must be at least 1"),
     "dropout is a probability": (
-        ["hidden_dropout=1.5"], "hidden_dropout = 1.5: is a probability, between 0 and 1"),
+        ["hidden_dropout=1.5"], "hidden_dropout = 1.5: must be at most 1"),
     "learning rate positive": (["lr=0"], "lr = 0.0: must be greater than 0"),
     "enum: normalization": (
         ["normalization='BatchNorm'"], "normalization = 'BatchNorm': must be one of LayerNorm, RMSNorm"),
