@@ -194,6 +194,12 @@ class Session:
         before = set(self.runs())
         self.check(f"charllm-tui launch tiny-local --target local {extra}")
         (run,) = set(self.runs()) - before
+        if "--follow" in extra:   # it returns once the supervisor has kept the summaries and exited
+            from charllm.probes.analysis.summary import cached_summary
+            from infra_runs import run_processes
+
+            assert run_processes(run) == []
+            assert cached_summary(RunDir(self.dirs["runs"] / run), "steady", by="run") is not None
         if wait_iterations:
             rd = RunDir(self.dirs["runs"] / run)
             wait_for(lambda: iterations_logged(rd) >= wait_iterations, 240, "the stand-in run's iterations")

@@ -324,6 +324,24 @@ def _alive(proc) -> bool:
         return False
 
 
+# How long a follower waits for the supervisor to exit after the final status (it keeps the run's
+# summaries first: about a second for an hour of 64 GPUs, see benchmarks/bench_summary.py)
+SUPERVISOR_EXIT_S = 60.0
+
+
+def wait_for_supervisor(rd: RunDir, timeout: float = SUPERVISOR_EXIT_S) -> bool:
+    """Wait until the run's supervisor has exited, at most `timeout` seconds; True once it has (or
+    the run has none). After the final status it keeps the run's summaries, and only when it exits
+    is every process of the run gone."""
+    supervisor = _process(rd.manifest().supervisor)
+    deadline = time.monotonic() + timeout
+    while supervisor is not None and _alive(supervisor):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _wait_final(rd: RunDir, timeout: float, supervisor=None) -> str:
     """The run's final status, or its current one once `timeout` passed or its supervisor died."""
     deadline = time.monotonic() + timeout

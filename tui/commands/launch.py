@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from charllm.engine.launch.launcher import cancel, launch, PORT_AT_LAUNCH, reconcile
+from charllm.engine.launch.launcher import (cancel, launch, PORT_AT_LAUNCH, reconcile, SUPERVISOR_EXIT_S,
+                                           wait_for_supervisor)
 from charllm.engine.launch.targets import get_target
 from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import plural
@@ -91,7 +92,10 @@ def follow(run_dir) -> int:
     except KeyboardInterrupt:
         print("cancelling...", flush=True)
         cancel(run_dir)
-    manifest = RunDir(run_dir).manifest()
+    rd = RunDir(run_dir)
+    if not wait_for_supervisor(rd):   # so that nothing of the run outlives this command
+        print(f"the supervisor is still finishing after {SUPERVISOR_EXIT_S:g} s (see logs/supervisor.log)")
+    manifest = rd.manifest()
     if manifest.failure:
         print(f"failed: {manifest.failure}")
     return {"completed": 0, "cancelled": 130}.get(manifest.status, 1)

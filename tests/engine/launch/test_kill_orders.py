@@ -234,3 +234,30 @@ def test_killed_doctor_takes_its_train_check_along(tmp_path):
         doctor.kill()
         for proc in run_processes(marker):
             proc.kill()
+
+
+def test_follow_returns_only_once_the_supervisor_has_exited(tmp_path, capsys):
+    """After the final status the supervisor keeps the run's summaries, then exits: `launch --follow`
+    (and `runs logs -f`) return only then, so nothing of the run outlives them."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from charllm.engine.launch.launcher import wait_for_supervisor
+    from charllm.tui.commands.launch import follow
+
+    rd = RunDir(tmp_path / "20260101-000000-finishing")
+    rd.write_manifest({"id": rd.id, "kind": "train", "status": "completed", "world_size": 1,
+                       "target": {"name": "local", "kind": "local"}})
+    rd.logs_dir.mkdir()
+    finishing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])   # a supervisor still at work
+    rd.update_manifest(supervisor={"pid": finishing.pid, "create_time": psutil.Process(finishing.pid).create_time()})
+    try:
+        assert wait_for_supervisor(rd, timeout=0.2) is False
+        assert follow(rd.path) == 0
+        assert finishing.poll() == 0, "follow returned while the supervisor was still running"
+        assert wait_for_supervisor(rd, timeout=0) is True
+    finally:
+        finishing.kill()
+        finishing.wait()
