@@ -175,8 +175,10 @@ class ModelSpec:
                                     help="bias terms in the linear layers (QKV, attention output, MLP)")
     add_qkv_bias: bool = setting(False, help="a bias on the QKV projection only")
     qk_layernorm: bool = setting(False, config=True, help="normalize queries and keys before attention")
-    hidden_dropout: float = setting(0.1, minimum=0, maximum=1, config=True, help="dropout probability of the hidden states")
-    attention_dropout: float = setting(0.1, minimum=0, maximum=1, config=True, help="dropout probability after attention")
+    hidden_dropout: float = setting(0.1, minimum=0, maximum=1, config=True,
+                                    help="dropout probability of the hidden states")
+    attention_dropout: float = setting(0.1, minimum=0, maximum=1, config=True,
+                                       help="dropout probability after attention")
     # Mixture of experts
     num_moe_experts: int | None = setting(None, flag="--num-experts", minimum=1, maximum=100_000, config=True,
                                           help="experts per MoE layer; unset: a dense model")
@@ -336,14 +338,14 @@ class Training:
     seq_length: int | None = setting(None, flag=None, minimum=1, label="seq length",   # --seq-length sets the model's
                                      help="training sequence length (tokens); unset: the model's seq_length")
     train_iters: int = setting(20, minimum=1, help="optimizer steps (iterations) to run")
-    warmup_iters: int = setting(2, flag=None, minimum=0, help="first iterations marked warm-up in the iteration log "
-                                                   "(not learning-rate warm-up)")
+    warmup_iters: int = setting(2, flag=None, minimum=0, help="first iterations marked warm-up in the "
+                                                              "iteration log (not learning-rate warm-up)")
     bf16: bool = setting(True, config=True, help="BF16 mixed precision")
     fp16: bool = setting(False, config=True, help="FP16 mixed precision, with loss scaling")
     loss_scale: float | None = setting(None, above=0, help="FP16: a static loss scale; unset: dynamic, from "
-                                                  "initial_loss_scale")
-    initial_loss_scale: float = setting(4294967296.0, above=0, help="FP16: where dynamic loss scaling starts "
-                                                           "(Megatron: 2^32)")
+                                                           "initial_loss_scale")
+    initial_loss_scale: float = setting(4294967296.0, above=0, help="FP16: where dynamic loss scaling "
+                                                                    "starts (Megatron: 2^32)")
     fp8: str | None = setting(None, flag="--fp8-format", choices=(None, "e4m3", "hybrid"), config=True,
                               help="FP8 (Transformer Engine): e4m3 throughout, or hybrid (e5m2 gradients); "
                                    "unset: off")
@@ -422,10 +424,12 @@ class Training:
     moe_token_dispatcher_type: str = setting("allgather", choices=("allgather", "alltoall", "flex"), config=True,
                                              help="how tokens reach their experts (flex: DeepEP or HybridEP)")
     moe_expert_capacity_factor: float | None = setting(
-        None, above=0, config=True, help="tokens an expert takes, as a multiple of an even share; unset: none dropped")
+        None, above=0, config=True,
+        help="tokens an expert takes, as a multiple of an even share; unset: none dropped")
     moe_pad_expert_input_to_capacity: bool = setting(
         False, config=True, help="pad each expert's input to its capacity (with a capacity factor)")
-    moe_aux_loss_coeff: float = setting(0.0, minimum=0, config=True, help="weight of the router's load-balancing loss; 0: off")
+    moe_aux_loss_coeff: float = setting(0.0, minimum=0, config=True,
+                                        help="weight of the router's load-balancing loss; 0: off")
     moe_grouped_gemm: bool = setting(False, config=True, help="one grouped GEMM for a rank's local experts")
     moe_router_dtype: str | None = setting(None, choices=(None, "fp32", "fp64"), config=True,
                                            help="dtype of routing and the weighted expert sum; unset: the "

@@ -16,6 +16,7 @@ from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Tele
 from charllm.engine.model.runtime import parse_capability
 from charllm.probes.backends import REPLAY
 from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.formatting import number
 
 
 def _declared(fact: str, sections=tuple(SECTIONS)) -> list[tuple[str, str, Any]]:
@@ -66,16 +67,12 @@ RANGES = [(section, name, *bounds) for section in SECTIONS for name in field_nam
 def out_of_range(value: float, minimum: float | None, above: float | None, maximum: float | None) -> str | None:
     """The rule `value` breaks, if any."""
     if minimum is not None and value < minimum:
-        return "must be 0 or more" if minimum == 0 else f"must be at least {_number(minimum)}"
+        return "must be 0 or more" if minimum == 0 else f"must be at least {number(minimum)}"
     if above is not None and value <= above:
-        return f"must be greater than {_number(above)}"
+        return f"must be greater than {number(above)}"
     if maximum is not None and value > maximum:
-        return f"must be at most {_number(maximum)}"
+        return f"must be at most {number(maximum)}"
     return None
-
-
-def _number(value: float) -> str:
-    return f"{value:,}" if isinstance(value, int) else f"{value:,g}"
 
 
 def check(exp: Experiment) -> None:

@@ -28,6 +28,12 @@ def binary_scale(n: float) -> tuple[float, str]:
                 (float(n), "B"))
 
 
+def number(value: float) -> str:
+    """A bound or limit as messages write it: integers with separators ("10,000"), other numbers in
+    their shortest form ("100", "0.5")."""
+    return f"{value:,}" if isinstance(value, int) else f"{value:,g}"
+
+
 def duration(seconds: float, digits: int = 1) -> str:
     """A span of time in seconds: "12.5 s"."""
     return f"{seconds:.{digits}f} s"

@@ -10,6 +10,7 @@ import json
 from charllm.engine.model import experiment
 from charllm.engine.model.experiment import SECTIONS
 from charllm.probes.core.errors import UserError, did_you_mean
+from charllm.probes.core.formatting import number
 
 EPILOG = """\
 Defaults are charllm's own; a model or hardware preset gives its fields their own values.
@@ -70,17 +71,14 @@ def _takes(row: dict) -> str:
     if row["choices"] is not None:
         options = ", ".join("none" if c is None else c for c in row["choices"])   # as validate lists them
         return f"a list of {options}" if row["takes"].startswith("a list") else f"one of {options}"
-    bounds = [f"{_number(row['minimum'])} to {_number(row['maximum'])}"
-              if row["minimum"] is not None and row["maximum"] is not None else
-              f"at least {_number(row['minimum'])}" if row["minimum"] is not None else
-              f"at most {_number(row['maximum'])}" if row["maximum"] is not None else None]
-    if row["above"] is not None:
-        bounds.insert(0, f"above {_number(row['above'])}")
-    return ", ".join([row["takes"], *filter(None, bounds)])
-
-
-def _number(value: float) -> str:
-    return f"{value:,}" if isinstance(value, int) else f"{value:,g}"
+    low, above, high = row["minimum"], row["above"], row["maximum"]
+    bounds = [f"above {number(above)}"] if above is not None else []
+    if low is not None and high is not None:
+        bounds.append(f"{number(low)} to {number(high)}")
+    else:
+        bounds += [f"at least {number(low)}"] if low is not None else []
+        bounds += [f"at most {number(high)}"] if high is not None else []
+    return ", ".join([row["takes"], *bounds])
 
 
 def _value(value) -> str:
