@@ -309,9 +309,7 @@ def _cancel_probe(rd: RunDir, owner: dict, grace: float) -> str:
             sampler.send_signal(sig)
         except Exception:  # noqa: BLE001 - psutil.Error: it ended just now
             break
-        deadline = time.monotonic() + wait
-        while _alive(sampler) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_gone(sampler, wait)
     return _record(rd, status="cancelled", ended_ns=time.time_ns())
 
 
@@ -334,9 +332,14 @@ def wait_for_supervisor(rd: RunDir, timeout: float = SUPERVISOR_EXIT_S) -> bool:
     the run has none). After the final status it keeps the run's summaries, and only when it exits
     is every process of the run gone."""
     supervisor = _process(rd.manifest().supervisor)
+    return supervisor is None or _wait_gone(supervisor, timeout)
+
+
+def _wait_gone(proc, timeout: float) -> bool:
+    """Wait until `proc` has exited (a zombie counts), at most `timeout` seconds; True once it has."""
     deadline = time.monotonic() + timeout
-    while supervisor is not None and _alive(supervisor):
-        if time.monotonic() > deadline:
+    while _alive(proc):
+        if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
     return True
