@@ -54,7 +54,7 @@ from charllm.engine.model.runtime import Implementation
 from charllm.engine.model.validate import check
 from charllm.probes.backends import inventory, open_backends
 from charllm.probes.backends.base import check_hz, hostname
-from charllm.probes.core import lifeline
+from charllm.probes.core import lifeline, procid
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.formatting import gib
 
@@ -613,7 +613,7 @@ def _on_ssh(target, options: dict, say: Progress) -> list[NodeResult]:
             out.join()
             reader.join(timeout=5)
         first, _, rest = out.text.partition("\n")
-        report = _parse_report(rest) if first.strip().isdigit() else None
+        report = _parse_report(rest) if procid.parse_remote_identity(first) else None
         if report is not None:
             return NodeResult.of(report)
         if late:
@@ -637,12 +637,12 @@ def _on_ssh(target, options: dict, say: Progress) -> list[NodeResult]:
 
 def _stop_ssh(target, host: str, proc, out: "_Collect") -> None:
     """Stop a node's doctor: its remote process group (closing the channel does not stop it, see
-    engine/launch/ssh.py; the pgid is the first line it printed), then the ssh client."""
+    engine/launch/ssh.py; the group's identity is the first line it printed), then the ssh client."""
     if proc.poll() is not None:
         return
-    first = out.first_line(timeout=1)
-    if first.strip().isdigit():
-        target.kill_group(host, int(first))
+    group = procid.parse_remote_identity(out.first_line(timeout=1))
+    if group:
+        target.kill_group(host, group)
     proc.kill()
     proc.wait()
 

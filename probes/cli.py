@@ -8,7 +8,7 @@ import sys
 
 from charllm.probes.backends import BACKEND_NAMES, inventory, open_backends
 from charllm.probes.backends.base import DEFAULT_HZ, MAX_HZ, check_hz
-from charllm.probes.core import paths
+from charllm.probes.core import paths, procid
 from charllm.probes.core.errors import plural, UserError
 from charllm.probes.core.formatting import GIB
 from charllm.probes.store.rundir import check_node_name, RunDir
@@ -127,29 +127,35 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
-    """(RunDir, whether we own its manifest): a bare directory gets a {"kind": "probe"} manifest,
-    an existing manifest (a launcher's) is left alone."""
+    """(RunDir, whether we own its manifest). A new directory (or an empty one) becomes a probe-only
+    run with a {"kind": "probe"} manifest; an existing one only if it is a launched run's, prepared
+    for its samplers. Anything else (a folder with files in it, another probe's run, a link) is
+    refused: of several probes given the same --out, one records and the others say so."""
+    import os
     import time
     from pathlib import Path
 
-    run = RunDir(Path(out).expanduser().resolve())
+    path = Path(out).expanduser().absolute()
+    if path.is_symlink():
+        raise UserError(f"--out {out!r}: a symbolic link; give the run directory itself")
     try:
-        run.path.mkdir(exist_ok=True)
+        run = RunDir.create(path, "probe")
+    except FileExistsError:
+        run = RunDir(path)
+        if run.made_by == "launch":
+            return run, False   # a launched run's sampler (the launcher wrote its manifest)
+        if run.made_by is not None:
+            raise UserError(f"--out {out!r}: already the run directory of a {run.made_by}; give a new directory")
+        if any(path.iterdir()) or not run.claim("probe"):
+            raise UserError(f"--out {out!r}: exists and is not empty; a probe records into a new directory "
+                            "(or an empty one)")
     except OSError as exc:
         raise UserError(f"--out {out!r}: cannot create the run directory ({exc.strerror})") from None
-    if not run.manifest_path.exists():
-        import psutil
-
-        import socket
-
-        # Who owns the run, and where: if it dies, the next reader on that host finishes the run.
-        me = psutil.Process()
-        run.write_manifest({"id": run.id, "kind": "probe", "status": "running", "backend": args.backend,
-                            "backend_reason": reason, "hz": args.hz, "created_ns": time.time_ns(),
-                            "sampler": {"pid": me.pid, "create_time": me.create_time(),
-                                        "host": socket.gethostname()}})
-        return run, True
-    return run, False
+    # Who owns the run, and where: if it dies, the next reader on that host finishes the run.
+    run.write_manifest({"id": run.id, "kind": "probe", "status": "running", "backend": args.backend,
+                        "backend_reason": reason, "hz": args.hz, "created_ns": time.time_ns(),
+                        "sampler": procid.identify(os.getpid())})
+    return run, True
 
 
 def _console(file):

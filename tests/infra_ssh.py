@@ -76,6 +76,11 @@ def _netns_available() -> bool:
     return ok
 
 
+def _pid_namespaces() -> bool:
+    return shutil.which("unshare") is not None and \
+        subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
 def skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root (sshd with its own config, network namespaces)"
@@ -134,8 +139,11 @@ def start_nodes(root: Path, cleanups: list, count: int = 2) -> SshNodes:
             "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "PermitRootLogin yes",
             "LogLevel ERROR", ""]))
         prefix = ["ip", "netns", "exec", namespaces[i]] if use_netns else []
+        # Each node has a PID namespace of its own, as a real node has its own pids: a pid or
+        # group read on one means nothing on another (and `kill -- -1` there would stay there).
+        # unshare --kill-child: stopping this process stops the node's sshd, and with it the node.
+        prefix += ["unshare", "--pid", "--kill-child", "--mount-proc"] if _pid_namespaces() else []
         log = open(root / f"sshd_{i}.log", "ab")
-        # `ip netns exec` execs sshd, so this PID is sshd's own.
         proc = subprocess.Popen(prefix + [SSHD, "-D", "-e", "-f", str(config)], stdout=log, stderr=log)
         cleanups.append(lambda proc=proc: stop_process(proc, grace=5))
         _wait_port(host, port, None)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from charllm.engine.launch.target import Step, Target
 from charllm.engine.launch.targets import LOCAL, from_record
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import validate
-from charllm.probes.core import paths
+from charllm.probes.core import paths, procid
 from charllm.probes.core.errors import UserError, os_error_line
 from charllm.probes.core.formatting import clock, size
 from charllm.probes.store.rundir import FINAL_STATUSES, Manifest, RunDir, new_run_id, remove_abandoned_staging
@@ -120,20 +119,20 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     remove_abandoned_staging(run_dir.parent)
     while True:  # claim the name: a simultaneous launch may have taken it since (never remove theirs)
         try:
-            run_dir.mkdir()
+            rd = RunDir.create(run_dir, "launch")
             break
         except FileExistsError:
             run_dir = _unique(base)
             steps, script = plan(exp, target, run_dir)
             result.run_id, result.sbatch_script = run_dir.name, script
             result.commands = commands = display_commands(steps, target)
-    rd = RunDir(run_dir)
     say(f"creating {run_dir}")
     manifest = {
         "id": rd.id, "kind": "train", "name": exp.name, "status": "pending",
         "created_ns": time.time_ns(), "target": target.to_dict(),
         "nodes": sorted({s.node for s in steps}), "steps": [s.to_dict() for s in steps],
         "commands": commands, "forced": found if force else [], "world_size": exp.world_size,
+        "launched_from": procid.place(),   # who may judge the run until its supervisor records itself
     }
     try:
         rd.logs_dir.mkdir()
@@ -166,40 +165,32 @@ def _unique(path: Path) -> Path:
 # --------------------------------------------------------------------------------------------
 # Cancel
 # --------------------------------------------------------------------------------------------
-def _process(info: dict | None):
-    """The psutil process recorded as {pid, create_time}, if it is still that process."""
-    import psutil
-
-    if not info:
-        return None
-    try:
-        proc = psutil.Process(info["pid"])
-        if abs(proc.create_time() - info["create_time"]) < 1.0 and _alive(proc):
-            return proc
-    except psutil.Error:
-        pass
-    return None
-
-
 def reconcile(rd: RunDir) -> str:
     """The run's status, after finishing it if whoever owned it died without saying so.
 
     A launched run is owned by its supervisor, a probe-only run by its sampler. When that
     process is gone but the status is not final, stop what it recorded (the ranks die with
     torchrun, see probes.core.lifeline; under Slurm, cancel the job) and record what happened:
-    completed if every node's workload said so, else failed, naming the lost owner."""
+    completed if every node's workload said so, else failed, naming the lost owner.
+
+    Only the host, boot and PID namespace the owner was recorded in can tell whether it lives
+    (probes.core.procid): a reader elsewhere (another login node sharing the runs directory, a
+    container) leaves the run alone, and its status line says where it runs. After a reboot the
+    owner is gone for sure, and nothing it recorded is signalled: those pids mean nothing now."""
     manifest = rd.manifest()
     status = manifest.status
-    if manifest.final or status == "unknown":
-        return status
+    if manifest.final or status == "unknown" or not rd.ours():
+        return status       # (a directory charllm-tui did not make is only read)
     probe_only = manifest.kind == "probe"
-    owner = manifest.sampler if probe_only else manifest.supervisor
-    if not owner and not probe_only and _supervisor_never_started(rd, manifest):
+    owner = manifest.owner
+    if procid.where(owner) == "elsewhere":
+        return status       # its own host judges it
+    if not manifest.supervisor and not probe_only and _supervisor_never_started(rd, manifest):
         _target(manifest).cancel_job(manifest)
         return _record(rd, status="failed", ended_ns=time.time_ns(),
                        failure="the supervisor died before it started the run (see logs/supervisor.log)")
-    if not owner or _elsewhere(owner) or _process(owner) is not None:
-        return status       # not started yet (launch records it within moments), on another host, or alive
+    if not manifest.supervisor and not probe_only or not owner or procid.live(owner) is not None:
+        return status       # not started yet (launch records it within moments), or alive
     manifest = rd.manifest()
     if manifest.final:  # it wrote its last word just now
         return manifest.status
@@ -220,7 +211,9 @@ SUPERVISOR_START_S = 60  # launch hands a run to its supervisor within seconds (
 
 
 def _supervisor_never_started(rd: RunDir, manifest: Manifest) -> bool:
-    """Whether a run created a while ago has no supervisor: none recorded itself, none is running."""
+    """Whether a run launched here a while ago has no supervisor: none recorded itself, none is running."""
+    if procid.where(manifest.launched_from) not in ("here", "unknown"):
+        return False
     if not manifest.created_ns or time.time_ns() - manifest.created_ns < SUPERVISOR_START_S * 1_000_000_000:
         return False
     return not _supervisor_processes(rd) and not rd.manifest().supervisor  # (recorded meanwhile)
@@ -238,13 +231,6 @@ def _supervisor_processes(rd: RunDir) -> list:
 def _target(manifest: Manifest) -> Target:
     """The target the run was launched on (local where its manifest recorded none)."""
     return from_record(manifest.target or LOCAL.to_dict())
-
-
-def _elsewhere(owner: dict) -> str | None:
-    """The host a recorded process runs on when it is not this one (its pid means nothing here):
-    a probe started on a compute node whose run directory is on a shared filesystem."""
-    host = owner.get("host") if isinstance(owner, dict) else None
-    return host if host and host != socket.gethostname() else None
 
 
 def _record(rd: RunDir, **fields) -> str:
@@ -272,7 +258,11 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
         return _cancel_probe(rd, manifest.sampler, grace)
     target = _target(manifest)
     sup = None
+    elsewhere = procid.where(manifest.owner) == "elsewhere"
     scheduled = target.cancel_job(manifest)  # under a scheduler, the supervisor sees the job end and records it
+    if elsewhere and not scheduled:
+        raise UserError(f"run {rd.id!r} runs on {procid.described(manifest.owner)}, not visible from here; "
+                        f"cancel it there (charllm-tui runs cancel {rd.id})")
     if not scheduled:
         deadline = time.monotonic() + 10
         while not manifest.supervisor and time.monotonic() < deadline:  # just launched
@@ -280,15 +270,15 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
             manifest = rd.manifest()
         # One still starting (a loaded machine) has not recorded itself yet: found by its command
         # line, a SIGTERM ends it before it starts a step (it handles SIGTERM before it records itself).
-        sup = _process(manifest.supervisor) or next(iter(_supervisor_processes(rd)), None)
+        sup = procid.live(manifest.supervisor) or next(iter(_supervisor_processes(rd)), None)
         if sup is not None:
             sup.send_signal(signal.SIGTERM)  # it stops its steps (TERM, grace, KILL) and records the status
     status = _wait_final(rd, wait if scheduled or sup else 0, sup)
-    if status in FINAL_STATUSES:
-        return status
+    if status in FINAL_STATUSES or elsewhere:
+        return status   # (a scheduler's job cancelled from another host: its supervisor records it there)
     # The supervisor is gone or stuck: stop what it recorded ourselves.
     manifest = rd.manifest()
-    sup = _process(manifest.supervisor)
+    sup = procid.live(manifest.supervisor)
     if sup is not None:
         sup.kill()
     target.stop_processes(manifest, grace)
@@ -297,11 +287,10 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
 
 def _cancel_probe(rd: RunDir, owner: dict, grace: float) -> str:
     """A probe-only run: its sampler stops on SIGTERM (closing its last chunk), KILL after `grace`."""
-    host = _elsewhere(owner)
-    if host:
-        raise UserError(f"run {rd.id!r}: its sampler runs on {host!r}, not here; stop it there "
-                        f"(kill -TERM {owner.get('pid')} on {host})")
-    sampler = _process(owner)
+    if procid.where(owner) == "elsewhere":
+        raise UserError(f"run {rd.id!r}: its sampler runs on {procid.described(owner)}, not visible from here; "
+                        f"stop it there (kill -TERM {owner.get('pid')})")
+    sampler = procid.live(owner)
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         if sampler is None or not _alive(sampler):
             break
@@ -331,7 +320,7 @@ def wait_for_supervisor(rd: RunDir, timeout: float = SUPERVISOR_EXIT_S) -> bool:
     """Wait until the run's supervisor has exited, at most `timeout` seconds; True once it has (or
     the run has none). After the final status it keeps the run's summaries, and only when it exits
     is every process of the run gone."""
-    supervisor = _process(rd.manifest().supervisor)
+    supervisor = procid.live(rd.manifest().supervisor)
     return supervisor is None or _wait_gone(supervisor, timeout)
 
 

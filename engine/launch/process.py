@@ -15,7 +15,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from charllm.probes.core import lifeline
+from charllm.probes.core import lifeline, procid
 
 
 class Proc:
@@ -79,8 +79,11 @@ class Proc:
             return []
 
     def record(self) -> dict:
-        """What the manifest records, so that `cancel` can stop the step without the supervisor."""
-        return {"node": self.step.node, "role": self.step.role, "pid": self.popen.pid, "pgid": self.popen.pid}
+        """What the manifest records, so that `cancel` can stop the step without the supervisor:
+        its process group, and who leads it where (procid: nothing is signalled unless that
+        process still leads it)."""
+        return {"node": self.step.node, "role": self.step.role, **procid.identify(self.popen.pid),
+                "pgid": self.popen.pid}
 
 
 # One failure entry of torchrun's ChildFailedError summary ("Failures:" and "Root Cause" alike).

@@ -25,6 +25,8 @@ from charllm.probes.store.rundir import Manifest
 # Per-node values in the argv given to `script`, expanded by each node's shell.
 PLACEHOLDERS = {"@@NODE@@": '"$SLURMD_NODENAME"', "@@NODE_RANK@@": '"$SLURM_NODEID"',
                 "@@MASTER_ADDR@@": '"$MASTER_ADDR"'}
+JOB_NAME = "charllm-{run_id}"   # every run's job is named after the run (script), and cancelled by it
+_JOB_ID = re.compile(r"^\d+$")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE"}
 
@@ -41,6 +43,14 @@ class SlurmTarget(Target):
     time: str | None = None
     constraint: str | None = None
     sbatch_lines: tuple[str, ...] = ()
+
+    @classmethod
+    def validate(cls, values: dict, where: str) -> None:
+        for line in values.get("sbatch_lines", ()):
+            try:  # srun takes them as words too (doctor's step)
+                shlex.split(line)
+            except ValueError as exc:
+                raise UserError(f"{where}.sbatch_lines: {line!r} is not shell words ({exc})") from None
 
     def options(self) -> list[tuple[str, str]]:
         """(option, value): the job options the target sets, for sbatch and srun alike."""
@@ -69,7 +79,7 @@ class SlurmTarget(Target):
         try:
             rd.update_manifest(**recorded)
         except BaseException:
-            cancel(recorded["slurm_job_id"])
+            cancel(recorded["slurm_job_id"], rd.id)
             raise
         return recorded
 
@@ -78,7 +88,7 @@ class SlurmTarget(Target):
 
     def cancel_job(self, manifest: Manifest) -> bool:
         if manifest.slurm_job_id:
-            cancel(manifest.slurm_job_id)
+            cancel(manifest.slurm_job_id, manifest.id)
         return True
 
     def stop_processes(self, manifest: Manifest, grace: float) -> None:
@@ -104,7 +114,7 @@ def script(*, target: SlurmTarget, run_dir: str, run_id: str, nodes: int, nproc:
     placeholders in PLACEHOLDERS become the node's values at run time."""
     q = shlex.quote
     lines = ["#!/bin/bash",
-             f"#SBATCH --job-name={q('charllm-' + run_id)}",
+             f"#SBATCH --job-name={q(JOB_NAME.format(run_id=run_id))}",
              f"#SBATCH --nodes={nodes}",
              "#SBATCH --ntasks-per-node=1",
              f"#SBATCH --cpus-per-task={nproc}" if not gpus else f"#SBATCH --gpus-per-node={nproc}",
@@ -196,8 +206,12 @@ def hostnames(nodelist: str) -> list[str]:
     return done.stdout.split()
 
 
-def cancel(job_id: str) -> None:
-    subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+def cancel(job_id: str, run_id: str) -> None:
+    """Cancel the run's job, and only that: Slurm matches the id and the run's job name together
+    (a manifest can name any job id; it may be another user's or another run's by now)."""
+    if _JOB_ID.match(job_id):
+        subprocess.run(["scancel", f"--name={JOB_NAME.format(run_id=run_id)}", job_id], capture_output=True,
+                       timeout=30)
 
 
 # -- the supervisor's part: Slurm owns the processes, the supervisor follows the job --------------

@@ -19,8 +19,9 @@ from typing import ClassVar
 
 from charllm.engine.launch.process import Proc, shell_status
 from charllm.engine.launch.target import Say, Step, Target, number, sampler_argv, train_argv
-from charllm.probes.core import lifeline
+from charllm.probes.core import lifeline, procid
 from charllm.probes.core.errors import UserError, plural
+from charllm.probes.store.rundir import MARKER
 
 _HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")  # names and addresses; never an ssh option
 
@@ -93,8 +94,10 @@ class SshTarget(Target):
         for host in sorted({s.host for s in steps}):
             say(f"preparing {host}")
             remote = self.remote_path("runs", rd.id, host)
-            self.run_on(host, f"mkdir -p {shlex.quote(remote)} && cat > " + shlex.quote(remote + "/experiment.toml"),
-                     stdin=rd.experiment_path.read_bytes())
+            marker = (rd.path / MARKER).read_text()   # the node's sampler writes into it as a launched run's
+            self.run_on(host, f"mkdir -p {shlex.quote(remote)} && printf %s {shlex.quote(marker)} > "
+                        f"{shlex.quote(remote + '/' + MARKER)} && cat > {shlex.quote(remote + '/experiment.toml')}",
+                        stdin=rd.experiment_path.read_bytes())
         return {}
 
     def supervise(self, supervisor) -> str:
@@ -104,8 +107,8 @@ class SshTarget(Target):
         return doctor.over_ssh(self, nodes)   # on every host
 
     def signal_recorded(self, proc: dict, sig: str) -> None:
-        if proc.get("host") and proc.get("remote_pgid"):
-            self.kill_group(proc["host"], proc["remote_pgid"], sig)
+        if proc.get("remote_host") in self.hosts:   # one of this target's nodes, never another host
+            self.kill_group(proc["remote_host"], proc, sig)
         super().signal_recorded(proc, sig)   # the local ssh client
 
     # -- the OpenSSH client --------------------------------------------------------------------
@@ -130,14 +133,15 @@ class SshTarget(Target):
         return "/".join([base.rstrip("/") or "."] + list(parts))
 
     def in_process_group(self, argv: list[str]) -> str:
-        """Run `argv` in a new session (pgid = its leader shell's pid), printing that pgid first. The
-        group lives as long as the connection's stdin stays open: callers keep it open as a pipe.
+        """Run `argv` in a new session (pgid = its leader shell's pid), printing first that pgid, the
+        node's boot id and the leader's start (procid.REMOTE_IDENTITY: what a later signal checks).
+        The group lives as long as the connection's stdin stays open: callers keep it open as a pipe.
 
         The leader shell waits for `argv` (on SIGTERM too: a trap runs only once it ended) and exits
         with its status, 128+N when signal N killed it; `setsid -w` would report a killed leader as N."""
         line = self.shell_line(argv, replace_shell=False)
-        return "setsid -w bash -c " + shlex.quote("echo $$; " + _STOP_WITH_CONNECTION + "trap : TERM; " + line
-                                                  + "; exit $?")
+        return "setsid -w bash -c " + shlex.quote(procid.REMOTE_IDENTITY + "; " + _STOP_WITH_CONNECTION
+                                                  + "trap : TERM\n" + line + "\nexit $?")
 
     def offered_fingerprints(self, host: str) -> list[str]:
         """The fingerprints of the host keys `host` offers now ("SHA256:... (ED25519)"): shown, never trusted."""
@@ -186,9 +190,12 @@ class SshTarget(Target):
             raise UserError(f"target {self.name!r}: on {host!r}, {remote!r} failed: {last}")
         return done.stdout.decode(errors="replace")
 
-    def kill_group(self, host: str, pgid: int, signal: str = "TERM") -> None:
-        """Signal a remote process group over a fresh connection (best effort: the node may be gone)."""
-        remote = f"kill -{signal} -- -{int(pgid)} 2>/dev/null; true"
+    def kill_group(self, host: str, record: dict, signal: str = "TERM") -> None:
+        """Signal a remote process group over a fresh connection, if it is still the one `record`
+        names there (procid.remote_signal_line; best effort: the node may be gone)."""
+        remote = procid.remote_signal_line(record, signal)
+        if remote is None:
+            return
         try:
             subprocess.run(self.ssh_argv(host) + [remote], capture_output=True, timeout=self.connect_timeout + 10)
         except subprocess.TimeoutExpired:
@@ -203,7 +210,7 @@ class SshProc(Proc):
 
     def __init__(self, rd, target: SshTarget, step: Step, sink=None):
         super().__init__(rd, target, step, sink)
-        self.remote_pgid: int | None = None
+        self.remote: dict | None = None   # the remote group's identity (procid.parse_remote_identity)
         self.pgid_known = threading.Event()
 
     def start(self) -> None:
@@ -222,9 +229,8 @@ class SshProc(Proc):
         """Remote stdout: the pgid line, then the log, the telemetry stream or iteration lines."""
         out = self.popen.stdout
         first = out.readline()
-        try:
-            self.remote_pgid = int(first)
-        except ValueError:
+        self.remote = procid.parse_remote_identity(first)
+        if self.remote is None:
             log.write(first)
         self.pgid_known.set()
         role = self.step.role
@@ -262,8 +268,8 @@ class SshProc(Proc):
 
     def signal(self, sig: signal.Signals) -> None:
         """Signal the remote group over a second connection; a KILL also ends the local client."""
-        if self.remote_pgid:
-            self.target.kill_group(self.step.host, self.remote_pgid, sig.name.removeprefix("SIG"))
+        if self.remote:
+            self.target.kill_group(self.step.host, self.remote, sig.name.removeprefix("SIG"))
         if sig == signal.SIGKILL:
             super().signal(sig)
 
@@ -271,4 +277,4 @@ class SshProc(Proc):
         return []   # the step's processes live on its node: the remote group is signalled instead
 
     def record(self) -> dict:
-        return {**super().record(), "host": self.step.host, "remote_pgid": self.remote_pgid}
+        return {**super().record(), "remote_host": self.step.host, **(self.remote or {})}

@@ -23,6 +23,7 @@ from charllm.engine.launch.process import Proc, describe_exit, killed_first, las
 from charllm.engine.launch.target import Step
 from charllm.engine.launch.targets import from_record
 from charllm.engine.workload import CANCELLED_EXIT
+from charllm.probes.core import procid
 from charllm.probes.core.errors import is_disk_full, mount_point, os_error_line
 from charllm.probes.store.rundir import RunDir
 
@@ -107,12 +108,9 @@ class Supervisor:
             fh.write(line)
 
     def run(self) -> str:
-        import psutil
-
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        me = psutil.Process()
-        self.rd.update_manifest(supervisor={"pid": me.pid, "create_time": me.create_time(), "pgid": os.getpgid(0)})
+        self.rd.update_manifest(supervisor={**procid.identify(os.getpid()), "pgid": os.getpgid(0)})
         return self.target.supervise(self)
 
     def own_steps(self, proc_class: type[Proc]) -> str:

@@ -10,7 +10,6 @@ cannot. Parsing targets.toml into the right kind is targets.py.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import shlex
 import signal
@@ -22,6 +21,7 @@ from typing import Callable, ClassVar
 
 from charllm.engine.launch.process import Proc
 from charllm.engine.workload import TORCHRUN_MODULE, TRAIN_MODULE
+from charllm.probes.core import procid
 from charllm.probes.store.rundir import Manifest
 
 SAMPLER_MODULE = "charllm.probes"
@@ -110,14 +110,14 @@ class Target(ABC):
         return out
 
     def shell_line(self, argv: list[str], cwd: str | None = None, *, replace_shell: bool = True) -> str:
-        """`cd DIR && ENV_SETUP; exec ARGV` — the env line is the user's own shell, the rest is quoted."""
-        parts = []
-        if cwd:
-            parts.append(f"cd {shlex.quote(cwd)} &&")
+        """The shell lines that run `argv`: `cd DIR || exit 1`, the env line, `exec ARGV`. The env line
+        is the user's own shell, on a line of its own (a `# comment` in it ends there); the rest is
+        quoted."""
+        lines = [f"cd {shlex.quote(cwd)} || exit 1"] if cwd else []
         if self.env_setup:
-            parts.append(f"{self.env_setup};")
-        parts.append(("exec " if replace_shell else "") + shlex.join(argv))
-        return " ".join(parts)
+            lines.append(self.env_setup)
+        lines.append(("exec " if replace_shell else "") + shlex.join(argv))
+        return "\n".join(lines)
 
     # -- planning ------------------------------------------------------------------------------
     def check_nodes(self, nodes: int) -> None:
@@ -170,9 +170,6 @@ class Target(ABC):
                 time.sleep(grace)
 
     def signal_recorded(self, proc: dict, sig: str) -> None:
-        """Signal one recorded process group (TERM or KILL) on this machine."""
-        if proc.get("pgid"):
-            try:
-                os.killpg(proc["pgid"], getattr(signal, f"SIG{sig}"))
-            except (ProcessLookupError, PermissionError):
-                pass
+        """Signal one recorded process group (TERM or KILL) on this machine, if it is still the
+        run's (probes.core.procid: the same host, boot, PID namespace and group leader)."""
+        procid.signal_group(proc, getattr(signal, f"SIG{sig}"))

@@ -95,12 +95,29 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
         if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
             raise UserError(f"{where}.{key} = {value!r}: must be a list of non-empty strings")
         values[key] = tuple(v.strip() for v in value)
+    if values.get("env_setup"):
+        _check_shell(values["env_setup"], f"{where}.env_setup")
     cls.validate(values, where)
     for key in lists:
         for line in values[key]:
             if _CONTROL.search(line):
                 raise UserError(f"{where}.{key}: {line!r} must be one line (no newlines or control characters)")
     return cls(**values)
+
+
+def _check_shell(line: str, where: str) -> None:
+    """A line the nodes' bash runs as it is must be whole: an open quote or a trailing `&&` would
+    swallow the commands after it. bash itself says (-n: parse, run nothing)."""
+    import shutil
+    import subprocess
+
+    bash = shutil.which("bash")
+    if bash is None:
+        return
+    done = subprocess.run([bash, "-n", "-c", line], capture_output=True, text=True, timeout=10)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["a syntax error"])[-1].removeprefix("bash: -c: ")
+        raise UserError(f"{where} = {line!r}: not a complete shell line ({why})")
 
 
 def read_file(path: Path) -> tuple[dict[str, Target], dict[str, str]]:

@@ -765,6 +765,12 @@ def export_megatron_args(exp: Experiment, version: str | None = None) -> list[st
     return out
 
 
+def one_line(text: str) -> str:
+    """`text` as one line of a script (a comment, say): control characters shown as escapes, so a
+    newline in a name can never start a command (export --no-validate writes any name)."""
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\x{ord(m[0]):02x}", text)
+
+
 def export_script(exp: Experiment, version: str | None = None) -> str:
     """A bash launch script for `exp`: the environment Megatron needs, then torchrun pretrain_gpt.py with
     the flags of `export_megatron_args`. Run it on every node, with MEGATRON_LM pointing at the
@@ -772,7 +778,7 @@ def export_script(exp: Experiment, version: str | None = None) -> str:
     release, source = megatron_version(version)
     c = exp.cluster
     lines = ["#!/usr/bin/env bash",
-             f"# {exp.name}: {exp.world_size} processes = {plural(c.nodes, 'node')} x {c.gpus_per_node}; "
+             f"# {one_line(exp.name)}: {exp.world_size} processes = {plural(c.nodes, 'node')} x {c.gpus_per_node}; "
              f"flags for megatron-core {release} ({source}). Written by charllm-tui export megatron --script.",
              "set -euo pipefail"]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in export_environment(exp).items()]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, get_origin
 
 from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Telemetry, Training, choices, facts,
@@ -75,6 +76,11 @@ def out_of_range(value: float, minimum: float | None, above: float | None, maxim
     return None
 
 
+# Text fields end up in file names, shell scripts, sbatch headers and comments: one line each.
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+ONE_LINE = "must be one line of printable text (no newlines or control characters)"
+
+
 def check(exp: Experiment) -> None:
     """Raise UserError naming the first problem, if any."""
     problems = validate(exp)
@@ -106,11 +112,15 @@ def value_problems(exp: Experiment) -> list[Problem]:
     import math
 
     out = []
+    if CONTROL.search(exp.name):
+        out.append(Problem("name", exp.name, ONE_LINE))
     for section in ("model", "hardware", "cluster", "parallel", "training", "telemetry"):
         obj = getattr(exp, section)
         for name in _field_names(type(obj)):
             value = getattr(obj, name)
-            if isinstance(value, float) and not math.isfinite(value):
+            if isinstance(value, str) and CONTROL.search(value):
+                out.append(Problem(name, value, ONE_LINE))
+            elif isinstance(value, float) and not math.isfinite(value):
                 out.append(Problem(name, value, "must be a finite number"))
             elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
                 out.append(Problem(name, value, f"must be at most {MAX_NUMBER:,} in size"))

@@ -38,10 +38,11 @@ def kept_places(run: RunDir, window, levels) -> dict[str, tuple[Path, Path, dict
 
 def kept_place(run: RunDir, name: str, **spec) -> tuple[Path, Path, dict] | None:
     """(the kept file, its key file, the key that says it is current) of a finished run's result
-    `name` computed as `spec` says; None while it runs."""
+    `name` computed as `spec` says; None while it runs, or where nothing may be kept (a directory
+    charllm-tui did not make, see RunDir.ours)."""
     files = run_files(run)
-    if files is None:
-        return None
+    if files is None or not run.ours() or (run.path / "summaries").is_symlink():
+        return None   # writes go only into runs of ours, never through a link out of one
     kept = run.path / "summaries" / f"{name}.parquet"
     return kept, kept.with_suffix(".json"), {"version": SUMMARY_VERSION, **spec, "files": files}
 

@@ -111,7 +111,7 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
     remove_abandoned_staging(final.parent)
     tmp = staging_dir(final)
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed import that had the same ids
-    run = RunDir(tmp)
+    run = RunDir.create(tmp, "import")
     try:
         # One file per device (numbered as chunks), each written before the next is read: memory
         # holds one rank's samples however long or wide the run.

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import threading
 import time
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from charllm.probes.core import paths
+from charllm.probes.core import paths, procid
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.formatting import clock
@@ -88,6 +89,7 @@ class Manifest:
     processes: list = field(default_factory=list)
     supervisor: dict = field(default_factory=dict)
     sampler: dict = field(default_factory=dict)
+    launched_from: dict = field(default_factory=dict)   # procid.place() of the launch
     created_ns: int = 0
     started_ns: int | None = None
     ended_ns: int | None = None
@@ -114,9 +116,28 @@ class Manifest:
         return self.status in FINAL_STATUSES
 
     @property
+    def owner(self) -> dict:
+        """The record of who owns the run's processes, and where (probes.core.procid): a probe-only
+        run's sampler, else the supervisor (until it has recorded itself, where it was launched)."""
+        if self.kind == "probe":
+            return self.sampler
+        return self.supervisor or self.launched_from
+
+    @property
+    def elsewhere(self) -> str | None:
+        """Where an unfinished run runs when that is not here ("n1"), else None: its pids mean
+        nothing here, so only its own host can tell whether it lives."""
+        if self.final or procid.where(self.owner) != "elsewhere":
+            return None
+        return procid.described(self.owner)
+
+    @property
     def status_line(self) -> str:
-        """The status as the user should read it: "completed, telemetry lost at 12:03:04 (node n1)"."""
+        """The status as the user should read it: "completed, telemetry lost at 12:03:04 (node n1)",
+        "running on n1 (not visible from here)"."""
         line = self.status
+        if self.elsewhere:
+            return f"{line} on {self.elsewhere} (not visible from here)"
         for entry in self.telemetry_lost:
             if isinstance(entry, dict) and isinstance(entry.get("at_ns"), int):
                 line += f", telemetry lost at {clock(entry['at_ns'])} (node {entry.get('node', '?')})"
@@ -181,9 +202,69 @@ def run_id_name(run_id: str) -> str | None:
     return name if day.isdigit() and clock.isdigit() and name else None
 
 
+# A file in every run directory charllm-tui makes, naming what made it: the proof, before anything
+# is deleted or written there, that the directory is a run of ours and not somebody's folder.
+MARKER = ".charllm-run"
+MADE_BY = ("launch", "probe", "import", "synthetic")
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path
+
+    @classmethod
+    def create(cls, path: Path, made_by: str) -> "RunDir":
+        """Make a new run directory (never an existing one: FileExistsError) and mark it as ours."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).mkdir()
+        run = cls(Path(path))
+        if not run.claim(made_by):
+            raise FileExistsError(f"{path}: claimed by another writer")
+        return run
+
+    def claim(self, made_by: str) -> bool:
+        """Mark an existing directory as a run made by `made_by` (MADE_BY); False if it already is
+        one (of whatever maker): of several writers, exactly one claims it."""
+        assert made_by in MADE_BY, made_by
+        try:
+            fd = os.open(self.path / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps({"made_by": made_by}) + "\n")
+        return True
+
+    @property
+    def made_by(self) -> str | None:
+        """What made this run directory (MADE_BY), from its marker; None for a directory without
+        one (not ours, or a run older than the marker)."""
+        try:
+            fd = os.open(self.path / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as fh:
+                if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                    return None
+                made_by = json.loads(fh.read(256)).get("made_by")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return made_by if made_by in MADE_BY else None
+
+    def ours(self) -> bool:
+        """Whether charllm-tui made this directory, so it may write and delete there: it holds our
+        marker, or (runs made before the marker) it sits in the runs directory with a manifest."""
+        if self.path.is_symlink():
+            return False
+        if self.made_by is not None:
+            return True
+        return self.in_runs_dir() and self.manifest_path.is_file() and not self.manifest_path.is_symlink()
+
+    def in_runs_dir(self) -> bool:
+        """Whether the directory is an entry of the runs directory itself, by real path (a link
+        out of it is not)."""
+        try:
+            return not self.path.is_symlink() and \
+                os.path.realpath(self.path.parent) == os.path.realpath(paths.runs_dir())
+        except OSError:
+            return False
 
     @property
     def id(self) -> str:
@@ -239,10 +320,11 @@ class RunDir:
 
     def manifest(self) -> Manifest:
         """The typed manifest (read_manifest's checks and errors; a missing one is "unknown")."""
-        return Manifest.from_dict({"id": self.id, **self.read_manifest()})
+        return Manifest.from_dict({**self.read_manifest(), "id": self.id})   # the directory names the run
 
     def write_manifest(self, manifest: dict) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        """Write the manifest into the existing run directory (never made again here: a run
+        deleted meanwhile stays deleted)."""
         write_json_atomic(self.manifest_path, manifest)
 
     def update_manifest(self, **changes) -> dict:
@@ -287,9 +369,24 @@ class RunDir:
                 found.append(proc)
         return found
 
+    def check_ours_to_delete(self) -> None:
+        """Refuse, in one line, a directory that is not a run of ours in the runs directory: by
+        real path (a symbolic link out of it is not in it), with our marker or a manifest."""
+        where = paths.runs_dir()
+        if self.path.is_symlink():
+            raise UserError(f"run {self.id!r}: {self.path} is a symbolic link; charllm-tui deletes only "
+                            f"run directories in {where}, never what a link points to")
+        if not self.in_runs_dir():
+            raise UserError(f"{self.path}: not in the runs directory {where}; charllm-tui deletes only its "
+                            "own runs there (delete other directories yourself)")
+        if not self.ours():
+            raise UserError(f"{self.path}: not a run charllm-tui made (no {MARKER} or manifest.json); "
+                            "left as it is")
+
     def delete(self) -> None:
         import shutil
 
+        self.check_ours_to_delete()
         self.check_deletable()
         try:
             shutil.rmtree(self.path)

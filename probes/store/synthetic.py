@@ -31,6 +31,8 @@ def make_run(root: str | Path, frames: list[pl.DataFrame] = (), *, run_id: str =
     experiment's TOML, the iteration log's rows, rank logs by file name, and `frames` as telemetry
     chunks per node (see `write_telemetry`)."""
     run = RunDir(Path(root) / run_id)
+    run.path.mkdir(parents=True, exist_ok=True)
+    run.claim("synthetic")
     run.write_manifest(manifest if manifest is not None else {"id": run_id, "status": "completed", "kind": "test"})
     if experiment is not None:
         run.experiment_path.write_text(experiment)

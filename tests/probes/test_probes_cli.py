@@ -79,7 +79,7 @@ def test_every_backend_keeps_the_default_rate_and_a_slower_one_says_its_rate_and
 
 
 def test_existing_manifest_is_left_to_its_owner(tmp_path):
-    run = RunDir(tmp_path / "run")
+    run = RunDir.create(tmp_path / "run", "launch")
     run.write_manifest({"id": "run", "status": "running", "target": {"name": "local", "kind": "local"}})
     assert main(["probe", "--backend", "sim", "--sim-gpus", "1", "--duration", "0.2", "--out", str(run.path)]) == 0
     assert run.read_manifest() == {"id": "run", "status": "running", "target": {"name": "local", "kind": "local"}}

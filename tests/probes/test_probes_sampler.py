@@ -301,7 +301,7 @@ def test_replay_plays_back_at_speed_with_labels(tmp_path):
 
 
 def test_replay_of_an_empty_run_is_a_user_error(tmp_path):
-    RunDir(tmp_path / "empty").write_manifest({"kind": "probe"})
+    RunDir.create(tmp_path / "empty", "probe").write_manifest({"kind": "probe"})
     with pytest.raises(UserError, match="no telemetry recorded"):
         open_backend(f"replay:{tmp_path / 'empty'}")
 

@@ -128,11 +128,11 @@ def test_a_probe_recorded_on_another_host_is_judged_there(tmp_path):
     left to that host, and a cancel says where to stop it."""
     from charllm.probes.core.errors import UserError
 
-    rd = RunDir(tmp_path / "remote-probe")
+    rd = RunDir.create(tmp_path / "remote-probe", "probe")
     rd.write_manifest({"id": rd.id, "kind": "probe", "status": "running",
                        "sampler": {"pid": 1, "create_time": 0.0, "host": "node-elsewhere"}})
     assert reconcile(rd) == "running"
-    with pytest.raises(UserError, match="runs on 'node-elsewhere', not here; stop it there"):
+    with pytest.raises(UserError, match="runs on node-elsewhere, not visible from here; stop it there"):
         cancel(rd)
     assert rd.status == "running"
 
@@ -180,7 +180,7 @@ def test_a_run_whose_supervisor_never_started_is_finished_by_the_next_reader(cha
     """Killed before it recorded itself (or unable to start), it left the run `pending` forever."""
     import time
 
-    rd = RunDir(charllm_dirs["runs"] / "20260101-000000-tiny-local")
+    rd = RunDir.create(charllm_dirs["runs"] / "20260101-000000-tiny-local", "launch")
     rd.write_manifest({"id": rd.id, "kind": "train", "status": "pending", "target": LOCAL.to_dict(),
                        "created_ns": time.time_ns()})
     assert reconcile(rd) == "pending", "a launch hands the run over within moments"
@@ -198,7 +198,7 @@ def test_cancel_stops_a_supervisor_that_has_not_recorded_itself_yet(charllm_dirs
     import sys
     import time
 
-    rd = RunDir(charllm_dirs["runs"] / "20260101-000000-tiny-local")
+    rd = RunDir.create(charllm_dirs["runs"] / "20260101-000000-tiny-local", "launch")
     rd.write_manifest({"id": rd.id, "kind": "train", "status": "pending", "target": LOCAL.to_dict(),
                        "created_ns": time.time_ns()})
     slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(100)",
@@ -247,7 +247,7 @@ def test_follow_returns_only_once_the_supervisor_has_exited(tmp_path, capsys):
     from charllm.engine.launch.launcher import wait_for_supervisor
     from charllm.tui.commands.launch import follow
 
-    rd = RunDir(tmp_path / "20260101-000000-finishing")
+    rd = RunDir.create(tmp_path / "20260101-000000-finishing", "launch")
     rd.write_manifest({"id": rd.id, "kind": "train", "status": "completed", "world_size": 1,
                        "target": {"name": "local", "kind": "local"}})
     rd.logs_dir.mkdir()

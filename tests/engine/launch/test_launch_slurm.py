@@ -146,7 +146,7 @@ def test_which_sampler_exit_records_are_a_loss(tmp_path):
     from charllm.engine.launch import slurm
     from charllm.engine.launch.supervise import Supervisor
 
-    rd = RunDir(tmp_path / "run")
+    rd = RunDir.create(tmp_path / "run", "launch")
     rd.write_manifest({"id": "run", "kind": "train", "status": "running", "target": target().to_dict()})
     rd.logs_dir.mkdir()
     now = time.time_ns()

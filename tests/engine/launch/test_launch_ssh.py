@@ -145,30 +145,70 @@ def test_a_dead_remote_sampler_is_told_in_the_status(ssh_nodes):
 
 
 # A probe-only run started over ssh on a node (`ssh NODE python -m charllm.probes --out DIR`), its
-# directory on a filesystem this machine reads: the next reader finishes it, `runs cancel` stops it.
+# directory on a filesystem this machine reads. Its pids are the node's (each node has its own PID
+# namespace): a reader here leaves it alone and says where it runs; a reader on that node finishes
+# it, and `runs cancel` there stops it.
 def probe_on_node(ssh_nodes, out_dir):
-    """The probe on node 2, and a check that it and its ssh client are gone."""
+    """The probe on node 2, a way to run charllm-tui there, and a check that the probe and its
+    ssh client are gone."""
+    import os
+    import sys
+
     from infra_runs import recording_probe
 
     target, host = parse_target("nodes", ssh_nodes.target_table()), ssh_nodes.hosts[1]
     proc, rd = recording_probe(out_dir, host, lambda argv: target.ssh_argv(host) + [target.shell_line(argv)])
-    return proc, rd, lambda: remote_leftovers(ssh_nodes, str(rd.path)) == [] and run_processes(str(rd.path)) == []
+
+    def on_node(*argv: str) -> subprocess.CompletedProcess:
+        where = [f"{name}={os.environ[name]}" for name in ("CHARLLM_CONFIG_DIR", "CHARLLM_DATA_DIR", "CHARLLM_RUNS_DIR")]
+        line = target.shell_line(["env", *where, sys.executable, "-m", "charllm.tui", *argv])
+        return subprocess.run(target.ssh_argv(host) + [line], capture_output=True, text=True, timeout=120)
+
+    gone = lambda: remote_leftovers(ssh_nodes, str(rd.path)) == [] and run_processes(str(rd.path)) == []  # noqa: E731
+    return proc, rd, on_node, gone
+
+
+def seen_from_here_as_running_elsewhere(rd, capsys) -> None:
+    from infra_cli import run
+
+    code, out, err = run(capsys, "runs", "show", str(rd.path))
+    assert code == 0 and "in another PID namespace (not visible from here)" in out, out + err
+    assert rd.status == "running"
 
 
 @pytest.mark.timeout(200)
-def test_a_killed_remote_probe_only_run_is_finished_by_the_next_reader(ssh_nodes, tmp_path, capsys):
-    from infra_runs import a_killed_probe_is_finished_by_the_next_reader
+def test_a_killed_remote_probe_only_run_is_finished_by_a_reader_on_its_node(ssh_nodes, tmp_path, capsys):
+    from infra_runs import finish
 
-    proc, rd, gone = probe_on_node(ssh_nodes, tmp_path / "probe-run")
-    a_killed_probe_is_finished_by_the_next_reader(proc, rd, capsys, gone, "the probe and its ssh client to exit")
+    proc, rd, on_node, gone = probe_on_node(ssh_nodes, tmp_path / "probe-run")
+    seen_from_here_as_running_elsewhere(rd, capsys)
+    killed = subprocess.run(
+        parse_target("nodes", ssh_nodes.target_table()).ssh_argv(ssh_nodes.hosts[1])
+        + [f"kill -KILL {rd.manifest().sampler['pid']}"], capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr
+    wait_for(gone, 15, "the probe and its ssh client to exit")
+    finish(proc, 30)
+    seen_from_here_as_running_elsewhere(rd, capsys)   # its pid means nothing here: only the node can tell
+    shown = on_node("runs", "show", str(rd.path))
+    assert shown.returncode == 0 and "status    failed" in shown.stdout, shown.stdout + shown.stderr
+    assert "the sampler died" in shown.stdout
+    assert rd.scan_telemetry().collect().height > 0, "what was recorded stays readable"
 
 
 @pytest.mark.timeout(200)
-def test_runs_cancel_stops_a_remote_probe_only_run(ssh_nodes, tmp_path, capsys):
-    from infra_runs import runs_cancel_stops_a_probe
+def test_runs_cancel_stops_a_remote_probe_only_run_from_its_node(ssh_nodes, tmp_path, capsys):
+    from infra_cli import one_error_line, run
+    from infra_runs import finish
 
-    proc, rd, gone = probe_on_node(ssh_nodes, tmp_path / "probe-run")
-    runs_cancel_stops_a_probe(proc, rd, capsys, gone, "the probe and its ssh client to exit")
+    proc, rd, on_node, gone = probe_on_node(ssh_nodes, tmp_path / "probe-run")
+    code, out, err = run(capsys, "runs", "cancel", str(rd.path))
+    assert code == 2 and "not visible from here; stop it there" in one_error_line(err)
+    cancelled = on_node("runs", "cancel", str(rd.path))
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
+    wait_for(gone, 15, "the probe and its ssh client to exit")
+    finish(proc, 30)
+    assert rd.read_manifest()["status"] == "cancelled"
+    assert rd.scan_telemetry().collect().height > 0, "the sampler closed its last chunk"
 
 
 @pytest.mark.timeout(400)

@@ -10,7 +10,7 @@ from charllm.engine.launch import slurm, ssh
 from charllm.engine.launch.launcher import plan
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.targets import LOCAL, from_record, get_target, load_file, load_targets
-from charllm.probes.core import paths
+from charllm.probes.core import paths, procid
 from charllm.probes.core.errors import UserError
 
 GOOD = """
@@ -123,9 +123,11 @@ def test_ssh_remote_commands_cannot_inject_shell(tmp_path):
         outer = shlex.split(line)
         assert outer[:3] == ["setsid", "-w", "bash"] and outer[3] == "-c"
         inner = outer[4]
-        setup = "echo $$; " + ssh._STOP_WITH_CONNECTION + "trap : TERM; module load cuda; conda activate train; "
-        assert inner.startswith(setup) and inner.endswith("; exit $?")
-        assert shlex.split(inner.removeprefix(setup).removesuffix("; exit $?")) == step.argv
+        # its identity first, then the env line as written (a line of its own), then argv, quoted
+        setup = (procid.REMOTE_IDENTITY + "; " + ssh._STOP_WITH_CONNECTION
+                 + "trap : TERM\nmodule load cuda; conda activate train\n")
+        assert inner.startswith(setup) and inner.endswith("\nexit $?")
+        assert shlex.split(inner.removeprefix(setup).removesuffix("\nexit $?")) == step.argv
     assert target.ssh_argv("node1")[-2:] == ["--", "node1"]
 
 

@@ -104,7 +104,7 @@ def test_a_damaged_run_still_in_use_is_not_deleted(charllm_dirs, capsys):
     runs = charllm_dirs["runs"]
     two_runs(runs)
     manifest = runs / "bad-run" / "manifest.json"
-    manifest.unlink()
+    shutil.rmtree(runs / "bad-run")   # the probe makes it, as its own run
     proc = start([sys.executable, "-m", "charllm.probes", "--backend", "host", "--hz", "5",
                   "--out", str(runs / "bad-run"), "--node", "n1"])
     try:

@@ -17,7 +17,7 @@ from charllm.probes.store.synthetic import gpu_frame, iteration_rows
 
 
 def _start(root) -> RunDir:
-    rd = RunDir(root / "20260101-000000-followed")
+    rd = RunDir.create(root / "20260101-000000-followed", "launch")
     rd.write_manifest({"id": rd.id, "kind": "train", "status": "pending", "world_size": 2,
                        "target": {"name": "local", "kind": "local"}})
     rd.logs_dir.mkdir()

@@ -11,17 +11,17 @@ from charllm.probes.store.rundir import (check_run_id, Manifest, manifest_proble
 
 
 def _run(root, run_id, status):
-    rd = RunDir(root / run_id)
+    rd = RunDir.create(root / run_id, "launch")
     rd.write_manifest({"id": run_id, "status": status})
     return rd
 
 
-def test_a_running_run_cannot_be_deleted_a_finished_one_can(tmp_path):
-    running = _run(tmp_path, "20260101-000000-a", "running")
+def test_a_running_run_cannot_be_deleted_a_finished_one_can(charllm_dirs):
+    running = _run(charllm_dirs["runs"], "20260101-000000-a", "running")
     with pytest.raises(UserError, match=r"run '20260101-000000-a' is running; cancel it first \(charllm-tui runs cancel"):
         running.delete()
     assert running.path.is_dir()
-    done = _run(tmp_path, "20260101-000001-b", "completed")
+    done = _run(charllm_dirs["runs"], "20260101-000001-b", "completed")
     done.delete()
     assert not done.path.exists()
 
@@ -62,6 +62,7 @@ def test_run_ids_are_built_and_taken_apart_in_one_place():
 def test_the_typed_manifest_reads_each_field_and_defaults_what_is_absent(tmp_path):
     rd = RunDir(tmp_path / "20260101-000000-a")
     assert rd.manifest() == Manifest(id="20260101-000000-a", status="unknown")   # none written yet
+    rd.path.mkdir()
     rd.write_manifest({"id": rd.id, "kind": "train", "status": "failed", "failure": "rank 3 died",
                        "target": {"name": "lab", "kind": "ssh"}, "world_size": 4, "started_ns": 5,
                        "ended_ns": None, "slurm_state": "written by the supervisor, not modelled"})
