@@ -20,6 +20,8 @@ from pathlib import Path
 
 from charllm.engine.model.runtime import Stack, assumed
 from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError
+from charllm.probes.core.files import read_bounded
 from charllm.probes.store.rundir import write_json_atomic
 
 VERSION = 1
@@ -95,9 +97,9 @@ def _int(value) -> int | None:
 @functools.lru_cache(maxsize=32)   # keyed by path and mtime: a new calibration is seen at once
 def _cached(target: str, stamp: int) -> Calibration | None:
     try:
-        data = json.loads(Path(target).read_text())
+        data = json.loads(read_bounded(target, 2**20, "calibration"))
         return _parse(Path(target), data)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, UserError) as exc:
         print(f"charllm-tui: warning: {target}: not a usable calibration ({exc.__class__.__name__}: {exc}); "
               "ignored (run `charllm-tui doctor --train` again)", file=sys.stderr)
         return None

@@ -25,6 +25,7 @@ import polars as pl
 from charllm.probes.analysis.summary import summarize
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
+from charllm.probes.core.files import open_regular, read_bounded
 from charllm.probes.store.rundir import RunDir, resolve_run, write_json_atomic
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -108,18 +109,36 @@ def show(name: str) -> Baseline:
     check_name(name)
     for source, d in _locations(name):
         if d.is_dir() and (d / "summary.parquet").is_file():
-            meta_file = d / "baseline.json"
-            meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {"name": name}
-            with (d / "summary.parquet").open("rb") as fh:
-                summary = pl.read_parquet(fh)
-            gpus = None
-            if (d / "gpus.parquet").is_file():
-                with (d / "gpus.parquet").open("rb") as fh:
-                    gpus = pl.read_parquet(fh)
-            exp = (d / "experiment.toml").read_text() if (d / "experiment.toml").is_file() else None
+            meta = _meta(d) or {"name": name}
+            summary = _frame(d / "summary.parquet")
+            gpus = _frame(d / "gpus.parquet") if (d / "gpus.parquet").is_file() else None
+            exp = None
+            if (d / "experiment.toml").is_file():
+                exp = read_bounded(d / "experiment.toml", paths.MAX_TOML_BYTES, "baseline experiment").decode(errors="replace")
             return Baseline(name, source, meta, summary, gpus, exp)
     known = ", ".join(b["name"] for b in list()) or "none"
     raise UserError(f"baseline {name!r}: no such baseline (known: {known})")
+
+
+def _meta(d: Path) -> dict:
+    """A baseline's baseline.json; {} where it is missing or damaged (the name and files still say
+    what it is)."""
+    try:
+        meta = json.loads(read_bounded(d / "baseline.json", 2**20, "baseline.json"))
+    except (OSError, ValueError, RecursionError, UserError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _frame(path: Path) -> pl.DataFrame:
+    """A baseline's Parquet table; a damaged one is one UserError line naming it."""
+    try:
+        with open_regular(path, "baseline table") as fh:
+            return pl.read_parquet(fh)
+    except (pl.exceptions.PolarsError, pl.exceptions.PanicException, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        raise UserError(f"{path}: damaged baseline table, not readable Parquet ({first}); delete and save it "
+                        "again") from None
 
 
 def list() -> builtins.list[dict]:  # noqa: A001 - the agreed name (save/list/show/delete)
@@ -130,7 +149,7 @@ def list() -> builtins.list[dict]:  # noqa: A001 - the agreed name (save/list/sh
             continue
         for d in root.iterdir():
             if d.is_dir() and _NAME.match(d.name) and (d / "summary.parquet").is_file():
-                meta = json.loads((d / "baseline.json").read_text()) if (d / "baseline.json").is_file() else {}
+                meta = _meta(d)
                 found[d.name] = {  # a user baseline replaces a shipped one of the same name
                     "name": d.name, "source": source, "run": meta.get("run"), "window": meta.get("window"),
                     "simulated": meta.get("simulated"), "description": meta.get("description", ""),

@@ -11,6 +11,8 @@ from pathlib import Path
 import polars as pl
 
 from charllm.probes.core.atomic import write_atomic
+from charllm.probes.core.errors import UserError
+from charllm.probes.core.files import open_regular, read_bounded
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, write_json_atomic
 
 
@@ -18,13 +20,25 @@ from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, write_json_atomi
 SUMMARY_VERSION = 1
 
 
+MAX_KEY_BYTES = 4 * 2**20   # a key lists a run's telemetry directories: a few KiB
+
+
 def read_kept(cache: Path, meta: Path, key: dict) -> pl.DataFrame | None:
+    """The kept result if its key file says it is current and it has the columns that file
+    recorded; None otherwise (a damaged or foreign file is recomputed, never an error)."""
     try:
-        if meta.is_file() and cache.is_file() and json.loads(meta.read_text()) == key:
-            return pl.read_parquet(cache)
-    except (OSError, ValueError, pl.exceptions.PolarsError):
-        pass  # a damaged cache is recomputed
-    return None
+        kept = json.loads(read_bounded(meta, MAX_KEY_BYTES, "kept summary key"))
+        if not isinstance(kept, dict) or {k: v for k, v in kept.items() if k != "schema"} != key:
+            return None
+        with open_regular(cache, "kept summary") as fh:
+            df = pl.read_parquet(fh)
+        return df if _schema(df) == kept.get("schema") else None
+    except (OSError, ValueError, RecursionError, UserError, pl.exceptions.PolarsError, pl.exceptions.PanicException):
+        return None
+
+
+def _schema(df: pl.DataFrame) -> dict[str, str]:
+    return {name: str(dtype) for name, dtype in df.schema.items()}
 
 
 def kept_places(run: RunDir, window, levels) -> dict[str, tuple[Path, Path, dict]] | None:
@@ -67,6 +81,6 @@ def keep(df: pl.DataFrame, cache: Path, meta: Path, key: dict) -> None:
     try:
         cache.parent.mkdir(exist_ok=True)
         write_atomic(cache, df.write_parquet)
-        write_json_atomic(meta, key)
+        write_json_atomic(meta, {**key, "schema": _schema(df)})
     except OSError:
         pass

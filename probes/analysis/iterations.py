@@ -13,6 +13,7 @@ import polars as pl
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.flops import flops_per_iteration
 from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError
 
 _NS = 1e9
 
@@ -37,7 +38,10 @@ def read_experiment(path: Path) -> ExperimentFile | None:
     if not path.is_file():
         return None
     data = paths.read_toml(path, "experiment file")
-    return ExperimentFile(Experiment.from_dict(data, source=str(path)), data)
+    try:
+        return ExperimentFile(Experiment.from_dict(data, source=str(path)), data)
+    except UserError as exc:   # a preset it names is gone, say: name the run's file
+        raise UserError(exc if str(path) in str(exc) else f"{path}: {exc}") from None
 
 
 def iteration_stats(iterations, start_ns, end_ns, exp_file: ExperimentFile | None, n_gpus: int | None):

@@ -22,7 +22,7 @@ from charllm.probes.analysis.devices import (GPU_COLUMNS, GPU_LABELS, HOST_COLUM
 from charllm.probes.analysis.iterations import iteration_stats, read_experiment, with_iteration_stats
 from charllm.probes.analysis.windows import in_window, parse_window, resolve_window
 from charllm.probes.core.errors import UserError
-from charllm.probes.store.rundir import FINAL_STATUSES, resolve_run, RunDir
+from charllm.probes.store.rundir import FINAL_STATUSES, resolve_run, RunDir, past_damage
 from charllm.probes.store.schema import TELEMETRY_SCHEMA
 
 BY = ("gpu", "node", "run")
@@ -46,8 +46,10 @@ def summarize(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu")
 
 def has_accelerators(run: RunDir) -> bool:
     """Whether the run recorded any device besides the host (reads one column)."""
-    devices = run.scan_telemetry().select("device").filter(pl.col("device") != "host").head(1)
-    return devices.collect().height > 0
+    def some(thorough: bool) -> bool:
+        scan = run.scan_telemetry(thorough=thorough)
+        return scan.select("device").filter(pl.col("device") != "host").head(1).collect().height > 0
+    return past_damage(some)
 
 
 def cached_summary(run: RunDir | str | os.PathLike, window="steady", by: str = "gpu") -> pl.DataFrame | None:
@@ -83,11 +85,11 @@ def _cached(run: RunDir, window, by: str) -> pl.DataFrame:
     """
     places = kept_places(run, window, BY)
     if places is None:
-        return _level(_summarize(run, window, (by,)), run, by)
+        return _level(past_damage(lambda thorough: _summarize(run, window, (by,), thorough)), run, by)
     df = read_kept(*places[by])
     if df is not None:
         return df
-    levels = _summarize(run, window, BY)
+    levels = past_damage(lambda thorough: _summarize(run, window, BY, thorough))
     for level, df in levels.items():
         keep(df, *places[level])
     return _level(levels, run, by)
@@ -104,16 +106,18 @@ def per_iteration(run: RunDir | str | os.PathLike) -> pl.DataFrame:
         df = read_kept(*place)
         if df is not None:
             return df
-    held: set[str] = set()
-    scan = run.scan_telemetry(columns=held)
-    if "iteration" not in held:  # no file names an iteration (an import): nothing to read
-        scan = scan.clear()
-    host = pl.col("device") == "host"
-    df = (scan.filter(pl.col("iteration").is_not_null())
-          .group_by("iteration")
-          .agg(pl.col("power_w").filter(~host).mean(), pl.col("temp_gpu_c").filter(~host).mean(),
-               pl.col("cpu_util_pct").filter(host).mean())
-          .sort("iteration").collect())
+    def curves(thorough: bool) -> pl.DataFrame:
+        held: set[str] = set()
+        scan = run.scan_telemetry(columns=held, thorough=thorough)
+        if "iteration" not in held:  # no file names an iteration (an import): nothing to read
+            scan = scan.clear()
+        host = pl.col("device") == "host"
+        return (scan.filter(pl.col("iteration").is_not_null())
+                .group_by("iteration")
+                .agg(pl.col("power_w").filter(~host).mean(), pl.col("temp_gpu_c").filter(~host).mean(),
+                     pl.col("cpu_util_pct").filter(host).mean())
+                .sort("iteration").collect())
+    df = past_damage(curves)
     if place is not None:
         keep(df, *place)
     return df
@@ -125,17 +129,20 @@ def _level(levels: dict[str, pl.DataFrame], run: RunDir, by: str) -> pl.DataFram
     return levels[by]
 
 
-def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
+def _summarize(run: RunDir, window, levels, thorough: bool = False) -> dict[str, pl.DataFrame]:
     """The summary at each of `levels` ("gpu", "node", "run") from one pass over the telemetry;
-    "gpu" is left out for a run without accelerator telemetry."""
+    "gpu" is left out for a run without accelerator telemetry. `thorough`: see past_damage."""
     exp_file = read_experiment(run.experiment_path)
     exp = exp_file.experiment if exp_file else None
     iterations = run.read_steps()
     skipped: list[str] = []
     held: set[str] = set()
-    scan = run.scan_telemetry(skipped, columns=held)
+    scan = run.scan_telemetry(skipped, columns=held, thorough=thorough)
     devices = scan_devices(scan)
     if devices.height == 0:
+        if skipped:
+            raise UserError(f"run {run.id}: no readable telemetry under {run.telemetry_dir} (nothing to "
+                            f"summarize): {skipped[0]}")
         raise UserError(f"run {run.id}: no telemetry under {run.telemetry_dir} (nothing to summarize)")
     key, keyed = device_key(devices)
     gpu_names = keyed.filter(pl.col("device") != "host").select("_key", *KEYS, *GPU_LABELS)
@@ -196,7 +203,7 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
             host_parts.append(host_stats(*host))
     if not gpu_parts and not host_parts:
         raise UserError(
-            f"window {label}: no telemetry samples in it (the run's samples span "
+            f"run {run.id}: window {label}: no telemetry samples in it (the run's samples span "
             f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
         )
     host = pl.concat(host_parts).sort("node") if host_parts else None
@@ -204,7 +211,7 @@ def _summarize(run: RunDir, window, levels) -> dict[str, pl.DataFrame]:
     durations = [f["duration_s"].max() for f in gpu_parts] + [f["host_duration_s"].max() for f in host_parts]
     if max(durations) == 0:
         raise UserError(
-            f"window {label}: only one sample per device; at least two are needed to weight by time"
+            f"run {run.id}: window {label}: only one sample per device; at least two are needed to weight by time"
         )
     if end_ns is None:
         end_ns = last_ns

@@ -15,8 +15,11 @@ import polars as pl
 
 from charllm.probes.backends.base import Backend, Device
 from charllm.probes.core.errors import UserError, plural
-from charllm.probes.store.rundir import resolve_run
+from charllm.probes.store.rundir import past_damage, resolve_run
 from charllm.probes.store.schema import METRIC_COLUMNS
+
+
+MIN_SPEED, MAX_SPEED = 1e-3, 1e6   # a thousand times slower, a million times faster
 
 
 class ReplayBackend(Backend):
@@ -24,11 +27,15 @@ class ReplayBackend(Backend):
 
     def __init__(self, ref: str, speed: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        if not speed > 0:
-            raise UserError(f"speed = {speed!r}: must be > 0")
+        if not MIN_SPEED <= speed <= MAX_SPEED:
+            raise UserError(f"speed = {speed!r}: must be between {MIN_SPEED:g} and {MAX_SPEED:g}")
         run = resolve_run(ref)
         skipped: list[str] = []
-        frame = run.scan_telemetry(skipped).sort("ts_ns", "device", maintain_order=True).collect()
+
+        def recorded(thorough: bool) -> pl.DataFrame:
+            skipped.clear()
+            return run.scan_telemetry(skipped, thorough=thorough).sort("ts_ns", "device", maintain_order=True).collect()
+        frame = past_damage(recorded)
         if frame.is_empty():
             raise UserError(f"replay run {ref!r}: no telemetry recorded in {run.telemetry_dir}")
         backends = frame["backend"].unique().to_list()

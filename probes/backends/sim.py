@@ -21,7 +21,6 @@ import json
 import math
 import random
 import time
-import tomllib
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Callable
 from charllm.probes.backends.base import Backend, Device
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
+from charllm.probes.core.files import read_bounded
 from charllm.probes.core.formatting import GIB
 from charllm.probes.store.rundir import resolve_run
 from charllm.probes.store.schema import THROTTLE_BITS
@@ -61,27 +61,38 @@ class SimHardware:
             if name == cls.name:
                 return cls()
             raise UserError(f"sim hardware = {name!r}: no such hardware preset")
-        data = tomllib.loads(source.read_text())
-        if not data.get("tdp_w") or not data.get("max_sm_clock_mhz"):
-            raise UserError(f"sim hardware = {name!r}: needs tdp_w and max_sm_clock_mhz > 0 to simulate a GPU")
+        data = paths.read_toml(Path(str(source)), "hardware preset")
+
+        def positive(key: str, default=None) -> float:
+            value = data.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise UserError(f"sim hardware = {name!r}: {key} = {value!r}: must be a number above 0 to "
+                                "simulate a GPU")
+            return value
+
+        tdp = float(positive("tdp_w"))
         return replace(cls(), name=name, description=f"{data.get('description', name)} (simulated)",
-                       tdp_w=float(data["tdp_w"]), idle_w=0.1 * float(data["tdp_w"]),
-                       max_sm_clock_mhz=float(data["max_sm_clock_mhz"]),
-                       temp_limit_c=float(data.get("temp_limit_c", cls.temp_limit_c)),
-                       memory_bytes=int(data.get("memory_bytes", cls.memory_bytes)))
+                       tdp_w=tdp, idle_w=0.1 * tdp, max_sm_clock_mhz=float(positive("max_sm_clock_mhz")),
+                       temp_limit_c=float(positive("temp_limit_c", cls.temp_limit_c)),
+                       memory_bytes=int(positive("memory_bytes", cls.memory_bytes)))
+
+
+MAX_TIMELINE_BYTES = 512 * 2**20   # an iteration log of a very long run
 
 
 def iteration_timeline(path: Path) -> list[tuple[float, float]]:
     """(start_s, end_s) of each iteration in an iterations.jsonl, relative to the first start."""
     spans = []
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = read_bounded(path, MAX_TIMELINE_BYTES, "sim profile").decode(errors="replace").splitlines()
     except OSError as exc:
         raise UserError(f"sim profile: cannot read {path} ({exc.strerror})") from None
     for line in lines:
         try:
             event = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(event, dict) or not all(isinstance(event.get(k), int) for k in ("start_ns", "end_ns")):
             continue
         if event.get("event") == "iteration" and event.get("start_ns") and event.get("end_ns"):
             spans.append((event["start_ns"], event["end_ns"]))

@@ -40,10 +40,20 @@ def duration(seconds: float, digits: int = 1) -> str:
 
 
 def local_time(ns: int | None, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
-    """A stored time (ns since the epoch) in the local zone; "-" when there is none."""
-    return time.strftime(fmt, time.localtime(ns / 1e9)) if ns else "-"
+    """A stored time (ns since the epoch) in the local zone; "-" when there is none, "?" for one
+    no calendar holds (a damaged record)."""
+    if not ns:
+        return "-"
+    try:
+        return time.strftime(fmt, time.localtime(ns / 1e9))
+    except (OverflowError, OSError, ValueError):
+        return "?"
 
 
 def clock(ns: int | None = None) -> str:
-    """The local time of day, "14:03:07", of `ns` (ns since the epoch) or of now."""
-    return time.strftime("%H:%M:%S", time.localtime(None if ns is None else ns / 1e9))
+    """The local time of day, "14:03:07", of `ns` (ns since the epoch) or of now; "?" for a time
+    no calendar holds."""
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(None if ns is None else ns / 1e9))
+    except (OverflowError, OSError, ValueError):
+        return "?"

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from charllm.probes.core.errors import UserError
+from charllm.probes.core.files import read_bounded
 
 APP = "charllm"
 MAX_TOML_BYTES = 4 * 2**20
@@ -27,16 +28,12 @@ def read_toml(path: Path, what: str = "file") -> dict:
     """A TOML file as a dict; a missing file or bad syntax is one UserError line naming the file."""
     import tomllib
 
-    try:
-        text = Path(path).expanduser().read_bytes()
+    try:  # a preset is a few KiB: a pipe, a device or something huge is refused before it is read
+        text = read_bounded(Path(path).expanduser(), MAX_TOML_BYTES, what)
     except FileNotFoundError:
         raise UserError(f"{what} {str(path)!r}: no such file") from None
-    except IsADirectoryError:
-        raise UserError(f"{what} {str(path)!r}: is a directory, not a TOML file") from None
     except OSError as exc:
         raise UserError(f"{what} {str(path)!r}: cannot read ({exc.strerror})") from None
-    if len(text) > MAX_TOML_BYTES:  # a preset is a few KiB; refuse before parsing something huge
-        raise UserError(f"{what} {str(path)!r}: {len(text)} bytes, more than the {MAX_TOML_BYTES} a TOML file may have")
     try:
         return tomllib.loads(text.decode())
     except UnicodeDecodeError as exc:

@@ -28,9 +28,11 @@ from pathlib import Path
 from charllm.probes.core import paths, procid
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.files import is_regular, open_regular, read_bounded
 from charllm.probes.core.formatting import clock
 
 STATUSES = ("pending", "running", "completed", "failed", "cancelled")
+MAX_MANIFEST_BYTES = 16 * 2**20   # a manifest is a few KiB (commands, process records)
 FINAL_STATUSES = ("completed", "failed", "cancelled")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _RUN_ID_STAMP = "%Y%m%d-%H%M%S"   # UTC: ids sort by start time
@@ -109,7 +111,8 @@ class Manifest:
     @property
     def target_name(self) -> str:
         """The target it ran on; a probe-only or imported run names its kind instead ("-": neither)."""
-        return self.target.get("name") or self.kind or "-"
+        name = self.target.get("name")
+        return name if isinstance(name, str) and name else self.kind or "-"
 
     @property
     def final(self) -> bool:
@@ -140,8 +143,9 @@ class Manifest:
             return f"{line} on {self.elsewhere} (not visible from here)"
         for entry in self.telemetry_lost:
             if isinstance(entry, dict) and isinstance(entry.get("at_ns"), int):
-                line += f", telemetry lost at {clock(entry['at_ns'])} (node {entry.get('node', '?')})"
-        if self.disk_full and "disk full" not in str(self.failure):
+                full = ", disk full" if "disk full" in str(entry.get("reason")) and not self.disk_full else ""
+                line += f", telemetry lost at {clock(entry['at_ns'])} (node {_text(entry, 'node')}{full})"
+        if self.disk_full:
             line += f", {self.disk_full}"
         return line
 
@@ -149,6 +153,8 @@ class Manifest:
 # Each manifest field's JSON types, from Manifest's annotations (bool is never taken for int).
 _MANIFEST_TYPES = {f.name: typing.get_args(kind) or (kind,)
                    for f in fields(Manifest) for kind in [typing.get_type_hints(Manifest)[f.name]]}
+# What each list field holds (a reader iterates them).
+_ITEM_TYPES = {"nodes": str, "steps": dict, "commands": str, "forced": str, "processes": dict, "telemetry_lost": dict}
 _JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", list: "a list",
                dict: "an object", type(None): "null"}
 
@@ -162,6 +168,14 @@ def manifest_problem(data) -> str | None:
         if name in data and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
             want = " or ".join(_JSON_NAMES[k] for k in kinds)
             return f"field {name!r} is {_JSON_NAMES.get(type(value), type(value).__name__)}, expected {want}"
+    for name, kind in _ITEM_TYPES.items():
+        items = data.get(name)
+        if isinstance(items, list) and not all(isinstance(item, kind) for item in items):
+            return f"field {name!r} holds something other than {_JSON_NAMES[kind].split(' ', 1)[1]}s"
+    for name in ("created_ns", "started_ns", "ended_ns", "world_size"):   # times and counts a calendar holds
+        value = data.get(name)
+        if isinstance(value, int) and not 0 <= value < 2**63:
+            return f"field {name!r} = {value}: out of range"
     if "status" in data and data["status"] not in STATUSES + ("unknown",):
         return f"field 'status' = {data['status']!r}, expected one of {', '.join(STATUSES)}"
     return None
@@ -193,6 +207,16 @@ def new_run_id(name: str) -> str:
     stamp = time.strftime(_RUN_ID_STAMP, time.gmtime())
     safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")[:80] or "run"
     return f"{stamp}-{safe}"
+
+
+def unique_run_dir(path: Path) -> Path:
+    """`path`, or `path-2`, `path-3`, ...: the first that does not exist yet (runs started in the
+    same second under the same name; whoever creates it first has it)."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
 
 
 def run_id_name(run_id: str) -> str | None:
@@ -301,8 +325,10 @@ class RunDir:
         """The manifest; a damaged one (not JSON, not an object, a field of the wrong type) is
         one UserError naming the file, so it costs only this run."""
         try:
-            data = json.loads(self.manifest_path.read_bytes())
+            data = json.loads(read_bounded(self.manifest_path, MAX_MANIFEST_BYTES, "manifest"))
         except FileNotFoundError:
+            if self.manifest_path.is_symlink():
+                raise UserError(f"{self.manifest_path}: damaged manifest, a link to a missing file") from None
             return {"id": self.id, "status": "unknown"}
         except json.JSONDecodeError as exc:
             raise UserError(f"{self.manifest_path}: damaged manifest, not valid JSON "
@@ -401,12 +427,15 @@ class RunDir:
         nodes = sorted(d for d in self.telemetry_dir.iterdir() if d.is_dir())
         return [path for d in nodes for _, _, path in node_chunks(d)]
 
-    def scan_telemetry(self, skipped: list[str] | None = None, *, columns: set[str] | None = None):
+    def scan_telemetry(self, skipped: list[str] | None = None, *, columns: set[str] | None = None,
+                       thorough: bool = False):
         """A polars LazyFrame over every readable telemetry file, conformed to the schema.
 
         A file that cannot be read (truncated, garbage, empty, a column of the wrong type) is
         left out; when `skipped` is given, one line saying what was lost is appended to it
-        (`damage_note`). `columns`, when given, receives the names of the columns the files
+        (`damage_note`). Only a file's footer and schema are checked, unless `thorough`: then
+        each file is read whole first, which finds damage inside its data (what a reader does
+        again after a scan failed on it, see TELEMETRY_DAMAGE). `columns`, when given, receives the names of the columns the files
         hold (finished files leave out all-null ones: a reader may skip what none holds).
         Compacted Parquet files go into one scan, given the schema (a file missing a column
         gets nulls); Arrow chunks with the schema's exact columns likewise, others (older or
@@ -422,7 +451,7 @@ class RunDir:
         kinds, damaged = {}, []
         for f in files:
             try:
-                kinds[f], held = _telemetry_kind(f)
+                kinds[f], held = _telemetry_kind(f, thorough)
                 if columns is not None:
                     columns.update(held)
             except _Unreadable as exc:
@@ -488,19 +517,46 @@ class RunDir:
             .sort("iteration")
         )
 
+    def end_events(self) -> list[dict]:
+        """The workload's end records (each carries its status: completed, cancelled, failed)."""
+        return [r for r in self.iteration_records() if isinstance(r, dict) and r.get("event") == "end"]
+
     def iteration_records(self):
         """Each JSON line of the iteration log; a damaged line (half-written, binary, not JSON)
         is skipped, costing only itself."""
         try:
-            with open(self.iterations_path, "rb") as fh:
+            with open_regular(self.iterations_path, "iteration log") as fh:
                 for line in fh:
                     try:
                         record = json.loads(line)
                     except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply
                         continue
                     yield record
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        except (OSError, UserError):   # none yet, or not a file (a pipe, a directory): nothing to read
             return
+
+
+class Reserve:
+    """A little disk space a run's owner holds from its start (a hidden file in the run), given back
+    when its final status must be written on a full disk. `held` is False when there was no room
+    for it: then nothing should start that could not record how it ended."""
+
+    NAME = ".reserve"
+
+    def __init__(self, run_path: Path, size: int):
+        self.path = Path(run_path) / self.NAME
+        self.held = True
+        try:
+            with open(self.path, "wb") as fh:
+                fh.write(b"\0" * size)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def one_per_step(events: list[dict]) -> list[dict]:
@@ -534,19 +590,38 @@ class _Unreadable(Exception):
     """A telemetry file that cannot be read as what its name says."""
 
 
-def _telemetry_kind(path: Path) -> tuple[str, list[str]]:
+def past_damage(compute):
+    """`compute(thorough)` once as usual; if a telemetry file proves damaged inside its data (which
+    only reading it shows: polars' errors, its Rust panics, the OSError of a file cut short), once
+    more with every file read whole first, the damaged ones left out and named (RunDir.scan_telemetry)."""
+    import polars as pl
+
+    try:
+        return compute(False)
+    except (pl.exceptions.PolarsError, pl.exceptions.PanicException, OSError):
+        return compute(True)
+
+
+def _telemetry_kind(path: Path, thorough: bool = False) -> tuple[str, list[str]]:
     """("parquet", "arrow" (exactly the schema) or "other" (conformable), the file's columns);
     raises _Unreadable for a file whose footer or schema cannot be read, or whose columns have
-    types the schema's cannot take."""
+    types the schema's cannot take (or, `thorough`, whose data cannot be read whole)."""
     import polars as pl
 
     from charllm.probes.store.schema import TELEMETRY_SCHEMA  # deferred: loads polars (start-up time)
 
+    parquet = path.suffix == ".parquet"
     try:
-        schema = pl.read_parquet_schema(path) if path.suffix == ".parquet" else pl.read_ipc_schema(path)
+        if not is_regular(path):
+            raise _Unreadable("not a regular file")
+        schema = pl.read_parquet_schema(path) if parquet else pl.read_ipc_schema(path)
+        if thorough:
+            pl.read_parquet(path) if parquet else pl.read_ipc(path)
     except FileNotFoundError:
         raise  # merged and deleted since the listing: not damage
-    except Exception as exc:  # noqa: BLE001 - polars raises many kinds for a damaged file
+    except _Unreadable:
+        raise
+    except (Exception, pl.exceptions.PanicException) as exc:  # noqa: BLE001 - polars raises many kinds for a damaged file
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise _Unreadable(f"not {'Parquet' if path.suffix == '.parquet' else 'Arrow IPC'} ({first[:80]})") from None
     for name, dtype in schema.items():
@@ -611,25 +686,40 @@ def scan_runs(root: Path | None = None):
 
 def runtime_line(record: dict | None) -> str:
     """One line saying what ran: implementation, attention, fusions, devices, versions, and the
-    megatron-core class that built the model."""
-    if not record:
+    megatron-core class that built the model. A field of the wrong type (a damaged record) reads
+    as unknown ("?"), never as an error."""
+    if not isinstance(record, dict) or not record:
         return "not recorded (the workload has not started, or predates this record)"
-    impl, versions = record.get("implementation") or {}, record.get("versions") or {}
-    transformer = {"transformer_engine": f"Transformer Engine {versions.get('transformer_engine') or ''}".strip(),
+    impl, versions, model = (_table(record.get(k)) for k in ("implementation", "versions", "model"))
+    transformer = {"transformer_engine": f"Transformer Engine {_text(versions, 'transformer_engine', '')}".strip(),
                    "local": "local layers"}.get(impl.get("transformer_impl"), "?")
-    devices = record.get("devices") or []
+    devices = [d for d in record.get("devices") or [] if isinstance(d, dict)] if isinstance(record.get("devices"), list) else []
     if devices:
-        names = sorted({d.get("name", "?") for d in devices})
-        where = f"{len(devices)}x {'/'.join(names)}" + (f" (driver {record['driver']})" if record.get("driver") else "")
+        names = sorted({_text(d, "name") for d in devices})
+        driver = _text(record, "driver", "")
+        where = f"{len(devices)}x {'/'.join(names)}" + (f" (driver {driver})" if driver else "")
     else:
         where = "CPU"
-    torch = f"torch {versions.get('torch', '?')}"
-    if versions.get("cuda"):
-        torch += f" (CUDA {versions['cuda']}" + (f", NCCL {versions['nccl']})" if versions.get("nccl") else ")")
-    return " · ".join([transformer, f"attention {impl.get('attention', '?')}",
-                       f"fusions {', '.join(f.removesuffix('_fusion') for f in impl.get('fusions', [])) or 'none'}",
-                       where, torch, f"megatron-core {versions.get('megatron_core', '?')}"
-                       + (f" {model['class']}" if (model := record.get("model") or {}).get("class") else "")])
+    torch = f"torch {_text(versions, 'torch')}"
+    if _text(versions, "cuda", ""):
+        nccl = _text(versions, "nccl", "")
+        torch += f" (CUDA {versions['cuda']}" + (f", NCCL {nccl})" if nccl else ")")
+    fusions = impl.get("fusions") if isinstance(impl.get("fusions"), list) else []
+    fused = ", ".join(str(f).removesuffix("_fusion") for f in fusions) or "none"
+    built = f" {model['class']}" if isinstance(model.get("class"), str) else ""
+    return " · ".join([transformer, f"attention {_text(impl, 'attention')}", f"fusions {fused}", where, torch,
+                       f"megatron-core {_text(versions, 'megatron_core')}{built}"])
+
+
+def _table(value) -> dict:
+    """A record's sub-table, or {} where a damaged record holds something else."""
+    return value if isinstance(value, dict) else {}
+
+
+def _text(table: dict, key: str, default: str = "?") -> str:
+    """A record's plain value as text, or `default` where it is missing or not a plain value."""
+    value = table.get(key)
+    return str(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else default
 
 
 def staging_dir(final: Path) -> Path:
@@ -664,8 +754,21 @@ def list_runs(root: Path | None = None) -> list[RunDir]:
     if not root.is_dir():
         return []
     remove_abandoned_staging(root)
-    return sorted((RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "manifest.json").exists()),
-                  key=lambda r: r.id)
+    return sorted((RunDir(p) for p in root.iterdir() if _a_run(p)), key=lambda r: r.id)
+
+
+def _a_run(path: Path) -> bool:
+    """Whether a runs-directory entry is a run: a directory with a manifest; one that cannot be
+    looked into (its permissions) is listed too, so that its row says why."""
+    try:
+        if not path.is_dir():
+            return False
+        os.lstat(path / "manifest.json")
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
 
 
 def resolve_run(ref: str | os.PathLike, root: Path | None = None) -> RunDir:

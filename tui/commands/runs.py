@@ -7,6 +7,7 @@ import sys
 
 from charllm.engine.launch.launcher import cancel, reconcile
 from charllm.probes.core.errors import plural, UserError
+from charllm.probes.core.files import open_regular
 from charllm.probes.core.formatting import duration, local_time
 from charllm.probes.store.rundir import list_runs, Manifest, resolve_run, runtime_line
 from charllm.tui.commands.launch import follow
@@ -119,7 +120,12 @@ def _logs(rd, args) -> int:
         print(f"run {rd.id}: no logs yet")
     for path in files:
         print(f"==> {path.name} <==")
-        print(path.read_text(errors="replace"), end="" if path.stat().st_size else "\n")
+        try:
+            with open_regular(path, "log") as fh:
+                text = fh.read().decode(errors="replace")
+        except UserError as exc:   # a pipe or a device in its place: it costs only itself
+            text = f"({exc})\n"
+        print(text, end="" if text else "\n")
     return 0
 
 

@@ -321,9 +321,11 @@ def test_finished_runs_are_cached_and_refreshed_when_files_change(square_run):
     cache = square_run.path / "summaries" / "gpu-all.parquet"
     assert cache.is_file()
     assert summarize(square_run, "all").equals(first)
-    marked = first.with_columns(notes=pl.lit("from the cache"))
+    marked = first.with_columns(pl.col("samples") + 1_000_000)   # the same columns, other values
     marked.write_parquet(cache)                          # prove the second read comes from the cache
-    assert one(summarize(square_run, "all"), "notes") == "from the cache"
+    assert one(summarize(square_run, "all"), "samples") == one(first, "samples") + 1_000_000
+    first.select(pl.exclude("notes"), notes=pl.lit(5)).write_parquet(cache)   # a column of another type
+    assert summarize(square_run, "all").equals(first), "a kept file of another shape is made again"
     # new data (chunks replaced, as the recorder does: by rename) invalidates the cache
     for f in square_run.telemetry_files():
         f.unlink()
