@@ -24,11 +24,14 @@ from charllm.engine.launch.targets import LOCAL, from_record
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths, procid
-from charllm.probes.core.errors import UserError, os_error_line
+from charllm.probes.core.errors import UserError, mount_point, os_error_line
 from charllm.probes.core.formatting import clock, size
-from charllm.probes.store.rundir import FINAL_STATUSES, Manifest, RunDir, new_run_id, remove_abandoned_staging
+from charllm.probes.store.rundir import (FINAL_STATUSES, Manifest, RunDir, new_run_id, remove_abandoned_staging,
+                                         unique_run_dir)
 
 CANCEL_GRACE_S = 10.0
+RESERVE_BYTES = 256 * 1024   # what a supervisor holds on the run's disk to record its final status
+MIN_FREE_BYTES = 4 * RESERVE_BYTES   # a launch needs that, its manifest, experiment and first logs
 
 
 @dataclass
@@ -104,7 +107,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     if found and not force:
         raise UserError(f"{found[0]} (launch anyway with --force)")
     run_id = new_run_id(exp.name)
-    run_dir = _unique(paths.runs_dir() / run_id)
+    run_dir = unique_run_dir(paths.runs_dir() / run_id)
     steps, script = plan(exp, target, run_dir, dry_run=dry_run)
     commands = display_commands(steps, target)
     result = LaunchResult(run_id=run_dir.name, run_dir=None, commands=commands, sbatch_script=script,
@@ -116,13 +119,14 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
 
     base = run_dir.with_name(run_id)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    _check_room(run_dir.parent)
     remove_abandoned_staging(run_dir.parent)
     while True:  # claim the name: a simultaneous launch may have taken it since (never remove theirs)
         try:
             rd = RunDir.create(run_dir, "launch")
             break
         except FileExistsError:
-            run_dir = _unique(base)
+            run_dir = unique_run_dir(base)
             steps, script = plan(exp, target, run_dir)
             result.run_id, result.sbatch_script = run_dir.name, script
             result.commands = commands = display_commands(steps, target)
@@ -152,14 +156,6 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         raise
     result.run_dir = rd.path
     return result
-
-
-def _unique(path: Path) -> Path:
-    candidate, n = path, 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.name}-{n}")
-    return candidate
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,14 +193,15 @@ def reconcile(rd: RunDir) -> str:
     found = clock()
     if probe_only:
         return _record(rd, status="failed", ended_ns=time.time_ns(),
-                       failure=f"the sampler died (found at {found}); telemetry up to then is kept")
+                       failure=f"the sampler died (found at {found}); telemetry up to then is kept{disk_note(rd.path)}")
     _target(manifest).stop_processes(manifest, grace=2.0)
-    ended = [r.get("status") for r in _end_events(rd)]
+    ended = [r.get("status") for r in rd.end_events()]
     done = bool(ended) and all(s == "completed" for s in ended)
+    disk = disk_note(rd.path)
     return _record(rd, status="completed" if done else "failed", ended_ns=time.time_ns(),
                    failure=manifest.failure or (None if done else
-                                                       f"the supervisor died (found at {found}); its processes were stopped"),
-                   note=f"the supervisor died (found at {found})")
+                                                f"the supervisor died (found at {found}); its processes were stopped{disk}"),
+                   note=f"the supervisor died (found at {found}){disk}")
 
 
 SUPERVISOR_START_S = 60  # launch hands a run to its supervisor within seconds (ssh checks included)
@@ -233,6 +230,23 @@ def _target(manifest: Manifest) -> Target:
     return from_record(manifest.target or LOCAL.to_dict())
 
 
+def _check_room(runs: Path) -> None:
+    """Refuse a launch onto a disk without room for the run to record itself (a UserError line)."""
+    free = shutil.disk_usage(runs).free
+    if free < MIN_FREE_BYTES:
+        raise UserError(f"disk full on {mount_point(runs)}: {free // 1024:,} KiB free, a run needs at least "
+                        f"{MIN_FREE_BYTES // 1024:,} KiB to record itself; free some space and launch again")
+
+
+def disk_note(path: Path) -> str:
+    """'; disk full on /x' when the run's disk has no room left (the likely cause of a failure)."""
+    try:
+        full = shutil.disk_usage(path).free < RESERVE_BYTES
+    except OSError:
+        return ""
+    return f"; disk full on {mount_point(path)}" if full else ""
+
+
 def _record(rd: RunDir, **fields) -> str:
     """Record a final status; a run directory that cannot take it (a full disk, made read-only)
     is one line saying the processes are stopped regardless."""
@@ -241,10 +255,6 @@ def _record(rd: RunDir, **fields) -> str:
     except OSError as exc:
         raise UserError(f"run {rd.id!r}: its processes were stopped, but its status ({fields['status']}) "
                         f"could not be recorded: {os_error_line(exc, rd.path)}") from None
-
-
-def _end_events(rd: RunDir) -> list[dict]:
-    return [r for r in rd.iteration_records() if isinstance(r, dict) and r.get("event") == "end"]
 
 
 def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str:

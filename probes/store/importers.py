@@ -42,7 +42,9 @@ import polars as pl
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.recorder import write_parquet
-from charllm.probes.store.rundir import RunDir, check_run_id, new_run_id, remove_abandoned_staging, staging_dir
+from charllm.probes.core.files import is_regular, open_regular
+from charllm.probes.store.rundir import (RunDir, check_run_id, new_run_id, remove_abandoned_staging, staging_dir,
+                                         unique_run_dir)
 from charllm.probes.store.schema import conform
 
 FORMAT = "charllm-ppt"
@@ -94,6 +96,8 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
     gpu_files: dict[int, dict[str, Path]] = {}
     sys_files: dict[int, list[tuple[str, str, Path]]] = {}
     for f in sorted(src.iterdir()):
+        if not is_regular(f):   # a pipe or a device under a result's name would block or never end
+            continue
         if m := _SYS_LABELLED.match(f.name):
             sys_files.setdefault(int(m["rank"]), []).append((m["metric"], m["id"], f))
         elif m := _SYS_SIMPLE.match(f.name):
@@ -104,15 +108,15 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
         raise UserError(f"charllm-ppt directory {str(src)!r}: no {{metric}}_{{rank}}.csv files "
                         f"(metrics {', '.join(GPU_METRICS)})")
 
-    run_id = check_run_id(new_run_id(name or src.name))
-    final = paths.runs_dir() / run_id
-    if final.exists():
-        raise UserError(f"run {run_id!r}: already exists in {final.parent}; give another --name")
-    remove_abandoned_staging(final.parent)
-    tmp = staging_dir(final)
+    check_run_id(new_run_id(name or src.name))
+    paths.runs_dir().mkdir(parents=True, exist_ok=True)
+    remove_abandoned_staging(paths.runs_dir())
+    base = paths.runs_dir() / new_run_id(name or src.name)
+    tmp = staging_dir(base)
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed import that had the same ids
-    run = RunDir.create(tmp, "import")
+    rejected: dict[str, list[int]] = {}   # file -> [rows rejected, rows read]
     try:
+        run = RunDir.create(tmp, "import")
         # One file per device (numbered as chunks), each written before the next is read: memory
         # holds one rank's samples however long or wide the run.
         ranks: dict[str, list[int]] = {}
@@ -127,10 +131,10 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
             out = run.node_telemetry_dir(node)
             out.mkdir(parents=True, exist_ok=True)
             parts = [(True, lambda rank=rank: _gpu_rank(gpu_files[rank], node, f"gpu{rank % gpus_per_node}", rank,
-                                                        simulated))
+                                                        simulated, rejected))
                      for rank in ranks.get(node, [])]
             if node in first_rank:
-                parts.append((False, lambda: _host(sys_files[first_rank[node]], node, simulated)))
+                parts.append((False, lambda: _host(sys_files[first_rank[node]], node, simulated, rejected)))
             chunk = 0
             for is_gpu, part in parts:
                 frame = part()
@@ -145,32 +149,61 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
                     if on_progress:
                         on_progress(done, len(gpu_files))
         if first is None:
-            raise UserError(f"charllm-ppt directory {str(src)!r}: its CSV files hold no samples")
+            raise UserError(f"charllm-ppt directory {str(src)!r}: its CSV files hold no samples"
+                            + (f" that could be kept ({rejection_note(rejected)})" if rejected else ""))
         run.write_manifest({
-            "id": run_id, "name": name or src.name, "kind": "import", "status": "completed",
+            "id": base.name, "name": name or src.name, "kind": "import", "status": "completed",
             "simulated": simulated, "started_at": first / 1e9, "ended_at": last / 1e9,
             "imported_at": time.time(),
             "imported_from": {"format": FORMAT, "path": str(src.resolve()), "ranks": sorted(gpu_files),
                               "gpus_per_node": gpus_per_node,
                               "files": sum(len(f) for f in gpu_files.values()) + sum(len(f) for f in sys_files.values())},
             "limitations": LIMITATIONS,
+            "rejected_rows": {file: count for file, (count, _) in sorted(rejected.items())},
+            "notes": [rejection_note(rejected)] if rejected else [],
         })
-        try:
-            tmp.rename(final)
-        except OSError:
-            if final.exists():  # taken while this import ran
-                raise UserError(f"run {run_id!r}: already exists in {final.parent}; give another --name") from None
-            raise
+        run = RunDir(_rename_into_place(tmp, base))
+        if run.id != base.name:
+            run.update_manifest(id=run.id)
+    except (pl.exceptions.PolarsError, pl.exceptions.PanicException, ValueError, OverflowError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise UserError(f"charllm-ppt directory {str(src)!r}: not imported ({first_line})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return RunDir(final)
+    return run
+
+
+def _rename_into_place(tmp: Path, base: Path) -> Path:
+    """Rename the finished import to `base`'s name, or with a suffix when another run has it
+    (a launch or an import in the same second): a rename onto a run that exists fails, and the
+    next name is tried."""
+    while True:
+        final = unique_run_dir(base)
+        try:
+            tmp.rename(final)
+            return final
+        except OSError:
+            if not final.exists():
+                raise
+
+
+def rejection_note(rejected: dict[str, list[int]]) -> str:
+    """One line: how many rows of which files were left out, and why."""
+    bad = sum(count for count, _ in rejected.values())
+    total = sum(rows for _, rows in rejected.values())
+    files = ", ".join(f"{file} ({count:,})" for file, (count, _) in sorted(rejected.items())[:3])
+    more = f" and {len(rejected) - 3} more files" if len(rejected) > 3 else ""
+    return (f"{bad:,} of {total:,} rows rejected in {files}{more}: a time that is not a finite date "
+            f"in {MIN_YEAR}..{MAX_YEAR}, or a value that is not a finite number from 0 to {MAX_VALUE:.0e} "
+            "(-1, the artifact's failed read, is kept as no value)")
 
 
 def is_result_folder(folder: Path) -> bool:
     """Whether `folder` itself holds a result ({metric}_{rank}.csv files of a known metric)."""
     return any((m := _GPU_FILE.match(f.name)) and m["metric"] in GPU_METRICS for f in folder.iterdir()
-               if f.is_file())
+               if is_regular(f))
 
 
 def result_folders(root: str | Path) -> list[Path]:
@@ -207,23 +240,39 @@ def import_charllm_ppt_tree(root: str | Path, *, prefix: str | None = None, gpus
     return out
 
 
-def _read(path: Path) -> pl.DataFrame:
-    """`unix_time_s,value` rows -> ts_ns, v (-1, the artifact's failed read, -> null)."""
+# A row is kept when its time is a date of this era and its value a plausible reading (every metric
+# the artifact records is a count, a rate, a level or a temperature: none below 0, none near 2**63).
+MIN_YEAR, MAX_YEAR = 2000, 2100
+_MIN_S, _MAX_S = 946_684_800.0, 4_102_444_800.0   # 2000-01-01 and 2100-01-01, UTC
+MAX_VALUE = 1e18
+
+
+def _read(path: Path, rejected: dict[str, list[int]], maximum: float = MAX_VALUE) -> pl.DataFrame:
+    """`unix_time_s,value` rows -> ts_ns, v (-1, the artifact's failed read, -> null). A row whose
+    time or value no recording could hold (NaN, inf, 1e300, a negative reading, above `maximum`)
+    is left out and counted in `rejected[file name]` ([rows left out, rows read])."""
     try:
-        df = pl.read_csv(path, has_header=False, new_columns=["t", "v"],
-                         schema_overrides={"t": pl.Float64, "v": pl.Float64})
+        with open_regular(path, "CSV file") as fh:
+            df = pl.read_csv(fh, has_header=False, new_columns=["t", "v"],
+                             schema_overrides={"t": pl.Float64, "v": pl.Float64})
     except (pl.exceptions.ComputeError, pl.exceptions.NoDataError, pl.exceptions.ShapeError,
             pl.exceptions.SchemaError) as exc:
         if path.stat().st_size == 0:
             return pl.DataFrame(schema={"ts_ns": pl.Int64, "v": pl.Float64})
         first = str(exc).strip().splitlines()[0]
-        raise UserError(f"{path}: expected `unix_time_s,value` rows without a header ({first})") from None
+        raise UserError(f"{path}: expected `unix_time_s,value` rows without a header ({first[:160]})") from None
     if df.width != 2:
         raise UserError(f"{path}: expected 2 columns `unix_time_s,value`, found {df.width}")
-    return df.select(
-        (pl.col("t") * 1e9).round().cast(pl.Int64).alias("ts_ns"),
-        pl.when(pl.col("v") != -1).then(pl.col("v")).alias("v"),
-    ).drop_nulls("ts_ns")
+    t, v = pl.col("t"), pl.col("v")
+    good = (t.is_not_null() & t.is_finite() & t.is_between(_MIN_S, _MAX_S)
+            & (v.is_null() | (v == -1) | (v.is_finite() & v.is_between(0, maximum))))
+    kept = df.filter(good)
+    if kept.height < df.height:
+        rejected[path.name] = [df.height - kept.height, df.height]
+    return kept.select(
+        (t * 1e9).round().cast(pl.Int64).alias("ts_ns"),
+        pl.when(v != -1).then(v).alias("v"),
+    )
 
 
 def _unwrap32(values: pl.Series) -> np.ndarray:
@@ -234,10 +283,11 @@ def _unwrap32(values: pl.Series) -> np.ndarray:
     return np.cumsum(d)
 
 
-def _gpu_rank(files: dict[str, Path], node: str, device: str, rank: int, simulated: bool) -> pl.DataFrame:
+def _gpu_rank(files: dict[str, Path], node: str, device: str, rank: int, simulated: bool,
+              rejected: dict[str, list[int]]) -> pl.DataFrame:
     columns: dict[str, pl.DataFrame] = {}
     for metric, path in files.items():
-        df = _read(path)
+        df = _read(path, rejected, 2**32 - 1 if metric in _COUNTERS else MAX_VALUE)   # counters are 32-bit
         if metric in _COUNTERS:
             col, unit = _COUNTERS[metric]
             total = _unwrap32(df["v"]) * unit
@@ -269,11 +319,12 @@ def _gpu_rank(files: dict[str, Path], node: str, device: str, rank: int, simulat
     )
 
 
-def _host(files: list[tuple[str, str, Path]], node: str, simulated: bool) -> pl.DataFrame | None:
+def _host(files: list[tuple[str, str, Path]], node: str, simulated: bool,
+          rejected: dict[str, list[int]]) -> pl.DataFrame | None:
     """One host row per tick from the system_* files of a node's first rank."""
     by_metric: dict[str, list[pl.DataFrame]] = {}
     for metric, ident, path in files:
-        by_metric.setdefault(metric, []).append(_read(path).with_columns(pl.lit(ident).alias("id")))
+        by_metric.setdefault(metric, []).append(_read(path, rejected).with_columns(pl.lit(ident).alias("id")))
     parts = []
 
     def total(metric):  # sum over CPUs / ports / modes at each tick

@@ -46,6 +46,7 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
             progress.update(task, description="summarizing")
             keep_summaries(run)  # compares and lists of it read this, not its telemetry
         print(run.id)
+        _warn(run)
         return 0
     with Progress(transient=True) as progress:
         task = progress.add_task("importing run folders", total=None)
@@ -63,7 +64,16 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
             else:
                 keep_summaries(outcome)  # compares and lists of it read this, not its telemetry
                 print(outcome.id)
+                _warn(outcome)
             progress.advance(task)
     if failed:
         print(f"charllm-tui: {failed} of {len(results)} folders not imported (above)", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _warn(run) -> None:
+    """The rows an import left out, one line per run (the manifest keeps the counts per file)."""
+    import sys
+
+    for note in run.read_manifest().get("notes") or []:
+        print(f"charllm-tui: warning: {run.id}: {note}", file=sys.stderr)
