@@ -9,11 +9,12 @@ import sys
 from charllm.probes.backends import BACKEND_NAMES, inventory, open_backends
 from charllm.probes.backends.base import DEFAULT_HZ, MAX_HZ, check_hz
 from charllm.probes.core import paths, procid
-from charllm.probes.core.errors import plural, UserError
+from charllm.probes.core.errors import disk_full_on, plural, UserError
 from charllm.probes.core.formatting import GIB
-from charllm.probes.store.rundir import check_node_name, RunDir
+from charllm.probes.store.rundir import check_node_name, Reserve, RunDir
 
 MAX_DURATION_S = 366 * 24 * 3600
+RESERVE_BYTES = 64 * 1024   # what a probe-only run holds on its disk to record its final status
 
 # %(prog)s: `charllm-tui probe` or `python -m charllm.probes`, whichever shows the help.
 USAGE_EXAMPLES = """\
@@ -40,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"samples per second, at most {MAX_HZ:g} (default: {DEFAULT_HZ:g})")
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds (default: until signalled)")
     parser.add_argument("--out", metavar="RUN_DIR",
-                        help="run directory; 1-s chunks go to RUN_DIR/telemetry/<node>/NNNNNN.arrow and are compacted into NNNNNN-MMMMMM.parquet every minute")
+                        help="a new (or empty) run directory; 1-s chunks go to RUN_DIR/telemetry/<node>/NNNNNN.arrow "
+                             "and are compacted into NNNNNN-MMMMMM.parquet every minute")
     parser.add_argument("--node", help="node name in the data (default: this host's name)")
     parser.add_argument("--stream", action="store_true", help="also write Arrow batches to stdout (for SSH)")
     parser.add_argument("--follow", action="store_true", help="show a live table on the terminal")
@@ -77,6 +79,12 @@ def run(args: argparse.Namespace) -> int:
             _print_list(_console(sys.stdout), backends, reason)
             return 0
         run_dir, own_manifest = _prepare_run_dir(args.out, args, reason) if args.out is not None else (None, False)
+        # A probe-only run owns its status: room to record how it ends is held from the start.
+        reserve = Reserve(run_dir.path, RESERVE_BYTES) if own_manifest else None
+        if reserve is not None and not reserve.held:
+            why = f"{disk_full_on(run_dir.path)}: no room to record the run; nothing was recorded"
+            run_dir.update_manifest(status="failed", failure=why, disk_full=disk_full_on(run_dir.path))
+            raise UserError(f"--out {args.out!r}: {why}")
         follow = args.follow or (run_dir is None and not args.stream)
         view = _LiveTable(err if args.stream else _console(sys.stdout), reason) if follow else None
         sampler = Sampler(backends, hz=args.hz, node=args.node, run_dir=run_dir.path if run_dir else None,
@@ -106,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
             changes = {"status": "failed"} if own_manifest else {}
             if isinstance(exc, DiskFull):
                 changes["telemetry_stopped"] = {"node": sampler.node, "reason": str(exc)}
+                if own_manifest:   # the status line says why (a launched run's supervisor says it for its run)
+                    changes.update(failure=str(exc), disk_full=disk_full_on(run_dir.path))
+            if reserve is not None:
+                reserve.release()   # room for the status, on a full disk
             try:
                 if changes:
                     run_dir.update_manifest(**changes)
@@ -119,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"probe: {plural(sampler.rows, 'row')} in {plural(sampler.ticks, 'tick')} at "
                   f"{sampler.achieved(time.monotonic() - started)}{slower}{chunks}")
         if own_manifest:
+            reserve.release()
             run_dir.update_manifest(status="completed")
         return 0
     finally:

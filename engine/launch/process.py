@@ -13,9 +13,11 @@ import re
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from charllm.probes.core import lifeline, procid
+from charllm.probes.store.rundir import RunDir
 
 
 class Proc:
@@ -84,6 +86,22 @@ class Proc:
         process still leads it)."""
         return {"node": self.step.node, "role": self.step.role, **procid.identify(self.popen.pid),
                 "pgid": self.popen.pid}
+
+
+NO_END = ("every node's training exited with status 0, but the workload never logged its end: it did not run "
+          "(a shell line that skipped torchrun? see logs/train-*.log)")
+END_LOG_S = 10.0   # how long an end line may take to come home (a remote tail polls each second)
+
+
+def training_ended(rd: RunDir, timeout: float = END_LOG_S) -> bool:
+    """Whether the workload logged that it completed (waiting up to `timeout` for the line): a node's
+    step that exits 0 without having trained (its shell line skipped torchrun) is no completed run."""
+    deadline = time.monotonic() + timeout
+    while not any(e.get("status") == "completed" for e in rd.end_events()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 # One failure entry of torchrun's ChildFailedError summary ("Failures:" and "Root Cause" alike).

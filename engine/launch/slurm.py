@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from charllm.engine.launch.process import describe_exit, killed_first, last_line, rank_failure, shell_status
+from charllm.engine.launch.process import (NO_END, describe_exit, killed_first, last_line, rank_failure, shell_status,
+                                          training_ended)
 from charllm.engine.launch.target import Say, Step, Target, sampler_argv, train_argv
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import Manifest
@@ -235,7 +236,9 @@ def follow(supervisor) -> str:
         exit_file = rd.logs_dir / "train.exit"
         state = "COMPLETED" if exit_file.is_file() and exit_file.read_text().strip() == "0" else "FAILED"
     failure = None
-    if state == "COMPLETED":
+    if state == "COMPLETED" and not training_ended(rd):
+        status, failure = "failed", NO_END
+    elif state == "COMPLETED":
         status = "completed"
     elif state == "CANCELLED" or supervisor.cancel_requested:
         status = "cancelled"

@@ -18,14 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from charllm.engine.launch.launcher import CANCEL_GRACE_S
-from charllm.engine.launch.process import Proc, describe_exit, killed_first, last_line
+from charllm.engine.launch.launcher import CANCEL_GRACE_S, RESERVE_BYTES, disk_note
+from charllm.engine.launch.process import NO_END, Proc, describe_exit, killed_first, last_line, training_ended
 from charllm.engine.launch.target import Step
 from charllm.engine.launch.targets import from_record
 from charllm.engine.workload import CANCELLED_EXIT
 from charllm.probes.core import procid
-from charllm.probes.core.errors import is_disk_full, mount_point, os_error_line
-from charllm.probes.store.rundir import RunDir
+from charllm.probes.core.errors import disk_full_on, is_disk_full, mount_point, os_error_line
+from charllm.probes.store.rundir import Reserve, RunDir
 
 
 POLL_S = 0.2
@@ -62,17 +62,6 @@ def stop(procs: list[Proc], grace: float) -> None:
             pass
 
 
-def disk_note(path: Path) -> str:
-    """'; disk full on /x' when the run's disk has no room left (the likely cause of a failure)."""
-    import shutil
-
-    try:
-        full = shutil.disk_usage(path).free < Reserve.SIZE
-    except OSError:
-        return ""
-    return f"; disk full on {mount_point(path)}" if full else ""
-
-
 class Supervisor:
     """One run's supervisor. A target's `supervise(supervisor)` uses `own_steps` (its processes run
     under the supervisor) or follows them elsewhere with `rd`, `manifest`, `cancel_requested`,
@@ -86,7 +75,7 @@ class Supervisor:
         self.lines_lock = threading.Lock()
         self.procs: list[Proc] = []
         self.samplers_lost: dict[str, dict] = {}  # by node
-        self.reserve = Reserve(rd.path / ".reserve")
+        self.reserve = Reserve(rd.path, RESERVE_BYTES)
 
     def record_final(self, **fields) -> None:
         """Write the final status; on a full disk, give back the reserve and say so."""
@@ -96,7 +85,7 @@ class Supervisor:
             if not is_disk_full(exc):
                 raise
             self.reserve.release()
-            self.rd.update_manifest(**{"disk_full": os_error_line(exc, self.rd.path), **fields})
+            self.rd.update_manifest(**{"disk_full": disk_full_on(self.rd.path), **fields})
 
     def _on_signal(self, signum, frame) -> None:
         self.cancel_requested = True
@@ -110,6 +99,10 @@ class Supervisor:
     def run(self) -> str:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if not self.reserve.held:   # no room to be sure of recording how the run ends: start nothing
+            why = f"disk full on {mount_point(self.rd.path)}: no room for the supervisor's reserve; nothing was started"
+            self.record_final(status="failed", failure=why, disk_full=disk_full_on(self.rd.path), ended_ns=time.time_ns())
+            return "failed"
         self.rd.update_manifest(supervisor={**procid.identify(os.getpid()), "pgid": os.getpgid(0)})
         return self.target.supervise(self)
 
@@ -129,6 +122,8 @@ class Supervisor:
                                 processes=[p.record() for p in started])
 
         status, failure = self.wait(trains, helpers)
+        if status == "completed" and not training_ended(self.rd):
+            status, failure = "failed", NO_END
         self.watch_samplers(helpers)
         stop(trains, CANCEL_GRACE_S)
         stop(helpers, CANCEL_GRACE_S / 2)
@@ -212,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         why = os_error_line(exc, rd.path) if isinstance(exc, OSError) else f"supervisor error: {exc!r}"
         try:
             supervisor.record_final(status="failed", failure=why, ended_ns=time.time_ns(),
-                                    **({"disk_full": why} if is_disk_full(exc) else {}))
+                                    **({"disk_full": disk_full_on(rd.path)} if is_disk_full(exc) else {}))
         except OSError as again:  # the run directory takes nothing (made read-only): the next reader says so
             print(f"run {rd.id}: failed: {why}; not recorded: {os_error_line(again, rd.path)}", flush=True)
             return 1
@@ -226,26 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         pass  # the log is on the full disk; the manifest says it
     return 0
-
-
-class Reserve:
-    """A little disk space held from the start, given back when the final status must be written
-    on a full disk."""
-
-    SIZE = 256 * 1024
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            with open(path, "wb") as fh:
-                fh.write(b"\0" * self.SIZE)
-                fh.flush()
-                os.fsync(fh.fileno())
-        except OSError:
-            path.unlink(missing_ok=True)
-
-    def release(self) -> None:
-        self.path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

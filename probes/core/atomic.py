@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
+
+from charllm.probes.core.errors import is_disk_full
 
 
 def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[Path], object], *,
@@ -34,6 +37,8 @@ def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[Path]
         tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.errno is not None and not exc.filename:
             exc.filename = str(path)  # (one made of a message alone would lose it: polars raises those)
+        elif isinstance(exc, Exception) and not isinstance(exc, OSError) and _full(path, exc):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
         raise
     return path
 
@@ -44,3 +49,15 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _full(path: Path, exc: Exception) -> bool:
+    """Whether a writer's own error (polars says "Invalid thrift: transport error" when its
+    write fails) came from a full disk: it says so, or the disk has (almost) no room left."""
+    if is_disk_full(exc):
+        return True
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 64 * 1024

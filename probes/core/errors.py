@@ -9,6 +9,26 @@ class UserError(Exception):
     """A mistake in user input: a bad field, value, file or name."""
 
 
+def one_line(message) -> str:
+    """A message as the one line the user reads: newlines folded, and any word of more than 200
+    characters (a hostile value, a path built from one) cut to its start and its length."""
+    import re
+
+    def cut(m: re.Match) -> str:
+        word = m.group(0)
+        tail = word[-1] if word[-1] in ":,;.'\")]" else ""   # the punctuation that ends it stays
+        body = word[: len(word) - len(tail)]
+        return f"{body[:80]}... ({len(body):,} characters){tail}"
+    return re.sub(r"\S{201,}", cut, " ".join(str(message).split()))
+
+
+def shown(value, limit: int = 80) -> str:
+    """A value as a message quotes it (its repr), cut to `limit` characters with its length said:
+    a hostile value of thousands of characters still gives one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(str(value)):,} characters)"
+
+
 def did_you_mean(name, choices, otherwise: str = "", cutoff: float = 0.6) -> str:
     """`; did you mean 'x'?` for the closest valid name, else `otherwise` (another hint, or "")."""
     import difflib
@@ -42,6 +62,11 @@ def mount_point(path) -> str:
     while not os.path.ismount(path) and path != path.parent:
         path = path.parent
     return str(path)
+
+
+def disk_full_on(path) -> str:
+    """What a run's status says of a full disk: "disk full on /scratch" (the disk to free)."""
+    return f"disk full on {mount_point(path)}"
 
 
 def os_error_line(exc: OSError, where=None) -> str:

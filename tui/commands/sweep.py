@@ -11,7 +11,7 @@ from charllm.engine.model.sweep import RECOMPUTE, SWEPT, base_experiment, layout
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
-from charllm.probes.core.errors import plural, UserError
+from charllm.probes.core.errors import os_error_line, plural, UserError
 from charllm.probes.core.formatting import GIB
 from charllm.tui.commands.plan import VERDICT_STYLE
 
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             write_atomic(args.parquet, df.write_parquet)
         except OSError as exc:
-            raise UserError(f"--parquet {str(args.parquet)!r}: cannot write ({exc.strerror})") from None
+            raise UserError(f"--parquet {str(args.parquet)!r}: cannot write ({os_error_line(exc)})") from None
         console.print(f"wrote {plural(df.height, 'layout')} to {args.parquet}")
     else:
         render(df, args, base)
