@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from charllm.probes.cli import add_arguments, run
-from charllm.probes.core.errors import UserError, os_error_line
+from charllm.probes.core.errors import UserError, one_line, os_error_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,12 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except UserError as exc:
-        print(f"charllm-probes: error: {exc}", file=sys.stderr)
+        print(f"charllm-probes: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader of --stream went away
         return 0
     except OSError as exc:  # the exit status convention of charllm-tui (tui/cli.py)
-        print(f"charllm-probes: error: {os_error_line(exc)}", file=sys.stderr)
+        print(f"charllm-probes: error: {one_line(os_error_line(exc))}", file=sys.stderr)
         return 2
 
 

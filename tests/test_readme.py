@@ -145,6 +145,7 @@ class Session:
         self.finished_run: str | None = None     # RUN: the quick start's CPU run
         self.second_run: str | None = None       # RUN in `runs cancel RUN` (running then), RUN_B
         self.results: dict[str, tuple[int, str, str]] = {}
+        self.recorded = 0                        # RUN_DIRs made so far (each example gets its own)
 
     def runs(self) -> list[str]:
         return sorted(p.name for p in self.dirs["runs"].iterdir() if not p.name.startswith(".")) \
@@ -169,7 +170,9 @@ class Session:
             self.check("charllm-tui export megatron ppt-h100-llama3-70b-1-01000 > my_launch_flags.txt")
         if "train.sh" in text and not (self.cwd / "train.sh").exists():
             self.check("charllm-tui export megatron ppt-h200-mixtral-8x7b-1-01000 --script --out train.sh")
-        text = re.sub(r"\bRUN_DIR\b", "recorded", text)   # probe --out: a new run directory
+        if re.search(r"\bRUN_DIR\b", text):   # probe --out: a new run directory each time (never another's)
+            self.recorded += 1
+            text = re.sub(r"\bRUN_DIR\b", f"recorded-{self.recorded}", text)
         if "path/to/charllm-ppt/results" in text:
             from infra_charllm_ppt import make_results
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from charllm.probes.core.errors import UserError, os_error_line
+from charllm.probes.core.errors import UserError, one_line, os_error_line
 from charllm.tui.commands import (baseline, compare, doctor, export, fields, import_results, launch, plan, presets,
                                   probe, runs, summarize, sweep)
 
@@ -39,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake as one line and exit code 2 (no usage dump)."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_tui()
         return int(args.func(args) or 0)
     except UserError as exc:
-        print(f"charllm-tui: error: {exc}", file=sys.stderr)
+        print(f"charllm-tui: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("charllm-tui: interrupted", file=sys.stderr)
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `charllm-tui sweep ... | head`
         return 0
     except OSError as exc:  # a full disk, a read-only place, a directory where a file should be...
-        print(f"charllm-tui: error: {os_error_line(exc)}", file=sys.stderr)
+        print(f"charllm-tui: error: {one_line(os_error_line(exc))}", file=sys.stderr)
         return 2
 
 

@@ -553,7 +553,11 @@ class Experiment:
             key, sep, raw = item.partition("=")
             if not sep or not key.strip():
                 raise UserError(f"--set {item!r}: expected key=value, e.g. tensor_model_parallel_size=4")
-            self.set(key.strip(), parse_value(raw.strip()))
+            try:
+                value = parse_value(raw.strip())
+            except ValueError as exc:
+                raise UserError(f"--set {key.strip()}: {exc}") from None
+            self.set(key.strip(), value)
         return self
 
     # -- TOML -------------------------------------------------------------------------------------
@@ -729,11 +733,17 @@ def _type_name(option) -> str:
 
 
 def parse_value(raw: str) -> Any:
-    """A --set value: TOML syntax (4, 1.5, true, [1, 2], "x"), else the bare string."""
+    """A --set value: TOML syntax (4, 1.5, true, [1, 2], "x"), else the bare string. A value no
+    field could hold (a number of thousands of digits, lists nested thousands deep) is a ValueError
+    saying so."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+    except RecursionError:
+        raise ValueError("the value is nested too deeply") from None
+    except ValueError:   # int() past the interpreter's 4,300 digits
+        raise ValueError(f"a number of {len(raw):,} characters (far beyond any field's range)") from None
 
 
 def _unknown(where: str, key: str, valid) -> str:

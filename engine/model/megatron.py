@@ -28,7 +28,7 @@ from typing import Any, Callable, get_origin
 from charllm.engine.model import calibration, runtime
 from charllm.engine.model.experiment import (Experiment, Hardware, ModelSpec, Parallel, Training, field_options,
                                            megatron_flag, parse_pipeline_layout)
-from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.errors import UserError, plural, shown
 
 # Megatron-LM defaults that changed between the releases charllm supports (core_v0.16.1 to
 # core_v0.19.0): key -> (first release with the default, default), newest first. Import gives what the
@@ -260,6 +260,10 @@ def model_config_tokens(text: str) -> list[str] | None:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise UserError(f"model_config.yaml: not YAML ({str(exc).splitlines()[0]})") from None
+    except RecursionError:
+        raise UserError("model_config.yaml: nested too deeply") from None
+    except ValueError as exc:   # e.g. an integer of more than 4,300 digits
+        raise UserError(f"model_config.yaml: a value no flag could hold ({str(exc)[:80]})") from None
     if not isinstance(data, dict) or not isinstance(data.get("MODEL_ARGS"), dict):
         return None
     env = data.get("ENV_VARS") or {}
@@ -331,7 +335,7 @@ def _convert(flag: str, kind: Switch | Value | Many, values: list[str]):
         word = _TYPE_WORDS.get(kind.parse, "a value")
         hint = " (a shell variable: give the expanded command line, e.g. from the job's log)" \
             if values[0].startswith("$") else ""
-        raise UserError(f"{flag} = {values[0]!r}: expected {word}{hint}") from None
+        raise UserError(f"{flag} = {shown(values[0])}: expected {word}{hint}") from None
 
 
 def _one_int(flag: str, values: list[str]) -> int:

@@ -22,6 +22,7 @@ from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 from infra_fuzz import BLOCKED_S, HANG_S, Outcome, call, tree
 
 SEED = 13
+MAX_LINE = 2000   # one clear line is also a readable one: a hostile value is quoted cut short
 # One usage or input error: ours ("charllm-tui: error: ...") or argparse's ("charllm-tui CMD: error: ...").
 ONE_LINE = re.compile(r"^charllm-tui( [a-z-]+)*: error: \S")
 
@@ -78,7 +79,7 @@ class Tally:
             self.counts["accepted"] += 1   # plan's verdict: 1 does not fit, 3 tight (its output says why)
         elif outcome.code != 0:
             lines = outcome.err.strip().splitlines()
-            if len(lines) != 1 or not ONE_LINE.match(lines[0]) or "Traceback" in outcome.err:
+            if len(lines) != 1 or not ONE_LINE.match(lines[0]) or "Traceback" in outcome.err or len(lines[0]) > MAX_LINE:
                 self.counts["unclear"] += 1
                 self.failures.append(f"NOT ONE CLEAR LINE: {outcome}")
             else:
@@ -110,7 +111,7 @@ def run_all(name: str, sandbox, argvs, prepare=None) -> Tally:
             shutil.rmtree(made) if made.is_dir() else made.unlink()
         shutil.rmtree(dirs["data"] / "baselines", ignore_errors=True)
         for made in dirs["runs"].iterdir():
-            if made.name != "good-run":
+            if made.name not in ("good-run", "link-out"):
                 shutil.rmtree(made)
     tally.report()
     return tally
@@ -171,11 +172,52 @@ def command_inputs(out: Path) -> list[list[str]]:
     return argvs
 
 
+# Issue 24: names full of shell, and paths that lead out of the runs directory (inside the sandbox
+# only: a regression must not be able to delete more than the sandbox).
+SHELL_HOSTILE = ["x\ntouch PWNED #", "$(touch PWNED)", "`touch PWNED`", "; touch PWNED", "'; touch PWNED; '",
+                 "\"; touch PWNED; \"", "a && touch PWNED", "x\\", "#", "-rf", "*", "~root", "%s%n", "\u202etxt.exe",
+                 "x" * 5000, "9" * 5000, "[" * 3000, "{" * 3000]
+
+
+def escape_inputs(root: Path, dirs: dict) -> list[list[str]]:
+    """Names for every place a name is written, and paths out of the runs directory for every
+    command that deletes or writes in a run."""
+    victim = dirs["out"].parent / "victim"
+    (victim / "telemetry").mkdir(parents=True, exist_ok=True)
+    (victim / "thesis.tex").write_text("years of work")
+    (victim / "manifest.json").write_text('{"status": "completed"}')
+    (dirs["runs"] / "link-out").symlink_to(victim)
+    argvs = []
+    for value in SHELL_HOSTILE:
+        for key in ("name", "model.name", "hardware.name", "data_path", "backend"):
+            argvs += [["plan", "tiny-local", "--set", f"{key}={value}"],
+                      ["launch", "tiny-local", "--dry-run", "--set", f"{key}={value}"],
+                      ["export", "megatron", "tiny-local", "--script", "--set", f"{key}={value}"],
+                      ["export", "megatron", "tiny-local", "--script", "--no-validate", "--set", f"{key}={value}"]]
+        argvs += [["import", "charllm-ppt", str(victim), "--name", value],
+                  ["baseline", "save", "good-run", "--name", value],
+                  ["runs", "show", value], ["summarize", value], ["compare", "good-run", value],
+                  ["probe", "--backend", "sim", "--duration", "0.05", "--node", value, "--out", str(dirs["out"] / "p")],
+                  ["probe", "--backend", "replay:good-run", "--duration", "0.05", "--speed", value]]
+    for path in (victim, root, dirs["out"].parent, dirs["runs"], dirs["runs"] / "link-out", "link-out",
+                 dirs["runs"] / ".." / "victim", dirs["runs"] / "good-run" / ".." / ".." / "victim"):
+        argvs += [["runs", "delete", str(path)], ["summarize", str(path)], ["runs", "show", str(path)],
+                  ["runs", "cancel", str(path)], ["baseline", "save", str(path), "--name", "b"]]
+        if Path(path).is_absolute():   # (a relative --out is a new directory where the user is: fine)
+            argvs.append(["probe", "--backend", "sim", "--duration", "0.05", "--out", str(path)])
+    return argvs
+
+
 def test_every_command_on_hostile_values(sandbox):
     root, dirs = sandbox
-    argvs = command_inputs(dirs["out"])
-    assert len(argvs) >= 1000
-    run_all("commands", sandbox, argvs)
+    argvs = command_inputs(dirs["out"]) + escape_inputs(root, dirs)
+    assert len(argvs) >= 2500
+    tally = run_all("commands", sandbox, argvs)
+    assert not list(root.parent.rglob("PWNED")), "a name ran as a command"
+    victim = dirs["out"].parent / "victim"
+    assert (victim / "thesis.tex").read_text() == "years of work" and not (victim / "summaries").exists(), \
+        "a command deleted or wrote outside the runs directory"
+    assert tally.counts["inputs"] >= 2500
 
 
 # --------------------------------------------------------------------------------------------

@@ -128,3 +128,51 @@ def test_a_broken_target_table_blocks_only_itself(charllm_dirs, capsys):
     assert code == 0 and "torch.distributed.run" in out
     code, _, err = run(capsys, "launch", "tiny-local", "--target", "old", "--dry-run")
     assert code == 2 and "[old].kind = 'ftp': must be one of local, ssh, slurm" in one_error_line(err)
+
+
+# Issue 24: every value written into a shell line is quoted for that shell. Names full of shell,
+# run through real bash: nothing they hold may run.
+SHELL_NAMES = ["x\ntouch PWNED #", "x\r\ntouch PWNED", "$(touch PWNED)", "`touch PWNED`", "; touch PWNED",
+               "'; touch PWNED; '", "\"; touch PWNED; \"", "a && touch PWNED", "x\\\ntouch PWNED", "#\ntouch PWNED"]
+
+
+@pytest.mark.parametrize("name", SHELL_NAMES)
+def test_a_hostile_name_never_runs_in_a_script_it_is_written_into(name, tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "targets.toml").write_text('[hpc]\nkind = "slurm"\npartition = "gpu"\n'
+                                           'env_setup = "export OMP_NUM_THREADS=1  # a note"\n')
+    clean = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}   # no torchrun, srun or python of ours
+    scripts = []
+    for extra in ([], ["--no-validate"]):   # refused in one line, or written with the name made harmless
+        outcome = call(["export", "megatron", "tiny-local", "--script", *extra, "--set", f"name={name}",
+                        "--out", "train.sh"])
+        if outcome.code == 0:
+            scripts.append((tmp_path / "train.sh").read_text())
+        else:
+            assert outcome.one_clear_line and "name = " in outcome.err, outcome
+    outcome = call(["launch", "tiny-local", "--target", "hpc", "--target-file", "targets.toml", "--dry-run",
+                    "--set", f"name={name}", "--set", "hardware=h100-sxm-80gb"])
+    if outcome.code == 0:
+        scripts.append(outcome.out[outcome.out.index("#!/bin/bash"):])
+    else:
+        assert outcome.one_clear_line, outcome
+    assert scripts, "at least the --no-validate export is written"
+    for text in scripts:
+        (tmp_path / "run.sh").write_text(text)
+        subprocess.run(["bash", "run.sh"], cwd=tmp_path, env=clean, capture_output=True, timeout=60)
+        assert not list(tmp_path.rglob("PWNED")), f"a name ran as a command:\n{text[:400]}"
+
+
+@pytest.mark.parametrize("line", ["export A='x", "module load cuda &&", "echo $(", "if true; then"])
+def test_an_env_line_that_would_swallow_the_rest_is_refused(line):
+    with pytest.raises(UserError, match="env_setup = .*not a complete shell line"):
+        parse_target("cluster", dict(SLURM, env_setup=line))
+    parse_target("cluster", dict(SLURM, env_setup="module load cuda  # as users write it: a comment"))
+
+
+@pytest.mark.parametrize("line", ["--comment='unbalanced", '--wrap="x'])
+def test_an_sbatch_line_that_is_not_shell_words_is_refused(line):
+    with pytest.raises(UserError, match="sbatch_lines: .* is not shell words"):
+        parse_target("cluster", dict(SLURM, sbatch_lines=[line]))

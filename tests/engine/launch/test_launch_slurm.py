@@ -16,9 +16,12 @@ from infra_slurm import slurm_cluster  # noqa: F401 - fixture
 pytestmark = pytest.mark.integration
 
 
-def target():
+def target(**extra):
     return parse_target("testcluster", {"kind": "slurm", "partition": "debug", "time": "00:10:00",
-                                        "python": sys.executable})
+                                        "python": sys.executable, **extra})
+
+
+HOSTILE_NAME = "x'; touch PWNED; echo \"$(touch PWNED)\" #"   # one line: a name may hold any of it
 
 
 def two_nodes(iters: int):
@@ -29,8 +32,13 @@ def two_nodes(iters: int):
 
 
 @pytest.mark.timeout(400)
-def test_submitted_job_runs_and_completes(slurm_cluster):
-    result = launch(two_nodes(4), target())
+def test_submitted_job_runs_and_completes(slurm_cluster, tmp_path, monkeypatch):
+    """With an env line as users write them (a comment at its end) and a name full of shell: the
+    comment ends at its line, the name is never a command."""
+    monkeypatch.chdir(tmp_path)
+    exp = two_nodes(4)
+    exp.name = HOSTILE_NAME
+    result = launch(exp, target(env_setup="export OMP_NUM_THREADS=1  # one thread per rank, as on our nodes"))
     rd = RunDir(result.run_dir)
     assert result.job_id and rd.read_manifest()["slurm_job_id"] == result.job_id
     assert (rd.path / "job.sbatch").read_text() == result.sbatch_script
@@ -44,6 +52,15 @@ def test_submitted_job_runs_and_completes(slurm_cluster):
     assert "telemetry_lost" not in manifest, "samplers stopped at the end are no loss"
     # the supervisor writes the final status just before it exits itself
     wait_for(lambda: run_processes(rd.id) == [], 15, "every process of the run to exit")
+    assert not list(tmp_path.rglob("PWNED")) and not list(rd.path.rglob("PWNED")), "the name ran as a command"
+
+
+@pytest.mark.timeout(200)
+def test_a_job_that_never_ran_the_workload_is_no_completed_run(slurm_cluster):
+    """An env line that ends the job script (`exit 0`): Slurm says COMPLETED, nothing trained."""
+    rd = RunDir(launch(two_nodes(4), target(env_setup="exit 0")).run_dir)
+    manifest = wait_final(rd, 150)
+    assert manifest["status"] == "failed" and "never logged its end" in manifest["failure"], manifest
 
 
 @pytest.mark.timeout(400)

@@ -33,9 +33,16 @@ def remote_leftovers(nodes, run_id: str) -> list:
 
 
 @pytest.mark.timeout(400)
-def test_two_node_job_streams_logs_iterations_and_telemetry_home(ssh_nodes):
-    target = parse_target("nodes", ssh_nodes.target_table())
-    rd = RunDir(launch(two_nodes(4), target).run_dir)
+def test_two_node_job_streams_logs_iterations_and_telemetry_home(ssh_nodes, tmp_path, monkeypatch):
+    """With an env line as users write them (a comment at its end: it once commented out torchrun
+    and faked a completed run) and a name full of shell, which never runs as a command."""
+    table = ssh_nodes.target_table()
+    table["env_setup"] += "  # the nodes' interface for gloo"
+    target = parse_target("nodes", table)
+    monkeypatch.chdir(tmp_path)
+    exp = two_nodes(4)
+    exp.name = "x'; touch PWNED; echo \"$(touch PWNED)\" #"
+    rd = RunDir(launch(exp, target).run_dir)
     manifest = wait_final(rd, 300)
     assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
     steps = rd.read_iterations()
@@ -49,8 +56,22 @@ def test_two_node_job_streams_logs_iterations_and_telemetry_home(ssh_nodes):
         assert (rd.logs_dir / f"train-{host}.log").is_file() and (rd.logs_dir / f"sampler-{host}.log").is_file()
     assert "iter 4/4" in (rd.logs_dir / f"train-{ssh_nodes.hosts[0]}.log").read_text()  # rank 0's stdout
     assert all(p["remote_pgid"] for p in manifest["processes"])
+    assert not list(tmp_path.rglob("PWNED")) and not list(ssh_nodes.root.rglob("PWNED")), "the name ran as a command"
     assert "telemetry_lost" not in manifest, "samplers stopped at the end are no loss"
     # the supervisor writes the final status just before it exits itself
+    wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 15,
+             "every process of the run to exit, here and on both nodes")
+
+
+@pytest.mark.timeout(200)
+def test_a_node_step_that_never_ran_the_workload_is_no_completed_run(ssh_nodes):
+    """An env line that ends the node's shell (`exit 0`) before torchrun: every step exits 0 and
+    nothing trained; the run is failed, saying so, not completed."""
+    table = ssh_nodes.target_table()
+    table["env_setup"] += "; exit 0"
+    rd = RunDir(launch(two_nodes(4), parse_target("nodes", table)).run_dir)
+    manifest = wait_final(rd, 150)
+    assert manifest["status"] == "failed" and "never logged its end" in manifest["failure"], manifest
     wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 15,
              "every process of the run to exit, here and on both nodes")
 
