@@ -26,6 +26,7 @@ memory measurement an earlier `--train` made on the same stack is kept, never re
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -47,8 +48,9 @@ from charllm.engine.launch.launcher import CANCEL_GRACE_S
 from charllm.engine.launch.local import free_port
 from charllm.engine.launch.process import describe_exit, root_cause
 from charllm.engine.launch.target import train_argv
-from charllm.engine.model import calibration, runtime
+from charllm.engine.model import calibration, catalog, runtime
 from charllm.engine.model.experiment import Experiment, Hardware
+from charllm.engine.model.flops import peak_tflops
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.runtime import Implementation
 from charllm.engine.model.validate import check
@@ -64,17 +66,9 @@ TRAIN_ITERS = 10
 TRAIN_TIMEOUT_S = 900.0
 SOFTWARE_TIMEOUT_S = 300.0
 
-# GPU name -> hardware preset: (preset, words the device name holds, words it must not hold). The
-# device's memory must also be the preset's usable_bytes within MEMORY_TOLERANCE, which tells an
-# A100 80GB from a 40GB. PCIe and NVL boards have other power and clocks than the SXM presets.
-GPU_PRESETS = (
-    ("h100-sxm-80gb", ("H100",), ("PCIe", "NVL")),
-    ("h200-141gb", ("H200",), ("NVL",)),
-    ("a100-80gb", ("A100",), ("PCIe",)),
-    ("b200", ("B200",), ()),
-    ("mi250x", ("MI250",), ()),
-    ("mi300x", ("MI300X",), ()),
-)
+# A node's GPUs are a hardware preset when their name matches one of its device_names, their compute
+# capability is its compute_capability (where both are known), and their memory is its usable_bytes
+# within MEMORY_TOLERANCE (an A100 80GB from a 40GB that reports the same name pattern).
 MEMORY_TOLERANCE = 0.05
 
 # The train check's model on a GPU: a Llama-style 1.5B layout (Llama 3's vocabulary, GQA 32/8,
@@ -158,16 +152,33 @@ def match_hardware(devices: list[dict]) -> tuple[str | None, str]:
     if len(names) > 1:
         return None, f"mixed GPUs ({', '.join(names)}): say which preset with --hardware NAME"
     name, total = devices[0]["name"], min(d["total_bytes"] for d in devices)
-    seen = f"{name!r} with {gib(total)}"
-    lowered = name.lower()
-    for preset, wants, refuses in GPU_PRESETS:
-        if all(w.lower() in lowered for w in wants) and not any(r.lower() in lowered for r in refuses):
-            hw = Hardware.load(preset)
-            expected = hw.usable_bytes or hw.memory_bytes
-            if abs(total - expected) <= MEMORY_TOLERANCE * expected:
-                return preset, f"{len(devices)} x {name}, {gib(total)}"
-    return None, (f"unknown GPU {seen}: no hardware preset matches; pass --hardware NAME "
-                  "(`charllm-tui presets list hardware`, or add one to <config>/hardware/)")
+    capability = devices[0].get("capability")
+    found = [hw.name for hw in hardware_presets() if is_device(hw, name, capability, total)]
+    if len(found) == 1:
+        return found[0], f"{len(devices)} x {name}, {gib(total)}"
+    seen = f"unknown GPU {name!r} with {gib(total)}" if not found else \
+        f"{name!r} with {gib(total)} matches several hardware presets ({', '.join(found)})"
+    return None, (f"{seen}: pass --hardware NAME (`charllm-tui presets list hardware`, or add one with this "
+                  "name in device_names to <config>/hardware/)")
+
+
+def hardware_presets():
+    """Every hardware preset, the user's and the shipped ones (a user's file over a shipped one of its name)."""
+    for name in catalog.entries("hardware"):
+        try:
+            yield Hardware.load(name)
+        except UserError:   # a damaged preset of the user's says so where it is used, not in every doctor
+            continue
+
+
+def is_device(hardware, name: str, capability: str | None, total_bytes: int) -> bool:
+    """Whether a device of this name, compute capability and memory (as torch reports them) is `hardware`."""
+    if not any(fnmatch.fnmatchcase(name.lower(), pattern.lower()) for pattern in hardware.device_names):
+        return False
+    if hardware.compute_capability and capability and hardware.compute_capability != capability:
+        return False
+    expected = hardware.usable_bytes or hardware.memory_bytes
+    return not expected or abs(total_bytes - expected) <= MEMORY_TOLERANCE * expected
 
 
 def check_hardware(hardware, devices: list[dict]) -> None:
@@ -349,7 +360,7 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
         raise CheckFailed("train check: the job exited 0 without a complete iteration log")
     steady = [e for e in iterations.values() if not e.get("warmup")] or list(iterations.values())
     tflops = statistics.median(e["tflops_per_gpu"] for e in steady)
-    peak = exp.hardware.bf16_tflops or None
+    precision, peak = peak_tflops(exp, start["runtime"].get("tf32"))
     impl = start["runtime"]["implementation"]
     m, t = exp.model, exp.training
     out = {
@@ -362,7 +373,8 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
         "implementation": {**impl, "describe": Implementation(**_implementation_args(impl)).describe()},
         "iterations": len(iterations), "steady_iterations": len(steady),
         "iteration_ms_median": statistics.median((e["end_ns"] - e["start_ns"]) / 1e6 for e in steady),
-        "tflops_per_gpu": tflops, "peak_tflops": peak, "mfu_pct": 100 * tflops / peak if peak else None,
+        "tflops_per_gpu": tflops, "peak_precision": precision, "peak_tflops": peak,
+        "mfu_pct": 100 * tflops / peak if peak else None,
         "planned_bytes": plan.stages[-1].total_bytes, "stages": end["memory"],
     }
     last = end["memory"][-1]

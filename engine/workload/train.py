@@ -549,6 +549,9 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     if log.fd is not None:   # what ran, as the run directory, `runs show` and Live report it
         log.write("start", start_ns=time.time_ns(), world_size=world, layout=trainer.layout(), seed=trainer.seed,
                   runtime={"implementation": impl.to_dict(), "model": trainer.builder.describe(exp),
+                           # fp32 matmuls on TF32 tensor cores (torch's setting; Megatron-LM sets none):
+                           # which peak MFU is against (engine.model.flops.peak_tflops)
+                           "tf32": cuda and torch.get_float32_matmul_precision() != "highest",
                            **runtime.describe(stack)},
                   startup_s={
                       "import": round(setup_started - import_started, 3),      # torch, megatron (+ TE)
@@ -620,8 +623,7 @@ class DeviceMemory:
             import torch
 
             pynvml.nvmlInit()
-            uuid = str(torch.cuda.get_device_properties(local_rank).uuid)
-            self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            self.handle = nvml_handle(str(torch.cuda.get_device_properties(local_rank).uuid))
         except Exception:   # noqa: BLE001 - no NVML (or an old torch): not measured, never fatal
             self.handle = None
 
@@ -640,6 +642,20 @@ class DeviceMemory:
             now = int(mine[0].usedGpuMemory) - int(torch.cuda.memory_reserved())
             self.most = now if self.most is None else max(self.most, now)
         return self.most
+
+
+def nvml_handle(uuid: str):
+    """NVML's handle of the device torch calls `uuid`, else None. torch gives the UUID without a
+    prefix; NVML names a whole GPU "GPU-<uuid>" and a MIG instance "MIG-<uuid>"."""
+    import pynvml
+
+    names = [uuid] if uuid.startswith(("GPU-", "MIG-")) else [f"GPU-{uuid}", f"MIG-{uuid}"]
+    for name in names:
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(name)
+        except pynvml.NVMLError:
+            continue
+    return None
 
 
 def memory_peaks(cuda: bool) -> tuple[int, int | None]:
