@@ -202,20 +202,22 @@ def llama_experiment(hardware, gpus: int, layers: int = 16, micro_batch: int = 1
     return exp
 
 
-def train_experiment(hardware, gpus: int, iters: int = TRAIN_ITERS):
+def train_experiment(hardware, gpus: int, iters: int = TRAIN_ITERS, stack: runtime.Stack | None = None):
     """(experiment, its memory plan) for the train check: on a GPU node the largest of TRAIN_SHAPES
-    whose plan fits the device, on all its GPUs; on a CPU node the tiny model on 2 processes."""
+    whose plan fits the device, on all its GPUs; on a CPU node the tiny model on 2 processes. The
+    plan is for `stack`, the software found on the node (default: the hardware's planning stack),
+    so that it plans what the job will run."""
     if hardware.vendor == "cpu":
         exp = Experiment.load(CPU_EXPERIMENT)
         exp.name = f"doctor-{CPU_EXPERIMENT}"
         exp.hardware = hardware
         exp.training.train_iters, exp.training.warmup_iters = iters, min(2, iters - 1)
         check(exp)
-        return exp, estimate(exp)
+        return exp, estimate(exp, stack=stack)
     for layers, micro_batch, seq, vocab in TRAIN_SHAPES:
         exp = llama_experiment(hardware, gpus, layers, micro_batch, seq, vocab, iters)
         check(exp)
-        plan = estimate(exp)
+        plan = estimate(exp, stack=stack)
         if plan.fits:
             return exp, plan
     raise CheckFailed(f"even the smallest train check ({layers} layers, sequence {seq}, vocabulary {vocab}) "
@@ -302,7 +304,7 @@ def _follow(proc, run_dir: Path, exp, node: str, progress: Progress, timeout: fl
             kind = event.get("event")
             if kind == "start" and "start" not in seen:
                 seen.add("start")
-                impl = Implementation(**_implementation_args(event["runtime"]["implementation"]))
+                impl = Implementation.from_dict(event["runtime"]["implementation"])
                 progress(f"{node}: train check: training {exp.model.name} on {event.get('world_size')} "
                          f"process(es), runs as {impl.describe()}")
             elif kind == "iteration" and event["iteration"] not in seen:
@@ -346,11 +348,6 @@ def _train_failure(log_path: Path, returncode: int) -> str:
     return f"{who}: {error_line(text, returncode)}"
 
 
-def _implementation_args(data: dict) -> dict:
-    return {"transformer": data["transformer_impl"], "attention": data["attention"],
-            "fusions": tuple(data.get("fusions", ())), "device": data.get("device", "cuda")}
-
-
 def measurements(exp, plan, events: list[dict], node: str) -> dict:
     """The train check's figures from the job's iteration log."""
     start = next((e for e in events if e.get("event") == "start"), None)
@@ -370,7 +367,8 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
                        f"micro-batch {t.micro_batch_size}, global batch {t.global_batch_size}, "
                        f"{'bf16' if t.bf16 else 'fp16' if t.fp16 else 'fp32'}, DP{exp.data_parallel_size}"),
         "world_size": start.get("world_size"), "device": start["layout"]["device"],
-        "implementation": {**impl, "describe": Implementation(**_implementation_args(impl)).describe()},
+        "implementation": {**impl, "describe": Implementation.from_dict(impl).describe()},
+        "planned_implementation": {**plan.implementation.to_dict(), "describe": plan.implementation.describe()},
         "iterations": len(iterations), "steady_iterations": len(steady),
         "iteration_ms_median": statistics.median((e["end_ns"] - e["start_ns"]) / 1e6 for e in steady),
         "tflops_per_gpu": tflops, "peak_precision": precision, "peak_tflops": peak,
@@ -432,6 +430,7 @@ def gather(*, hardware: str | None = None, train: bool = False, node: str | None
     except CheckFailed as exc:
         report["errors"].append(str(exc))
         facts = None
+    stack = None
     if facts is not None:
         report.update(versions=facts["versions"], driver=facts["driver"], devices=facts["devices"],
                       stack=facts["stack"])
@@ -465,9 +464,9 @@ def gather(*, hardware: str | None = None, train: bool = False, node: str | None
         else:
             hw = chosen or Hardware.load(report["hardware"])
             try:
-                exp, plan = train_experiment(hw, len(report["devices"]), iters)
+                exp, plan = train_experiment(hw, len(report["devices"]), iters, stack)
                 say(f"{node}: train check: {exp.model.name}, {exp.world_size} process(es), planned peak "
-                    f"{gib(plan.stages[-1].total_bytes)} per device")
+                    f"{gib(plan.stages[-1].total_bytes)} per device, planned as {plan.implementation.describe()}")
                 report["train"] = run_train(exp, plan, node=node, progress=say, timeout=timeout, stop=stop)
                 say(f"{node}: train check: done")
             except CheckFailed as exc:

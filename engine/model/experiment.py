@@ -382,6 +382,9 @@ class Training:
                                             "with the forward pass")
     tp_comm_overlap: bool = setting(False, label="TP comm overlap", config=True,
                                     help="overlap tensor-parallel communication with the GEMMs")
+    check_for_nan_in_loss_and_grad: bool = setting(
+        True, flag="--no-check-for-nan-in-loss-and-grad", switch=False,
+        help="stop at a NaN or Inf loss or gradient, checked each step as Megatron-LM does (host syncs)")
     # what each becomes on a node: engine.model.runtime
     attention_backend: str = setting("auto", choices=("auto", "flash", "fused", "unfused", "local"),
                                      help="attention kernel; auto: Transformer Engine picks (local: "

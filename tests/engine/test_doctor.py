@@ -161,9 +161,46 @@ def gpus(name: str, gib: float, n: int = 8, capability: str = "9.0") -> list[dic
 ])
 def test_devices_map_to_hardware_presets(devices, preset):
     found, why = doctor.match_hardware(devices)
-    assert found == preset
+    assert found == preset, why
     if preset is None:
         assert "--hardware" in why and "\n" not in why
+
+
+def test_the_pcie_and_nvl_boards_have_their_own_limits():
+    sxm, pcie, nvl = (Hardware.load(n) for n in ("h100-sxm-80gb", "h100-pcie-80gb", "h100-nvl-94gb"))
+    assert (sxm.tdp_w, pcie.tdp_w, nvl.tdp_w) == (700.0, 350.0, 400.0)
+    assert nvl.usable_bytes > sxm.usable_bytes == pcie.usable_bytes and pcie.bf16_tflops < sxm.bf16_tflops
+    assert (Hardware.load("h200-nvl-141gb").tdp_w, Hardware.load("a100-pcie-80gb").tdp_w) == (600.0, 300.0)
+
+
+def test_a_users_own_hardware_preset_matches_its_devices(charllm_dirs):
+    """Hardware identity lives in the presets: a user's preset with the device's name is found."""
+    name = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+    devices = gpus(name, 94.97, capability="12.0")
+    assert doctor.match_hardware(devices)[0] is None
+    (charllm_dirs["config"] / "hardware").mkdir(parents=True)
+    (charllm_dirs["config"] / "hardware" / "rtx-pro-6000.toml").write_text(
+        'description = "RTX PRO 6000"\nvendor = "nvidia"\ncompute_capability = "12.0"\n'
+        'device_names = ["NVIDIA RTX PRO 6000 Blackwell*"]\nmemory_bytes = 102005473280\n'
+        'usable_bytes = 101974016000\nbf16_tflops = 503.8\n')
+    assert doctor.match_hardware(devices) == ("rtx-pro-6000", f"8 x {name}, 94.97 GiB")
+    # a preset that claims the same devices as a shipped one makes the match ambiguous, not arbitrary
+    (charllm_dirs["config"] / "hardware" / "my-h100.toml").write_text(
+        'vendor = "nvidia"\ndevice_names = ["NVIDIA H100 80GB HBM3"]\nusable_bytes = 84943715697\n')
+    found, why = doctor.match_hardware(gpus("NVIDIA H100 80GB HBM3", 79.11))
+    assert found is None and "h100-sxm-80gb" in why and "my-h100" in why
+
+
+def test_a_mig_instance_finds_its_nvml_handle(monkeypatch):
+    """torch gives a device's UUID without NVML's prefix: GPU- for a whole GPU, MIG- for an instance."""
+    from charllm.engine.workload.train import nvml_handle
+
+    nvml = FakeNvml([FakeGpu(0, uuid="GPU-8c1f2a6e-0000-1111-2222-333344445555"),
+                     FakeGpu(1, uuid="MIG-5d1e9c0b-6666-7777-8888-9999aaaabbbb")]).install(monkeypatch)
+    assert nvml_handle("8c1f2a6e-0000-1111-2222-333344445555") is nvml.gpus[0]
+    assert nvml_handle("5d1e9c0b-6666-7777-8888-9999aaaabbbb") is nvml.gpus[1]
+    assert nvml_handle("MIG-5d1e9c0b-6666-7777-8888-9999aaaabbbb") is nvml.gpus[1]
+    assert nvml_handle("00000000-0000-0000-0000-000000000000") is None
 
 
 # -- GPU-side paths against the fake NVML ---------------------------------------------------------
@@ -207,6 +244,7 @@ def test_gpu_train_figures_from_an_iteration_log():
     assert figures["outside_allocator_bytes"] == 3 * 2**30
     assert figures["tflops_per_gpu"] == 403.5 and figures["mfu_pct"] == pytest.approx(100 * 403.5 / 989.4)
     assert figures["peak_precision"] == "bf16"
+    assert figures["planned_implementation"]["transformer_impl"] == plan.implementation.transformer
     report = {"hardware": "h100-sxm-80gb", "node": "n0", "date": "2026-01-02", "errors": [],
               "stack": {"cuda": True, "capability": [9, 0], "extensions": []},
               "devices": gpus("NVIDIA H100 80GB HBM3", 79.11), "train": figures}
@@ -247,6 +285,31 @@ def test_mfu_is_against_the_peak_of_the_precision_that_ran():
     assert unknown["peak_tflops"] is None and unknown["mfu_pct"] is None
     exp.training.bf16 = True
     assert figures_of(exp, plan, tf32=True)["peak_precision"] == "bf16"
+
+
+def test_the_train_check_plans_the_stack_the_node_has(monkeypatch):
+    """A GPU node without Transformer Engine: the job it trains runs local layers, and its plan is of
+    the same (not of NVIDIA's container, which planning assumes until a node is calibrated)."""
+    from charllm.engine.model import runtime
+
+    facts = {"versions": {"torch": "2.13.0"}, "driver": "580.159", "devices": gpus("NVIDIA H100 80GB HBM3", 79.11, 1),
+             "stack": {"cuda": True, "capability": [9, 0], "extensions": [], "compiler": "/usr/bin/gcc"}}
+    monkeypatch.setattr(doctor, "software", lambda timeout=None: facts)
+    planned = []
+
+    def run_train(exp, plan, **kwargs):
+        planned.append((exp, plan))
+        return {"planned": True}
+
+    monkeypatch.setattr(doctor, "run_train", run_train)
+    said: list[str] = []
+    report = doctor.gather(train=True, rates=(20.0,), sample_seconds=0.2, progress=said.append)
+    assert report["hardware"] == "h100-sxm-80gb" and report["train"] == {"planned": True}
+    (exp, plan), = planned
+    found = runtime.Stack.from_dict(facts["stack"], source="found")
+    assert plan.implementation == runtime.resolve(exp, found) and plan.implementation.transformer == "local"
+    assert report["implementation"]["transformer_impl"] == plan.implementation.transformer
+    assert any(f"planned as {plan.implementation.describe()}" in line for line in said)
 
 
 def test_small_gpus_get_a_smaller_job():

@@ -21,6 +21,8 @@ what the figures mean:
                  it yourself); a node without a GPU is "cpu" and trains on its CPU
   runs as        what transformer_impl = "auto" becomes on this node's software: Transformer Engine
                  where it imports on a CUDA GPU, else megatron-core's local layers with SDPA attention
+  C compiler     the one torch.compile (Triton's launchers) builds with: $CC, else gcc, else clang,
+                 checked by building a tiny extension; without one the compiled fusions are off
   telemetry      the backend `auto` picks (NVML, AMD SMI, else the host alone) and the metrics each
                  device reports (`probe --list` shows the same)
   sampling       the real sampler run for a few seconds at 20 and at 100 Hz. target: the rate a device
@@ -251,6 +253,11 @@ def render(report: dict):
                                      "(gloo, one process per device)")
         extensions = (report.get("stack") or {}).get("extensions") or []
         facts.add_row("extensions", e(", ".join(extensions) or "none (no Transformer Engine, Apex, ...)"))
+        stack = report.get("stack") or {}
+        if "compiler" in stack:   # reports from before the check have none
+            facts.add_row("C compiler", e(stack["compiler"]) + " [dim](torch.compile builds with it)[/]"
+                          if stack["compiler"] else "[b]none works[/b]: torch.compile is off, and with it the "
+                                                    "bias-activation and bias-dropout fusions")
     if report.get("implementation"):
         facts.add_row("runs as", f"{e(report['implementation']['describe'])} [dim](what transformer_impl = "
                                  "\"auto\" becomes here)[/]")
