@@ -26,6 +26,7 @@ memory measurement an earlier `--train` made on the same stack is kept, never re
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -47,8 +48,9 @@ from charllm.engine.launch.launcher import CANCEL_GRACE_S
 from charllm.engine.launch.local import free_port
 from charllm.engine.launch.process import describe_exit, root_cause
 from charllm.engine.launch.target import train_argv
-from charllm.engine.model import calibration, runtime
+from charllm.engine.model import calibration, catalog, runtime
 from charllm.engine.model.experiment import Experiment, Hardware
+from charllm.engine.model.flops import peak_tflops
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.runtime import Implementation
 from charllm.engine.model.validate import check
@@ -64,17 +66,9 @@ TRAIN_ITERS = 10
 TRAIN_TIMEOUT_S = 900.0
 SOFTWARE_TIMEOUT_S = 300.0
 
-# GPU name -> hardware preset: (preset, words the device name holds, words it must not hold). The
-# device's memory must also be the preset's usable_bytes within MEMORY_TOLERANCE, which tells an
-# A100 80GB from a 40GB. PCIe and NVL boards have other power and clocks than the SXM presets.
-GPU_PRESETS = (
-    ("h100-sxm-80gb", ("H100",), ("PCIe", "NVL")),
-    ("h200-141gb", ("H200",), ("NVL",)),
-    ("a100-80gb", ("A100",), ("PCIe",)),
-    ("b200", ("B200",), ()),
-    ("mi250x", ("MI250",), ()),
-    ("mi300x", ("MI300X",), ()),
-)
+# A node's GPUs are a hardware preset when their name matches one of its device_names, their compute
+# capability is its compute_capability (where both are known), and their memory is its usable_bytes
+# within MEMORY_TOLERANCE (an A100 80GB from a 40GB that reports the same name pattern).
 MEMORY_TOLERANCE = 0.05
 
 # The train check's model on a GPU: a Llama-style 1.5B layout (Llama 3's vocabulary, GQA 32/8,
@@ -158,16 +152,33 @@ def match_hardware(devices: list[dict]) -> tuple[str | None, str]:
     if len(names) > 1:
         return None, f"mixed GPUs ({', '.join(names)}): say which preset with --hardware NAME"
     name, total = devices[0]["name"], min(d["total_bytes"] for d in devices)
-    seen = f"{name!r} with {gib(total)}"
-    lowered = name.lower()
-    for preset, wants, refuses in GPU_PRESETS:
-        if all(w.lower() in lowered for w in wants) and not any(r.lower() in lowered for r in refuses):
-            hw = Hardware.load(preset)
-            expected = hw.usable_bytes or hw.memory_bytes
-            if abs(total - expected) <= MEMORY_TOLERANCE * expected:
-                return preset, f"{len(devices)} x {name}, {gib(total)}"
-    return None, (f"unknown GPU {seen}: no hardware preset matches; pass --hardware NAME "
-                  "(`charllm-tui presets list hardware`, or add one to <config>/hardware/)")
+    capability = devices[0].get("capability")
+    found = [hw.name for hw in hardware_presets() if is_device(hw, name, capability, total)]
+    if len(found) == 1:
+        return found[0], f"{len(devices)} x {name}, {gib(total)}"
+    seen = f"unknown GPU {name!r} with {gib(total)}" if not found else \
+        f"{name!r} with {gib(total)} matches several hardware presets ({', '.join(found)})"
+    return None, (f"{seen}: pass --hardware NAME (`charllm-tui presets list hardware`, or add one with this "
+                  "name in device_names to <config>/hardware/)")
+
+
+def hardware_presets():
+    """Every hardware preset, the user's and the shipped ones (a user's file over a shipped one of its name)."""
+    for name in catalog.entries("hardware"):
+        try:
+            yield Hardware.load(name)
+        except UserError:   # a damaged preset of the user's says so where it is used, not in every doctor
+            continue
+
+
+def is_device(hardware, name: str, capability: str | None, total_bytes: int) -> bool:
+    """Whether a device of this name, compute capability and memory (as torch reports them) is `hardware`."""
+    if not any(fnmatch.fnmatchcase(name.lower(), pattern.lower()) for pattern in hardware.device_names):
+        return False
+    if hardware.compute_capability and capability and hardware.compute_capability != capability:
+        return False
+    expected = hardware.usable_bytes or hardware.memory_bytes
+    return not expected or abs(total_bytes - expected) <= MEMORY_TOLERANCE * expected
 
 
 def check_hardware(hardware, devices: list[dict]) -> None:
@@ -191,20 +202,22 @@ def llama_experiment(hardware, gpus: int, layers: int = 16, micro_batch: int = 1
     return exp
 
 
-def train_experiment(hardware, gpus: int, iters: int = TRAIN_ITERS):
+def train_experiment(hardware, gpus: int, iters: int = TRAIN_ITERS, stack: runtime.Stack | None = None):
     """(experiment, its memory plan) for the train check: on a GPU node the largest of TRAIN_SHAPES
-    whose plan fits the device, on all its GPUs; on a CPU node the tiny model on 2 processes."""
+    whose plan fits the device, on all its GPUs; on a CPU node the tiny model on 2 processes. The
+    plan is for `stack`, the software found on the node (default: the hardware's planning stack),
+    so that it plans what the job will run."""
     if hardware.vendor == "cpu":
         exp = Experiment.load(CPU_EXPERIMENT)
         exp.name = f"doctor-{CPU_EXPERIMENT}"
         exp.hardware = hardware
         exp.training.train_iters, exp.training.warmup_iters = iters, min(2, iters - 1)
         check(exp)
-        return exp, estimate(exp)
+        return exp, estimate(exp, stack=stack)
     for layers, micro_batch, seq, vocab in TRAIN_SHAPES:
         exp = llama_experiment(hardware, gpus, layers, micro_batch, seq, vocab, iters)
         check(exp)
-        plan = estimate(exp)
+        plan = estimate(exp, stack=stack)
         if plan.fits:
             return exp, plan
     raise CheckFailed(f"even the smallest train check ({layers} layers, sequence {seq}, vocabulary {vocab}) "
@@ -291,7 +304,7 @@ def _follow(proc, run_dir: Path, exp, node: str, progress: Progress, timeout: fl
             kind = event.get("event")
             if kind == "start" and "start" not in seen:
                 seen.add("start")
-                impl = Implementation(**_implementation_args(event["runtime"]["implementation"]))
+                impl = Implementation.from_dict(event["runtime"]["implementation"])
                 progress(f"{node}: train check: training {exp.model.name} on {event.get('world_size')} "
                          f"process(es), runs as {impl.describe()}")
             elif kind == "iteration" and event["iteration"] not in seen:
@@ -335,11 +348,6 @@ def _train_failure(log_path: Path, returncode: int) -> str:
     return f"{who}: {error_line(text, returncode)}"
 
 
-def _implementation_args(data: dict) -> dict:
-    return {"transformer": data["transformer_impl"], "attention": data["attention"],
-            "fusions": tuple(data.get("fusions", ())), "device": data.get("device", "cuda")}
-
-
 def measurements(exp, plan, events: list[dict], node: str) -> dict:
     """The train check's figures from the job's iteration log."""
     start = next((e for e in events if e.get("event") == "start"), None)
@@ -349,7 +357,7 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
         raise CheckFailed("train check: the job exited 0 without a complete iteration log")
     steady = [e for e in iterations.values() if not e.get("warmup")] or list(iterations.values())
     tflops = statistics.median(e["tflops_per_gpu"] for e in steady)
-    peak = exp.hardware.bf16_tflops or None
+    precision, peak = peak_tflops(exp, start["runtime"].get("tf32"))
     impl = start["runtime"]["implementation"]
     m, t = exp.model, exp.training
     out = {
@@ -359,10 +367,12 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
                        f"micro-batch {t.micro_batch_size}, global batch {t.global_batch_size}, "
                        f"{'bf16' if t.bf16 else 'fp16' if t.fp16 else 'fp32'}, DP{exp.data_parallel_size}"),
         "world_size": start.get("world_size"), "device": start["layout"]["device"],
-        "implementation": {**impl, "describe": Implementation(**_implementation_args(impl)).describe()},
+        "implementation": {**impl, "describe": Implementation.from_dict(impl).describe()},
+        "planned_implementation": {**plan.implementation.to_dict(), "describe": plan.implementation.describe()},
         "iterations": len(iterations), "steady_iterations": len(steady),
         "iteration_ms_median": statistics.median((e["end_ns"] - e["start_ns"]) / 1e6 for e in steady),
-        "tflops_per_gpu": tflops, "peak_tflops": peak, "mfu_pct": 100 * tflops / peak if peak else None,
+        "tflops_per_gpu": tflops, "peak_precision": precision, "peak_tflops": peak,
+        "mfu_pct": 100 * tflops / peak if peak else None,
         "planned_bytes": plan.stages[-1].total_bytes, "stages": end["memory"],
     }
     last = end["memory"][-1]
@@ -420,6 +430,7 @@ def gather(*, hardware: str | None = None, train: bool = False, node: str | None
     except CheckFailed as exc:
         report["errors"].append(str(exc))
         facts = None
+    stack = None
     if facts is not None:
         report.update(versions=facts["versions"], driver=facts["driver"], devices=facts["devices"],
                       stack=facts["stack"])
@@ -453,9 +464,9 @@ def gather(*, hardware: str | None = None, train: bool = False, node: str | None
         else:
             hw = chosen or Hardware.load(report["hardware"])
             try:
-                exp, plan = train_experiment(hw, len(report["devices"]), iters)
+                exp, plan = train_experiment(hw, len(report["devices"]), iters, stack)
                 say(f"{node}: train check: {exp.model.name}, {exp.world_size} process(es), planned peak "
-                    f"{gib(plan.stages[-1].total_bytes)} per device")
+                    f"{gib(plan.stages[-1].total_bytes)} per device, planned as {plan.implementation.describe()}")
                 report["train"] = run_train(exp, plan, node=node, progress=say, timeout=timeout, stop=stop)
                 say(f"{node}: train check: done")
             except CheckFailed as exc:

@@ -55,7 +55,7 @@ class FakeNvml:
     # -- installing ------------------------------------------------------------------------
     def install(self, monkeypatch) -> "FakeNvml":
         for name in ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
-                     "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetFieldValues",
+                     "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetFieldValues",
                      "nvmlDeviceGetTemperature", "nvmlDeviceGetClockInfo",
                      "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons",
                      "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo",
@@ -90,6 +90,13 @@ class FakeNvml:
 
     def nvmlDeviceGetHandleByIndex(self, index):
         return self.gpus[index]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        # NVML takes "GPU-<uuid>" for a whole GPU and "MIG-<uuid>" for a MIG instance, nothing else.
+        for gpu in self.gpus:
+            if gpu.uuid == uuid:
+                return gpu
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
 
     def nvmlDeviceGetUUID(self, gpu):
         return gpu.uuid  # pynvml's @convertStrBytes gives str on Python 3

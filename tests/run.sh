@@ -29,6 +29,10 @@ python3 -m pytest "$@" || status=$?
 # allows, in their own virtualenv (CHARLLM_PY312_VENV). There is no CPU torch wheel for 3.12 here, so
 # pip fetches the CUDA build (about 4.7 GB installed; measured 65 s). Skipped, with the reason, where
 # no Python 3.12 is found, or with CHARLLM_SKIP_PY312=1.
+# That CUDA build also runs the fake-CUDA lane (tests/engine/workload/test_fake_cuda.py: the CUDA path
+# without a GPU), on both megatron-core lines: the venv's, then the one Python 3.11 gets, installed
+# beside it without dependencies (it needs only numpy and packaging, which the venv has) and put first
+# on the path. A second venv would download the CUDA build again for one package.
 py312=
 for candidate in python3.12 "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12; do
     # (a pyenv shim exists whether or not it can run 3.12 here: ask the interpreter itself)
@@ -49,7 +53,15 @@ if (($# == 0)) && [ -z "${CHARLLM_SKIP_PY312:-}" ]; then
         # and the memory model's parameter count; on 3.11 those checks are skipped)
         "$venv/bin/python" -m pytest -p no:cacheprovider tests/engine/workload/test_workload.py tests/engine/launch/test_launch_local.py \
             tests/engine/workload/test_cpu_compat.py tests/engine/workload/test_model_builder.py \
-            tests/engine/model/test_memory.py || status=$?
+            tests/engine/model/test_memory.py tests/engine/workload/test_fake_cuda.py || status=$?
+        older=$(grep -o "megatron-core==[0-9.]*" pyproject.toml | head -1)   # the Python 3.11 line
+        overlay="$venv-${older/==/-}"
+        [ -d "$overlay/megatron" ] || "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+            --target "$overlay" "$older"
+        echo "tests/run.sh: Python 3.12, $(PYTHONPATH="$overlay" "$venv/bin/python" -c \
+            'from importlib.metadata import version; print("megatron-core", version("megatron-core"))'): the fake-CUDA lane"
+        PYTHONPATH="$overlay" "$venv/bin/python" -m pytest -p no:cacheprovider tests/engine/workload/test_fake_cuda.py \
+            || status=$?
     fi
 fi
 exit "$status"

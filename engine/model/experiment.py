@@ -259,9 +259,16 @@ class Hardware:
     outside_allocator_bytes: int = setting(0, flag=None, minimum=0,
                                            help="memory outside PyTorch's allocator: CUDA/HIP context, NCCL "
                                                 "buffers, library workspaces (bytes); 0: unknown")
-    bf16_tflops: float = setting(0.0, flag=None, minimum=0, help="peak dense BF16 throughput (TFLOP/s); 0: unknown")
+    bf16_tflops: float = setting(0.0, flag=None, minimum=0, help="peak dense BF16 (and FP16) tensor throughput "
+                                                                  "(TFLOP/s): the MFU peak of bf16/fp16 runs; 0: unknown")
     fp8_tflops: float | None = setting(None, flag=None, minimum=0,
-                                       help="peak dense FP8 throughput (TFLOP/s); unset: no FP8")
+                                       help="peak dense FP8 throughput (TFLOP/s): the MFU peak of FP8 runs; unset: no FP8")
+    tf32_tflops: float | None = setting(None, flag=None, minimum=0,
+                                        help="peak dense TF32 throughput (TFLOP/s): the MFU peak of fp32 runs that "
+                                             "allow TF32; unset: none")
+    fp32_tflops: float | None = setting(None, flag=None, minimum=0,
+                                        help="peak FP32 throughput without TF32 (TFLOP/s): the MFU peak of fp32 "
+                                             "runs; unset: unknown")
     fp8: bool = setting(False, flag=None, help="the device has FP8 matrix units")
     mem_bandwidth_gbs: float = setting(0.0, flag=None, minimum=0, help="peak memory bandwidth (GB/s); 0: unknown")
     tdp_w: float = setting(0.0, flag=None, minimum=0, help="board power limit (W); 0: unknown")
@@ -270,6 +277,9 @@ class Hardware:
     max_sm_clock_mhz: float = setting(0.0, flag=None, minimum=0, help="highest SM clock (MHz); 0: unknown")
     compute_capability: str | None = setting(None, flag=None, help="NVIDIA compute capability, major.minor "
                                                                    "(9.0: Hopper): which kernels it can run")
+    device_names: list[str] = setting([], flag=None,
+                                      help="device names (torch, NVML) as whole-name shell patterns, any case: "
+                                           "`doctor` matches a node's GPUs by them")
     temp_limit_c: float = setting(85.0, flag=None, help="GPU temperature above which time counts as hot (°C)")
     interconnect: str = setting("", flag=None, help="how the devices are connected, as shown (e.g. NVLink 4)")
 
@@ -372,6 +382,9 @@ class Training:
                                             "with the forward pass")
     tp_comm_overlap: bool = setting(False, label="TP comm overlap", config=True,
                                     help="overlap tensor-parallel communication with the GEMMs")
+    check_for_nan_in_loss_and_grad: bool = setting(
+        True, flag="--no-check-for-nan-in-loss-and-grad", switch=False,
+        help="stop at a NaN or Inf loss or gradient, checked each step as Megatron-LM does (host syncs)")
     # what each becomes on a node: engine.model.runtime
     attention_backend: str = setting("auto", choices=("auto", "flash", "fused", "unfused", "local"),
                                      help="attention kernel; auto: Transformer Engine picks (local: "

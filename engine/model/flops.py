@@ -64,3 +64,28 @@ def num_floating_point_operations(m: ModelSpec, batch_size: int, seq_length: int
         + fwd_bwd * fma * h * padded_vocab * (mtp + 1)
     )
     return float(batch_size * s * per_token)
+
+
+# The hardware field holding each precision's dense peak (fp16 runs at the bf16 rate on every
+# device the presets hold).
+PEAK_FIELDS = {"fp8": "fp8_tflops", "bf16": "bf16_tflops", "fp16": "bf16_tflops", "tf32": "tf32_tflops",
+               "fp32": "fp32_tflops"}
+
+
+def matmul_precision(exp: Experiment, tf32: bool | None) -> str:
+    """The precision a run's matrix multiplies ran in: fp8, bf16, fp16, else tf32 where the run
+    allowed TF32 for fp32 matmuls (the workload records it: torch's float32 matmul precision), else
+    fp32 (torch's default, and Megatron-LM sets none)."""
+    t = exp.training
+    if t.fp8:
+        return "fp8"
+    if t.bf16 or t.fp16:
+        return "bf16" if t.bf16 else "fp16"
+    return "tf32" if tf32 else "fp32"
+
+
+def peak_tflops(exp: Experiment, tf32: bool | None) -> tuple[str, float | None]:
+    """(precision, the hardware's dense peak TFLOP/s for it): MFU's denominator; None where the
+    hardware preset gives no peak for that precision (MFU is then not applicable)."""
+    precision = matmul_precision(exp, tf32)
+    return precision, getattr(exp.hardware, PEAK_FIELDS[precision]) or None

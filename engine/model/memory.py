@@ -416,10 +416,11 @@ class _Shapes:
         # upcasts the scores: softmax keeps its fp32 output for backward, the bf16 cast feeds P x V
         self.upcast_softmax = (impl.attention == "megatron-unfused" and "masked_softmax_fusion" not in impl.fusions
                                and t.attention_softmax_in_fp32 and self.ab == 2)
-        # SDPA hands GQA to the kernel only in half precision on a GPU (FlashAttention-2); in fp32
-        # (or on CPU) engine/workload/attention.py expands K and V to every head first, and the
-        # kernel keeps the expanded copies for backward.
-        self.expanded_kv = impl.attention.startswith("sdpa") and (impl.device == "cpu" or self.ab == 4)
+        # SDPA hands GQA to the kernel only where a kernel surely takes it (runtime.sdpa_takes_gqa);
+        # elsewhere engine/workload/attention.py expands K and V to every head first, and the kernel
+        # keeps the expanded copies for backward.
+        self.expanded_kv = impl.attention.startswith("sdpa") and not runtime.sdpa_takes_gqa(
+            impl.device == "cuda", self.ab == 2, impl.sdpa_kernels)
         self.attn_dropout = m.attention_dropout > 0
         self.hid_dropout = m.hidden_dropout > 0
         self.modules = set(t.recompute_modules or ["core_attn"]) \
@@ -1050,15 +1051,18 @@ def budget(exp: Experiment) -> Budget:
 
 
 def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
-             warnings: list[str] | None = None) -> MemoryReport:
-    """Peak allocator bytes per pipeline stage, with a fit verdict on `exp.hardware`."""
+             warnings: list[str] | None = None, stack: "runtime.Stack | None" = None) -> MemoryReport:
+    """Peak allocator bytes per pipeline stage, with a fit verdict on `exp.hardware`, for what runs on
+    `stack` (default: the hardware's calibrated or assumed stack, `calibration.for_planning`)."""
     hw, t = exp.hardware, exp.training
+    stack = stack or calibration.for_planning(hw)
+    cache = {"stack": stack}
     notes = list(warnings or []) + ignored(exp)
     pr = precision(exp)
-    workspace = workspace_bytes(exp)
+    workspace = workspace_bytes(exp, cache)
     room = budget(exp)
     stages = []
-    for st in stage_terms(exp):
+    for st in stage_terms(exp, cache):
         w, g, o, a, x = combine(st.dense_params, st.expert_params, st.held_loss, st.held_max, st.backward,
                                 st.loss_extra, st.fsdp_layer_params, workspace, pr)
         chunks = [ChunkMemory(c.virtual_rank, c.layers, c.has_embedding, c.has_loss, c.mtp_layers,
@@ -1084,7 +1088,6 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
     if t.cuda_graph_impl != "none":
         notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the graphs' static buffers are not modelled "
                      "(measured up to +25% steady memory on a small MoE)")
-    stack = calibration.for_planning(hw)
     return MemoryReport(stages, room, list(ignored_args or []), notes, implementation=runtime.resolve(exp, stack),
                         runtime_problems=[str(p) for p in runtime.problems(exp, stack)], stack_source=stack.source)
 

@@ -1,8 +1,9 @@
 """What runs where: the software a node offers, what an experiment becomes on it, and every rule
 for what cannot run there.
 
-A `Stack` is one node's software: CUDA and its GPU's compute capability, and which optional
-extensions import (Transformer Engine, Apex, DeepEP, ...). The training workload detects its own
+A `Stack` is one node's software: CUDA and its GPU's compute capability, which optional
+extensions import (Transformer Engine, Apex, DeepEP, ...), and the host C compiler that
+torch.compile needs. The training workload detects its own
 (`detect()`); planning on a login node uses the stack that `charllm-tui doctor` calibrated on a node
 of that hardware, else a stated assumption (`calibration.for_planning`).
 
@@ -19,6 +20,11 @@ scaled_dot_product_attention (a flash-class kernel on GPUs).
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
 from dataclasses import dataclass, field
 
 from charllm.engine.model.experiment import Problem
@@ -41,6 +47,13 @@ NVIDIA_CONTAINER = frozenset({"transformer_engine", "apex", "fused_weight_gradie
 # torch.nn.attention.SDPBackend names behind each backend choice on the local path.
 SDPA_KERNELS = {"auto": None, "flash": ("FLASH_ATTENTION",), "fused": ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")}
 
+# A stack not detected on its node (assumed, or calibrated before the compiler was checked) is taken
+# to have a C compiler: NVIDIA's container has gcc.
+ASSUMED_COMPILER = "cc (assumed)"
+NO_COMPILER = ("torch.compile off: no working host C compiler (Triton builds its launchers with $CC, else "
+               "gcc, else clang; install gcc or set CC): the bias-activation and bias-dropout fusions are off "
+               "and megatron-core's compiled helpers run eagerly")
+
 
 @dataclass(frozen=True)
 class Stack:
@@ -50,6 +63,7 @@ class Stack:
     capability: tuple[int, int] | None = None   # the GPU's compute capability, (9, 0) on an H100
     extensions: frozenset[str] = frozenset()    # EXTENSIONS that import there
     source: str = "assumed"                     # how we know: "found on NODE", "calibrated on NODE, DATE", "assumed for HW: ..."
+    compiler: str | None = ASSUMED_COMPILER     # the C compiler torch.compile can build with (host_compiler); None: none works
 
     def has(self, extension: str) -> bool:
         return extension in self.extensions
@@ -60,13 +74,15 @@ class Stack:
 
     def to_dict(self) -> dict:
         return {"cuda": self.cuda, "capability": list(self.capability) if self.capability else None,
-                "extensions": sorted(self.extensions)}
+                "extensions": sorted(self.extensions), "compiler": self.compiler}
 
     @classmethod
     def from_dict(cls, data: dict, source: str) -> "Stack":
         capability = data.get("capability")
+        compiler = data.get("compiler", ASSUMED_COMPILER)   # records made before the check have none
         return cls(cuda=bool(data.get("cuda")), capability=tuple(capability) if capability else None,
-                   extensions=frozenset(e for e in data.get("extensions", []) if e in EXTENSIONS), source=source)
+                   extensions=frozenset(e for e in data.get("extensions", []) if e in EXTENSIONS), source=source,
+                   compiler=compiler if isinstance(compiler, str) else None)
 
 
 def detect() -> Stack:
@@ -91,7 +107,33 @@ def detect() -> Stack:
         except Exception:   # noqa: BLE001 - any failure to import means "not usable here"
             continue
     capability = tuple(torch.cuda.get_device_capability()) if cuda else None
-    return Stack(cuda=cuda, capability=capability, extensions=frozenset(found), source=f"found on {platform.node()}")
+    return Stack(cuda=cuda, capability=capability, extensions=frozenset(found), source=f"found on {platform.node()}",
+                 compiler=host_compiler())
+
+
+@functools.cache
+def host_compiler() -> str | None:
+    """The C compiler torch.compile can build with on this node, else None.
+
+    Inductor's GPU kernels are Triton's, and Triton compiles a small C launcher per kernel signature
+    with the host compiler (triton/runtime/build.py: $CC, else gcc, else clang, with Python's
+    headers); Inductor's CPU kernels need one too. So the check builds a tiny C extension the way
+    Triton does, once per process: a compiler that is missing, broken or lacks Python.h fails here,
+    not in iteration 1."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return None
+    include = sysconfig.get_paths()["include"]
+    with tempfile.TemporaryDirectory(prefix="charllm-cc-") as tmp:
+        source = os.path.join(tmp, "probe.c")
+        with open(source, "w") as f:
+            f.write("#include <Python.h>\nint charllm_probe(void) { return Py_IsInitialized(); }\n")
+        try:
+            done = subprocess.run([cc, source, "-O3", "-shared", "-fPIC", "-o", os.path.join(tmp, "probe.so"),
+                                   f"-I{include}"], capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return (shutil.which(cc) or cc) if done.returncode == 0 else None
 
 
 def assumed(hardware) -> Stack:
@@ -124,6 +166,8 @@ class Implementation:
     attention: str                # te-<backend> | sdpa | sdpa-flash | sdpa-fused | megatron-unfused
     fusions: tuple[str, ...] = field(default=())   # TransformerConfig fusion flags that are on
     device: str = "cuda"          # "cuda" (NCCL) | "cpu" (gloo, through cpu_compat)
+    optimizer: str = "torch"      # whose Adam and multi-tensor kernels: OPTIMIZERS
+    notes: tuple[str, ...] = field(default=())     # what is off on this node that Megatron-LM has on, and why
 
     @property
     def unfused_attention(self) -> bool:
@@ -136,14 +180,52 @@ class Implementation:
         return SDPA_KERNELS[self.attention.removeprefix("sdpa").lstrip("-") or "auto"] \
             if self.attention.startswith("sdpa") else None
 
+    @property
+    def compiles(self) -> bool:
+        """Whether torch.compile may run (megatron-core compiles its fusions and some helpers)."""
+        return NO_COMPILER not in self.notes
+
     def to_dict(self) -> dict:
         return {"transformer_impl": self.transformer, "attention": self.attention, "fusions": list(self.fusions),
-                "device": self.device}
+                "device": self.device, "optimizer": self.optimizer, "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Implementation":
+        """The inverse of to_dict (records written before a field existed get its default)."""
+        return cls(transformer=data["transformer_impl"], attention=data["attention"],
+                   fusions=tuple(data.get("fusions", ())), device=data.get("device", "cuda"),
+                   optimizer=data.get("optimizer", "torch"), notes=tuple(data.get("notes", ())))
 
     def describe(self) -> str:
         impl = "Transformer Engine" if self.transformer == "transformer_engine" else "local (megatron-core)"
-        return f"{impl}, attention {self.attention}, fusions {', '.join(self.fusions) or 'none'}" \
-            + ("" if self.device == "cuda" else ", on CPU")
+        return f"{impl}, attention {self.attention}, fusions {', '.join(self.fusions) or 'none'}, " \
+               f"{OPTIMIZERS.get(self.optimizer, self.optimizer)}" \
+            + ("" if self.device == "cuda" else ", on CPU") + "".join(f"; {note}" for note in self.notes)
+
+
+# Who provides Adam and the multi-tensor kernels (gradient norm, scaling), as megatron-core picks them:
+# Transformer Engine's, else Apex's, else torch's (megatron-core's fallback builds torch's AdamW
+# without fused=True and computes the gradient norm with a host sync per parameter; the workload
+# turns fused on and computes the norm on the device, see train.use_torch_fast_paths).
+OPTIMIZERS = {
+    "transformer_engine": "optimizer kernels Transformer Engine's",
+    "apex": "optimizer kernels Apex's",
+    "torch": "optimizer kernels torch's (fused Adam, gradient norm on the device)",
+}
+
+
+def sdpa_takes_gqa(cuda: bool, half: bool, kernels: tuple[str, ...] | None) -> bool:
+    """Whether torch's SDPA is handed grouped-query attention as is (`enable_gqa`, K and V not
+    repeated per head), for tensors on CUDA or not, in half precision or not, with the kernels
+    allowed (`Implementation.sdpa_kernels`; None: torch chooses).
+
+    Only where a kernel surely takes it: FlashAttention-2 (CUDA, fp16/bf16) when flash is allowed;
+    with torch choosing, its math fallback takes anything. torch 2.13's memory-efficient kernel
+    does not take it (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp checks its inputs with
+    check_batch_size_and_num_heads_dense<false>, "supports GQA" false), and cuDNN's, which does, is
+    not always usable (fp32, older GPUs, some dropout and shape limits): restricted to those two
+    ("fused"), SDPA would raise "No available kernel". Elsewhere K and V are expanded first."""
+    return cuda and half and (kernels is None or "FLASH_ATTENTION" in kernels)
 
 
 def transformer_impl(exp, stack: Stack) -> str:
@@ -182,17 +264,21 @@ def _resolve(key: tuple, stack: Stack) -> Implementation:
         # memory, K/V repeated for GQA). The workload swaps in torch's SDPA instead, so a plain
         # install gets flash-class attention; attention_backend = "unfused" keeps Megatron's own.
         attention = "sdpa" if backend == "auto" else f"sdpa-{backend}"
-    fusions = []
+    fusions, notes = [], []
     if stack.cuda:
         # Megatron-LM's defaults (--bias-gelu-fusion, --bias-swiglu-fusion, --bias-dropout-fusion,
         # --apply-rope-fusion, --masked-softmax-fusion, --gradient-accumulation-fusion), each where
         # TransformerConfig accepts it and its kernel exists. The bias-activation and bias-dropout
-        # fusions are torch.compile'd PyTorch, so they need no extension. On a CPU they stay off:
-        # compiling them there costs more than a test run.
+        # fusions (and the native cross-entropy fusion) are torch.compile'd PyTorch: they need no
+        # extension, but a host C compiler (host_compiler). On a CPU they stay off: compiling them
+        # there costs more than a test run.
         activation = "silu" if swiglu else "squared_relu" if squared_relu else "gelu"
-        if activation == "silu" or (activation == "gelu" and bias):
-            fusions.append("bias_activation_fusion")     # TransformerConfig allows gelu (with bias) and swiglu
-        fusions.append("bias_dropout_fusion")
+        if stack.compiler:
+            if activation == "silu" or (activation == "gelu" and bias):
+                fusions.append("bias_activation_fusion")     # TransformerConfig allows gelu (with bias) and swiglu
+            fusions.append("bias_dropout_fusion")
+        else:
+            notes.append(NO_COMPILER)
         if position == "rope" and te:
             fusions.append("apply_rope_fusion")          # TE's fused RoPE kernel
         if attention in ("megatron-unfused",) and stack.has("scaled_upper_triang_masked_softmax_cuda"):
@@ -201,10 +287,16 @@ def _resolve(key: tuple, stack: Stack) -> Implementation:
             # Apex's kernel: megatron's own ColumnParallelLinear (the output layer, TE or not)
             # raises without it.
             fusions.append("gradient_accumulation_fusion")
-        if ce_fusion:
-            fusions.append("cross_entropy_loss_fusion")  # megatron's native (PyTorch) implementation
+        if ce_fusion and stack.compiler:
+            fusions.append("cross_entropy_loss_fusion")  # megatron's native (torch.compile'd) implementation
+    elif not stack.compiler:
+        notes.append(NO_COMPILER)
+    # megatron-core's optimizer imports TE's FusedAdam, else Apex's (optimizer/__init__.py), and its
+    # multi-tensor kernels the same way (optimizer/clip_grads.py).
+    optimizer = "transformer_engine" if stack.has("transformer_engine") else "apex" if stack.has("apex") \
+        else "torch"
     return Implementation("transformer_engine" if te else "local", attention, tuple(fusions),
-                          "cuda" if stack.cuda else "cpu")
+                          "cuda" if stack.cuda else "cpu", optimizer, tuple(notes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,6 +350,11 @@ def problems(exp, stack: Stack) -> list:
             needs("fp8_param_gather", True, f"FP8 parameters {lacks}")
         if t.moe_grouped_gemm and m.is_moe and not (stack.cuda and stack.has("grouped_gemm")):
             needs("moe_grouped_gemm", True, f"the grouped GEMM {lacks} (or the grouped_gemm package on CUDA)")
+    if not te and stack.cuda and t.attention_backend == "flash" and not (t.bf16 or t.fp16):
+        # torch's flash kernel takes fp16 and bf16 only (sdp_utils.cpp, check_dtypes_flash_attention);
+        # restricted to it, SDPA raises "No available kernel" in the first forward.
+        needs("attention_backend", "flash", "torch's flash attention kernel takes only fp16 and bf16, and this "
+                                            "experiment trains in fp32 (set bf16, or attention_backend auto or fused)")
     if t.use_precision_aware_optimizer and not t.optimizer_cpu_offload and not stack.has("transformer_engine"):
         needs("use_precision_aware_optimizer", True, "needs Transformer Engine's FusedAdam, which this node lacks")
     if t.optimizer_cpu_offload and not stack.cuda:

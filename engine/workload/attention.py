@@ -22,6 +22,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
+from charllm.engine.model import runtime
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -57,7 +59,8 @@ class SDPAttention(MegatronModule):
             if dropout and not self.config.sequence_parallel else contextlib.nullcontext()
         with rng, self._kernels():
             context = attend(query, key, value, causal=causal, mask=None if causal else attention_mask,
-                             dropout=dropout, scale=self.softmax_scale)
+                             dropout=dropout, scale=self.softmax_scale,
+                             native_gqa=native_gqa(query, self.kernels))
         sq, b = context.shape[:2]
         return context.reshape(sq, b, -1)
 
@@ -69,17 +72,20 @@ class SDPAttention(MegatronModule):
         return sdpa_kernel([getattr(SDPBackend, name) for name in self.kernels])
 
 
+def native_gqa(query, kernels: tuple[str, ...] | None) -> bool:
+    """Whether `query`'s attention takes grouped-query heads as they are (runtime.sdpa_takes_gqa)."""
+    return runtime.sdpa_takes_gqa(query.is_cuda, query.dtype in _HALF, kernels)
+
+
 def attend(query, key, value, *, causal: bool, mask=None, dropout: float = 0.0, scale: float | None = None,
-           native_gqa: bool | None = None):
+           native_gqa: bool = False):
     """[sq, b, np, hn] query, [sk, b, ng, hn] key/value -> [sq, b, np, hn] context.
 
-    Grouped-query attention is handed to the kernel as is (`enable_gqa`) where the kernel takes
-    it, half-precision CUDA tensors (FlashAttention-2); elsewhere the memory-efficient kernel
-    would not, and torch would fall back to its s x s math path, so K and V are expanded first.
+    Grouped-query attention is handed to the kernel as is (`enable_gqa`) when `native_gqa`
+    (runtime.sdpa_takes_gqa); otherwise K and V are expanded to every head first, which any kernel
+    takes.
     `mask`: megatron's convention, True where attention is NOT allowed."""
     heads, groups = query.shape[2], key.shape[2]
-    if native_gqa is None:
-        native_gqa = query.is_cuda and query.dtype in _HALF
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))        # [b, heads, s, hn]
     if heads != groups and not native_gqa:
         k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))

@@ -212,11 +212,20 @@ def ddp_settings(exp, dp_cp_size: int) -> dict:
         use_distributed_optimizer=p.use_distributed_optimizer,
         num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
         fp8_param_gather=t.fp8_param_gather,
+        check_for_nan_in_grad=checks_for_nan(exp),
         # Megatron-LM's bucket size: large enough to stay bandwidth-bound at scale; one bucket
         # when grads are reduced after the backward anyway.
         bucket_size=max(40_000_000, 1_000_000 * dp_cp_size) if t.overlap_grad_reduce else None,
         average_in_collective=False,
     )
+
+
+def checks_for_nan(exp) -> bool:
+    """Whether each step checks the loss and gradients for NaN and Inf: --check-for-nan-in-loss-and-grad
+    (Megatron-LM's default), which Megatron-LM's arguments.py turns off for fp16 with dynamic loss
+    scaling, where an Inf gradient is the loss scaler's signal to back off."""
+    t = exp.training
+    return t.check_for_nan_in_loss_and_grad and not (t.fp16 and not t.loss_scale)
 
 
 def optimizer_config(exp):
@@ -303,7 +312,7 @@ def indexed_batches(exp, dp_rank: int, dp_size: int):
     return batches()
 
 
-def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int):
+def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int, check_nan: bool):
     import torch
 
     batch = next(data_iterator)
@@ -319,17 +328,26 @@ def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int):
     # No attention mask: every attention the workload builds is causal by its layer spec (TE's and
     # SDPA's kernels mask inside; megatron's unfused softmax builds its causal mask itself).
     output = model(tokens, positions, None, labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], check_nan=check_nan)
 
 
-def loss_func(loss_mask, output_tensor):
-    """Per-token loss, as Megatron-LM's pretrain_gpt: (sum, tokens, {report: [sum, tokens]})."""
+def loss_func(loss_mask, output_tensor, *, check_nan: bool = False):
+    """Per-token loss, as Megatron-LM's pretrain_gpt: (sum, tokens, {report: [sum, tokens]}); with
+    `check_nan` (--check-for-nan-in-loss-and-grad, Megatron-LM's default) a NaN or Inf loss on this
+    rank stops the run before the data-parallel reduce, as pretrain_gpt's loss_func does."""
     import torch
 
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     tokens = mask.sum().to(torch.int)
+    if check_nan:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine  # deferred: loads megatron-core
+
+        rerun = get_rerun_state_machine()
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rerun.validate_result(result=loss, rejection_func=reject, tolerance=0.0, fatal=True,
+                                  message=f"found {what} in local forward loss calculation")
     return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
 
 
@@ -373,6 +391,7 @@ class Trainer:
         from megatron.core import tensor_parallel
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
 
         p, t = exp.parallel, exp.training
         self.exp = exp
@@ -390,6 +409,10 @@ class Trainer:
             # checkpoints; this workload saves none.
             create_gloo_process_groups=False,
         )
+        # Megatron-LM's rerun state machine checks the loss and gradients (check_for_nan_in_loss_and_grad).
+        # Its re-running modes (--rerun-mode validate_results) re-run a step to attribute a fault and
+        # need Megatron-LM's loop around them; disabled, a NaN or Inf stops the run at once.
+        initialize_rerun_state_machine(mode=RerunMode.DISABLED)
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         # Megatron-LM's _set_random_seed: each pipeline stage its own seed.
         self.seed = t.seed + 100 * self.pp_rank
@@ -407,14 +430,32 @@ class Trainer:
 
         self.optimizer = get_megatron_optimizer(optimizer_config(exp), self.model,
                                                 use_gloo_process_groups=False)   # none were made
+        if impl.optimizer == "torch":
+            use_torch_fast_paths(exp, self.optimizer)
         # Megatron-LM's train(): the schedules scale the loss (fp16), and with overlapped grad
         # reduction hold it back until the last micro-batch and start it per bucket.
         one = (lambda funcs: funcs[0]) if len(self.model) == 1 else (lambda funcs: funcs)
+        self.config = config
         config.grad_scale_func = self.optimizer.scale_loss
         config.finalize_model_grads_func = finalize_model_grads
         if t.overlap_grad_reduce:
             config.no_sync_func = one([chunk.no_sync for chunk in self.model])
             config.grad_sync_func = one([chunk.start_grad_sync for chunk in self.model])
+        # With the overlapped param all-gather, the interleaved schedule starts each chunk's gather
+        # itself (--align-param-gather: on, except without the interleaved schedule, where
+        # arguments.py turns it off) ...
+        if t.overlap_param_gather and p.virtual_pipeline_model_parallel_size:
+            config.param_sync_func = one([chunk.start_param_sync for chunk in self.model])
+        # ... and the first step runs with the forward pre-hooks (the gathers) off and without
+        # param_sync_func, so that a bad initialization fails on its rank instead of spreading
+        # through the first all-gather (should_disable_forward_pre_hook, training.py). They come
+        # back after the first step that updated the weights (fp16 may skip the first ones).
+        self.overlapped_param_gather = p.use_distributed_optimizer and t.overlap_param_gather
+        self.param_sync_held = self.overlapped_param_gather
+        if self.param_sync_held:
+            for chunk in self.model:
+                chunk.disable_forward_pre_hook(param_sync=False)
+            self.held_param_sync_func, config.param_sync_func = config.param_sync_func, None
 
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
@@ -425,7 +466,8 @@ class Trainer:
             data = [synthetic_batches(exp, t.seed + self.dp_rank) for _ in self.model]
         self.data = one(data)
         self.forward_step = partial(forward_step, seq=exp.seq_length, cp_rank=ps.get_context_parallel_rank(),
-                                    cp_size=ps.get_context_parallel_world_size())
+                                    cp_size=ps.get_context_parallel_world_size(),
+                                    check_nan=checks_for_nan(exp))
         self.forward_backward = get_forward_backward_func()
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
@@ -465,14 +507,31 @@ class Trainer:
             micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
-        _, grad_norm, _ = self.optimizer.step()
+        updated, grad_norm, _ = self.optimizer.step()
         grad_norm = float(grad_norm) if grad_norm is not None else None   # None: fp16 skipped the step
+        if updated and self.param_sync_held:
+            self.resume_param_sync()
         if not self.is_last_stage:
             return None, grad_norm
         # Sum [loss, tokens] over micro-batches, then over the DP (x CP) replicas of this stage.
         total = torch.stack([r["lm loss"] for r in reports]).sum(0).to(self.device)
         torch.distributed.all_reduce(total, group=self.dp_cp_group)
         return (total[0] / total[1]).item(), grad_norm
+
+    def resume_param_sync(self) -> None:
+        """After the first step that updated the weights: the forward pre-hooks and param_sync_func
+        that the overlapped param all-gather held back come on."""
+        for chunk in self.model:
+            chunk.enable_forward_pre_hook()
+        self.config.param_sync_func = self.held_param_sync_func
+        self.param_sync_held = False
+
+    def finish(self) -> None:
+        """As Megatron-LM's train() ends: with the overlapped param all-gather, the pre-hooks off
+        with a last param sync, so no gather is left in flight when the process groups go."""
+        if self.overlapped_param_gather and not self.param_sync_held:
+            for chunk in self.model:
+                chunk.disable_forward_pre_hook()
 
     def agree(self, stop_requested: bool, loss: float | None) -> tuple[bool, float, list[tuple]]:
         """One all-gather per iteration: did any rank get SIGTERM (so all leave the loop after the
@@ -523,6 +582,12 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                                                        exp.training.expandable_segments)
 
+    if runtime.host_compiler() is None:
+        # Nothing can compile here (runtime.NO_COMPILER): megatron-core's torch.compile'd helpers
+        # (jit_fuser: some activations, norms and MoE routing, besides the fusions resolve turns
+        # off) run eagerly instead of failing in iteration 1. Read when torch is imported.
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+
     import_started = time.monotonic()
     import torch
 
@@ -549,6 +614,9 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     if log.fd is not None:   # what ran, as the run directory, `runs show` and Live report it
         log.write("start", start_ns=time.time_ns(), world_size=world, layout=trainer.layout(), seed=trainer.seed,
                   runtime={"implementation": impl.to_dict(), "model": trainer.builder.describe(exp),
+                           # fp32 matmuls on TF32 tensor cores (torch's setting; Megatron-LM sets none):
+                           # which peak MFU is against (engine.model.flops.peak_tflops)
+                           "tf32": cuda and torch.get_float32_matmul_precision() != "highest",
                            **runtime.describe(stack)},
                   startup_s={
                       "import": round(setup_started - import_started, 3),      # torch, megatron (+ TE)
@@ -578,7 +646,9 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
         if stop_all:
             log.write("end", end_ns=time.time_ns(), iteration=iteration, status="cancelled", memory=stage_peaks(peaks))
             print(f"cancelled after iteration {iteration} (SIGTERM)", file=sys.stderr, flush=True)
+            trainer.finish()
             return CANCELLED_EXIT
+    trainer.finish()
     log.write("end", end_ns=time.time_ns(), iteration=t.train_iters, status="completed", memory=stage_peaks(peaks))
     return 0
 
@@ -594,6 +664,33 @@ def stage_peaks(peaks: list[tuple]) -> list[dict]:
             if value is not None:
                 entry[key] = max(entry[key] or 0, value)
     return [out[stage] for stage in sorted(out)]
+
+
+def use_torch_fast_paths(exp, optimizer) -> None:
+    """Without Transformer Engine or Apex, megatron-core falls back to torch for Adam and for its
+    multi-tensor kernels, the slow way: torch's AdamW built without fused=True, and a gradient norm
+    (utils.local_multi_tensor_l2_norm) that reads every parameter's norm to the host, a sync per
+    parameter per step. Here Adam runs fused (torch reads `fused` per parameter group at each step;
+    set before the first) and the norm stays on the device: one result, the same value."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = device_l2_norm
+    t = exp.training
+    if t.optimizer == "adam" and not t.optimizer_cpu_offload:   # the CPU offload builds its own optimizers
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            for group in inner.optimizer.param_groups:
+                group["fused"], group["foreach"] = True, None
+
+
+def device_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron-core's local_multi_tensor_l2_norm (a drop-in for apex's amp_C.multi_tensor_l2norm):
+    the L2 norm of all the tensors as a 1-element float tensor, computed on their device."""
+    import torch
+
+    tensors = [tensor for tensors in tensor_lists for tensor in tensors]
+    return torch.nn.utils.get_total_norm(tensors, 2.0).float().reshape(1), None
 
 
 def define_te_general_gemm() -> None:
@@ -620,8 +717,7 @@ class DeviceMemory:
             import torch
 
             pynvml.nvmlInit()
-            uuid = str(torch.cuda.get_device_properties(local_rank).uuid)
-            self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            self.handle = nvml_handle(str(torch.cuda.get_device_properties(local_rank).uuid))
         except Exception:   # noqa: BLE001 - no NVML (or an old torch): not measured, never fatal
             self.handle = None
 
@@ -640,6 +736,20 @@ class DeviceMemory:
             now = int(mine[0].usedGpuMemory) - int(torch.cuda.memory_reserved())
             self.most = now if self.most is None else max(self.most, now)
         return self.most
+
+
+def nvml_handle(uuid: str):
+    """NVML's handle of the device torch calls `uuid`, else None. torch gives the UUID without a
+    prefix; NVML names a whole GPU "GPU-<uuid>" and a MIG instance "MIG-<uuid>"."""
+    import pynvml
+
+    names = [uuid] if uuid.startswith(("GPU-", "MIG-")) else [f"GPU-{uuid}", f"MIG-{uuid}"]
+    for name in names:
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(name)
+        except pynvml.NVMLError:
+            continue
+    return None
 
 
 def memory_peaks(cuda: bool) -> tuple[int, int | None]:

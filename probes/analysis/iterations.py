@@ -1,6 +1,6 @@
 """Iteration statistics (run-wide) from the iteration log, iterations that lie wholly inside the
 window: TFLOP/s per GPU uses Megatron's FLOP count (`engine.model.flops`), MFU is against the
-hardware's dense BF16 peak, efficiency is samples/s per MJ of energy per iteration (the paper's
+hardware's dense peak in the precision the run's matrix multiplies ran in (`flops.peak_tflops`), efficiency is samples/s per MJ of energy per iteration (the paper's
 samples/(s·MJ))."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.flops import flops_per_iteration
+from charllm.engine.model.flops import PEAK_FIELDS, flops_per_iteration, peak_tflops
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
 
@@ -44,7 +44,9 @@ def read_experiment(path: Path) -> ExperimentFile | None:
         raise UserError(exc if str(path) in str(exc) else f"{path}: {exc}") from None
 
 
-def iteration_stats(iterations, start_ns, end_ns, exp_file: ExperimentFile | None, n_gpus: int | None):
+def iteration_stats(iterations, start_ns, end_ns, exp_file: ExperimentFile | None, n_gpus: int | None,
+                    tf32: bool | None = None):
+    """`tf32`: whether the run allowed TF32 for fp32 matmuls, as its workload recorded it."""
     its = iterations.filter((pl.col("start_ns") >= start_ns) & (pl.col("end_ns") <= end_ns))
     if its.height == 0:
         return {}, [] if iterations.height == 0 else ["no whole iteration inside the window"]
@@ -75,9 +77,15 @@ def iteration_stats(iterations, start_ns, end_ns, exp_file: ExperimentFile | Non
     elif its["tflops_per_gpu"].null_count() < its.height:
         tflops = its["tflops_per_gpu"].mean()
         notes.append("TFLOP/s from the iteration log (no experiment.toml)")
-    peak = (exp.hardware.bf16_tflops or None) if exp else None
     out["tflops_per_gpu"] = tflops
-    out["mfu_pct"] = 100 * tflops / peak if tflops is not None and peak else None
+    out["mfu_pct"] = None
+    if exp and tflops is not None:
+        precision, peak = peak_tflops(exp, tf32)
+        if peak:
+            out["mfu_pct"] = 100 * tflops / peak
+        else:
+            notes.append(f"MFU not applicable: hardware {exp.hardware.name!r} gives no {precision} peak "
+                         f"({PEAK_FIELDS[precision]})")
     return out, notes
 
 

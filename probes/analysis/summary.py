@@ -233,7 +233,8 @@ def _summarize(run: RunDir, window, levels, thorough: bool = False) -> dict[str,
     else:
         notes.append("no accelerator telemetry: host statistics only")
 
-    it, it_notes = iteration_stats(iterations, start_ns, end_ns, exp_file, gpus.height if gpus is not None else None)
+    it, it_notes = iteration_stats(iterations, start_ns, end_ns, exp_file, gpus.height if gpus is not None else None,
+                                   (run.runtime() or {}).get("tf32"))
     notes += it_notes
 
     def level(by: str) -> pl.DataFrame:

@@ -134,28 +134,73 @@ def test_every_epilog_example_runs_as_written(capsys):
 
 
 # -- hardware presets from the device -------------------------------------------------------------
-def gpus(name: str, gib: float, n: int = 8) -> list[dict]:
-    return [{"index": i, "name": name, "total_bytes": int(gib * 2**30), "capability": "9.0"} for i in range(n)]
+def gpus(name: str, gib: float, n: int = 8, capability: str = "9.0") -> list[dict]:
+    return [{"index": i, "name": name, "total_bytes": int(gib * 2**30), "capability": capability}
+            for i in range(n)]
 
 
 @pytest.mark.parametrize("devices, preset", [
     (gpus("NVIDIA H100 80GB HBM3", 79.11), "h100-sxm-80gb"),
     (gpus("NVIDIA H200", 139.81), "h200-141gb"),
-    (gpus("NVIDIA A100-SXM4-80GB", 79.15), "a100-80gb"),
-    (gpus("NVIDIA B200", 178.35), "b200"),
+    (gpus("NVIDIA A100-SXM4-80GB", 79.15, capability="8.0"), "a100-80gb"),
+    (gpus("NVIDIA B200", 178.35, capability="10.0"), "b200"),
     (gpus("AMD Instinct MI250X", 63.98), "mi250x"),
+    (gpus("AMD Instinct MI250X/MI250", 63.98), "mi250x"),       # as some ROCm releases name it
     (gpus("AMD Instinct MI300X", 191.98), "mi300x"),
     ([], "cpu"),
-    (gpus("NVIDIA H100 PCIe", 79.11), None),       # another board than the SXM preset
-    (gpus("NVIDIA A100-SXM4-40GB", 39.39), None),  # the memory tells
-    (gpus("NVIDIA GeForce RTX 4090", 23.6), None),
+    # the PCIe and NVL boards, each its own preset (power, clocks, memory), as torch names them
+    (gpus("NVIDIA H100 PCIe", 79.11), "h100-pcie-80gb"),
+    (gpus("NVIDIA H100 NVL", 93.1), "h100-nvl-94gb"),
+    (gpus("NVIDIA H200 NVL", 139.81), "h200-nvl-141gb"),
+    (gpus("NVIDIA A100 80GB PCIe", 79.15, capability="8.0"), "a100-pcie-80gb"),
+    (gpus("NVIDIA GH200 144G HBM3e", 139.8), None),   # not an H200: names match whole
+    (gpus("NVIDIA H100 80GB HBM3", 79.11, capability="8.0"), None),   # the compute capability tells
+    (gpus("NVIDIA A100-SXM4-40GB", 39.39, capability="8.0"), None),  # the memory tells
+    (gpus("NVIDIA GeForce RTX 4090", 23.6, capability="8.9"), None),
     (gpus("NVIDIA H100 80GB HBM3", 79.11, 1) + gpus("NVIDIA H200", 139.81, 1), None),
 ])
 def test_devices_map_to_hardware_presets(devices, preset):
     found, why = doctor.match_hardware(devices)
-    assert found == preset
+    assert found == preset, why
     if preset is None:
         assert "--hardware" in why and "\n" not in why
+
+
+def test_the_pcie_and_nvl_boards_have_their_own_limits():
+    sxm, pcie, nvl = (Hardware.load(n) for n in ("h100-sxm-80gb", "h100-pcie-80gb", "h100-nvl-94gb"))
+    assert (sxm.tdp_w, pcie.tdp_w, nvl.tdp_w) == (700.0, 350.0, 400.0)
+    assert nvl.usable_bytes > sxm.usable_bytes == pcie.usable_bytes and pcie.bf16_tflops < sxm.bf16_tflops
+    assert (Hardware.load("h200-nvl-141gb").tdp_w, Hardware.load("a100-pcie-80gb").tdp_w) == (600.0, 300.0)
+
+
+def test_a_users_own_hardware_preset_matches_its_devices(charllm_dirs):
+    """Hardware identity lives in the presets: a user's preset with the device's name is found."""
+    name = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+    devices = gpus(name, 94.97, capability="12.0")
+    assert doctor.match_hardware(devices)[0] is None
+    (charllm_dirs["config"] / "hardware").mkdir(parents=True)
+    (charllm_dirs["config"] / "hardware" / "rtx-pro-6000.toml").write_text(
+        'description = "RTX PRO 6000"\nvendor = "nvidia"\ncompute_capability = "12.0"\n'
+        'device_names = ["NVIDIA RTX PRO 6000 Blackwell*"]\nmemory_bytes = 102005473280\n'
+        'usable_bytes = 101974016000\nbf16_tflops = 503.8\n')
+    assert doctor.match_hardware(devices) == ("rtx-pro-6000", f"8 x {name}, 94.97 GiB")
+    # a preset that claims the same devices as a shipped one makes the match ambiguous, not arbitrary
+    (charllm_dirs["config"] / "hardware" / "my-h100.toml").write_text(
+        'vendor = "nvidia"\ndevice_names = ["NVIDIA H100 80GB HBM3"]\nusable_bytes = 84943715697\n')
+    found, why = doctor.match_hardware(gpus("NVIDIA H100 80GB HBM3", 79.11))
+    assert found is None and "h100-sxm-80gb" in why and "my-h100" in why
+
+
+def test_a_mig_instance_finds_its_nvml_handle(monkeypatch):
+    """torch gives a device's UUID without NVML's prefix: GPU- for a whole GPU, MIG- for an instance."""
+    from charllm.engine.workload.train import nvml_handle
+
+    nvml = FakeNvml([FakeGpu(0, uuid="GPU-8c1f2a6e-0000-1111-2222-333344445555"),
+                     FakeGpu(1, uuid="MIG-5d1e9c0b-6666-7777-8888-9999aaaabbbb")]).install(monkeypatch)
+    assert nvml_handle("8c1f2a6e-0000-1111-2222-333344445555") is nvml.gpus[0]
+    assert nvml_handle("5d1e9c0b-6666-7777-8888-9999aaaabbbb") is nvml.gpus[1]
+    assert nvml_handle("MIG-5d1e9c0b-6666-7777-8888-9999aaaabbbb") is nvml.gpus[1]
+    assert nvml_handle("00000000-0000-0000-0000-000000000000") is None
 
 
 # -- GPU-side paths against the fake NVML ---------------------------------------------------------
@@ -198,6 +243,8 @@ def test_gpu_train_figures_from_an_iteration_log():
     assert figures["reserved_over_allocated"] == pytest.approx(1.2 / 1.1, rel=1e-6)
     assert figures["outside_allocator_bytes"] == 3 * 2**30
     assert figures["tflops_per_gpu"] == 403.5 and figures["mfu_pct"] == pytest.approx(100 * 403.5 / 989.4)
+    assert figures["peak_precision"] == "bf16"
+    assert figures["planned_implementation"]["transformer_impl"] == plan.implementation.transformer
     report = {"hardware": "h100-sxm-80gb", "node": "n0", "date": "2026-01-02", "errors": [],
               "stack": {"cuda": True, "capability": [9, 0], "extensions": []},
               "devices": gpus("NVIDIA H100 80GB HBM3", 79.11), "train": figures}
@@ -206,6 +253,63 @@ def test_gpu_train_figures_from_an_iteration_log():
     assert figures["reserve_fraction"] == pytest.approx((int(planned * 1.2) - int(planned * 1.1)) / churn)
     assert record["memory"] == {"usable_bytes": int(79.11 * 2**30), "outside_allocator_bytes": 3 * 2**30, "devices": 8,
                                 "reserve_fraction": figures["reserve_fraction"], "expandable_segments": True}
+
+
+def figures_of(exp, plan, *, tf32: bool | None, tflops: float = 40.0) -> dict:
+    implementation = {"transformer_impl": "local", "attention": "sdpa", "fusions": [], "device": "cuda"}
+    events = [{"event": "start", "world_size": 1, "layout": {"device": "cuda"},
+               "runtime": {"implementation": implementation, **({} if tf32 is None else {"tf32": tf32})}}]
+    events += [{"event": "iteration", "iteration": i, "start_ns": 0, "end_ns": 10**9, "warmup": False,
+                "tflops_per_gpu": tflops} for i in (1, 2)]
+    events.append({"event": "end", "memory": [{"pp_rank": 0, "allocated_bytes": 2**30, "reserved_bytes": 2**31,
+                                               "outside_allocator_bytes": None}]})
+    return doctor.measurements(exp, plan, events, "n0")
+
+
+def test_mfu_is_against_the_peak_of_the_precision_that_ran():
+    """An fp32 job's matmuls run at the FP32 rate, or the TF32 rate where the run allowed TF32 (the
+    workload records torch's setting): against the BF16 peak its MFU would read about 15x too low."""
+    import dataclasses
+
+    h100 = Hardware.load("h100-sxm-80gb")
+    exp, plan = doctor.train_experiment(h100, gpus=1, iters=2)
+    exp.training.bf16 = False
+    fp32 = figures_of(exp, plan, tf32=False)
+    assert (fp32["peak_precision"], fp32["peak_tflops"]) == ("fp32", 66.9)
+    assert fp32["mfu_pct"] == pytest.approx(100 * 40.0 / 66.9)
+    tf32 = figures_of(exp, plan, tf32=True)
+    assert (tf32["peak_precision"], tf32["peak_tflops"]) == ("tf32", 494.7)
+    assert figures_of(exp, plan, tf32=None)["peak_precision"] == "fp32"     # a record without it: torch's default
+    exp.hardware = dataclasses.replace(h100, fp32_tflops=None)
+    unknown = figures_of(exp, plan, tf32=False)
+    assert unknown["peak_tflops"] is None and unknown["mfu_pct"] is None
+    exp.training.bf16 = True
+    assert figures_of(exp, plan, tf32=True)["peak_precision"] == "bf16"
+
+
+def test_the_train_check_plans_the_stack_the_node_has(monkeypatch):
+    """A GPU node without Transformer Engine: the job it trains runs local layers, and its plan is of
+    the same (not of NVIDIA's container, which planning assumes until a node is calibrated)."""
+    from charllm.engine.model import runtime
+
+    facts = {"versions": {"torch": "2.13.0"}, "driver": "580.159", "devices": gpus("NVIDIA H100 80GB HBM3", 79.11, 1),
+             "stack": {"cuda": True, "capability": [9, 0], "extensions": [], "compiler": "/usr/bin/gcc"}}
+    monkeypatch.setattr(doctor, "software", lambda timeout=None: facts)
+    planned = []
+
+    def run_train(exp, plan, **kwargs):
+        planned.append((exp, plan))
+        return {"planned": True}
+
+    monkeypatch.setattr(doctor, "run_train", run_train)
+    said: list[str] = []
+    report = doctor.gather(train=True, rates=(20.0,), sample_seconds=0.2, progress=said.append)
+    assert report["hardware"] == "h100-sxm-80gb" and report["train"] == {"planned": True}
+    (exp, plan), = planned
+    found = runtime.Stack.from_dict(facts["stack"], source="found")
+    assert plan.implementation == runtime.resolve(exp, found) and plan.implementation.transformer == "local"
+    assert report["implementation"]["transformer_impl"] == plan.implementation.transformer
+    assert any(f"planned as {plan.implementation.describe()}" in line for line in said)
 
 
 def test_small_gpus_get_a_smaller_job():

@@ -21,6 +21,8 @@ what the figures mean:
                  it yourself); a node without a GPU is "cpu" and trains on its CPU
   runs as        what transformer_impl = "auto" becomes on this node's software: Transformer Engine
                  where it imports on a CUDA GPU, else megatron-core's local layers with SDPA attention
+  C compiler     the one torch.compile (Triton's launchers) builds with: $CC, else gcc, else clang,
+                 checked by building a tiny extension; without one the compiled fusions are off
   telemetry      the backend `auto` picks (NVML, AMD SMI, else the host alone) and the metrics each
                  device reports (`probe --list` shows the same)
   sampling       the real sampler run for a few seconds at 20 and at 100 Hz. target: the rate a device
@@ -35,7 +37,8 @@ what the figures mean:
     outside      memory the process holds outside the allocator (CUDA context, NCCL buffers):
                  NVML's figure for the process minus torch's reserved; not measured on a CPU
     TFLOP/s      model FLOPs (Megatron-LM's count) per second per device, median of the steady
-                 iterations; MFU: that over the hardware preset's dense BF16 peak
+                 iterations; MFU: that over the hardware preset's dense peak in the precision the
+                 job's matrix multiplies ran in (bf16 here; not applicable where the preset has none)
   calibration    saved under <data>/calibrations/<hardware>.json: plan, sweep and Compose then use this
                  node's software and memory for that hardware and say "calibrated on NODE, DATE".
                  Without --train only the stack and torch's device capacity are saved; a memory
@@ -250,6 +253,11 @@ def render(report: dict):
                                      "(gloo, one process per device)")
         extensions = (report.get("stack") or {}).get("extensions") or []
         facts.add_row("extensions", e(", ".join(extensions) or "none (no Transformer Engine, Apex, ...)"))
+        stack = report.get("stack") or {}
+        if "compiler" in stack:   # reports from before the check have none
+            facts.add_row("C compiler", e(stack["compiler"]) + " [dim](torch.compile builds with it)[/]"
+                          if stack["compiler"] else "[b]none works[/b]: torch.compile is off, and with it the "
+                                                    "bias-activation and bias-dropout fusions")
     if report.get("implementation"):
         facts.add_row("runs as", f"{e(report['implementation']['describe'])} [dim](what transformer_impl = "
                                  "\"auto\" becomes here)[/]")
@@ -325,9 +333,10 @@ def _render_train(train: dict, report: dict):
         grid.add_row("memory", f"peak RSS {_size(train.get('rss_bytes'))} per process (a CPU has no caching "
                                f"allocator; the plan's {_size(planned)} counts tensors only); outside the "
                                "allocator: not measured on a CPU")
-    peak = train.get("peak_tflops")
-    mfu = (f" · MFU [b]{train['mfu_pct']:.1f}%[/b] of {peak:g} TFLOP/s ({e(report.get('hardware'))} bf16 peak"
-           f"{', nominal' if train['device'] == 'cpu' else ''})") if train.get("mfu_pct") is not None else ""
+    peak, precision = train.get("peak_tflops"), train.get("peak_precision", "bf16")
+    mfu = (f" · MFU [b]{train['mfu_pct']:.1f}%[/b] of {peak:g} TFLOP/s ({e(report.get('hardware'))} {precision} peak"
+           f"{', nominal' if train['device'] == 'cpu' else ''})") if train.get("mfu_pct") is not None else \
+        f" · MFU not applicable ({e(report.get('hardware'))} gives no {precision} peak)"
     grid.add_row("speed", f"[b]{train['tflops_per_gpu']:.3g}[/b] TFLOP/s per device (median of "
                           f"{train['steady_iterations']} steady iterations, {train['iteration_ms_median']:.0f} ms each)"
                           + mfu)

@@ -189,6 +189,7 @@ ALTERNATIVES = {
     "moe_flex_dispatcher_backend": (["num_moe_experts=4", "moe_token_dispatcher_type=flex"],
                                     ["moe_flex_dispatcher_backend=hybridep"]),
     "lr": ([], ["lr=0.001"]),
+    "check_for_nan_in_loss_and_grad": ([], ["check_for_nan_in_loss_and_grad=false"]),
 }
 # Read by the training loop itself (train.py), not through a Megatron config.
 LOOP_FIELDS = ("micro_batch_size", "global_batch_size", "seq_length", "train_iters", "warmup_iters", "seed",
@@ -239,8 +240,10 @@ def test_every_training_field_is_used_or_refused():
     (["use_distributed_optimizer=true", "use_precision_aware_optimizer=true"], GPU, "use_precision_aware_optimizer",
      "FusedAdam"),
     (["cuda_graph_impl=transformer_engine"], GPU_TE, "cuda_graph_impl", "not supported by the training workload"),
+    (["bf16=false", "attention_backend=flash"], GPU, "attention_backend",
+     "torch's flash attention kernel takes only fp16 and bf16, and this experiment trains in fp32"),
 ], ids=["sp-no-te", "sp-cpu", "cp-no-te", "te-missing", "mxfp8-hopper", "fp8-ampere", "flex-no-deepep",
-        "precision-aware-no-te", "cuda-graphs"])
+        "precision-aware-no-te", "cuda-graphs", "flash-fp32"])
 def test_what_a_node_cannot_run_is_one_line_naming_field_value_and_node(assignments, stack, field, rule):
     found = runtime.problems(exp("tiny-local", *assignments), stack)
     assert found and found[0].field == field
@@ -256,10 +259,87 @@ def test_a_node_with_transformer_engine_runs_them(assignments):
     assert runtime.problems(exp("tiny-local", *assignments), GPU_TE) == []
 
 
+@pytest.mark.parametrize("stack, assignments", [
+    (GPU, ["bf16=true", "attention_backend=flash"]),
+    (GPU, ["bf16=false", "fp16=true", "attention_backend=flash"]),
+    (GPU, ["bf16=false", "attention_backend=fused"]),
+    (CPU, ["bf16=false", "attention_backend=flash"]),          # torch's CPU flash kernel takes fp32
+], ids=["bf16", "fp16", "fp32-fused", "fp32-cpu"])
+def test_flash_attention_in_fp32_is_refused_only_where_no_kernel_takes_it(stack, assignments):
+    assert runtime.problems(exp("tiny-local", *assignments), stack) == []
+
+
+@pytest.mark.parametrize("cuda, half, kernels, native", [
+    (True, True, None, True),                                          # torch picks: flash, or math
+    (True, True, ("FLASH_ATTENTION",), True),
+    (True, True, ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION"), False),   # memory-efficient takes no GQA
+    (True, False, None, False),                                        # fp32: no flash
+    (False, True, None, False),                                        # the CPU
+])
+def test_sdpa_gets_grouped_query_heads_only_where_a_kernel_surely_takes_them(cuda, half, kernels, native):
+    assert runtime.sdpa_takes_gqa(cuda, half, kernels) is native
+
+
+def no_compiler() -> Stack:
+    return dataclasses.replace(GPU, compiler=None, source="test: an H100 without a C compiler")
+
+
+def test_without_a_c_compiler_the_compiled_fusions_are_off_and_the_plan_says_why():
+    """megatron-core's bias-activation, bias-dropout and cross-entropy fusions are torch.compile'd,
+    and Triton builds a C launcher for each kernel: without a compiler iteration 1 would fail."""
+    NO_CC = no_compiler()
+    e = exp("tiny-local", "swiglu=true", "cross_entropy_loss_fusion=true")
+    assert {"bias_activation_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion"} <= \
+        set(runtime.resolve(e, GPU).fusions)
+    impl = runtime.resolve(e, NO_CC)
+    assert not {"bias_activation_fusion", "bias_dropout_fusion", "cross_entropy_loss_fusion"} & set(impl.fusions)
+    assert impl.notes == (runtime.NO_COMPILER,) and not impl.compiles
+    assert "torch.compile off: no working host C compiler" in impl.describe()
+    assert runtime.resolve(e, GPU).notes == () and runtime.resolve(e, GPU).compiles
+
+
+def test_a_stack_records_its_compiler_and_older_records_assume_one():
+    found = dataclasses.replace(GPU, compiler="/usr/bin/gcc")
+    assert runtime.Stack.from_dict(found.to_dict(), "x").compiler == "/usr/bin/gcc"
+    assert runtime.Stack.from_dict(no_compiler().to_dict(), "x").compiler is None
+    older = {"cuda": True, "capability": [9, 0], "extensions": []}          # saved before the check
+    assert runtime.Stack.from_dict(older, "x").compiler == runtime.ASSUMED_COMPILER
+    assert runtime.assumed(Hardware.load("h100-sxm-80gb")).compiler
+
+
+def test_the_compiler_check_builds_a_python_extension_as_triton_does(monkeypatch, tmp_path):
+    runtime.host_compiler.cache_clear()
+    try:
+        monkeypatch.delenv("CC", raising=False)
+        found = runtime.host_compiler()
+        assert found and found.endswith(("gcc", "clang")), found        # CI's machines have gcc
+        runtime.host_compiler.cache_clear()
+        broken = tmp_path / "cc"
+        broken.write_text("#!/bin/sh\nexit 1\n")
+        broken.chmod(0o755)
+        monkeypatch.setenv("CC", str(broken))                          # Triton takes $CC first
+        assert runtime.host_compiler() is None
+        runtime.host_compiler.cache_clear()
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+        assert runtime.host_compiler() is None
+    finally:
+        runtime.host_compiler.cache_clear()
+
+
+@pytest.mark.parametrize("stack, optimizer", [
+    (GPU_TE, "transformer_engine"), (dataclasses.replace(GPU, extensions=frozenset({"apex"})), "apex"),
+    (GPU, "torch"), (CPU, "torch"),
+])
+def test_the_optimizer_kernels_are_whose_megatron_core_imports(stack, optimizer):
+    impl = runtime.resolve(exp("tiny-local"), stack)
+    assert impl.optimizer == optimizer and runtime.OPTIMIZERS[optimizer] in impl.describe()
+    assert runtime.Implementation.from_dict(impl.to_dict()) == impl
+
+
 def test_detect_reports_this_cpu_node():
     stack = runtime.detect()
     assert stack.cuda is False and stack.capability is None and not stack.te
-    assert stack.source.startswith("found on ")
+    assert stack.source.startswith("found on ") and stack.compiler == runtime.host_compiler()
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,7 +376,8 @@ def test_plan_says_what_will_run_and_what_the_calibrated_node_cannot(capsys):
     main(["plan", name, "--json"])
     calibrated = json.loads(capsys.readouterr().out)
     assert calibrated["implementation"] == {"transformer_impl": "local", "attention": "sdpa", "device": "cuda",
-                                            "fusions": ["bias_activation_fusion", "bias_dropout_fusion"]}
+                                            "fusions": ["bias_activation_fusion", "bias_dropout_fusion"],
+                                            "optimizer": "torch", "notes": []}
     assert calibrated["cannot_run"][0].startswith("sequence_parallel = True: sequence parallelism needs "
                                                   "Transformer Engine, which this node lacks")
     assert calibrated["usable_bytes"] == 70 * 2**30 and calibrated["outside_allocator_bytes"] == 3 * 2**30
@@ -378,6 +459,24 @@ def test_the_memory_model_follows_the_attention_that_runs():
     assert saved([], "bf16=true") == saved(["transformer_engine"], "bf16=true")
     unfused = saved([], "attention_backend=unfused")
     assert unfused - te32 >= 4 * a * s * s * b - 4 * a * s * b           # softmax output instead of the LSE
+    # restricted to the memory-efficient and cuDNN kernels, bf16 GQA is expanded too (runtime.sdpa_takes_gqa)
+    fused16, auto16 = saved([], "bf16=true", "attention_backend=fused"), saved([], "bf16=true")
+    assert fused16 - auto16 == 2 * 2 * s * b * (a - 1) * d
+
+
+def test_a_plan_can_be_for_the_stack_a_node_has():
+    """`estimate` plans the hardware's calibrated or assumed stack (NVIDIA's container, with
+    Transformer Engine, until a node is calibrated), or the stack it is given: what doctor --train
+    found on the node it is about to train on."""
+    from charllm.engine.model.memory import estimate
+
+    e = exp("tiny-local", "bf16=true", "num_query_groups=1", "attention_backend=fused")
+    e.hardware = Hardware.load("h100-sxm-80gb")
+    assumed, found = estimate(e), estimate(e, stack=GPU)
+    assert assumed.implementation == runtime.resolve(e, calibration.for_planning(e.hardware))
+    assert assumed.implementation.transformer == "transformer_engine"
+    assert found.implementation == runtime.resolve(e, GPU) and found.stack_source == GPU.source
+    assert found.stages[0].activations > assumed.stages[0].activations   # SDPA's expanded K and V
 
 
 def test_a_malformed_compute_capability_is_a_validation_problem_not_a_crash():

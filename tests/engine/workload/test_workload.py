@@ -416,6 +416,14 @@ params = [p for chunk in trainer.model for p in chunk.parameters()]
 assert {type(chunk.module).__name__ for chunk in trainer.model} == {trainer.builder.name}
 assert params and all(p.type().startswith("torch.cuda.") for p in params), {p.type() for p in params}
 config = trainer.model[0].config
+# Without TE or Apex: Adam fused, the gradient norm on the device (train.use_torch_fast_paths).
+from megatron.core.optimizer import clip_grads
+assert clip_grads.l2_norm_impl is train.device_l2_norm
+assert all(group["fused"] for inner in trainer.optimizer.chained_optimizers for group in inner.optimizer.param_groups)
+# Megatron-LM's NaN checks of the loss and gradients, on by default, stop the run at once.
+from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+assert get_rerun_state_machine().mode == RerunMode.DISABLED
+assert all(chunk.ddp_config.check_for_nan_in_grad for chunk in trainer.model)
 assert config.grad_scale_func == trainer.optimizer.scale_loss                # fp16 loss scaling
 assert config.overlap_p2p_comm and not config.batch_p2p_comm                # the interleaved schedule
 assert config.no_sync_func is None                                          # no overlapped grad reduce
@@ -437,3 +445,35 @@ def test_ranks_are_set_up_as_megatron_lm_sets_them_up(tmp_path):
     rc, out, err = finish(start(cmd), timeout=180)
     assert rc == 0, err[-3000:]
     assert sorted(line for line in out.splitlines() if line.startswith("setup ok")) == ["setup ok 0", "setup ok 1"]
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-LM's NaN checks (--check-for-nan-in-loss-and-grad, on by default)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("assignments, checks", [
+    ([], True),
+    (["check_for_nan_in_loss_and_grad=false"], False),
+    (["bf16=false", "fp16=true"], False),                      # dynamic loss scaling: an Inf is its signal
+    (["bf16=false", "fp16=true", "loss_scale=64.0"], True),
+])
+def test_the_nan_checks_follow_megatron_lm(assignments, checks):
+    from charllm.engine.workload import train
+
+    e = Experiment.load("tiny-local").apply(assignments)
+    assert train.checks_for_nan(e) is checks
+    assert train.ddp_settings(e, 1)["check_for_nan_in_grad"] is checks
+
+
+def test_a_nan_loss_stops_the_step_with_megatrons_message(monkeypatch):
+    import torch
+    from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
+
+    from charllm.engine.workload.train import loss_func
+
+    initialize_rerun_state_machine(mode=RerunMode.DISABLED)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)   # the message names the device (cpu_compat's answer)
+    mask, losses = torch.ones(1, 4), torch.tensor([[1.0, float("nan"), 2.0, 3.0]])
+    with pytest.raises(RuntimeError, match="found NaN in local forward loss calculation"):
+        loss_func(mask, losses, check_nan=True)
+    loss, tokens, _ = loss_func(mask, losses, check_nan=False)        # unchecked, it goes on
+    assert torch.isnan(loss) and int(tokens) == 4

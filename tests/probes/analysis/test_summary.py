@@ -212,6 +212,30 @@ def test_iteration_log_gives_tokens_per_s_mfu_and_energy_per_token(tmp_path):
     assert one(s, "temp_limit_c") == 90.0
 
 
+@pytest.mark.parametrize("precision, tf32, peak", [
+    ("bf16 = true", None, 0.5),          # the hardware's BF16 peak
+    ("bf16 = false", False, 0.25),       # fp32: the FP32 peak
+    ("bf16 = false", True, 2.0),         # fp32 with TF32 allowed: the TF32 peak
+    ("fp8 = 'e4m3'", None, None),        # no FP8 peak given: not applicable, said in the notes
+])
+def test_mfu_is_against_the_peak_of_the_precision_that_ran(tmp_path, precision, tf32, peak):
+    experiment = tiny_experiment("p", bf16_tflops=0.5, extra_hardware="fp32_tflops = 0.25\ntf32_tflops = 2.0\n")
+    experiment = experiment.replace("[training]\n", f"[training]\n{precision}\n")
+    rows = iteration_rows(np.arange(4.0), 1.0, warmup=0, samples=8)
+    if tf32 is not None:   # the workload's start record says whether fp32 matmuls could use TF32
+        rows[0]["runtime"] = {"tf32": tf32}
+    run = make_run(tmp_path, [gpu_frame(np.round(np.arange(0, 41) * 0.1, 10), power_w=100.0)],
+                   experiment=experiment, iterations=rows)
+    s = summarize(run, "all", by="run")
+    tflops = one(s, "tflops_per_gpu")
+    assert tflops > 0
+    if peak is None:
+        assert one(s, "mfu_pct") is None
+        assert any("MFU not applicable" in note and "fp8" in note for note in one(s, "notes").split("; "))
+    else:
+        assert one(s, "mfu_pct") == pytest.approx(100 * tflops / peak)
+
+
 def test_steady_without_log_falls_back_to_all_with_a_note(square_run):
     s = summarize(square_run, "steady")
     assert one(s, "window") == "all"
