@@ -20,13 +20,14 @@ fits / tight / does not fit, with its arithmetic (`Budget.explain`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from charllm.engine.model import calibration, runtime
-from charllm.engine.model.experiment import Experiment, parse_pipeline_layout
+from charllm.engine.model.experiment import Experiment, declared, parse_pipeline_layout
 from charllm.engine.model.validate import ignored
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import MIB, size
@@ -65,7 +66,8 @@ class ChunkMemory:
 
 
 FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does not fit"
-SEVERITY = {FITS: 0, TIGHT: 1, DOES_NOT_FIT: 2}
+VERDICTS = (FITS, TIGHT, DOES_NOT_FIT)                          # by severity
+SEVERITY = {name: level for level, name in enumerate(VERDICTS)}
 
 
 @dataclass
@@ -134,13 +136,20 @@ class StageMemory:
                            for c in self.chunks]}
 
 
-def verdict(allocator_bytes, peak_bytes, reserve_bytes):
-    """fits: the allocated peak and the allocator's reserve beyond it fit; tight: only the allocated
-    peak fits; does not fit. Works on numpy arrays (the sweep) as on numbers."""
+def severity(allocator_bytes, peak_bytes, reserve_bytes):
+    """The verdict's index in VERDICTS: 0 fits (the allocated peak and the allocator's reserve beyond
+    it fit), 1 tight (only the allocated peak fits), 2 does not fit. Works on numpy arrays (the sweep)
+    as on numbers."""
     import numpy as np
 
-    out = np.where(peak_bytes + reserve_bytes <= allocator_bytes, FITS,
-                   np.where(peak_bytes <= allocator_bytes, TIGHT, DOES_NOT_FIT))
+    return np.where(peak_bytes > allocator_bytes, 2, np.where(peak_bytes + reserve_bytes > allocator_bytes, 1, 0))
+
+
+def verdict(allocator_bytes, peak_bytes, reserve_bytes):
+    """The verdict's name (see `severity`): a string, or an array of them for arrays."""
+    import numpy as np
+
+    out = np.asarray(VERDICTS)[severity(allocator_bytes, peak_bytes, reserve_bytes)]
     return str(out) if out.ndim == 0 else out
 
 
@@ -216,29 +225,42 @@ class _Chunk:
 
 def split_layers(exp: Experiment) -> list[list[_Chunk]]:
     """chunks[pp_rank][virtual_rank]; global chunk c = v * PP + r (Megatron's interleaving)."""
-    return _split(*_split_key(exp))
+    return _split(_split_key(exp))
+
+
+# The fields the split reads, as their metadata says (engine.model.experiment.setting's pipeline_split):
+# they key its cache, and `_split` reads them by name from that key alone.
+SPLIT_FIELDS = tuple((section, name) for section, name, _ in declared("pipeline_split"))
 
 
 def _split_key(exp: Experiment) -> tuple:
-    p, m = exp.parallel, exp.model
-    return (m.num_layers, p.pipeline_model_parallel_size, exp.virtual_stages, m.mtp_num_layers or 0,
-            p.pipeline_model_parallel_layout, p.decoder_first_pipeline_num_layers,
-            p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
-            p.account_for_loss_in_pipeline_split)
+    return _field_values(exp, SPLIT_FIELDS)
+
+
+def _field_values(exp: Experiment, fields: tuple[tuple[str, str], ...]) -> tuple:
+    """The values of `fields` ((section, name) pairs), hashable (lists as tuples)."""
+    values = []
+    for section, name in fields:
+        value = getattr(getattr(exp, section), name)
+        values.append(tuple(value) if isinstance(value, list) else value)
+    return tuple(values)
 
 
 @functools.lru_cache(maxsize=4096)
-def _split(n: int, pp: int, vp: int, mtp: int, layout: str | None, first: int | None, last: int | None,
-           account_embedding: bool, account_loss: bool) -> list[list[_Chunk]]:
+def _split(key: tuple) -> list[list[_Chunk]]:
+    f = dict(zip((name for _, name in SPLIT_FIELDS), key))
+    n, pp, vp = f["num_layers"], f["pipeline_model_parallel_size"], f["virtual_pipeline_model_parallel_size"] or 1
+    layout, first, last = (f["pipeline_model_parallel_layout"], f["decoder_first_pipeline_num_layers"],
+                           f["decoder_last_pipeline_num_layers"])
     total = pp * vp
     if layout:
         flat = _parse_layout(layout, total)
     else:
         flat = [_Chunk([]) for _ in range(total)]
         slots: list[str | int] = list(range(n))
-        if account_embedding:
+        if f["account_for_embedding_in_pipeline_split"]:
             slots.insert(0, "E")
-        if account_loss:
+        if f["account_for_loss_in_pipeline_split"]:
             slots.append("L")
         i = 0
         for c, k in enumerate(_even_counts(len(slots), total, first, last, vp)):
@@ -252,7 +274,7 @@ def _split(n: int, pp: int, vp: int, mtp: int, layout: str | None, first: int | 
             i += k
         flat[0].embedding = True
         flat[-1].loss = True
-        flat[-1].mtp = mtp
+        flat[-1].mtp = f["mtp_num_layers"] or 0
     return [[flat[v * pp + r] for v in range(vp)] for r in range(pp)]
 
 
@@ -385,10 +407,6 @@ def implementation(exp: Experiment, cache: dict | None = None) -> "runtime.Imple
     if stack is None:
         stack = cache["stack"] = calibration.for_planning(exp.hardware)
     return runtime.resolve(exp, stack)
-
-
-def _attention_impl(impl: "runtime.Implementation") -> str:
-    return "unfused" if impl.unfused_attention else impl.attention
 
 
 class _Shapes:
@@ -562,14 +580,13 @@ class StageTerms:
     chunks: list[ChunkMemory]
 
 
+# The fields the activation terms read, as their metadata says (engine.model.experiment.setting's
+# activations): with the implementation they run as, they key the terms' cache (the sweep's too).
+ACTIVATION_FIELDS = tuple((section, name) for section, name, _ in declared("activations"))
+
+
 def _act_key(exp: Experiment, impl: "runtime.Implementation") -> tuple:
-    p, t = exp.parallel, exp.training
-    return (p.tensor_model_parallel_size, p.context_parallel_size, exp.expert_tensor_parallel_size,
-            p.expert_model_parallel_size, p.sequence_parallel, t.micro_batch_size, exp.seq_length, t.bf16,
-            t.fp16, t.fp8, _attention_impl(impl), impl.fusions, t.attention_softmax_in_fp32, t.recompute_granularity,
-            t.recompute_method, t.recompute_num_layers, tuple(t.recompute_modules or ()),
-            t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity, t.cross_entropy_loss_fusion,
-            t.cpu_offloading_num_layers, t.fine_grained_activation_offloading, tuple(t.offload_modules or ()))
+    return _field_values(exp, ACTIVATION_FIELDS), impl
 
 
 def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool = True,
@@ -604,7 +621,7 @@ def layout_terms(exp: Experiment, cache: dict, peak_candidates: bool = False):
     entry = cache.get(key)
     if entry is not None:
         return entry
-    chunks = _split(*split_key)
+    chunks = _split(split_key)
     pattern = _pattern(m, cache)
     pkey = ("params", tp, ep, etp)
     if pkey not in cache:
@@ -653,6 +670,14 @@ class ActTerms:
     offloaded_layers: int = 0       # layer offloading: layers whose activations wait on the host
     moe_excess: float = 0.0         # of saved[True]: the busiest rank's routed tokens above the mean
     mtp_excess: float = 0.0         # ... of mtp
+    # the numbers above, which `stack` turns into arrays (the recompute setting stays one for all)
+    PER_SETTING: ClassVar[tuple[str, ...]] = ("checkpoint_input", "embedding", "final_norm", "mtp", "loss_extra",
+                                              "moe_excess", "mtp_excess")
+
+    @property
+    def recompute(self) -> tuple:
+        """What `_layer_activations` branches on: settings with other values cannot share arrays."""
+        return self.full_recompute, self.group, self.offloaded_layers
 
 
 def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
@@ -684,22 +709,24 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
     return entry
 
 
-def _stack(acts: list[ActTerms]) -> ActTerms:
-    """One ActTerms of arrays; the recompute setting must be the same for all."""
+def stack(acts: list[ActTerms]) -> ActTerms:
+    """One ActTerms of arrays, entry i from `acts[i]`; the recompute setting must be the same for all."""
     import numpy as np
 
     first = acts[0]
-    assert all((a.full_recompute, a.group, a.offloaded_layers) == (first.full_recompute, first.group,
-                                                                     first.offloaded_layers) for a in acts)
+    assert all(a.recompute == first.recompute for a in acts)
+    arrays = {name: np.array([getattr(a, name) for a in acts]) for name in ActTerms.PER_SETTING}
     return ActTerms(saved={k: np.array([a.saved[k] for a in acts]) for k in first.saved},
                     backward={k: np.array([a.backward[k] for a in acts]) for k in first.backward},
-                    checkpoint_input=np.array([a.checkpoint_input for a in acts]),
-                    embedding=np.array([a.embedding for a in acts]),
-                    final_norm=np.array([a.final_norm for a in acts]), mtp=np.array([a.mtp for a in acts]),
-                    loss_extra=np.array([a.loss_extra for a in acts]),
                     full_recompute=first.full_recompute, group=first.group,
-                    offloaded_layers=first.offloaded_layers, moe_excess=np.array([a.moe_excess for a in acts]),
-                    mtp_excess=np.array([a.mtp_excess for a in acts]))
+                    offloaded_layers=first.offloaded_layers, **arrays)
+
+
+def take(acts: ActTerms, index) -> ActTerms:
+    """The entries `index` (a numpy index array) of a stacked ActTerms."""
+    return dataclasses.replace(acts, saved={k: v[index] for k, v in acts.saved.items()},
+                               backward={k: v[index] for k, v in acts.backward.items()},
+                               **{name: getattr(acts, name)[index] for name in ActTerms.PER_SETTING})
 
 
 @dataclass
@@ -720,21 +747,19 @@ class StageArrays:
     in_flight: Any
 
 
-def stage_arrays(pp: int, plan, weights, acts, num_microbatches) -> list[StageArrays]:
-    """Per stage of `plan` (of a `pp`-stage split), its terms for a batch of settings i: `weights[i]`
-    from `layout_terms` (its TP/EP), `acts[i]` from `activation_terms` (all with the same recompute
-    setting) and `num_microbatches[i]`; the terms are arrays. Given one setting's values instead of
-    lists, the terms are scalars. Either way the arithmetic is the same, in the same order."""
+def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> list[StageArrays]:
+    """Per stage of `plan` (of a `pp`-stage split), its terms for a batch of settings: `weights[s]` is
+    stage s's (dense, expert, per-chunk, FSDP layer) parameters from `layout_terms`, `acts` the
+    activation terms (`activation_terms`, or `take(stack(...))` for a batch with one recompute setting)
+    and `num_microbatches` the micro-batch counts, as numpy arrays with one entry per setting (the
+    per-chunk parameters: the first setting's). Given one setting's numbers instead, the terms are
+    numbers. Either way the arithmetic is the same, in the same order."""
     import numpy as np
 
-    batch = isinstance(acts, list)
-    a = _stack(acts) if batch else acts
-    zero = np.zeros(len(acts)) if batch else 0.0
+    batch = np.ndim(num_microbatches) > 0
+    a = acts
+    zero = np.zeros(len(num_microbatches)) if batch else 0.0
     num_mb = np.asarray(num_microbatches, dtype=np.int64) if batch else num_microbatches
-
-    def column(s: int, i: int):
-        return np.array([w[s][i] for w in weights]) if batch else weights[s][i]
-
     out = []
     for s, (r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags) in enumerate(plan):
         values = [zero + _chunk_activations(kind, a) for kind in distinct]
@@ -745,8 +770,8 @@ def stage_arrays(pp: int, plan, weights, acts, num_microbatches) -> list[StageAr
         averaged = 1 - 1 / np.sqrt(units)
         held = [values[i] - averaged * _chunk_excess(kind, a) for i, kind in enumerate(distinct)]
         held_loss, held_max = _in_flight([held[i] for i in index], loss_flags, r, pp, len(kinds_r), num_mb, units)
-        out.append(StageArrays(r, column(s, 0), column(s, 1), column(s, 3),
-                               weights[0][s][2] if batch else weights[s][2], chunk_acts, held_loss, held_max,
+        dense, expert, per_chunk, fsdp = weights[s]
+        out.append(StageArrays(r, dense, expert, fsdp, per_chunk, chunk_acts, held_loss, held_max,
                                backward, a.loss_extra if has_loss else zero, units))
     return out
 
@@ -881,8 +906,9 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
         shard_weights=fsdp and strategy == "optim_grads_params")
 
 
-def workspace_bytes(exp: Experiment, cache: dict | None = None) -> float:
-    """Allocator memory that stays between iterations beyond weights, grads and optimizer state."""
+def workspace_bytes(exp: Experiment, cache: dict | None = None, micro_batch_size=None) -> float:
+    """Allocator memory that stays between iterations beyond weights, grads and optimizer state;
+    `micro_batch_size`: for these micro batches (a numpy array: the sweep) instead of the experiment's."""
     m, p, t = exp.model, exp.parallel, exp.training
     te = implementation(exp, cache).transformer == "transformer_engine"
     total = BASE_WORKSPACE_BYTES + (TE_WORKSPACE_BYTES if te else 0)
@@ -893,7 +919,8 @@ def workspace_bytes(exp: Experiment, cache: dict | None = None) -> float:
     if p.pipeline_model_parallel_size > 1:
         # each model chunk keeps its last received input and sent output (p2p buffers)
         ab = 2 if (t.bf16 or t.fp16) else 4
-        sbh = exp.seq_length / p.context_parallel_size * t.micro_batch_size * m.hidden_size \
+        mbs = t.micro_batch_size if micro_batch_size is None else micro_batch_size
+        sbh = exp.seq_length / p.context_parallel_size * mbs * m.hidden_size \
             / (p.tensor_model_parallel_size if p.sequence_parallel else 1)
         total += 2 * exp.virtual_stages * ab * sbh
     return total
