@@ -23,11 +23,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from charllm.engine.model import calibration, runtime
-from charllm.engine.model.experiment import Experiment, declared, parse_pipeline_layout
+from charllm.engine.model.experiment import SECTIONS, Experiment, declared, field_options, parse_pipeline_layout
 from charllm.engine.model.validate import ignored
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import MIB, size
@@ -228,22 +230,42 @@ def split_layers(exp: Experiment) -> list[list[_Chunk]]:
     return _split(_split_key(exp))
 
 
+class _Fields:
+    """Reads a fixed set of experiment fields ((section, name) pairs) as one hashable tuple (lists as
+    tuples): a cache key."""
+
+    def __init__(self, fields) -> None:
+        self.fields = tuple(fields)
+        self._get = operator.attrgetter(*(f"{section}.{name}" for section, name in self.fields))
+        self._lists = [i for i, (section, name) in enumerate(self.fields)
+                       if any(typing.get_origin(o) is list for o in field_options(SECTIONS[section], name))]
+
+    def __iter__(self):
+        return iter(self.fields)
+
+    def __contains__(self, item) -> bool:
+        return item in self.fields
+
+    def __call__(self, exp: Experiment) -> tuple:
+        values = self._get(exp)
+        if len(self.fields) == 1:
+            values = (values,)
+        if not self._lists:
+            return values
+        values = list(values)
+        for i in self._lists:
+            if isinstance(values[i], list):
+                values[i] = tuple(values[i])
+        return tuple(values)
+
+
 # The fields the split reads, as their metadata says (engine.model.experiment.setting's pipeline_split):
 # they key its cache, and `_split` reads them by name from that key alone.
-SPLIT_FIELDS = tuple((section, name) for section, name, _ in declared("pipeline_split"))
+SPLIT_FIELDS = _Fields((section, name) for section, name, _ in declared("pipeline_split"))
 
 
 def _split_key(exp: Experiment) -> tuple:
-    return _field_values(exp, SPLIT_FIELDS)
-
-
-def _field_values(exp: Experiment, fields: tuple[tuple[str, str], ...]) -> tuple:
-    """The values of `fields` ((section, name) pairs), hashable (lists as tuples)."""
-    values = []
-    for section, name in fields:
-        value = getattr(getattr(exp, section), name)
-        values.append(tuple(value) if isinstance(value, list) else value)
-    return tuple(values)
+    return SPLIT_FIELDS(exp)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -582,11 +604,11 @@ class StageTerms:
 
 # The fields the activation terms read, as their metadata says (engine.model.experiment.setting's
 # activations): with the implementation they run as, they key the terms' cache (the sweep's too).
-ACTIVATION_FIELDS = tuple((section, name) for section, name, _ in declared("activations"))
+ACTIVATION_FIELDS = _Fields((section, name) for section, name, _ in declared("activations"))
 
 
 def _act_key(exp: Experiment, impl: "runtime.Implementation") -> tuple:
-    return _field_values(exp, ACTIVATION_FIELDS), impl
+    return ACTIVATION_FIELDS(exp), impl
 
 
 def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool = True,

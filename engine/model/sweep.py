@@ -347,7 +347,7 @@ class _Grid:
             sharding.append((pr.dp_shard, pr.edp_shard, memory.dispatcher_buffer_bytes(work)))
             workspace.append(memory.workspace_bytes(work, cache, micro_batch_size=batch_sizes)
                              + np.zeros(len(batch_sizes)))
-            batch_ok.append(np.isin(batch_sizes, batches))
+            batch_ok.append([size in batches for size in micro_batch_sizes])
             choice_ok.append([[dist in choices.get(name, ()) for dist in dists] for name in names])
             row = []
             for name in names:
