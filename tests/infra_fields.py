@@ -26,7 +26,7 @@ CHANGES = {
     "decoder_first_pipeline_num_layers": [1], "decoder_last_pipeline_num_layers": [1],
     "pipeline_model_parallel_layout": ["Et|tttmL"], "num_distributed_optimizer_instances": [2],
     "loss_scale": [1024.0], "moe_expert_capacity_factor": [1.0], "recompute_num_layers": [2],
-    "cpu_offloading_num_layers": [1], "data_path": ["/data/x"], "compute_capability": ["8.0"],
+    "cpu_offloading_num_layers": [1], "wgrad_deferral_limit": [2], "data_path": ["/data/x"], "compute_capability": ["8.0"],
     "make_vocab_size_divisible_by": [100], "expert_model_parallel_size": [1, 4],
     "attention_dropout": [0.1, 0.0], "hidden_dropout": [0.1, 0.0],
     "interconnect": ["changed"], "backend": ["sim"], "nodes": [2], "gpus_per_node": [8], "fp8_tflops": [1000.0],
@@ -52,6 +52,7 @@ NEEDS = {
     "moe_pad_expert_input_to_capacity": {"moe_expert_capacity_factor": 1.5},
     "fp8_recipe": {"fp8": "e4m3"},
     "moe_flex_dispatcher_backend": {"moe_token_dispatcher_type": "flex"},
+    "wgrad_deferral_limit": {"defer_embedding_wgrad_compute": True},
 }
 
 

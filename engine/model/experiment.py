@@ -438,6 +438,12 @@ class Training:
     optimizer_cpu_offload: bool = setting(False, help="keep the optimizer state in host memory")
     optimizer: str = setting("adam", choices=("adam", "sgd", "muon"), help="the optimizer")
     cross_entropy_loss_fusion: bool = setting(False, activations=True, help="a fused cross-entropy kernel for the loss")
+    defer_embedding_wgrad_compute: bool = setting(
+        False, config=True, activations=True,
+        help="compute the output layer's weight gradient at the pipeline flush, keeping its inputs and gradients")
+    wgrad_deferral_limit: int = setting(
+        0, minimum=0, config=True, activations=True,
+        help="deferred output-layer weight gradients: micro-batches kept at most; 0: all")
     # PyTorch's own default is off; on, the caching allocator reserves little beyond its allocated peak
     # (see engine.model.memory.Budget)
     expandable_segments: bool = setting(True, flag=None, help="the workload's PyTorch allocator grows "

@@ -485,7 +485,9 @@ class _Shapes:
         offloaded = 0.0                                    # bytes of this layer's saved tensors on the host
 
         def kept(module: str, size: float) -> float:
-            """`size` saved bytes that stay on the GPU unless `module`'s input is offloaded."""
+            """`size` saved bytes that stay on the GPU unless `module` is offloaded: megatron-core offloads
+            every tensor saved for backward inside the module's offloading context (its saved-tensor
+            hooks, pipeline_parallel/fine_grained_activation_offload.py, core_v0.16.1)."""
             nonlocal offloaded
             if module in off:
                 offloaded += size
@@ -497,10 +499,14 @@ class _Shapes:
         if "layernorm" not in self.modules:
             saved += kept("qkv_linear", lin * sbh)         # norm output = QKV input
         a = m.num_attention_heads
+        # MLA with mla_up_proj recompute: the up-projections' outputs (Q, K, V) are dropped once core
+        # attention has run and recomputed for its backward (multi_latent_attention.py, qkv_up_checkpoint)
+        up_recompute = m.multi_latent_attention and "mla_up_proj" in self.modules
         if m.multi_latent_attention:
             qk = m.qk_head_dim + m.qk_pos_emb_head_dim
             q_ranks = (m.q_lora_rank or 0) * 2             # norm input + up-projection input
-            saved += ab * s * b * (q_ranks + 2 * m.kv_lora_rank) / (tp if self.sp else 1)
+            # the projections run inside the QKV offloading context (get_query_key_value_tensors)
+            saved += kept("qkv_linear", ab * s * b * (q_ranks + 2 * m.kv_lora_rank) / (tp if self.sp else 1))
             q = k = ab * s * b * a * qk / tp
             v = o = ab * s * b * a * m.v_head_dim / tp
         else:
@@ -518,10 +524,14 @@ class _Shapes:
         else:
             core = 0.0 if core_recompute else 4 * a * s * b / tp     # fp32 log-sum-exp
         if m.qk_layernorm:
-            saved += q + k                                 # Q/K norm inputs
-        if self.cp > 1:
-            saved += q + k + v                             # CP ring: Q and the exchanged K/V per step
-        saved += kept("core_attn", q + k + v) + core + kept("attn_proj", (lin / ab) * o) + mask * sbh
+            saved += kept("qkv_linear", q + k)             # Q/K norm inputs
+        # what core attention keeps: its inputs (unless recomputed from the MLA latents), the CP ring's
+        # Q and exchanged K/V per step, and its own softmax or log-sum-exp
+        inputs = 0.0 if up_recompute else q + k + v
+        if up_recompute:
+            attn_transient += q + k + v                    # recomputed for the backward
+        ring = q + k + v if self.cp > 1 else 0.0
+        saved += kept("core_attn", inputs + ring + core) + kept("attn_proj", (lin / ab) * o) + mask * sbh
         # -- MLP / MoE block
         saved += kept("mlp_norm", ab * sbh)                # pre-MLP norm's input
         if "layernorm" not in self.modules:
@@ -563,8 +573,12 @@ class _Shapes:
             saved += moe_saved
             mlp_transient = 2 * ab * effn * gate + 2 * ab * routed * m.hidden_size
         saved += mask * sbh
-        # in backward the offloaded inputs of the next layer come back ahead of its turn
-        transient = max(attn_transient, mlp_transient) + offloaded
+        # Fine-grained offloading in backward (fine_grained_activation_offload.py, core_v0.16.1): the chunk
+        # whose backward comes next keeps its last layer's groups on the GPU (should_bulk_offload), and each
+        # group's backward reloads the next offloaded group, last in first out, so while a layer's largest
+        # group runs, the groups of the layer before it down to that one are back too: about two layers'
+        # offloaded tensors beside the compute's own.
+        transient = max(attn_transient, mlp_transient) + 2 * offloaded
         return _Act(saved, transient)
 
     def checkpoint_input(self) -> float:
@@ -692,9 +706,11 @@ class ActTerms:
     offloaded_layers: int = 0       # layer offloading: layers whose activations wait on the host
     moe_excess: float = 0.0         # of saved[True]: the busiest rank's routed tokens above the mean
     mtp_excess: float = 0.0         # ... of mtp
+    deferred_wgrad: float = 0.0     # defer_embedding_wgrad_compute: bytes the loss stage keeps per micro-batch
+    deferral_limit: int = 0         # ... for at most this many micro-batches (0: all)
     # the numbers above, which `stack` turns into arrays (the recompute setting stays one for all)
     PER_SETTING: ClassVar[tuple[str, ...]] = ("checkpoint_input", "embedding", "final_norm", "mtp", "loss_extra",
-                                              "moe_excess", "mtp_excess")
+                                              "moe_excess", "mtp_excess", "deferred_wgrad", "deferral_limit")
 
     @property
     def recompute(self) -> tuple:
@@ -719,6 +735,10 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
         block = shapes.full_recompute and t.recompute_method == "block"
         group = t.recompute_num_layers or 1
         offloaded = t.cpu_offloading_num_layers
+        # Deferred output-layer weight gradients (tensor_parallel/layers.py, core_v0.16.1): its backward
+        # appends the logits' gradient to grad_output_buffer, its forward the input (sequence-sharded
+        # under SP) to embedding_activation_buffer, kept until the pipeline flush computes the wgrad.
+        deferred = (lb + shapes.ab * shapes.sbh) if t.defer_embedding_wgrad_compute else 0.0
         entry = cache[akey] = ActTerms(
             saved={k: a.saved for k, a in acts.items()},
             # layer offloading brings a layer's activations back ahead of its backward
@@ -727,7 +747,8 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
             checkpoint_input=shapes.checkpoint_input(), embedding=shapes.embedding(),
             final_norm=shapes.final_norm(), mtp=mtp_act, loss_extra=loss_extra,
             full_recompute=shapes.full_recompute, group=group, offloaded_layers=offloaded,
-            moe_excess=excess, mtp_excess=excess if m.mtp_num_layers and pattern[-1] else 0.0)
+            moe_excess=excess, mtp_excess=excess if m.mtp_num_layers and pattern[-1] else 0.0,
+            deferred_wgrad=deferred, deferral_limit=t.wgrad_deferral_limit)
     return entry
 
 
@@ -792,6 +813,11 @@ def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> li
         averaged = 1 - 1 / np.sqrt(units)
         held = [values[i] - averaged * _chunk_excess(kind, a) for i, kind in enumerate(distinct)]
         held_loss, held_max = _in_flight([held[i] for i in index], loss_flags, r, pp, len(kinds_r), num_mb, units)
+        if has_loss:
+            # deferred output-layer wgrads: by the last micro-batch's loss, those of the ones before it
+            minimum = np.minimum if batch else min
+            stored = minimum(num_mb - 1, np.where(a.deferral_limit > 0, a.deferral_limit, num_mb))
+            held_loss, held_max = held_loss + stored * a.deferred_wgrad, held_max + stored * a.deferred_wgrad
         dense, expert, per_chunk, fsdp = weights[s]
         out.append(StageArrays(r, dense, expert, fsdp, per_chunk, chunk_acts, held_loss, held_max,
                                backward, a.loss_extra if has_loss else zero, units))

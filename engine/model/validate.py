@@ -232,6 +232,10 @@ def _pipeline(exp: Experiment) -> list[Problem]:
     m, p = exp.model, exp.parallel
     pp, vp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
     out = []
+    if exp.training.defer_embedding_wgrad_compute and pp == 1:   # megatron-core ModelParallelConfig
+        out.append(Problem("defer_embedding_wgrad_compute", True, "needs pipeline_model_parallel_size > 1 (the "
+                           "deferred weight gradient is computed during the pipeline flush)",
+                           "defer_embedding_wgrad_compute=false"))
     if vp > 1 and pp == 1:
         out.append(Problem("virtual_pipeline_model_parallel_size", vp,
                            "needs pipeline_model_parallel_size > 1 (the interleaved schedule)"))

@@ -361,14 +361,25 @@ def test_layer_offloading_keeps_the_other_layers_activations_on_the_gpu():
 
 @pytest.mark.parametrize("module", ["attn_norm", "core_attn", "mlp_norm"])
 def test_fine_grained_offloading_removes_exactly_the_modules_inputs(module):
-    """The inputs of offload_modules leave the GPU in every layer: attn_norm and mlp_norm each take
-    the residual stream (2 bytes x s x b x h in bf16), core_attn takes Q, K and V."""
-    plain = _Shapes(gpt()).layer(False)
-    off = _Shapes(gpt(fine_grained_activation_offloading=True, offload_modules=[module])).layer(False)
+    """What each of offload_modules saves for backward leaves the GPU in every layer: attn_norm and
+    mlp_norm each the residual stream (2 bytes x s x b x h in bf16), core_attn (flash) Q, K, V and its
+    fp32 log-sum-exp. In backward two layers' worth come back at once (the chunk that runs next keeps its
+    last layer, and the groups of the layer before are reloaded ahead)."""
+    plain = _Shapes(gpt(backend="flash")).layer(False)
+    off = _Shapes(gpt(backend="flash", fine_grained_activation_offloading=True, offload_modules=[module])).layer(False)
     sbh = S * B * H
-    expected = {"attn_norm": 2 * sbh, "mlp_norm": 2 * sbh, "core_attn": 3 * 2 * sbh}[module]
+    expected = {"attn_norm": 2 * sbh, "mlp_norm": 2 * sbh, "core_attn": 3 * 2 * sbh + 4 * A * S * B}[module]
     assert plain.saved - off.saved == pytest.approx(expected)
-    assert off.transient - plain.transient == pytest.approx(expected)     # brought back ahead of backward
+    assert off.transient - plain.transient == pytest.approx(2 * expected)
+
+
+def test_fine_grained_offloading_of_core_attention_takes_the_unfused_softmax_too():
+    """Unfused attention keeps its s x s softmax output for backward inside core attention's offloading
+    context, so offloading core_attn takes it to the host as well (the first dev-set case with
+    offloading planned +80% before)."""
+    plain = _Shapes(gpt(dropout=0.0)).layer(False)
+    off = _Shapes(gpt(dropout=0.0, fine_grained_activation_offloading=True, offload_modules=["core_attn"])).layer(False)
+    assert plain.saved - off.saved == pytest.approx(3 * 2 * S * B * H + 2 * A * S * S * B)
 
 
 def test_unfused_softmax_in_fp32_keeps_an_fp32_copy_without_the_fused_kernel():
