@@ -531,7 +531,10 @@ class _Shapes:
         if up_recompute:
             attn_transient += q + k + v                    # recomputed for the backward
         ring = q + k + v if self.cp > 1 else 0.0
-        saved += kept("core_attn", inputs + ring + core) + kept("attn_proj", (lin / ab) * o) + mask * sbh
+        # a flash-type kernel keeps its output O for backward; the output projection keeps its input: the
+        # same tensor, unless FP8 makes the projection keep its own FP8 copy
+        out = o if not self.unfused and lin != ab else 0.0
+        saved += kept("core_attn", inputs + ring + core + out) + kept("attn_proj", (lin / ab) * o) + mask * sbh
         # -- MLP / MoE block
         saved += kept("mlp_norm", ab * sbh)                # pre-MLP norm's input
         if "layernorm" not in self.modules:
@@ -614,6 +617,7 @@ class StageTerms:
     fsdp_layer_params: int          # the largest layer, all-gathered on the fly under FSDP
     in_flight: int
     chunks: list[ChunkMemory]
+    embedding_params: int = 0       # of dense_params: the embeddings and the output layer
 
 
 # The fields the activation terms read, as their metadata says (engine.model.experiment.setting's
@@ -637,7 +641,7 @@ def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool
             if with_chunks else []
         out.append(StageTerms(st.pp_rank, st.dense_params, st.expert_params, float(st.held_loss),
                               float(st.held_max), float(st.backward), float(st.loss_extra),
-                              st.fsdp_layer_params, int(st.in_flight), reports))
+                              st.fsdp_layer_params, int(st.in_flight), reports, st.embedding_params))
     return out
 
 
@@ -673,11 +677,13 @@ def layout_terms(exp: Experiment, cache: dict, peak_candidates: bool = False):
     output_weight = vocab * m.hidden_size // tp
     tied = not m.untie_embeddings_and_output_weights
     pp = p.pipeline_model_parallel_size
-    weights = [(*_chunk_params(m, kinds_r, params, mtp_params, embedding,
-                               output_weight if (not tied or pp > 1 or not any(c.embedding for c in chunks[r]))
-                               else 0),
-                max([sum(params[k]) for k in stage_kinds], default=0))
-               for r, kinds_r, _, _, stage_kinds, _, _ in plan]
+    weights = []            # per stage: (dense, expert, per chunk, FSDP layer, embedding) parameters
+    for r, kinds_r, _, _, stage_kinds, _, _ in plan:
+        dense, expert, per_chunk, embeddings = _chunk_params(
+            m, kinds_r, params, mtp_params, embedding,
+            output_weight if (not tied or pp > 1 or not any(c.embedding for c in chunks[r])) else 0)
+        weights.append((dense, expert, per_chunk, max([sum(params[k]) for k in stage_kinds], default=0),
+                        embeddings))
     entry = cache[key] = (chunks, plan, weights)
     return entry
 
@@ -788,11 +794,12 @@ class StageArrays:
     backward: Any
     loss_extra: Any
     in_flight: Any
+    embedding_params: Any = 0
 
 
 def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> list[StageArrays]:
     """Per stage of `plan` (of a `pp`-stage split), its terms for a batch of settings: `weights[s]` is
-    stage s's (dense, expert, per-chunk, FSDP layer) parameters from `layout_terms`, `acts` the
+    stage s's (dense, expert, per-chunk, FSDP layer, embedding) parameters from `layout_terms`, `acts` the
     activation terms (`activation_terms`, or `take(stack(...))` for a batch with one recompute setting)
     and `num_microbatches` the micro-batch counts, as numpy arrays with one entry per setting (the
     per-chunk parameters: the first setting's). Given one setting's numbers instead, the terms are
@@ -818,9 +825,9 @@ def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> li
             minimum = np.minimum if batch else min
             stored = minimum(num_mb - 1, np.where(a.deferral_limit > 0, a.deferral_limit, num_mb))
             held_loss, held_max = held_loss + stored * a.deferred_wgrad, held_max + stored * a.deferred_wgrad
-        dense, expert, per_chunk, fsdp = weights[s]
+        dense, expert, per_chunk, fsdp, embeddings = weights[s]
         out.append(StageArrays(r, dense, expert, fsdp, per_chunk, chunk_acts, held_loss, held_max,
-                               backward, a.loss_extra if has_loss else zero, units))
+                               backward, a.loss_extra if has_loss else zero, units, embeddings))
     return out
 
 
@@ -853,7 +860,9 @@ def _stage_plan(chunks: list[list[_Chunk]], pattern: list[bool], block: bool, pe
 
 
 def _chunk_params(m, kinds, params, mtp_params, embedding, output_weight):
-    dense = expert = 0
+    """(dense, expert, per chunk, embedding) parameters of a stage's chunks; `embedding` counts the
+    word/position embeddings and the output layer among the dense ones."""
+    dense = expert = embeddings = 0
     per_chunk = []
     for n_dense, n_moe, emb, loss, mtp, _ in kinds:
         cd = n_dense * params[False][0] + (n_moe * params[True][0] if n_moe else 0)
@@ -862,14 +871,16 @@ def _chunk_params(m, kinds, params, mtp_params, embedding, output_weight):
             # the MTP stage builds its own copy of the embedding (megatron-core GPTModel: `if
             # self.pre_process or self.mtp_process: self.embedding = ...`, gpt_model.py in core_v0.16.1)
             cd += embedding
+            embeddings += embedding
         if loss:
             cd += _norm(m, m.hidden_size) + output_weight
+            embeddings += output_weight
         cd += mtp * mtp_params[0]
         ce += mtp * mtp_params[1]
         dense += cd
         expert += ce
         per_chunk.append(cd + ce)
-    return dense, expert, per_chunk
+    return dense, expert, per_chunk, embeddings
 
 
 def _layer_activations(kind, a: ActTerms, saved: dict, checkpoint_input):
@@ -912,12 +923,14 @@ class Precision:
 
     weight: int
     grad: int
-    optimizer: int
+    optimizer: int                  # of the parameters the optimizer's own algorithm updates
     dp_shard: int                   # distributed-optimizer / FSDP degree for dense parameters
     edp_shard: int                  # ... for expert parameters
     shard_optimizer: bool
     shard_grads: bool
     shard_weights: bool
+    embedding_optimizer: int = 0    # of the embeddings and output layer (Muon leaves them to Adam)
+    weight_cache: int = 0           # the FP8 copies Transformer Engine keeps of its linear weights
 
 
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -940,13 +953,23 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
         moments = _DTYPE_BYTES[t.exp_avg_dtype] + _DTYPE_BYTES[t.exp_avg_sq_dtype]
     else:
         moments = 8
-    optimizer = master + (moments if t.optimizer != "sgd" else 4)
+    adam = master + moments
+    # Muon keeps one momentum buffer of the matrices it orthogonalises and leaves the embeddings, the
+    # output layer (and vectors, counted as matrices here) to Adam (megatron-core
+    # optimizer/emerging_optimizers.py: _is_nonlinear_or_embedding, core_v0.19.0)
+    optimizer = {"sgd": master + 4, "muon": master + 4}.get(t.optimizer, adam)
+    embedding_optimizer = master + 4 if t.optimizer == "sgd" else adam
     if t.optimizer_cpu_offload:
-        optimizer = 0
+        optimizer = embedding_optimizer = 0
     return Precision(
         weight=2 if half else 4,
         grad=grad,
         optimizer=optimizer,
+        embedding_optimizer=embedding_optimizer,
+        # FP8 compute on high-precision weights: Transformer Engine casts each linear weight once per step
+        # (is_first_microbatch) and keeps the FP8 copy and its transpose for the other micro-batches and
+        # the backward; with fp8_param_gather the weights themselves are FP8 (data + transpose: 2 bytes)
+        weight_cache=2 if t.fp8 and not t.fp8_param_gather else 0,
         dp_shard=max(1, exp.data_parallel_size * p.context_parallel_size // instances),
         edp_shard=max(1, exp.expert_data_parallel_size // instances),
         shard_optimizer=dist or (fsdp and strategy != "no_shard"),
@@ -974,17 +997,21 @@ def workspace_bytes(exp: Experiment, cache: dict | None = None, micro_batch_size
     return total
 
 
-def combine(dense, expert, held_loss, held_max, backward, loss_extra, fsdp_layer, workspace, pr: Precision):
-    """Bytes of one stage from its terms: (weights, grads, optimizer, activations, other).
+def combine(dense, expert, embedding, held_loss, held_max, backward, loss_extra, fsdp_layer, workspace,
+            pr: Precision):
+    """Bytes of one stage from its terms: (weights, grads, optimizer, activations, other); `embedding`
+    is the part of `dense` in the embeddings and output layer.
 
     Plain arithmetic, so it works on scalars (estimate) and on numpy arrays (the sweep) alike.
     """
     def sharded(flag):
         return dense / pr.dp_shard + expert / pr.edp_shard if flag else dense + expert
 
-    weights = sharded(pr.shard_weights) * pr.weight
+    matrices = dense - embedding                          # the linear layers, norms and biases
+    weights = sharded(pr.shard_weights) * pr.weight + (matrices + expert) * pr.weight_cache
     grads = sharded(pr.shard_grads) * pr.grad
-    optimizer = sharded(pr.shard_optimizer) * pr.optimizer
+    optimizer = (matrices * pr.optimizer + embedding * pr.embedding_optimizer) \
+        / (pr.dp_shard if pr.shard_optimizer else 1) + expert * pr.optimizer / (pr.edp_shard if pr.shard_optimizer else 1)
     # the peak is either while the loss runs (logits live) or during a backward
     loss_peak = (loss_extra > 0) & (held_loss + loss_extra >= held_max + backward)
     activations = held_max + loss_peak * (held_loss - held_max)
@@ -1134,8 +1161,8 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
     room = budget(exp)
     stages = []
     for st in stage_terms(exp):
-        w, g, o, a, x = combine(st.dense_params, st.expert_params, st.held_loss, st.held_max, st.backward,
-                                st.loss_extra, st.fsdp_layer_params, workspace, pr)
+        w, g, o, a, x = combine(st.dense_params, st.expert_params, st.embedding_params, st.held_loss, st.held_max,
+                                st.backward, st.loss_extra, st.fsdp_layer_params, workspace, pr)
         chunks = [ChunkMemory(c.virtual_rank, c.layers, c.has_embedding, c.has_loss, c.mtp_layers,
                               int(c.weights * pr.weight), c.activation_bytes) for c in st.chunks]
         stage = StageMemory(pp_rank=st.pp_rank, weights=int(w), gradients=int(g), optimizer=int(o),

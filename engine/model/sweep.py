@@ -409,19 +409,20 @@ class _Grid:
             used_entries, entry_at = np.unique(entry[members], return_inverse=True)
             used_acts, act_at = np.unique(act[members], return_inverse=True)
             chunks, plan, _ = self.entries[used_entries[0]]
-            weights = []                          # per stage: (dense, expert, per chunk, FSDP layer), per member
+            weights = []                  # per stage: (dense, expert, per chunk, FSDP layer, embedding), per member
             for st in range(len(plan)):
-                dense, expert, fsdp = np.array([[self.entries[e][2][st][i] for i in (0, 1, 3)]
-                                                for e in used_entries], dtype=np.int64)[entry_at].T
-                weights.append((dense, expert, self.entries[used_entries[0]][2][st][2], fsdp))
+                dense, expert, fsdp, embedding = np.array([[self.entries[e][2][st][i] for i in (0, 1, 3, 4)]
+                                                           for e in used_entries], dtype=np.int64)[entry_at].T
+                weights.append((dense, expert, self.entries[used_entries[0]][2][st][2], fsdp, embedding))
             terms = memory.take(memory.stack([acts[a] for a in used_acts]), act_at)
             for st in memory.stage_arrays(len(chunks), plan, weights, terms, self.columns["num_microbatches"][members]):
                 stages.append((members, np.full(len(members), st.pp_rank), st.dense_params, st.expert_params,
-                               st.held_loss, st.held_max, st.backward, st.loss_extra, st.fsdp_layer_params))
+                               st.embedding_params, st.held_loss, st.held_max, st.backward, st.loss_extra,
+                               st.fsdp_layer_params))
         columns = [np.concatenate(c) for c in zip(*stages)]
         by_row = np.argsort(columns[0], kind="stable")
-        (self.stage_row, self.stage_rank, self.dense, self.expert, self.held_loss, self.held_max, self.backward,
-         self.loss_extra, self.fsdp) = (c[by_row] for c in columns)
+        (self.stage_row, self.stage_rank, self.dense, self.expert, self.embedding, self.held_loss, self.held_max,
+         self.backward, self.loss_extra, self.fsdp) = (c[by_row] for c in columns)
         dp_shard, edp_shard, dispatcher = (np.asarray(c)[s][self.stage_row] for c in zip(*sharding))
         self.dp_shard, self.edp_shard = dp_shard, edp_shard
         self.workspace = np.array(workspace)[s, b][self.stage_row]
@@ -444,8 +445,9 @@ class _Grid:
         # bytes per parameter and the sharding rules follow the base; the degrees follow each layout
         pr = dataclasses.replace(memory.precision(self.base, use_distributed_optimizer=distributed_optimizer),
                                  dp_shard=self.dp_shard, edp_shard=self.edp_shard)
-        parts = [np.trunc(v) for v in memory.combine(self.dense, self.expert, self.held_loss, self.held_max,
-                                                     self.backward, self.loss_extra, self.fsdp, self.workspace, pr)]
+        parts = [np.trunc(v) for v in memory.combine(self.dense, self.expert, self.embedding, self.held_loss,
+                                                     self.held_max, self.backward, self.loss_extra, self.fsdp,
+                                                     self.workspace, pr)]
         total = sum(parts)
         static = parts[0] + parts[1] + parts[2]
         reserve = np.trunc(self.room.reserve(total - static - np.trunc(self.workspace)))

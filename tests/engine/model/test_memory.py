@@ -468,3 +468,46 @@ def test_deepep_buffers_of_the_flex_dispatcher_sit_outside_the_allocator():
     exp.training.moe_flex_dispatcher_backend = "hybridep"     # its own buffers: not modelled, and said so
     assert dispatcher_buffer_bytes(exp) == 0
     assert any("HybridEP" in w for w in estimate(exp).warnings)
+
+
+def test_muon_keeps_one_momentum_for_matrices_and_adam_state_for_the_embeddings():
+    """megatron-core's Muon (optimizer/emerging_optimizers.py) updates the matrices with one fp32
+    momentum buffer beside the fp32 master copy (8 bytes) and routes the embeddings and the output
+    layer to Adam (12 bytes)."""
+    from charllm.engine.model.memory import embedding_params, stage_terms
+
+    adam, muon = gpt(), gpt()
+    muon.training.optimizer = "muon"
+    st = stage_terms(adam)[0]
+    assert st.embedding_params == embedding_params(adam.model)           # tied: one matrix for both
+    matrices = st.dense_params - st.embedding_params
+    saved = estimate(adam).stages[0].optimizer - estimate(muon).stages[0].optimizer
+    assert saved == pytest.approx(4 * matrices, abs=1)
+
+
+@pytest.mark.parametrize("param_gather, cached", [(False, 2), (True, 0)])
+def test_fp8_on_bf16_weights_keeps_an_fp8_copy_and_its_transpose(param_gather, cached):
+    """FP8 compute on BF16 weights: Transformer Engine casts each linear weight once per step and keeps
+    the FP8 copy and its transpose (2 bytes a parameter) for the later micro-batches and the backward.
+    With fp8_param_gather the weights are FP8 themselves (data + transpose: the 2 bytes BF16 had)."""
+    from charllm.engine.model.memory import stage_terms
+
+    plain = gpt()
+    fp8 = gpt()
+    fp8.hardware.fp8, fp8.training.fp8, fp8.training.fp8_param_gather = True, "hybrid", param_gather
+    st = stage_terms(plain)[0]
+    extra = estimate(fp8).stages[0].weights - estimate(plain).stages[0].weights
+    assert extra == pytest.approx(cached * (st.dense_params - st.embedding_params), abs=1)
+
+
+def test_fp8_flash_attention_keeps_its_output_beside_the_projections_fp8_input():
+    """A flash-type attention kernel keeps its BF16 output O for backward. Without FP8 the output
+    projection keeps the same tensor as its input; with FP8 it keeps an FP8 copy, so O is counted
+    once more: offloading core_attn moves Q, K, V, the log-sum-exp and O."""
+    def layer(**training):
+        exp = gpt(backend="flash", dropout=0.0, **training)
+        exp.hardware.fp8, exp.training.fp8 = True, "hybrid"
+        return _Shapes(exp).layer(False)
+
+    off = layer(fine_grained_activation_offloading=True, offload_modules=["core_attn"])
+    assert layer().saved - off.saved == pytest.approx(4 * 2 * S * B * H + 4 * A * S * B)
