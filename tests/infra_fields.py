@@ -53,6 +53,7 @@ NEEDS = {
     "fp8_recipe": {"fp8": "e4m3"},
     "moe_flex_dispatcher_backend": {"moe_token_dispatcher_type": "flex"},
     "wgrad_deferral_limit": {"defer_embedding_wgrad_compute": True},
+    "cuda_graph_scope": {"cuda_graph_impl": "transformer_engine"},
 }
 
 

@@ -81,7 +81,8 @@ AUTO = "auto"   # the flag is the field's name in Megatron's spelling: num_layer
 
 
 def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: Any = True,
-            aliases: dict[str, Any] | None = None, join: bool = False, choices: tuple | None = None,
+            aliases: dict[str, Any] | None = None, renamed: tuple[str, ...] = (), join: bool = False,
+            choices: tuple | None = None,
             minimum: float | None = None, above: float | None = None, maximum: float | None = None,
             label: str | None = None,
             config: bool | str = False, activations: bool = False, pipeline_split: bool = False) -> Any:
@@ -92,6 +93,7 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
               the field's type: a bool is a switch setting `switch`, a list takes many values (`join`:
               one string of them), anything else one value
     aliases   more switches and the value each sets (`--use-rotary-position-embeddings`: "rope")
+    renamed   the flag's other names, which take its values as it does (a Megatron release renamed it)
     choices   the values it accepts; for a list, the values each item accepts (engine.model.validate
               checks them)
     minimum   the least value it accepts when set; a size (minimum 1) is also at most `maximum`, else
@@ -103,7 +105,8 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
     activations     it changes what one micro-batch's activations take (engine.model.memory keys its
                     activation terms, and so the sweep's, by these fields)
     pipeline_split  it changes which layers each pipeline chunk holds (likewise for the split)"""
-    facts = {"help": help, "flag": flag, "switch": switch, "aliases": dict(aliases or {}), "join": join,
+    facts = {"help": help, "flag": flag, "switch": switch, "aliases": dict(aliases or {}), "renamed": renamed,
+             "join": join,
              "choices": choices, "minimum": minimum, "above": above, "maximum": maximum, "label": label,
              "config": config, "activations": activations, "pipeline_split": pipeline_split}
     if isinstance(default, list):
@@ -421,10 +424,15 @@ class Training:
                                               config=True, activations=True,
                                               help="attention masking and softmax in FP32")
     # graphs keep static buffers; --enable-cuda-graph and --external-cuda-graph are Megatron's deprecated aliases
-    cuda_graph_impl: str = setting("none", choices=("none", "local", "transformer_engine"),
+    cuda_graph_impl: str = setting("none", choices=("none", "local", "transformer_engine"), activations=True,
                                    aliases={"--enable-cuda-graph": "local",
                                             "--external-cuda-graph": "transformer_engine"},
                                    help="CUDA graph capture: none, megatron-core's (local) or Transformer Engine's")
+    # megatron-core 0.19 renamed it cuda_graph_modules (--cuda-graph-scope still parses, deprecated)
+    cuda_graph_scope: list[str] | None = setting(
+        None, config=True, activations=True, renamed=("--cuda-graph-modules",),
+        choices=("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration"),
+        help="what the CUDA graphs capture of each layer; unset: whole layers")
     use_precision_aware_optimizer: bool = setting(
         False, help="Transformer Engine's optimizer, with the four optimizer dtypes below")
     main_grads_dtype: str = setting("fp32", choices=("fp32", "bf16"),

@@ -171,13 +171,15 @@ def format_layer_pattern(pattern: int | list[int]) -> str:
 
 def _flags(kind: type) -> dict[str, tuple[str, Switch | Value | Many]]:
     """Flag -> (field, how it parses) for the fields of `kind` that name a Megatron flag
-    (engine.model.experiment.setting): a field's own flag first, then its aliases, in field order."""
+    (engine.model.experiment.setting): a field's own flag first, then its other names and its aliases,
+    in field order."""
     out: dict[str, tuple[str, Switch | Value | Many]] = {}
     for f in dataclasses.fields(kind):
         flag = megatron_flag(kind, f.name)
         if flag is None:
             continue
         out[flag] = (f.name, _parser(kind, f.name, f.metadata))
+        out.update({other: out[flag] for other in f.metadata["renamed"]})
         out.update({alias: (f.name, Switch(value)) for alias, value in f.metadata["aliases"].items()})
     return out
 

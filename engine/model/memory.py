@@ -414,10 +414,12 @@ def count_parameters(m) -> int:
 # --------------------------------------------------------------------------------------------
 @dataclass
 class _Act:
-    """Bytes saved for backward, and the extra live bytes while its backward (or recompute) runs."""
+    """Bytes saved for backward, and the extra live bytes while its backward (or recompute) runs; and
+    the same per part of the layer a CUDA graph scope can capture (attn, mlp, router, experts)."""
 
     saved: float
     transient: float
+    parts: dict = field(default_factory=dict)      # part -> (saved, transient)
 
 
 def implementation(exp: Experiment, cache: dict | None = None) -> "runtime.Implementation":
@@ -535,6 +537,7 @@ class _Shapes:
         # same tensor, unless FP8 makes the projection keep its own FP8 copy
         out = o if not self.unfused and lin != ab else 0.0
         saved += kept("core_attn", inputs + ring + core + out) + kept("attn_proj", (lin / ab) * o) + mask * sbh
+        attn_saved = saved
         # -- MLP / MoE block
         saved += kept("mlp_norm", ab * sbh)                # pre-MLP norm's input
         if "layernorm" not in self.modules:
@@ -572,9 +575,10 @@ class _Shapes:
                     shared = 0.0
             moe_saved = router + experts + shared
             if "moe" in self.modules:
-                moe_saved = 0.0
+                moe_saved = router = 0.0
             saved += moe_saved
             mlp_transient = 2 * ab * effn * gate + 2 * ab * routed * m.hidden_size
+            routing = saved - attn_saved - moe_saved + router          # pre-MLP norm and router
         saved += mask * sbh
         # Fine-grained offloading in backward (fine_grained_activation_offload.py, core_v0.16.1): the chunk
         # whose backward comes next keeps its last layer's groups on the GPU (should_bulk_offload), and each
@@ -582,7 +586,12 @@ class _Shapes:
         # group runs, the groups of the layer before it down to that one are back too: about two layers'
         # offloaded tensors beside the compute's own.
         transient = max(attn_transient, mlp_transient) + 2 * offloaded
-        return _Act(saved, transient)
+        if moe:
+            parts = {"attn": (attn_saved, attn_transient), "router": (routing, 0.0),
+                     "experts": (saved - attn_saved - routing, mlp_transient)}
+        else:
+            parts = {"attn": (attn_saved, attn_transient), "mlp": (saved - attn_saved, mlp_transient)}
+        return _Act(saved, transient, parts)
 
     def checkpoint_input(self) -> float:
         return self.ab * self.sbh
@@ -714,6 +723,10 @@ class ActTerms:
     mtp_excess: float = 0.0         # ... of mtp
     deferred_wgrad: float = 0.0     # defer_embedding_wgrad_compute: bytes the loss stage keeps per micro-batch
     deferral_limit: int = 0         # ... for at most this many micro-batches (0: all)
+    # Transformer Engine CUDA graphs: the terms of the captured parts (these are then the other parts).
+    # The allocator counts what a graph keeps only while the graphs are captured, in schedule order
+    # (TE make_graphed_callables with _order); replays run in the graphs' private pool.
+    capture: "ActTerms | None" = None
     # the numbers above, which `stack` turns into arrays (the recompute setting stays one for all)
     PER_SETTING: ClassVar[tuple[str, ...]] = ("checkpoint_input", "embedding", "final_norm", "mtp", "loss_extra",
                                               "moe_excess", "mtp_excess", "deferred_wgrad", "deferral_limit")
@@ -721,7 +734,7 @@ class ActTerms:
     @property
     def recompute(self) -> tuple:
         """What `_layer_activations` branches on: settings with other values cannot share arrays."""
-        return self.full_recompute, self.group, self.offloaded_layers
+        return self.full_recompute, self.group, self.offloaded_layers, self.capture is not None
 
 
 def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
@@ -745,6 +758,25 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
         # appends the logits' gradient to grad_output_buffer, its forward the input (sequence-sharded
         # under SP) to embedding_activation_buffer, kept until the pipeline flush computes the wgrad.
         deferred = (lb + shapes.ab * shapes.sbh) if t.defer_embedding_wgrad_compute else 0.0
+        graphed = _graphed_parts(exp, impl)
+        capture = None
+        if graphed:
+            def part(k: bool, in_graph: bool) -> tuple[float, float]:
+                chosen = [acts[k].parts[p] for p in acts[k].parts if (p in graphed[k]) == in_graph]
+                return sum((c[0] for c in chosen), 0.0), max((c[1] for c in chosen), default=0.0)
+
+            inside = {k: part(k, True) for k in acts}
+            last = pattern[-1]
+            captured_excess = excess if m.is_moe and "experts" in graphed[True] else 0.0
+            capture = ActTerms(saved={k: v[0] for k, v in inside.items()}, backward={k: v[1] for k, v in inside.items()},
+                               checkpoint_input=0.0, embedding=0.0, final_norm=0.0,
+                               mtp=inside[last][0] if m.mtp_num_layers else 0.0, loss_extra=0.0,
+                               full_recompute=False, group=group, moe_excess=captured_excess,
+                               mtp_excess=captured_excess if m.mtp_num_layers and last else 0.0)
+            outside = {k: part(k, False) for k in acts}
+            acts = {k: _Act(outside[k][0], outside[k][1]) for k in acts}
+            mtp_act -= capture.mtp
+            excess -= captured_excess
         entry = cache[akey] = ActTerms(
             saved={k: a.saved for k, a in acts.items()},
             # layer offloading brings a layer's activations back ahead of its backward
@@ -754,8 +786,25 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
             final_norm=shapes.final_norm(), mtp=mtp_act, loss_extra=loss_extra,
             full_recompute=shapes.full_recompute, group=group, offloaded_layers=offloaded,
             moe_excess=excess, mtp_excess=excess if m.mtp_num_layers and pattern[-1] else 0.0,
-            deferred_wgrad=deferred, deferral_limit=t.wgrad_deferral_limit)
+            deferred_wgrad=deferred, deferral_limit=t.wgrad_deferral_limit, capture=capture)
     return entry
+
+
+def _graphed_parts(exp: Experiment, impl: "runtime.Implementation") -> dict[bool, set[str]] | None:
+    """{MoE layer?: the parts of a layer Transformer Engine's CUDA graphs capture}, or None without them.
+    megatron-core's cuda_graph_scope (transformer/cuda_graphs.py, _layer_is_graphable, core_v0.16.1):
+    none given captures whole layers; attn the attention, mlp a dense layer's MLP, moe_router and
+    moe_preprocess an MoE layer up to its router, moe all of it."""
+    t = exp.training
+    if t.cuda_graph_impl != "transformer_engine" or impl.transformer != "transformer_engine":
+        return None
+    scope = set(t.cuda_graph_scope or [])
+    if not scope:
+        return {False: {"attn", "mlp"}, True: {"attn", "router", "experts"}}
+    attn = {"attn"} & scope
+    routing = {"router"} if scope & {"moe", "moe_router", "moe_preprocess"} else set()
+    return {False: attn | ({"mlp"} if "mlp" in scope else set()),
+            True: attn | routing | ({"experts"} if "moe" in scope else set())}
 
 
 def stack(acts: list[ActTerms]) -> ActTerms:
@@ -768,14 +817,16 @@ def stack(acts: list[ActTerms]) -> ActTerms:
     return ActTerms(saved={k: np.array([a.saved[k] for a in acts]) for k in first.saved},
                     backward={k: np.array([a.backward[k] for a in acts]) for k in first.backward},
                     full_recompute=first.full_recompute, group=first.group,
-                    offloaded_layers=first.offloaded_layers, **arrays)
+                    offloaded_layers=first.offloaded_layers, **arrays,
+                    capture=stack([a.capture for a in acts]) if first.capture is not None else None)
 
 
 def take(acts: ActTerms, index) -> ActTerms:
     """The entries `index` (a numpy index array) of a stacked ActTerms."""
     return dataclasses.replace(acts, saved={k: v[index] for k, v in acts.saved.items()},
                                backward={k: v[index] for k, v in acts.backward.items()},
-                               **{name: getattr(acts, name)[index] for name in ActTerms.PER_SETTING})
+                               **{name: getattr(acts, name)[index] for name in ActTerms.PER_SETTING},
+                               capture=take(acts.capture, index) if acts.capture is not None else None)
 
 
 @dataclass
@@ -807,28 +858,46 @@ def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> li
     import numpy as np
 
     batch = np.ndim(num_microbatches) > 0
-    a = acts
     zero = np.zeros(len(num_microbatches)) if batch else 0.0
     num_mb = np.asarray(num_microbatches, dtype=np.int64) if batch else num_microbatches
     out = []
     for s, (r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags) in enumerate(plan):
-        values = [zero + _chunk_activations(kind, a) for kind in distinct]
-        chunk_acts = [values[i] for i in index]
-        backward = functools.reduce(np.maximum if batch else max, [a.backward[k] for k in stage_kinds], zero)
-        # held at once: the busiest rank's routing excess averages over the micro-batches held
-        units = _in_flight_units(r, pp, len(kinds_r), num_mb)
-        averaged = 1 - 1 / np.sqrt(units)
-        held = [values[i] - averaged * _chunk_excess(kind, a) for i, kind in enumerate(distinct)]
-        held_loss, held_max = _in_flight([held[i] for i in index], loss_flags, r, pp, len(kinds_r), num_mb, units)
-        if has_loss:
-            # deferred output-layer wgrads: by the last micro-batch's loss, those of the ones before it
-            minimum = np.minimum if batch else min
-            stored = minimum(num_mb - 1, np.where(a.deferral_limit > 0, a.deferral_limit, num_mb))
-            held_loss, held_max = held_loss + stored * a.deferred_wgrad, held_max + stored * a.deferred_wgrad
+        chunk_acts, units, *terms = _stage_activity(acts, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
+                                                    loss_flags, num_mb, zero)
+        if acts.capture is not None:
+            # the peak is while the graphs are captured (their parts only) or while they replay (the rest)
+            captured_acts, _, *captured = _stage_activity(acts.capture, r, pp, kinds_r, distinct, index, stage_kinds,
+                                                          has_loss, loss_flags, num_mb, zero)
+            chunk_acts = [c + g for c, g in zip(chunk_acts, captured_acts)]
+            replayed = np.maximum(terms[0] + terms[3], terms[1] + terms[2])
+            later = np.asarray(captured[1] + captured[2] > replayed)
+            terms = [np.where(later, c, t) if batch else (c if later else t) for c, t in zip(captured, terms)]
+        held_loss, held_max, backward, loss_extra = terms
         dense, expert, per_chunk, fsdp, embeddings = weights[s]
         out.append(StageArrays(r, dense, expert, fsdp, per_chunk, chunk_acts, held_loss, held_max,
-                               backward, a.loss_extra if has_loss else zero, units, embeddings))
+                               backward, loss_extra, units, embeddings))
     return out
+
+
+def _stage_activity(a: ActTerms, r, pp, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags, num_mb, zero):
+    """(per-chunk activations, units held, held at a loss step, held at most, backward, loss) of one stage."""
+    import numpy as np
+
+    batch = np.ndim(num_mb) > 0
+    values = [zero + _chunk_activations(kind, a) for kind in distinct]
+    chunk_acts = [values[i] for i in index]
+    backward = functools.reduce(np.maximum if batch else max, [a.backward[k] for k in stage_kinds], zero)
+    # held at once: the busiest rank's routing excess averages over the micro-batches held
+    units = _in_flight_units(r, pp, len(kinds_r), num_mb)
+    averaged = 1 - 1 / np.sqrt(units)
+    held = [values[i] - averaged * _chunk_excess(kind, a) for i, kind in enumerate(distinct)]
+    held_loss, held_max = _in_flight([held[i] for i in index], loss_flags, r, pp, len(kinds_r), num_mb, units)
+    if has_loss:
+        # deferred output-layer wgrads: by the last micro-batch's loss, those of the ones before it
+        minimum = np.minimum if batch else min
+        stored = minimum(num_mb - 1, np.where(a.deferral_limit > 0, a.deferral_limit, num_mb))
+        held_loss, held_max = held_loss + stored * a.deferred_wgrad, held_max + stored * a.deferred_wgrad
+    return chunk_acts, units, held_loss, held_max, backward, a.loss_extra if has_loss else zero
 
 
 def _stage_plan(chunks: list[list[_Chunk]], pattern: list[bool], block: bool, peak_candidates: bool):
@@ -1183,9 +1252,13 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
     if exp.model.is_moe and t.moe_token_dispatcher_type == "flex" and t.moe_flex_dispatcher_backend == "hybridep":
         notes.append("moe_flex_dispatcher_backend = 'hybridep': HybridEP's buffers (outside the allocator) are not "
                      "modelled")
-    if t.cuda_graph_impl != "none":
-        notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the graphs' static buffers are not modelled "
-                     "(measured up to +25% steady memory on a small MoE)")
+    if t.cuda_graph_impl == "transformer_engine":
+        notes.append("cuda_graph_impl = 'transformer_engine': what the graphed parts keep is planned while the "
+                     "graphs are captured (the allocator does not count it when they replay); the graphs' static "
+                     "input and output buffers are not modelled (measured up to +27% steady memory on a small MoE)")
+    elif t.cuda_graph_impl != "none":
+        notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: megatron-core's own graphs and their static buffers "
+                     "are not modelled")
     stack = calibration.for_planning(hw)
     return MemoryReport(stages, room, list(ignored_args or []), notes, implementation=runtime.resolve(exp, stack),
                         runtime_problems=[str(p) for p in runtime.problems(exp, stack)], stack_source=stack.source)

@@ -511,3 +511,20 @@ def test_fp8_flash_attention_keeps_its_output_beside_the_projections_fp8_input()
 
     off = layer(fine_grained_activation_offloading=True, offload_modules=["core_attn"])
     assert layer().saved - off.saved == pytest.approx(4 * 2 * S * B * H + 4 * A * S * B)
+
+
+@pytest.mark.parametrize("scope, captured", [(None, {"attn", "mlp"}), (["attn"], {"attn"}), (["mlp"], {"mlp"})])
+def test_te_cuda_graphs_count_their_parts_while_captured_and_the_rest_while_replayed(scope, captured):
+    """Transformer Engine's CUDA graphs keep what their layers save in the graphs' private pool: the
+    allocator counts it while the graphs are captured (in schedule order) and not when they replay.
+    So the captured parts (cuda_graph_scope: whole layers when unset) and the rest peak apart."""
+    from charllm.engine.model.memory import activation_terms
+
+    plain, graphed = gpt(backend="flash"), gpt(backend="flash")
+    graphed.training.cuda_graph_impl, graphed.training.cuda_graph_scope = "transformer_engine", scope
+    layer = _Shapes(plain).layer(False)
+    terms = activation_terms(graphed, {})
+    assert terms.capture.saved[False] == pytest.approx(sum(layer.parts[p][0] for p in captured))
+    assert terms.capture.saved[False] + terms.saved[False] == pytest.approx(layer.saved)
+    assert terms.capture.loss_extra == 0 and terms.loss_extra == activation_terms(plain, {}).loss_extra
+    assert estimate(graphed).peak_bytes < estimate(plain).peak_bytes

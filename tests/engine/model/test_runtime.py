@@ -161,6 +161,7 @@ ALTERNATIVES = {
                          ["fp8_param_gather=true"]),
     "attention_softmax_in_fp32": ([], ["attention_softmax_in_fp32=true"]),
     "cuda_graph_impl": ([], ["cuda_graph_impl=local"]),
+    "cuda_graph_scope": ([], ["cuda_graph_scope=['attn']"]),
     "use_precision_aware_optimizer": (["use_distributed_optimizer=true"], ["use_precision_aware_optimizer=true"]),
     "main_grads_dtype": (["use_distributed_optimizer=true", "use_precision_aware_optimizer=true"],
                          ["main_grads_dtype=bf16"]),
