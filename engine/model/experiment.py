@@ -81,10 +81,11 @@ AUTO = "auto"   # the flag is the field's name in Megatron's spelling: num_layer
 
 
 def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: Any = True,
-            aliases: dict[str, Any] | None = None, join: bool = False, choices: tuple | None = None,
+            aliases: dict[str, Any] | None = None, renamed: tuple[str, ...] = (), join: bool = False,
+            choices: tuple | None = None,
             minimum: float | None = None, above: float | None = None, maximum: float | None = None,
             label: str | None = None,
-            config: bool | str = False) -> Any:
+            config: bool | str = False, activations: bool = False, pipeline_split: bool = False) -> Any:
     """A dataclass field with what the rest of charllm derives from it:
 
     help      one line saying what it sets, with its unit (Compose's hint line, `charllm-tui fields`)
@@ -92,6 +93,7 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
               the field's type: a bool is a switch setting `switch`, a list takes many values (`join`:
               one string of them), anything else one value
     aliases   more switches and the value each sets (`--use-rotary-position-embeddings`: "rope")
+    renamed   the flag's other names, which take its values as it does (a Megatron release renamed it)
     choices   the values it accepts; for a list, the values each item accepts (engine.model.validate
               checks them)
     minimum   the least value it accepts when set; a size (minimum 1) is also at most `maximum`, else
@@ -99,10 +101,14 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
     above     a value it must exceed when set (a rate or a scale: above 0)
     maximum   the most it accepts when set
     label     its label in the Compose form
-    config    passed to megatron-core's TransformerConfig under its own name (True) or the one given"""
-    facts = {"help": help, "flag": flag, "switch": switch, "aliases": dict(aliases or {}), "join": join,
+    config    passed to megatron-core's TransformerConfig under its own name (True) or the one given
+    activations     it changes what one micro-batch's activations take (engine.model.memory keys its
+                    activation terms, and so the sweep's, by these fields)
+    pipeline_split  it changes which layers each pipeline chunk holds (likewise for the split)"""
+    facts = {"help": help, "flag": flag, "switch": switch, "aliases": dict(aliases or {}), "renamed": renamed,
+             "join": join,
              "choices": choices, "minimum": minimum, "above": above, "maximum": maximum, "label": label,
-             "config": config}
+             "config": config, "activations": activations, "pipeline_split": pipeline_split}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=facts)
     return field(default=default, metadata=facts)
@@ -111,6 +117,14 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
 def facts(kind: type, name: str) -> dict[str, Any]:
     """The facts `setting` holds for field `name` of `kind` ({} for a plain field)."""
     return dict(_fields(kind)[name].metadata)
+
+
+def declared(fact: str, sections: tuple[str, ...] | None = None) -> list[tuple[str, str, Any]]:
+    """(section, field, value) of every field whose metadata states `fact` (a value other than None
+    or False), in section and field order."""
+    return [(section, name, value) for section in sections or tuple(SECTIONS)
+            for name in field_names(SECTIONS[section])
+            if (value := facts(SECTIONS[section], name).get(fact)) not in (None, False)]
 
 
 def choices(kind: type, name: str) -> tuple | None:
@@ -146,22 +160,29 @@ class ModelSpec:
 
     name: str = setting("custom", flag=None, help="the model preset's name")
     description: str = setting("", flag=None, help="one line about the model, shown by presets list")
-    num_layers: int = setting(2, minimum=1, maximum=10_000, config=True, help="transformer (decoder) layers")
-    hidden_size: int = setting(64, minimum=1, config=True, help="width of the hidden states (elements per token)")
-    ffn_hidden_size: int | None = setting(None, minimum=1, help="MLP inner width (elements); unset: 4 x hidden_size")
-    num_attention_heads: int = setting(4, minimum=1, config=True, help="attention heads per layer")
+    num_layers: int = setting(2, minimum=1, maximum=10_000, config=True, activations=True, pipeline_split=True,
+                              help="transformer (decoder) layers")
+    hidden_size: int = setting(64, minimum=1, config=True, activations=True,
+                               help="width of the hidden states (elements per token)")
+    ffn_hidden_size: int | None = setting(None, minimum=1, activations=True,
+                                          help="MLP inner width (elements); unset: 4 x hidden_size")
+    num_attention_heads: int = setting(4, minimum=1, config=True, activations=True, help="attention heads per layer")
     num_query_groups: int | None = setting(   # set by two flags together: see megatron.SPECIAL_FLAGS
         None, flag=None, minimum=1,
+        activations=True,
         help="key/value head groups (grouped-query attention); unset: one per head (multi-head attention)")
     kv_channels: int | None = setting(None, minimum=1,
+                                      activations=True,
                                       help="width of one attention head (elements); unset: hidden_size / heads")
-    seq_length: int = setting(2048, minimum=1, help="the model's default training sequence length (tokens)")
+    seq_length: int = setting(2048, minimum=1, activations=True,
+                              help="the model's default training sequence length (tokens)")
     max_position_embeddings: int | None = setting(
         None, minimum=1, help="longest sequence the position embedding covers (tokens); unset: seq_length")
-    vocab_size: int = setting(50257, minimum=1, help="tokenizer vocabulary before padding (tokens)")
+    vocab_size: int = setting(50257, minimum=1, activations=True, help="tokenizer vocabulary before padding (tokens)")
     make_vocab_size_divisible_by: int = setting(
-        128, minimum=1, help="pad the vocabulary to a multiple of this times the tensor-parallel size")
-    swiglu: bool = setting(False, help="gated SiLU MLP (SwiGLU) instead of GeLU")
+        128, minimum=1, activations=True,
+        help="pad the vocabulary to a multiple of this times the tensor-parallel size")
+    swiglu: bool = setting(False, activations=True, help="gated SiLU MLP (SwiGLU) instead of GeLU")
     squared_relu: bool = setting(False, help="squared-ReLU MLP activation instead of GeLU")
     untie_embeddings_and_output_weights: bool = setting(
         False, help="separate weights for the input embedding and the output layer")
@@ -174,34 +195,40 @@ class ModelSpec:
     add_bias_linear: bool = setting(True, flag="--disable-bias-linear", switch=False, config=True,
                                     help="bias terms in the linear layers (QKV, attention output, MLP)")
     add_qkv_bias: bool = setting(False, help="a bias on the QKV projection only")
-    qk_layernorm: bool = setting(False, config=True, help="normalize queries and keys before attention")
+    qk_layernorm: bool = setting(False, config=True, activations=True,
+                                 help="normalize queries and keys before attention")
     hidden_dropout: float = setting(0.1, minimum=0, maximum=1, config=True,
-                                    help="dropout probability of the hidden states")
+                                    activations=True, help="dropout probability of the hidden states")
     attention_dropout: float = setting(0.1, minimum=0, maximum=1, config=True,
-                                       help="dropout probability after attention")
+                                       activations=True, help="dropout probability after attention")
     # Mixture of experts
     num_moe_experts: int | None = setting(None, flag="--num-experts", minimum=1, maximum=100_000, config=True,
-                                          help="experts per MoE layer; unset: a dense model")
-    moe_router_topk: int = setting(2, minimum=1, config=True, help="experts each token is routed to")
+                                          activations=True, help="experts per MoE layer; unset: a dense model")
+    moe_router_topk: int = setting(2, minimum=1, config=True, activations=True, help="experts each token is routed to")
     moe_ffn_hidden_size: int | None = setting(
-        None, minimum=1, help="MLP inner width of one expert (elements); unset: ffn_hidden_size")
+        None, minimum=1, activations=True, help="MLP inner width of one expert (elements); unset: ffn_hidden_size")
     moe_shared_expert_intermediate_size: int | None = setting(
-        None, minimum=1, config=True, help="MLP width of all shared experts together (elements); unset: none")
+        None, minimum=1, config=True, activations=True,
+        help="MLP width of all shared experts together (elements); unset: none")
     moe_layer_freq: int | list[int] = setting(
-        1, config=True, help="which layers are MoE: every Nth, or a 0/1 list with one entry per layer")
+        1, config=True, activations=True,
+        help="which layers are MoE: every Nth, or a 0/1 list with one entry per layer")
     # Multi-latent attention (DeepSeek)
     multi_latent_attention: bool = setting(
-        False, help="multi-latent attention (DeepSeek): keys and values through a low-rank latent")
+        False, activations=True, help="multi-latent attention (DeepSeek): keys and values through a low-rank latent")
     q_lora_rank: int | None = setting(None, minimum=1,
+                                      activations=True,
                                       help="MLA: rank of the queries' low-rank projection; unset: full rank")
-    kv_lora_rank: int = setting(512, minimum=1, help="MLA: rank of the key/value latent")
+    kv_lora_rank: int = setting(512, minimum=1, activations=True, help="MLA: rank of the key/value latent")
     qk_head_dim: int = setting(128, minimum=1,
-                               help="MLA: query/key width per head, rotary part excluded (elements)")
+                               activations=True, help="MLA: query/key width per head, rotary part excluded (elements)")
     qk_pos_emb_head_dim: int = setting(64, minimum=1,
+                                       activations=True,
                                        help="MLA: rotary part of the query/key width per head (elements)")
-    v_head_dim: int = setting(128, minimum=1, help="MLA: value width per head (elements)")
+    v_head_dim: int = setting(128, minimum=1, activations=True, help="MLA: value width per head (elements)")
     # Multi-token prediction
     mtp_num_layers: int | None = setting(None, minimum=1, maximum=10_000,
+                                         activations=True, pipeline_split=True,
                                          help="multi-token prediction layers after the decoder; unset: none")
 
     # -- derived ------------------------------------------------------------------------------
@@ -300,20 +327,24 @@ class Cluster:
 class Parallel:
     tensor_model_parallel_size: int = setting(
         1, minimum=1, label="TP  tensor", config=True,
-        help="tensor parallel: each layer's matrices split over this many devices")
+        activations=True, help="tensor parallel: each layer's matrices split over this many devices")
     pipeline_model_parallel_size: int = setting(1, minimum=1, label="PP  pipeline", config=True,
+                                                pipeline_split=True,
                                                 help="pipeline parallel: the layers split into this many stages")
     virtual_pipeline_model_parallel_size: int | None = setting(   # set by either of two flags: SPECIAL_FLAGS
         None, flag=None, minimum=1, label="VP  virtual", config=True,
-        help="interleaved pipeline: model chunks per pipeline stage; unset: 1")
+        pipeline_split=True, help="interleaved pipeline: model chunks per pipeline stage; unset: 1")
     context_parallel_size: int = setting(1, minimum=1, label="CP  context", config=True,
+                                         activations=True,
                                          help="context parallel: each sequence split over this many devices")
     expert_model_parallel_size: int = setting(1, minimum=1, label="EP  expert", config=True,
+                                              activations=True,
                                               help="expert parallel: the experts split over this many devices")
     expert_tensor_parallel_size: int | None = setting(
         None, minimum=1, label="ETP expert TP",
-        help="tensor parallel inside the experts; unset: tensor_model_parallel_size")
+        activations=True, help="tensor parallel inside the experts; unset: tensor_model_parallel_size")
     sequence_parallel: bool = setting(False, label="seq. parallel", config=True,
+                                      activations=True,
                                       help="with TP: norms and dropout split along the sequence too (less memory)")
     use_distributed_optimizer: bool = setting(False, label="dist. optimizer",
                                               help="shard the optimizer state over the data-parallel ranks")
@@ -326,37 +357,39 @@ class Parallel:
         help="Megatron FSDP: what is sharded: nothing, the optimizer state, + gradients, + parameters")
     decoder_first_pipeline_num_layers: int | None = setting(
         None, minimum=1, config="num_layers_in_first_pipeline_stage",
-        help="layers on the first pipeline stage; unset: an even split")
+        pipeline_split=True, help="layers on the first pipeline stage; unset: an even split")
     decoder_last_pipeline_num_layers: int | None = setting(
         None, minimum=1, config="num_layers_in_last_pipeline_stage",
-        help="layers on the last pipeline stage; unset: an even split")
+        pipeline_split=True, help="layers on the last pipeline stage; unset: an even split")
     account_for_embedding_in_pipeline_split: bool = setting(
-        False, config=True, help="count the embedding as a layer when splitting the pipeline")
+        False, config=True, pipeline_split=True, help="count the embedding as a layer when splitting the pipeline")
     account_for_loss_in_pipeline_split: bool = setting(
-        False, config=True, help="count the loss as a layer when splitting the pipeline")
+        False, config=True, pipeline_split=True, help="count the loss as a layer when splitting the pipeline")
     pipeline_model_parallel_layout: str | None = setting(
-        None, config=True, help="layers per stage, e.g. E|(t|)*3,m|L (Embedding, decoder t, MTP m, Loss; "
-                                "| ends a stage)")
+        None, config=True, pipeline_split=True,
+        help="layers per stage, e.g. E|(t|)*3,m|L (Embedding, decoder t, MTP m, Loss; | ends a stage)")
 
 
 @dataclass
 class Training:
     micro_batch_size: int = setting(1, minimum=1, label="micro batch",
-                                    help="sequences per micro-batch on one data-parallel rank")
+                                    activations=True, help="sequences per micro-batch on one data-parallel rank")
     global_batch_size: int = setting(1, minimum=1, label="global batch",
                                      help="sequences per optimizer step, over all data-parallel ranks")
     seq_length: int | None = setting(None, flag=None, minimum=1, label="seq length",   # --seq-length sets the model's
+                                     activations=True,
                                      help="training sequence length (tokens); unset: the model's seq_length")
     train_iters: int = setting(20, minimum=1, help="optimizer steps (iterations) to run")
     warmup_iters: int = setting(2, flag=None, minimum=0, help="first iterations marked warm-up in the "
                                                               "iteration log (not learning-rate warm-up)")
-    bf16: bool = setting(True, config=True, help="BF16 mixed precision")
-    fp16: bool = setting(False, config=True, help="FP16 mixed precision, with loss scaling")
+    bf16: bool = setting(True, config=True, activations=True, help="BF16 mixed precision")
+    fp16: bool = setting(False, config=True, activations=True, help="FP16 mixed precision, with loss scaling")
     loss_scale: float | None = setting(None, above=0, help="FP16: a static loss scale; unset: dynamic, from "
                                                            "initial_loss_scale")
     initial_loss_scale: float = setting(4294967296.0, above=0, help="FP16: where dynamic loss scaling "
                                                                     "starts (Megatron: 2^32)")
     fp8: str | None = setting(None, flag="--fp8-format", choices=(None, "e4m3", "hybrid"), config=True,
+                              activations=True,
                               help="FP8 (Transformer Engine): e4m3 throughout, or hybrid (e5m2 gradients); "
                                    "unset: off")
     fp8_recipe: str = setting("delayed", choices=("delayed", "tensorwise", "blockwise", "mxfp8", "custom"),
@@ -364,17 +397,17 @@ class Training:
     recompute_granularity: str | None = setting(
         None, aliases={"--recompute-activations": "selective"}, choices=(None, "full", "selective"),
         label="recompute", config=True,
-        help="activation recompute: whole layers (full), some modules (selective), or none")
+        activations=True, help="activation recompute: whole layers (full), some modules (selective), or none")
     recompute_method: str | None = setting(
         None, choices=(None, "uniform", "block"), label="recompute how", config=True,
-        help="full recompute: layers in uniform chunks, or a block of layers per stage")
+        activations=True, help="full recompute: layers in uniform chunks, or a block of layers per stage")
     recompute_num_layers: int | None = setting(
         None, minimum=1, label="recompute layers", config=True,
-        help="full recompute: layers per chunk (uniform) or per pipeline stage (block)")
+        activations=True, help="full recompute: layers per chunk (uniform) or per pipeline stage (block)")
     recompute_modules: list[str] | None = setting(
         None, config=True,
         choices=("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"),
-        help="selective recompute: the modules recomputed; unset: core_attn")
+        activations=True, help="selective recompute: the modules recomputed; unset: core_attn")
     overlap_grad_reduce: bool = setting(False, label="overlap grads",
                                         help="overlap the gradient reduce with the backward pass")
     overlap_param_gather: bool = setting(
@@ -387,9 +420,10 @@ class Training:
         help="stop at a NaN or Inf loss or gradient, checked each step as Megatron-LM does (host syncs)")
     # what each becomes on a node: engine.model.runtime
     attention_backend: str = setting("auto", choices=("auto", "flash", "fused", "unfused", "local"),
-                                     help="attention kernel; auto: Transformer Engine picks (local: "
+                                     activations=True, help="attention kernel; auto: Transformer Engine picks (local: "
                                           "megatron-core's own)")
     transformer_impl: str = setting("auto", choices=("auto", "transformer_engine", "local"),
+                                    activations=True,
                                     help="layer implementation; auto: Transformer Engine where it imports, "
                                          "else local")
     grad_reduce_in_bf16: bool = setting(False, help="reduce gradients in BF16 (default: FP32 main gradients "
@@ -400,12 +434,18 @@ class Training:
                                           "(no BF16 copy)")
     # unfused attention upcasts the s x s scores to fp32 (--apply-query-key-layer-scaling implies it in Megatron)
     attention_softmax_in_fp32: bool = setting(False, aliases={"--apply-query-key-layer-scaling": True},
-                                              config=True, help="attention masking and softmax in FP32")
+                                              config=True, activations=True,
+                                              help="attention masking and softmax in FP32")
     # graphs keep static buffers; --enable-cuda-graph and --external-cuda-graph are Megatron's deprecated aliases
-    cuda_graph_impl: str = setting("none", choices=("none", "local", "transformer_engine"),
+    cuda_graph_impl: str = setting("none", choices=("none", "local", "transformer_engine"), activations=True,
                                    aliases={"--enable-cuda-graph": "local",
                                             "--external-cuda-graph": "transformer_engine"},
                                    help="CUDA graph capture: none, megatron-core's (local) or Transformer Engine's")
+    # megatron-core 0.19 renamed it cuda_graph_modules (--cuda-graph-scope still parses, deprecated)
+    cuda_graph_scope: list[str] | None = setting(
+        None, config=True, activations=True, renamed=("--cuda-graph-modules",),
+        choices=("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration"),
+        help="what the CUDA graphs capture of each layer; unset: whole layers")
     use_precision_aware_optimizer: bool = setting(
         False, help="Transformer Engine's optimizer, with the four optimizer dtypes below")
     main_grads_dtype: str = setting("fp32", choices=("fp32", "bf16"),
@@ -418,7 +458,13 @@ class Training:
                                     help="precision-aware optimizer: dtype of Adam's second moment")
     optimizer_cpu_offload: bool = setting(False, help="keep the optimizer state in host memory")
     optimizer: str = setting("adam", choices=("adam", "sgd", "muon"), help="the optimizer")
-    cross_entropy_loss_fusion: bool = setting(False, help="a fused cross-entropy kernel for the loss")
+    cross_entropy_loss_fusion: bool = setting(False, activations=True, help="a fused cross-entropy kernel for the loss")
+    defer_embedding_wgrad_compute: bool = setting(
+        False, config=True, activations=True,
+        help="compute the output layer's weight gradient at the pipeline flush, keeping its inputs and gradients")
+    wgrad_deferral_limit: int = setting(
+        0, minimum=0, config=True, activations=True,
+        help="deferred output-layer weight gradients: micro-batches kept at most; 0: all")
     # PyTorch's own default is off; on, the caching allocator reserves little beyond its allocated peak
     # (see engine.model.memory.Budget)
     expandable_segments: bool = setting(True, flag=None, help="the workload's PyTorch allocator grows "
@@ -426,21 +472,22 @@ class Training:
     # Activation offloading to the host (megatron-core). Layer-level: Megatron then sets cpu_offloading;
     # activations only, as its CLI offers
     cpu_offloading_num_layers: int = setting(0, minimum=0, config=True,
+                                             activations=True,
                                              help="layers whose activations go to host memory; 0: off")
     # Module-level
     fine_grained_activation_offloading: bool = setting(
-        False, config=True, help="send the inputs of offload_modules to host memory, in every layer")
+        False, config=True, activations=True, help="send the inputs of offload_modules to host memory, in every layer")
     # megatron-core TransformerConfig.offload_modules in core_v0.16.1 (core_v0.19.0 adds fused_group_mlp)
     offload_modules: list[str] | None = setting(
         None, choices=("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"),
-        help="fine-grained offloading: the modules whose inputs leave the GPU")
+        activations=True, help="fine-grained offloading: the modules whose inputs leave the GPU")
     moe_token_dispatcher_type: str = setting("allgather", choices=("allgather", "alltoall", "flex"), config=True,
                                              help="how tokens reach their experts (flex: DeepEP or HybridEP)")
     moe_expert_capacity_factor: float | None = setting(
         None, above=0, config=True,
-        help="tokens an expert takes, as a multiple of an even share; unset: none dropped")
+        activations=True, help="tokens an expert takes, as a multiple of an even share; unset: none dropped")
     moe_pad_expert_input_to_capacity: bool = setting(
-        False, config=True, help="pad each expert's input to its capacity (with a capacity factor)")
+        False, config=True, activations=True, help="pad each expert's input to its capacity (with a capacity factor)")
     moe_aux_loss_coeff: float = setting(0.0, minimum=0, config=True,
                                         help="weight of the router's load-balancing loss; 0: off")
     moe_grouped_gemm: bool = setting(False, config=True, help="one grouped GEMM for a rank's local experts")
@@ -479,6 +526,16 @@ SECTIONS: dict[str, type] = {
 # --------------------------------------------------------------------------------------------
 # The experiment
 # --------------------------------------------------------------------------------------------
+def microbatches(global_batch_size, micro_batch_size, data_parallel_size):
+    """Micro-batches per data-parallel rank in one step, at least 1: numbers, or numpy arrays (the sweep)."""
+    count = global_batch_size // (micro_batch_size * data_parallel_size)
+    if isinstance(count, int):
+        return max(1, count)
+    import numpy as np  # deferred: only the sweep passes arrays
+
+    return np.maximum(count, 1)
+
+
 @dataclass
 class Experiment:
     name: str = "experiment"
@@ -524,7 +581,7 @@ class Experiment:
     @property
     def num_microbatches(self) -> int:
         t = self.training
-        return max(1, t.global_batch_size // (t.micro_batch_size * self.data_parallel_size))
+        return microbatches(t.global_batch_size, t.micro_batch_size, self.data_parallel_size)
 
     @property
     def virtual_stages(self) -> int:

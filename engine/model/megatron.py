@@ -171,13 +171,15 @@ def format_layer_pattern(pattern: int | list[int]) -> str:
 
 def _flags(kind: type) -> dict[str, tuple[str, Switch | Value | Many]]:
     """Flag -> (field, how it parses) for the fields of `kind` that name a Megatron flag
-    (engine.model.experiment.setting): a field's own flag first, then its aliases, in field order."""
+    (engine.model.experiment.setting): a field's own flag first, then its other names and its aliases,
+    in field order."""
     out: dict[str, tuple[str, Switch | Value | Many]] = {}
     for f in dataclasses.fields(kind):
         flag = megatron_flag(kind, f.name)
         if flag is None:
             continue
         out[flag] = (f.name, _parser(kind, f.name, f.metadata))
+        out.update({other: out[flag] for other in f.metadata["renamed"]})
         out.update({alias: (f.name, Switch(value)) for alias, value in f.metadata["aliases"].items()})
     return out
 
@@ -250,14 +252,16 @@ def split_command_line(args: str | list[str]) -> list[str]:
 
 def model_config_tokens(text: str) -> list[str] | None:
     """A Megatron-LM functional-test `model_config.yaml` (ENV_VARS, MODEL_ARGS) as a launch line's words,
-    or None if `text` is not one. As tests/functional_tests/shell_test_utils/_run_training.sh reads it:
-    `--flag: true` is the bare flag, other values follow the flag; false or empty leave it out."""
+    or None if `text` is not one. As tests/functional_tests/shell_test_utils/_run_training.sh reads it
+    (scalars as written, anchors expanded): `--flag: true` is the bare flag, `[a b c]` the words a, b
+    and c, any other value one word (`"0:384 200B:768"`, `([0]*3+[1]*12)`); false or empty leave the
+    flag out."""
     if "MODEL_ARGS" not in text:
         return None
-    import yaml
+    import yaml  # deferred: only a model_config.yaml needs it
 
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=yaml.BaseLoader)      # every scalar as its text, as yq prints it
     except yaml.YAMLError as exc:
         raise UserError(f"model_config.yaml: not YAML ({str(exc).splitlines()[0]})") from None
     except RecursionError:
@@ -271,11 +275,15 @@ def model_config_tokens(text: str) -> list[str] | None:
         raise UserError("model_config.yaml: ENV_VARS must be a mapping of NAME: value")
     words = [f"{name}={value}" for name, value in env.items()] + ["pretrain_gpt.py"]
     for flag, value in data["MODEL_ARGS"].items():
-        if value is True:
+        if isinstance(value, list):
+            words += [str(flag), *map(str, value)]
+            continue
+        value = str(value).strip()
+        if value == "true":
             words.append(str(flag))
-        elif value is not False and value is not None and value != "":
-            values = value if isinstance(value, list) else str(value).split()
-            words += [str(flag), *map(str, values)]
+        elif value not in ("false", ""):
+            items = value[1:-1].split() if re.fullmatch(r"\[[^\]]+\]", value) else [value]
+            words += [str(flag), *items]
     return words
 
 

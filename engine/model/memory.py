@@ -20,13 +20,16 @@ fits / tight / does not fit, with its arithmetic (`Budget.explain`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import operator
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from charllm.engine.model import calibration, runtime
-from charllm.engine.model.experiment import Experiment, parse_pipeline_layout
+from charllm.engine.model.experiment import SECTIONS, Experiment, declared, field_options, parse_pipeline_layout
 from charllm.engine.model.validate import ignored
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import MIB, size
@@ -65,7 +68,8 @@ class ChunkMemory:
 
 
 FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does not fit"
-SEVERITY = {FITS: 0, TIGHT: 1, DOES_NOT_FIT: 2}
+VERDICTS = (FITS, TIGHT, DOES_NOT_FIT)                          # by severity
+SEVERITY = {name: level for level, name in enumerate(VERDICTS)}
 
 
 @dataclass
@@ -134,13 +138,20 @@ class StageMemory:
                            for c in self.chunks]}
 
 
-def verdict(allocator_bytes, peak_bytes, reserve_bytes):
-    """fits: the allocated peak and the allocator's reserve beyond it fit; tight: only the allocated
-    peak fits; does not fit. Works on numpy arrays (the sweep) as on numbers."""
+def severity(allocator_bytes, peak_bytes, reserve_bytes):
+    """The verdict's index in VERDICTS: 0 fits (the allocated peak and the allocator's reserve beyond
+    it fit), 1 tight (only the allocated peak fits), 2 does not fit. Works on numpy arrays (the sweep)
+    as on numbers."""
     import numpy as np
 
-    out = np.where(peak_bytes + reserve_bytes <= allocator_bytes, FITS,
-                   np.where(peak_bytes <= allocator_bytes, TIGHT, DOES_NOT_FIT))
+    return np.where(peak_bytes > allocator_bytes, 2, np.where(peak_bytes + reserve_bytes > allocator_bytes, 1, 0))
+
+
+def verdict(allocator_bytes, peak_bytes, reserve_bytes):
+    """The verdict's name (see `severity`): a string, or an array of them for arrays."""
+    import numpy as np
+
+    out = np.asarray(VERDICTS)[severity(allocator_bytes, peak_bytes, reserve_bytes)]
     return str(out) if out.ndim == 0 else out
 
 
@@ -216,29 +227,62 @@ class _Chunk:
 
 def split_layers(exp: Experiment) -> list[list[_Chunk]]:
     """chunks[pp_rank][virtual_rank]; global chunk c = v * PP + r (Megatron's interleaving)."""
-    return _split(*_split_key(exp))
+    return _split(_split_key(exp))
+
+
+class _Fields:
+    """Reads a fixed set of experiment fields ((section, name) pairs) as one hashable tuple (lists as
+    tuples): a cache key."""
+
+    def __init__(self, fields) -> None:
+        self.fields = tuple(fields)
+        self._get = operator.attrgetter(*(f"{section}.{name}" for section, name in self.fields))
+        self._lists = [i for i, (section, name) in enumerate(self.fields)
+                       if any(typing.get_origin(o) is list for o in field_options(SECTIONS[section], name))]
+
+    def __iter__(self):
+        return iter(self.fields)
+
+    def __contains__(self, item) -> bool:
+        return item in self.fields
+
+    def __call__(self, exp: Experiment) -> tuple:
+        values = self._get(exp)
+        if len(self.fields) == 1:
+            values = (values,)
+        if not self._lists:
+            return values
+        values = list(values)
+        for i in self._lists:
+            if isinstance(values[i], list):
+                values[i] = tuple(values[i])
+        return tuple(values)
+
+
+# The fields the split reads, as their metadata says (engine.model.experiment.setting's pipeline_split):
+# they key its cache, and `_split` reads them by name from that key alone.
+SPLIT_FIELDS = _Fields((section, name) for section, name, _ in declared("pipeline_split"))
 
 
 def _split_key(exp: Experiment) -> tuple:
-    p, m = exp.parallel, exp.model
-    return (m.num_layers, p.pipeline_model_parallel_size, exp.virtual_stages, m.mtp_num_layers or 0,
-            p.pipeline_model_parallel_layout, p.decoder_first_pipeline_num_layers,
-            p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
-            p.account_for_loss_in_pipeline_split)
+    return SPLIT_FIELDS(exp)
 
 
 @functools.lru_cache(maxsize=4096)
-def _split(n: int, pp: int, vp: int, mtp: int, layout: str | None, first: int | None, last: int | None,
-           account_embedding: bool, account_loss: bool) -> list[list[_Chunk]]:
+def _split(key: tuple) -> list[list[_Chunk]]:
+    f = dict(zip((name for _, name in SPLIT_FIELDS), key))
+    n, pp, vp = f["num_layers"], f["pipeline_model_parallel_size"], f["virtual_pipeline_model_parallel_size"] or 1
+    layout, first, last = (f["pipeline_model_parallel_layout"], f["decoder_first_pipeline_num_layers"],
+                           f["decoder_last_pipeline_num_layers"])
     total = pp * vp
     if layout:
         flat = _parse_layout(layout, total)
     else:
         flat = [_Chunk([]) for _ in range(total)]
         slots: list[str | int] = list(range(n))
-        if account_embedding:
+        if f["account_for_embedding_in_pipeline_split"]:
             slots.insert(0, "E")
-        if account_loss:
+        if f["account_for_loss_in_pipeline_split"]:
             slots.append("L")
         i = 0
         for c, k in enumerate(_even_counts(len(slots), total, first, last, vp)):
@@ -252,7 +296,7 @@ def _split(n: int, pp: int, vp: int, mtp: int, layout: str | None, first: int | 
             i += k
         flat[0].embedding = True
         flat[-1].loss = True
-        flat[-1].mtp = mtp
+        flat[-1].mtp = f["mtp_num_layers"] or 0
     return [[flat[v * pp + r] for v in range(vp)] for r in range(pp)]
 
 
@@ -370,10 +414,12 @@ def count_parameters(m) -> int:
 # --------------------------------------------------------------------------------------------
 @dataclass
 class _Act:
-    """Bytes saved for backward, and the extra live bytes while its backward (or recompute) runs."""
+    """Bytes saved for backward, and the extra live bytes while its backward (or recompute) runs; and
+    the same per part of the layer a CUDA graph scope can capture (attn, mlp, router, experts)."""
 
     saved: float
     transient: float
+    parts: dict = field(default_factory=dict)      # part -> (saved, transient)
 
 
 def implementation(exp: Experiment, cache: dict | None = None) -> "runtime.Implementation":
@@ -385,10 +431,6 @@ def implementation(exp: Experiment, cache: dict | None = None) -> "runtime.Imple
     if stack is None:
         stack = cache["stack"] = calibration.for_planning(exp.hardware)
     return runtime.resolve(exp, stack)
-
-
-def _attention_impl(impl: "runtime.Implementation") -> str:
-    return "unfused" if impl.unfused_attention else impl.attention
 
 
 class _Shapes:
@@ -446,7 +488,9 @@ class _Shapes:
         offloaded = 0.0                                    # bytes of this layer's saved tensors on the host
 
         def kept(module: str, size: float) -> float:
-            """`size` saved bytes that stay on the GPU unless `module`'s input is offloaded."""
+            """`size` saved bytes that stay on the GPU unless `module` is offloaded: megatron-core offloads
+            every tensor saved for backward inside the module's offloading context (its saved-tensor
+            hooks, pipeline_parallel/fine_grained_activation_offload.py, core_v0.16.1)."""
             nonlocal offloaded
             if module in off:
                 offloaded += size
@@ -458,10 +502,14 @@ class _Shapes:
         if "layernorm" not in self.modules:
             saved += kept("qkv_linear", lin * sbh)         # norm output = QKV input
         a = m.num_attention_heads
+        # MLA with mla_up_proj recompute: the up-projections' outputs (Q, K, V) are dropped once core
+        # attention has run and recomputed for its backward (multi_latent_attention.py, qkv_up_checkpoint)
+        up_recompute = m.multi_latent_attention and "mla_up_proj" in self.modules
         if m.multi_latent_attention:
             qk = m.qk_head_dim + m.qk_pos_emb_head_dim
             q_ranks = (m.q_lora_rank or 0) * 2             # norm input + up-projection input
-            saved += ab * s * b * (q_ranks + 2 * m.kv_lora_rank) / (tp if self.sp else 1)
+            # the projections run inside the QKV offloading context (get_query_key_value_tensors)
+            saved += kept("qkv_linear", ab * s * b * (q_ranks + 2 * m.kv_lora_rank) / (tp if self.sp else 1))
             q = k = ab * s * b * a * qk / tp
             v = o = ab * s * b * a * m.v_head_dim / tp
         else:
@@ -479,10 +527,18 @@ class _Shapes:
         else:
             core = 0.0 if core_recompute else 4 * a * s * b / tp     # fp32 log-sum-exp
         if m.qk_layernorm:
-            saved += q + k                                 # Q/K norm inputs
-        if self.cp > 1:
-            saved += q + k + v                             # CP ring: Q and the exchanged K/V per step
-        saved += kept("core_attn", q + k + v) + core + kept("attn_proj", (lin / ab) * o) + mask * sbh
+            saved += kept("qkv_linear", q + k)             # Q/K norm inputs
+        # what core attention keeps: its inputs (unless recomputed from the MLA latents), the CP ring's
+        # Q and exchanged K/V per step, and its own softmax or log-sum-exp
+        inputs = 0.0 if up_recompute else q + k + v
+        if up_recompute:
+            attn_transient += q + k + v                    # recomputed for the backward
+        ring = q + k + v if self.cp > 1 else 0.0
+        # a flash-type kernel keeps its output O for backward; the output projection keeps its input: the
+        # same tensor, unless FP8 makes the projection keep its own FP8 copy
+        out = o if not self.unfused and lin != ab else 0.0
+        saved += kept("core_attn", inputs + ring + core + out) + kept("attn_proj", (lin / ab) * o) + mask * sbh
+        attn_saved = saved
         # -- MLP / MoE block
         saved += kept("mlp_norm", ab * sbh)                # pre-MLP norm's input
         if "layernorm" not in self.modules:
@@ -520,13 +576,23 @@ class _Shapes:
                     shared = 0.0
             moe_saved = router + experts + shared
             if "moe" in self.modules:
-                moe_saved = 0.0
+                moe_saved = router = 0.0
             saved += moe_saved
             mlp_transient = 2 * ab * effn * gate + 2 * ab * routed * m.hidden_size
+            routing = saved - attn_saved - moe_saved + router          # pre-MLP norm and router
         saved += mask * sbh
-        # in backward the offloaded inputs of the next layer come back ahead of its turn
-        transient = max(attn_transient, mlp_transient) + offloaded
-        return _Act(saved, transient)
+        # Fine-grained offloading in backward (fine_grained_activation_offload.py, core_v0.16.1): the chunk
+        # whose backward comes next keeps its last layer's groups on the GPU (should_bulk_offload), and each
+        # group's backward reloads the next offloaded group, last in first out, so while a layer's largest
+        # group runs, the groups of the layer before it down to that one are back too: about two layers'
+        # offloaded tensors beside the compute's own.
+        transient = max(attn_transient, mlp_transient) + 2 * offloaded
+        if moe:
+            parts = {"attn": (attn_saved, attn_transient), "router": (routing, 0.0),
+                     "experts": (saved - attn_saved - routing, mlp_transient)}
+        else:
+            parts = {"attn": (attn_saved, attn_transient), "mlp": (saved - attn_saved, mlp_transient)}
+        return _Act(saved, transient, parts)
 
     def checkpoint_input(self) -> float:
         return self.ab * self.sbh
@@ -561,16 +627,16 @@ class StageTerms:
     fsdp_layer_params: int          # the largest layer, all-gathered on the fly under FSDP
     in_flight: int
     chunks: list[ChunkMemory]
+    embedding_params: int = 0       # of dense_params: the embeddings and the output layer
+
+
+# The fields the activation terms read, as their metadata says (engine.model.experiment.setting's
+# activations): with the implementation they run as, they key the terms' cache (the sweep's too).
+ACTIVATION_FIELDS = _Fields((section, name) for section, name, _ in declared("activations"))
 
 
 def _act_key(exp: Experiment, impl: "runtime.Implementation") -> tuple:
-    p, t = exp.parallel, exp.training
-    return (p.tensor_model_parallel_size, p.context_parallel_size, exp.expert_tensor_parallel_size,
-            p.expert_model_parallel_size, p.sequence_parallel, t.micro_batch_size, exp.seq_length, t.bf16,
-            t.fp16, t.fp8, _attention_impl(impl), impl.fusions, t.attention_softmax_in_fp32, t.recompute_granularity,
-            t.recompute_method, t.recompute_num_layers, tuple(t.recompute_modules or ()),
-            t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity, t.cross_entropy_loss_fusion,
-            t.cpu_offloading_num_layers, t.fine_grained_activation_offloading, tuple(t.offload_modules or ()))
+    return ACTIVATION_FIELDS(exp), impl
 
 
 def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool = True,
@@ -585,7 +651,7 @@ def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool
             if with_chunks else []
         out.append(StageTerms(st.pp_rank, st.dense_params, st.expert_params, float(st.held_loss),
                               float(st.held_max), float(st.backward), float(st.loss_extra),
-                              st.fsdp_layer_params, int(st.in_flight), reports))
+                              st.fsdp_layer_params, int(st.in_flight), reports, st.embedding_params))
     return out
 
 
@@ -605,7 +671,7 @@ def layout_terms(exp: Experiment, cache: dict, peak_candidates: bool = False):
     entry = cache.get(key)
     if entry is not None:
         return entry
-    chunks = _split(*split_key)
+    chunks = _split(split_key)
     pattern = _pattern(m, cache)
     pkey = ("params", tp, ep, etp)
     if pkey not in cache:
@@ -621,11 +687,13 @@ def layout_terms(exp: Experiment, cache: dict, peak_candidates: bool = False):
     output_weight = vocab * m.hidden_size // tp
     tied = not m.untie_embeddings_and_output_weights
     pp = p.pipeline_model_parallel_size
-    weights = [(*_chunk_params(m, kinds_r, params, mtp_params, embedding,
-                               output_weight if (not tied or pp > 1 or not any(c.embedding for c in chunks[r]))
-                               else 0),
-                max([sum(params[k]) for k in stage_kinds], default=0))
-               for r, kinds_r, _, _, stage_kinds, _, _ in plan]
+    weights = []            # per stage: (dense, expert, per chunk, FSDP layer, embedding) parameters
+    for r, kinds_r, _, _, stage_kinds, _, _ in plan:
+        dense, expert, per_chunk, embeddings = _chunk_params(
+            m, kinds_r, params, mtp_params, embedding,
+            output_weight if (not tied or pp > 1 or not any(c.embedding for c in chunks[r])) else 0)
+        weights.append((dense, expert, per_chunk, max([sum(params[k]) for k in stage_kinds], default=0),
+                        embeddings))
     entry = cache[key] = (chunks, plan, weights)
     return entry
 
@@ -654,6 +722,20 @@ class ActTerms:
     offloaded_layers: int = 0       # layer offloading: layers whose activations wait on the host
     moe_excess: float = 0.0         # of saved[True]: the busiest rank's routed tokens above the mean
     mtp_excess: float = 0.0         # ... of mtp
+    deferred_wgrad: float = 0.0     # defer_embedding_wgrad_compute: bytes the loss stage keeps per micro-batch
+    deferral_limit: int = 0         # ... for at most this many micro-batches (0: all)
+    # Transformer Engine CUDA graphs: the terms of the captured parts (these are then the other parts).
+    # The allocator counts what a graph keeps only while the graphs are captured, in schedule order
+    # (TE make_graphed_callables with _order); replays run in the graphs' private pool.
+    capture: "ActTerms | None" = None
+    # the numbers above, which `stack` turns into arrays (the recompute setting stays one for all)
+    PER_SETTING: ClassVar[tuple[str, ...]] = ("checkpoint_input", "embedding", "final_norm", "mtp", "loss_extra",
+                                              "moe_excess", "mtp_excess", "deferred_wgrad", "deferral_limit")
+
+    @property
+    def recompute(self) -> tuple:
+        """What `_layer_activations` branches on: settings with other values cannot share arrays."""
+        return self.full_recompute, self.group, self.offloaded_layers, self.capture is not None
 
 
 def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
@@ -673,6 +755,29 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
         block = shapes.full_recompute and t.recompute_method == "block"
         group = t.recompute_num_layers or 1
         offloaded = t.cpu_offloading_num_layers
+        # Deferred output-layer weight gradients (tensor_parallel/layers.py, core_v0.16.1): its backward
+        # appends the logits' gradient to grad_output_buffer, its forward the input (sequence-sharded
+        # under SP) to embedding_activation_buffer, kept until the pipeline flush computes the wgrad.
+        deferred = (lb + shapes.ab * shapes.sbh) if t.defer_embedding_wgrad_compute else 0.0
+        graphed = _graphed_parts(exp, impl)
+        capture = None
+        if graphed:
+            def part(k: bool, in_graph: bool) -> tuple[float, float]:
+                chosen = [acts[k].parts[p] for p in acts[k].parts if (p in graphed[k]) == in_graph]
+                return sum((c[0] for c in chosen), 0.0), max((c[1] for c in chosen), default=0.0)
+
+            inside = {k: part(k, True) for k in acts}
+            last = pattern[-1]
+            captured_excess = excess if m.is_moe and "experts" in graphed[True] else 0.0
+            capture = ActTerms(saved={k: v[0] for k, v in inside.items()}, backward={k: v[1] for k, v in inside.items()},
+                               checkpoint_input=0.0, embedding=0.0, final_norm=0.0,
+                               mtp=inside[last][0] if m.mtp_num_layers else 0.0, loss_extra=0.0,
+                               full_recompute=False, group=group, moe_excess=captured_excess,
+                               mtp_excess=captured_excess if m.mtp_num_layers and last else 0.0)
+            outside = {k: part(k, False) for k in acts}
+            acts = {k: _Act(outside[k][0], outside[k][1]) for k in acts}
+            mtp_act -= capture.mtp
+            excess -= captured_excess
         entry = cache[akey] = ActTerms(
             saved={k: a.saved for k, a in acts.items()},
             # layer offloading brings a layer's activations back ahead of its backward
@@ -681,26 +786,48 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
             checkpoint_input=shapes.checkpoint_input(), embedding=shapes.embedding(),
             final_norm=shapes.final_norm(), mtp=mtp_act, loss_extra=loss_extra,
             full_recompute=shapes.full_recompute, group=group, offloaded_layers=offloaded,
-            moe_excess=excess, mtp_excess=excess if m.mtp_num_layers and pattern[-1] else 0.0)
+            moe_excess=excess, mtp_excess=excess if m.mtp_num_layers and pattern[-1] else 0.0,
+            deferred_wgrad=deferred, deferral_limit=t.wgrad_deferral_limit, capture=capture)
     return entry
 
 
-def _stack(acts: list[ActTerms]) -> ActTerms:
-    """One ActTerms of arrays; the recompute setting must be the same for all."""
+def _graphed_parts(exp: Experiment, impl: "runtime.Implementation") -> dict[bool, set[str]] | None:
+    """{MoE layer?: the parts of a layer Transformer Engine's CUDA graphs capture}, or None without them.
+    megatron-core's cuda_graph_scope (transformer/cuda_graphs.py, _layer_is_graphable, core_v0.16.1):
+    none given captures whole layers; attn the attention, mlp a dense layer's MLP, moe_router and
+    moe_preprocess an MoE layer up to its router, moe all of it."""
+    t = exp.training
+    if t.cuda_graph_impl != "transformer_engine" or impl.transformer != "transformer_engine":
+        return None
+    scope = set(t.cuda_graph_scope or [])
+    if not scope:
+        return {False: {"attn", "mlp"}, True: {"attn", "router", "experts"}}
+    attn = {"attn"} & scope
+    routing = {"router"} if scope & {"moe", "moe_router", "moe_preprocess"} else set()
+    return {False: attn | ({"mlp"} if "mlp" in scope else set()),
+            True: attn | routing | ({"experts"} if "moe" in scope else set())}
+
+
+def stack(acts: list[ActTerms]) -> ActTerms:
+    """One ActTerms of arrays, entry i from `acts[i]`; the recompute setting must be the same for all."""
     import numpy as np
 
     first = acts[0]
-    assert all((a.full_recompute, a.group, a.offloaded_layers) == (first.full_recompute, first.group,
-                                                                     first.offloaded_layers) for a in acts)
+    assert all(a.recompute == first.recompute for a in acts)
+    arrays = {name: np.array([getattr(a, name) for a in acts]) for name in ActTerms.PER_SETTING}
     return ActTerms(saved={k: np.array([a.saved[k] for a in acts]) for k in first.saved},
                     backward={k: np.array([a.backward[k] for a in acts]) for k in first.backward},
-                    checkpoint_input=np.array([a.checkpoint_input for a in acts]),
-                    embedding=np.array([a.embedding for a in acts]),
-                    final_norm=np.array([a.final_norm for a in acts]), mtp=np.array([a.mtp for a in acts]),
-                    loss_extra=np.array([a.loss_extra for a in acts]),
                     full_recompute=first.full_recompute, group=first.group,
-                    offloaded_layers=first.offloaded_layers, moe_excess=np.array([a.moe_excess for a in acts]),
-                    mtp_excess=np.array([a.mtp_excess for a in acts]))
+                    offloaded_layers=first.offloaded_layers, **arrays,
+                    capture=stack([a.capture for a in acts]) if first.capture is not None else None)
+
+
+def take(acts: ActTerms, index) -> ActTerms:
+    """The entries `index` (a numpy index array) of a stacked ActTerms."""
+    return dataclasses.replace(acts, saved={k: v[index] for k, v in acts.saved.items()},
+                               backward={k: v[index] for k, v in acts.backward.items()},
+                               **{name: getattr(acts, name)[index] for name in ActTerms.PER_SETTING},
+                               capture=take(acts.capture, index) if acts.capture is not None else None)
 
 
 @dataclass
@@ -719,37 +846,59 @@ class StageArrays:
     backward: Any
     loss_extra: Any
     in_flight: Any
+    embedding_params: Any = 0
 
 
-def stage_arrays(pp: int, plan, weights, acts, num_microbatches) -> list[StageArrays]:
-    """Per stage of `plan` (of a `pp`-stage split), its terms for a batch of settings i: `weights[i]`
-    from `layout_terms` (its TP/EP), `acts[i]` from `activation_terms` (all with the same recompute
-    setting) and `num_microbatches[i]`; the terms are arrays. Given one setting's values instead of
-    lists, the terms are scalars. Either way the arithmetic is the same, in the same order."""
+def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> list[StageArrays]:
+    """Per stage of `plan` (of a `pp`-stage split), its terms for a batch of settings: `weights[s]` is
+    stage s's (dense, expert, per-chunk, FSDP layer, embedding) parameters from `layout_terms`, `acts` the
+    activation terms (`activation_terms`, or `take(stack(...))` for a batch with one recompute setting)
+    and `num_microbatches` the micro-batch counts, as numpy arrays with one entry per setting (the
+    per-chunk parameters: the first setting's). Given one setting's numbers instead, the terms are
+    numbers. Either way the arithmetic is the same, in the same order."""
     import numpy as np
 
-    batch = isinstance(acts, list)
-    a = _stack(acts) if batch else acts
-    zero = np.zeros(len(acts)) if batch else 0.0
+    batch = np.ndim(num_microbatches) > 0
+    zero = np.zeros(len(num_microbatches)) if batch else 0.0
     num_mb = np.asarray(num_microbatches, dtype=np.int64) if batch else num_microbatches
-
-    def column(s: int, i: int):
-        return np.array([w[s][i] for w in weights]) if batch else weights[s][i]
-
     out = []
     for s, (r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags) in enumerate(plan):
-        values = [zero + _chunk_activations(kind, a) for kind in distinct]
-        chunk_acts = [values[i] for i in index]
-        backward = functools.reduce(np.maximum if batch else max, [a.backward[k] for k in stage_kinds], zero)
-        # held at once: the busiest rank's routing excess averages over the micro-batches held
-        units = _in_flight_units(r, pp, len(kinds_r), num_mb)
-        averaged = 1 - 1 / np.sqrt(units)
-        held = [values[i] - averaged * _chunk_excess(kind, a) for i, kind in enumerate(distinct)]
-        held_loss, held_max = _in_flight([held[i] for i in index], loss_flags, r, pp, len(kinds_r), num_mb, units)
-        out.append(StageArrays(r, column(s, 0), column(s, 1), column(s, 3),
-                               weights[0][s][2] if batch else weights[s][2], chunk_acts, held_loss, held_max,
-                               backward, a.loss_extra if has_loss else zero, units))
+        chunk_acts, units, *terms = _stage_activity(acts, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
+                                                    loss_flags, num_mb, zero)
+        if acts.capture is not None:
+            # the peak is while the graphs are captured (their parts only) or while they replay (the rest)
+            captured_acts, _, *captured = _stage_activity(acts.capture, r, pp, kinds_r, distinct, index, stage_kinds,
+                                                          has_loss, loss_flags, num_mb, zero)
+            chunk_acts = [c + g for c, g in zip(chunk_acts, captured_acts)]
+            replayed = np.maximum(terms[0] + terms[3], terms[1] + terms[2])
+            later = np.asarray(captured[1] + captured[2] > replayed)
+            terms = [np.where(later, c, t) if batch else (c if later else t) for c, t in zip(captured, terms)]
+        held_loss, held_max, backward, loss_extra = terms
+        dense, expert, per_chunk, fsdp, embeddings = weights[s]
+        out.append(StageArrays(r, dense, expert, fsdp, per_chunk, chunk_acts, held_loss, held_max,
+                               backward, loss_extra, units, embeddings))
     return out
+
+
+def _stage_activity(a: ActTerms, r, pp, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags, num_mb, zero):
+    """(per-chunk activations, units held, held at a loss step, held at most, backward, loss) of one stage."""
+    import numpy as np
+
+    batch = np.ndim(num_mb) > 0
+    values = [zero + _chunk_activations(kind, a) for kind in distinct]
+    chunk_acts = [values[i] for i in index]
+    backward = functools.reduce(np.maximum if batch else max, [a.backward[k] for k in stage_kinds], zero)
+    # held at once: the busiest rank's routing excess averages over the micro-batches held
+    units = _in_flight_units(r, pp, len(kinds_r), num_mb)
+    averaged = 1 - 1 / np.sqrt(units)
+    held = [values[i] - averaged * _chunk_excess(kind, a) for i, kind in enumerate(distinct)]
+    held_loss, held_max = _in_flight([held[i] for i in index], loss_flags, r, pp, len(kinds_r), num_mb, units)
+    if has_loss:
+        # deferred output-layer wgrads: by the last micro-batch's loss, those of the ones before it
+        minimum = np.minimum if batch else min
+        stored = minimum(num_mb - 1, np.where(a.deferral_limit > 0, a.deferral_limit, num_mb))
+        held_loss, held_max = held_loss + stored * a.deferred_wgrad, held_max + stored * a.deferred_wgrad
+    return chunk_acts, units, held_loss, held_max, backward, a.loss_extra if has_loss else zero
 
 
 def _stage_plan(chunks: list[list[_Chunk]], pattern: list[bool], block: bool, peak_candidates: bool):
@@ -781,7 +930,9 @@ def _stage_plan(chunks: list[list[_Chunk]], pattern: list[bool], block: bool, pe
 
 
 def _chunk_params(m, kinds, params, mtp_params, embedding, output_weight):
-    dense = expert = 0
+    """(dense, expert, per chunk, embedding) parameters of a stage's chunks; `embedding` counts the
+    word/position embeddings and the output layer among the dense ones."""
+    dense = expert = embeddings = 0
     per_chunk = []
     for n_dense, n_moe, emb, loss, mtp, _ in kinds:
         cd = n_dense * params[False][0] + (n_moe * params[True][0] if n_moe else 0)
@@ -790,14 +941,16 @@ def _chunk_params(m, kinds, params, mtp_params, embedding, output_weight):
             # the MTP stage builds its own copy of the embedding (megatron-core GPTModel: `if
             # self.pre_process or self.mtp_process: self.embedding = ...`, gpt_model.py in core_v0.16.1)
             cd += embedding
+            embeddings += embedding
         if loss:
             cd += _norm(m, m.hidden_size) + output_weight
+            embeddings += output_weight
         cd += mtp * mtp_params[0]
         ce += mtp * mtp_params[1]
         dense += cd
         expert += ce
         per_chunk.append(cd + ce)
-    return dense, expert, per_chunk
+    return dense, expert, per_chunk, embeddings
 
 
 def _layer_activations(kind, a: ActTerms, saved: dict, checkpoint_input):
@@ -840,12 +993,14 @@ class Precision:
 
     weight: int
     grad: int
-    optimizer: int
+    optimizer: int                  # of the parameters the optimizer's own algorithm updates
     dp_shard: int                   # distributed-optimizer / FSDP degree for dense parameters
     edp_shard: int                  # ... for expert parameters
     shard_optimizer: bool
     shard_grads: bool
     shard_weights: bool
+    embedding_optimizer: int = 0    # of the embeddings and output layer (Muon leaves them to Adam)
+    weight_cache: int = 0           # the FP8 copies Transformer Engine keeps of its linear weights
 
 
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -868,13 +1023,23 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
         moments = _DTYPE_BYTES[t.exp_avg_dtype] + _DTYPE_BYTES[t.exp_avg_sq_dtype]
     else:
         moments = 8
-    optimizer = master + (moments if t.optimizer != "sgd" else 4)
+    adam = master + moments
+    # Muon keeps one momentum buffer of the matrices it orthogonalises and leaves the embeddings, the
+    # output layer (and vectors, counted as matrices here) to Adam (megatron-core
+    # optimizer/emerging_optimizers.py: _is_nonlinear_or_embedding, core_v0.19.0)
+    optimizer = {"sgd": master + 4, "muon": master + 4}.get(t.optimizer, adam)
+    embedding_optimizer = master + 4 if t.optimizer == "sgd" else adam
     if t.optimizer_cpu_offload:
-        optimizer = 0
+        optimizer = embedding_optimizer = 0
     return Precision(
         weight=2 if half else 4,
         grad=grad,
         optimizer=optimizer,
+        embedding_optimizer=embedding_optimizer,
+        # FP8 compute on high-precision weights: Transformer Engine casts each linear weight once per step
+        # (is_first_microbatch) and keeps the FP8 copy and its transpose for the other micro-batches and
+        # the backward; with fp8_param_gather the weights themselves are FP8 (data + transpose: 2 bytes)
+        weight_cache=2 if t.fp8 and not t.fp8_param_gather else 0,
         dp_shard=max(1, exp.data_parallel_size * p.context_parallel_size // instances),
         edp_shard=max(1, exp.expert_data_parallel_size // instances),
         shard_optimizer=dist or (fsdp and strategy != "no_shard"),
@@ -882,8 +1047,9 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
         shard_weights=fsdp and strategy == "optim_grads_params")
 
 
-def workspace_bytes(exp: Experiment, cache: dict | None = None) -> float:
-    """Allocator memory that stays between iterations beyond weights, grads and optimizer state."""
+def workspace_bytes(exp: Experiment, cache: dict | None = None, micro_batch_size=None) -> float:
+    """Allocator memory that stays between iterations beyond weights, grads and optimizer state;
+    `micro_batch_size`: for these micro batches (a numpy array: the sweep) instead of the experiment's."""
     m, p, t = exp.model, exp.parallel, exp.training
     te = implementation(exp, cache).transformer == "transformer_engine"
     total = BASE_WORKSPACE_BYTES + (TE_WORKSPACE_BYTES if te else 0)
@@ -894,23 +1060,28 @@ def workspace_bytes(exp: Experiment, cache: dict | None = None) -> float:
     if p.pipeline_model_parallel_size > 1:
         # each model chunk keeps its last received input and sent output (p2p buffers)
         ab = 2 if (t.bf16 or t.fp16) else 4
-        sbh = exp.seq_length / p.context_parallel_size * t.micro_batch_size * m.hidden_size \
+        mbs = t.micro_batch_size if micro_batch_size is None else micro_batch_size
+        sbh = exp.seq_length / p.context_parallel_size * mbs * m.hidden_size \
             / (p.tensor_model_parallel_size if p.sequence_parallel else 1)
         total += 2 * exp.virtual_stages * ab * sbh
     return total
 
 
-def combine(dense, expert, held_loss, held_max, backward, loss_extra, fsdp_layer, workspace, pr: Precision):
-    """Bytes of one stage from its terms: (weights, grads, optimizer, activations, other).
+def combine(dense, expert, embedding, held_loss, held_max, backward, loss_extra, fsdp_layer, workspace,
+            pr: Precision):
+    """Bytes of one stage from its terms: (weights, grads, optimizer, activations, other); `embedding`
+    is the part of `dense` in the embeddings and output layer.
 
     Plain arithmetic, so it works on scalars (estimate) and on numpy arrays (the sweep) alike.
     """
     def sharded(flag):
         return dense / pr.dp_shard + expert / pr.edp_shard if flag else dense + expert
 
-    weights = sharded(pr.shard_weights) * pr.weight
+    matrices = dense - embedding                          # the linear layers, norms and biases
+    weights = sharded(pr.shard_weights) * pr.weight + (matrices + expert) * pr.weight_cache
     grads = sharded(pr.shard_grads) * pr.grad
-    optimizer = sharded(pr.shard_optimizer) * pr.optimizer
+    optimizer = (matrices * pr.optimizer + embedding * pr.embedding_optimizer) \
+        / (pr.dp_shard if pr.shard_optimizer else 1) + expert * pr.optimizer / (pr.edp_shard if pr.shard_optimizer else 1)
     # the peak is either while the loss runs (logits live) or during a backward
     loss_peak = (loss_extra > 0) & (held_loss + loss_extra >= held_max + backward)
     activations = held_max + loss_peak * (held_loss - held_max)
@@ -1063,8 +1234,8 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
     room = budget(exp)
     stages = []
     for st in stage_terms(exp, cache):
-        w, g, o, a, x = combine(st.dense_params, st.expert_params, st.held_loss, st.held_max, st.backward,
-                                st.loss_extra, st.fsdp_layer_params, workspace, pr)
+        w, g, o, a, x = combine(st.dense_params, st.expert_params, st.embedding_params, st.held_loss, st.held_max,
+                                st.backward, st.loss_extra, st.fsdp_layer_params, workspace, pr)
         chunks = [ChunkMemory(c.virtual_rank, c.layers, c.has_embedding, c.has_loss, c.mtp_layers,
                               int(c.weights * pr.weight), c.activation_bytes) for c in st.chunks]
         stage = StageMemory(pp_rank=st.pp_rank, weights=int(w), gradients=int(g), optimizer=int(o),
@@ -1085,9 +1256,13 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
     if exp.model.is_moe and t.moe_token_dispatcher_type == "flex" and t.moe_flex_dispatcher_backend == "hybridep":
         notes.append("moe_flex_dispatcher_backend = 'hybridep': HybridEP's buffers (outside the allocator) are not "
                      "modelled")
-    if t.cuda_graph_impl != "none":
-        notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the graphs' static buffers are not modelled "
-                     "(measured up to +25% steady memory on a small MoE)")
+    if t.cuda_graph_impl == "transformer_engine":
+        notes.append("cuda_graph_impl = 'transformer_engine': what the graphed parts keep is planned while the "
+                     "graphs are captured (the allocator does not count it when they replay); the graphs' static "
+                     "input and output buffers are not modelled (measured up to +27% steady memory on a small MoE)")
+    elif t.cuda_graph_impl != "none":
+        notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: megatron-core's own graphs and their static buffers "
+                     "are not modelled")
     return MemoryReport(stages, room, list(ignored_args or []), notes, implementation=runtime.resolve(exp, stack),
                         runtime_problems=[str(p) for p in runtime.problems(exp, stack)], stack_source=stack.source)
 

@@ -370,6 +370,10 @@ def problems(exp, stack: Stack) -> list:
     if m.is_moe and t.moe_token_dispatcher_type == "flex" and not (stack.cuda and stack.has("deep_ep")):
         needs("moe_token_dispatcher_type", "flex", "the flex dispatcher needs DeepEP (deep_ep) on a CUDA GPU, "
                                                    "which this node lacks")
+    if t.defer_embedding_wgrad_compute and "gradient_accumulation_fusion" not in resolve(exp, stack).fusions:
+        # megatron-core's ModelParallelConfig refuses it without the fusion
+        needs("defer_embedding_wgrad_compute", True, "needs gradient accumulation fusion (Apex's "
+                                                    "fused_weight_gradient_mlp_cuda on CUDA), which this node lacks")
     if t.fp8 and stack.capability is not None:
         if stack.capability < (8, 9):
             needs("fp8", t.fp8, f"needs compute capability 8.9 or newer (Ada, Hopper); this GPU is "

@@ -17,25 +17,29 @@ Ranking (the `rank` column, 1 = most promising):
      stages and virtual stages (point-to-point traffic);
   5. more memory headroom.
 
-How: `engine.model.validate` checks each layout once (every micro batch shares the check: the micro
-batch only enters the batch rule, which the enumeration applies itself) and every recompute and
-optimizer choice once per pipeline shape (see `layouts`). The memory model's pieces are computed once per distinct input and cached:
-what each stage holds per pipeline split and TP/EP (`memory.layout_terms`), the activation sizes
-per TP/CP/EP, micro batch and recompute (`memory.activation_terms`). The per-stage terms of all
-layouts sharing a pipeline split and recompute choice are then evaluated together as numpy arrays
-(`memory.stage_arrays`, the arithmetic `estimate` runs), and the bytes and verdicts for both
-optimizer settings of every layout at once (`memory.combine`).
+How (`_Grid`): `engine.model.validate`'s rules see each layout shape (TP, CP, PP, VP, EP) once
+(every micro batch shares the check: the micro batch only enters the batch rule, which the
+enumeration applies itself) and every recompute and optimizer choice once per pipeline shape (see
+`layouts`). Python then runs once per shape for what it holds (`memory.layout_terms`: the stage plan
+and the parameters per stage, cached per pipeline split and TP/EP) and once per distinct activation
+setting (`memory.activation_terms`, keyed by the fields whose metadata says they change
+activations); every layout is a row of index arrays into those. The per-stage terms of all rows
+sharing a stage plan and recompute setting are evaluated together as numpy arrays
+(`memory.stage_arrays`, the arithmetic `estimate` runs), then the bytes of both optimizer settings
+(`memory.combine`) and the verdicts (`memory.severity`, the one `estimate` uses) of every row at once.
+`stage_table` shows the per-stage figures behind each row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-
 from typing import Any
 
 from charllm.engine.model import calibration, memory, runtime
-from charllm.engine.model.experiment import Cluster, Experiment, Hardware, ModelSpec, Training, resolve_key
-from charllm.engine.model.validate import validate, value_problems
+from charllm.engine.model.experiment import (Cluster, Experiment, Hardware, ModelSpec, Training, microbatches,
+                                             resolve_key)
+from charllm.engine.model.validate import rule_problems, value_problems
 from charllm.probes.core.errors import UserError
 
 RECOMPUTE = {
@@ -61,7 +65,6 @@ COLUMNS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
 
 ORDER = ("rank", *COLUMNS, "num_microbatches", "bubble", "peak_bytes", "peak_stage", "static_bytes",
          "headroom_bytes", "verdict", "fits")
-VERDICTS = (memory.FITS, memory.TIGHT, memory.DOES_NOT_FIT)     # by severity
 
 
 def base_experiment(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per_node: int,
@@ -144,13 +147,16 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tuple(RECOMPUTE),
             distributed_optimizer=(True, False)):
-    """Every layout `engine.model.validate` accepts: (rows, choices) per (TP, CP, PP, VP, EP), with one row
-    (a dict) per micro batch and choices {recompute: [distributed-optimizer settings]}.
+    """Every layout `engine.model.validate` accepts, as (shape, micro batches, choices) per (TP, CP, PP,
+    VP, EP): the shape a dict of its sizes (with its data-parallel size and sequence parallelism), the
+    micro batches that divide the global batch, and choices {recompute: [distributed-optimizer settings]}.
+    `base`'s own values must have passed `validate.value_problems` (the layouts' values are good by
+    construction, so only the rules are asked).
 
-    `validate` sees each layout once, with its first micro batch (the micro batch only enters the
-    batch rule, applied here) and one recompute/optimizer choice. Which choices are valid is asked
-    for every combination once per pipeline shape (PP, VP), the layout sizes the recompute rules
-    read; tests/engine/model/test_sweep.py checks the result against `validate` on every combination."""
+    The rules see each shape once, with its first micro batch (the micro batch only enters the batch
+    rule, applied here) and one recompute/optimizer choice. Which choices are valid is asked for
+    every combination once per pipeline shape (PP, VP), the layout sizes the recompute rules read;
+    tests/engine/model/test_sweep.py checks the result against `validate` on every combination."""
     m, world, gpn = base.model, base.world_size, base.cluster.gpus_per_node
     gbs, seq = base.training.global_batch_size, base.seq_length
     probe = base.copy()
@@ -176,12 +182,11 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
                 batches = [b for b in micro_batch_sizes if gbs % (b * dp) == 0]
                 for vp in vps if batches else ():
                     for ep in eps:
-                        rows = [{"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                        shape = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                  "virtual_pipeline_model_parallel_size": vp, "context_parallel_size": cp,
                                  "expert_model_parallel_size": ep, "data_parallel_size": dp,
-                                 "micro_batch_size": b, "sequence_parallel": tp > 1 and sp_runs}
-                                for b in batches]
-                        _apply(probe, rows[0], settings)
+                                 "sequence_parallel": tp > 1 and sp_runs}
+                        _apply(probe, {**shape, "micro_batch_size": batches[0]}, settings)
                         choices = by_pipeline.get((pp, vp))
                         if choices is None:
                             choices = _valid_choices(probe, recompute, distributed_optimizer, settings)
@@ -191,10 +196,10 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
                             name, dists = next(iter(choices.items()))
                             _set_recompute(probe, name, settings)
                             probe.parallel.use_distributed_optimizer = dists[0]
-                            if validate(probe):
+                            if rule_problems(probe):
                                 continue
                         if choices:
-                            yield rows, choices
+                            yield shape, batches, choices
 
 
 def _node_runs(base: Experiment) -> tuple[bool, bool]:
@@ -209,13 +214,13 @@ def _node_runs(base: Experiment) -> tuple[bool, bool]:
 
 
 def _valid_choices(exp: Experiment, recompute, distributed_optimizer, settings) -> dict[str, list[bool]]:
-    """{recompute: [distributed-optimizer settings]} that `engine.model.validate` accepts for `exp`'s layout."""
+    """{recompute: [distributed-optimizer settings]} whose rules `engine.model.validate` accepts for `exp`'s layout."""
     choices: dict[str, list[bool]] = {}
     for name in recompute:
         _set_recompute(exp, name, settings)
         for dist in distributed_optimizer:
             exp.parallel.use_distributed_optimizer = dist
-            if not validate(exp):
+            if not rule_problems(exp):
                 choices.setdefault(name, []).append(dist)
     return choices
 
@@ -224,99 +229,37 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
           distributed_optimizer: tuple[bool, ...] | None = None, fits_only: bool = False):
     """One row per valid layout of `base` with peak memory, verdict and headroom, most promising
     first. `recompute` and `distributed_optimizer`: the choices to vary (default: `base`'s own)."""
-    import dataclasses
+    import numpy as np  # deferred: start-up time (the CLI imports this module for every command)
+    import polars as pl  # deferred: likewise
 
-    import numpy as np
-    import polars as pl
-
-    recompute = (recompute_name(base),) if recompute is None else tuple(recompute)
-    distributed_optimizer = (base.parallel.use_distributed_optimizer,) if distributed_optimizer is None \
-        else tuple(distributed_optimizer)
-    for name in recompute:
-        if name not in RECOMPUTE:
-            raise UserError(f"recompute = {name!r}: expected one of {', '.join(RECOMPUTE)}")
-    problems = value_problems(base)          # a bad option would otherwise just leave no valid layout
-    if problems:
-        raise UserError(str(problems[0]))
-    settings = _recompute_settings(base)
-    work, cache = base.copy(), {}
-    table: list[tuple] = []                  # one row per (layout, recompute), before the optimizer choice
-    allowed: list[list[bool]] = []           # its valid distributed-optimizer settings
-    shards: list[tuple[int, int, float, int]] = []  # its (DP x CP, expert DP) sharding degrees, workspace
-    #                                                 and dispatcher buffers (outside the allocator)
-    batches: dict[tuple, tuple] = {}         # rows sharing a stage plan and recompute setting: evaluated together
-    for rows, choices in layouts(base, micro_batch_sizes, recompute, distributed_optimizer):
-        _apply(work, rows[0], settings)
-        pr = memory.precision(work)          # its sharding degrees: the same for every micro batch and recompute
-        dispatcher = memory.dispatcher_buffer_bytes(work)
-        per_batch = []
-        for row in rows:
-            work.training.micro_batch_size = row["micro_batch_size"]
-            per_batch.append((row, work.num_microbatches, memory.workspace_bytes(work, cache)))
-        for name, dists in choices.items():
-            _set_recompute(work, name, settings)
-            chunks, plan, weights = memory.layout_terms(work, cache, peak_candidates=True)
-            for row, num_mb, workspace in per_batch:
-                work.training.micro_batch_size = row["micro_batch_size"]
-                acts = memory.activation_terms(work, cache)
-                # plans are cached, so one plan is one object
-                batches.setdefault((id(plan), acts.full_recompute, acts.group), (len(chunks), plan, []))[2].append(
-                    (len(table), weights, acts, num_mb))
-                table.append((*row.values(), name, num_mb))
-                allowed.append(dists)
-                shards.append((pr.dp_shard, pr.edp_shard, workspace, dispatcher))
-    if not table:
+    grid = _Grid(base, micro_batch_sizes, recompute, distributed_optimizer)
+    if not grid.rows:
         flags = ("use_distributed_optimizer", "sequence_parallel", "fits")
         return pl.DataFrame(schema={name: pl.String if name in ("recompute", "verdict") else pl.Float64 if name == "bubble"
                                     else pl.Boolean if name in flags else pl.Int64 for name in ORDER})
-    # per stage of every row: (row, pp rank, params, activation terms), grouped by row
-    stages = []
-    for pp, plan, members in batches.values():
-        index, weights, acts, num_mb = (list(column) for column in zip(*members))
-        index = np.asarray(index)
-        for st in memory.stage_arrays(pp, plan, weights, acts, num_mb):
-            stages.append((index, np.full(len(index), st.pp_rank), st.dense_params, st.expert_params,
-                           st.held_loss, st.held_max, st.backward, st.loss_extra, st.fsdp_layer_params))
-    columns = [np.concatenate(c) for c in zip(*stages)]
-    order = np.argsort(columns[0], kind="stable")
-    stage_row, stage_rank, dense, expert, held_loss, held_max, backward, loss_extra, fsdp = \
-        (c[order] for c in columns)
-    starts = np.flatnonzero(np.r_[True, stage_row[1:] != stage_row[:-1]])
-    sizes = np.diff(np.r_[starts, len(stage_row)])
-    dp_shard, edp_shard, workspace, dispatcher = (np.asarray(c)[stage_row] for c in zip(*shards))
-    room = memory.budget(base)
-    allocator = room.allocator_bytes + room.dispatcher_bytes - dispatcher      # each layout's own EP group
-    layout_frame = pl.DataFrame(table, schema=[*rows[0], "recompute", "num_microbatches"], orient="row")
+    starts = np.flatnonzero(np.r_[True, grid.stage_row[1:] != grid.stage_row[:-1]])
+    sizes = np.diff(np.r_[starts, len(grid.stage_row)])
     frames = []
-    for dist in distributed_optimizer:
-        # bytes per parameter and the sharding rules follow the base; the degrees follow each layout
-        pr = dataclasses.replace(memory.precision(base, use_distributed_optimizer=dist),
-                                 dp_shard=dp_shard, edp_shard=edp_shard)
-        parts = [np.trunc(v) for v in memory.combine(dense, expert, held_loss, held_max, backward, loss_extra,
-                                                     fsdp, workspace, pr)]   # whole bytes, as estimate() has them
-        total = sum(parts)
-        static_parts = parts[0] + parts[1] + parts[2]
-        # per stage, as estimate() has it: the allocator's reserve on its churn, the room left, the verdict
-        reserve = np.trunc(room.reserve(total - static_parts - np.trunc(workspace)))
-        room_left = allocator - total - reserve
-        severity = np.where(total > allocator, 2, np.where(room_left < 0, 1, 0))
-        peak = np.maximum.reduceat(total, starts)
-        at_peak = total == np.repeat(peak, sizes)
-        peak_stage = np.minimum.reduceat(np.where(at_peak, stage_rank, 1 << 30), starts)
+    for d, dist in enumerate(grid.distributed_optimizer):
+        st = grid.stage_bytes(dist)
+        peak = np.maximum.reduceat(st["total"], starts)
+        at_peak = st["total"] == np.repeat(peak, sizes)
+        peak_stage = np.minimum.reduceat(np.where(at_peak, grid.stage_rank, 1 << 30), starts)
         # the static bytes of that stage (stages may tie on the peak with different static bytes)
-        static = np.maximum.reduceat(np.where(stage_rank == np.repeat(peak_stage, sizes), static_parts, 0), starts)
-        headroom = np.minimum.reduceat(room_left, starts)
-        worst = np.maximum.reduceat(severity, starts)
-        frames.append(layout_frame.with_columns(
+        on_peak = grid.stage_rank == np.repeat(peak_stage, sizes)
+        static = np.maximum.reduceat(np.where(on_peak, st["static"], 0), starts)
+        headroom = np.minimum.reduceat(st["headroom"], starts)
+        worst = np.maximum.reduceat(st["severity"], starts)
+        frames.append(grid.layout_frame().with_columns(
             pl.lit(dist).alias("use_distributed_optimizer"),
             pl.Series("peak_bytes", peak.astype(np.int64)),
             pl.Series("peak_stage", peak_stage.astype(np.int64)),
             pl.Series("static_bytes", static.astype(np.int64)),
             pl.Series("headroom_bytes", headroom.astype(np.int64)),
-            pl.Series("verdict", np.array(VERDICTS)[worst]),
-            pl.Series("fits", worst == 0),
+            pl.Series("verdict", np.asarray(memory.VERDICTS)[worst]),
+            pl.Series("fits", worst == memory.SEVERITY[memory.FITS]),
             pl.Series("_severity", worst),
-        ).filter(pl.Series([dist in dists for dists in allowed])))
+        ).filter(pl.Series(grid.allowed[:, d])))
     df = pl.concat(frames).with_columns(
         ((pl.col("pipeline_model_parallel_size") - 1)
          / (pl.col("num_microbatches") * pl.col("virtual_pipeline_model_parallel_size"))).alias("bubble"),
@@ -333,3 +276,190 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
         df = df.filter(pl.col("fits"))
     return df.select(ORDER)
 
+
+def stage_table(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: tuple[str, ...] | None = None,
+                distributed_optimizer: tuple[bool, ...] | None = None):
+    """What the sweep computes for each pipeline stage it evaluates, one row per (layout, stage): the
+    layout's columns, `pp_rank`, and that stage's `total_bytes` (its allocated peak), `static_bytes`,
+    `reserve_bytes`, `headroom_bytes` and `verdict`, as `estimate` has them for that stage. Middle
+    stages that cannot hold a layout's peak are not evaluated (`memory.layout_terms`' peak candidates)."""
+    import numpy as np  # deferred: start-up time
+    import polars as pl  # deferred: likewise
+
+    grid = _Grid(base, micro_batch_sizes, recompute, distributed_optimizer)
+    if not grid.rows:
+        return pl.DataFrame()
+    layouts = grid.layout_frame()
+    frames = []
+    for d, dist in enumerate(grid.distributed_optimizer):
+        st = grid.stage_bytes(dist)
+        frames.append(layouts[grid.stage_row].with_columns(
+            pl.lit(dist).alias("use_distributed_optimizer"),
+            pl.Series("pp_rank", grid.stage_rank.astype(np.int64)),
+            pl.Series("total_bytes", st["total"].astype(np.int64)),
+            pl.Series("static_bytes", st["static"].astype(np.int64)),
+            pl.Series("reserve_bytes", st["reserve"].astype(np.int64)),
+            pl.Series("headroom_bytes", st["headroom"].astype(np.int64)),
+            pl.Series("verdict", np.asarray(memory.VERDICTS)[st["severity"]]),
+        ).filter(pl.Series(grid.allowed[grid.stage_row, d])))
+    return pl.concat(frames)
+
+
+class _Grid:
+    """Every valid layout of `base` (one row per layout shape, micro batch and recompute choice, before
+    the optimizer choice) and the memory terms of each stage the sweep evaluates, as numpy arrays.
+
+    Python runs once per layout shape (TP, CP, PP, VP, EP: the rules, the precision's sharding degrees,
+    the stage plan and parameters) and once per distinct activation setting; the rows are index arrays
+    into those. The activation setting of a shape is the values of its swept sizes whose metadata says
+    they change activations (`memory.ACTIVATION_FIELDS`): with the micro batch and recompute choice,
+    it picks the row's `memory.activation_terms`, which `memory` keys by every such field."""
+
+    def __init__(self, base: Experiment, micro_batch_sizes, recompute, distributed_optimizer):
+        import numpy as np  # deferred: start-up time
+
+        self.base = base
+        self.recompute = (recompute_name(base),) if recompute is None else tuple(recompute)
+        self.distributed_optimizer = (base.parallel.use_distributed_optimizer,) if distributed_optimizer is None \
+            else tuple(distributed_optimizer)
+        for name in self.recompute:
+            if name not in RECOMPUTE:
+                raise UserError(f"recompute = {name!r}: expected one of {', '.join(RECOMPUTE)}")
+        problems = value_problems(base)          # a bad option would otherwise just leave no valid layout
+        if problems:
+            raise UserError(str(problems[0]))
+        settings = _recompute_settings(base)
+        self.micro_batch_sizes = np.asarray(micro_batch_sizes, dtype=np.int64)
+        names, dists, batch_sizes = self.recompute, self.distributed_optimizer, self.micro_batch_sizes
+        activation_sizes = [name for name in _SHAPE if (_section(name), name) in memory.ACTIVATION_FIELDS]
+        work, cache = base.copy(), {}
+        shapes: list[dict] = []
+        batch_ok, choice_ok = [], []              # per shape: micro batch allowed (B), choice allowed (R x D)
+        entries: dict[int, int] = {}              # id(layout entry) -> index in self.entries
+        self.entries = []                         # memory.layout_terms' (chunks, plan, weights)
+        entry_of = []                             # per shape: its entry index per recompute choice (-1: none)
+        parts: dict[tuple, int] = {}              # activation setting of a shape -> index
+        part_of, part_shape = [], []              # per shape: its setting; per setting: a shape that has it
+        sharding, workspace = [], []              # per shape: (dp shard, expert dp shard, dispatcher), per batch
+        for shape, batches, choices in layouts(base, tuple(batch_sizes.tolist()), names, dists):
+            _apply(work, {**shape, "micro_batch_size": batches[0]}, settings)
+            pr = memory.precision(work)           # the same for every micro batch and recompute choice
+            sharding.append((pr.dp_shard, pr.edp_shard, memory.dispatcher_buffer_bytes(work)))
+            workspace.append(memory.workspace_bytes(work, cache, micro_batch_size=batch_sizes)
+                             + np.zeros(len(batch_sizes)))
+            batch_ok.append([size in batches for size in micro_batch_sizes])
+            choice_ok.append([[dist in choices.get(name, ()) for dist in dists] for name in names])
+            row = []
+            for name in names:
+                if name not in choices:
+                    row.append(-1)
+                    continue
+                _set_recompute(work, name, settings)
+                entry = memory.layout_terms(work, cache, peak_candidates=True)
+                row.append(entries.setdefault(id(entry), len(entries)))
+                if row[-1] == len(self.entries):
+                    self.entries.append(entry)
+            entry_of.append(row)
+            part = tuple(shape[name] for name in activation_sizes)
+            part_of.append(parts.setdefault(part, len(parts)))
+            if part_of[-1] == len(part_shape):
+                part_shape.append(len(shapes))
+            shapes.append(shape)
+        self.rows = 0
+        if not shapes:
+            return
+        batch_ok, choice_ok = np.array(batch_ok), np.array(choice_ok, dtype=bool)
+        part_of, entry_of = np.array(part_of), np.array(entry_of)
+        # rows: (shape, recompute choice, micro batch) in that order
+        s, r, b = np.nonzero(choice_ok.any(axis=2)[:, :, None] & batch_ok[:, None, :])
+        self.rows = len(s)
+        self.columns = {name: np.array([shape[name] for shape in shapes])[s]
+                        for name in (*_SHAPE, "data_parallel_size")}
+        self.columns["micro_batch_size"] = batch_sizes[b]
+        self.columns["recompute"] = np.asarray(names)[r]
+        self.columns["num_microbatches"] = microbatches(base.training.global_batch_size, batch_sizes[b],
+                                                        self.columns["data_parallel_size"])
+        self.allowed = choice_ok[s, r]                                        # rows x optimizer choices
+        # the activation terms of every (setting, recompute, micro batch) some row has
+        acts: list[memory.ActTerms] = []
+        act_index: dict[int, int] = {}
+        table = np.full((len(part_shape), len(names), len(batch_sizes)), -1)
+        used = np.zeros(table.shape, dtype=bool)
+        used[part_of[s], r, b] = True
+        for p_, r_, b_ in zip(*np.nonzero(used)):
+            _apply(work, {**shapes[part_shape[p_]], "micro_batch_size": int(batch_sizes[b_])}, settings)
+            _set_recompute(work, names[r_], settings)
+            terms = memory.activation_terms(work, cache)
+            table[p_, r_, b_] = act_index.setdefault(id(terms), len(act_index))
+            if table[p_, r_, b_] == len(acts):
+                acts.append(terms)
+        act = table[part_of[s], r, b]
+        entry = entry_of[s, r]
+        # rows sharing a stage plan and a recompute setting are evaluated together
+        plans: dict[int, int] = {}
+        plan_of_entry = np.array([plans.setdefault(id(e[1]), len(plans)) for e in self.entries])
+        settings_of: dict[tuple, int] = {}
+        setting_of_act = np.array([settings_of.setdefault(a.recompute, len(settings_of)) for a in acts])
+        group = plan_of_entry[entry] * len(settings_of) + setting_of_act[act]
+        order = np.argsort(group, kind="stable")
+        bounds = np.flatnonzero(np.r_[True, group[order][1:] != group[order][:-1], True])
+        stages = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            members = order[lo:hi]
+            used_entries, entry_at = np.unique(entry[members], return_inverse=True)
+            used_acts, act_at = np.unique(act[members], return_inverse=True)
+            chunks, plan, _ = self.entries[used_entries[0]]
+            weights = []                  # per stage: (dense, expert, per chunk, FSDP layer, embedding), per member
+            for st in range(len(plan)):
+                dense, expert, fsdp, embedding = np.array([[self.entries[e][2][st][i] for i in (0, 1, 3, 4)]
+                                                           for e in used_entries], dtype=np.int64)[entry_at].T
+                weights.append((dense, expert, self.entries[used_entries[0]][2][st][2], fsdp, embedding))
+            terms = memory.take(memory.stack([acts[a] for a in used_acts]), act_at)
+            for st in memory.stage_arrays(len(chunks), plan, weights, terms, self.columns["num_microbatches"][members]):
+                stages.append((members, np.full(len(members), st.pp_rank), st.dense_params, st.expert_params,
+                               st.embedding_params, st.held_loss, st.held_max, st.backward, st.loss_extra,
+                               st.fsdp_layer_params))
+        columns = [np.concatenate(c) for c in zip(*stages)]
+        by_row = np.argsort(columns[0], kind="stable")
+        (self.stage_row, self.stage_rank, self.dense, self.expert, self.embedding, self.held_loss, self.held_max,
+         self.backward, self.loss_extra, self.fsdp) = (c[by_row] for c in columns)
+        dp_shard, edp_shard, dispatcher = (np.asarray(c)[s][self.stage_row] for c in zip(*sharding))
+        self.dp_shard, self.edp_shard = dp_shard, edp_shard
+        self.workspace = np.array(workspace)[s, b][self.stage_row]
+        room = memory.budget(base)
+        # each layout's own dispatcher buffers (its EP group) come out of what the allocator may hold
+        self.room = dataclasses.replace(room, dispatcher_bytes=dispatcher)
+
+    def layout_frame(self):
+        """The rows' layout columns, as a polars frame."""
+        import polars as pl  # deferred: start-up time
+
+        return pl.DataFrame({name: self.columns[name] for name in (*COLUMNS[:7], "sequence_parallel", "recompute",
+                                                                    "num_microbatches")})
+
+    def stage_bytes(self, distributed_optimizer: bool) -> dict:
+        """Per evaluated stage, with the distributed optimizer on or off: its bytes, as `estimate` has them
+        (`memory.combine`, whole bytes), the allocator's reserve on its churn, the room left and the verdict."""
+        import numpy as np  # deferred: start-up time
+
+        # bytes per parameter and the sharding rules follow the base; the degrees follow each layout
+        pr = dataclasses.replace(memory.precision(self.base, use_distributed_optimizer=distributed_optimizer),
+                                 dp_shard=self.dp_shard, edp_shard=self.edp_shard)
+        parts = [np.trunc(v) for v in memory.combine(self.dense, self.expert, self.embedding, self.held_loss,
+                                                     self.held_max, self.backward, self.loss_extra, self.fsdp,
+                                                     self.workspace, pr)]
+        total = sum(parts)
+        static = parts[0] + parts[1] + parts[2]
+        reserve = np.trunc(self.room.reserve(total - static - np.trunc(self.workspace)))
+        allocator = self.room.allocator_bytes
+        return {"total": total, "static": static, "reserve": reserve, "headroom": allocator - total - reserve,
+                "severity": memory.severity(allocator, total, reserve)}
+
+
+# The sizes a layout shape sets (with its micro batch and recompute choice, a layout)
+_SHAPE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+          "context_parallel_size", "expert_model_parallel_size", "sequence_parallel")
+
+
+def _section(name: str) -> str:
+    return resolve_key(name)[0]

@@ -12,19 +12,12 @@ import functools
 import re
 from typing import Any, get_origin
 
-from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Telemetry, Training, choices, facts,
-                                           field_names, field_options, parse_pipeline_layout)
+from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Telemetry, Training, choices, declared,
+                                           facts, field_names, field_options, parse_pipeline_layout)
 from charllm.engine.model.runtime import parse_capability
 from charllm.probes.backends import REPLAY
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.formatting import number
-
-
-def _declared(fact: str, sections=tuple(SECTIONS)) -> list[tuple[str, str, Any]]:
-    """(section, field, value) of every field whose metadata (engine.model.experiment.setting) states
-    `fact`, in section and field order."""
-    return [(section, name, value) for section in sections for name in field_names(SECTIONS[section])
-            if (value := facts(SECTIONS[section], name).get(fact)) is not None]
 
 
 def _is_list(section: str, name: str) -> bool:
@@ -34,12 +27,12 @@ def _is_list(section: str, name: str) -> bool:
 # Choices, as Megatron-LM's argument parser (or our own tooling, for vendor) lists them, in the order their
 # problems are listed. The telemetry backend is checked on its own: its last choice is a pattern, replay:RUN.
 CHOICES: dict[str, tuple[str, tuple]] = {
-    name: (section, options) for section, name, options in _declared("choices", ("model", "parallel", "training",
+    name: (section, options) for section, name, options in declared("choices", ("model", "parallel", "training",
                                                                                  "hardware"))
     if not _is_list(section, name)
 }
 ITEM_CHOICES: dict[str, tuple[str, tuple]] = {       # lists whose every item is one of the choices
-    name: (section, options) for section, name, options in _declared("choices") if _is_list(section, name)
+    name: (section, options) for section, name, options in declared("choices") if _is_list(section, name)
 }
 BACKENDS = choices(Telemetry, "backend")   # probes.backends.BACKEND_NAMES, through the field
 
@@ -89,9 +82,13 @@ def check(exp: Experiment) -> None:
 
 
 def validate(exp: Experiment) -> list[Problem]:
-    problems = value_problems(exp)
-    if problems:  # the layout rules below divide by these sizes
-        return problems
+    return value_problems(exp) or rule_problems(exp)   # the rules divide by the sizes the values check
+
+
+def rule_problems(exp: Experiment) -> list[Problem]:
+    """The rules alone, for an experiment whose values `value_problems` found good (the sweep checks
+    its base's values once, then the rules for each layout)."""
+    problems = []
     for rules in (_layout, _model, _pipeline, _batch, _experts, _sequence, _precision, _recompute,
                   _offloading, _optimizer):
         problems.extend(rules(exp))
@@ -235,6 +232,10 @@ def _pipeline(exp: Experiment) -> list[Problem]:
     m, p = exp.model, exp.parallel
     pp, vp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
     out = []
+    if exp.training.defer_embedding_wgrad_compute and pp == 1:   # megatron-core ModelParallelConfig
+        out.append(Problem("defer_embedding_wgrad_compute", True, "needs pipeline_model_parallel_size > 1 (the "
+                           "deferred weight gradient is computed during the pipeline flush)",
+                           "defer_embedding_wgrad_compute=false"))
     if vp > 1 and pp == 1:
         out.append(Problem("virtual_pipeline_model_parallel_size", vp,
                            "needs pipeline_model_parallel_size > 1 (the interleaved schedule)"))
@@ -251,9 +252,10 @@ def _pipeline(exp: Experiment) -> list[Problem]:
         if len(stages) % pp:
             out.append(Problem("pipeline_model_parallel_layout", layout,
                                f"its {len(stages)} stages must divide over pipeline_model_parallel_size ({pp})"))
-        elif p.virtual_pipeline_model_parallel_size not in (None, len(stages) // pp):
+        elif vp != len(stages) // pp:      # Megatron takes VP from the layout (engine.model.megatron's import too)
             out.append(Problem("virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size,
-                               f"the layout gives {len(stages) // pp} virtual stages per pipeline rank"))
+                               f"the layout gives {len(stages) // pp} virtual stages per pipeline rank",
+                               f"virtual_pipeline_model_parallel_size={len(stages) // pp}"))
         if decoders != m.num_layers:
             out.append(Problem("pipeline_model_parallel_layout", layout,
                                f"places {decoders} decoder layers (t) but num_layers = {m.num_layers}"))

@@ -160,7 +160,7 @@ def transformer_settings(exp, impl) -> dict:
         # Per-token loss: megatron divides grads by the tokens of the whole global batch, which
         # is right for any DP, CP and microbatch count.
         calculate_per_token_loss=True,
-        cuda_graph_scope=[],   # the default "full" is deprecated and warns on every rank
+        cuda_graph_scope=t.cuda_graph_scope or [],   # the default "full" is deprecated and warns on every rank
     )
 
 

@@ -30,6 +30,7 @@ def _declared_flags():
                 continue
             own = f"--{f.name.replace('_', '-')}" if flag == AUTO else flag
             out[own] = (section, f.name, f.metadata["switch"] if field_types(kind)[f.name] is bool else None)
+            out.update({other: out[own] for other in f.metadata["renamed"]})
             out.update({alias: (section, f.name, value) for alias, value in f.metadata["aliases"].items()})
     return out
 
@@ -91,7 +92,7 @@ def test_choices_come_from_the_fields():
                 for f in dataclasses.fields(kind) if f.metadata.get("choices") is not None}
     lists = {name for name, (section, _) in declared.items()
              if "list" in str(field_types(SECTIONS[section])[name])}
-    assert lists == {"recompute_modules", "offload_modules"}
+    assert lists == {"recompute_modules", "offload_modules", "cuda_graph_scope"}
     assert validate.CHOICES == {n: c for n, c in declared.items() if n not in lists and n != "backend"}
     assert validate.ITEM_CHOICES == {n: declared[n] for n in lists}
     assert validate.BACKENDS == declared["backend"][1]

@@ -22,6 +22,7 @@ from charllm.engine.model.megatron import (
     format_layer_pattern,
     format_megatron_args,
     import_megatron_args,
+    model_config_tokens,
     parse_layer_pattern,
     parse_pipeline_layout,
 )
@@ -620,7 +621,10 @@ MODEL_ARGS:
   --micro-batch-size: 4
   --global-batch-size: 32
   --recompute-granularity: selective
-  --recompute-modules: "core_attn mlp"
+  --recompute-modules: "[core_attn mlp]"
+  --moe-layer-freq: ([0]*1+[1]*11)
+  --step-batch-size-schedule: "0:384 200B:768"
+  --min-lr: 1.0e-5
   --data-path: ${DATA_PATH}/text_document
   --log-interval: 1
   --bf16: true
@@ -629,7 +633,13 @@ MODEL_ARGS:
 
 def test_a_functional_test_model_config_imports():
     """Megatron-LM's functional tests keep a launch as model_config.yaml (ENV_VARS, MODEL_ARGS), read by
-    tests/functional_tests/shell_test_utils/_run_training.sh: `true` is the bare flag."""
+    tests/functional_tests/shell_test_utils/_run_training.sh: `true` is the bare flag, `[a b]` two
+    words, any other value one word as written."""
+    words = model_config_tokens(MODEL_CONFIG)
+    assert words[words.index("--recompute-modules") + 1:][:2] == ["core_attn", "mlp"]
+    assert words[words.index("--step-batch-size-schedule") + 1] == "0:384 200B:768"
+    assert words[words.index("--min-lr") + 1] == "1.0e-5"                # as written, not 1e-05
+    assert words[words.index("--moe-layer-freq") + 1] == "([0]*1+[1]*11)"
     imported = import_megatron_args(MODEL_CONFIG, world_size=8, hardware="h100-sxm-80gb")
     exp = imported.experiment
     p, t = exp.parallel, exp.training
@@ -637,7 +647,7 @@ def test_a_functional_test_model_config_imports():
     assert not exp.model.untie_embeddings_and_output_weights             # `false`: the flag is left out
     assert t.recompute_modules == ["core_attn", "mlp"] and t.bf16
     assert t.data_path == "${DATA_PATH}/text_document"
-    assert imported.ignored == ["--log-interval 1"]
+    assert imported.ignored == ["--step-batch-size-schedule 0:384 200B:768", "--min-lr 1.0e-5", "--log-interval 1"]
     assert any(n.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1") for n in imported.no_effect)
     with pytest.raises(UserError, match="model_config.yaml: ENV_VARS must be a mapping"):
         import_megatron_args("ENV_VARS: [1]\nMODEL_ARGS: {--num-layers: 2}\n", world_size=1)

@@ -361,14 +361,25 @@ def test_layer_offloading_keeps_the_other_layers_activations_on_the_gpu():
 
 @pytest.mark.parametrize("module", ["attn_norm", "core_attn", "mlp_norm"])
 def test_fine_grained_offloading_removes_exactly_the_modules_inputs(module):
-    """The inputs of offload_modules leave the GPU in every layer: attn_norm and mlp_norm each take
-    the residual stream (2 bytes x s x b x h in bf16), core_attn takes Q, K and V."""
-    plain = _Shapes(gpt()).layer(False)
-    off = _Shapes(gpt(fine_grained_activation_offloading=True, offload_modules=[module])).layer(False)
+    """What each of offload_modules saves for backward leaves the GPU in every layer: attn_norm and
+    mlp_norm each the residual stream (2 bytes x s x b x h in bf16), core_attn (flash) Q, K, V and its
+    fp32 log-sum-exp. In backward two layers' worth come back at once (the chunk that runs next keeps its
+    last layer, and the groups of the layer before are reloaded ahead)."""
+    plain = _Shapes(gpt(backend="flash")).layer(False)
+    off = _Shapes(gpt(backend="flash", fine_grained_activation_offloading=True, offload_modules=[module])).layer(False)
     sbh = S * B * H
-    expected = {"attn_norm": 2 * sbh, "mlp_norm": 2 * sbh, "core_attn": 3 * 2 * sbh}[module]
+    expected = {"attn_norm": 2 * sbh, "mlp_norm": 2 * sbh, "core_attn": 3 * 2 * sbh + 4 * A * S * B}[module]
     assert plain.saved - off.saved == pytest.approx(expected)
-    assert off.transient - plain.transient == pytest.approx(expected)     # brought back ahead of backward
+    assert off.transient - plain.transient == pytest.approx(2 * expected)
+
+
+def test_fine_grained_offloading_of_core_attention_takes_the_unfused_softmax_too():
+    """Unfused attention keeps its s x s softmax output for backward inside core attention's offloading
+    context, so offloading core_attn takes it to the host as well (the first dev-set case with
+    offloading planned +80% before)."""
+    plain = _Shapes(gpt(dropout=0.0)).layer(False)
+    off = _Shapes(gpt(dropout=0.0, fine_grained_activation_offloading=True, offload_modules=["core_attn"])).layer(False)
+    assert plain.saved - off.saved == pytest.approx(3 * 2 * S * B * H + 2 * A * S * S * B)
 
 
 def test_unfused_softmax_in_fp32_keeps_an_fp32_copy_without_the_fused_kernel():
@@ -457,3 +468,63 @@ def test_deepep_buffers_of_the_flex_dispatcher_sit_outside_the_allocator():
     exp.training.moe_flex_dispatcher_backend = "hybridep"     # its own buffers: not modelled, and said so
     assert dispatcher_buffer_bytes(exp) == 0
     assert any("HybridEP" in w for w in estimate(exp).warnings)
+
+
+def test_muon_keeps_one_momentum_for_matrices_and_adam_state_for_the_embeddings():
+    """megatron-core's Muon (optimizer/emerging_optimizers.py) updates the matrices with one fp32
+    momentum buffer beside the fp32 master copy (8 bytes) and routes the embeddings and the output
+    layer to Adam (12 bytes)."""
+    from charllm.engine.model.memory import embedding_params, stage_terms
+
+    adam, muon = gpt(), gpt()
+    muon.training.optimizer = "muon"
+    st = stage_terms(adam)[0]
+    assert st.embedding_params == embedding_params(adam.model)           # tied: one matrix for both
+    matrices = st.dense_params - st.embedding_params
+    saved = estimate(adam).stages[0].optimizer - estimate(muon).stages[0].optimizer
+    assert saved == pytest.approx(4 * matrices, abs=1)
+
+
+@pytest.mark.parametrize("param_gather, cached", [(False, 2), (True, 0)])
+def test_fp8_on_bf16_weights_keeps_an_fp8_copy_and_its_transpose(param_gather, cached):
+    """FP8 compute on BF16 weights: Transformer Engine casts each linear weight once per step and keeps
+    the FP8 copy and its transpose (2 bytes a parameter) for the later micro-batches and the backward.
+    With fp8_param_gather the weights are FP8 themselves (data + transpose: the 2 bytes BF16 had)."""
+    from charllm.engine.model.memory import stage_terms
+
+    plain = gpt()
+    fp8 = gpt()
+    fp8.hardware.fp8, fp8.training.fp8, fp8.training.fp8_param_gather = True, "hybrid", param_gather
+    st = stage_terms(plain)[0]
+    extra = estimate(fp8).stages[0].weights - estimate(plain).stages[0].weights
+    assert extra == pytest.approx(cached * (st.dense_params - st.embedding_params), abs=1)
+
+
+def test_fp8_flash_attention_keeps_its_output_beside_the_projections_fp8_input():
+    """A flash-type attention kernel keeps its BF16 output O for backward. Without FP8 the output
+    projection keeps the same tensor as its input; with FP8 it keeps an FP8 copy, so O is counted
+    once more: offloading core_attn moves Q, K, V, the log-sum-exp and O."""
+    def layer(**training):
+        exp = gpt(backend="flash", dropout=0.0, **training)
+        exp.hardware.fp8, exp.training.fp8 = True, "hybrid"
+        return _Shapes(exp).layer(False)
+
+    off = layer(fine_grained_activation_offloading=True, offload_modules=["core_attn"])
+    assert layer().saved - off.saved == pytest.approx(4 * 2 * S * B * H + 4 * A * S * B)
+
+
+@pytest.mark.parametrize("scope, captured", [(None, {"attn", "mlp"}), (["attn"], {"attn"}), (["mlp"], {"mlp"})])
+def test_te_cuda_graphs_count_their_parts_while_captured_and_the_rest_while_replayed(scope, captured):
+    """Transformer Engine's CUDA graphs keep what their layers save in the graphs' private pool: the
+    allocator counts it while the graphs are captured (in schedule order) and not when they replay.
+    So the captured parts (cuda_graph_scope: whole layers when unset) and the rest peak apart."""
+    from charllm.engine.model.memory import activation_terms
+
+    plain, graphed = gpt(backend="flash"), gpt(backend="flash")
+    graphed.training.cuda_graph_impl, graphed.training.cuda_graph_scope = "transformer_engine", scope
+    layer = _Shapes(plain).layer(False)
+    terms = activation_terms(graphed, {})
+    assert terms.capture.saved[False] == pytest.approx(sum(layer.parts[p][0] for p in captured))
+    assert terms.capture.saved[False] + terms.saved[False] == pytest.approx(layer.saved)
+    assert terms.capture.loss_extra == 0 and terms.loss_extra == activation_terms(plain, {}).loss_extra
+    assert estimate(graphed).peak_bytes < estimate(plain).peak_bytes

@@ -11,8 +11,9 @@ import pytest
 from charllm.engine.model import calibration, runtime
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.sweep import (MICRO_BATCH_SIZES, RECOMPUTE, REQUIRED_COLUMNS, base_experiment,
-                                  layout_to_experiment, sweep)
+                                  layout_to_experiment, stage_table, sweep)
 from charllm.engine.model.validate import validate
+from infra_fields import changed, variants
 
 KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "micro_batch_size", "recompute",
@@ -219,3 +220,59 @@ def test_a_composed_experiment_is_swept_with_everything_but_its_layout_kept():
     keys = list(KEYS)
     joined = df.join(plain, on=keys, suffix="_plain")
     assert joined.height > 0 and (joined["peak_bytes"] != joined["peak_bytes_plain"]).any()
+
+
+def _moe_base() -> Experiment:
+    """A small MoE model with an MTP layer, planned for H100s (Transformer Engine: SP, CP and FP8 run)."""
+    base = base_experiment("tiny-moe", "h100-sxm-80gb", 1, 4, 8)
+    base.model.position_embedding_type, base.model.mtp_num_layers = "rope", 1
+    return base
+
+
+def _stages_equal_estimate(base: Experiment) -> int:
+    """Check every stage the sweep evaluates against `estimate` of the same layout, and that a stage it
+    leaves out is no worse; return the number of layouts."""
+    table = stage_table(base, **ALL)
+    if table.height == 0:
+        return 0
+    keys = [*KEYS, "sequence_parallel"]
+    layouts = 0
+    for key, stages in table.group_by(keys, maintain_order=True):
+        row = dict(zip(keys, key))
+        report = estimate(layout_to_experiment(base, row))
+        for st in stages.iter_rows(named=True):
+            planned = report.stages[st["pp_rank"]]
+            assert (st["total_bytes"], st["static_bytes"], st["reserve_bytes"], st["headroom_bytes"], st["verdict"]) \
+                == (planned.total_bytes, planned.static_bytes, planned.reserve_bytes, planned.headroom_bytes,
+                    planned.verdict), (row, st["pp_rank"])
+        evaluated = set(stages["pp_rank"])
+        for planned in report.stages:
+            if planned.pp_rank not in evaluated:
+                assert planned.total_bytes <= stages["total_bytes"].max(), (row, planned.pp_rank)
+                assert planned.headroom_bytes >= stages["headroom_bytes"].min(), (row, planned.pp_rank)
+        layouts += 1
+    assert layouts == sweep(base, **ALL).height
+    return layouts
+
+
+@pytest.mark.timeout(900)
+def test_every_field_changed_alone_keeps_every_stage_of_the_sweep_equal_to_estimate():
+    """One estimator: whatever field of the experiment changes (with what it needs, see
+    tests/infra_fields.py), the sweep's per-stage bytes, reserve, headroom and verdict are `estimate`'s
+    for every layout: no term of the estimate is missed by the sweep's vectorised path or its caches."""
+    base = _moe_base()
+    assert _stages_equal_estimate(base) > 50
+    swept, without = set(), {}
+    for section, name, value in variants(base):
+        exp = changed(base, section, name, value)
+        try:
+            layouts = _stages_equal_estimate(exp)
+        except UserError as exc:       # a value the base's other fields refuse
+            without.setdefault(name, str(exc))
+            continue
+        if layouts:
+            swept.add(name)
+        else:
+            without.setdefault(name, "no valid layout")
+    never = {name: why for name, why in without.items() if name not in swept}
+    assert not never                      # every field was swept with one of its values at least

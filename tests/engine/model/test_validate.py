@@ -78,6 +78,10 @@ RULES = {
     "layout stage count": (
         ["pipeline_model_parallel_layout='Ettt|ttt|ttL'"],
         "pipeline_model_parallel_layout = 'Ettt|ttt|ttL': its 3 stages must divide over pipeline_model_parallel_size (2)"),
+    "layout gives VP": (     # Megatron takes VP from the layout: 4 stages over PP 2 are VP 2
+        ["pipeline_model_parallel_layout='Ettt|ttt|tt|L'"],
+        "virtual_pipeline_model_parallel_size = None: the layout gives 2 virtual stages per pipeline rank; "
+        "virtual_pipeline_model_parallel_size=2 works"),
     "layout letters": (
         ["pipeline_model_parallel_layout='Etx|L'"],
         "pipeline_model_parallel_layout = 'Etx|L': unknown layer letter(s) 'x'; known: E, t, m, L"),
