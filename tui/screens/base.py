@@ -7,6 +7,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Tab, Tabs
 
 from charllm.tui.screens import SCREENS
+from charllm.tui.widgets.form import FOCUS_KEYS
 
 
 def edited_name(name: str) -> str:
@@ -34,6 +35,7 @@ class WorkbenchScreen(Screen):
     """Header, tab bar, the screen's body (`compose_body`), footer."""
 
     MODE = ""
+    BINDINGS = FOCUS_KEYS
 
     def compose(self) -> ComposeResult:
         yield Header()

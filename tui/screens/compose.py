@@ -26,6 +26,7 @@ from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, plural
 from charllm.tui.screens.base import WorkbenchScreen, edited_name
 from charllm.tui.screens.dialogs import AskName
+from charllm.tui.widgets.form import FormCheckbox, FormInput, FormSelect
 from charllm.tui.widgets.memory_bars import MemoryBars
 
 DEBOUNCE_S = 0.05
@@ -156,12 +157,12 @@ class ComposeScreen(WorkbenchScreen):
             # The form (~130 widgets) mounts just after the first frame: the screen appears at once.
             with Lazy(VerticalScroll(id="form")), Form(id="form-grid"):
                 yield from self._row("preset", "preset",
-                                     Select(self._options("experiments"), id="preset", compact=True,
+                                     FormSelect(self._options("experiments"), id="preset", compact=True,
                                             prompt="(load a preset)"))
                 yield from self._row("model", "model",
-                                     Select(self._options("models"), id="model", compact=True, allow_blank=False))
+                                     FormSelect(self._options("models"), id="model", compact=True, allow_blank=False))
                 yield from self._row("hardware", "hardware",
-                                     Select(self._options("hardware"), id="hardware", compact=True,
+                                     FormSelect(self._options("hardware"), id="hardware", compact=True,
                                             allow_blank=False))
                 for title, group in GROUPS:
                     yield Label(title, classes="group-title")
@@ -193,10 +194,10 @@ class ComposeScreen(WorkbenchScreen):
     @staticmethod
     def _control(field: Field):
         if field.kind == "bool":
-            return Checkbox(id=field.wid, compact=True)
+            return FormCheckbox(id=field.wid, compact=True)
         if field.kind == "choice":
-            return Select([(c, c) for c in field.choices], id=field.wid, compact=True, allow_blank=False)
-        return Input(id=field.wid, type="integer" if field.kind == "int" else "text", compact=True,
+            return FormSelect([(c, c) for c in field.choices], id=field.wid, compact=True, allow_blank=False)
+        return FormInput(id=field.wid, type="integer" if field.kind == "int" else "text", compact=True,
                      placeholder="unset" if field.kind == "int?" else "")
 
     # -- state <-> widgets -----------------------------------------------------------------
