@@ -98,3 +98,60 @@ async def test_checkboxes_show_their_state_in_the_glyph():
         assert checkbox.value is True
         on = checkbox.render().plain
         assert on != off and "✓" in on and "✓" not in off
+
+
+# -- 2, 3, 10. Compare: runs told apart, columns whole, metrics in words -----------------------------
+def two_tiny_local_runs(root):
+    from charllm.probes.store.synthetic import cpu_run
+
+    return [cpu_run(root, "20261121-100000-tiny-local", 1.0).path,
+            cpu_run(root, "20261121-110000-tiny-local", 1.2, busy_pct=60.0).path]
+
+
+@pilot_test
+async def test_compare_tells_two_runs_of_one_experiment_apart(charllm_dirs):
+    runs = two_tiny_local_runs(charllm_dirs["runs"])
+    app = CharllmApp()
+    app.compare_refs = [str(r) for r in runs]
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.press("f7")
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.result is not None, timeout=60, what="the comparison")
+        await pilot.pause(0.2)
+        series = screen.query_one("#cmp-chart-1")._series
+        assert sorted(series) == ["100000-tiny-local", "110000-tiny-local"]
+        headings = [c.label.plain for c in screen.query_one("#compare-table").columns.values()]
+        assert "100000-tiny-local" in headings and "110000-tiny-local" in headings
+
+
+@pilot_test
+async def test_compare_columns_fit_their_cells_as_soon_as_they_are_filled(charllm_dirs):
+    """The metric column is as wide as its longest metric the moment the rows are in, not only
+    after the table next measures itself (the first comparison showed "iter_t", "tokens")."""
+    from charllm.probes.analysis.compare import compare
+    from charllm.tui.screens.compare import Compared
+
+    runs = two_tiny_local_runs(charllm_dirs["runs"])
+    result = compare([str(r) for r in runs])
+    app = CharllmApp(start_mode="compare")
+    async with app.run_test(size=(160, 48)) as pilot:
+        screen = app.screen
+        await pilot.pause(0.1)
+        screen.on_compared(Compared(result, {}))
+        table = screen.query_one("#compare-table")
+        metrics = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+        width = table.columns[next(iter(table.columns))].get_render_width(table)
+        assert width >= max(map(len, metrics)) + 2, (width, metrics)
+        assert "tokens per second" in metrics and "iteration time, mean" in metrics
+        assert not [m for m in metrics if "_" in m]                        # no snake_case names
+
+
+def test_metric_labels_read_as_words():
+    from charllm.probes.analysis.render import metric_label
+
+    assert metric_label("temp_gpu_peak_c") == "GPU temperature, peak"
+    assert metric_label("util_gpu_mean_pct") == "GPU utilization, mean"
+    assert metric_label("iter_time_p50_s") == "iteration time, median"
+    assert metric_label("time_over_limit_s") == "time over limit"
+    assert metric_label("throttle_sw_power_cap_frac") == "throttled: SW power cap"
+    assert metric_label("energy_per_token_j") == "energy per token"
