@@ -155,3 +155,29 @@ def test_metric_labels_read_as_words():
     assert metric_label("time_over_limit_s") == "time over limit"
     assert metric_label("throttle_sw_power_cap_frac") == "throttled: SW power cap"
     assert metric_label("energy_per_token_j") == "energy per token"
+
+
+# -- 4. Launch forgets a refusal once the experiment changes ------------------------------------------
+@pilot_test
+async def test_launch_drops_a_refusal_when_another_experiment_comes(charllm_dirs):
+    from charllm.engine.model.experiment import Experiment
+    from charllm.tui.screens.launch import LaunchDone
+
+    messages: list = []
+    app = CharllmApp(Experiment.load("ppt-h100-llama3-70b-1-01000"))      # 64 GPUs: local refuses it
+    async with app.run_test(size=(120, 40), message_hook=messages.append) as pilot:
+        await pilot.press("f4")
+        screen = app.screen
+        await wait_for(pilot, lambda: "local target is one node" in str(screen.query_one("#dry-run-text").render()),
+                       what="the dry run's answer")
+        await pilot.press("l")
+        await wait_for(pilot, lambda: any(isinstance(m, LaunchDone) for m in messages), timeout=60)
+        log = screen.query_one("#launch-log")
+        assert log.display and any("refused" in line for line in log.lines)
+        await pilot.press("d")                       # the same experiment again: the refusal stays
+        await pilot.pause(0.2)
+        assert log.display and any("refused" in line for line in log.lines)
+        app.use_experiment(Experiment.load("tiny-local"))
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: "Commands" in str(screen.query_one("#dry-run-text").render()), what="dry run")
+        assert not log.display and not any("refused" in line for line in log.lines)
