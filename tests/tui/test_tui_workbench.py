@@ -181,3 +181,41 @@ async def test_launch_drops_a_refusal_when_another_experiment_comes(charllm_dirs
         await pilot.press("f4")
         await wait_for(pilot, lambda: "Commands" in str(screen.query_one("#dry-run-text").render()), what="dry run")
         assert not log.display and not any("refused" in line for line in log.lines)
+
+
+# -- 5, 10. Keys say what they are ---------------------------------------------------------------------
+@pilot_test
+async def test_the_tab_bar_shows_a_remapped_screen_key():
+    app = CharllmApp(settings={"theme": None, "keymap": {"screen.live": "f9"}})
+    async with app.run_test(size=(120, 40)) as pilot:
+        tabs = [str(tab.label) for tab in app.screen.query("ScreenTabs Tab")]
+        assert "Live F9" in tabs and "Live F5" not in tabs and "Runs F6" in tabs
+        await pilot.press("f9")
+        await wait_for(pilot, lambda: app.current_mode == "live")
+        assert "Live F9" in [str(tab.label) for tab in app.screen.query("ScreenTabs Tab")]
+
+
+@pilot_test
+async def test_help_writes_keys_as_the_footer_does():
+    app = CharllmApp(settings={"theme": None, "keymap": {"live.pause": "p"}})
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen")
+        text = app.screen.query_one("Markdown").source
+        assert "question_mark" not in text and "equals_sign" not in text and "plus," not in text
+        assert "| `?` | Help |" in text and "| `+`, `=` | Zoom in |" in text
+        assert "| `p` | Pause | `live.pause` |" in text                    # the key tui.toml gives
+
+
+@pilot_test
+async def test_runs_footer_and_keys_line_name_the_same_delete_key(charllm_dirs):
+    from charllm.tui.demo import make_demo_run
+
+    make_demo_run(charllm_dirs["runs"], "20251121-080000-demo", seconds=3)
+    app = CharllmApp(start_mode="runs")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.screen.query_one("#runs-table").row_count == 1)
+        await pilot.pause(0.2)
+        footer = {str(k.description): k.key_display for k in app.screen.query("FooterKey")}
+        assert footer["Delete"] == "d"
+        assert "d delete" in str(app.screen.query_one("#runs-keys").render())

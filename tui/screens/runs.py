@@ -24,7 +24,7 @@ from charllm.probes.analysis import baselines, summary
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import local_time
 from charllm.probes.store.rundir import list_runs, Manifest, RunDir, runtime_line
-from charllm.tui.screens.base import WorkbenchScreen
+from charllm.tui.screens.base import WorkbenchScreen, shortest_key
 from charllm.tui.screens.dialogs import AskName, Confirm
 
 STATUS_STYLE = {"running": "bold green", "pending": "yellow", "completed": "", "failed": "bold red",
@@ -66,7 +66,7 @@ class RunsScreen(WorkbenchScreen):
         Binding("c", "cancel_run", "Cancel run", id="runs.cancel"),
         # on the keys line (KEYS_LINE): the 80-column footer is full
         Binding("b", "save_baseline", "Save as baseline", id="runs.baseline", show=False),
-        Binding("delete,d", "delete", "Delete", id="runs.delete"),
+        Binding("d,delete", "delete", "Delete", id="runs.delete"),   # d first: the footer shows it
         Binding("r", "refresh", "Refresh", id="runs.refresh"),
     ]
 
@@ -89,16 +89,10 @@ class RunsScreen(WorkbenchScreen):
         self.query_one("#runs-keys", Static).update(self.keys_text())
 
     def keys_text(self) -> str:
-        """KEYS_LINE with the keys bound now (a [keymap] in tui.toml moves them): the shortest
-        of a binding's keys, written as the footer writes it (named keys capitalized)."""
-        bound = {b.id: b.key for b in self.BINDINGS if isinstance(b, Binding)} | self.app.settings["keymap"]
-
-        def shown(key: str) -> str:
-            text = self.app.get_key_display(Binding(key, ""))
-            return text.capitalize() if text.isalpha() and len(text) > 1 else text
-
-        keys = {bid: min((shown(k.strip()) for k in bound[bid].split(",")), key=len) for bid, _ in sum(KEYS_LINE, ())}
-        return " · ".join(", ".join(f"{keys[bid]} {what}" for bid, what in group) for group in KEYS_LINE)
+        """KEYS_LINE with the keys bound now (a [keymap] in tui.toml moves them), as the footer has them."""
+        bindings = {b.id: b for b in self.BINDINGS if isinstance(b, Binding)}
+        return " · ".join(", ".join(f"{shortest_key(self.app, bindings[bid])} {what}" for bid, what in group)
+                          for group in KEYS_LINE)
 
     def on_screen_resume(self) -> None:
         self.action_refresh()
