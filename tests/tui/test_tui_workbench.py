@@ -219,3 +219,22 @@ async def test_runs_footer_and_keys_line_name_the_same_delete_key(charllm_dirs):
         footer = {str(k.description): k.key_display for k in app.screen.query("FooterKey")}
         assert footer["Delete"] == "d"
         assert "d delete" in str(app.screen.query_one("#runs-keys").render())
+
+
+@pilot_test
+async def test_the_delete_question_is_shown_whole(charllm_dirs):
+    from charllm.tui.demo import make_demo_run
+
+    run = make_demo_run(charllm_dirs["runs"], "20251121-080000-a-long-experiment-name", seconds=3)
+    app = CharllmApp(start_mode="runs")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.screen.query_one("#runs-table").row_count == 1)
+        app.screen.query_one("#runs-table").focus()
+        await pilot.press("d")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "Confirm")
+        await pilot.pause(0.1)
+        label = app.screen.query_one(".dialog Label")
+        question = f"Delete run {run.name} and all its files?"
+        assert str(label.render()) == question
+        assert label.size.height * label.size.width >= len(question)        # wrapped, not cut
+        assert label.region.right <= app.screen.query_one(".dialog").content_region.right
