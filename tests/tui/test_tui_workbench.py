@@ -238,3 +238,51 @@ async def test_the_delete_question_is_shown_whole(charllm_dirs):
         assert str(label.render()) == question
         assert label.size.height * label.size.width >= len(question)        # wrapped, not cut
         assert label.region.right <= app.screen.query_one(".dialog").content_region.right
+
+
+# -- 6. Save dialogs offer a name that can be saved, and say why one cannot ----------------------------
+@pilot_test
+async def test_baseline_dialog_suggests_a_name_and_says_when_it_is_empty(charllm_dirs):
+    from charllm.probes.analysis import baselines
+    from charllm.tui.demo import make_demo_run
+
+    make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-base", seconds=6)
+    app = CharllmApp(start_mode="runs")
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = app.screen.query_one("#runs-table")
+        await wait_for(pilot, lambda: table.row_count == 1)
+        table.focus()
+        await pilot.press("b")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "AskName")
+        dialog = app.screen
+        assert dialog.query_one("#name").value == "demo-base"               # the run's experiment
+        dialog.query_one("#name").value = ""
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert app.screen is dialog and "a name is needed" in str(dialog.query_one("#name-error").render())
+        dialog.query_one("#name").value = "demo-base"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: baselines.exists("demo-base"), timeout=60)
+        await pilot.press("b")                                             # taken now: the next free name
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "AskName")
+        assert app.screen.query_one("#name").value == "demo-base-2"
+
+
+@pilot_test
+async def test_save_preset_offers_a_free_name_and_keeps_the_dialog_on_a_refusal(charllm_dirs):
+    app = CharllmApp()
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await compose_ready(pilot)
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "AskName")
+        dialog = app.screen
+        assert dialog.query_one("#name").value == "tiny-local-2"           # tiny-local ships: not offered
+        dialog.query_one("#name").value = "tiny-local"
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert app.screen is dialog
+        assert "a shipped preset has that name" in str(dialog.query_one("#name-error").render())
+        dialog.query_one("#name").value = "tiny-local-2"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen is screen)
+    assert (charllm_dirs["config"] / "experiments" / "tiny-local-2.toml").is_file()

@@ -25,7 +25,7 @@ from charllm.engine.model.experiment import SECTIONS, Experiment, Hardware, Mode
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, plural
 from charllm.tui.screens.base import WorkbenchScreen, edited_name
-from charllm.tui.screens.dialogs import AskName
+from charllm.tui.screens.dialogs import AskName, free_name
 from charllm.tui.widgets.form import FormCheckbox, FormInput, FormSelect
 from charllm.tui.widgets.memory_bars import MemoryBars
 
@@ -401,7 +401,18 @@ class ComposeScreen(WorkbenchScreen):
             self.query_one("#preset", Select).set_options(self._options("experiments"))
             self.notify(f"saved experiment preset {name!r} to {path}")
 
-        self.app.push_screen(AskName("Save experiment preset as:", self.app.experiment.name), save)
+        def check(name: str) -> None:
+            catalog.new_user_preset("experiments", name)       # a shipped name or a path is refused here
+
+        def refused(name: str) -> bool:
+            try:
+                check(name)
+            except UserError:
+                return True
+            return False
+
+        self.app.push_screen(AskName("Save experiment preset as:", free_name(self.app.experiment.name, refused),
+                                     check), save)
 
     def action_export(self) -> None:
         try:

@@ -23,9 +23,9 @@ from charllm.engine.launch import launcher
 from charllm.probes.analysis import baselines, summary
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import local_time
-from charllm.probes.store.rundir import list_runs, Manifest, RunDir, runtime_line
+from charllm.probes.store.rundir import list_runs, Manifest, RunDir, run_id_name, runtime_line
 from charllm.tui.screens.base import WorkbenchScreen, shortest_key
-from charllm.tui.screens.dialogs import AskName, Confirm
+from charllm.tui.screens.dialogs import AskName, Confirm, free_name
 
 STATUS_STYLE = {"running": "bold green", "pending": "yellow", "completed": "", "failed": "bold red",
                 "cancelled": "magenta"}
@@ -229,9 +229,17 @@ class RunsScreen(WorkbenchScreen):
 
     def action_save_baseline(self) -> None:
         run_id = self.current_run()
-        if run_id:
-            self.app.push_screen(AskName(f"Save run {run_id} as baseline:"),
-                                 lambda name: name and self.save_baseline(self.runs[run_id], name))
+        if not run_id:
+            return
+
+        def check(name: str) -> None:
+            baselines.check_name(name)
+            if baselines.exists(name):
+                raise UserError(f"baseline {name!r}: already exists; pick another name")
+
+        suggested = free_name(run_id_name(run_id) or run_id, baselines.exists)
+        self.app.push_screen(AskName(f"Save run {run_id} as baseline:", suggested, check),
+                             lambda name: name and self.save_baseline(self.runs[run_id], name))
 
     @work(thread=True, group="baseline")
     def save_baseline(self, path: Path, name: str) -> None:
