@@ -286,3 +286,21 @@ async def test_save_preset_offers_a_free_name_and_keeps_the_dialog_on_a_refusal(
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.screen is screen)
     assert (charllm_dirs["config"] / "experiments" / "tiny-local-2.toml").is_file()
+
+
+# -- 9. A new model makes a new experiment --------------------------------------------------------------
+@pilot_test
+async def test_a_new_model_drops_what_belonged_to_the_old_one():
+    """tiny-local trains its tiny model in FP32 on the CPU: Llama-3 70B gets the default precision,
+    and a name of its own, not 'tiny-local-edited'."""
+    app = CharllmApp()
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await compose_ready(pilot)
+        assert screen.query_one("#f-precision").value == "fp32"
+        screen.query_one("#model").value = "llama3-70b"
+        await wait_for(pilot, lambda: app.experiment.model.name == "llama3-70b")
+        await wait_for(pilot, lambda: screen.last.serial == screen.edit_serial)
+        assert app.experiment.name == "llama3-70b-cpu"
+        assert app.experiment.training.bf16 is True and screen.query_one("#f-precision").value == "bf16"
+        assert "llama3-70b-cpu" in str(screen.query_one("#summary").render())
+        assert app.experiment.cluster.gpus_per_node == 2                  # the cluster stays the user's

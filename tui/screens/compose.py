@@ -117,6 +117,18 @@ def set_value(exp: Experiment, field: Field, raw) -> None:
     exp.set(field.key, value)
 
 
+def switch_model(exp: Experiment, model: ModelSpec) -> None:
+    """Put `model` into `exp` as a new experiment of it: named after the model and hardware, with the
+    training choices that belonged to the old model back at their defaults (the precision: tiny-local's
+    FP32 is its CPU model's, not Llama-3 70B's; a sequence length set for it). The cluster, the layout
+    and the batch stay: they are the user's, and validation says where they no longer fit."""
+    default = experiment.Training()
+    exp.model = model
+    exp.name = f"{model.name}-{exp.hardware.name}"
+    for name in ("bf16", "fp16", "fp8", "seq_length"):
+        setattr(exp.training, name, getattr(default, name))
+
+
 class Form(Grid):
     """The form's grid; once mounted (lazily) it shows the app's experiment."""
 
@@ -261,7 +273,7 @@ class ComposeScreen(WorkbenchScreen):
         exp = self.app.experiment.copy()
         try:
             if wid == "model":
-                exp.model = ModelSpec.load(event.value)
+                switch_model(exp, ModelSpec.load(event.value))
             elif wid == "hardware":
                 exp.hardware = Hardware.load(event.value)
             elif wid in FIELDS:
@@ -275,9 +287,13 @@ class ComposeScreen(WorkbenchScreen):
         if exp == self.app.experiment:
             return                      # a control set to what the experiment already has
         self.last_edited = wid
-        exp.name = edited_name(exp.name)
+        if wid != "model":                  # a new model names its experiment itself
+            exp.name = edited_name(exp.name)
         self.app.experiment = exp
-        self.refresh_plan()
+        if wid == "model":
+            self.sync_from_app()            # the fields the model change reset
+        else:
+            self.refresh_plan()
 
     def _load_preset(self, name: str) -> None:
         try:
