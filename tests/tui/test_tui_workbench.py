@@ -304,3 +304,162 @@ async def test_a_new_model_drops_what_belonged_to_the_old_one():
         assert app.experiment.training.bf16 is True and screen.query_one("#f-precision").value == "bf16"
         assert "llama3-70b-cpu" in str(screen.query_one("#summary").render())
         assert app.experiment.cluster.gpus_per_node == 2                  # the cluster stays the user's
+
+
+# -- 8. Live ----------------------------------------------------------------------------------------------
+BRAILLE = range(0x2801, 0x2900)
+
+
+@pilot_test
+async def test_a_chart_keeps_its_legend_rows_clear_of_the_data():
+    """A CPU at 100% ran under the legend: the plot's top rows are left to it."""
+    from textual.app import App
+
+    from charllm.tui.widgets.charts import Chart
+
+    class One(App):
+        def compose(self):
+            yield Chart("host CPU utilization (%)", xlabel="time (s)")
+
+    app = One()
+    async with app.run_test(size=(60, 14)) as pilot:
+        chart = app.query_one(Chart)
+        xs = [i * 0.5 for i in range(40)]
+        chart.show({"node0": (xs, [100.0 - i for i in range(40)]), "node1": (xs, [90.0 - i for i in range(40)])})
+        await pilot.pause(0.3)
+        lines = chart.render().plain.splitlines()
+        for label in ("node0", "node1"):
+            row = next(line for line in lines if label in line).replace("⢕⢕", "")
+            assert not [c for c in row if ord(c) in BRAILLE], row                 # no data on a legend row
+        assert sum(ord(c) in BRAILLE for c in "".join(lines)) > 20                  # the data is drawn
+
+
+async def live_drawn(pilot, kind: str, timeout: float = 30.0):
+    screen = pilot.app.screen
+    await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == kind,
+                   timeout=timeout, what=f"a {kind} frame")
+    return screen
+
+
+@pilot_test
+async def test_live_zooms_while_paused_on_the_data_it_paused_on():
+    app = CharllmApp(start_mode="live")                                    # this machine's host telemetry
+    async with app.run_test(size=(160, 48)) as pilot:
+        screen = await live_drawn(pilot, "host")
+        await wait_for(pilot, lambda: max(max(xs) for xs, _ in screen.last_frame.charts["cpu_util_pct"].values()) > 1,
+                       what="two seconds of samples")
+        await pilot.press("space")
+        paused_at = max(max(xs) for xs, _ in screen.last_frame.charts["cpu_util_pct"].values())
+        drawn = screen.frames
+        await pilot.press("plus")                                          # 60 s -> 30 s
+        await wait_for(pilot, lambda: screen.frames > drawn, what="the zoomed charts")
+        assert screen.paused and "last 30 s" in str(screen.query_one("#live-title").render())
+        shown = max(max(xs) for xs, _ in screen.last_frame.charts["cpu_util_pct"].values())
+        assert shown <= paused_at + 1e-9                                   # still the paused data
+        await pilot.pause(2.5)
+        assert max(max(xs) for xs, _ in screen.last_frame.charts["cpu_util_pct"].values()) == shown
+
+
+@pilot_test
+async def test_live_h_while_paused_shows_the_host_charts_live(charllm_dirs):
+    from charllm.tui.demo import make_demo_run
+
+    run = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo", seconds=6)
+    app = CharllmApp(run=run)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await live_drawn(pilot, "gpu")
+        await pilot.press("space")
+        await pilot.press("h")
+        await live_drawn(pilot, "host")
+        assert not screen.paused and "PAUSED" not in str(screen.query_one("#live-title").render())
+        titles = [c.title.split(" · ")[0] for c in screen.query("Chart")]
+        assert titles[0] == "host CPU utilization (%)"
+
+
+@pilot_test
+async def test_live_a_cpu_run_charts_the_host_before_its_telemetry_comes(charllm_dirs):
+    from charllm.engine.model.experiment import Experiment
+    from charllm.probes.store.synthetic import make_run
+    from charllm.tui.screens.live import GPU_CHARTS, HOST_CHARTS
+
+    run = make_run(charllm_dirs["runs"], [], run_id="20251121-080000-tiny-local",
+                   experiment=Experiment.load("tiny-local").to_toml())
+    app = CharllmApp(run=run.path)
+    async with app.run_test(size=(160, 48)) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last_frame is not None, what="the first frame")
+        assert screen.last_frame.kind == "none"
+        titles = [c.title for c in screen.query("Chart")]
+        assert titles == [title for _, title in HOST_CHARTS[:4]]
+        assert not set(titles) & {title for _, title in GPU_CHARTS}
+        assert all(c.xlabel == "time (s)" for c in screen.query("Chart"))
+
+
+def test_live_names_the_window_of_each_speed():
+    """The last 10 steps and the whole steady window, each named: the steady figure is the one
+    Runs, Compare and summarize give."""
+    from charllm.tui.screens.live import iterations_text
+
+    events = []
+    for i in range(1, 21):
+        secs = 0.2 if i <= 5 else 0.1                # warm-up steps are slow
+        events.append({"event": "iteration", "iteration": i, "warmup": i <= 5, "tokens": 1000,
+                       "start_ns": int(i * 1e9), "end_ns": int(i * 1e9 + secs * 1e9), "loss": 2.0})
+    events[-1]["end_ns"] += int(0.9e9)               # the last step took 1 s
+    lines = iterations_text(events).splitlines()
+    assert lines[1] == "last 10 steps: 190 ms/it · 5,263 tokens/s"
+    assert lines[2] == "steady window: 160 ms/it · 6,250 tokens/s"
+
+
+# -- 14. GPU processes in Live ------------------------------------------------------------------------------
+@pilot_test
+async def test_live_lists_this_machines_gpu_processes(monkeypatch):
+    from fakes_nvml import FakeGpu, FakeNvml, FakeProcess
+
+    FakeNvml([FakeGpu(0, processes=[FakeProcess(4242, "pretrain_gpt.py", 60 * 2**30, 97)]),
+              FakeGpu(1, processes=[FakeProcess(4243, "pretrain_gpt.py", 58 * 2**30, 95)])]).install(monkeypatch)
+    app = CharllmApp(start_mode="live")
+    async with app.run_test(size=(160, 48)) as pilot:
+        screen = await live_drawn(pilot, "host")
+        panel = screen.query_one("#gpu-processes")
+        await wait_for(pilot, lambda: "4243" in str(panel.render()), what="the process list")
+        text = str(panel.render())
+        assert panel.display and "GPU processes on" in text and "(nvml)" in text
+        assert "gpu0" in text and "4242" in text and "60.00 GiB" in text and "97%" in text and "pretrain_gpt.py" in text
+        assert text.index("4242") < text.index("4243")
+
+
+@pilot_test
+async def test_live_gpu_processes_say_why_there_are_none():
+    app = CharllmApp(start_mode="live")                # no GPU library answers in the test machine
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await live_drawn(pilot, "host")
+        panel = screen.query_one("#gpu-processes")
+        await wait_for(pilot, lambda: "GPU processes" in str(panel.render()), what="the panel")
+        assert "no GPU library answers" in str(panel.render()) and "nvml" in str(panel.render())
+
+
+@pilot_test
+async def test_live_p_shows_the_processes_in_place_of_a_local_runs_log(charllm_dirs, monkeypatch):
+    from fakes_nvml import FakeGpu, FakeNvml, FakeProcess
+    from charllm.tui.demo import make_demo_run
+    from charllm.probes.store.rundir import RunDir
+
+    FakeNvml([FakeGpu(0, processes=[FakeProcess(4242)])]).install(monkeypatch)
+    recorded = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo", seconds=6)
+    app = CharllmApp(run=recorded)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await live_drawn(pilot, "gpu")
+        await pilot.press("p")                         # a recorded run: not this machine's GPUs now
+        assert not screen.query_one("#gpu-processes").display and screen.query_one("#log-tail").display
+        rd = RunDir(recorded)                          # the same run, going on here
+        rd.write_manifest({**rd.read_manifest(), "status": "running", "target": {"name": "local", "kind": "local"}})
+        screen.follow(recorded)
+        await live_drawn(pilot, "gpu")
+        await wait_for(pilot, lambda: screen.processes, what="the process list")
+        assert screen.query_one("#log-tail").display
+        await pilot.press("p")
+        assert screen.query_one("#gpu-processes").display and not screen.query_one("#log-tail").display
+        assert "4242" in str(screen.query_one("#gpu-processes").render())
+        await pilot.press("p")
+        assert screen.query_one("#log-tail").display
