@@ -463,3 +463,54 @@ async def test_live_p_shows_the_processes_in_place_of_a_local_runs_log(charllm_d
         assert "4242" in str(screen.query_one("#gpu-processes").render())
         await pilot.press("p")
         assert screen.query_one("#log-tail").display
+
+
+# -- 14. Runs: search, filter, sort ---------------------------------------------------------------------
+@pilot_test
+async def test_runs_search_filter_and_sort(charllm_dirs):
+    from charllm.probes.store.rundir import RunDir
+    from charllm.tui.demo import make_demo_run
+
+    fast = make_demo_run(charllm_dirs["runs"], "20251121-080000-llama-fast", seconds=6)
+    capped = make_demo_run(charllm_dirs["runs"], "20251121-090000-llama-capped", seconds=6, power_limit_w=450.0, seed=3)
+    tiny = make_demo_run(charllm_dirs["runs"], "20251121-100000-tiny", seconds=6, seed=5)
+    rd = RunDir(tiny)
+    rd.write_manifest({**rd.read_manifest(), "status": "failed"})
+    app = CharllmApp(start_mode="runs")
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = app.screen
+        table = screen.query_one("#runs-table")
+
+        def rows():
+            return [row.key.value for row in table.ordered_rows]
+
+        await wait_for(pilot, lambda: table.row_count == 3 and all(
+            table.get_cell(r.name, "peak W") != "…" for r in (fast, capped, tiny)), timeout=60, what="headlines")
+        assert rows() == [tiny.name, capped.name, fast.name]                     # newest first
+        view = screen.query_one("#runs-view")
+        assert not view.display
+        # / searches id, experiment, target and status as one types
+        table.focus()
+        await pilot.press("slash", *"llama")
+        assert sorted(rows()) == sorted([fast.name, capped.name])
+        assert "2 of 3 runs · search 'llama'" in str(view.render())
+        await pilot.press("escape")                                              # clears it
+        assert len(rows()) == 3 and table.has_focus
+        # f: one status at a time
+        await pilot.press("f", "f")                                              # running, then completed
+        assert sorted(rows()) == sorted([fast.name, capped.name]) and "status completed" in str(view.render())
+        await pilot.press("f")                                                   # failed
+        assert rows() == [tiny.name]
+        await pilot.press("f", "f")                                              # cancelled, then all
+        assert len(rows()) == 3
+        # s: by tokens/s, then J/token (least first), ...; a click on a heading sorts by it
+        await pilot.press("s")
+        assert "sorted by tokens/s, fastest first" in str(view.render())
+        speeds = [float(table.get_cell(r, "tokens/s").replace(",", "")) for r in rows()]
+        assert speeds == sorted(speeds, reverse=True)
+        await pilot.press("s", "s")
+        peaks = [float(table.get_cell(r, "peak W")) for r in rows()]
+        assert peaks == sorted(peaks, reverse=True) and rows()[-1] == capped.name     # capped at 450 W
+        await pilot.click("#runs-table", offset=(3, 0))                          # the "run" heading
+        await pilot.pause(0.1)
+        assert rows() == sorted(rows()) and "sorted by run, a-z" in str(view.render())
