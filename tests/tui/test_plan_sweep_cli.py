@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import polars as pl
@@ -74,6 +75,9 @@ def test_plan_megatron_args(capsys):
     (["plan", "--megatron-args", "--num-layers x", "--world-size", "8", "--hardware", "h100-sxm-80gb"], "x"),
     (["plan", "--megatron-args", MEGATRON, "--world-size", "3", "--hardware", "h100-sxm-80gb"], "3"),
     (["plan", "tiny-local", "--world-size", "4"], "--world-size"),
+    (["plan", "--megatron-args", "", "--world-size", "8", "--hardware", "h100-sxm-80gb"],
+     "--megatron-args = '': no arguments in it"),
+    (["plan", "--megatron-args", "# only a comment\n", "--hardware", "h100-sxm-80gb"], "no arguments in it"),
 ])
 def test_plan_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
@@ -100,6 +104,18 @@ def test_sweep_table(capsys):
     assert "rank" in out and "headroom" in out and "layouts" in out
     body = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(body) == 5 and body[0].split()[0] == "1"
+
+
+def test_sweep_fits_only_counts_what_was_swept_and_what_fits_alike(capsys):
+    code, out, _ = run(capsys, *SWEEP, "--top", "3")
+    everything = out.splitlines()[0]
+    code, out, _ = run(capsys, *SWEEP, "--top", "3", "--fits-only")
+    assert code == 0
+    title = out.splitlines()[0]
+    counts = re.search(r"([\d,]+) layouts, ([\d,]+) fit, only those listed", title)
+    assert counts, title
+    swept, fit = (int(c.replace(",", "")) for c in counts.groups())
+    assert swept > fit > 0 and f"{swept:,} layouts, {fit:,} fit" in everything
 
 
 def test_sweep_json_rows(capsys):

@@ -7,7 +7,7 @@ import json
 import sys
 
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.megatron import import_megatron_args, launcher_world_size
+from charllm.engine.model.megatron import import_megatron_args, launcher_world_size, split_command_line
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import check
 from charllm.probes.core.errors import plural, UserError
@@ -71,6 +71,9 @@ def register(sub) -> None:
 def load(args: argparse.Namespace):
     """(experiment, ignored Megatron flags, warnings) from either form of the command line."""
     if args.megatron_args is not None:
+        if not split_command_line(args.megatron_args):     # "" or only comments: an empty $(cat FILE)?
+            raise UserError(f"--megatron-args = {args.megatron_args!r}: no arguments in it; give Megatron-LM's "
+                            "flags, a launch script's text or a model_config.yaml's")
         if args.experiment:
             raise UserError("plan: give either EXPERIMENT_OR_PRESET or --megatron-args, not both")
         if args.hardware is None:

@@ -25,26 +25,13 @@ from charllm.probes.analysis import baselines, summary
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import local_time
 from charllm.probes.store.rundir import list_runs, Manifest, RunDir, run_id_name, runtime_line
+from charllm.tui.commands.runs import HEADLINE, WINDOW, WINDOW_TEXT
 from charllm.tui.screens.base import WorkbenchScreen, shortest_key
 from charllm.tui.screens.dialogs import AskName, Confirm, free_name
 
 STATUS_STYLE = {"running": "bold green", "pending": "yellow", "completed": "", "failed": "bold red",
                 "cancelled": "magenta"}
-# summary column -> (table heading, format)
-HEADLINE = {
-    "iterations": ("iters", "{:.0f}"),
-    "tokens_per_s": ("tokens/s", "{:,.0f}"),
-    "power_mean_w": ("mean W", "{:.0f}"),
-    "power_peak_w": ("peak W", "{:.0f}"),
-    "energy_per_token_j": ("J/token", "{:.3g}"),
-    "temp_gpu_peak_c": ("peak °C", "{:.0f}"),
-    "throttle_perf_frac": ("throttled", "{:.0%}"),
-}
 COLUMNS = ("run", "status", *(h for h, _ in HEADLINE.values()), "target", "experiment", "started")
-# The headline figures' window: the steady state (non-warm-up iterations), as `summarize` and
-# `compare` give them by default, so one run shows one tokens/s everywhere.
-WINDOW = "steady"
-WINDOW_TEXT = "figures over each run's steady window (non-warm-up iterations), as summarize and compare give them"
 # The keys the footer has no room for at 80 columns first; this line stays under the run's details.
 # Groups of (binding id, what it does), shown with the keys the user's [keymap] gives them.
 KEYS_LINE = ((("runs.baseline", "save as baseline"),), (("runs.search", "search"), ("runs.filter", "status"),
