@@ -248,3 +248,18 @@ def test_sweep_of_an_experiment_keeps_its_settings(capsys):
     composed = Experiment.load("ppt-h100-llama3-70b-1-01000").apply(["attention_backend=unfused"])
     for row in [r for r in rows if r["fits"]][:20]:
         assert estimate(layout_to_experiment(composed, row)).peak_bytes == row["peak_bytes"]
+
+
+def test_a_paper_preset_that_does_not_fit_says_how_the_paper_ran_it(capsys):
+    """GPT-3 175B at TP2 PP32 without recomputation needs ~90 GiB of an 80 GiB H100: the plan says the
+    paper ran all four variants, marking those that ran out of memory, and names the recompute preset."""
+    code, out, _ = run(capsys, "plan", "ppt-h100-gpt3-175b-1-00000")
+    assert code == 1
+    said = " ".join(out.split())
+    assert "the paper ran all four variants of this layout" in said and "out of memory OOM" in said
+    assert "with recomputation: ppt-h100-gpt3-175b-1-01000" in said
+    code, out, _ = run(capsys, "plan", "ppt-h200-gpt3-175b-4-00000")        # TP1 PP32 on H200s
+    said = " ".join(out.split())
+    assert code == 1 and "parallelism sweep ran this layout with recomputation (ppt-h200-gpt3-175b-4-01000)" in said
+    code, out, _ = run(capsys, "plan", "tiny-local")                   # fits: nothing more said
+    assert code == 0 and "CPU processes" not in out

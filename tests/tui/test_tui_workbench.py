@@ -514,3 +514,17 @@ async def test_runs_search_filter_and_sort(charllm_dirs):
         await pilot.click("#runs-table", offset=(3, 0))                          # the "run" heading
         await pilot.pause(0.1)
         assert rows() == sorted(rows()) and "sorted by run, a-z" in str(view.render())
+
+
+# -- 13. A paper preset that does not fit says how the paper ran it -------------------------------------
+@pilot_test
+async def test_compose_says_how_the_paper_ran_a_preset_that_does_not_fit():
+    from charllm.engine.model.experiment import Experiment
+
+    app = CharllmApp(Experiment.load("ppt-h100-gpt3-175b-1-00000"))
+    async with app.run_test(size=(160, 48)) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last is not None and screen.last.report is not None, timeout=60)
+        verdict = " ".join(str(screen.query_one("#verdict").render()).split())
+        assert "DOES NOT FIT" in verdict
+        assert "the paper ran all four variants of this layout" in verdict and "ppt-h100-gpt3-175b-1-01000" in verdict

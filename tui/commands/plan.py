@@ -149,6 +149,8 @@ def render(exp, report) -> None:
     for line in arithmetic:
         console.print(line, highlight=False)
     console.print(f"[b {VERDICT_STYLE[report.verdict]}]{conclusion}[/]", highlight=False)
+    if report.verdict == "does not fit" and exp.description:   # a preset says why it is listed at all
+        console.print(f"{exp.name}: {exp.description}", highlight=False)
     for problem in report.runtime_problems:
         console.print(f"[red]will not launch:[/] {problem}", highlight=False)
     for warning in report.warnings:

@@ -124,7 +124,7 @@ def switch_model(exp: Experiment, model: ModelSpec) -> None:
     and the batch stay: they are the user's, and validation says where they no longer fit."""
     default = experiment.Training()
     exp.model = model
-    exp.name = f"{model.name}-{exp.hardware.name}"
+    exp.name, exp.description = f"{model.name}-{exp.hardware.name}", ""
     for name in ("bf16", "fp16", "fp8", "seq_length"):
         setattr(exp.training, name, getattr(default, name))
 
@@ -391,6 +391,9 @@ class ComposeScreen(WorkbenchScreen):
             notes = "".join(f"\n[yellow]![/] {w}" for w in r.get("warnings", []))
             blocked = "".join(f"\n[red]✗ will not launch:[/] {escape(p)}" for p in r.get("cannot_run", []))
             impl = r["implementation"]
+            exp = self.app.experiment
+            if r["verdict"] == "does not fit" and exp.description and not exp.name.endswith("-edited"):
+                notes += f"\n[dim]{escape(exp.description)}[/]"      # an unedited preset says why it is listed
             verdict.update(f"{word}  {escape(conclusion)}\n"
                            + "".join(f"[dim]{escape(line)}[/]\n" for line in arithmetic)
                            + f"[dim]runs as {impl['transformer_impl']} · attention {impl['attention']} "
