@@ -18,8 +18,9 @@ FLOW = """\
 validated and its memory estimated per pipeline stage. **Sweep** maps every layout that fits;
 Enter on a row loads it into Compose. **Launch** shows the dry run and starts the run (local,
 SSH or Slurm). **Live** shows power, temperatures, SM clock and throttling per GPU, iteration
-speed and the log; with no run it shows this machine's host telemetry. **Runs** lists runs
-(open, cancel, delete, mark for compare). **Compare** puts runs and a baseline side by side.
+speed and the log (or, `p`, the processes on this machine's GPUs); with no run it shows this
+machine's host telemetry. **Runs** lists runs (search, one status, sort; open, cancel, delete, mark
+for compare). **Compare** puts runs and a baseline side by side.
 **Doctor** checks this node (versions, devices, telemetry, sampling rate) and, with a short
 training job, saves the calibration that Compose, Sweep and plan use for its hardware.
 
