@@ -431,9 +431,12 @@ class LiveScreen(WorkbenchScreen):
         self._update("#live-runtime", f"ran as {frame.runtime}" if frame.runtime else "")
         self.query_one("#live-runtime").display = bool(frame.runtime)
         self.query_one("#sim-badge").display = frame.simulated
-        listed = bool(frame.processes_note)              # this machine's GPUs are the source's
+        # The GPU processes: shown of themselves beside host telemetry when a GPU library lists them,
+        # else on p (which also says why there are none); never for another machine's run.
         run = self.source_path is not None
-        processes = listed and (self.show_processes if self.show_processes is not None else not run)
+        automatic = not run and frame.processes_listed
+        processes = bool(frame.processes_note) and (
+            self.show_processes if self.show_processes is not None else automatic)
         self.query_one("#iterations").display = run
         self.query_one("#gpu-processes").display = processes
         self.query_one("#log-tail").display = run and not processes
