@@ -2,8 +2,8 @@
 
     python benchmarks/bench_tui.py [--runs 5] [--seconds 30]
 
-1. Time from `charllm-tui` to the first frame, in a real terminal (tmux, 160x48): from the
-   process start until the pane shows the tab bar (target: under 1 s), and until the Compose
+1. Time from `charllm-tui` to the first frame, in a real terminal (tmux, 80x24 and 160x48): from
+   the process start until the pane shows the tab bar (target: under 1 s), and until the Compose
    form, which mounts just after the first frame, is on screen too.
 2. CPU used by the TUI process while the Live screen follows a run written by a real sampler
    process (`python -m charllm.probes --backend sim --sim-gpus 8 --hz 20`); the sampler's own
@@ -17,6 +17,8 @@
    until the table is redrawn; each until the first frame drawn after it. Target: under 300 ms.
 5. The Runs screen over 16 recorded runs, headless: from F6 until the top row shows its headline
    numbers and until every row does, with no summary kept yet and with each run's summary kept.
+6. Screen switches at 80x24, headless, once start-up's idle work is done: from each screen's key
+   (F3 to F8, then back to F2) until the first frame that shows that screen. Target: under 300 ms.
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ def tmux(sock: Path, *args: str) -> str:
     return subprocess.run(["tmux", "-S", str(sock), *args], capture_output=True, text=True).stdout
 
 
-def start_in_tmux(sock: Path, env: dict[str, str], command: str) -> psutil.Process:
+def start_in_tmux(sock: Path, env: dict[str, str], command: str, size: tuple[int, int] = (160, 48)) -> psutil.Process:
     line = "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + command
-    tmux(sock, "new-session", "-d", "-s", "b", "-x", "160", "-y", "48", line)
+    tmux(sock, "new-session", "-d", "-s", "b", "-x", str(size[0]), "-y", str(size[1]), line)
     return psutil.Process(int(tmux(sock, "display-message", "-p", "-t", "b", "#{pane_pid}").strip()))
 
 
@@ -62,14 +64,14 @@ def stop_tmux(sock: Path) -> None:
         psutil.Process(int(pid)).kill()
 
 
-def first_frame(runs: int) -> tuple[list[float], list[float]]:
+def first_frame(runs: int, size: tuple[int, int]) -> tuple[list[float], list[float]]:
     """Seconds to the first frame (tab bar) and to the complete Compose form, per run."""
     frames, forms = [], []
     for i in range(runs):
         with tempfile.TemporaryDirectory() as tmp:
             sock = Path(tmp) / "t.sock"
             began = time.perf_counter()
-            start_in_tmux(sock, env_for(Path(tmp)), "charllm-tui")
+            start_in_tmux(sock, env_for(Path(tmp)), "charllm-tui", size)
             seen = None
             while True:
                 screen = tmux(sock, "capture-pane", "-p", "-t", "b")
@@ -83,7 +85,8 @@ def first_frame(runs: int) -> tuple[list[float], list[float]]:
             frames.append(seen)
             forms.append(time.perf_counter() - began)
             stop_tmux(sock)
-        console.print(f"  run {i + 1}/{runs}: first frame {frames[-1] * 1000:.0f} ms, form {forms[-1] * 1000:.0f} ms")
+        console.print(f"  {size[0]}x{size[1]} run {i + 1}/{runs}: first frame {frames[-1] * 1000:.0f} ms, "
+                      f"form {forms[-1] * 1000:.0f} ms")
     return frames, forms
 
 
@@ -147,36 +150,55 @@ def compose_latency(edits: int) -> list[float]:
     return latencies
 
 
-def sweep_latency(runs: int, ahead: bool = True) -> tuple[list[float], list[float]]:
-    """Key to the first frame that shows the filled table (Textual's App._display draws a frame)."""
-    from textual.app import App
+class FrameClock:
+    """Times a key to the first frame drawn once a condition holds (Textual's App._display draws a
+    frame); install() patches App._display for the time of a measurement."""
 
+    def __init__(self):
+        from textual.app import App
+
+        self.display = App._display
+        self.looking_for = None     # what the next frame must show to be timed (None: nothing)
+        self.shown_at = None        # when a frame first showed it
+
+    def __enter__(self):
+        from textual.app import App
+
+        clock = self
+
+        def timed_display(app, screen, renderable):
+            clock.display(app, screen, renderable)
+            if renderable is not None and clock.shown_at is None and clock.looking_for is not None \
+                    and clock.looking_for():
+                clock.shown_at = time.perf_counter()
+
+        App._display = timed_display
+        return self
+
+    def __exit__(self, *exc):
+        from textual.app import App
+
+        App._display = self.display
+
+    async def key_to_frame(self, pilot, key: str, filled) -> float:
+        """From pressing `key` to the first frame drawn once `filled()` holds."""
+        self.looking_for, self.shown_at = filled, None
+        began = time.perf_counter()
+        await pilot.press(key)
+        while self.shown_at is None:
+            await pilot.pause(0.001)
+        self.looking_for = None
+        return self.shown_at - began
+
+
+def sweep_latency(runs: int, ahead: bool = True) -> tuple[list[float], list[float]]:
+    """Key to the first frame that shows the filled table."""
     from charllm.tui.app import CharllmApp
     from charllm.tui.screens.sweep import SweepScreen
 
     opened, toggled = [], []
-    looking_for = None      # what the next frame must show to be timed (None: nothing)
-    shown_at = None         # when a frame first showed it
-    display = App._display
 
-    def timed_display(app, screen, renderable):
-        nonlocal shown_at
-        display(app, screen, renderable)
-        if renderable is not None and shown_at is None and looking_for is not None and looking_for():
-            shown_at = time.perf_counter()
-
-    async def key_to_frame(pilot, key: str, filled) -> float:
-        """From pressing `key` to the first frame drawn once `filled()` holds."""
-        nonlocal looking_for, shown_at
-        looking_for, shown_at = filled, None
-        began = time.perf_counter()
-        await pilot.press(key)
-        while shown_at is None:
-            await pilot.pause(0.001)
-        looking_for = None
-        return shown_at - began
-
-    async def run() -> None:
+    async def run(clock: FrameClock) -> None:
         for _ in range(runs):
             app = CharllmApp(Experiment.load("ppt-h100-llama3-70b-1-01000"))
             async with app.run_test(size=(160, 48)) as pilot:
@@ -185,19 +207,46 @@ def sweep_latency(runs: int, ahead: bool = True) -> tuple[list[float], list[floa
                     await pilot.pause(0.05)
                 if ahead:
                     await pilot.pause(0.5)                  # the idle work after start-up is done
-                opened.append(await key_to_frame(pilot, "f3", lambda: isinstance(app.screen, SweepScreen)
-                                                 and app.screen.query_one("#sweep-table").row_count))
+                opened.append(await clock.key_to_frame(pilot, "f3", lambda: isinstance(app.screen, SweepScreen)
+                                                       and app.screen.query_one("#sweep-table").row_count))
                 screen = app.screen
                 for _ in range(4):
                     before = screen.table_frame
-                    toggled.append(await key_to_frame(pilot, "f", lambda: screen.table_frame is not before))
+                    toggled.append(await clock.key_to_frame(pilot, "f", lambda: screen.table_frame is not before))
 
-    App._display = timed_display
-    try:
-        asyncio.run(run())
-    finally:
-        App._display = display
+    with FrameClock() as clock:
+        asyncio.run(run(clock))
     return opened, toggled
+
+
+def screen_switches(runs: int) -> dict[str, list[float]]:
+    """Per screen key at 80x24: key to the first frame showing that screen, first visit included."""
+    from charllm.tui.app import CharllmApp
+    from charllm.tui.screens import SCREENS
+
+    order = [*SCREENS[1:], SCREENS[0]]          # F3 ... F8, then back to Compose
+    times: dict[str, list[float]] = {key: [] for _, _, key, _ in order}
+
+    async def run(clock: FrameClock) -> None:
+        app = CharllmApp()
+        async with app.run_test(size=(80, 24)) as pilot:
+            while app.swept_ahead is None:          # start-up's idle work is done
+                await pilot.pause(0.05)
+            await pilot.pause(0.5)
+            for mode, _, key, _ in order:
+                times[key].append(await clock.key_to_frame(pilot, key, lambda: app.current_mode == mode))
+                await pilot.pause(0.3)
+
+    with tempfile.TemporaryDirectory() as tmp, FrameClock() as clock:
+        saved = os.environ.copy()
+        os.environ.update(env_for(Path(tmp)))
+        try:
+            for _ in range(runs):
+                asyncio.run(run(clock))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return times
 
 
 def runs_headlines(n_runs: int) -> list[tuple[str, float, float]]:
@@ -251,7 +300,8 @@ def main() -> None:
         raise SystemExit("needs tmux and charllm-tui on PATH")
     console.print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with console.status("time to first frame…"):
-        frames, forms = first_frame(args.runs)
+        small, _ = first_frame(args.runs, (80, 24))
+        frames, forms = first_frame(args.runs, (160, 48))
     with console.status(f"live view CPU over {args.seconds:g} s…"):
         cpu, _ = live_cpu(args.seconds)
     with console.status("Compose edit latency…"):
@@ -261,11 +311,14 @@ def main() -> None:
         cold, _ = sweep_latency(3, ahead=False)
     with console.status("Runs screen headlines…"):
         headlines = runs_headlines(16)
+    with console.status("screen switches…"):
+        switches = screen_switches(3)
     table = Table(title="charllm-tui workbench")
     for column in ("measure", "result", "target"):
         table.add_column(column)
-    table.add_row("first frame (median of %d)" % len(frames), f"{statistics.median(frames) * 1000:.0f} ms "
-                  f"(min {min(frames) * 1000:.0f}, max {max(frames) * 1000:.0f})", "< 1000 ms")
+    for size, times in (("80x24", small), ("160x48", frames)):
+        table.add_row(f"first frame at {size} (median of {len(times)})", f"{statistics.median(times) * 1000:.0f} ms "
+                      f"(min {min(times) * 1000:.0f}, max {max(times) * 1000:.0f})", "< 1000 ms")
     table.add_row("Compose form complete (median)", f"{statistics.median(forms) * 1000:.0f} ms", "—")
     table.add_row("live view, 8 sim GPUs @ 20 Hz", f"{cpu:.1f} % of one core", "< 10 %")
     table.add_row("Compose edit -> memory bars (median of 20)",
@@ -278,6 +331,9 @@ def main() -> None:
     for label, top, every in headlines:
         table.add_row(f"F6 -> Runs headlines, 16 runs, {label}",
                       f"top row {top * 1000:.0f} ms, all {every * 1000:.0f} ms", "—")
+    for key, times in switches.items():
+        table.add_row(f"{key.upper()} -> its screen at 80x24 (first visit; median of {len(times)})",
+                      f"{statistics.median(times) * 1000:.0f} ms (max {max(times) * 1000:.0f})", "< 300 ms")
     console.print(table)
 
 

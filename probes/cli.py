@@ -210,7 +210,10 @@ class _LiveTable:
 
     def __exit__(self, *exc):
         self.live.update(self._render(), refresh=True)
-        return self.live.__exit__(*exc)
+        done = self.live.__exit__(*exc)
+        if not self.live.console.is_terminal:    # rich leaves a piped table's last line open
+            self.live.console.line()
+        return done
 
     def update(self, rows: list[dict]) -> None:
         import time

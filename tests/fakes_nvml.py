@@ -1,16 +1,27 @@
 """A fake NVML behind the real `pynvml` module.
 
 Only the C library is faked: the functions our backend calls are replaced on the real module
-(monkeypatch), and they answer with pynvml's own return types (c_nvmlFieldValue_t arrays,
-c_nvmlUtilization_t, c_nvmlMemory_t), constants and exception classes (NVMLError(code) maps to
-NVMLError_NotSupported etc. exactly as the real binding does).
+(monkeypatch, which refuses a name the real module lacks), take the real functions' parameters, and
+answer with pynvml's own return types (c_nvmlFieldValue_t arrays, c_nvmlUtilization_t, c_nvmlMemory_t,
+the process lists' friendly objects, c_nvmlProcessUtilizationSample_t), constants and exception classes
+(NVMLError(code) maps to NVMLError_NotSupported etc. exactly as the real binding does).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pynvml
+
+
+@dataclass
+class FakeProcess:
+    pid: int
+    name: str = "python"
+    used_bytes: int | None = 40 * 2**30      # None: the driver does not say (pynvml gives None)
+    sm_util: int | None = 90                 # None: no utilization sample for it
+    graphics: bool = False
 
 
 @dataclass
@@ -41,6 +52,8 @@ class FakeGpu:
     unsupported_calls: set = field(default_factory=set)      # {"nvmlDeviceGetTemperature", ...}
     failures: dict = field(default_factory=dict)             # {"nvmlDeviceGetClockInfo": n} transient errors
     field_failures: dict = field(default_factory=dict)       # {(fieldId, scopeId): n} per-field transient errors
+    processes: list = field(default_factory=list)            # FakeProcess
+    utilization_us: int | None = None    # the driver's newest process sample (µs); None: it samples all the time
 
 
 class FakeNvml:
@@ -59,7 +72,9 @@ class FakeNvml:
                      "nvmlDeviceGetTemperature", "nvmlDeviceGetClockInfo",
                      "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons",
                      "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo",
-                     "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetPcieThroughput"):
+                     "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetPcieThroughput",
+                     "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
+                     "nvmlDeviceGetProcessUtilization", "nvmlSystemGetProcessName"):
             monkeypatch.setattr(pynvml, name, self._counted(name, getattr(self, name)))
         return self
 
@@ -181,6 +196,45 @@ class FakeNvml:
     def nvmlDeviceGetPcieThroughput(self, gpu, counter):
         self._check(gpu, "nvmlDeviceGetPcieThroughput")
         return 0
+
+    # Processes: pynvml returns friendly objects made from c_nvmlProcessInfo_t, usedGpuMemory None
+    # where the driver answers NVML_VALUE_NOT_AVAILABLE.
+    def _processes(self, handle, name: str, graphics: bool):
+        self._check(handle, name)
+        out = []
+        for proc in handle.processes:
+            if proc.graphics != graphics:
+                continue
+            used = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value if proc.used_bytes is None else proc.used_bytes
+            obj = pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_t(pid=proc.pid, usedGpuMemory=used))
+            if obj.usedGpuMemory == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
+                obj.usedGpuMemory = None
+            out.append(obj)
+        return out
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        return self._processes(handle, "nvmlDeviceGetComputeRunningProcesses", graphics=False)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
+        return self._processes(handle, "nvmlDeviceGetGraphicsRunningProcesses", graphics=True)
+
+    def nvmlDeviceGetProcessUtilization(self, handle, timeStamp):  # noqa: N803 - pynvml's parameter name
+        """Samples newer than timeStamp; NVML_ERROR_NOT_FOUND when there are none, as the driver answers."""
+        self._check(handle, "nvmlDeviceGetProcessUtilization")
+        newest = handle.utilization_us if handle.utilization_us is not None else time.time_ns() // 1000
+        samples = [pynvml.c_nvmlProcessUtilizationSample_t(pid=p.pid, timeStamp=newest,
+                                                            smUtil=p.sm_util, memUtil=0, encUtil=0, decUtil=0)
+                   for p in handle.processes if p.sm_util is not None and newest > timeStamp]
+        if not samples:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return samples
+
+    def nvmlSystemGetProcessName(self, pid):
+        for gpu in self.gpus:
+            for proc in gpu.processes:
+                if proc.pid == pid:
+                    return proc.name
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
 
 
 def real_nvml_present() -> bool:

@@ -18,7 +18,8 @@ distributed optimizer, sequence parallel off, gradients reduced in bf16, each ru
 grad-reduce, param-gather and TP communication overlap (TP overlap needs TP>1); MoE only TP communication
 overlap; FSDP none (its TP overlap without sequence parallelism is turned off again by the artifact's NeMo).
 Recomputation: full, block method, every layer of a stage. The artifact sampled the second-to-last step, so
-all but the last two steps are marked warm-up. The micro-batch sweep (1/2/4/8, recompute on) is
+all but the last two steps are marked warm-up. A variant without recomputation says in its description how
+the paper ran its layout (PAPER_RUNS), which a plan that finds it does not fit shows beside its verdict. The micro-batch sweep (1/2/4/8, recompute on) is
 `--set micro_batch_size=N` on the 01000 presets rather than more files.
 
 Left out: H100 llama3-70b layout 4 (TP1 PP32): 80 layers do not split evenly over 32 stages, and the
@@ -68,6 +69,16 @@ LAYOUTS: dict[tuple[str, str], dict[int, tuple[int, int, int] | str]] = {
 }
 VARIANTS = {"00000": "base", "10000": "communication overlap", "01000": "activation recomputation",
             "11000": "overlap and recomputation"}
+# How the paper ran a layout without recomputation, by GPU: the H200 parallelism sweep ran every layout
+# with recomputation (01000), the optimization sweeps ran all four variants, and the artifact's figures
+# mark a run that ran out of memory "OOM" (scripts/visualization/figure_8.py, add_oom_markers); which
+# runs did is not in the artifact. `{recompute}` is the layout's 01000 preset.
+PAPER_RUNS = {
+    "h200": "the paper's parallelism sweep ran this layout with recomputation ({recompute}); its figures mark "
+            "variants that ran out of memory OOM",
+    "h100": "the paper ran all four variants of this layout, its figures marking those that ran out of memory "
+            "OOM (with recomputation: {recompute})",
+}
 
 
 def table(gpu: str, model: ModelSpec, index: int, layout, code: str) -> dict:
@@ -114,10 +125,12 @@ def table(gpu: str, model: ModelSpec, index: int, layout, code: str) -> dict:
     dp = nodes * GPUS_PER_NODE // (tp * pp)
     variant = VARIANTS[code] + (" (TP overlap asked, off as in NeMo without sequence parallelism)"
                                 if fsdp and overlap else "")
+    name = f"ppt-{gpu}-{model.name}-{index}"
+    paper = "" if recompute else "; " + PAPER_RUNS[gpu].format(recompute=f"{name}-01000")
     return {
-        "name": f"ppt-{gpu}-{model.name}-{index}-{code}",
+        "name": f"{name}-{code}",
         "description": f"CharLLM-PPT {gpu.upper()} {nodes}x{GPUS_PER_NODE}: {model.name} layout {index} "
-                       f"({shape}, DP{dp}), {variant} ({code})",
+                       f"({shape}, DP{dp}), {variant} ({code}){paper}",
         "model": model_entry,
         "hardware": hardware,
         "cluster": {"nodes": nodes, "gpus_per_node": GPUS_PER_NODE},

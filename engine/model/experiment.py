@@ -190,6 +190,8 @@ class ModelSpec:
         "learned_absolute", aliases={"--use-rotary-position-embeddings": "rope"},
         choices=("learned_absolute", "rope", "mrope", "relative", "none"),
         help="how positions are encoded: a learned table, rotary (rope, mrope), relative, or none")
+    rotary_base: int = setting(  # Megatron-LM arguments.py: --rotary-base, int, default 10000
+        10000, minimum=1, help="rotary embeddings' base period (theta), with rope or mrope; Llama 3 500000, Mixtral 1000000")
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), config=True,
                                  help="the normalization layers: LayerNorm or RMSNorm")
     add_bias_linear: bool = setting(True, flag="--disable-bias-linear", switch=False, config=True,

@@ -710,6 +710,8 @@ def export_megatron_args(exp: Experiment, version: str | None = None) -> list[st
             add(flag)
     if m.position_embedding_type != "learned_absolute":
         add("--position-embedding-type", m.position_embedding_type)
+    if m.position_embedding_type in ("rope", "mrope") and m.rotary_base != 10000:     # Megatron's default
+        add("--rotary-base", m.rotary_base)
     if m.normalization != "LayerNorm":
         add("--normalization", m.normalization)
     if m.hidden_dropout != 0.1:

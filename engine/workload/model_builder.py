@@ -82,6 +82,7 @@ class ModelBuilder:
             post_process=post_process,
             share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
             position_embedding_type=m.position_embedding_type,
+            rotary_base=m.rotary_base,
             vp_stage=vp_stage,
         )
         if self.hybrid:

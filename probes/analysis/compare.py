@@ -23,7 +23,7 @@ import polars as pl
 
 from charllm.probes.analysis import baselines
 from charllm.probes.analysis import COMPARE_FORMATS
-from charllm.probes.analysis.render import format_figure, text_table
+from charllm.probes.analysis.render import format_figure, metric_label, text_table
 from charllm.probes.analysis.summary import summarize
 from charllm.probes.analysis.windows import window_phrase
 from charllm.probes.core import paths
@@ -245,7 +245,9 @@ def render(result: CompareResult, fmt: str = "table") -> str:
                      + text_table(result.experiment_diff, md))
     heading = (f"Metrics, {result.window_text} (baseline {result.baseline}; "
                f"flagged beyond ±{result.threshold_pct:g}%)")
-    parts.append((f"## {heading}\n\n" if md else f"{heading}\n") + text_table(result.wide(), md))
+    # in words for a reader; the csv and json forms keep the metrics' names
+    wide = result.wide().with_columns(pl.col("metric").map_elements(metric_label, return_dtype=pl.String))
+    parts.append((f"## {heading}\n\n" if md else f"{heading}\n") + text_table(wide, md))
     if result.notes:
         parts.append("\n".join(("- " if md else "note: ") + n for n in result.notes) + "\n")
     return "\n".join(parts)

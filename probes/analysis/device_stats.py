@@ -12,7 +12,7 @@ Statistics follow the CharLLM-PPT paper where it defines them:
   `power_max_rise_w_per_s` is the largest rise of power within any one second.
 - NVLink bytes: counter deltas; a counter that goes down wrapped at 2**32 when the previous
   value fitted in 32 bits, else at 2**64. PCIe bytes: the byte rate integrated over time.
-- Host rows (device "host") give per-node CPU utilisation and frequency, CPU temperature, host
+- Host rows (device "host") give per-node CPU utilization and frequency, CPU temperature, host
   memory, RAPL energy and network bytes.
 """
 

@@ -51,6 +51,33 @@ def format_figure(metric: str, value) -> str:
     return f"{text}{'' if unit == '%' else ' '}{unit}".rstrip()
 
 
+# Words of metric names, as a reader says them (metric_label).
+_WORDS = {"iter": "iteration", "temp": "temperature", "gpu": "GPU", "cpu": "CPU", "mem": "memory", "util": "utilization",
+          "sm": "SM", "mfu": "MFU", "freq": "frequency", "nvlink": "NVLink", "pcie": "PCIe", "ib": "InfiniBand",
+          "net": "network", "dram": "DRAM", "tx": "sent", "rx": "received", "hw": "HW", "sw": "SW",
+          "app": "application", "perf": "power or heat", "p50": "median", "avg": "average"}
+_STATISTICS = ("mean", "peak", "median", "p99", "min", "spread", "total", "count")
+_MEASURED = ("temperature", "utilization")       # temp_gpu -> GPU temperature
+# Figures whose whole name is their unit.
+_UNIT_NAMES = {"tokens_per_s": "tokens per second", "samples_per_s": "samples per second",
+               "tflops_per_gpu": "TFLOP/s per GPU"}
+
+
+def metric_label(metric: str) -> str:
+    """A summary figure's name in words, its statistic last and its unit left to the figure beside it
+    (format_figure): "temp_gpu_peak_c" -> "GPU temperature, peak", "tokens_per_s" -> "tokens per second"."""
+    if metric in _UNIT_NAMES:
+        return _UNIT_NAMES[metric]
+    suffix = next((s for s, _ in _UNITS if metric.endswith(s) and len(s) < len(metric)), "")
+    words = [_WORDS.get(w, w) for w in metric.removesuffix(suffix).split("_") if w]
+    if len(words) > 1 and words[0] in _MEASURED:
+        words[0:2] = [words[1], words[0]]
+    statistic = words.pop() if len(words) > 1 and words[-1] in _STATISTICS and words[-2] != "over" else None
+    if words[0] == "throttle":
+        return "throttled: " + " ".join(words[1:])
+    return " ".join(words) + (f", {statistic}" if statistic else "")
+
+
 def _four_digits(value: float) -> str:
     """About four significant digits, thousands separated, no exponent: 3,355 · 57.73 · 0.0123."""
     magnitude = abs(value)

@@ -47,6 +47,18 @@ class Device:
     errors: int = 0
 
 
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process on a device, as the vendor library lists it (what nvitop shows per GPU)."""
+
+    device: str                         # the device's label: "gpu0"
+    pid: int
+    name: str                           # its executable, "" where it cannot be read
+    user: str                           # "" where it cannot be read (another container's process)
+    used_bytes: int | None              # device memory it holds; None where the driver does not say
+    sm_pct: float | None                # its share of the SMs in the last sample period; None: not reported
+
+
 class BackendUnavailable(Exception):
     """The backend cannot run on this machine; the message says why (used by `auto`)."""
 
@@ -73,6 +85,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def sample(self) -> list[dict]:
         """One row per device, with `device`, `uuid`, `backend`, `simulated`, `errors` and metrics."""
+
+    def processes(self) -> list[GpuProcess]:
+        """The processes on each device now; [] where the library lists none or cannot list them."""
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the vendor library."""

@@ -4,15 +4,20 @@ Per GPU per tick: one batched `nvmlDeviceGetFieldValues` (instant/average/memory
 energy, memory temperature, PCIe byte counters, NVLink throughput over all links), then GPU
 temperature, SM/memory clocks, clocks-event (throttle) reasons, utilization, memory and the
 enforced power limit. NVML has no field id for the GPU die temperature, hence the extra call.
+
+`processes()` lists what runs on each GPU: NVML's compute and graphics processes with the memory
+each holds, its SM share from the process-utilization samples since the last call, and its name
+(NVML's, else the host's) and user.
 """
 
 from __future__ import annotations
 
 import time
 
+import psutil
 import pynvml
 
-from charllm.probes.backends.base import Backend, BackendUnavailable, Device
+from charllm.probes.backends.base import Backend, BackendUnavailable, Device, GpuProcess
 
 UINT_MAX = 0xFFFFFFFF  # scopeId meaning "all NVLink links"
 
@@ -74,6 +79,7 @@ class NvmlBackend(Backend):
         self._fields = {d.label: list(FIELDS) for d in self._devices}
         self._pcie_prev: dict[str, tuple[float, int, int]] = {}
         self._throttle_fn = {d.label: pynvml.nvmlDeviceGetCurrentClocksEventReasons for d in self._devices}
+        self._utilization_seen_us: dict[str, int] = {}   # per device: the newest process sample read
 
     def close(self) -> None:
         try:
@@ -111,6 +117,46 @@ class NvmlBackend(Backend):
              NOT_SUPPORTED, (pynvml.NVMLError,))
         row["errors"] = dev.errors
         return row
+
+    def processes(self) -> list[GpuProcess]:
+        out = []
+        for dev in self._devices:
+            if "processes" in dev.unsupported:
+                continue
+            held: dict[int, int | None] = {}      # pid -> bytes (a process may be both compute and graphics)
+            try:
+                for listing in (pynvml.nvmlDeviceGetComputeRunningProcesses,
+                                pynvml.nvmlDeviceGetGraphicsRunningProcesses):
+                    for proc in listing(dev.handle):
+                        held.setdefault(int(proc.pid), proc.usedGpuMemory)   # None: the driver does not say
+            except NOT_SUPPORTED:
+                dev.unsupported.add("processes")
+                continue
+            except pynvml.NVMLError:
+                dev.errors += 1
+                continue
+            sm = self._process_sm(dev) if held else {}
+            out += [GpuProcess(dev.label, pid, *_process_owner(pid), used, sm.get(pid)) for pid, used in held.items()]
+        return out
+
+    def _process_sm(self, dev: Device) -> dict[int, float]:
+        """pid -> SM share (%) of its newest utilization sample since the previous call."""
+        if "process_sm" in dev.unsupported:
+            return {}
+        try:
+            samples = pynvml.nvmlDeviceGetProcessUtilization(dev.handle, self._utilization_seen_us.get(dev.label, 0))
+        except NOT_SUPPORTED:
+            dev.unsupported.add("process_sm")
+            return {}
+        except pynvml.NVMLError:      # NotFound: no sample since the last call; others are transient
+            return {}
+        newest: dict[int, tuple[int, float]] = {}
+        for sample in samples:
+            if sample.timeStamp >= newest.get(sample.pid, (-1, 0.0))[0]:
+                newest[sample.pid] = (sample.timeStamp, float(sample.smUtil))
+        if samples:
+            self._utilization_seen_us[dev.label] = max(sample.timeStamp for sample in samples)
+        return {pid: sm for pid, (_, sm) in newest.items()}
 
     def _throttle(self, dev: Device) -> int:
         """Clocks-event reasons; drivers older than the rename only know the Throttle name."""
@@ -170,6 +216,23 @@ class NvmlBackend(Backend):
             dt = now - prev[0]
             row["pcie_tx_bytes_s"] = max(0, counters["pcie_tx_bytes"] - prev[1]) / dt
             row["pcie_rx_bytes_s"] = max(0, counters["pcie_rx_bytes"] - prev[2]) / dt
+
+
+def _process_owner(pid: int) -> tuple[str, str]:
+    """(name, user) of a process: NVML's name, else the host's; "" where neither can be read (a
+    process of another container, or one that has just exited)."""
+    try:
+        name = _text(pynvml.nvmlSystemGetProcessName(pid)).rpartition("/")[2]
+    except pynvml.NVMLError:
+        name = ""
+    user = ""
+    try:
+        proc = psutil.Process(pid)
+        name = name or proc.name()
+        user = proc.username()
+    except (psutil.Error, KeyError):        # KeyError: a uid with no name on this host
+        pass
+    return name, user
 
 
 def _text(value) -> str:

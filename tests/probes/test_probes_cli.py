@@ -108,6 +108,16 @@ def test_follow_shows_a_live_table(capsys):
     assert "SIMULATED DATA" in out and "gpu1" in out and "host" in out
 
 
+def test_follow_piped_ends_its_table_with_a_newline():
+    """The summary line on stderr starts a line of its own when both go to one pipe (2>&1)."""
+    out = subprocess.run([sys.executable, "-m", "charllm.probes", "--backend", "sim", "--sim-gpus", "1",
+                          "--duration", "0.5", "--follow"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=60, env=_wide())
+    assert out.returncode == 0, out.stdout
+    last = out.stdout.splitlines()[-1]
+    assert last.startswith("probe: ") and "rows in" in last, out.stdout[-400:]
+
+
 def _wide() -> dict:
     import os
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import polars as pl
@@ -74,6 +75,9 @@ def test_plan_megatron_args(capsys):
     (["plan", "--megatron-args", "--num-layers x", "--world-size", "8", "--hardware", "h100-sxm-80gb"], "x"),
     (["plan", "--megatron-args", MEGATRON, "--world-size", "3", "--hardware", "h100-sxm-80gb"], "3"),
     (["plan", "tiny-local", "--world-size", "4"], "--world-size"),
+    (["plan", "--megatron-args", "", "--world-size", "8", "--hardware", "h100-sxm-80gb"],
+     "--megatron-args = '': no arguments in it"),
+    (["plan", "--megatron-args", "# only a comment\n", "--hardware", "h100-sxm-80gb"], "no arguments in it"),
 ])
 def test_plan_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
@@ -100,6 +104,18 @@ def test_sweep_table(capsys):
     assert "rank" in out and "headroom" in out and "layouts" in out
     body = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(body) == 5 and body[0].split()[0] == "1"
+
+
+def test_sweep_fits_only_counts_what_was_swept_and_what_fits_alike(capsys):
+    code, out, _ = run(capsys, *SWEEP, "--top", "3")
+    everything = out.splitlines()[0]
+    code, out, _ = run(capsys, *SWEEP, "--top", "3", "--fits-only")
+    assert code == 0
+    title = out.splitlines()[0]
+    counts = re.search(r"([\d,]+) layouts, ([\d,]+) fit, only those listed", title)
+    assert counts, title
+    swept, fit = (int(c.replace(",", "")) for c in counts.groups())
+    assert swept > fit > 0 and f"{swept:,} layouts, {fit:,} fit" in everything
 
 
 def test_sweep_json_rows(capsys):
@@ -232,3 +248,18 @@ def test_sweep_of_an_experiment_keeps_its_settings(capsys):
     composed = Experiment.load("ppt-h100-llama3-70b-1-01000").apply(["attention_backend=unfused"])
     for row in [r for r in rows if r["fits"]][:20]:
         assert estimate(layout_to_experiment(composed, row)).peak_bytes == row["peak_bytes"]
+
+
+def test_a_paper_preset_that_does_not_fit_says_how_the_paper_ran_it(capsys):
+    """GPT-3 175B at TP2 PP32 without recomputation needs ~90 GiB of an 80 GiB H100: the plan says the
+    paper ran all four variants, marking those that ran out of memory, and names the recompute preset."""
+    code, out, _ = run(capsys, "plan", "ppt-h100-gpt3-175b-1-00000")
+    assert code == 1
+    said = " ".join(out.split())
+    assert "the paper ran all four variants of this layout" in said and "out of memory OOM" in said
+    assert "with recomputation: ppt-h100-gpt3-175b-1-01000" in said
+    code, out, _ = run(capsys, "plan", "ppt-h200-gpt3-175b-4-00000")        # TP1 PP32 on H200s
+    said = " ".join(out.split())
+    assert code == 1 and "parallelism sweep ran this layout with recomputation (ppt-h200-gpt3-175b-4-01000)" in said
+    code, out, _ = run(capsys, "plan", "tiny-local")                   # fits: nothing more said
+    assert code == 0 and "CPU processes" not in out

@@ -23,6 +23,7 @@ def test_summarize_table_by_run(charllm_dirs, capsys):
     assert main(["summarize", "demo", "--by", "run", "--window", "all"]) == 0
     out = capsys.readouterr().out
     assert "power_mean_w" in out and "150" in out
+    assert out.splitlines()[0] == "figures over all samples"                     # its window, in words
 
 
 def test_summarize_json_and_parquet(charllm_dirs, capsys, tmp_path):
@@ -72,3 +73,23 @@ def test_runs_show_counts_agree_with_their_nouns(charllm_dirs, capsys):
     assert main(["runs", "show", "one"]) == 0
     out = capsys.readouterr().out
     assert "iterations 1 step logged" in out and "telemetry 1 chunk\n" in out
+
+
+def test_runs_list_is_newest_first_with_headline_figures(charllm_dirs, capsys):
+    """As the Runs screen lists them: newest first, each with its steady window's figures."""
+    from charllm.probes.analysis.summary import summarize
+    from charllm.tui.demo import make_demo_run
+
+    old = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-old", seconds=6)
+    new = make_demo_run(charllm_dirs["runs"], "20251121-090000-demo-new", seconds=6, power_limit_w=450.0, seed=3)
+    assert main(["runs", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split()
+    assert header[:5] == ["run", "status", "tokens/s", "peak", "W"] and "J/token" in header
+    rows = [line.split() for line in lines[1:3]]
+    assert [row[0] for row in rows] == [new.name, old.name]
+    for row, run in zip(rows, (new, old)):
+        steady = summarize(run, "steady", by="run").row(0, named=True)
+        assert row[2:5] == [f"{steady['tokens_per_s']:,.0f}", f"{steady['power_peak_w']:.0f}",
+                            f"{steady['energy_per_token_j']:.3g}"]
+    assert "steady window" in lines[-1]

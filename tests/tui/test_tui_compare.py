@@ -82,12 +82,13 @@ async def test_figures_carry_units_throughput_first_and_match_the_cli(charllm_di
     metrics = [r[0] for r in rows]
     # Read as a user reads: window, then throughput / efficiency, then host statistics.
     assert metrics[0] == "window" and rows[0][2:4] == ["steady", "steady"]
-    assert metrics.index("iterations") < metrics.index("tokens_per_s") < metrics.index("energy_per_token_j") \
-        < metrics.index("host_duration_s") < metrics.index("cpu_util_mean_pct")
+    # Metrics in words (the csv and json forms keep their names).
+    assert metrics.index("iterations") < metrics.index("tokens per second") < metrics.index("energy per token") \
+        < metrics.index("host duration") < metrics.index("CPU utilization, mean")
     figures = {r[0]: r[2] for r in rows}
-    assert re.fullmatch(r"[\d,]+ tokens/s", figures["tokens_per_s"])
-    assert figures["iter_time_mean_s"] == "950.0 ms" and figures["iterations"] == "9"    # 11 steps of 0.95 s, 2 warm-up
-    assert figures["cpu_util_mean_pct"].endswith("%") and figures["host_mem_used_peak_bytes"] == "3.000 GiB"
+    assert re.fullmatch(r"[\d,]+ tokens/s", figures["tokens per second"])
+    assert figures["iteration time, mean"] == "950.0 ms" and figures["iterations"] == "9"  # 11 steps of 0.95 s, 2 warm-up
+    assert figures["CPU utilization, mean"].endswith("%") and figures["host memory used, peak"] == "3.000 GiB"
     assert not any(re.search(r"\de[+-]\d", cell) for row in rows for cell in row)
     # The CLI prints the same cells (the same wide form, the same formatting).
     cli = render(compare([str(a.path), str(b.path)]), "table")

@@ -1,5 +1,6 @@
 """End to end in a real terminal: tmux runs `charllm-tui`, keys pick the tiny-local preset and launch
-it locally, the screen shows the live view with iterations, and quitting leaves no process behind."""
+it locally, the screen shows the live view with iterations, and quitting leaves no process behind;
+keys sent in one go (as a paste or a fast typist) all arrive."""
 
 from __future__ import annotations
 
@@ -52,12 +53,37 @@ class Tmux:
             time.sleep(0.4)
 
 
-def test_compose_launch_watch_and_quit(tmp_path, charllm_dirs):
-    tmux = Tmux(tmp_path / "tmux.sock")
+def start(tmux: Tmux, charllm_dirs, width: int = 160, height: int = 48) -> None:
     env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (
         ("CHARLLM_CONFIG_DIR", charllm_dirs["config"]), ("CHARLLM_DATA_DIR", charllm_dirs["data"]),
         ("CHARLLM_RUNS_DIR", charllm_dirs["runs"]), ("TERM", "xterm-256color")))
-    tmux("new-session", "-d", "-s", "tui", "-x", "160", "-y", "48", f"env {env} charllm-tui")
+    tmux("new-session", "-d", "-s", "tui", "-x", str(width), "-y", str(height), f"env {env} charllm-tui")
+
+
+def test_keys_sent_in_one_go_all_arrive(tmp_path, charllm_dirs):
+    """Tab to "global batch" and replace 8 by 16 with one send-keys each: the field and the experiment
+    both say 16 (Textual ran a field's ctrl+a/ctrl+k after the digits typed behind them)."""
+    tmux = Tmux(tmp_path / "tmux.sock")
+    start(tmux, charllm_dirs, 120, 40)
+    server = psutil.Process(int(tmux("display-message", "-p", "-t", "tui", "#{pid}").strip()))
+    try:
+        tmux.wait_for(r"FITS", timeout=60)
+        tmux("send-keys", "-t", "tui", *["Tab"] * 14)          # preset, model, ... micro batch, global batch
+        tmux.wait_for(r"sequences per optimizer step", timeout=10)     # its hint line
+        tmux("send-keys", "-t", "tui", "C-a", "C-k", "1", "6", "Tab")
+        # 16 sequences of 2 on 2 data-parallel ranks: 4 micro-batches (8 made 2)
+        tmux.wait_for(r"4 micro-batches of", timeout=30)
+        time.sleep(1.0)
+        screen = tmux.screen()
+        assert re.search(r"global batch\s+16\b", screen), screen
+        assert "expected an integer" not in screen
+    finally:
+        server.kill()
+
+
+def test_compose_launch_watch_and_quit(tmp_path, charllm_dirs):
+    tmux = Tmux(tmp_path / "tmux.sock")
+    start(tmux, charllm_dirs)
     server = psutil.Process(int(tmux("display-message", "-p", "-t", "tui", "#{pid}").strip()))
     app = psutil.Process(int(tmux("display-message", "-p", "-t", "tui", "#{pane_pid}").strip()))
     try:

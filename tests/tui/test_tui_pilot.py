@@ -161,15 +161,20 @@ async def test_compose_edit_renames_the_experiment_and_save_refuses_a_shipped_or
                        what="the title")
         await pilot.press("ctrl+g")
         await wait_for(pilot, lambda: (charllm_dirs["data"] / "exports" / "tiny-local-edited.megatron-args").is_file())
-        for name in ("tiny-local", "../outside"):
-            await pilot.press("ctrl+s")
-            await wait_for(pilot, lambda: app.screen is not screen, what="the name dialog")
-            assert app.screen.query_one("#name").value == "tiny-local-edited"
-            app.screen.query_one("#name").value = name
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is not screen, what="the name dialog")
+        dialog = app.screen
+        assert dialog.query_one("#name").value == "tiny-local-edited"
+        refusals = []
+        for name in ("tiny-local", "../outside"):      # refused in the dialog, which stays open
+            dialog.query_one("#name").value = name
             await pilot.press("enter")
-            await wait_for(pilot, lambda: app.screen is screen)
-            await wait_for(pilot, lambda: any(repr(name) in n for n in notes), what="the refusal")
-    assert "a shipped preset has that name" in next(n for n in notes if "'tiny-local'" in n)
+            await pilot.pause(0.1)
+            assert app.screen is dialog and dialog.query_one("#name-error").has_class("shown")
+            refusals.append(str(dialog.query_one("#name-error").render()))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is screen)
+    assert "a shipped preset has that name" in refusals[0] and "'../outside'" in refusals[1]
     assert not (charllm_dirs["config"] / "experiments").exists() and not (charllm_dirs["config"] / "outside.toml").exists()
 
 
@@ -596,7 +601,10 @@ async def test_runs_save_as_baseline_then_bad_name_is_refused(charllm_dirs):
         await pilot.press("b")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "AskName")
         await pilot.press(*"no good", "enter")   # a name with a space: one error line, nothing saved
-        await wait_for(pilot, lambda: any("no good" in str(n.message) for n in app._notifications), timeout=30)
+        await pilot.pause(0.1)
+        assert app.screen.__class__.__name__ == "AskName"                # the dialog says why and stays
+        assert "'no good'" in str(app.screen.query_one("#name-error").render())
+        await pilot.press("escape")
         assert [b["name"] for b in baselines.list() if b["name"] == "no good"] == []
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.megatron import import_megatron_args, launcher_world_size
+from charllm.engine.model.megatron import import_megatron_args, launcher_world_size, split_command_line
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import check
 from charllm.probes.core.errors import plural, UserError
@@ -71,6 +71,9 @@ def register(sub) -> None:
 def load(args: argparse.Namespace):
     """(experiment, ignored Megatron flags, warnings) from either form of the command line."""
     if args.megatron_args is not None:
+        if not split_command_line(args.megatron_args):     # "" or only comments: an empty $(cat FILE)?
+            raise UserError(f"--megatron-args = {args.megatron_args!r}: no arguments in it; give Megatron-LM's "
+                            "flags, a launch script's text or a model_config.yaml's")
         if args.experiment:
             raise UserError("plan: give either EXPERIMENT_OR_PRESET or --megatron-args, not both")
         if args.hardware is None:
@@ -146,6 +149,8 @@ def render(exp, report) -> None:
     for line in arithmetic:
         console.print(line, highlight=False)
     console.print(f"[b {VERDICT_STYLE[report.verdict]}]{conclusion}[/]", highlight=False)
+    if report.verdict == "does not fit" and exp.description:   # a preset says why it is listed at all
+        console.print(f"{exp.name}: {exp.description}", highlight=False)
     for problem in report.runtime_problems:
         console.print(f"[red]will not launch:[/] {problem}", highlight=False)
     for warning in report.warnings:

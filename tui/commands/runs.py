@@ -12,13 +12,29 @@ from charllm.probes.core.formatting import duration, local_time
 from charllm.probes.store.rundir import list_runs, Manifest, resolve_run, runtime_line
 from charllm.tui.commands.launch import follow
 
+# summary column -> (Runs table heading, format): a run's headline figures, over its steady window
+# (non-warm-up iterations), as `summarize` and `compare` give them, so one run shows one tokens/s everywhere.
+HEADLINE = {
+    "iterations": ("iters", "{:.0f}"),
+    "tokens_per_s": ("tokens/s", "{:,.0f}"),
+    "power_mean_w": ("mean W", "{:.0f}"),
+    "power_peak_w": ("peak W", "{:.0f}"),
+    "energy_per_token_j": ("J/token", "{:.3g}"),
+    "temp_gpu_peak_c": ("peak °C", "{:.0f}"),
+    "throttle_perf_frac": ("throttled", "{:.0%}"),
+}
+WINDOW = "steady"
+WINDOW_TEXT = "figures over each run's steady window (non-warm-up iterations), as summarize and compare give them"
+# The ones `runs list` shows (a terminal's width has room for three).
+LIST_FIGURES = {column: HEADLINE[column][0] for column in ("tokens_per_s", "power_peak_w", "energy_per_token_j")}
+
 
 def register(sub) -> None:
     p = sub.add_parser("runs", help="list, inspect, follow, cancel and delete runs",
                        description="Runs live in the runs directory (CHARLLM_RUNS_DIR); RUN is an id, a unique "
                                    "prefix or suffix of one, or a path.")
     actions = p.add_subparsers(dest="action", metavar="ACTION")
-    actions.add_parser("list", help="every run, newest last")
+    actions.add_parser("list", help="every run, newest first, with its headline figures (steady window)")
     show = actions.add_parser("show", help="a run's manifest: target, status, commands, failure")
     show.add_argument("run", metavar="RUN")
     logs = actions.add_parser("logs", help="a run's logs (launcher, samplers, torchrun per node)")
@@ -54,25 +70,40 @@ def _list() -> int:
     if not runs:
         print("no runs yet (start one with `charllm-tui launch tiny-local --target local`)")
         return 0
-    table = Table(box=None, header_style="bold")
+    table = Table(box=None, header_style="bold", caption=WINDOW_TEXT, caption_justify="left")
     table.add_column("run", no_wrap=True, overflow="fold")
-    for column in ("status", "target", "nodes", "started", "duration"):
-        table.add_column(column)
+    for column in ("status", *LIST_FIGURES.values(), "target", "nodes", "started", "duration"):
+        figure = column in LIST_FIGURES.values()
+        table.add_column(column, justify="right" if figure else "left", no_wrap=figure or column == "started")
     damaged = []
-    for rd in runs:
+    for rd in reversed(runs):     # newest first, as the Runs screen lists them
         try:
             reconcile(rd)
             m = rd.manifest()
         except UserError as exc:  # a damaged run costs only its own row
             damaged.append(str(exc))
-            table.add_row(rd.id, "damaged", "-", "-", "-", "-")
+            table.add_row(rd.id, "damaged", *["-"] * len(LIST_FIGURES), "-", "-", "-", "-")
             continue
-        table.add_row(rd.id, m.status_line, m.target_name, str(len(m.nodes) or "-"),
-                      local_time(m.started_ns or m.created_ns), _duration(m))
-    Console().print(table)
+        table.add_row(rd.id, m.status_line, *_figures(rd, m), m.target_name, str(len(m.nodes) or "-"),
+                      local_time(m.started_ns or m.created_ns, "%Y-%m-%d %H:%M"), _duration(m))
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
     for line in damaged:
         print(f"charllm-tui: warning: {line}", file=sys.stderr)
     return 0
+
+
+def _figures(rd, m: Manifest) -> list[str]:
+    """A finished run's LIST_FIGURES, each formatted as the Runs screen shows it ("-" where none)."""
+    from charllm.probes.analysis import summary  # deferred: loads polars (start-up time)
+
+    row = {}
+    if m.final:
+        try:    # the kept summary; once only, the summary pass that keeps it
+            kept = summary.cached_summary(rd, window=WINDOW, by="run")
+            row = (kept if kept is not None else summary.summarize(rd, WINDOW, by="run")).row(0, named=True)
+        except Exception:  # noqa: BLE001 - a run with no figures (or unreadable ones) still lists
+            pass
+    return ["-" if row.get(column) is None else HEADLINE[column][1].format(row[column]) for column in LIST_FIGURES]
 
 
 def _duration(m: Manifest) -> str:

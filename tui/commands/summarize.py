@@ -29,7 +29,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from charllm.probes.analysis.render import render, write_summary  # deferred: loads polars (start-up time)
     from charllm.probes.analysis.summary import summarize  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.windows import parse_window  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.windows import parse_window, window_phrase  # deferred: loads polars (start-up time)
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None  # before the work
     df = summarize(args.run, parse_window(args.window), by=args.by)
@@ -40,5 +40,7 @@ def run(args: argparse.Namespace) -> int:
         fmt = args.format or "table"
         if fmt == "parquet":
             raise UserError("--format parquet is binary: give --out FILE")
+        if fmt == "table":      # which window the figures cover, in words (Live names its own too)
+            print(f"figures over {window_phrase(df['window'][0])}")
         print(render(df, fmt), end="")
     return 0

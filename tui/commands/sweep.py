@@ -112,8 +112,10 @@ def run(args: argparse.Namespace) -> int:
         df = sweep(base, recompute=recompute, distributed_optimizer=dists)
     if df.height == 0:
         raise UserError(f"no valid layout: {why_none(base, recompute, dists)}")
+    counted = f"{plural(df.height, 'layout')}, {int(df['fits'].sum()):,} fit"     # before --fits-only lists fewer
     if args.fits_only:
         df = df.filter(pl.col("fits"))
+        counted += ", only those listed"
     if args.json:
         import json
 
@@ -125,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--parquet {str(args.parquet)!r}: cannot write ({os_error_line(exc)})") from None
         console.print(f"wrote {plural(df.height, 'layout')} to {args.parquet}")
     else:
-        render(df, args, base)
+        render(df, args, base, counted)
         print(budget(base).describe())
     return 0
 
@@ -178,17 +180,16 @@ def why_none(base, recompute: tuple | None, dists: tuple | None) -> str:
     return str(problems[0]) if problems else "none passes validation with these recompute and optimizer choices"
 
 
-def render(df, args, base) -> None:
+def render(df, args, base, counted: str) -> None:
+    """The ranked layouts as a table titled with how many were swept and how many fit (`counted`)."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    fitting = int(df["fits"].sum()) if df.height else 0
     shown = df if args.top == 0 else df.head(min(args.top, df.height))
     table = Table(box=box.SIMPLE_HEAD, title_justify="left",
                   title=f"{base.model.name} on {base.cluster.nodes} x {base.cluster.gpus_per_node} "
-                        f"{base.hardware.name}, global batch {base.training.global_batch_size}: {plural(df.height, 'layout')}, "
-                        f"{fitting} fit (GiB)")
+                        f"{base.hardware.name}, global batch {base.training.global_batch_size}: {counted} (GiB)")
     for column in ("rank", "TP", "PP", "VP", "CP", "EP", "DP", "mbs", "recompute", "dist-opt", "bubble",
                    "peak", "stage", "headroom", "verdict"):
         table.add_column(column, justify="left" if column in ("recompute", "verdict") else "right", no_wrap=True)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from textual.app import ComposeResult
+from textual.app import App, ComposeResult
+from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Tab, Tabs
 
 from charllm.tui.screens import SCREENS
+from charllm.tui.widgets.form import FOCUS_KEYS
 
 
 def edited_name(name: str) -> str:
@@ -15,14 +17,28 @@ def edited_name(name: str) -> str:
     return name if name.endswith("-edited") else f"{name}-edited"
 
 
+def bound_keys(app: App, binding: Binding) -> list[str]:
+    """The keys a binding answers to now, as the footer writes them ("plus,equals_sign" -> "+", "="):
+    the user's [keymap] keys for its id (tui.toml), else its own."""
+    keys = app.settings["keymap"].get(binding.id, binding.key) if binding.id else binding.key
+    return [app.get_key_display(Binding(key.strip(), "")) for key in keys.split(",")]
+
+
+def shortest_key(app: App, binding: Binding) -> str:
+    """The shortest of a binding's keys, named keys capitalized ("F9", "Enter"), for hint lines."""
+    key = min(bound_keys(app, binding), key=len)
+    return key.capitalize() if key.isalnum() and len(key) > 1 else key
+
+
 class ScreenTabs(Tabs):
-    """The screen switcher (mouse); F2..F8 do the same from the keyboard."""
+    """The screen switcher (mouse); F2..F8 (or the keys tui.toml gives) do the same from the keyboard."""
 
     can_focus = False
 
-    def __init__(self, active: str):
-        super().__init__(*(Tab(f"{title} {key.upper()}", id=mode) for mode, title, key, _ in SCREENS),
-                         active=active)
+    def __init__(self, active: str, app: App):
+        bindings = {b.id: b for b in type(app).BINDINGS if isinstance(b, Binding)}
+        super().__init__(*(Tab(f"{title} {shortest_key(app, bindings[f'screen.{mode}'])}", id=mode)
+                           for mode, title, _, _ in SCREENS), active=active)
 
     def on_tabs_tab_activated(self, event: Tabs.TabActivated) -> None:
         event.stop()
@@ -34,10 +50,11 @@ class WorkbenchScreen(Screen):
     """Header, tab bar, the screen's body (`compose_body`), footer."""
 
     MODE = ""
+    BINDINGS = FOCUS_KEYS
 
     def compose(self) -> ComposeResult:
         yield Header()
-        yield ScreenTabs(self.MODE)
+        yield ScreenTabs(self.MODE, self.app)
         yield from self.compose_body()
         yield Footer()
 

@@ -5,7 +5,7 @@ The table is `probes.analysis.compare.compare(refs, baseline)`'s, figures format
 baselines, and always shows the baseline the figures are measured against. The overlaid charts
 show each run per training iteration (from its telemetry's `iteration` column): mean GPU power
 and temperature, or, when no run recorded an accelerator (a CPU run), its iteration time and
-mean CPU utilisation. Runs come from the Runs screen (Space marks, m compares) or the palette.
+mean CPU utilization. Runs come from the Runs screen (Space marks, m compares) or the palette.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from textual.message import Message
 from textual.widgets import DataTable, Label, Select, Static
 
 from charllm.probes.analysis import baselines, compare
+from charllm.probes.analysis.render import metric_label
 from charllm.probes.analysis.summary import per_iteration
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import resolve_run, run_id_name
@@ -32,11 +33,11 @@ from charllm.tui.widgets.charts import Chart
 FIRST_RUN = "(first run)"
 MAX_DIFF_LINES = 3
 # Per-iteration charts: (curve, title). GPU power and heat when any run recorded an accelerator,
-# else what a CPU run records: its iteration time and CPU utilisation.
+# else what a CPU run records: its iteration time and CPU utilization.
 GPU_CHARTS = (("power_w", "mean GPU power (W) per iteration"),
               ("temp_gpu_c", "mean GPU temperature (°C) per iteration"))
 HOST_CHARTS = (("iter_time_s", "iteration time (s) per iteration"),
-               ("cpu_util_pct", "mean CPU utilisation (%) per iteration"))
+               ("cpu_util_pct", "mean CPU utilization (%) per iteration"))
 NO_CHARTS = "no charts: none of these runs recorded telemetry per training iteration"
 
 
@@ -171,14 +172,13 @@ class CompareScreen(WorkbenchScreen):
 
     @staticmethod
     def _fill(table: DataTable, result) -> None:
+        """The comparison as rows: metrics in words, figures with units. Each column is as wide as
+        its widest cell from the start (the table's own measuring waits for an idle moment, and the
+        first comparison after start-up could show before it, cut to the headings' widths)."""
         flags = {(r["metric"], r["ref"]): r["flag"] for r in result.table.iter_rows(named=True)}
         wide = result.wide()
-        short = {label: short_id(label) for label in result.labels}
-        if len(set(short.values())) < len(short):
-            short = {}
-        for column in wide.columns:  # run ids without their stamp: the table fits 80 columns
-            ref = column.removesuffix(" vs base")
-            table.add_column(column.replace(ref, short[ref]) if ref in short else column, key=column)
+        short = run_labels(result.labels)      # run ids without their stamp: the table fits 80 columns
+        rows = []
         for row in wide.iter_rows(named=True):
             cells = []
             for column, value in row.items():
@@ -186,8 +186,15 @@ class CompareScreen(WorkbenchScreen):
                 flag = flags.get((row["metric"], ref)) if column.endswith(" vs base") else None
                 style = {"better": "green", "worse": "bold red", "changed": "yellow"}.get(flag or "", "")
                 figure = column not in ("metric", "better") and not column.endswith(" vs base")
-                cells.append(Text("—" if value in (None, "") else str(value), style,
-                                  justify="right" if figure else "left"))
+                text = metric_label(value) if column == "metric" else "—" if value in (None, "") else str(value)
+                cells.append(Text(text, style, justify="right" if figure else "left"))
+            rows.append(cells)
+        for i, column in enumerate(wide.columns):
+            ref = column.removesuffix(" vs base")
+            heading = column.replace(ref, short[ref]) if ref in short else column
+            table.add_column(heading, key=column,
+                             width=max([len(heading), *(row[i].cell_len for row in rows)]))
+        for cells in rows:
             table.add_row(*cells)
 
 
@@ -196,12 +203,15 @@ def per_iteration_curves(refs: list[str]) -> dict:
     curves it has data for: means over GPUs (or hosts) and samples within each iteration, and
     each iteration's time from the iteration log."""
     curves: dict[str, dict] = {curve: {} for curve, _ in (*GPU_CHARTS, *HOST_CHARTS)}
+    runs = []
     for ref in refs:
         try:
-            rd = resolve_run(ref)
+            runs.append(resolve_run(ref))
         except UserError:
             continue
-        label = short_id(rd.id)
+    labels = run_labels([rd.id for rd in runs])
+    for rd in runs:
+        label = labels[rd.id]
         per_it = per_iteration(rd)  # a finished run's is kept: reopening Compare reads no telemetry
         for curve in ("power_w", "temp_gpu_c", "cpu_util_pct"):
             points = per_it.select("iteration", curve).drop_nulls()
@@ -214,6 +224,18 @@ def per_iteration_curves(refs: list[str]) -> dict:
     return curves
 
 
-def short_id(run_id: str) -> str:
-    """A run id without its 'YYYYMMDD-HHMMSS-' stamp (chart legends are narrow)."""
-    return run_id_name(run_id) or run_id[-24:]
+def run_labels(run_ids: list[str]) -> dict[str, str]:
+    """Each run's label in legends and headings: its name without the id's 'YYYYMMDD-HHMMSS-' stamp,
+    or, where runs share a name (two tiny-local runs), the id without its date, then the whole id,
+    so that no two runs ever read the same. A baseline ('baseline:NAME') keeps its label."""
+    def name(run_id: str) -> str:
+        return run_id_name(run_id) or run_id
+
+    def undated(run_id: str) -> str:
+        return run_id.partition("-")[2] if run_id_name(run_id) else run_id
+
+    for form in (name, undated, str):
+        labels = {run_id: form(run_id) for run_id in run_ids}
+        if len(set(labels.values())) == len(labels):
+            return labels
+    return {run_id: run_id for run_id in run_ids}

@@ -25,7 +25,8 @@ from charllm.engine.model.experiment import SECTIONS, Experiment, Hardware, Mode
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, plural
 from charllm.tui.screens.base import WorkbenchScreen, edited_name
-from charllm.tui.screens.dialogs import AskName
+from charllm.tui.screens.dialogs import AskName, free_name
+from charllm.tui.widgets.form import FormCheckbox, FormInput, FormSelect
 from charllm.tui.widgets.memory_bars import MemoryBars
 
 DEBOUNCE_S = 0.05
@@ -116,6 +117,18 @@ def set_value(exp: Experiment, field: Field, raw) -> None:
     exp.set(field.key, value)
 
 
+def switch_model(exp: Experiment, model: ModelSpec) -> None:
+    """Put `model` into `exp` as a new experiment of it: named after the model and hardware, with the
+    training choices that belonged to the old model back at their defaults (the precision: tiny-local's
+    FP32 is its CPU model's, not Llama-3 70B's; a sequence length set for it). The cluster, the layout
+    and the batch stay: they are the user's, and validation says where they no longer fit."""
+    default = experiment.Training()
+    exp.model = model
+    exp.name, exp.description = f"{model.name}-{exp.hardware.name}", ""
+    for name in ("bf16", "fp16", "fp8", "seq_length"):
+        setattr(exp.training, name, getattr(default, name))
+
+
 class Form(Grid):
     """The form's grid; once mounted (lazily) it shows the app's experiment."""
 
@@ -156,12 +169,12 @@ class ComposeScreen(WorkbenchScreen):
             # The form (~130 widgets) mounts just after the first frame: the screen appears at once.
             with Lazy(VerticalScroll(id="form")), Form(id="form-grid"):
                 yield from self._row("preset", "preset",
-                                     Select(self._options("experiments"), id="preset", compact=True,
+                                     FormSelect(self._options("experiments"), id="preset", compact=True,
                                             prompt="(load a preset)"))
                 yield from self._row("model", "model",
-                                     Select(self._options("models"), id="model", compact=True, allow_blank=False))
+                                     FormSelect(self._options("models"), id="model", compact=True, allow_blank=False))
                 yield from self._row("hardware", "hardware",
-                                     Select(self._options("hardware"), id="hardware", compact=True,
+                                     FormSelect(self._options("hardware"), id="hardware", compact=True,
                                             allow_blank=False))
                 for title, group in GROUPS:
                     yield Label(title, classes="group-title")
@@ -193,10 +206,10 @@ class ComposeScreen(WorkbenchScreen):
     @staticmethod
     def _control(field: Field):
         if field.kind == "bool":
-            return Checkbox(id=field.wid, compact=True)
+            return FormCheckbox(id=field.wid, compact=True)
         if field.kind == "choice":
-            return Select([(c, c) for c in field.choices], id=field.wid, compact=True, allow_blank=False)
-        return Input(id=field.wid, type="integer" if field.kind == "int" else "text", compact=True,
+            return FormSelect([(c, c) for c in field.choices], id=field.wid, compact=True, allow_blank=False)
+        return FormInput(id=field.wid, type="integer" if field.kind == "int" else "text", compact=True,
                      placeholder="unset" if field.kind == "int?" else "")
 
     # -- state <-> widgets -----------------------------------------------------------------
@@ -260,7 +273,7 @@ class ComposeScreen(WorkbenchScreen):
         exp = self.app.experiment.copy()
         try:
             if wid == "model":
-                exp.model = ModelSpec.load(event.value)
+                switch_model(exp, ModelSpec.load(event.value))
             elif wid == "hardware":
                 exp.hardware = Hardware.load(event.value)
             elif wid in FIELDS:
@@ -274,9 +287,13 @@ class ComposeScreen(WorkbenchScreen):
         if exp == self.app.experiment:
             return                      # a control set to what the experiment already has
         self.last_edited = wid
-        exp.name = edited_name(exp.name)
+        if wid != "model":                  # a new model names its experiment itself
+            exp.name = edited_name(exp.name)
         self.app.experiment = exp
-        self.refresh_plan()
+        if wid == "model":
+            self.sync_from_app()            # the fields the model change reset
+        else:
+            self.refresh_plan()
 
     def _load_preset(self, name: str) -> None:
         try:
@@ -374,6 +391,9 @@ class ComposeScreen(WorkbenchScreen):
             notes = "".join(f"\n[yellow]![/] {w}" for w in r.get("warnings", []))
             blocked = "".join(f"\n[red]✗ will not launch:[/] {escape(p)}" for p in r.get("cannot_run", []))
             impl = r["implementation"]
+            exp = self.app.experiment
+            if r["verdict"] == "does not fit" and exp.description and not exp.name.endswith("-edited"):
+                notes += f"\n[dim]{escape(exp.description)}[/]"      # an unedited preset says why it is listed
             verdict.update(f"{word}  {escape(conclusion)}\n"
                            + "".join(f"[dim]{escape(line)}[/]\n" for line in arithmetic)
                            + f"[dim]runs as {impl['transformer_impl']} · attention {impl['attention']} "
@@ -400,7 +420,18 @@ class ComposeScreen(WorkbenchScreen):
             self.query_one("#preset", Select).set_options(self._options("experiments"))
             self.notify(f"saved experiment preset {name!r} to {path}")
 
-        self.app.push_screen(AskName("Save experiment preset as:", self.app.experiment.name), save)
+        def check(name: str) -> None:
+            catalog.new_user_preset("experiments", name)       # a shipped name or a path is refused here
+
+        def refused(name: str) -> bool:
+            try:
+                check(name)
+            except UserError:
+                return True
+            return False
+
+        self.app.push_screen(AskName("Save experiment preset as:", free_name(self.app.experiment.name, refused),
+                                     check), save)
 
     def action_export(self) -> None:
         try:

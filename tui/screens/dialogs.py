@@ -2,26 +2,42 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label
+from textual.widgets import Button, Input, Label, Static
+
+from charllm.probes.core.errors import UserError
+from charllm.tui.widgets.form import FOCUS_KEYS
+
+
+def free_name(name: str, taken: Callable[[str], bool]) -> str:
+    """`name`, or the first of name-2, name-3, ... that is not `taken`: a name the dialog can offer."""
+    candidate, n = name, 1
+    while taken(candidate):
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate
 
 
 class AskName(ModalScreen[str | None]):
-    """Ask for a name; dismisses with the name, or None when cancelled."""
+    """Ask for a name; dismisses with the name, or None when cancelled. A name `check` refuses
+    (it raises UserError) keeps the dialog open with the reason under the field, as an empty one does."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel", id="dialog.cancel")]
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="dialog.cancel"), *FOCUS_KEYS]
 
-    def __init__(self, prompt: str, value: str = ""):
+    def __init__(self, prompt: str, value: str = "", check: Callable[[str], object] | None = None):
         super().__init__()
-        self.prompt, self.value = prompt, value
+        self.prompt, self.value, self.check = prompt, value, check
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label(self.prompt)
             yield Input(self.value, id="name", compact=True)
+            yield Static(id="name-error", classes="field-error")
             with Horizontal(classes="buttons"):
                 yield Button("OK", id="ok", variant="primary", compact=True)
                 yield Button("Cancel", id="cancel", compact=True)
@@ -34,8 +50,17 @@ class AskName(ModalScreen[str | None]):
 
     def _finish(self) -> None:
         name = self.query_one("#name", Input).value.strip()
-        if name:
-            self.dismiss(name)
+        try:
+            if not name:
+                raise UserError("a name is needed (Escape cancels)")
+            if self.check is not None:
+                self.check(name)
+        except UserError as exc:
+            error = self.query_one("#name-error", Static)
+            error.update(str(exc))
+            error.add_class("shown")
+            return
+        self.dismiss(name)
 
     def action_cancel(self) -> None:
         self.dismiss(None)

@@ -9,6 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
 from charllm.tui.screens import SCREENS, screen_class
+from charllm.tui.screens.base import bound_keys
 
 FLOW = """\
 # charllm-tui
@@ -17,8 +18,9 @@ FLOW = """\
 validated and its memory estimated per pipeline stage. **Sweep** maps every layout that fits;
 Enter on a row loads it into Compose. **Launch** shows the dry run and starts the run (local,
 SSH or Slurm). **Live** shows power, temperatures, SM clock and throttling per GPU, iteration
-speed and the log; with no run it shows this machine's host telemetry. **Runs** lists runs
-(open, cancel, delete, mark for compare). **Compare** puts runs and a baseline side by side.
+speed and the log (or, `p`, the processes on this machine's GPUs); with no run it shows this
+machine's host telemetry. **Runs** lists runs (search, one status, sort; open, cancel, delete, mark
+for compare). **Compare** puts runs and a baseline side by side.
 **Doctor** checks this node (versions, devices, telemetry, sampling rate) and, with a short
 training job, saves the calibration that Compose, Sweep and plan use for its hardware.
 
@@ -27,11 +29,13 @@ Ctrl+P opens the command palette (screens, presets, runs, actions). Keys can be 
 """
 
 
-def _rows(title: str, bindings) -> list[str]:
+def _rows(app, title: str, bindings) -> list[str]:
+    """The keys as the footer writes them ("+, =", not "plus,equals_sign"), moved by tui.toml's [keymap]."""
     rows = [f"\n## {title}\n", "| key | action | id |", "|---|---|---|"]
     for b in bindings:
         if isinstance(b, Binding) and b.id:
-            rows.append(f"| `{b.key}` | {b.description} | `{b.id}` |")
+            keys = ", ".join(f"`{key}`" for key in bound_keys(app, b))
+            rows.append(f"| {keys} | {b.description} | `{b.id}` |")
     return rows
 
 
@@ -39,8 +43,8 @@ class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,f1", "dismiss", "Close", id="help.close")]
 
     def compose(self) -> ComposeResult:
-        lines = [FLOW, *_rows("Everywhere", type(self.app).BINDINGS)]
+        lines = [FLOW, *_rows(self.app, "Everywhere", type(self.app).BINDINGS)]
         for _, title, _, target in SCREENS:
-            lines += _rows(title, screen_class(target).BINDINGS)
+            lines += _rows(self.app, title, screen_class(target).BINDINGS)
         with VerticalScroll(id="help"):
             yield Markdown("\n".join(lines))

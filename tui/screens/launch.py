@@ -48,6 +48,7 @@ class LaunchScreen(WorkbenchScreen):
         self.target_problems: dict[str, str] = {}   # by target name: why targets.toml could not give it
         self.launching = False
         self.result = None
+        self.log_for: tuple | None = None           # (experiment, target) the launch log tells of
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="launch"):
@@ -100,7 +101,14 @@ class LaunchScreen(WorkbenchScreen):
         if self.target is None:
             return
         self._summary()
+        if not self.launching and self.log_for != self._launching_what():
+            log = self.query_one("#launch-log", Log)   # it told of another experiment or target
+            log.clear()
+            log.display = False
         self.plan(self.app.experiment.copy(), self.target)
+
+    def _launching_what(self) -> tuple:
+        return self.app.experiment.to_toml(), self.target.name
 
     @work(thread=True, exclusive=True, group="launch-plan")
     def plan(self, exp, target) -> None:
@@ -136,6 +144,7 @@ class LaunchScreen(WorkbenchScreen):
         if self.launching or self.target is None:
             return
         self.launching = True
+        self.log_for = self._launching_what()
         log = self.query_one("#launch-log", Log)
         log.clear()
         log.display = True

@@ -3,7 +3,9 @@
 A thread worker (`LiveScreen.feed`) follows one source — a run directory through
 `probes.store.follow.RunFollower` (live or recorded: a finished run replays whole),
 or, with no run selected, this machine's host telemetry from an in-process `probes.sampler.Sampler`
-— and posts a `LiveScreen.Frame` about four times a second. The UI thread only draws.
+— and posts a `LiveScreen.Frame` about four times a second. The UI thread only draws. Beside host
+telemetry or a live local run it also lists the processes on this machine's GPUs (`GpuProcesses`:
+the GPU backend's `processes()`, NVML's running processes), `p` in place of the log.
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ from textual.message import Message
 from textual.widgets import Log, Static
 from textual.worker import get_current_worker
 
+from charllm.engine.model.experiment import Experiment
 from charllm.probes import backends, sampler
-from charllm.probes.backends.base import hostname
+from charllm.probes.backends.base import GpuProcess, hostname
+from charllm.probes.core.errors import UserError
 from charllm.probes.store import rundir
 from charllm.probes.store.follow import NewIterations, NewLogLines, NewTelemetry, RunFollower
 from charllm.probes.store.schema import conform
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import MAX_POINTS, Chart
-from charllm.probes.core.formatting import GIB
+from charllm.probes.core.formatting import GIB, size
 
 POLL_S = 0.25
 WINDOWS_S = (15, 30, 60, 120, 300, 900, None)     # zoom steps; None: everything recorded
@@ -41,9 +45,11 @@ DEFAULT_WINDOW = 2                                 # 60 s
 GROUP_ABOVE = 8                                    # more devices than this: one line per node
 KEEP_S = 900                                       # live history kept in memory
 HOST_HZ = 4.0
+PROCESSES_EVERY_S = 2.0   # how often this machine's GPU processes are listed
 
 CHART_EVERY_S = 2.0       # new telemetry redraws the charts at most this often (plotext builds are the
                           # Live view's main cost; 2 s moves a 60 s window by under two cells)
+X_LABEL = "time (s)"      # seconds since the source's first sample
 GPU_CHARTS = (("power_w", "GPU power (W)"), ("temp_gpu_c", "GPU temperature (°C)"),
               ("temp_mem_c", "memory temperature (°C)"), ("sm_clock_mhz", "SM clock (MHz)"))
 # The host panes show the first four of these that the node reports (the host backend marks
@@ -81,6 +87,10 @@ class Frame(Message):
     devices: int = 0
     runtime: str = ""                                         # what ran (the workload's start record)
     error: str | None = None
+    frozen: bool = False            # charts of the data shown when paused, redrawn for a new view (zoom)
+    processes: list[GpuProcess] | None = None                 # this machine's GPU processes; None: unchanged
+    processes_note: str = ""        # whose processes these are, or why none can be listed; "": not shown here
+    processes_listed: bool = False  # a GPU library lists them (no processes then means none running)
 
 
 class RunSource:
@@ -89,6 +99,7 @@ class RunSource:
     def __init__(self, run_dir: Path):
         self.follower = RunFollower(run_dir)
         self.name = self.follower.run.id
+        self.expects = _expected_kind(self.follower.run)
 
     def status(self) -> str:
         m = self.follower.manifest or self.follower.run.manifest()
@@ -111,6 +122,8 @@ class RunSource:
 
 class HostSource:
     """This machine's host telemetry, sampled in-process (no run directory, nothing written)."""
+
+    expects = "host"
 
     def __init__(self):
         self.name = f"host telemetry: {hostname()}"
@@ -137,6 +150,51 @@ class HostSource:
         self.sampler.stop()
 
 
+def _expected_kind(run: rundir.RunDir) -> str:
+    """What a run's telemetry will hold, before any has come: a CPU run (CPU hardware, or only the host
+    sampled) charts the host, others the GPUs. A run without a readable experiment counts as a GPU run."""
+    try:
+        exp = Experiment.load(run.experiment_path)
+    except (UserError, OSError):
+        return "gpu"
+    return "host" if exp.hardware.vendor == "cpu" or exp.telemetry.backend == "host" else "gpu"
+
+
+class GpuProcesses:
+    """The processes on this machine's GPUs, from the GPU backend `auto` opens (NVML, else AMD SMI)."""
+
+    def __init__(self):
+        self.listed = False
+        try:
+            self.backend = backends.open_backend("auto")
+        except UserError as exc:
+            self.backend, self.note = None, f"GPU processes: none listed ({exc})"
+            return
+        self.listed = self.backend.name != "host"
+        if not self.listed:
+            self.note = f"GPU processes: no GPU library answers on {hostname()} ({self.backend.reason})"
+        else:
+            self.note = f"GPU processes on {hostname()} ({self.backend.name})"
+
+    def list(self) -> list[GpuProcess]:
+        return self.backend.processes() if self.backend else []
+
+    def close(self) -> None:
+        if self.backend:
+            self.backend.close()
+
+
+def watches_this_machine(run_dir: Path | None) -> bool:
+    """Whether the GPUs of this machine are the source's: host telemetry, or a local run still going."""
+    if run_dir is None:
+        return True
+    try:
+        m = rundir.RunDir(run_dir).manifest()
+    except UserError:
+        return False
+    return m.target.get("kind") == "local" and not m.final
+
+
 class LiveScreen(WorkbenchScreen):
     MODE = "live"
     BINDINGS = [
@@ -146,6 +204,7 @@ class LiveScreen(WorkbenchScreen):
         Binding("g", "group", "Per node", id="live.group"),
         Binding("h", "host", "Host", id="live.host"),
         Binding("c", "next_chart", "Next chart", id="live.next_chart"),
+        Binding("p", "processes", "GPU processes", id="live.processes"),
     ]
 
     def __init__(self):
@@ -160,9 +219,12 @@ class LiveScreen(WorkbenchScreen):
         self.compact = False                     # small terminal: one chart at a time
         self.chart_index: int | None = None      # the one chart shown (c cycles); None: all four
         self.held: Frame | None = None           # the newest frame while paused, drawn on resume
+        self.held_charts = False                 # whether it holds chart data newer than those drawn
         self._shown: dict[str, str] = {}
         self.frames = 0                          # frames drawn (tests and benchmarks read it)
         self.last_frame: Frame | None = None
+        self.show_processes: bool | None = None  # the processes pane instead of the log; None: automatic
+        self.processes: list[GpuProcess] = []
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="live"):
@@ -172,10 +234,11 @@ class LiveScreen(WorkbenchScreen):
             yield Static(id="live-runtime", classes="hint")
             with Vertical(id="charts"):
                 for i, (_, title) in enumerate(GPU_CHARTS):
-                    yield Chart(title, id=f"chart-{i}")
+                    yield Chart(title, xlabel=X_LABEL, id=f"chart-{i}")
             yield Static(id="throttle")
             with Horizontal(id="live-bottom"):
                 yield Static(id="iterations")
+                yield Static(id="gpu-processes")
                 yield Log(id="log-tail", max_lines=500)
 
     def on_mount(self) -> None:
@@ -213,8 +276,11 @@ class LiveScreen(WorkbenchScreen):
     def follow(self, run_dir: Path | None) -> None:
         self.source_path = run_dir
         self.following = True
+        self.paused = False                     # a new source starts live (h while paused froze it empty)
         self.frames = 0
         self.last_frame = self.held = None
+        self.held_charts = False
+        self.processes = []
         self.query_one("#log-tail", Log).clear()
         self._shown.clear()
         finished = False
@@ -232,6 +298,8 @@ class LiveScreen(WorkbenchScreen):
             self.post_message(Frame(source=str(run_dir or "host telemetry"), status="", kind="none",
                                     error=str(exc)))
             return
+        processes = GpuProcesses() if watches_this_machine(run_dir) else None
+        listed_at = -PROCESSES_EVERY_S
         import polars as pl
 
         history = None
@@ -243,6 +311,7 @@ class LiveScreen(WorkbenchScreen):
         last_kind = "none"
         rows_seen = 0
         last_status = None
+        frozen_ts = None       # while paused: the newest sample the charts show
         try:
             while not worker.is_cancelled:
                 began = time.monotonic()
@@ -267,20 +336,33 @@ class LiveScreen(WorkbenchScreen):
                         history = history.filter(pl.col("ts_ns") >= history["ts_ns"].max() - KEEP_S * 10**9)
                 status = source.status()
                 # Telemetry arrives about once a second (one chunk per node): new rows redraw the
-                # charts every CHART_EVERY_S, a changed view (zoom, grouping, size) at once.
+                # charts every CHART_EVERY_S, a changed view (zoom, grouping, size) at once; while
+                # paused, a new view redraws the data shown when it paused.
+                paused = self.paused
                 view = (self.window, self.group_nodes, self.strip_width, self.chart_points)
                 charts_due = drawn_with is None or view != drawn_with[1] or (
-                    rows_seen != drawn_with[0] and not self.paused and began - drawn_at >= CHART_EVERY_S)
-                if not events and not log_lines and status == last_status and not charts_due:
+                    rows_seen != drawn_with[0] and not paused and began - drawn_at >= CHART_EVERY_S)
+                processes_due = processes is not None and began - listed_at >= PROCESSES_EVERY_S
+                if not events and not log_lines and status == last_status and not charts_due and not processes_due:
                     time.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
                     continue    # nothing new: no message, no repaint
                 last_status = status
                 if charts_due:
-                    frame = build_frame(history, t0, WINDOWS_S[self.window], self.group_nodes, self.strip_width,
+                    if not paused:
+                        frozen_ts = history["ts_ns"].max() if history is not None and history.height else None
+                    shown = history if not paused or frozen_ts is None else history.filter(pl.col("ts_ns") <= frozen_ts)
+                    frame = build_frame(shown, t0, WINDOWS_S[self.window], self.group_nodes, self.strip_width,
                                         self.chart_points)
+                    frame.frozen = paused
+                    if frame.kind == "none":        # nothing yet: the titles of what will come
+                        frame.panes = list(GPU_CHARTS if source.expects == "gpu" else HOST_CHARTS[:PANES])
                     drawn_with, drawn_at = (rows_seen, view), began
                 else:
                     frame = Frame(source="", status="", kind=last_kind, charts=None)
+                if processes_due:
+                    frame.processes, listed_at = processes.list(), began
+                if processes is not None:
+                    frame.processes_note, frame.processes_listed = processes.note, processes.listed
                 last_kind = frame.kind
                 frame.source, frame.status = source.name, status
                 frame.iterations = iterations
@@ -292,11 +374,15 @@ class LiveScreen(WorkbenchScreen):
                 time.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
         finally:
             source.close()
+            if processes is not None:
+                processes.close()
 
     # -- drawing -------------------------------------------------------------------------------
     def on_frame(self, frame: Frame) -> None:
         if frame.log_lines:
             self.query_one("#log-tail", Log).write_lines(frame.log_lines)
+        if frame.processes is not None:
+            self.processes = frame.processes
         new_charts = frame.charts is not None or self.last_frame is None
         newest = self.held or self.last_frame
         if frame.charts is None and newest is not None:   # nothing new to plot: keep the charts drawn
@@ -304,7 +390,14 @@ class LiveScreen(WorkbenchScreen):
             frame.throttle, frame.simulated = newest.throttle, newest.simulated
             frame.grouped, frame.devices = newest.grouped, newest.devices
         if self.paused and self.last_frame is not None:
-            self.held = frame
+            if frame.frozen and frame.charts is not None and frame.kind != "none":
+                # the paused data in a new view (zoom): redrawn, with the figures as they were
+                last = self.last_frame
+                frame.source, frame.status, frame.iterations = last.source, last.status, last.iterations
+                frame.ranks, frame.runtime = last.ranks, last.runtime
+                self._draw(frame, charts=True)
+            else:
+                self.held, self.held_charts = frame, self.held_charts or new_charts
             return
         self._draw(frame, charts=new_charts)
 
@@ -338,7 +431,18 @@ class LiveScreen(WorkbenchScreen):
         self._update("#live-runtime", f"ran as {frame.runtime}" if frame.runtime else "")
         self.query_one("#live-runtime").display = bool(frame.runtime)
         self.query_one("#sim-badge").display = frame.simulated
-        self.query_one("#live-bottom").display = frame.kind != "host" or bool(frame.iterations)
+        # The GPU processes: shown of themselves beside host telemetry when a GPU library lists them,
+        # else on p (which also says why there are none); never for another machine's run.
+        run = self.source_path is not None
+        automatic = not run and frame.processes_listed
+        processes = bool(frame.processes_note) and (
+            self.show_processes if self.show_processes is not None else automatic)
+        self.query_one("#iterations").display = run
+        self.query_one("#gpu-processes").display = processes
+        self.query_one("#log-tail").display = run and not processes
+        self.query_one("#live-bottom").display = processes or (run and (frame.kind != "host" or bool(frame.iterations)))
+        if processes:
+            self._update("#gpu-processes", processes_text(self.processes, frame.processes_note, frame.processes_listed))
         self._update("#iterations", iterations_text(frame.iterations) + "\n" + frame.ranks)
 
     def _update(self, selector: str, content: str) -> None:
@@ -356,7 +460,8 @@ class LiveScreen(WorkbenchScreen):
                 self._draw_text(self.last_frame)
         else:
             held, self.held = self.held, None
-            self._draw(held, charts=True)
+            self._draw(held, charts=self.held_charts)
+            self.held_charts = False
 
     def action_zoom(self, step: int) -> None:
         self.window = min(len(WINDOWS_S) - 1, max(0, self.window + step))
@@ -367,6 +472,17 @@ class LiveScreen(WorkbenchScreen):
 
     def action_host(self) -> None:
         self.app.open_run(None)
+
+    def action_processes(self) -> None:
+        """The processes on this machine's GPUs in place of the log, and back."""
+        frame = self.last_frame
+        if frame is None or not frame.processes_note:
+            self.notify("no GPU processes to list: they are this machine's, shown beside its host telemetry (h) "
+                        "or a live local run", severity="warning")
+            return
+        shown = self.query_one("#gpu-processes").display
+        self.show_processes = not shown
+        self._draw_text(frame)
 
 
 # -- frame computation (worker thread) -----------------------------------------------------------
@@ -467,22 +583,42 @@ def _throttle_glyph(bits: int) -> tuple[str, str]:
     return next(((g, st) for mask, g, st, _ in THROTTLE_KINDS if bits & mask), ("·", "green"))
 
 
+def processes_text(processes: list[GpuProcess], note: str, listed: bool) -> Text:
+    """One line per process, most GPU memory first within each GPU, as nvitop lists them."""
+    text = Text(note, "bold", no_wrap=True)
+    if not processes:
+        return text.append("\nnone running" if listed else "", "dim")
+    text.append(f"\n{'GPU':<6}{'PID':>8}  {'user':<10}{'memory':>10}{'SM':>5}  command", "dim")
+    for p in sorted(processes, key=lambda p: (p.device, -(p.used_bytes or 0), p.pid)):
+        memory = size(p.used_bytes) if p.used_bytes is not None else "—"
+        sm = f"{p.sm_pct:.0f}%" if p.sm_pct is not None else "—"
+        text.append(f"\n{p.device:<6}{p.pid:>8}  {p.user[:9]:<10}{memory:>10}{sm:>5}  {p.name}")
+    return text
+
+
 def iterations_text(events: list[dict]) -> str:
-    """The latest iteration and the recent mean of iteration time and tokens/s, named as such: the
-    last 10 steady steps (Runs, Compare and `summarize` give the whole steady window)."""
+    """The latest iteration, then iteration time and tokens/s over the last 10 steady steps and over
+    the whole steady window so far (all steps after warm-up): the figure Runs, Compare and `summarize`
+    give. Each line names its window."""
     steps = rundir.one_per_step(events)   # rank 0 and the last rank both write one
     if not steps:
         return "[b]iterations[/]  none yet"
-    last = steps[-1]
-    recent = [e for e in steps[-10:] if not e.get("warmup")] or steps[-10:]
-    secs = [(e["end_ns"] - e["start_ns"]) / 1e9 for e in recent if e.get("end_ns") and e.get("start_ns")]
-    tokens = [e.get("tokens") or 0 for e in recent]
-    mean_s = sum(secs) / len(secs) if secs else 0.0
-    tps = sum(tokens) / sum(secs) if secs and sum(secs) else 0.0
     loss = next((e["loss"] for e in reversed(steps) if e.get("loss") is not None), None)
-    window = f"last {len(recent)} steps"
-    return (f"[b]iteration {last.get('iteration')}[/]\n{mean_s * 1000:.0f} ms/it · {tps:,.0f} tokens/s ({window})"
-            + (f"\nloss {loss:.3f}" if loss is not None else ""))
+    lines = [f"[b]iteration {steps[-1].get('iteration')}[/]" + (f" · loss {loss:.3f}" if loss is not None else "")]
+    recent = [e for e in steps[-10:] if not e.get("warmup")] or steps[-10:]
+    steady = [e for e in steps if not e.get("warmup")]
+    for window, part in ((f"last {len(recent)} steps", recent), ("steady window", steady)):
+        if part:
+            secs, tps = _speed(part)
+            lines.append(f"{window}: {secs * 1000:.0f} ms/it · {tps:,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+def _speed(steps: list[dict]) -> tuple[float, float]:
+    """Mean iteration time (s) and tokens/s (all tokens over all time) of `steps`."""
+    secs = [(e["end_ns"] - e["start_ns"]) / 1e9 for e in steps if e.get("end_ns") and e.get("start_ns")]
+    tokens = sum(e.get("tokens") or 0 for e in steps)
+    return (sum(secs) / len(secs) if secs else 0.0), (tokens / sum(secs) if secs and sum(secs) else 0.0)
 
 
 def ranks_text(events: list[dict], start: dict) -> str:

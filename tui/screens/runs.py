@@ -3,7 +3,8 @@
 The list comes from `probes.store.rundir.list_runs`; the headline numbers from `probes.analysis.summary.summarize`
 (by="run"), in a thread worker: first every summary kept in the run directories (a Parquet read
 each), then the others, top row first; each row is filled in as its numbers arrive, and keeps
-them across refreshes.
+them across refreshes. `/` searches the rows' text, `f` shows one status only, `s` (or a click on
+a heading) sorts by another column; newest first until then.
 """
 
 from __future__ import annotations
@@ -12,42 +13,38 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.text import Text
-from textual import work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.message import Message
-from textual.widgets import DataTable, Static
+from textual.widgets import DataTable, Input, Static
 from textual.worker import get_current_worker
 
 from charllm.engine.launch import launcher
 from charllm.probes.analysis import baselines, summary
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import local_time
-from charllm.probes.store.rundir import list_runs, Manifest, RunDir, runtime_line
-from charllm.tui.screens.base import WorkbenchScreen
-from charllm.tui.screens.dialogs import AskName, Confirm
+from charllm.probes.store.rundir import list_runs, Manifest, RunDir, run_id_name, runtime_line
+from charllm.tui.commands.runs import HEADLINE, WINDOW, WINDOW_TEXT
+from charllm.tui.screens.base import WorkbenchScreen, shortest_key
+from charllm.tui.screens.dialogs import AskName, Confirm, free_name
 
 STATUS_STYLE = {"running": "bold green", "pending": "yellow", "completed": "", "failed": "bold red",
                 "cancelled": "magenta"}
-# summary column -> (table heading, format)
-HEADLINE = {
-    "iterations": ("iters", "{:.0f}"),
-    "tokens_per_s": ("tokens/s", "{:,.0f}"),
-    "power_mean_w": ("mean W", "{:.0f}"),
-    "power_peak_w": ("peak W", "{:.0f}"),
-    "energy_per_token_j": ("J/token", "{:.3g}"),
-    "temp_gpu_peak_c": ("peak °C", "{:.0f}"),
-    "throttle_perf_frac": ("throttled", "{:.0%}"),
-}
 COLUMNS = ("run", "status", *(h for h, _ in HEADLINE.values()), "target", "experiment", "started")
-# The headline figures' window: the steady state (non-warm-up iterations), as `summarize` and
-# `compare` give them by default, so one run shows one tokens/s everywhere.
-WINDOW = "steady"
-WINDOW_TEXT = "figures over each run's steady window (non-warm-up iterations), as summarize and compare give them"
 # The keys the footer has no room for at 80 columns first; this line stays under the run's details.
 # Groups of (binding id, what it does), shown with the keys the user's [keymap] gives them.
-KEYS_LINE = ((("runs.baseline", "save as baseline"),), (("runs.mark", "mark"), ("runs.compare", "compare")),
-             (("runs.open", "open"),), (("runs.cancel", "cancel"),), (("runs.delete", "delete"),))
+KEYS_LINE = ((("runs.baseline", "save as baseline"),), (("runs.search", "search"), ("runs.filter", "status"),
+                                                          ("runs.sort", "sort")),
+             (("runs.mark", "mark"), ("runs.compare", "compare")), (("runs.open", "open"),),
+             (("runs.cancel", "cancel"),), (("runs.delete", "delete"),))
+# `f` shows the runs of one status: all, then each of these in turn.
+STATUS_FILTERS = (None, "running", "completed", "failed", "cancelled")
+# `s` sorts by each of these in turn: column -> (the order in words, whether larger values come first).
+# A run without the figure sorts last; newest first is the list as it opens.
+SORTS = {"started": ("newest first", True), "tokens/s": ("fastest first", True), "J/token": ("least first", False),
+         "peak W": ("highest first", True), "peak °C": ("hottest first", True), "status": ("a-z", False),
+         "experiment": ("a-z", False), "run": ("a-z", False)}
 
 
 @dataclass
@@ -59,6 +56,7 @@ class Headline(Message):
 
 class RunsScreen(WorkbenchScreen):
     MODE = "runs"
+    AUTO_FOCUS = "#runs-table"                  # not the search box, hidden until /
     BINDINGS = [
         Binding("enter", "open", "Open", id="runs.open"),
         Binding("space", "mark", "Mark", id="runs.mark"),
@@ -66,8 +64,11 @@ class RunsScreen(WorkbenchScreen):
         Binding("c", "cancel_run", "Cancel run", id="runs.cancel"),
         # on the keys line (KEYS_LINE): the 80-column footer is full
         Binding("b", "save_baseline", "Save as baseline", id="runs.baseline", show=False),
-        Binding("delete,d", "delete", "Delete", id="runs.delete"),
+        Binding("d,delete", "delete", "Delete", id="runs.delete"),   # d first: the footer shows it
         Binding("r", "refresh", "Refresh", id="runs.refresh"),
+        Binding("slash", "search", "Search", id="runs.search", show=False),
+        Binding("f", "filter", "Status filter", id="runs.filter", show=False),
+        Binding("s", "sort", "Sort", id="runs.sort", show=False),
     ]
 
     def __init__(self):
@@ -76,8 +77,17 @@ class RunsScreen(WorkbenchScreen):
         self.marked: list[str] = []
         self.notes: dict[str, str] = {}
         self.shown: dict[str, dict] = {}        # run id -> the headline values last shown
+        self.manifests: dict[str, Manifest] = {}
+        self.search = ""                        # rows whose text holds this (any case)
+        self.status_filter: str | None = None   # only runs of this status
+        self.sort_by = "started"
 
     def compose_body(self) -> ComposeResult:
+        search = Input(id="runs-search", placeholder="search runs: id, experiment, target, status (Esc clears)",
+                       compact=True)
+        search.display = False                  # shown by /
+        yield search
+        yield Static(id="runs-view", classes="hint")
         yield DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
         yield Static(id="runs-detail", classes="hint")
         yield Static(id="runs-keys", classes="hint")
@@ -89,26 +99,18 @@ class RunsScreen(WorkbenchScreen):
         self.query_one("#runs-keys", Static).update(self.keys_text())
 
     def keys_text(self) -> str:
-        """KEYS_LINE with the keys bound now (a [keymap] in tui.toml moves them): the shortest
-        of a binding's keys, written as the footer writes it (named keys capitalized)."""
-        bound = {b.id: b.key for b in self.BINDINGS if isinstance(b, Binding)} | self.app.settings["keymap"]
-
-        def shown(key: str) -> str:
-            text = self.app.get_key_display(Binding(key, ""))
-            return text.capitalize() if text.isalpha() and len(text) > 1 else text
-
-        keys = {bid: min((shown(k.strip()) for k in bound[bid].split(",")), key=len) for bid, _ in sum(KEYS_LINE, ())}
-        return " · ".join(", ".join(f"{keys[bid]} {what}" for bid, what in group) for group in KEYS_LINE)
+        """KEYS_LINE with the keys bound now (a [keymap] in tui.toml moves them), as the footer has them."""
+        bindings = {b.id: b for b in self.BINDINGS if isinstance(b, Binding)}
+        return " · ".join(", ".join(f"{shortest_key(self.app, bindings[bid])} {what}" for bid, what in group)
+                          for group in KEYS_LINE)
 
     def on_screen_resume(self) -> None:
         self.action_refresh()
 
     # -- listing -----------------------------------------------------------------------------
     def action_refresh(self) -> None:
-        table = self.query_one(DataTable)
-        cursor = self.current_run()
-        table.clear()
-        self.runs = {}
+        """Read every run's manifest again, then show them (searched, filtered and sorted)."""
+        self.runs, self.manifests = {}, {}
         for rd in reversed(list_runs()):        # newest first
             try:
                 launcher.reconcile(rd)   # a run whose supervisor died is finished now
@@ -116,17 +118,104 @@ class RunsScreen(WorkbenchScreen):
             except UserError:                       # a damaged manifest costs only its own row
                 m = Manifest(status="damaged")
             self.runs[rd.id] = rd.path
-            table.add_row(self._mark(rd.id), Text(m.status_line, STATUS_STYLE.get(m.status, "")),
-                          *self._headline_cells(self.shown.get(rd.id)),
-                          m.target_name, m.name or "-",
-                          local_time(m.started_ns or m.created_ns, "%Y-%m-%d %H:%M"),
-                          key=rd.id)
-        if cursor in self.runs:
+            self.manifests[rd.id] = m
+        self._fill()
+        self.headlines(list(self.runs.items()))
+
+    def _fill(self) -> None:
+        """The rows that pass the search and the status filter, in the chosen order."""
+        table = self.query_one(DataTable)
+        cursor = self.current_run()
+        table.clear()
+        for run_id, m in self.manifests.items():
+            if self._passes(run_id, m):
+                table.add_row(self._mark(run_id), Text(m.status_line, STATUS_STYLE.get(m.status, "")),
+                              *self._headline_cells(self.shown.get(run_id)),
+                              m.target_name, m.name or "-",
+                              local_time(m.started_ns or m.created_ns, "%Y-%m-%d %H:%M"),
+                              key=run_id)
+        self._sort()
+        if cursor is not None and cursor in table.rows:
             table.move_cursor(row=table.get_row_index(cursor))
         self.query_one("#runs-detail", Static).update(
-            "no runs yet: launch one from the Launch screen (F4)" if not self.runs else WINDOW_TEXT)
+            "no runs yet: launch one from the Launch screen (F4)" if not self.runs else
+            "no run matches; Esc in the search box clears it, f shows every status" if not table.row_count else
+            WINDOW_TEXT)
         self.query_one("#runs-keys").display = bool(self.runs)
-        self.headlines(list(self.runs.items()))
+        self._show_view()
+
+    def _passes(self, run_id: str, m: Manifest) -> bool:
+        if self.status_filter == "running" and m.status not in ("running", "pending"):
+            return False
+        if self.status_filter not in (None, "running") and m.status != self.status_filter:
+            return False
+        words = (run_id, m.name, m.target_name, m.status_line)
+        return not self.search or any(self.search.lower() in str(w).lower() for w in words)
+
+    def _sort(self) -> None:
+        """Order the rows by `sort_by`, runs without that figure last."""
+        _, larger_first = SORTS[self.sort_by]        # every larger-first column is a number
+        figure = next((column for column, (heading, _) in HEADLINE.items() if heading == self.sort_by), None)
+
+        def key(run_cell: Text):
+            run_id = run_cell.plain[2:]              # the run cell: a mark, a space, the id
+            m = self.manifests[run_id]
+            value = ((self.shown.get(run_id) or {}).get(figure) if figure else
+                     {"started": m.started_ns or m.created_ns, "status": m.status, "experiment": m.name,
+                      "run": run_id}[self.sort_by])
+            return value is None, (-value if larger_first and value is not None else value or "")
+
+        self.query_one(DataTable).sort("run", key=key)
+
+    def _show_view(self) -> None:
+        """One line naming what narrows or orders the list, when anything does."""
+        parts = []
+        if self.search:
+            parts.append(f"search {self.search!r}")
+        if self.status_filter:
+            parts.append(f"status {self.status_filter}")
+        if self.sort_by != "started":
+            parts.append(f"sorted by {self.sort_by}, {SORTS[self.sort_by][0]}")
+        shown = self.query_one(DataTable).row_count
+        line = f"{shown} of {len(self.runs)} runs · " + " · ".join(parts) if parts else ""
+        view = self.query_one("#runs-view", Static)
+        view.update(line)
+        view.display = bool(line)
+
+    def action_search(self) -> None:
+        box = self.query_one("#runs-search", Input)
+        box.display = True
+        box.focus()
+
+    @on(Input.Changed, "#runs-search")
+    def _search_changed(self, event: Input.Changed) -> None:
+        self.search = event.value.strip()
+        self._fill()
+
+    @on(Input.Submitted, "#runs-search")
+    def _search_done(self) -> None:
+        self.query_one(DataTable).focus()
+
+    def on_key(self, event) -> None:
+        box = self.query_one("#runs-search", Input)
+        if event.key == "escape" and box.has_focus:     # Esc in the box: no search, back to the list
+            event.stop()
+            box.value = ""
+            box.display = False
+            self.query_one(DataTable).focus()
+
+    def action_filter(self) -> None:
+        self.status_filter = STATUS_FILTERS[(STATUS_FILTERS.index(self.status_filter) + 1) % len(STATUS_FILTERS)]
+        self._fill()
+
+    def action_sort(self, column: str | None = None) -> None:
+        sorts = list(SORTS)
+        self.sort_by = column or sorts[(sorts.index(self.sort_by) + 1) % len(sorts)]
+        self._fill()
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        if event.column_key.value in SORTS:
+            self.action_sort(event.column_key.value)
 
     @staticmethod
     def _headline_cells(values: dict | None) -> list[str]:
@@ -171,8 +260,14 @@ class RunsScreen(WorkbenchScreen):
             return
         self.notes[message.run_id] = message.note
         self.shown[message.run_id] = message.values
+        if message.run_id not in table.rows:          # searched or filtered out
+            return
         for (heading, _), cell in zip(HEADLINE.values(), self._headline_cells(message.values)):
             table.update_cell(message.run_id, heading, cell)
+        if self.sort_by in (heading for heading, _ in HEADLINE.values()):   # its place may change
+            cursor = self.current_run()
+            self._sort()
+            table.move_cursor(row=table.get_row_index(cursor))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         run_id = event.row_key.value if event.row_key else None
@@ -235,9 +330,17 @@ class RunsScreen(WorkbenchScreen):
 
     def action_save_baseline(self) -> None:
         run_id = self.current_run()
-        if run_id:
-            self.app.push_screen(AskName(f"Save run {run_id} as baseline:"),
-                                 lambda name: name and self.save_baseline(self.runs[run_id], name))
+        if not run_id:
+            return
+
+        def check(name: str) -> None:
+            baselines.check_name(name)
+            if baselines.exists(name):
+                raise UserError(f"baseline {name!r}: already exists; pick another name")
+
+        suggested = free_name(run_id_name(run_id) or run_id, baselines.exists)
+        self.app.push_screen(AskName(f"Save run {run_id} as baseline:", suggested, check),
+                             lambda name: name and self.save_baseline(self.runs[run_id], name))
 
     @work(thread=True, group="baseline")
     def save_baseline(self, path: Path, name: str) -> None:

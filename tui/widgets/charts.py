@@ -94,7 +94,18 @@ class Chart(PlotextPlot):
         for label, (dx, dy) in series.items():
             if dx:
                 draw(dx, dy, label=label if legend else None, marker="braille")
+        values = [y for _, dy in series.values() for y in dy]
+        if legend and values:
+            plt.ylim(*self._with_legend_room(min(values), max(values), legend_rows=len(series)))
         self.refresh()
+
+    def _with_legend_room(self, lo: float, hi: float, legend_rows: int) -> tuple[float, float]:
+        """The y range with the plot's top rows left to the legend (plotext draws it top left, over the
+        data: a CPU at 100% ran under the labels)."""
+        rows = max(2, self.size.height - 4 - bool(self.xlabel))     # title, x axis and its labels, xlabel
+        span = (hi - lo) or abs(hi) * 0.1 or 1.0
+        free = min(legend_rows + 1, rows - 1)
+        return lo, hi + span * free / max(1, rows - free)
 
     def on_resize(self) -> None:
         self._draw()

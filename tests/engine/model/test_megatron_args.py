@@ -665,3 +665,22 @@ def test_plan_takes_the_world_size_from_the_launch_line(capsys):
     assert code == 2 and one_error_line(err) == (
         "charllm-tui: error: plan --megatron-args: --world-size is required unless the line starts with "
         "torchrun --nnodes N --nproc-per-node G")
+
+
+@pytest.mark.parametrize("experiment, base", [("ppt-h100-llama3-70b-1-01000", 500000),
+                                              ("ppt-h200-mixtral-8x7b-1-01000", 1000000)])
+def test_export_gives_the_models_rotary_base(experiment, base):
+    """Llama 3's RoPE theta is 500000 and Mixtral's 1e6 (their config.json rope_theta); Megatron's
+    --rotary-base defaults to 10000, so the flag must be written, and it imports back."""
+    args = export_megatron_args(Experiment.load(experiment))
+    assert args[args.index("--rotary-base") + 1] == str(base)
+    assert import_megatron_args(args, world_size=64, hardware="h100-sxm-80gb").experiment.model.rotary_base == base
+
+
+def test_the_default_rotary_base_is_megatrons_and_not_written():
+    exp = Experiment.load("tiny-local")
+    exp.model.position_embedding_type = "rope"
+    assert exp.model.rotary_base == 10000 and "--rotary-base" not in export_megatron_args(exp)
+    assert import_megatron_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                 "--seq-length", "32", "--max-position-embeddings", "32"],
+                                world_size=1, hardware="cpu").experiment.model.rotary_base == 10000

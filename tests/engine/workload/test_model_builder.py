@@ -69,3 +69,32 @@ def test_hybrid_config_counts_two_layers_per_gpt_layer_and_leaves_the_split_to_t
     assert hybrid["num_layers_in_first_pipeline_stage"] is None and hybrid["moe_layer_freq"] == 1
     assert hybrid["hidden_size"] == 64
     assert model_builder.ModelBuilder("GPTModel", "").config_settings(exp, settings) == settings
+
+
+@pytest.mark.timeout(300)
+def test_the_built_model_rotates_with_the_models_rotary_base(tmp_path):
+    """Llama 3 trains with RoPE theta 500000: the model the workload builds uses it (megatron-core's
+    rotary embedding: inv_freq[i] = base ** (-2i / dim)), not megatron-core's default 10000."""
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    from charllm.engine.model import runtime
+    from charllm.engine.workload.train import transformer_settings
+
+    exp = tiny("gpus_per_node=1", "position_embedding_type=rope", "rotary_base=500000")
+    impl = runtime.resolve(exp, runtime.detect())
+    builder = model_builder.ModelBuilder("GPTModel", "under test")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    try:
+        config = TransformerConfig(**builder.config_settings(exp, transformer_settings(exp, impl)
+                                                             | {"use_cpu_initialization": True}))
+        model = builder.build(exp, config, impl, pre_process=True, post_process=True, vp_stage=None)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    inv_freq = model.rotary_pos_emb.inv_freq
+    dim = 2 * inv_freq.numel()
+    assert float(inv_freq[1]) ** (-dim / 2) == pytest.approx(500000, rel=1e-3)

@@ -44,7 +44,8 @@ def test_live_runs_compare_and_the_cli_agree_for_the_steady_window(charllm_dirs,
 
     events = [json.loads(line) for line in run.iterations_path.read_text().splitlines()]
     live = iterations_text([e for e in events if e.get("event") == "iteration"])
-    assert re.search(r"([\d,]+) tokens/s \(last 10 steps\)", live).group(1) == f"{cli['tokens_per_s']:,.0f}"
+    assert re.search(r"last 10 steps: \d+ ms/it · ([\d,]+) tokens/s", live).group(1) == f"{cli['tokens_per_s']:,.0f}"
+    assert re.search(r"steady window: \d+ ms/it · ([\d,]+) tokens/s", live).group(1) == f"{cli['tokens_per_s']:,.0f}"
 
 
 def test_each_surface_names_the_window_of_its_figures(charllm_dirs, capsys):

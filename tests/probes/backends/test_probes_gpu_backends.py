@@ -11,7 +11,7 @@ from charllm.probes.backends.base import BackendUnavailable
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.schema import THROTTLE_BITS
 from fakes_amdsmi import FakeAmdSmi, FakeGcd, load_real_amdsmi, real_amdsmi_present, unload_amdsmi
-from fakes_nvml import FakeGpu, FakeNvml, real_nvml_present
+from fakes_nvml import FakeGpu, FakeNvml, FakeProcess, real_nvml_present
 
 UINT_MAX = 0xFFFFFFFF
 
@@ -97,6 +97,45 @@ def test_nvml_old_driver_falls_back_to_throttle_reasons_name(monkeypatch):
     assert fake.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 1  # the new name is tried once
     assert fake.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 2
     assert rows[-1]["errors"] == 0
+
+
+def test_nvml_lists_each_gpus_processes_with_memory_sm_share_name_and_user(monkeypatch):
+    import getpass
+    import os
+
+    gpu0 = FakeGpu(0, processes=[FakeProcess(4242, "pretrain_gpt.py", 60 * 2**30, 97),
+                                 FakeProcess(os.getpid(), "", None, None, graphics=True)], utilization_us=1_000_000)
+    gpu1 = FakeGpu(1, processes=[])
+    fake = FakeNvml([gpu0, gpu1]).install(monkeypatch)
+    backend = open_backend("nvml")
+    procs = {p.pid: p for p in backend.processes()}
+    assert sorted(procs) == sorted([4242, os.getpid()]) and {p.device for p in procs.values()} == {"gpu0"}
+    trainer, this = procs[4242], procs[os.getpid()]
+    assert (trainer.name, trainer.used_bytes, trainer.sm_pct) == ("pretrain_gpt.py", 60 * 2**30, 97.0)
+    # NVML knows no name for it: the host's is used, with its user; the driver gives no memory figure
+    assert this.name.startswith("python") and this.user == getpass.getuser() and this.used_bytes is None
+    assert this.sm_pct is None
+    assert fake.calls["nvmlDeviceGetProcessUtilization"] == 1            # gpu1 has nothing to ask about
+    # No utilization sample since the last call (the driver answers NOT_FOUND): no share, no error.
+    again = {p.pid: p for p in backend.processes()}
+    assert again[4242].sm_pct is None and backend.devices()[0].errors == 0
+    gpu0.utilization_us += 500_000
+    assert {p.pid: p for p in backend.processes()}[4242].sm_pct == 97.0
+
+
+def test_nvml_processes_unsupported_are_asked_once_and_errors_counted(monkeypatch):
+    gpu0 = FakeGpu(0, processes=[FakeProcess(1)], unsupported_calls={"nvmlDeviceGetComputeRunningProcesses"})
+    gpu1 = FakeGpu(1, processes=[FakeProcess(2)], failures={"nvmlDeviceGetComputeRunningProcesses": 1})
+    fake = FakeNvml([gpu0, gpu1]).install(monkeypatch)
+    backend = open_backend("nvml")
+    assert backend.processes() == []                       # gpu0: not supported; gpu1: a transient error
+    assert backend.devices()[1].errors == 1
+    assert [p.pid for p in backend.processes()] == [2]
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses"] == 3     # gpu0 once, gpu1 twice
+
+
+def test_backends_without_a_process_list_give_none():
+    assert open_backend("host").processes() == []
 
 
 def test_nvml_without_library_or_gpus_is_unavailable(monkeypatch):
