@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, get_origin
+from typing import get_origin
 
 from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Telemetry, Training, choices, declared,
                                            facts, field_names, field_options, parse_pipeline_layout)
