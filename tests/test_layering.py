@@ -31,8 +31,9 @@ ALLOWED = {
     "engine.workload": {"probes.core", "engine.model"},
     "engine.launch": {"probes.core", "probes.store", "probes.analysis", "engine.model", "engine.workload"},
     "engine": {"probes.core", "probes.store", "probes.backends", "probes", "engine.model", "engine.launch"},
+    "engine.campaign": {"probes.core", "probes.store", "probes.analysis", "engine.model", "engine.launch"},
     "tui": {"probes.core", "probes.store", "probes.backends", "probes", "probes.analysis", "engine.model",
-            "engine.launch", "engine"},
+            "engine.launch", "engine", "engine.campaign"},
 }
 
 

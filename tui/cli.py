@@ -11,11 +11,12 @@ import argparse
 import sys
 
 from charllm.probes.core.errors import UserError, one_line, os_error_line
-from charllm.tui.commands import (baseline, compare, doctor, export, fields, import_results, launch, plan, presets,
-                                  probe, runs, summarize, sweep)
+from charllm.tui.commands import (baseline, campaign, compare, doctor, export, fields, import_results, launch, plan,
+                                  presets, probe, runs, summarize, sweep)
 
 # In the order `--help` lists them.
-COMMANDS = (plan, sweep, presets, fields, export, probe, summarize, compare, baseline, import_results, launch, runs, doctor)
+COMMANDS = (plan, sweep, presets, fields, export, probe, summarize, compare, baseline, import_results, launch, runs,
+            campaign, doctor)
 
 DESCRIPTION = """\
 A terminal workbench for the power, performance and thermal characterization of distributed

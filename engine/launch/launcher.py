@@ -23,7 +23,7 @@ from charllm.engine.launch.target import Step, Target
 from charllm.engine.launch.targets import LOCAL, from_record
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import validate
-from charllm.probes.core import paths, procid
+from charllm.probes.core import lifeline, paths, procid
 from charllm.probes.core.errors import UserError, mount_point, os_error_line
 from charllm.probes.core.formatting import clock, size
 from charllm.probes.store.rundir import (FINAL_STATUSES, Manifest, RunDir, new_run_id, remove_abandoned_staging,
@@ -99,7 +99,11 @@ def display_commands(steps: list[Step], target: Target) -> list[str]:
 # Launch
 # --------------------------------------------------------------------------------------------
 def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, nproc: int | None = None,
-           on_progress: Callable[[str], None] | None = None) -> LaunchResult:
+           on_progress: Callable[[str], None] | None = None, record: dict | None = None,
+           tied: bool = False) -> LaunchResult:
+    """Start `exp` on `target`: a run directory and its detached supervisor. `record`: fields the
+    manifest also holds (a campaign's member). `tied`: the supervisor is asked to stop (and stops
+    the run) when the process that launched it dies, as a campaign's members do."""
     say = on_progress or (lambda message: None)
     exp = _fit_to_target(exp, target, nproc)
     say("checking the layout")
@@ -137,6 +141,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         "nodes": sorted({s.node for s in steps}), "steps": [s.to_dict() for s in steps],
         "commands": commands, "forced": found if force else [], "world_size": exp.world_size,
         "launched_from": procid.place(),   # who may judge the run until its supervisor records itself
+        **(record or {}),
     }
     try:
         rd.logs_dir.mkdir()
@@ -148,7 +153,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         with open(rd.logs_dir / "supervisor.log", "ab") as log:
             subprocess.Popen([sys.executable, "-m", "charllm.engine.launch.supervise", str(rd.path)],
                              stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                             close_fds=True)
+                             close_fds=True, preexec_fn=lifeline.terminated_with_parent if tied else None)
     except BaseException:
         # A launch that did not start leaves nothing behind.
         target.cancel_job(Manifest.from_dict(manifest))

@@ -8,6 +8,7 @@ address); `--kill-on-bad-exit` stops every node when one fails.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import shutil
@@ -86,6 +87,12 @@ class SlurmTarget(Target):
 
     def supervise(self, supervisor) -> str:
         return follow(supervisor)
+
+    def queued(self, after: list[Manifest], time_limit_s: float | None) -> "SlurmTarget":
+        jobs = [m.slurm_job_id for m in after if _JOB_ID.match(m.slurm_job_id)]
+        lines = self.sbatch_lines + ((f"--dependency=afterany:{':'.join(jobs)}",) if jobs else ())
+        return dataclasses.replace(self, sbatch_lines=lines,
+                                   time=_slurm_time(time_limit_s) if time_limit_s else self.time)
 
     def cancel_job(self, manifest: Manifest) -> bool:
         if manifest.slurm_job_id:
@@ -205,6 +212,13 @@ def hostnames(nodelist: str) -> list[str]:
     done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                           timeout=30)
     return done.stdout.split()
+
+
+def _slurm_time(seconds: float) -> str:
+    """Seconds as Slurm's --time, D-HH:MM:SS, rounded up to a whole minute."""
+    minutes = -(-int(seconds) // 60)
+    days, minutes = divmod(minutes, 1440)
+    return f"{days}-{minutes // 60:02d}:{minutes % 60:02d}:00"
 
 
 def cancel(job_id: str, run_id: str) -> None:

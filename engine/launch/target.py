@@ -154,6 +154,12 @@ class Target(ABC):
         """Run `charllm-tui doctor` on the target's nodes: `doctor` (engine/doctor.py, above this
         package) has one method per way of reaching them."""
 
+    def queued(self, after: list[Manifest], time_limit_s: float | None) -> "Target | None":
+        """This target with its scheduler told to start a run's job only once the jobs of `after`
+        have ended, and to end it after `time_limit_s`: a queue that outlives whoever filled it (a
+        campaign's). None where there is no scheduler: the caller keeps the queue itself."""
+        return None
+
     # -- stopping ------------------------------------------------------------------------------
     def cancel_job(self, manifest: Manifest) -> bool:
         """Ask the scheduler that runs the run's job to end it (the supervisor then records the

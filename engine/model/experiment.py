@@ -589,6 +589,18 @@ class Experiment:
     def virtual_stages(self) -> int:
         return self.parallel.virtual_pipeline_model_parallel_size or 1
 
+    @property
+    def layout_label(self) -> str:
+        """The parallel layout in short: "TP8 PP2 DP2", "TP2 PP4 VP2 EP8 DP4", "TP8 FSDP DP4" (sizes
+        of 1 left out, but TP, PP and DP always said)."""
+        p = self.parallel
+        parts = [f"TP{p.tensor_model_parallel_size}", f"PP{p.pipeline_model_parallel_size}"]
+        parts += [f"VP{self.virtual_stages}"] if self.virtual_stages > 1 else []
+        parts += [f"CP{p.context_parallel_size}"] if p.context_parallel_size > 1 else []
+        parts += [f"EP{p.expert_model_parallel_size}"] if p.expert_model_parallel_size > 1 else []
+        parts += ["FSDP"] if p.use_torch_fsdp2 or p.use_megatron_fsdp else []
+        return " ".join(parts + [f"DP{self.data_parallel_size}"])
+
     def transformer_config_fields(self) -> dict[str, Any]:
         """The fields marked `config` (see `setting`), under megatron-core TransformerConfig's names."""
         out = {}

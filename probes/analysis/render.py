@@ -63,6 +63,11 @@ _UNIT_NAMES = {"tokens_per_s": "tokens per second", "samples_per_s": "samples pe
                "tflops_per_gpu": "TFLOP/s per GPU"}
 
 
+def metric_unit(metric: str) -> str:
+    """A summary figure's unit as an axis names it ("W", "°C", "samples/(s·MJ)"; fractions "%")."""
+    return next((u for suffix, u in _UNITS if metric.endswith(suffix)), "")
+
+
 def metric_label(metric: str) -> str:
     """A summary figure's name in words, its statistic last and its unit left to the figure beside it
     (format_figure): "temp_gpu_peak_c" -> "GPU temperature, peak", "tokens_per_s" -> "tokens per second"."""

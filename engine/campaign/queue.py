@@ -1,0 +1,306 @@
+"""Running a campaign: `start`, `cancel` and `refresh`, and the campaign supervisor that owns the queue,
+`python -m charllm.engine.campaign.queue NAME`.
+
+`start` plans every member, writes the campaign's record (state.py) and hands the queue to a
+detached supervisor, so the queue outlives the terminal that started it. Each member is launched
+as a run of its own (engine.launch), which records itself in its run directory like any other.
+
+- Where the target has a scheduler (Slurm), the queue lives in it: the supervisor submits every
+  member at once, each job told to wait for the job `max_parallel` places before it (Target.queued:
+  Slurm's --dependency=afterany, and --time for the time limit), and then only watches. Killing
+  the supervisor leaves the queue, the jobs and their runs' own supervisors going.
+- Elsewhere (local, ssh) the supervisor is the queue: it launches members `max_parallel` at a time,
+  stops one past its time limit, and ties every member's run to its own life, so killing the
+  supervisor stops everything it started (probes.core.lifeline).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from charllm.engine.campaign.spec import Campaign, check_max_parallel
+from charllm.engine.campaign.state import DONE, QUEUED, Record, directory
+from charllm.engine.launch.launcher import cancel as cancel_run
+from charllm.engine.launch.launcher import launch, reconcile
+from charllm.engine.launch.target import Target
+from charllm.engine.launch.targets import from_record
+from charllm.probes.core import procid
+from charllm.probes.core.errors import UserError, os_error_line
+from charllm.probes.core.formatting import clock
+from charllm.probes.store.rundir import FINAL_STATUSES, RunDir
+
+POLL_S = 1.0
+MODULE = "charllm.engine.campaign.queue"
+
+
+# --------------------------------------------------------------------------------------------
+# What the command line and the workbench call
+# --------------------------------------------------------------------------------------------
+def start(campaign: Campaign, target: Target, *, max_parallel: int | None = None, include_oom: bool = False,
+          resume: bool = False) -> Record:
+    """Plan every member, record the campaign and start its supervisor (detached); returns the record.
+    `resume`: a campaign that ran before runs again only its members without a completed run."""
+    parallel = check_max_parallel(max_parallel if max_parallel is not None else campaign.max_parallel,
+                                  "--max-parallel")
+    try:
+        previous = Record.load(campaign.name)
+    except UserError:
+        previous = None
+    if previous is not None:
+        refresh(previous)
+        if previous.data.get("status") not in FINAL_STATUSES:
+            raise UserError(f"campaign {campaign.name!r} is {previous.data.get('status')}; wait for it or cancel it "
+                            f"(charllm-tui campaign cancel {campaign.name})")
+        if not resume:
+            raise UserError(f"campaign {campaign.name!r} has run before: --resume runs its members that have no "
+                            f"completed run (or delete its record: charllm-tui campaign delete {campaign.name})")
+    elif resume:
+        raise UserError(f"campaign {campaign.name!r} has not run: nothing to resume (run it without --resume)")
+    record = Record.new(campaign, campaign.plan(), target.to_dict(), include_oom=include_oom, max_parallel=parallel)
+    if previous is not None:
+        _keep_completed(record, previous)
+    if record.finished:
+        raise UserError(f"campaign {campaign.name!r}: no member left to run ({record.progress()})")
+    record.save()
+    log = directory(campaign.name) / "supervisor.log"
+    with open(log, "ab") as out:
+        subprocess.Popen([sys.executable, "-m", MODULE, campaign.name], stdin=subprocess.DEVNULL, stdout=out,
+                         stderr=out, start_new_session=True, close_fds=True)
+    return record
+
+
+def _keep_completed(record: Record, previous: Record) -> None:
+    """Members that completed before keep their runs; the others' earlier runs are remembered."""
+    before = {m["key"]: m for m in previous.members}
+    for m in record.members:
+        old = before.get(m["key"])
+        if old is None:
+            continue
+        if old["status"] == "completed":
+            m.update({k: old[k] for k in ("status", "run", "runs", "failure", "started_ns", "ended_ns")})
+        elif m["status"] == QUEUED:
+            m["runs"] = old.get("runs", []) + ([old["run"]] if old.get("run") else [])
+
+
+def refresh(record: Record) -> Record:
+    """The record as it stands now: members' statuses from their runs, and, where the supervisor
+    died here, the campaign finished as what it can still become (a scheduler's queue goes on).
+    Written back only when the supervisor is gone (it writes the record while it lives)."""
+    owner = record.data.get("supervisor") or {}
+    if record.data.get("status") in FINAL_STATUSES or procid.where(owner) == "elsewhere":
+        return record
+    if owner and procid.live(owner) is not None:
+        return record
+    if not owner and time.time_ns() - record.data.get("created_ns", 0) < 60 * 10**9:
+        return record                                   # handed over moments ago
+    for m in record.members:
+        rd = record.run_dir(m)
+        if rd is not None and m["status"] not in DONE:
+            _settle(m, rd, reconcile(rd) if rd.ours() else rd.status)
+    ending = any(m["status"] in ("pending", "running") for m in record.members)
+    scheduled = from_record(record.data["target"]).queued([], None) is not None
+    if not scheduled and not ending:   # nothing goes on without the supervisor: what never started stays queued
+        record.data.update(status="failed", ended_ns=time.time_ns(),
+                           failure=f"the campaign supervisor died (found at {clock()}); "
+                                   f"--resume runs the members left")
+    elif scheduled and record.finished:
+        record.data.update(status="completed", ended_ns=time.time_ns())
+    try:
+        record.save()
+    except OSError:
+        pass
+    return record
+
+
+def cancel(name: str, wait: float = 120.0) -> Record:
+    """Stop every member of the campaign and its queue; returns the final record."""
+    record = refresh(Record.load(name))
+    if record.data.get("status") in FINAL_STATUSES:
+        raise UserError(f"campaign {name!r} is already {record.data['status']}")
+    owner = record.data.get("supervisor") or {}
+    if procid.where(owner) == "elsewhere":
+        raise UserError(f"campaign {name!r} is run by {procid.described(owner)}, not visible from here; cancel it "
+                        f"there (charllm-tui campaign cancel {name})")
+    supervisor = procid.live(owner)
+    if supervisor is not None:
+        supervisor.send_signal(signal.SIGTERM)    # it cancels its members and records the end
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            record = Record.load(name)
+            if record.data.get("status") in FINAL_STATUSES:
+                return record
+            time.sleep(0.5)
+        supervisor.kill()
+    record = Record.load(name)
+    _cancel_members(record)
+    record.data.update(status="cancelled", ended_ns=time.time_ns())
+    record.save()
+    return record
+
+
+def _cancel_members(record: Record) -> None:
+    """Cancel every member's run that has not ended (side by side: each waits for its run), and
+    what is still queued."""
+    live = [(m, record.run_dir(m)) for m in record.members if m["status"] not in DONE and m.get("run")]
+
+    def stop(pair):
+        m, rd = pair
+        try:
+            cancel_run(rd)
+        except UserError:
+            pass                                     # it ended first
+        _settle(m, rd, rd.status)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(stop, live))
+    for m in record.members:
+        if m["status"] == QUEUED:
+            m["status"] = "cancelled"
+
+
+def _settle(member: dict, rd: RunDir, status: str) -> None:
+    """Copy a finished run's outcome into its member."""
+    if status not in FINAL_STATUSES:
+        member["status"] = status if status in ("pending", "running") else member["status"]
+        return
+    try:
+        m = rd.manifest()
+    except UserError as exc:
+        member.update(status="failed", failure=str(exc), ended_ns=time.time_ns())
+        return
+    member["status"] = "failed" if member.get("timed_out") else status
+    member["failure"] = member.get("failure") or m.failure
+    member["started_ns"] = member.get("started_ns") or m.started_ns or m.created_ns
+    member["ended_ns"] = m.ended_ns or time.time_ns()
+
+
+# --------------------------------------------------------------------------------------------
+# The campaign supervisor
+# --------------------------------------------------------------------------------------------
+class Queue:
+    def __init__(self, name: str):
+        self.record = Record.load(name)
+        self.target = from_record(self.record.data["target"])
+        self.scheduler = self.target.queued([], None) is not None
+        # The members' experiments, expanded again from the campaign file the record was made from.
+        self.experiments = {m.key: m.experiment for m in Campaign.load(self.record.data["source"]).members()}
+        self.cancel_requested = False
+        self.started: dict[int, float] = {}            # member index -> monotonic start (time limits)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.cancel_requested = True
+
+    def run(self) -> str:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.record.data.update(status="running", started_ns=time.time_ns(),
+                                supervisor={**procid.identify(os.getpid()), "pgid": os.getpgid(0)})
+        self.record.save()
+        if self.scheduler:
+            self.submit_all()
+        while not self.cancel_requested and not self.record.finished:
+            if not self.scheduler:
+                self.fill()
+            self.poll()
+            time.sleep(POLL_S)
+        if self.cancel_requested:
+            _cancel_members(self.record)
+            status = "cancelled"
+        else:
+            status = "completed"
+        self.record.data.update(status=status, ended_ns=time.time_ns())
+        self.record.save()
+        return status
+
+    # -- launching ---------------------------------------------------------------------------
+    def members(self, *statuses) -> list[dict]:
+        return [m for m in self.record.members if m["status"] in statuses]
+
+    def fill(self) -> None:
+        """Launch queued members while fewer than max_parallel run (this process is the queue)."""
+        running = self.members("pending", "running")
+        for m in self.members(QUEUED)[: max(0, self.record.data["max_parallel"] - len(running))]:
+            if self.cancel_requested:
+                return
+            self.launch(m, self.target, tied=True)
+
+    def submit_all(self) -> None:
+        """Submit every queued member at once, each after the one max_parallel places before it
+        (the scheduler keeps the queue from now on)."""
+        lanes = self.record.data["max_parallel"]
+        submitted: list[RunDir | None] = []
+        for m in self.members(QUEUED):
+            if self.cancel_requested:
+                return
+            before = submitted[-lanes] if len(submitted) >= lanes else None
+            after = [before.manifest()] if before is not None else []
+            target = self.target.queued(after, self.record.data.get("time_limit_s"))
+            submitted.append(self.launch(m, target, tied=False))
+
+    def launch(self, m: dict, target: Target, *, tied: bool) -> RunDir | None:
+        """Start one member's run; a member that cannot start is failed with the reason, and the
+        campaign goes on."""
+        exp = self.experiments.get(m["key"])
+        if exp is None:
+            m.update(status="failed", failure=f"not started: no longer in {self.record.data['source']}")
+            self.record.save()
+            return None
+        try:
+            result = launch(exp, target, force=m["verdict"] not in ("fits", "tight"), tied=tied,
+                            record={"campaign": {"name": self.record.name, "member": m["index"]}})
+        except (UserError, OSError) as exc:
+            why = str(exc) if isinstance(exc, UserError) else os_error_line(exc)
+            m.update(status="failed", failure=f"not started: {why}", started_ns=time.time_ns(), ended_ns=time.time_ns())
+            self.record.save()
+            return None
+        m.update(status="pending", run=result.run_id, started_ns=time.time_ns(), failure=None)
+        self.started[m["index"]] = time.monotonic()
+        self.record.save()
+        return RunDir(result.run_dir)
+
+    # -- watching ----------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Settle members whose runs ended; stop one past its time limit (where no scheduler does)."""
+        changed = False
+        limit = self.record.data.get("time_limit_s")
+        for m in self.members("pending", "running"):
+            rd = self.record.run_dir(m)
+            status = reconcile(rd)
+            if status != m["status"]:
+                _settle(m, rd, status)
+                changed = True
+            elif not self.scheduler and limit and time.monotonic() - self.started.get(m["index"], time.monotonic()) > limit:
+                m.update(timed_out=True, failure=f"time limit ({limit:g} s) reached; stopped")
+                try:
+                    cancel_run(rd)
+                except UserError:
+                    pass
+                _settle(m, rd, rd.status)
+                changed = True
+        if changed:
+            self.record.save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(f"usage: python -m {MODULE} NAME", file=sys.stderr)
+        return 2
+    queue = Queue(argv[0])
+    try:
+        status = queue.run()
+    except BaseException as exc:
+        _cancel_members(queue.record)   # never leave members running without their queue
+        queue.record.data.update(status="failed", ended_ns=time.time_ns(), failure=f"campaign supervisor error: {exc!r}")
+        queue.record.save()
+        raise
+    print(f"campaign {argv[0]}: {status}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

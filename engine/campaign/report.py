@@ -1,0 +1,206 @@
+"""The paper's figures from a campaign, as data: which values, on which axes, in which units.
+
+Four kinds, as the CharLLM-PPT study reads its runs (Go et al., MICRO'25):
+- parallelism: per layout (grouped by model) the GPU temperature, power (mean and peak), SM clock and
+  efficiency (samples/(s·MJ)); a member that did not run is marked (OOM: its plan did not fit);
+- optimization: per model and layout, a metric for each of the four variants (base, overlap,
+  recompute, both), optionally normalised per model (divided by the model's best);
+- microbatch: a metric against the micro batch size, one line per layout;
+- heatmap: a per-GPU metric, GPUs (by node) x members.
+
+Every value is a member's run-level (or, for the heatmap, GPU-level) summary of the steady window,
+exactly as `summarize` gives it; the drawing (terminal or SVG/PNG) is the command line's and the
+workbench's (tui/figures.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from charllm.engine.campaign.spec import VARIANTS
+from charllm.engine.campaign.state import Record
+from charllm.engine.campaign.summary import WINDOW, campaign_summary, member_summary
+from charllm.probes.analysis.render import metric_label, metric_unit
+from charllm.probes.core.errors import UserError, did_you_mean
+
+KINDS = ("parallelism", "optimization", "microbatch", "heatmap")
+PARALLELISM_METRICS = ("temp_gpu_mean_c", "temp_gpu_peak_c", "power_mean_w", "power_peak_w", "sm_clock_mean_mhz",
+                       "efficiency_samples_per_s_mj")
+DEFAULT_METRIC = {"optimization": "efficiency_samples_per_s_mj", "microbatch": "power_peak_w",
+                  "heatmap": "temp_gpu_mean_c"}
+
+
+@dataclass
+class Series:
+    label: str
+    x: list[str]                          # the categories (layouts, variants, micro batch sizes)
+    y: list[float | None]                 # None: no value (see `marks`)
+    marks: dict[str, str] = field(default_factory=dict)   # x -> why there is no value ("OOM", "failed")
+
+
+@dataclass
+class Panel:
+    title: str
+    metric: str                           # the summary column plotted
+    series: list[Series]
+
+    @property
+    def unit(self) -> str:
+        return metric_unit(self.metric)
+
+    @property
+    def axis(self) -> str:
+        """The value axis' label: the metric in words and its unit."""
+        unit = self.unit
+        return f"{metric_label(self.metric)} ({unit})" if unit else metric_label(self.metric)
+
+
+@dataclass
+class Figure:
+    kind: str
+    campaign: str
+    title: str
+    window: str
+    x_axis: str = ""                      # what the categories are ("layout", "micro batch size")
+    panels: list[Panel] = field(default_factory=list)
+    # heatmap only: rows (GPUs), columns (members), values[row][column]
+    rows: list[str] = field(default_factory=list)
+    columns: list[str] = field(default_factory=list)
+    values: list[list[float | None]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def figure(record: Record, kind: str, metric: str | None = None, normalize: bool = False) -> Figure:
+    if kind not in KINDS:
+        raise UserError(f"--figure {kind!r}: expected one of {', '.join(KINDS)}{did_you_mean(kind, KINDS)}")
+    summary = campaign_summary(record)
+    if metric is not None and metric not in summary.columns and kind != "heatmap":
+        raise UserError(f"--metric {metric!r}: not a campaign figure{did_you_mean(metric, summary.columns)}")
+    window = f"steady window of each member (summaries' {WINDOW!r})"
+    return {"parallelism": _parallelism, "optimization": _optimization, "microbatch": _microbatch,
+            "heatmap": _heatmap}[kind](record, summary, metric, normalize, window)
+
+
+def _mark(row: dict) -> str:
+    """Why a member has no value: its plan did not fit (OOM, as the paper marks it), or its run did not complete."""
+    if row["status"] == "skipped":
+        return "OOM"
+    return row["status"] if row["status"] != "completed" else "no data"
+
+
+def _parallelism(record, summary, metric, normalize, window) -> Figure:
+    rows = summary.to_dicts()
+    fig = Figure("parallelism", record.name, f"{record.name}: per layout", window, "layout")
+    models = list(dict.fromkeys(m.get("model") or "?" for m in record.members))
+    for metric_name in ((metric,) if metric else PARALLELISM_METRICS):
+        series = []
+        for model in models:
+            members = [(m, r) for m, r in zip(record.members, rows) if (m.get("model") or "?") == model]
+            s = Series(model, [], [])
+            for m, r in members:
+                x = _layout_x(m)
+                s.x.append(x)
+                s.y.append(r.get(metric_name))
+                if r.get(metric_name) is None:
+                    s.marks[x] = _mark(r)
+            series.append(s)
+        fig.panels.append(Panel(metric_label(metric_name), metric_name, series))
+    return fig
+
+
+def _layout_x(member: dict) -> str:
+    """A member's x label: its layout, and what else it varies when that is not the layout."""
+    extra = [f"{k}={v}" for k, v in member.get("varied", {}).items() if not k.endswith("parallel_size")]
+    return " ".join([member.get("layout") or member["name"], *extra])
+
+
+def _optimization(record, summary, metric, normalize, window) -> Figure:
+    metric = metric or DEFAULT_METRIC["optimization"]
+    rows = summary.to_dicts()
+    fig = Figure("optimization", record.name, f"{record.name}: optimization variants"
+                 + (" (normalised per model: 1 = the model's best)" if normalize else ""), window, "layout")
+    for model in dict.fromkeys(m.get("model") or "?" for m in record.members):
+        pairs = [(m, r) for m, r in zip(record.members, rows) if (m.get("model") or "?") == model]
+        best = max((r[metric] for _, r in pairs if r.get(metric) is not None), default=None)
+        layouts = list(dict.fromkeys(m.get("layout") or m["name"] for m, _ in pairs))
+        series = []
+        for variant in VARIANTS:
+            s = Series(variant, [], [])
+            for layout in layouts:
+                found = [(m, r) for m, r in pairs if (m.get("layout") or m["name"]) == layout
+                         and m.get("variant") == variant]
+                if not found:
+                    continue
+                m, r = found[0]
+                value = r.get(metric)
+                if value is not None and normalize and best:
+                    value = value / best
+                s.x.append(layout)
+                s.y.append(value)
+                if value is None:
+                    s.marks[layout] = _mark(r)
+            if s.x:
+                series.append(s)
+        fig.panels.append(Panel(f"{model}: {metric_label(metric)}" + (" / best" if normalize else ""), metric,
+                                series))
+    return fig
+
+
+def _microbatch(record, summary, metric, normalize, window) -> Figure:
+    metric = metric or DEFAULT_METRIC["microbatch"]
+    rows = summary.to_dicts()
+    fig = Figure("microbatch", record.name, f"{record.name}: against the micro batch size", window,
+                 "micro batch size")
+    lines: dict[str, Series] = {}
+    for m, r in zip(record.members, rows):
+        label = f"{m.get('model') or '?'} {m.get('layout') or ''}".strip()
+        s = lines.setdefault(label, Series(label, [], []))
+        x = str(m.get("micro_batch_size") or "?")
+        s.x.append(x)
+        s.y.append(r.get(metric))
+        if r.get(metric) is None:
+            s.marks[x] = _mark(r)
+    fig.panels.append(Panel(metric_label(metric), metric, list(lines.values())))
+    return fig
+
+
+def _heatmap(record, summary, metric, normalize, window) -> Figure:
+    metric = metric or DEFAULT_METRIC["heatmap"]
+    fig = Figure("heatmap", record.name, f"{record.name}: {metric_label(metric)} per GPU", window, "member")
+    per_member = {}
+    for m in record.members:
+        df = member_summary(record, m, by="gpu")
+        if df is None:
+            continue
+        if metric not in df.columns:
+            raise UserError(f"--metric {metric!r}: not a per-GPU figure{did_you_mean(metric, df.columns)}")
+        per_member[m["index"]] = {f"{r['node']}/{r['device']}": r[metric] for r in df.iter_rows(named=True)}
+    if not per_member:
+        fig.notes.append("no member has a completed run with GPU telemetry yet")
+        return fig
+    gpus = sorted({g for values in per_member.values() for g in values}, key=_gpu_order)
+    fig.rows = gpus
+    fig.columns = [next(m["name"] for m in record.members if m["index"] == i) for i in per_member]
+    fig.values = [[per_member[i].get(g) for i in per_member] for g in gpus]
+    fig.panels.append(Panel(metric_label(metric), metric, []))
+    skipped = [m["name"] for m in record.members if m["index"] not in per_member]
+    if skipped:
+        fig.notes.append(f"not shown (no completed run): {', '.join(skipped[:5])}"
+                         + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""))
+    return fig
+
+
+def _gpu_order(label: str):
+    """node0/gpu2 before node0/gpu10, nodes in order."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", label)]
+
+
+def values_of(fig: Figure) -> dict[tuple[str, str, str], float | None]:
+    """(panel metric, series, x) -> value, or (metric, gpu, member) -> value for a heatmap: what
+    is drawn, for checks against the summaries."""
+    if fig.kind == "heatmap":
+        return {(fig.panels[0].metric, g, c): fig.values[i][j]
+                for i, g in enumerate(fig.rows) for j, c in enumerate(fig.columns)}
+    return {(p.metric, s.label, x): y for p in fig.panels for s in p.series for x, y in zip(s.x, s.y)}
+

@@ -1,0 +1,342 @@
+"""A campaign: many experiments planned, queued and read together, as data.
+
+A campaign is a TOML file, `<config>/campaigns/NAME.toml` or shipped in `presets/campaigns/`:
+
+    description = "micro batch 1/2/4/8 on every H200 layout, recomputation on"
+    experiments = ["ppt-h200-*-01000"]          # experiment presets by name or glob, or TOML files
+
+    [axes]                                      # any experiment field, each value in turn
+    micro_batch_size = [1, 2, 4, 8]
+
+    [[layouts]]                                 # parallel settings, each applied in turn (optional)
+    tensor_model_parallel_size = 2
+
+    [target]                                    # where it runs and its limits (all optional)
+    name = "mycluster"
+    max_parallel = 2                            # members at once
+    time_limit = "01:00:00"                     # per member (Slurm's --time, or stopped here)
+
+Its members are every base experiment x every layout x every combination of the axes' values, in
+that order. Each member is a whole experiment, planned like any other (engine.model.memory) and run
+like any other (engine.launch): nothing here knows how to train or where.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from charllm.engine.model import catalog
+from charllm.engine.model.experiment import Experiment, resolve_key
+from charllm.engine.model.memory import DOES_NOT_FIT, estimate
+from charllm.engine.model.validate import validate
+from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError, did_you_mean, plural, shown
+from charllm.probes.core.formatting import size
+
+KIND = "campaigns"                         # its catalog kind: presets/campaigns, <config>/campaigns
+KEYS = ("description", "experiments", "axes", "layouts", "target")
+TARGET_KEYS = ("name", "max_parallel", "time_limit")
+LAYOUT_SECTIONS = ("parallel", "cluster")  # what a layout may set; any other field is an axis
+MAX_MEMBERS = 10_000
+MAX_PARALLEL = 1024
+# What each key of a campaign file holds (`charllm-tui campaign keys` shows it).
+HELP = {
+    "description": "one line saying what the campaign is for",
+    "experiments": "the base experiments: preset names, globs over them (ppt-h200-*-01000) or TOML files",
+    "axes": "a table: an experiment field -> the list of values it takes in turn (micro_batch_size = [1, 2])",
+    "layouts": "[[layouts]] tables of parallel (or cluster) settings, each applied to every base in turn",
+    "target.name": "the target members run on (a name from targets.toml, or local); launch's --target wins",
+    "target.max_parallel": f"at most this many members at once (1 to {MAX_PARALLEL}; default 1)",
+    "target.time_limit": "a member's time limit: seconds, or [D-]HH:MM:SS; Slurm's --time, else stopped here",
+}
+
+
+@dataclass(frozen=True)
+class Member:
+    """One experiment of a campaign: a base experiment with a layout and the axes' values applied."""
+
+    index: int                      # 0-based, in expansion order
+    base: str                       # the base experiment's name
+    layout: dict                    # the [[layouts]] entry applied ({} when there are none)
+    values: dict                    # axis -> value
+    experiment: Experiment
+
+    @property
+    def key(self) -> str:
+        """What identifies the member across runs of the campaign (resume keys on it)."""
+        return json.dumps([self.base, self.layout, self.values], sort_keys=True, separators=(",", ":"))
+
+    @property
+    def varied(self) -> dict:
+        """The settings this member was given: its layout's, then its axes' values."""
+        return {**self.layout, **self.values}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A member's plan: runnable (fits, tight), skipped (does not fit) or invalid, and why."""
+
+    member: Member
+    verdict: str                    # fits | tight | does not fit | invalid
+    reason: str = ""                # the rule broken, or "planned X GiB of Y"
+    peak_bytes: int | None = None
+    allocator_bytes: int | None = None
+
+    @property
+    def runnable(self) -> bool:
+        return self.verdict not in (DOES_NOT_FIT, "invalid")
+
+    @property
+    def skip_reason(self) -> str:
+        """What a campaign run records for a member it does not run."""
+        return f"skipped: {self.verdict} ({self.reason})" if self.verdict == DOES_NOT_FIT else f"invalid: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Campaign:
+    name: str
+    experiments: tuple[str, ...]
+    description: str = ""
+    axes: dict = field(default_factory=dict)          # field -> list of values
+    layouts: tuple[dict, ...] = ()
+    target: str | None = None
+    max_parallel: int = 1
+    time_limit_s: float | None = None
+    source: str = ""                                  # the file it was read from
+
+    # -- reading ---------------------------------------------------------------------------
+    @classmethod
+    def load(cls, ref: str | Path) -> "Campaign":
+        """The campaign named `ref` (the user's, else shipped), or a campaign TOML file."""
+        path = Path(ref).expanduser()
+        if path.suffix == ".toml" or path.is_file():
+            return cls.from_dict(path.stem, paths.read_toml(path, "campaign file"), str(path))
+        table = catalog.entries(KIND)
+        if str(ref) not in table:
+            hint = did_you_mean(ref, table, "; see `charllm-tui campaign list`", cutoff=0.5)
+            raise UserError(f"campaign {str(ref)!r}: no such campaign{hint}")
+        return cls.from_dict(str(ref), paths.read_toml(table[str(ref)], "campaign file"), str(table[str(ref)]))
+
+    @classmethod
+    def from_dict(cls, name: str, data: dict, source: str = "campaign") -> "Campaign":
+        """A campaign from its TOML table; every mistake is one line naming the key."""
+        where = f"campaign {name!r}"
+        check_name(name)
+        for key in data:
+            if key not in KEYS:
+                raise UserError(f"{where}: unknown key {key!r}{did_you_mean(key, KEYS)}")
+        experiments = data.get("experiments")
+        if isinstance(experiments, str):
+            experiments = [experiments]
+        if not isinstance(experiments, list) or not experiments or not all(isinstance(e, str) and e.strip()
+                                                                             for e in experiments):
+            raise UserError(f"{where}: experiments = {shown(experiments)}: give a list of experiment names, globs "
+                            "or files (experiments = [\"tiny-local\"])")
+        description = data.get("description", "")
+        if not isinstance(description, str):
+            raise UserError(f"{where}: description = {shown(description)}: must be a string")
+        axes = data.get("axes", {})
+        if not isinstance(axes, dict):
+            raise UserError(f"{where}: axes = {shown(axes)}: must be a table of field = [values]")
+        for key, values in axes.items():
+            _field(where, f"axes.{key}", key)
+            if not isinstance(values, list) or not values:
+                raise UserError(f"{where}: axes.{key} = {shown(values)}: must be a non-empty list of values")
+            if len({json.dumps(v, sort_keys=True) for v in values}) != len(values):
+                raise UserError(f"{where}: axes.{key} = {shown(values)}: a value is listed twice")
+        layouts = data.get("layouts", [])
+        if not isinstance(layouts, list) or not all(isinstance(t, dict) and t for t in layouts):
+            raise UserError(f"{where}: layouts = {shown(layouts)}: must be [[layouts]] tables of parallel settings")
+        for i, layout in enumerate(layouts, start=1):
+            for key in layout:
+                section = _field(where, f"layouts[{i}].{key}", key)
+                if section not in LAYOUT_SECTIONS:
+                    raise UserError(f"{where}: layouts[{i}].{key}: not a parallel setting ([{section}]); vary it "
+                                    "under [axes]")
+                if key in axes:
+                    raise UserError(f"{where}: layouts[{i}].{key}: also an axis; set it in one place")
+        target = data.get("target", {})
+        if not isinstance(target, dict):
+            raise UserError(f"{where}: target = {shown(target)}: must be a table (name, max_parallel, time_limit)")
+        for key in target:
+            if key not in TARGET_KEYS:
+                raise UserError(f"{where}: unknown key 'target.{key}'{did_you_mean(key, TARGET_KEYS)}")
+        target_name = target.get("name")
+        if target_name is not None and (not isinstance(target_name, str) or not target_name.strip()):
+            raise UserError(f"{where}: target.name = {shown(target_name)}: must be a target's name")
+        return cls(name=name, experiments=tuple(e.strip() for e in experiments), description=description,
+                   axes=dict(axes), layouts=tuple(dict(t) for t in layouts), target=target_name,
+                   max_parallel=check_max_parallel(target.get("max_parallel", 1), f"{where}: target.max_parallel"),
+                   time_limit_s=parse_time_limit(target.get("time_limit"), f"{where}: target.time_limit"),
+                   source=source)
+
+    # -- members ---------------------------------------------------------------------------
+    def bases(self) -> list[str]:
+        """The base experiments, each pattern's matches in name order, each once."""
+        names = list(catalog.entries("experiments"))
+        out: list[str] = []
+        for pattern in self.experiments:
+            if pattern.endswith(".toml") or Path(pattern).expanduser().is_file():
+                matched = [pattern]
+            elif any(c in pattern for c in "*?["):
+                matched = fnmatch.filter(names, pattern)
+            else:
+                matched = [pattern] if pattern in names else []
+            if not matched:
+                hint = did_you_mean(pattern, names, "; see `charllm-tui presets list experiments`", cutoff=0.5)
+                raise UserError(f"campaign {self.name!r}: experiments: {pattern!r} matches no experiment{hint}")
+            out += [m for m in matched if m not in out]
+        return out
+
+    def members(self) -> list[Member]:
+        """Every base x layout x combination of the axes' values, each a whole experiment."""
+        bases = self.bases()
+        combos = list(itertools.product(*self.axes.values()))
+        count = len(bases) * max(1, len(self.layouts)) * len(combos)
+        if count > MAX_MEMBERS:
+            raise UserError(f"campaign {self.name!r}: {count:,} members, more than the {MAX_MEMBERS:,} a campaign "
+                            "may have")
+        out = []
+        for base in bases:
+            experiment = Experiment.load(base)
+            for layout in self.layouts or ({},):
+                for combo in combos:
+                    values = dict(zip(self.axes, combo))
+                    out.append(Member(len(out), experiment.name, dict(layout), values,
+                                      self._member_experiment(experiment, layout, values)))
+        return out
+
+    def _member_experiment(self, base: Experiment, layout: dict, values: dict) -> Experiment:
+        exp = base.copy()
+        for key, value in {**layout, **values}.items():
+            try:
+                exp.set(key, value)
+            except UserError as exc:
+                raise UserError(f"campaign {self.name!r}: {exc}") from None
+        varied = {k: v for k, v in {**layout, **values}.items() if k in self.varying}
+        if varied:   # the run's name says which member it is
+            exp.name = member_name(base.name, varied)
+        return exp
+
+    @property
+    def varying(self) -> set[str]:
+        """The settings that differ between members (a one-value axis sets, it does not vary)."""
+        layouts = {k for t in self.layouts for k in t} if len(self.layouts) > 1 else set()
+        return layouts | {k for k, values in self.axes.items() if len(values) > 1}
+
+    def plan(self) -> list[Plan]:
+        """Every member validated and planned: its verdict, or the rule it breaks."""
+        return [plan_member(m) for m in self.members()]
+
+
+def plan_member(member: Member) -> Plan:
+    problems = validate(member.experiment)
+    if problems:
+        return Plan(member, "invalid", str(problems[0]))
+    report = estimate(member.experiment)
+    allocator = report.budget.allocator_bytes
+    return Plan(member, report.verdict, f"planned {size(report.peak_bytes, 1)} of {size(allocator, 1)}",
+                report.peak_bytes, allocator)
+
+
+VARIANTS = ("base", "overlap", "recompute", "overlap + recompute")   # the paper's optimization codes
+
+
+def variant(exp: Experiment, name: str | None = None) -> str:
+    """Which of the paper's four optimization variants an experiment is: communication overlap
+    (any of grad-reduce, param-gather, TP overlap) and full activation recomputation, on or off.
+    A CharLLM-PPT preset says its own in its name's code (ppt-...-01000): the artifact labels a
+    variant by what it asked for, also where a layout has no overlap to turn on (MoE at TP1, FSDP),
+    and its figures group by that label."""
+    code = re.search(r"-([01])([01])000$", name or exp.name)
+    if code:
+        return VARIANTS[int(code[1]) + 2 * int(code[2])]
+    t = exp.training
+    overlap = t.overlap_grad_reduce or t.overlap_param_gather or t.tp_comm_overlap
+    recompute = t.recompute_granularity == "full"
+    return VARIANTS[overlap + 2 * recompute]
+
+
+def member_name(base: str, varied: dict) -> str:
+    """A member's experiment name: the base's, then what it varies ("tiny-local-tp2-mbs4")."""
+    words = [f"{_SHORT.get(key, key.split('.')[-1])}{_word(value)}" for key, value in varied.items()]
+    return "-".join([base, *words])[:120]
+
+
+# Megatron's own abbreviations for the settings campaigns usually vary.
+_SHORT = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
+          "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vp",
+          "micro_batch_size": "mbs", "global_batch_size": "gbs", "recompute_granularity": "recompute-",
+          "sequence_parallel": "sp-", "gpus_per_node": "gpn", "nodes": "nodes"}
+
+
+def _word(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return re.sub(r"[^A-Za-z0-9.]+", "", text) or "x"
+
+
+def _field(where: str, label: str, key: str) -> str:
+    """The section of experiment field `key` (as --set names it); a key no field has is one line."""
+    if key in ("model", "hardware"):
+        return key
+    try:
+        return resolve_key(key)[0]
+    except UserError as exc:
+        raise UserError(f"{where}: {label}: {exc}") from None
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name or ""):
+        raise UserError(f"campaign name {shown(name)}: use letters, digits, '.', '_' and '-' (at most 64, "
+                        "not starting with '.' or '-')")
+    return name
+
+
+def check_max_parallel(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PARALLEL:
+        raise UserError(f"{where} = {shown(value)}: must be an integer from 1 to {MAX_PARALLEL}")
+    return value
+
+
+def parse_time_limit(value, where: str) -> float | None:
+    """Seconds from a number of seconds or Slurm's [D-]HH:MM:SS (MM:SS, MM); None: no limit."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", value.strip())):
+        days, *parts = m.groups()
+        units = [int(p) for p in parts if p is not None]
+        if len(units) == 1:
+            units = [0, units[0], 0]           # Slurm: a lone number is minutes
+        elif len(units) == 2:
+            units = [0, *units]
+        seconds = int(days or 0) * 86400 + units[0] * 3600 + units[1] * 60 + units[2]
+    else:
+        raise UserError(f"{where} = {shown(value)}: give seconds or [D-]HH:MM:SS")
+    if not 0 < seconds <= 366 * 86400:
+        raise UserError(f"{where} = {shown(value)}: must be more than 0 and at most a year")
+    return seconds
+
+
+def campaigns() -> dict[str, Path]:
+    """name -> file of every campaign (the user's over shipped ones)."""
+    return catalog.entries(KIND)
+
+
+def describe(plans: list[Plan]) -> str:
+    """One line: how many members, how many runnable, skipped and invalid."""
+    runnable = sum(p.runnable for p in plans)
+    skipped = sum(p.verdict == DOES_NOT_FIT for p in plans)
+    invalid = sum(p.verdict == "invalid" for p in plans)
+    return (f"{plural(len(plans), 'member')}: {runnable:,} planned to run, {skipped:,} skipped (do not fit), "
+            f"{invalid:,} invalid")
+

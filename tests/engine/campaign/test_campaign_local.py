@@ -1,0 +1,130 @@
+"""A tiny CPU campaign on this machine (2 layouts x 3 micro batches, 2 at once), for real: its
+supervisor owns the queue, outlives the command that started it, takes every member run with it
+when it dies, resumes what is missing and cancels everything."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import psutil
+import pytest
+
+from charllm.engine.campaign.report import KINDS, figure, values_of
+from charllm.engine.campaign.summary import campaign_summary
+from charllm.probes.analysis.summary import summarize
+from infra_campaign import most_at_once, record, runs_of, tiny_campaign, wait_until
+from infra_cli import run
+from infra_runs import left_after, start, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def supervisor(name: str) -> psutil.Process:
+    rec = wait_until(name, lambda r: r.data.get("supervisor"), 60, "its supervisor to start")
+    return psutil.Process(rec.data["supervisor"]["pid"])
+
+
+def supervisor_alive(rec) -> bool:
+    from charllm.probes.core import procid
+
+    return procid.live(rec.data.get("supervisor") or {}) is not None
+
+
+def nothing_left(rec) -> bool:
+    return all(left_after(str(rd.path), timeout=30) == 0 for rd in runs_of(rec))
+
+
+@pytest.mark.timeout(600)
+def test_a_tiny_campaign_runs_two_at_a_time_and_reads_as_one(charllm_dirs, capsys, tmp_path):
+    name = tiny_campaign(charllm_dirs)
+    code, out, err = run(capsys, "campaign", "run", name)
+    assert code == 0, out + err
+    rec = record(name)
+    assert rec.data["status"] == "completed" and [m["status"] for m in rec.members] == ["completed"] * 6
+    assert most_at_once(rec) == 2, "two members at once, never more"
+    assert nothing_left(rec)
+    summary = campaign_summary(rec)
+    assert summary.height == 6 and summary["tokens_per_s"].null_count() == 0
+    assert summary["micro_batch_size"].to_list() == ["1", "2", "4", "1", "2", "4"]
+    for kind in KINDS:
+        code, out, err = run(capsys, "campaign", "report", name, "--figure", kind, "--metric",
+                             "tokens_per_s" if kind != "heatmap" else "power_mean_w")
+        assert code == 0 and "Traceback" not in err, err
+        for suffix in (".svg", ".png"):
+            code, _, err = run(capsys, "campaign", "report", name, "--figure", kind, "--out",
+                               str(tmp_path / f"{kind}{suffix}"))
+            assert code == 0 and (tmp_path / f"{kind}{suffix}").stat().st_size > 1000, err
+    # every plotted value is what summarize gives for that member
+    fig = figure(rec, "microbatch", "tokens_per_s")
+    plotted = values_of(fig)
+    assert len(plotted) == 6
+    for m in rec.members:
+        expected = summarize(rec.run_dir(m), "steady", by="run")["tokens_per_s"][0]
+        label = next(s.label for s in fig.panels[0].series if m["layout"] in s.label)
+        assert plotted[("tokens_per_s", label, str(m["micro_batch_size"]))] == pytest.approx(expected)
+    code, out, _ = run(capsys, "campaign", "summary", name, "--format", "csv")
+    assert code == 0 and len(out.strip().splitlines()) == 7
+
+
+@pytest.mark.timeout(600)
+def test_killing_the_command_that_started_it_leaves_the_queue_going(charllm_dirs):
+    name = tiny_campaign(charllm_dirs)
+    starter = start([sys.executable, "-m", "charllm.tui", "campaign", "run", name])
+    wait_until(name, lambda r: any(m.get("run") for m in r.members), 120, "a member to start")
+    starter.send_signal(signal.SIGKILL)
+    starter.communicate()
+    rec = wait_until(name, lambda r: r.data["status"] == "completed", 480, "the queue to run through")
+    assert [m["status"] for m in rec.members] == ["completed"] * 6 and most_at_once(rec) <= 2
+
+
+@pytest.mark.timeout(600)
+def test_killing_its_supervisor_stops_every_member_and_resume_runs_only_what_is_missing(charllm_dirs, capsys):
+    name = tiny_campaign(charllm_dirs, max_parallel=1)
+    code, out, err = run(capsys, "campaign", "run", name, "--detach")
+    assert code == 0, err
+    rec = wait_until(name, lambda r: sum(m["status"] == "completed" for m in r.members) >= 2 and
+                     any(m["status"] == "running" for m in r.members), 300, "two members done, a third running")
+    supervisor(name).kill()
+    rec = wait_until(name, lambda r: r.data["status"] == "failed", 60, "the next reader to finish it")
+    assert "the campaign supervisor died" in rec.data["failure"]
+    assert nothing_left(rec), "its members' runs were stopped with it"
+    done = {m["key"]: m["run"] for m in rec.members if m["status"] == "completed"}
+    stopped = [m for m in rec.members if m.get("run") and m["status"] != "completed"]
+    assert len(done) >= 2 and stopped and all(m["status"] == "cancelled" for m in stopped)
+    code, out, err = run(capsys, "campaign", "run", name, "--resume")
+    assert code == 0, out + err
+    rec = record(name)
+    assert [m["status"] for m in rec.members] == ["completed"] * 6
+    assert {m["key"]: m["run"] for m in rec.members if m["key"] in done} == done, "completed members kept their runs"
+    assert all(m["runs"] for m in rec.members if m["key"] in {s["key"] for s in stopped}), "earlier runs remembered"
+    code, _, err = run(capsys, "campaign", "run", name, "--resume")
+    assert code == 2 and "no member left to run" in err
+
+
+@pytest.mark.timeout(600)
+def test_campaign_cancel_stops_every_member_and_the_queue(charllm_dirs, capsys):
+    name = tiny_campaign(charllm_dirs, iters=100_000)
+    assert run(capsys, "campaign", "run", name, "--detach")[0] == 0
+    wait_until(name, lambda r: sum(m["status"] == "running" for m in r.members) == 2, 300, "two members running")
+    code, out, err = run(capsys, "campaign", "cancel", name)
+    assert code == 0, err
+    rec = record(name)
+    assert rec.data["status"] == "cancelled" and {m["status"] for m in rec.members} == {"cancelled"}
+    assert nothing_left(rec) and not supervisor_alive(rec)
+    code, _, err = run(capsys, "campaign", "cancel", name)
+    assert code == 2 and "already cancelled" in err
+
+
+@pytest.mark.timeout(300)
+def test_a_member_past_its_time_limit_is_stopped_and_recorded_with_its_cause(charllm_dirs, capsys):
+    name = tiny_campaign(charllm_dirs, iters=100_000, max_parallel=2, extra="time_limit = 20\n")
+    folder = charllm_dirs["config"] / "campaigns"
+    text = (folder / f"{name}.toml").read_text().replace("micro_batch_size = [1, 2, 4]", "micro_batch_size = [1]")
+    (folder / f"{name}.toml").write_text(text)
+    code, out, err = run(capsys, "campaign", "run", name)
+    rec = record(name)
+    assert code == 1 and [m["status"] for m in rec.members] == ["failed", "failed"], out + err
+    assert all("time limit (20 s) reached" in m["failure"] for m in rec.members)
+    assert nothing_left(rec)
+    wait_for(lambda: not supervisor_alive(rec), 30, "the supervisor to exit")

@@ -1,0 +1,71 @@
+"""The tiny CPU campaign on a real Slurm (slurmctld and two slurmd on loopback): the queue lives in
+Slurm, one job per member, each waiting for the job two places before it (at most 2 at once); it
+outlives the command that started it and the campaign's supervisor; a cancel empties it."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import psutil
+import pytest
+
+from infra_campaign import record, runs_of, tiny_campaign, wait_until
+from infra_cli import run
+from infra_runs import left_after, start
+from infra_slurm import slurm_cluster  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.integration
+
+
+def slurm_at_once(cluster, jobs: list[str]) -> int:
+    """The most of `jobs` that ran at one moment, from Slurm's own start and end times."""
+    events = []
+    for job in jobs:
+        fields = dict(word.split("=", 1) for word in cluster.scontrol("show", "job", "-o", job).split() if "=" in word)
+        events += [(fields["StartTime"], 1), (fields["EndTime"], -1)]   # ISO times sort as times
+    alive = best = 0
+    for _, step in sorted(events):   # an end before a start at the same second: a job follows another
+        alive += step
+        best = max(best, alive)
+    return best
+
+
+def cluster_target(charllm_dirs) -> None:
+    charllm_dirs["config"].mkdir(parents=True, exist_ok=True)
+    (charllm_dirs["config"] / "targets.toml").write_text(
+        f'[cluster]\nkind = "slurm"\npartition = "debug"\ntime = "00:10:00"\npython = "{sys.executable}"\n')
+
+
+@pytest.mark.timeout(900)
+def test_the_queue_lives_in_slurm_and_outlives_the_command_and_the_supervisor(slurm_cluster, charllm_dirs):
+    cluster_target(charllm_dirs)
+    name = tiny_campaign(charllm_dirs, target="cluster")
+    starter = start([sys.executable, "-m", "charllm.tui", "campaign", "run", name])
+    rec = wait_until(name, lambda r: all(m.get("run") for m in r.members), 180, "every member submitted")
+    jobs = [rd.manifest().slurm_job_id for rd in runs_of(rec)]
+    assert all(jobs) and len(set(jobs)) == 6
+    lines = [rd.manifest().target.get("sbatch_lines", []) for rd in runs_of(rec)]
+    assert lines[:2] == [[], []] and lines[2:] == [[f"--dependency=afterany:{jobs[i]}"] for i in range(4)], lines
+    starter.send_signal(signal.SIGKILL)           # the terminal goes
+    starter.communicate()
+    psutil.Process(rec.data["supervisor"]["pid"]).kill()   # and the campaign's supervisor
+    rec = wait_until(name, lambda r: r.data["status"] == "completed", 720, "Slurm to run the queue through")
+    assert [m["status"] for m in rec.members] == ["completed"] * 6
+    assert slurm_at_once(slurm_cluster, jobs) == 2, "two jobs at once, never more (Slurm's own times)"
+    assert all(left_after(rd.id) == 0 for rd in runs_of(rec))
+
+
+@pytest.mark.timeout(600)
+def test_campaign_cancel_empties_the_slurm_queue(slurm_cluster, charllm_dirs, capsys):
+    cluster_target(charllm_dirs)
+    name = tiny_campaign(charllm_dirs, target="cluster", iters=100_000)
+    assert run(capsys, "campaign", "run", name, "--detach")[0] == 0
+    wait_until(name, lambda r: sum(m["status"] == "running" for m in r.members) == 2, 300, "two members running")
+    code, out, err = run(capsys, "campaign", "cancel", name)
+    assert code == 0, err
+    rec = record(name)
+    assert rec.data["status"] == "cancelled" and {m["status"] for m in rec.members} == {"cancelled"}, rec.members
+    assert slurm_cluster.jobs() == "" or all(" RUNNING" not in j and " PENDING" not in j
+                                             for j in slurm_cluster.jobs().splitlines())
+    assert all(left_after(rd.id) == 0 for rd in runs_of(rec))

@@ -1,0 +1,292 @@
+"""`charllm-tui campaign list|show|keys|plan|run|status|cancel|summary|report|delete`: many experiments as
+one planned, queued, resumable job (engine.campaign), and its figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from charllm.engine.campaign import queue, spec, state
+from charllm.engine.launch.targets import get_target
+from charllm.probes.analysis import SUMMARY_FORMATS
+from charllm.probes.core import paths
+from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.formatting import local_time
+from charllm.tui.commands.plan import VERDICT_STYLE
+
+EXAMPLES = """\
+examples:
+  %(prog)s plan ppt-microbatch
+      every member of the shipped micro-batch sweep, planned: fits, tight, does not fit, or the rule it breaks
+  %(prog)s run tiny-local
+      run the tiny CPU campaign here (6 short runs, 2 at once), showing progress
+  %(prog)s status tiny-local
+      members by status, and the time left at the current pace
+  %(prog)s summary tiny-local
+      one row per member: speed, energy, power, temperature, clocks
+  %(prog)s report tiny-local --figure microbatch
+      a figure of the paper's kind, drawn in the terminal"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("campaign", help="many experiments as one job: plan, run, follow, summarize and draw them",
+                       description="A campaign is a TOML file (<config>/campaigns/NAME.toml, or shipped): base "
+                                   "experiments, axes that vary any field, layouts, and a target with its limits. "
+                                   "`campaign keys` says what a file may hold.",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions.add_parser("list", help="every campaign, shipped and yours, and how far each has run")
+    actions.add_parser("keys", help="the keys a campaign file takes")
+    show = actions.add_parser("show", help="a campaign's file and its members' count")
+    show.add_argument("name", metavar="NAME")
+    plan = actions.add_parser("plan", help="every member, planned: its layout, varied values and verdict")
+    plan.add_argument("name", metavar="NAME")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    run = actions.add_parser("run", help="run every member that fits, a few at a time; the queue outlives the terminal")
+    run.add_argument("name", metavar="NAME")
+    run.add_argument("--target", help="the target members run on (default: the campaign's, else local)")
+    run.add_argument("--target-file", metavar="FILE", help="read targets from FILE instead of targets.toml")
+    run.add_argument("--max-parallel", type=int, metavar="N", help="at most N members at once (default: the campaign's)")
+    run.add_argument("--include-oom", action="store_true", help="run members that do not fit too")
+    run.add_argument("--resume", action="store_true", help="run only the members without a completed run")
+    run.add_argument("--detach", action="store_true", help="return once the queue is handed over")
+    status = actions.add_parser("status", help="members by status, each member's run, and the time left")
+    status.add_argument("name", metavar="NAME")
+    status.add_argument("--json", action="store_true", help="print the campaign's record as JSON")
+    cancel = actions.add_parser("cancel", help="stop every member and the queue")
+    cancel.add_argument("name", metavar="NAME")
+    summary = actions.add_parser("summary", help="one row per member, from each run's kept summary")
+    summary.add_argument("name", metavar="NAME")
+    summary.add_argument("--format", choices=SUMMARY_FORMATS, default=None, help="default: table, or from --out's suffix")
+    summary.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
+    report = actions.add_parser("report", help="the paper's figures from the campaign's runs")
+    report.add_argument("name", metavar="NAME")
+    report.add_argument("--figure", required=True, metavar="KIND", help="parallelism | optimization | microbatch | heatmap")
+    report.add_argument("--metric", metavar="M", help="the summary figure to plot (a column of `campaign summary`)")
+    report.add_argument("--normalize", action="store_true", help="optimization: divide by each model's best")
+    report.add_argument("--out", metavar="FILE", help="write an SVG or PNG image instead (needs the plot extra)")
+    delete = actions.add_parser("delete", help="delete a campaign's record (its runs stay)")
+    delete.add_argument("name", metavar="NAME")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    return {"list": _list, "keys": _keys, "show": _show, "plan": _plan, "run": _start, "status": _status,
+            "cancel": _cancel, "summary": _summary, "report": _report, "delete": _delete}[args.action](args)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
+# --------------------------------------------------------------------------------------------
+def _list(args) -> int:
+    from rich.table import Table
+
+    files = spec.campaigns()
+    table = Table(box=None, header_style="bold")
+    for column in ("campaign", "members", "progress", "description"):
+        table.add_column(column, overflow="fold")
+    for name in sorted(set(files) | set(state.recorded())):
+        try:
+            campaign = spec.Campaign.load(name) if name in files else None
+            count = str(len(campaign.members())) if campaign else "-"
+            description = campaign.description if campaign else "(its file is gone)"
+        except UserError as exc:
+            count, description = "-", f"invalid: {exc}"
+        try:
+            progress = queue.refresh(state.Record.load(name)).progress().split(": ", 1)[1]
+        except UserError:
+            progress = "not run"
+        table.add_row(name, count, progress, description)
+    _console().print(table)
+    return 0
+
+
+def _keys(args) -> int:
+    width = max(len(k) for k in spec.HELP)
+    for key, text in spec.HELP.items():
+        print(f"{key:<{width}}  {text}")
+    print("\nAn axis or a layout key is any experiment field, as --set names it (charllm-tui fields).")
+    return 0
+
+
+def _show(args) -> int:
+    campaign = spec.Campaign.load(args.name)
+    print(f"# campaign {campaign.name!r} ({campaign.source}): {plural(len(campaign.members()), 'member')}")
+    with open(campaign.source) as fh:
+        print(fh.read(), end="")
+    return 0
+
+
+def _plan(args) -> int:
+    campaign = spec.Campaign.load(args.name)
+    plans = campaign.plan()
+    varying = campaign.varying
+    if args.json:
+        print(json.dumps([{"member": p.member.index + 1, "name": p.member.experiment.name, "base": p.member.base,
+                           "layout": p.member.experiment.layout_label,
+                           "varied": {k: v for k, v in p.member.varied.items() if k in varying},
+                           "verdict": p.verdict, "reason": p.reason, "peak_bytes": p.peak_bytes,
+                           "allocator_bytes": p.allocator_bytes} for p in plans], indent=2))
+        return 0
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold", title=f"{campaign.name}: {spec.describe(plans)}",
+                  title_justify="left")
+    for column in ("#", "member", "layout", "varied", "verdict", "why"):
+        table.add_column(column, overflow="fold", no_wrap=column in ("#", "verdict"))
+    for p in plans:
+        varied = " ".join(f"{k}={v}" for k, v in p.member.varied.items() if k in varying)
+        style = VERDICT_STYLE.get(p.verdict, "red")
+        table.add_row(str(p.member.index + 1), p.member.experiment.name, p.member.experiment.layout_label, varied,
+                      f"[{style}]{p.verdict}[/]", p.reason)
+    _console().print(table)
+    return 0
+
+
+def _start(args) -> int:
+    campaign = spec.Campaign.load(args.name)
+    target = get_target(args.target or campaign.target or "local", args.target_file)
+    record = queue.start(campaign, target, max_parallel=args.max_parallel, include_oom=args.include_oom,
+                         resume=args.resume)
+    counts = record.counts()
+    print(f"campaign {campaign.name}: {counts.get(state.QUEUED, 0):,} of {plural(len(record.members), 'member')} "
+          f"queued on {target.name}, at most {record.data['max_parallel']} at once; its supervisor runs the queue "
+          f"(log: {state.directory(campaign.name) / 'supervisor.log'})", flush=True)
+    for m in record.members:
+        if m["status"] in (state.SKIPPED, state.INVALID):
+            print(f"  {m['name']}: {m['status']}: {m['reason']}")
+    if args.detach:
+        return 0
+    return _follow(campaign.name)
+
+
+def _follow(name: str) -> int:
+    """Show progress until the campaign ends; Ctrl-C leaves it running."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      transient=False) as progress:
+            task = progress.add_task(name, total=None)
+            while True:
+                record = queue.refresh(state.Record.load(name))
+                done = sum(1 for m in record.members if m["status"] in state.DONE)
+                progress.update(task, completed=done, total=len(record.members),
+                                description=record.progress())
+                if record.data.get("status") in ("completed", "cancelled", "failed"):
+                    break
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        print(f"\ncampaign {name}: still running (charllm-tui campaign status {name}; cancel: campaign cancel {name})")
+        return 0
+    bad = [m for m in record.members if m["status"] in ("failed", "cancelled")]
+    for m in bad:
+        print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}")
+    print(f"campaign {name}: {record.data['status']}")
+    return 1 if bad or record.data["status"] != "completed" else 0
+
+
+def _status(args) -> int:
+    record = queue.refresh(state.Record.load(args.name))
+    if args.json:
+        print(json.dumps(record.data, indent=2))
+        return 0
+    from rich.table import Table
+
+    print(record.progress())
+    table = Table(box=None, header_style="bold")
+    for column in ("#", "member", "layout", "status", "run", "started", "note"):
+        table.add_column(column, overflow="fold")
+    for m in record.members:
+        status = state.member_status(record, m)
+        note = m.get("failure") or (m.get("reason") if status in (state.SKIPPED, state.INVALID) else "")
+        table.add_row(str(m["index"] + 1), m["name"], m.get("layout") or "", status, m.get("run") or "-",
+                      local_time(m.get("started_ns")), note or "")
+    _console().print(table)
+    return 0
+
+
+def _cancel(args) -> int:
+    print(f"campaign {args.name}: cancelling...", flush=True)
+    record = queue.cancel(args.name)
+    print(record.progress())
+    return 0
+
+
+def _summary(args) -> int:
+    from charllm.engine.campaign.summary import campaign_summary  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.render import render, write_summary  # deferred: loads polars (start-up time)
+
+    out = paths.output_file(args.out, "--out") if args.out is not None else None
+    df = campaign_summary(queue.refresh(state.Record.load(args.name)))
+    if out is not None:
+        write_summary(df, out, args.format)
+        print(f"wrote {args.out}")
+        return 0
+    fmt = args.format or "table"
+    if fmt == "parquet":
+        raise UserError("--format parquet is binary: give --out FILE")
+    if fmt in ("table", "markdown"):
+        _members_table(df, markdown=fmt == "markdown")
+    else:
+        print(render(df, fmt), end="")
+    return 0
+
+
+def _members_table(df, markdown: bool) -> None:
+    """One row per member, figures with their units; a column the same for every member (or empty
+    for all) is said once above the table instead."""
+    from rich import box
+    from rich.table import Table
+
+    from charllm.probes.analysis.render import format_figure, metric_label  # deferred: loads polars (start-up time)
+
+    same = [c for c in df.columns if df[c].n_unique() == 1 and c not in ("member", "name")]
+    for c in same:
+        value = df[c][0]
+        if value is not None:
+            print(f"{metric_label(c)}: {format_figure(c, value)}")
+    columns = [c for c in df.columns if c not in same and c not in ("run", "verdict")]
+    table = Table(box=box.MARKDOWN if markdown else None, header_style="bold", pad_edge=False)
+    for c in columns:
+        table.add_column("#" if c == "member" else c if c in ("name", "status", "layout", "why") else metric_label(c),
+                         overflow="fold")
+    for row in df.iter_rows(named=True):
+        table.add_row(*(format_figure(c, row[c]) if row[c] is not None else "-" for c in columns))
+    _console().print(table)
+
+
+def _report(args) -> int:
+    from charllm.engine.campaign.report import figure  # deferred: loads polars (start-up time)
+    from charllm.tui import figures  # deferred: loads polars and plotext (start-up time)
+
+    out = paths.output_file(args.out, "--out") if args.out is not None else None
+    fig = figure(queue.refresh(state.Record.load(args.name)), args.figure, args.metric, args.normalize)
+    if out is not None:
+        figures.write_image(fig, out)
+        print(f"wrote {args.out}")
+        return 0
+    import shutil
+
+    columns = shutil.get_terminal_size((100, 30)).columns
+    print(figures.terminal(fig, width=min(columns, 160)), end="")
+    return 0
+
+
+def _delete(args) -> int:
+    import shutil
+
+    record = queue.refresh(state.Record.load(args.name))
+    if record.data.get("status") not in ("completed", "cancelled", "failed"):
+        raise UserError(f"campaign {args.name!r} is {record.data.get('status')}; cancel it first "
+                        f"(charllm-tui campaign cancel {args.name})")
+    shutil.rmtree(state.directory(args.name))
+    print(f"campaign {args.name}: record deleted (its {plural(sum(1 for m in record.members if m.get('run')), 'run')} "
+          "stay; charllm-tui runs delete removes a run)")
+    return 0
