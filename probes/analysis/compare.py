@@ -67,8 +67,16 @@ def reading_order(metrics: list[str]) -> list[str]:
     return [m for _, m in sorted(enumerate(metrics), key=rank)]
 
 
+# Figures measured against the run's own mean power (spikes over it, time over it): a burstier run
+# can have fewer of them over a lower mean, so across runs they are changes, not better or worse.
+_RELATIVE_TO_ITSELF = "_over_mean"
+
+
 def direction(metric: str) -> str | None:
-    """"higher" or "lower" when that way is better; None for metrics that are neither (bytes, counts)."""
+    """"higher" or "lower" when that way is better; None for metrics that are neither (bytes, counts)
+    or that measure a run against itself."""
+    if _RELATIVE_TO_ITSELF in metric:
+        return None
     if any(metric.startswith(p) for p in _HIGHER_BETTER):
         return "higher"
     if any(metric.startswith(p) for p in _LOWER_BETTER):

@@ -103,6 +103,14 @@ def iteration_timeline(path: Path) -> list[tuple[float, float]]:
     return [((s - t0) / 1e9, (e - t0) / 1e9) for s, e in spans]
 
 
+# How hard a busy GPU draws, as a share of what would bring it to its power limit at full clocks. A
+# steady run's kernels mix compute- and memory-bound phases; a bursty one (large micro-batches
+# separated by pipeline bubbles and exchanges) runs dense GEMMs back to back in each burst, and its
+# bursts draw past the limit, so the power governor clocks them down (the paper's peak-power
+# excursions and throttling, Go et al. MICRO'25: larger micro-batches cause bursty execution).
+INTENSITY = {"steady": 0.85, "bursty": 1.15, "iterations": 0.95}
+
+
 class Load:
     """Utilization (0..1) and communication share over time for one profile."""
 
@@ -150,7 +158,7 @@ class SimBackend(Backend):
 
     def __init__(self, gpus: int = 8, profile: str = "steady", seed: int = 0,
                  clock: Callable[[], float] = time.monotonic, hardware: str | SimHardware | None = None,
-                 iterations: str | Path | None = None, intensity: float = 0.85, ambient_c: float = 30.0,
+                 iterations: str | Path | None = None, intensity: float | None = None, ambient_c: float = 30.0,
                  power_limit_w: float | None = None, tau_s: float = 15.0) -> None:
         super().__init__()
         if not 1 <= gpus <= 64:
@@ -159,7 +167,8 @@ class SimBackend(Backend):
             profile, iterations = "iterations", profile.split(":", 1)[1]
         self.hw = hardware if isinstance(hardware, SimHardware) else SimHardware.from_preset(hardware or SimHardware.name)
         self.load = Load(profile, iteration_timeline(_iterations_file(iterations)) if iterations else None)
-        self.clock, self.intensity, self.ambient_c, self.tau_s = clock, intensity, ambient_c, tau_s
+        self.clock, self.ambient_c, self.tau_s = clock, ambient_c, tau_s
+        self.intensity = intensity if intensity is not None else INTENSITY[self.load.profile]
         self.power_limit_w = power_limit_w or self.hw.tdp_w
         nominal_r = (self.hw.temp_limit_c - 12.0 - 30.0) / self.hw.tdp_w
         self._state = []

@@ -31,6 +31,7 @@ that holds such files (`import_charllm_ppt_tree`), named after its path under th
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -48,6 +49,7 @@ from charllm.probes.store.rundir import (RunDir, check_run_id, new_run_id, remov
 from charllm.probes.store.schema import conform
 
 FORMAT = "charllm-ppt"
+SAMPLED_STEP = 10   # the step the artifact's sampler recorded (of 11)
 BACKEND = "import:charllm-ppt"
 
 # artifact metric -> (our column, factor to our unit)
@@ -71,8 +73,9 @@ LIMITATIONS = [
     "no GPU memory use: mem_used_bytes is null",
     "NVLink bytes cover one link: the NVLink throughput field was read without scopeId = all links, "
     "and as a 32-bit KiB counter (unwrapped on import, so a wrap between two samples is assumed once)",
-    "no iteration log and no experiment: no tokens/s, TFLOP/s, MFU or steady window; the artifact "
-    "sampled one training iteration (step 10 of 11), so the whole recording is that iteration",
+    "one iteration: the artifact sampled one training step (10 of 11), so the whole recording is that step "
+    "(the iteration log holds it, from the first sample to the last); tokens/s, TFLOP/s and MFU need the "
+    "experiment, which import attaches where the folder names one of the artifact's runs",
     "timestamps are the sampler's wall clock (time.time()); mono_ns is derived from them",
     "system_memory_used holds MemTotal in the artifact; used memory is MemTotal - MemFree",
 ]
@@ -151,9 +154,13 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
         if first is None:
             raise UserError(f"charllm-ppt directory {str(src)!r}: its CSV files hold no samples"
                             + (f" that could be kept ({rejection_note(rejected)})" if rejected else ""))
+        # The artifact sampled one training step (the 10th of 11): the recording is that step.
+        run.iterations_path.write_text(json.dumps({"event": "iteration", "iteration": SAMPLED_STEP, "rank": 0,
+                                                   "start_ns": int(first), "end_ns": int(last),
+                                                   "warmup": False}) + "\n")
         run.write_manifest({
             "id": base.name, "name": name or src.name, "kind": "import", "status": "completed",
-            "simulated": simulated, "started_at": first / 1e9, "ended_at": last / 1e9,
+            "simulated": simulated, "created_ns": int(first), "started_ns": int(first), "ended_ns": int(last),
             "imported_at": time.time(),
             "imported_from": {"format": FORMAT, "path": str(src.resolve()), "ranks": sorted(gpu_files),
                               "gpus_per_node": gpus_per_node,

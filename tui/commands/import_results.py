@@ -34,6 +34,7 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
 
     from rich.progress import Progress
 
+    from charllm.engine.campaign import artifact  # deferred: loads the experiment catalog (start-up time)
     from charllm.probes.analysis.summary import keep_summaries  # deferred: loads polars (start-up time)
     from charllm.probes.store.importers import import_charllm_ppt, import_charllm_ppt_tree, is_result_folder  # deferred: loads numpy, polars (start-up time)
 
@@ -43,6 +44,7 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
             task = progress.add_task("importing ranks", total=None)
             run = import_charllm_ppt(src, name=args.name, gpus_per_node=args.gpus_per_node,
                                      on_progress=lambda done, total: progress.update(task, completed=done, total=total))
+            artifact.attach(run, src.resolve())   # the experiment it ran, where the folder names one
             progress.update(task, description="summarizing")
             keep_summaries(run)  # compares and lists of it read this, not its telemetry
         print(run.id)
@@ -54,7 +56,7 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
             src, prefix=args.name, gpus_per_node=args.gpus_per_node,
             on_folder=lambda done, total, folder: progress.update(task, completed=done, total=total,
                                                                   description=f"imported {folder.name}"))
-    failed = 0
+    failed, imported = 0, []
     with Progress(transient=True) as progress:
         task = progress.add_task("summarizing runs", total=len(results))
         for folder, outcome in results:
@@ -62,10 +64,16 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
                 failed += 1
                 print(f"charllm-tui: error: {folder}: {outcome}", file=sys.stderr)
             else:
+                artifact.attach(outcome, folder)   # the experiment it ran, where the folder names one
                 keep_summaries(outcome)  # compares and lists of it read this, not its telemetry
                 print(outcome.id)
                 _warn(outcome)
+                imported.append((folder, outcome))
             progress.advance(task)
+    if imported:   # the tree reads as one campaign (campaign summary / report NAME)
+        record = artifact.record_tree(artifact.campaign_name(src, args.name), src.resolve(), imported)
+        print(f"charllm-tui: the imported runs are campaign {record.name!r} (charllm-tui campaign summary "
+              f"{record.name})", file=sys.stderr)
     if failed:
         print(f"charllm-tui: {failed} of {len(results)} folders not imported (above)", file=sys.stderr)
     return 1 if failed else 0

@@ -154,3 +154,22 @@ def test_cli(runs, capsys):
     assert "flagged beyond ±10%" in capsys.readouterr().out
     assert main(["compare", a.id]) == 2
     assert capsys.readouterr().err.strip().startswith("charllm-tui: error: compare: give at least two")
+
+
+def test_figures_against_a_runs_own_mean_are_changes_not_better_or_worse(charllm_dirs):
+    """Spikes over a run's own mean power: a burstier run (bursts over a lower mean) once counted
+    fewer, and was coloured better."""
+    root = charllm_dirs["runs"]
+    steady = make_run(root, [gpu_frame(T, power_w=200.0 + 20.0 * np.sin(T * 7), temp_gpu_c=60.0)],
+                      run_id="20261121-000003-steady", experiment=tiny_experiment("s"),
+                      iterations=iteration_rows(np.arange(0, 10, 1.0), 1.0, warmup=1))
+    bursty = make_run(root, [gpu_frame(T, power_w=np.where((T * 10).astype(int) % 10 == 0, 600.0, 150.0),
+                                       temp_gpu_c=60.0)],
+                      run_id="20261121-000004-bursty", experiment=tiny_experiment("b"),
+                      iterations=iteration_rows(np.arange(0, 10, 1.0), 1.0, warmup=1))
+    r = compare([steady.id, bursty.id])
+    for metric in ("spikes_over_mean_count", "time_over_mean_s", "spikes_over_mean_max_excess_w"):
+        row = _row(r, metric, bursty.id)
+        assert row["better"] is None and row["flag"] in ("changed", None), (metric, row)
+    assert _row(r, "spikes_over_mean_count", bursty.id)["delta"] != 0, "the figures do differ"
+    assert direction("spikes_over_mean_count") is None and direction("time_over_limit_s") == "lower"

@@ -176,3 +176,17 @@ def test_sim_bad_arguments_are_user_errors():
 def test_sim_hardware_comes_from_the_catalog():
     hw = SimHardware.from_preset("h100-sxm-80gb")
     assert hw.tdp_w == 700 and hw.max_sm_clock_mhz == 1980
+
+
+def test_a_short_bursty_run_throttles_in_its_bursts_and_a_steady_one_does_not():
+    """The paper's effect: bursts of dense compute draw past the power limit and are clocked down;
+    the same GPUs running steadily are not (it once never throttled in a short bursty run)."""
+    shares = {}
+    for profile in ("steady", "bursty"):
+        clock = FakeClock()
+        rows = [r for tick in _run(SimBackend(gpus=2, profile=profile, clock=clock), clock, 20) for r in tick]
+        capped = [r for r in rows if r["throttle_reasons"] & THROTTLE_BITS["sw_power_cap"]]
+        shares[profile] = len(capped) / len(rows)
+        assert all(r["util_gpu_pct"] >= 90 and r["sm_clock_mhz"] < 1980 for r in capped), "only bursts, clocked down"
+        assert all(r["power_w"] <= r["power_limit_w"] * 1.03 for r in rows)
+    assert shares["steady"] == 0 and shares["bursty"] > 0.3, shares

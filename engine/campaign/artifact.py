@@ -1,0 +1,111 @@
+"""The CharLLM-PPT artifact's results as a campaign: each imported run gets the experiment it ran,
+and the tree becomes a campaign record, so `campaign summary` and `campaign report` read the
+paper's own data.
+
+The artifact writes each run to `results/<sweep>/<model>/<model>_<layout>_<variant>/`
+(scripts/experiments/*/<model>/main/parallel_<layout>/*.sh, ZEUS_CSV_PATH): `<sweep>` is
+`optimization-sweep-h200`, `-h100` (and `-fsdp`), or `microbatch-sweep-h200` (`-fsdp`), whose runs are
+named `<model>_<layout>_mbs<N>` and ran with recomputation (`01000`) at micro batch N. That is the
+shipped preset `ppt-<gpu>-<model>-<layout>-<variant>` (tools/generate_ppt_experiments.py).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from charllm.engine.campaign.spec import VARIANTS, check_name, variant
+from charllm.engine.campaign.state import Record, directory
+from charllm.engine.model import catalog
+from charllm.engine.model.experiment import Experiment
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import RunDir
+
+_SWEEP = re.compile(r"^(?P<kind>optimization|microbatch)-sweep-(?P<gpu>h200|h100)(?:-fsdp)?$")
+_RUN = re.compile(r"^(?P<model>[a-z0-9.-]+)_(?P<layout>\d+)_(?:(?P<code>[01]{5})|mbs(?P<mbs>\d+))$")
+# The artifact's figure scripts (scripts/visualization/figure_4.py: 'EP4-TP2-PP1': 1, 'EP8-TP1-PP1': 2)
+# number the two H200 Mixtral 8x7B layouts the other way round from its YAML files (layout 1:
+# tensor_model_parallel_size 1, expert_model_parallel_size 8), which are what ran.
+MIXTRAL_LABELS = ("mixtral-8x7b layouts follow the artifact's YAML files, which are what ran (layout 1: TP1 EP8, "
+                  "layout 2: TP2 EP4); its figure scripts number them the other way round (figure_4.py)")
+
+
+def experiment_for(folder: Path) -> tuple[Experiment, str] | None:
+    """The experiment an artifact run folder ran (`results/<sweep>/<model>/<run>`), and the preset
+    it comes from; None for a folder that names none of the artifact's runs."""
+    parts = Path(folder).parts[-3:]
+    if len(parts) != 3:
+        return None
+    sweep, model, name = parts
+    s, r = _SWEEP.match(sweep), _RUN.match(name)
+    if not s or not r or r["model"] != model:
+        return None
+    preset = f"ppt-{s['gpu']}-{model}-{r['layout']}-{r['code'] or '01000'}"
+    if preset not in catalog.entries("experiments"):
+        return None
+    exp = Experiment.load(preset)
+    if r["mbs"]:
+        exp.set("micro_batch_size", int(r["mbs"]))
+        exp.name = f"{preset}-mbs{r['mbs']}"
+    return exp, preset
+
+
+def attach(run: RunDir, folder: Path) -> str | None:
+    """Give an imported run the experiment its folder names (experiment.toml, and the manifest's
+    `experiment`); returns the preset, or None where the folder names none."""
+    found = experiment_for(folder)
+    if found is None:
+        return None
+    exp, preset = found
+    exp.save(run.experiment_path)
+    notes = list(run.read_manifest().get("notes") or [])
+    if exp.model.name == "mixtral-8x7b":
+        notes.append(MIXTRAL_LABELS)
+    run.update_manifest(experiment=preset, name=exp.name, notes=notes)
+    return preset
+
+
+def record_tree(name: str, root: Path, imported: list[tuple[Path, RunDir]]) -> Record:
+    """An imported results tree as a finished campaign: one member per imported run."""
+    check_name(name)
+    members = []
+    for index, (folder, run) in enumerate(imported):
+        found = experiment_for(folder)
+        exp = found[0] if found else None
+        base = found[1] if found else folder.name
+        members.append({
+            "index": index, "key": str(folder), "name": exp.name if exp else run.id, "base": base,
+            "model": exp.model.name if exp else None, "hardware": exp.hardware.name if exp else None,
+            "layout": exp.layout_label if exp else None, "variant": variant(exp, base) if exp else None,
+            "micro_batch_size": exp.training.micro_batch_size if exp else None,
+            "varied": _varied(folder), "verdict": None, "reason": "", "status": "completed", "run": run.id,
+            "runs": [], "failure": None, "started_ns": run.manifest().started_ns, "ended_ns": run.manifest().ended_ns})
+    now = time.time_ns()
+    record = Record(directory(name) / "campaign.json", {
+        "name": name, "source": f"import:{root}", "description": f"imported from {root}", "target": {},
+        "max_parallel": 1, "time_limit_s": None, "include_oom": False, "status": "completed", "created_ns": now,
+        "started_ns": now, "ended_ns": now, "supervisor": {}, "members": members})
+    record.save()
+    return record
+
+
+def _varied(folder: Path) -> dict:
+    """What a run folder's name says it varies: its variant, or its micro batch size."""
+    r = _RUN.match(Path(folder).name)
+    if not r:
+        return {}
+    if r["mbs"]:
+        return {"micro_batch_size": int(r["mbs"])}
+    code = r["code"]
+    return {"variant": VARIANTS[int(code[0]) + 2 * int(code[1])]}
+
+
+def campaign_name(root: Path, name: str | None) -> str:
+    """The campaign an imported tree becomes: --name, else the tree's folder name, made a valid name."""
+    text = name or Path(root).expanduser().resolve().name
+    text = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip(".-")[:64] or "imported"
+    try:
+        return check_name(text)
+    except UserError:
+        return "imported"

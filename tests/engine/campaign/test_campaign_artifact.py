@@ -1,0 +1,70 @@
+"""The artifact's own results as a campaign: `import charllm-ppt` attaches to each run the shipped
+ppt-* experiment its folder names (results/<sweep>/<model>/<model>_<layout>_<variant or mbsN>), records
+its start and duration, and makes the tree a campaign that `campaign summary` and `report` read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from charllm.engine.campaign.artifact import MIXTRAL_LABELS, experiment_for
+from charllm.engine.campaign.report import figure, values_of
+from charllm.engine.campaign.state import Record
+from charllm.probes.analysis.summary import summarize
+from charllm.probes.store.rundir import resolve_run
+from infra_charllm_ppt import make_results
+from infra_cli import run
+
+
+@pytest.mark.parametrize("path, preset, mbs", [
+    ("optimization-sweep-h200/llama3-70b/llama3-70b_2_11000", "ppt-h200-llama3-70b-2-11000", 1),
+    ("optimization-sweep-h200-fsdp/gpt3-175b/gpt3-175b_5_00000", "ppt-h200-gpt3-175b-5-00000", 1),
+    ("optimization-sweep-h100/mixtral-8x22b/mixtral-8x22b_4_10000", "ppt-h100-mixtral-8x22b-4-10000", 1),
+    ("microbatch-sweep-h200/mixtral-8x7b/mixtral-8x7b_2_mbs4", "ppt-h200-mixtral-8x7b-2-01000", 4),
+])
+def test_a_run_folder_names_the_experiment_it_ran(path, preset, mbs):
+    exp, name = experiment_for(Path("results") / path)
+    assert name == preset and exp.training.micro_batch_size == mbs
+
+
+@pytest.mark.parametrize("path", ["optimization-sweep-h200/llama3-70b/gpt3-175b_1_00000",   # model mismatch
+                                  "optimization-sweep-h300/llama3-70b/llama3-70b_1_00000",  # no such sweep
+                                  "optimization-sweep-h100/llama3-70b/llama3-70b_4_00000",  # left out: 80 layers / 32
+                                  "other/x/y", "x"])
+def test_a_folder_that_names_no_run_of_the_artifact_gets_none(path):
+    assert experiment_for(Path(path)) is None
+
+
+def test_an_imported_results_tree_is_a_campaign_with_experiments_and_times(tmp_path, charllm_dirs, capsys):
+    root = tmp_path / "results"
+    folders = {"optimization-sweep-h200/mixtral-8x7b/mixtral-8x7b_1_00000": ("base", None),
+               "optimization-sweep-h200/mixtral-8x7b/mixtral-8x7b_1_01000": ("recompute", None),
+               "microbatch-sweep-h200/mixtral-8x7b/mixtral-8x7b_2_mbs2": (None, 2)}
+    for folder in folders:
+        make_results(root / folder, ranks=32, gpus_per_node=8)
+    code, out, err = run(capsys, "import", "charllm-ppt", str(root))
+    assert code == 0, err
+    assert "campaign 'results'" in err
+    record = Record.load("results")
+    assert [m["status"] for m in record.members] == ["completed"] * 3
+    for m in record.members:
+        rd = resolve_run(m["run"])
+        manifest = rd.read_manifest()
+        assert manifest["experiment"].startswith("ppt-h200-mixtral-8x7b-") and rd.experiment_path.is_file()
+        assert MIXTRAL_LABELS in manifest["notes"], "the layout numbering the import follows is said"
+        assert manifest["ended_ns"] - manifest["started_ns"] == pytest.approx(2e9, rel=0.01)   # the recording
+        assert m["layout"] in ("TP1 PP1 EP8 DP32", "TP2 PP1 EP4 DP16")
+    code, out, err = run(capsys, "campaign", "summary", "results", "--format", "json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert len(rows) == 3 and all(r["efficiency_samples_per_s_mj"] and r["mfu_pct"] for r in rows)
+    assert all(r["tokens_per_s"] == pytest.approx(128 * 4096 / 2.0, rel=0.01) for r in rows)
+    fig = figure(record, "optimization", "power_mean_w")
+    plotted = values_of(fig)
+    first = record.members[0]
+    expected = summarize(resolve_run(first["run"]), "steady", by="run")["power_mean_w"][0]
+    assert plotted[("power_mean_w", "base", "TP1 PP1 EP8 DP32")] == pytest.approx(expected)
+    for kind in ("parallelism", "optimization", "microbatch", "heatmap"):
+        assert run(capsys, "campaign", "report", "results", "--figure", kind)[0] == 0
