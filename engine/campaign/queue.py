@@ -226,7 +226,7 @@ class Queue:
         for m in self.members(QUEUED)[: max(0, self.record.data["max_parallel"] - len(running))]:
             if self.cancel_requested:
                 return
-            self.launch(m, self.target, tied=True)
+            self.start_member(m, self.target, tied=True)
 
     def submit_all(self) -> None:
         """Submit every queued member at once, each after the one max_parallel places before it
@@ -239,9 +239,9 @@ class Queue:
             before = submitted[-lanes] if len(submitted) >= lanes else None
             after = [before.manifest()] if before is not None else []
             target = self.target.queued(after, self.record.data.get("time_limit_s"))
-            submitted.append(self.launch(m, target, tied=False))
+            submitted.append(self.start_member(m, target, tied=False))
 
-    def launch(self, m: dict, target: Target, *, tied: bool) -> RunDir | None:
+    def start_member(self, m: dict, target: Target, *, tied: bool) -> RunDir | None:
         """Start one member's run; a member that cannot start is failed with the reason, and the
         campaign goes on."""
         exp = self.experiments.get(m["key"])

@@ -168,6 +168,12 @@ def command_inputs(out: Path) -> list[list[str]]:
             ["launch", "tiny-local", "--dry-run", "--target-file", value],
             ["runs", "show", value], ["runs", "logs", value], ["runs", "cancel", value], ["runs", "delete", value],
             ["doctor", "--show", value], ["doctor", "--target", value], ["doctor", "--nodes", value, "--show"],
+            ["campaign", "plan", value], ["campaign", "show", value], ["campaign", "status", value],
+            ["campaign", "summary", value], ["campaign", "cancel", value], ["campaign", "delete", value],
+            ["campaign", "report", value, "--figure", "microbatch"],
+            ["campaign", "report", "tiny-local", "--figure", value],
+            ["campaign", "run", "tiny-local", "--max-parallel", value, "--detach", "--target", "nowhere"],
+            ["campaign", "run", value, "--detach"],
         ]
     return argvs
 
@@ -262,6 +268,8 @@ def test_every_file_the_product_reads_mutated(sandbox):
                b'account = "proj"\nqos = "normal"\ntime = "01:00:00"\nconstraint = "H100"\n'
                b'sbatch_lines = ["--exclusive"]\ngpus_per_node = 8\n')
     settings = b'theme = "gruvbox"\n[keymap]\n"screen.live" = "f9"\n'
+    campaign = (b'description = "x"\nexperiments = ["tiny-local"]\n[axes]\nmicro_batch_size = [1, 2]\n'
+                b'[[layouts]]\ntensor_model_parallel_size = 1\n[target]\nmax_parallel = 2\ntime_limit = "00:10:00"\n')
     good = dirs["runs"] / "good-run"
     manifest = (good / "manifest.json").read_bytes()
     iterations = (good / "iterations.jsonl").read_bytes()
@@ -284,6 +292,8 @@ def test_every_file_the_product_reads_mutated(sandbox):
         cases += [(["summarize", "zz-damaged"], "iterations", data), (["runs", "show", "zz-damaged"], "iterations", data)]
     for data in mutations(csv, rng, 60):
         cases.append((["import", "charllm-ppt", str(csv_dir), "--name", "imported"], "csv", data))
+    for data in mutations(campaign, rng, 80):
+        cases.append((["campaign", "plan", "fuzzed"], "campaign", data))
 
     shutil.copytree(good, damaged_run)
     csv_dir.mkdir()
@@ -296,7 +306,9 @@ def test_every_file_the_product_reads_mutated(sandbox):
     for argv, which, data in cases:
         path = {"experiment": inputs / "fuzzed.toml", "targets": dirs["config"] / "targets.toml",
                 "tui": dirs["config"] / "tui.toml", "manifest": damaged_run / "manifest.json",
-                "iterations": damaged_run / "iterations.jsonl", "csv": csv_dir / "gpu_power_0.csv"}[which]
+                "iterations": damaged_run / "iterations.jsonl", "csv": csv_dir / "gpu_power_0.csv",
+                "campaign": dirs["config"] / "campaigns" / "fuzzed.toml"}[which]
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         before = tree(root.parent)  # the sandbox and around it: ../x escapes show
         if which == "tui":
