@@ -39,13 +39,28 @@ GPU_METRICS: dict[str, pl.DataType] = {
     "throttle_reasons": pl.Int64(),     # NVML clocks-event reasons bitmask (see THROTTLE_BITS)
     "pcie_tx_bytes_s": pl.Float64(),
     "pcie_rx_bytes_s": pl.Float64(),
-    "nvlink_tx_bytes": pl.Int64(),      # cumulative counter over all links (may wrap)
+    "nvlink_tx_bytes": pl.Int64(),      # cumulative counter over all links (may wrap); AMD: XGMI
     "nvlink_rx_bytes": pl.Int64(),
+    # What the GPU was doing (NVML GPM, Hopper and newer; null elsewhere), each the mean over the
+    # interval since the previous GPM sample (at least 100 ms apart, NVML's rule).
+    "sm_active_pct": pl.Float64(),      # SMs busy (GPM SM_UTIL)
+    "sm_occupancy_pct": pl.Float64(),   # warps resident against the SMs' maximum (GPM SM_OCCUPANCY)
+    "tensor_active_pct": pl.Float64(),  # SM time on any tensor-core op (GPM ANY_TENSOR_UTIL)
+    "dram_bw_util_pct": pl.Float64(),   # DRAM bandwidth used against its peak (GPM DRAM_BW_UTIL)
+    "nvlink_tx_bytes_s": pl.Float64(),  # NVLink bandwidth over all links (GPM NVLINK_TOTAL_*_PER_SEC)
+    "nvlink_rx_bytes_s": pl.Float64(),
+    # Time the driver held clocks down for a reason, cumulative since driver load (NVML violation
+    # status; AMD: PVIOL/TVIOL's share of each interval, added up since the probe started).
+    "violation_power_ns": pl.Int64(),
+    "violation_thermal_ns": pl.Int64(),
+    "violation_sync_boost_ns": pl.Int64(),
 }
 
 # Node (host) metrics, on the row with device == "host".
 HOST_METRICS: dict[str, pl.DataType] = {
     "cpu_util_pct": pl.Float64(),
+    "cpu_iowait_pct": pl.Float64(),     # CPU time idle while waiting on I/O, over all cores
+    "cpu_core_util_pct": pl.List(pl.Float64()),   # each core's utilization, in the kernel's core order
     "cpu_freq_mhz": pl.Float64(),
     "host_mem_used_bytes": pl.Int64(),
     "host_mem_total_bytes": pl.Int64(),
