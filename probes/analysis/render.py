@@ -97,16 +97,17 @@ def _four_digits(value: float) -> str:
     return f"{value:.{min(decimals, 6)}f}"
 
 
-def render(df: pl.DataFrame, fmt: str) -> str:
-    """A summary (or any tidy frame) as text: table | markdown | csv | json."""
+def render(df: pl.DataFrame, fmt: str, labels: list[str] | None = None) -> str:
+    """A summary (or any tidy frame) as text: table | markdown | csv | json. The table forms name
+    each row's column by its node and device (a summary's rows), or by `labels` when given."""
     if fmt == "csv":
         return df.write_csv()
     if fmt == "json":
         return df.write_json()
     if fmt == "markdown":
-        return text_table(_long(df), markdown=True)
+        return text_table(_long(df, labels), markdown=True)
     if fmt == "table":
-        return _terminal_table(_long(df))
+        return _terminal_table(_long(df, labels))
     raise UserError(f"format {fmt!r}: expected one of table, markdown, csv, json (parquet needs --out FILE)")
 
 
@@ -127,10 +128,10 @@ def write_summary(df: pl.DataFrame, target: str | os.PathLike, fmt: str | None =
     return None
 
 
-def _long(df: pl.DataFrame) -> pl.DataFrame:
-    """Metrics as rows, one column per GPU / node / run: readable however many metrics."""
-    names = []
-    for row in df.iter_rows(named=True):
+def _long(df: pl.DataFrame, labels: list[str] | None = None) -> pl.DataFrame:
+    """Metrics as rows, one column per GPU / node / run (or per `labels`): readable however many metrics."""
+    names = list(labels or [])
+    for row in df.iter_rows(named=True) if labels is None else ():
         parts = [row.get("run")] if row.get("level") == "run" or "level" not in df.columns else []
         parts += [row.get(k) for k in ("node", "device") if row.get(k)]
         names.append("/".join(str(p) for p in parts if p) or str(row.get("run", "value")))

@@ -117,9 +117,11 @@ def conform(frame: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame | pl.LazyFrame:
 
 # The iteration log (run_dir/iterations.jsonl): one JSON object per line, written by rank 0 and
 # by the last rank. `event` is "iteration" for a finished training step; other events are
-# "start" (workload begins; carries world_size, layout, seed, and runtime: what actually runs,
-# see engine.model.runtime) and "end" (carries status and memory: per pipeline stage, the highest
-# allocated and reserved peaks of its ranks).
+# "start" (workload begins; carries world_size, layout, seed, runtime: what actually runs, see
+# engine.model.runtime, and on rank 0's, ranks: every rank's node, local rank and pp/tp/cp/dp
+# coordinates), "end" (carries status and memory: per pipeline stage, the highest allocated and
+# reserved peaks of its ranks) and "profile" (a profiler trace written, by the rank that wrote it:
+# iteration, pp_rank, file under the run, bytes, export_s; engine.workload.profiler).
 ITERATION_FIELDS: dict[str, type] = {
     "event": str,              # "start" | "iteration" | "end"
     "iteration": int,          # 1-based training step
@@ -135,10 +137,15 @@ ITERATION_FIELDS: dict[str, type] = {
     "mem_reserved_bytes": int, # highest CUDA allocator reserved peak of any rank; null on CPU
     "tflops_per_gpu": float,   # model TFLOP/s per GPU (Megatron's FLOP count)
     "warmup": bool,            # True for the warm-up iterations (excluded from steady state)
+    "profiled": bool,          # True for a step some rank recorded a profiler trace of (it ran slower)
+    "timers": dict,            # rank 0's line: every rank's step timers, {field: [rank 0's, rank 1's, ...]}
+                               # (RANK_TIMERS; engine.workload.timers); null on the other lines
 }
+# The step timers each rank reports (seconds in the step; null where not measured), in `timers`.
+RANK_TIMERS = ("forward_backward_s", "compute_s", "pipeline_wait_s", "grad_reduce_s", "optimizer_s", "step_s")
 ITERATION_SCHEMA: dict[str, pl.DataType] = {
     "event": pl.String(), "iteration": pl.Int64(), "rank": pl.Int64(), "node": pl.String(),
     "start_ns": pl.Int64(), "end_ns": pl.Int64(), "loss": pl.Float64(), "grad_norm": pl.Float64(),
     "samples": pl.Int64(), "tokens": pl.Int64(), "mem_peak_bytes": pl.Int64(), "mem_reserved_bytes": pl.Int64(),
-    "tflops_per_gpu": pl.Float64(), "warmup": pl.Boolean(),
+    "tflops_per_gpu": pl.Float64(), "warmup": pl.Boolean(), "profiled": pl.Boolean(),
 }

@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
                         on_progress=lambda message: status.update(message))
     for reason in result.forced:
         console.print(f"[yellow]forced:[/] {reason}")
+    if result.profile:
+        print(result.profile)
     if args.dry_run:
         print(f"# run {result.run_id} on target {target.name!r} (dry run: nothing was created; "
               f"{PORT_AT_LAUNCH}: torchrun's rendezvous port, picked at launch)")
