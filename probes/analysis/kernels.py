@@ -429,3 +429,39 @@ def kernel_table(summary: pl.DataFrame) -> pl.DataFrame:
             cells.append(text)
         table[label] = cells
     return pl.DataFrame(table)
+
+
+def compare_kernels(refs: list[str]) -> tuple[pl.DataFrame, list[str]]:
+    """Runs side by side: each run's kernel summary, averaged over its pipeline stages (as the
+    artifact's Figure 10 divides by the pipeline degree), one row per run; and a note for each
+    ref that has no traces."""
+    rows, notes = [], []
+    for ref in refs:
+        try:
+            run = resolve_run(ref)
+            per_stage = kernel_summary(run, "stage")
+        except UserError as exc:
+            notes.append(str(exc))
+            continue
+        figures = [c for c in per_stage.columns if c.endswith(("_s", "_frac")) or c.endswith("_count")]
+        rows.append(per_stage.select(pl.lit(run.id).alias("run"), pl.len().alias("stages"),
+                                     pl.col("source").first(), *(pl.col(c).mean() for c in figures)))
+    return (pl.concat(rows, how="diagonal_relaxed") if rows else pl.DataFrame()), notes
+
+
+def kernels_side_by_side(overview: pl.DataFrame, labels: dict[str, str] | None = None) -> pl.DataFrame:
+    """compare_kernels' rows for reading: one row per figure, one column per run; each category's
+    share of the step and its time per step."""
+    labels = labels or {}
+    rows = [("step", "step_s"), ("busy", "busy_s"), ("idle", "idle_s")]
+    rows += [(c, f"{c}_s") for c in CATEGORIES if overview[f"{c}_s"].fill_null(0).sum() > 0]
+    rows += [("compute (any)", "compute_s"), ("communication (any)", "comm_s"), ("overlap", "overlap_s")]
+    table: dict[str, list[str]] = {"mean per stage": [name for name, _ in rows]}
+    for row in overview.iter_rows(named=True):
+        cells = []
+        for name, column in rows:
+            value = row[column]
+            share = f"{100 * value / row['step_s']:.1f}% " if name != "step" and row["step_s"] and value is not None else ""
+            cells.append(f"{share}({format_figure(column, value)})" if share else format_figure(column, value))
+        table[labels.get(row["run"], row["run"])] = cells
+    return pl.DataFrame(table)

@@ -24,7 +24,7 @@ import polars as pl
 from charllm.probes.analysis.summary import has_accelerators, summarize
 from charllm.probes.analysis.windows import resolve_window
 from charllm.probes.core.errors import UserError, plural
-from charllm.probes.store.rundir import RunDir, resolve_run
+from charllm.probes.store.rundir import RunDir, rank_rows, resolve_run
 from charllm.probes.store.schema import RANK_TIMERS
 
 STRAGGLER_RATIO = 1.1     # compute 10 % above the median rank's
@@ -38,6 +38,12 @@ def rank_steps(run: RunDir, window="steady") -> tuple[pl.DataFrame, str, list[st
     if steps.height == 0:
         raise UserError(f"run {run.id}: no per-rank step timers in its iteration log (the workload of this "
                         "version logs them on rank 0's lines; an import or an older run has none)")
+    return choose_steps(steps, window, run.id)
+
+
+def choose_steps(steps: pl.DataFrame, window="steady", name: str = "run") -> tuple[pl.DataFrame, str, list[str]]:
+    """The (rank, step) rows (RunDir.rank_steps) inside `window`, its label and notes: "steady"
+    leaves out warm-up and profiled steps."""
     iterations = steps.group_by("iteration").agg(pl.col("start_ns").min(), pl.col("end_ns").max(),
                                                  pl.col("warmup").fill_null(False).any(),
                                                  pl.col("profiled").fill_null(False).any())
@@ -51,7 +57,7 @@ def rank_steps(run: RunDir, window="steady") -> tuple[pl.DataFrame, str, list[st
     notes += more
     chosen = iterations.filter((pl.col("start_ns") >= start_ns) & (pl.col("end_ns") <= (end_ns or 2**63 - 1)))
     if chosen.height == 0:
-        raise UserError(f"run {run.id}: window {label}: no whole step in it")
+        raise UserError(f"{name}: window {label}: no whole step in it")
     return steps.join(chosen.select("iteration"), on="iteration"), label, notes
 
 
@@ -63,6 +69,17 @@ def rank_summary(run: RunDir | str | os.PathLike, window="steady", by: str = "ra
     if by not in BY:
         raise UserError(f"--by {by!r}: step timers are per rank or per stage (rank, stage)")
     steps, label, notes = rank_steps(run, window)
+    per_rank = rank_table(steps, by)
+    if by == "rank":
+        per_rank = _with_gpus(run, per_rank, window)
+    return (per_rank.sort("vs_median", descending=True, nulls_last=True)
+            .with_columns(pl.lit(run.id).alias("run"), pl.lit(by).alias("level"), pl.lit(label).alias("window"),
+                          pl.lit("; ".join(notes) or None, pl.String).alias("notes")))
+
+
+def rank_table(steps: pl.DataFrame, by: str = "rank") -> pl.DataFrame:
+    """Per rank (or stage) of the chosen steps: each timer's median over steps, `vs_median` and
+    `straggler` (see the module's docstring), slowest first."""
     timers = [c for c in RANK_TIMERS if c in steps.columns]
     per_rank = (steps.group_by("rank").agg(pl.col("node", "local_rank", "pp_rank", "tp_rank", "dp_rank").first(),
                                            pl.len().alias("steps"), *(pl.col(t).median() for t in timers))
@@ -79,11 +96,7 @@ def rank_summary(run: RunDir | str | os.PathLike, window="steady", by: str = "ra
     per_rank = per_rank.with_columns(
         pl.when(pl.col("peers_compute_s") > 0).then(pl.col("compute_s") / pl.col("peers_compute_s")).alias("vs_median"))
     per_rank = per_rank.with_columns((pl.col("vs_median") > STRAGGLER_RATIO).fill_null(False).alias("straggler"))
-    if by == "rank":
-        per_rank = _with_gpus(run, per_rank, window)
-    return (per_rank.sort("vs_median", descending=True, nulls_last=True)
-            .with_columns(pl.lit(run.id).alias("run"), pl.lit(by).alias("level"), pl.lit(label).alias("window"),
-                          pl.lit("; ".join(notes) or None, pl.String).alias("notes")))
+    return per_rank.sort("vs_median", descending=True, nulls_last=True)
 
 
 def _with_gpus(run: RunDir, ranks: pl.DataFrame, window) -> pl.DataFrame:
@@ -131,3 +144,16 @@ def steps_phrase(label: str) -> str:
     """Which steps a rank summary's medians cover, in words."""
     return {"steady": "the steady steps (after warm-up; profiled steps left out)", "all": "every step"}.get(
         label, f"the steps within seconds {label.replace(':', ' to ')} after the first")
+
+
+def recent_line(records: list[dict], steps: int = 10) -> str | None:
+    """The stragglers of a run's last `steps` steady steps, from iteration-log records as a follower
+    sees them (Live); None before any step has timers."""
+    rows = rank_rows(records)
+    if rows.height == 0:
+        return None
+    steady = rows.filter(~pl.col("warmup").fill_null(False) & ~pl.col("profiled").fill_null(False))
+    rows = steady if steady.height else rows
+    last = rows["iteration"].unique().sort().tail(steps)
+    table = rank_table(rows.filter(pl.col("iteration").is_in(last.implode())))
+    return f"last {plural(last.len(), 'step')}: {straggler_line(table)}"

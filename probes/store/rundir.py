@@ -526,38 +526,9 @@ class RunDir:
         )
 
     def rank_steps(self):
-        """Every rank's step timers, one row per step and rank (rank 0's `timers`, see
-        schema.RANK_TIMERS), with the step's start and end, warm-up and profiled marks, and where
-        the rank ran (its node and coordinates, from rank 0's start record; null where unknown).
-        Empty for a run whose workload logged no timers."""
-        import polars as pl
-
-        from charllm.probes.store.schema import RANK_TIMERS  # deferred: loads polars (start-up time)
-
-        rows, places = [], {}
-        for record in self.iteration_records():
-            if not isinstance(record, dict):
-                continue
-            if record.get("event") == "start" and isinstance(record.get("ranks"), list):
-                places = {p["rank"]: p for p in record["ranks"] if isinstance(p, dict) and isinstance(p.get("rank"), int)}
-            timers = record.get("timers")
-            if record.get("event") != "iteration" or not isinstance(timers, dict):
-                continue
-            columns = {name: timers.get(name) if isinstance(timers.get(name), list) else [] for name in RANK_TIMERS}
-            for rank in range(max(len(v) for v in columns.values())):
-                place = places.get(rank, {})
-                rows.append({"iteration": record.get("iteration"), "rank": rank,
-                             "node": place.get("node"), "local_rank": place.get("local_rank"),
-                             "pp_rank": place.get("pp_rank"), "tp_rank": place.get("tp_rank"),
-                             "dp_rank": place.get("dp_rank"),
-                             "start_ns": record.get("start_ns"), "end_ns": record.get("end_ns"),
-                             "warmup": record.get("warmup"), "profiled": record.get("profiled"),
-                             **{name: values[rank] if rank < len(values) else None for name, values in columns.items()}})
-        schema = {"iteration": pl.Int64, "rank": pl.Int64, "node": pl.String, "local_rank": pl.Int64, "pp_rank": pl.Int64,
-                  "tp_rank": pl.Int64, "dp_rank": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64,
-                  "warmup": pl.Boolean, "profiled": pl.Boolean, **{name: pl.Float64 for name in RANK_TIMERS}}
-        clean = [{k: _typed(r.get(k), dtype) for k, dtype in schema.items()} for r in rows]
-        return pl.DataFrame(clean, schema=schema, strict=False)
+        """Every rank's step timers, one row per step and rank (see `rank_rows`); empty for a run
+        whose workload logged no timers."""
+        return rank_rows(self.iteration_records())
 
     def profile_account(self) -> dict:
         """What the profiler window recorded and cost, from the iteration log: the traces written
@@ -617,6 +588,39 @@ class Reserve:
 
     def release(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def rank_rows(records):
+    """Every rank's step timers from iteration-log records (a run's file, or the lines a follower
+    has seen), one row per step and rank: rank 0's `timers` (schema.RANK_TIMERS), with the step's
+    start and end, warm-up and profiled marks, and where the rank ran (its node and coordinates,
+    from rank 0's start record; null where unknown). A damaged value costs only itself."""
+    import polars as pl
+
+    from charllm.probes.store.schema import RANK_TIMERS  # deferred: loads polars (start-up time)
+
+    rows, places = [], {}
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        if record.get("event") == "start" and isinstance(record.get("ranks"), list):
+            places = {p["rank"]: p for p in record["ranks"] if isinstance(p, dict) and isinstance(p.get("rank"), int)}
+        timers = record.get("timers")
+        if record.get("event") != "iteration" or not isinstance(timers, dict):
+            continue
+        columns = {name: timers.get(name) if isinstance(timers.get(name), list) else [] for name in RANK_TIMERS}
+        for rank in range(max(len(v) for v in columns.values())):
+            place = places.get(rank, {})
+            rows.append({"iteration": record.get("iteration"), "rank": rank,
+                         **{k: place.get(k) for k in ("node", "local_rank", "pp_rank", "tp_rank", "dp_rank")},
+                         "start_ns": record.get("start_ns"), "end_ns": record.get("end_ns"),
+                         "warmup": record.get("warmup"), "profiled": record.get("profiled"),
+                         **{name: values[rank] if rank < len(values) else None for name, values in columns.items()}})
+    schema = {"iteration": pl.Int64, "rank": pl.Int64, "node": pl.String, "local_rank": pl.Int64, "pp_rank": pl.Int64,
+              "tp_rank": pl.Int64, "dp_rank": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64,
+              "warmup": pl.Boolean, "profiled": pl.Boolean, **{name: pl.Float64 for name in RANK_TIMERS}}
+    clean = [{k: _typed(r.get(k), dtype) for k, dtype in schema.items()} for r in rows]
+    return pl.DataFrame(clean, schema=schema, strict=False)
 
 
 def one_per_step(events: list[dict]) -> list[dict]:

@@ -27,6 +27,9 @@ def register(subparsers) -> None:
     p.add_argument("--by", choices=("gpu", "node", "run", "rank", "stage"), default="auto",
                    help="default: gpu, or node when the run has no GPU telemetry (a CPU run); stage with --kernels; "
                         "rank and stage: the step timers of each rank or pipeline stage")
+    p.add_argument("--matrix", metavar="temperature|power|clock|throttle|link",
+                   help="a per-GPU matrix: each GPU's figure over time, in --buckets equal spans of the window (all)")
+    p.add_argument("--buckets", type=int, default=12, metavar="N", help="time spans of --matrix (12)")
     p.add_argument("--kernels", action="store_true",
                    help="where the profiled steps' time goes (the run's traces/: telemetry.profile_steps), per "
                         "stage (default) or --by rank")
@@ -42,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None  # before the work
     window = parse_window(args.window)
+    if args.matrix:
+        return _matrix(args, out)
     if args.kernels or args.by in ("rank", "stage"):
         return _per_rank(args, window, out)
     df = summarize(args.run, window, by=args.by)
@@ -94,4 +99,28 @@ def _per_rank(args: argparse.Namespace, window, out) -> int:
     if "notes" in df.columns and df["notes"][0]:
         print(f"note: {df['notes'][0]}")
     print(text, end="")
+    return 0
+
+
+def _matrix(args: argparse.Namespace, out) -> int:
+    """--matrix NAME: GPUs x time."""
+    from charllm.probes.analysis.matrix import MATRICES, check, gpus_by_time, render_matrix  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.render import render, text_table, write_summary  # deferred: loads polars (start-up time)
+
+    name = check(args.matrix)
+    window = "all" if args.window == "steady" else args.window   # a matrix shows the whole run unless asked
+    df = gpus_by_time(args.run, name, args.buckets, window)
+    if out is not None:
+        write_summary(df, out, args.format)
+        print(f"wrote {args.out}")
+        return 0
+    fmt = args.format or "table"
+    if fmt in ("table", "markdown"):
+        what, unit, _ = MATRICES[name]
+        print(f"{what} per GPU ({unit}), over time (seconds after the window's first sample)")
+        print(text_table(render_matrix(df, name), fmt == "markdown"), end="")
+        return 0
+    if fmt == "parquet":
+        raise UserError("--format parquet is binary: give --out FILE")
+    print(render(df, fmt), end="")
     return 0

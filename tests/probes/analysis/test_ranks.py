@@ -11,29 +11,8 @@ from charllm.probes.analysis.ranks import rank_summary, straggler_line, straggle
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import one_per_step
 from charllm.probes.store.schema import RANK_TIMERS
-from charllm.probes.store.synthetic import T0_NS, gpu_frame, make_run
-
-
-def log(compute: list[float], *, steps: int = 6, warmup: int = 1, profiled=(), pp: int = 2, step_s: float = 1.0,
-        nodes=("n0", "n1")) -> list[dict]:
-    """An iteration log as the workload writes it: rank 0's start record naming every rank's place,
-    rank 0's and the last rank's step lines, rank 0's carrying every rank's timers."""
-    world = len(compute)
-    places = [{"rank": r, "node": nodes[r * len(nodes) // world], "local_rank": r % (world // len(nodes)),
-               "pp_rank": r * pp // world, "tp_rank": 0, "cp_rank": 0, "dp_rank": r % (world // pp)}
-              for r in range(world)]
-    rows = [{"event": "start", "rank": 0, "world_size": world, "ranks": places}]
-    for i in range(1, steps + 1):
-        start = T0_NS + int((i - 1) * step_s * 1e9)
-        timers = {"forward_backward_s": [0.8] * world, "compute_s": list(compute),
-                  "pipeline_wait_s": [0.8 - c for c in compute], "grad_reduce_s": [0.05] * world,
-                  "optimizer_s": [0.1] * world, "step_s": [0.95] * world}
-        for rank in (0, world - 1):
-            rows.append({"event": "iteration", "iteration": i, "rank": rank, "node": places[rank]["node"],
-                         "start_ns": start, "end_ns": start + int(0.95 * step_s * 1e9), "warmup": i <= warmup,
-                         "profiled": i in profiled, "timers": timers if rank == 0 else None,
-                         "loss": 1.0 if rank == world - 1 else None})
-    return rows
+from charllm.probes.store.synthetic import gpu_frame, make_run
+from infra_traces import rank_log as log
 
 
 def test_rank_steps_read_every_ranks_timers_and_place(tmp_path):
