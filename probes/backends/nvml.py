@@ -2,9 +2,10 @@
 
 Per GPU per tick: one batched `nvmlDeviceGetFieldValues` (instant/average/memory power, total
 energy, memory temperature, PCIe byte counters, NVLink throughput over all links), then GPU
-temperature, SM/memory clocks, clocks-event (throttle) reasons, utilization, memory, the
-enforced power limit and the violation-time counters (power, thermal, sync boost). NVML has no
-field id for the GPU die temperature, hence the extra call.
+temperature, SM/memory clocks, clocks-event (throttle) reasons, utilization, memory and the
+enforced power limit. NVML has no field id for the GPU die temperature, hence the extra call.
+The violation-time counters (power, thermal, sync boost) only grow and are read once a second;
+the ticks between repeat the last reading.
 
 Where the device supports GPM (GPU Performance Monitoring: Hopper and newer), one GPM sample at
 least every 100 ms (NVML asks for that much between the two samples a metric is computed from)
@@ -65,6 +66,7 @@ GPM_METRICS: tuple[tuple[str, int, float], ...] = (
 )
 GPM_COLUMNS = tuple(column for column, _, _ in GPM_METRICS)
 GPM_MIN_INTERVAL_S = 0.1    # "greater than 100ms due to the internal sample refresh rate" (NVML API reference)
+VIOLATION_EVERY_S = 1.0     # cumulative counters: a second's resolution is plenty, and 3 calls a GPU saved a tick
 # Violation-time counters: (column, perf policy), each nanoseconds of held-down clocks since driver load.
 VIOLATIONS: tuple[tuple[str, int], ...] = (
     ("violation_power_ns", pynvml.NVML_PERF_POLICY_POWER),
@@ -113,6 +115,7 @@ class NvmlBackend(Backend):
         self._throttle_fn = {d.label: pynvml.nvmlDeviceGetCurrentClocksEventReasons for d in self._devices}
         self._utilization_seen_us: dict[str, int] = {}   # per device: the newest process sample read
         self._gpm = {d.label: Gpm.open(d) for d in self._devices}
+        self._violations: dict[str, tuple[float, dict]] = {}   # per device: when read, the readings
         for dev, gpm in zip(self._devices, self._gpm.values()):
             if gpm is None:
                 dev.unsupported.update(c for c in GPM_COLUMNS if not c.startswith("pcie_"))
@@ -156,14 +159,27 @@ class NvmlBackend(Backend):
         read(dev, row, ("mem_used_bytes", "mem_total_bytes"), memory, NOT_SUPPORTED, (pynvml.NVMLError,))
         read(dev, row, ("power_limit_w",), lambda: (pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,),
              NOT_SUPPORTED, (pynvml.NVMLError,))
-        for column, policy in VIOLATIONS:
-            read(dev, row, (column,), lambda policy=policy: (int(pynvml.nvmlDeviceGetViolationStatus(h, policy).violationTime),),
-                 NOT_SUPPORTED, (pynvml.NVMLError,))
+        self._read_violations(dev, row)
         gpm = self._gpm[dev.label]
         if gpm is not None:
             read(dev, row, GPM_COLUMNS, gpm.read, NOT_SUPPORTED, (pynvml.NVMLError,))
         row["errors"] = dev.errors
         return row
+
+    def _read_violations(self, dev: Device, row: dict) -> None:
+        """The violation-time counters: read once every VIOLATION_EVERY_S, else the last reading."""
+        now = time.monotonic()
+        read_at, last = self._violations.get(dev.label, (-VIOLATION_EVERY_S, {}))
+        if now - read_at < VIOLATION_EVERY_S:
+            row.update(last)
+            return
+        got: dict = {}
+        for column, policy in VIOLATIONS:
+            self._read(dev, got, (column,),
+                       lambda policy=policy: (int(pynvml.nvmlDeviceGetViolationStatus(dev.handle, policy).violationTime),),
+                       NOT_SUPPORTED, (pynvml.NVMLError,))
+        self._violations[dev.label] = (now, got)
+        row.update(got)
 
     def processes(self) -> list[GpuProcess]:
         out = []
@@ -272,6 +288,10 @@ class Gpm:
         self.dev, self.samples = dev, samples
         self.taken_at = time.monotonic()
         self.values: tuple[float | None, ...] = (None,) * len(GPM_METRICS)
+        # One request, filled in once: each read swaps its two samples (the struct is 20 KiB)
+        self.request = pynvml.c_nvmlGpmMetricsGet_t()
+        self.request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        self.request.numMetrics = len(GPM_METRICS)
 
     @classmethod
     def open(cls, dev: Device) -> "Gpm | None":
@@ -299,11 +319,9 @@ class Gpm:
         older, newer = self.samples
         pynvml.nvmlGpmSampleGet(self.dev.handle, newer)
         self.samples, self.taken_at = [newer, older], now
-        request = pynvml.c_nvmlGpmMetricsGet_t()
-        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(GPM_METRICS)
+        request = self.request
         request.sample1, request.sample2 = older, newer
-        for i, (_, metric, _) in enumerate(GPM_METRICS):
+        for i, (_, metric, _) in enumerate(GPM_METRICS):   # NVML writes each result over its entry
             request.metrics[i].metricId = metric
         pynvml.nvmlGpmMetricsGet(request)
         values = []

@@ -309,7 +309,9 @@ def test_nvml_gpm_metric_a_device_lacks_is_unsupported_alone(monkeypatch):
     assert "nvlink_tx_bytes_s" not in supported and "sm_active_pct" in supported
 
 
-def test_nvml_violation_time_counters_per_policy(monkeypatch):
+def test_nvml_violation_time_counters_per_policy_read_once_a_second(monkeypatch):
+    from charllm.probes.backends import nvml
+
     gpu = FakeGpu(0, violation_ns={pynvml.NVML_PERF_POLICY_POWER: 7_000_000_000,
                                    pynvml.NVML_PERF_POLICY_THERMAL: 250_000_000})   # no sync boost counter
     fake = FakeNvml([gpu]).install(monkeypatch)
@@ -317,7 +319,12 @@ def test_nvml_violation_time_counters_per_policy(monkeypatch):
     rows = [backend.sample()[0] for _ in range(2)]
     assert rows[0]["violation_power_ns"] == 7_000_000_000 and rows[0]["violation_thermal_ns"] == 250_000_000
     assert all(r.get("violation_sync_boost_ns") is None for r in rows) and rows[-1]["errors"] == 0
-    assert fake.calls["nvmlDeviceGetViolationStatus"] == 2 + 2 + 1       # sync boost asked once
+    assert fake.calls["nvmlDeviceGetViolationStatus"] == 3               # the second tick repeats the first's
+    assert rows[1]["violation_power_ns"] == 7_000_000_000
+    gpu.violation_ns[pynvml.NVML_PERF_POLICY_POWER] += 10**9
+    monkeypatch.setattr(nvml, "VIOLATION_EVERY_S", 0.0)                  # a second later
+    assert backend.sample()[0]["violation_power_ns"] == 8_000_000_000
+    assert fake.calls["nvmlDeviceGetViolationStatus"] == 3 + 2           # sync boost is not asked again
 
 
 def test_amdsmi_violation_time_from_the_firmware_counters_and_xgmi_bytes(monkeypatch, real_amdsmi):
