@@ -224,3 +224,6 @@ def test_pp2_profile_window_kernel_time_per_stage_and_a_slowed_rank_named(monkey
     assert main(["summarize", rd.id, "--kernels"]) == 0
     out = capsys.readouterr().out
     assert "host ops: a CPU run; 2 traces" in out and "stage 0" in out and "stage 1" in out and "SendRecv" in out
+    assert main(["runs", "show", rd.id]) == 0
+    out = capsys.readouterr().out
+    assert f"profiler  {result.profile}" in out and "2 traces written" in out
