@@ -46,7 +46,8 @@ class ProfilePlan:
     def describe(self) -> str:
         """One line: what is recorded, where, and what it costs."""
         who = "every rank" if self.scope == "all" else f"the first rank of each pipeline stage ({_ranks(self.ranks)})"
-        return (f"profiler: {plural(len(self.steps), 'step')} ({', '.join(map(str, self.steps))}) on {who}: "
+        steps = ", ".join(map(str, self.steps[:8])) + (f" and {len(self.steps) - 8} more" if len(self.steps) > 8 else "")
+        return (f"profiler: {plural(len(self.steps), 'step')} ({steps}) on {who}: "
                 f"{plural(len(self.ranks) * len(self.steps), 'trace')} into {TRACES}/, about "
                 f"{size(self.trace_bytes)} each ({size(self.total_bytes)} in all); {SLOWDOWN}")
 
