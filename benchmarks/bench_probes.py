@@ -12,6 +12,14 @@
    precision, unlike a real device's (NVML: whole mW, degrees and MHz), so they compress less.
 4. Memory over a time-compressed --hours simulated recording at 20 Hz x 8 GPUs (the clock is
    injected and advanced instead of sleeping): RSS must stay flat.
+5. The utilization and violation counters on: the NVML backend itself at 20 Hz x 8 GPUs with GPM
+   (SM and tensor activity, occupancy, DRAM and NVLink/PCIe bandwidth) and the violation-time
+   counters, beside the host backend with per-core CPU use and iowait, recording to disk; and the
+   same with them off (GPM unsupported, no violation counters), for the difference. No GPU here:
+   the test suite's fake NVML (tests/fakes_nvml.py, pynvml's own module with its C calls replaced)
+   answers; the time inside the fake's calls stands in for the driver's, and the host backend's
+   (psutil reading /proc) is timed as in 1.: both are counted apart. The rest, the sampler's own,
+   includes the NVML backend's Python (and pynvml's). Target: under 2 % of one core with them on.
 """
 
 from __future__ import annotations
@@ -138,6 +146,61 @@ def bench_memory(hours: float, progress: Progress) -> list[tuple[float, float]]:
     return samples
 
 
+def bench_counters(seconds: float, progress: Progress, counters: bool = True) -> dict:
+    """The NVML backend (fake library) with GPM and violation counters on or off, 8 GPUs + host, 20 Hz."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from _pytest.monkeypatch import MonkeyPatch
+
+    from fakes_nvml import FakeGpu, FakeNvml
+    from charllm.probes.backends import open_backends
+
+    class TimedFake(FakeNvml):
+        """The fake NVML, adding up the time spent inside its calls (the 'driver' time). The fake is
+        pure Python that never blocks, so its wall time is its CPU time; perf_counter, unlike a
+        thread CPU clock, costs no system call, so the measuring adds little of its own."""
+
+        ns = 0
+
+        def _counted(self, name, fn):
+            def call(*args):
+                t = time.perf_counter_ns()
+                try:
+                    return fn(*args)
+                finally:
+                    TimedFake.ns += time.perf_counter_ns() - t
+            return call
+
+    patch = MonkeyPatch()
+    try:
+        off = set() if counters else {"nvmlDeviceGetViolationStatus"}
+        TimedFake([FakeGpu(i, gpm=counters, unsupported_calls=off) for i in range(8)]).install(patch)
+        nvml, host = open_backends("nvml")[0]
+        host = Timed(host)
+        with tempfile.TemporaryDirectory() as tmp:
+            sampler = Sampler([nvml, host], hz=20, node="bench", run_dir=tmp)
+            task = progress.add_task(f"NVML counters {'on' if counters else 'off'}, 20 Hz x 8 GPUs, {seconds:g} s",
+                                     total=None)
+            proc = psutil.Process()
+            cpu0, wall0 = proc.cpu_times(), time.monotonic()
+            sampler.run(duration=seconds)
+            cpu1, wall = proc.cpu_times(), time.monotonic() - wall0
+            progress.update(task, completed=1, total=1)
+            frame = RunDir(Path(tmp)).scan_telemetry().collect()
+        nvml.close()
+    finally:
+        patch.undo()
+    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    outside = TimedFake.ns / 1e9 + host.seconds
+    gpu = frame.filter(pl.col("device") != "host")
+    cores = frame.filter(pl.col("device") == "host")["cpu_core_util_pct"].drop_nulls().list.len().max()
+    return {"counters": counters, "seconds": wall, "cpu_pct": 100 * cpu / wall, "fake_pct": 100 * TimedFake.ns / 1e9 / wall,
+            "host_pct": 100 * host.seconds / wall, "sampler_pct": 100 * (cpu - outside) / wall,
+            "gpm_rows": gpu["sm_active_pct"].drop_nulls().len(), "gpu_rows": gpu.height, "cores": cores,
+            "missed": sampler.missed_deadlines}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=60.0)
@@ -147,6 +210,7 @@ def main() -> None:
 
     with Progress(console=console, transient=True, auto_refresh=False) as progress:
         results = [bench_rate(hz, args.seconds, progress) for hz in (20.0, 100.0)]
+        counters = [bench_counters(args.seconds, progress, on) for on in (False, True)]
         memory = [] if args.skip_memory else bench_memory(args.hours, progress)
 
     table = Table(title=f"sampler, 8 simulated GPUs + host, {args.seconds:g} s per rate")
@@ -161,6 +225,19 @@ def main() -> None:
     r100 = results[1]
     verdict = "PASS" if r100["overhead_pct"] < 2.0 else "FAIL"
     console.print(f"target: sampler CPU at 100 Hz x 8 GPUs < 2 % of one core: {r100['overhead_pct']:.2f} % {verdict}")
+    table = Table(title=f"NVML backend (fake library) + host ({counters[0]['cores']} cores), 20 Hz x 8 GPUs, "
+                        f"{args.seconds:g} s each")
+    for col in ("GPM and violation counters", "GPU rows with GPM figures", "missed", "process CPU %",
+                "in the fake NVML %", "in the host backend %", "sampler CPU %"):
+        table.add_column(col, justify="right")
+    for r in counters:
+        table.add_row("on" if r["counters"] else "off", f"{r['gpm_rows']} of {r['gpu_rows']}", str(r["missed"]),
+                      f"{r['cpu_pct']:.2f}", f"{r['fake_pct']:.2f}", f"{r['host_pct']:.2f}", f"{r['sampler_pct']:.2f}")
+    console.print(table)
+    c = counters[1]
+    verdict = "PASS" if c["sampler_pct"] < 2.0 else "FAIL"
+    console.print(f"target: sampler CPU with the counters on at 20 Hz x 8 GPUs < 2 % of one core: "
+                  f"{c['sampler_pct']:.2f} % {verdict}")
     if memory:
         mem = Table(title=f"RSS over a time-compressed {args.hours:g} h recording")
         mem.add_column("simulated time", justify="right")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from charllm.probes.backends import BACKEND_NAMES, inventory, open_backends
+from charllm.probes.backends import BACKEND_NAMES, inventory, not_supported, open_backends
 from charllm.probes.backends.base import DEFAULT_HZ, MAX_HZ, check_hz
 from charllm.probes.core import paths, procid
 from charllm.probes.core.errors import disk_full_on, plural, UserError
@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             run_dir.update_manifest(rates={b.name: sampler.backend_hz(b) for b in backends})
         if not view:
             err.print(f"probe: {plural(devices, 'device')} at {args.hz:g} Hz{slower}{target} ({reason}); SIGTERM/Ctrl-C stops")
+            if lacking := not_supported(backends):    # said once: these columns stay null, never 0
+                err.print(f"probe: not supported here, recorded as null: {lacking}")
         started = time.monotonic()
         try:
             if view:
@@ -181,10 +183,11 @@ def _print_list(console, backends, reason: str) -> None:
     from rich.table import Table
 
     console.print(f"backend: {', '.join(b.name for b in backends)} — {reason}")
-    table = Table("device", "backend", "name", "uuid", "metrics", show_lines=False)
+    table = Table("device", "backend", "name", "uuid", "metrics", "not supported", show_lines=False)
     for dev in inventory(backends):
         label = f"{dev['backend']} (SIMULATED)" if dev["simulated"] else dev["backend"]
-        table.add_row(dev["device"], label, dev["name"], dev["uuid"], " ".join(dev["metrics"]))
+        table.add_row(dev["device"], label, dev["name"], dev["uuid"], " ".join(dev["metrics"]),
+                      " ".join(dev["not_supported"]) or "-")
     console.print(table)
 
 

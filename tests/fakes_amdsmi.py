@@ -77,6 +77,13 @@ class FakeGcd:
     violations: dict = field(default_factory=lambda: {"active_ppt_pwr": True, "active_socket_thrm": False,
                                                       "active_prochot_thrm": False, "active_hbm_thrm": False,
                                                       "active_vr_thrm": False})
+    # amdsmi_get_violation_status's counters ("N/A" where the GCD lacks one: MI200 and older)
+    reference_us: object = 1_000_000                     # CPU timestamp of the reading (µs)
+    acc_counter: object = 1000                           # the firmware's violation-tick counter
+    acc_ppt_pwr: object = 100                            # PVIOL ticks
+    acc_socket_thrm: object = 0                          # TVIOL ticks
+    xgmi_write_kb: list = field(default_factory=lambda: [1000, 2000] + ["N/A"] * 6)   # per link, cumulative
+    xgmi_read_kb: list = field(default_factory=lambda: [3000, 4000] + ["N/A"] * 6)
     not_supported: set = field(default_factory=set)     # function names answering NOT_SUPPORTED
     failures: dict = field(default_factory=dict)         # function name -> transient errors left
 
@@ -93,7 +100,8 @@ class FakeAmdSmi:
         for name in ("amdsmi_init", "amdsmi_shut_down", "amdsmi_get_processor_handles", "amdsmi_get_gpu_device_uuid",
                      "amdsmi_get_gpu_asic_info", "amdsmi_get_power_info", "amdsmi_get_energy_count",
                      "amdsmi_get_temp_metric", "amdsmi_get_clock_info", "amdsmi_get_gpu_activity",
-                     "amdsmi_get_gpu_vram_usage", "amdsmi_get_power_cap_info", "amdsmi_get_violation_status"):
+                     "amdsmi_get_gpu_vram_usage", "amdsmi_get_power_cap_info", "amdsmi_get_violation_status",
+                     "amdsmi_get_gpu_metrics_info"):
             monkeypatch.setattr(self.smi, name, self._counted(name, getattr(self, name)))
         return self
 
@@ -169,7 +177,16 @@ class FakeAmdSmi:
 
     def amdsmi_get_violation_status(self, handle):
         g = self._gcd(handle, "amdsmi_get_violation_status")
-        return {"reference_timestamp": 1, "violation_timestamp": 1, **g.violations}
+        return {"reference_timestamp": g.reference_us, "violation_timestamp": 1, "acc_counter": g.acc_counter,
+                "acc_prochot_thrm": 0, "acc_ppt_pwr": g.acc_ppt_pwr, "acc_socket_thrm": g.acc_socket_thrm,
+                "acc_vr_thrm": 0, "acc_hbm_thrm": 0, "per_ppt_pwr": "N/A", "per_socket_thrm": "N/A", **g.violations}
+
+    def amdsmi_get_gpu_metrics_info(self, handle):
+        """The keys of the real dict the backend reads ("N/A" for an absent link), among a few others."""
+        g = self._gcd(handle, "amdsmi_get_gpu_metrics_info")
+        return {"temperature_edge": g.temps.get("EDGE", "N/A"), "average_gfx_activity": g.gfx_activity,
+                "xgmi_link_width": 16, "xgmi_link_speed": 32, "pcie_bandwidth_acc": "N/A",
+                "xgmi_read_data_acc": list(g.xgmi_read_kb), "xgmi_write_data_acc": list(g.xgmi_write_kb)}
 
 
 def real_amdsmi_present() -> bool:

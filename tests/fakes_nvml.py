@@ -3,12 +3,19 @@
 Only the C library is faked: the functions our backend calls are replaced on the real module
 (monkeypatch, which refuses a name the real module lacks), take the real functions' parameters, and
 answer with pynvml's own return types (c_nvmlFieldValue_t arrays, c_nvmlUtilization_t, c_nvmlMemory_t,
-the process lists' friendly objects, c_nvmlProcessUtilizationSample_t), constants and exception classes
-(NVMLError(code) maps to NVMLError_NotSupported etc. exactly as the real binding does).
+the process lists' friendly objects, c_nvmlProcessUtilizationSample_t, c_nvmlViolationTime_t,
+c_nvmlGpmSupport_t, GPM sample buffers and a filled-in c_nvmlGpmMetricsGet_t), constants and exception
+classes (NVMLError(code) maps to NVMLError_NotSupported etc. exactly as the real binding does).
+
+GPM as the driver does it: a sample buffer is allocated (nvmlGpmSampleAlloc), filled from a device
+(nvmlGpmSampleGet), and nvmlGpmMetricsGet computes each requested metric from two buffers of the
+same device, each with its own nvmlReturn. The fake records the interval between the two samples of
+every computation (`gpm_intervals`), and answers the GPU's `gpm_values` for it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass, field
 
@@ -54,6 +61,17 @@ class FakeGpu:
     field_failures: dict = field(default_factory=dict)       # {(fieldId, scopeId): n} per-field transient errors
     processes: list = field(default_factory=list)            # FakeProcess
     utilization_us: int | None = None    # the driver's newest process sample (µs); None: it samples all the time
+    gpm: bool = False                    # GPM supported (Hopper and newer); a driver without GPM: gpm_driver False
+    gpm_driver: bool = True
+    gpm_values: dict = field(default_factory=lambda: {
+        pynvml.NVML_GPM_METRIC_SM_UTIL: 62.5, pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: 31.25,
+        pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 44.0, pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 55.5,
+        pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: 1024.0, pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: 2048.0,
+        pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: 16.0, pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: 32.0})
+    gpm_unsupported: set = field(default_factory=set)       # metric ids this device answers NOT_SUPPORTED for
+    violation_ns: dict = field(default_factory=lambda: {     # perf policy -> cumulative violation time
+        pynvml.NVML_PERF_POLICY_POWER: 5_000_000_000, pynvml.NVML_PERF_POLICY_THERMAL: 0,
+        pynvml.NVML_PERF_POLICY_SYNC_BOOST: 0})
 
 
 class FakeNvml:
@@ -64,6 +82,9 @@ class FakeNvml:
         self.init_error = init_error
         self.calls: dict[str, int] = {}
         self.field_requests: list[list[tuple[int, int]]] = []
+        self.gpm_samples: dict[int, tuple[FakeGpu, float] | None] = {}   # buffer address -> (device, when filled)
+        self.gpm_buffers: list = []       # keeps the buffers' memory alive while allocated
+        self.gpm_intervals: list[float] = []
 
     # -- installing ------------------------------------------------------------------------
     def install(self, monkeypatch) -> "FakeNvml":
@@ -74,7 +95,9 @@ class FakeNvml:
                      "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo",
                      "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetPcieThroughput",
                      "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
-                     "nvmlDeviceGetProcessUtilization", "nvmlSystemGetProcessName"):
+                     "nvmlDeviceGetProcessUtilization", "nvmlSystemGetProcessName",
+                     "nvmlDeviceGetViolationStatus", "nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc",
+                     "nvmlGpmSampleFree", "nvmlGpmSampleGet", "nvmlGpmMetricsGet"):
             monkeypatch.setattr(pynvml, name, self._counted(name, getattr(self, name)))
         return self
 
@@ -228,6 +251,64 @@ class FakeNvml:
         if not samples:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return samples
+
+    def nvmlDeviceGetViolationStatus(self, gpu, perfPolicyType):  # noqa: N803 - pynvml's parameter name
+        self._check(gpu, "nvmlDeviceGetViolationStatus")
+        if perfPolicyType not in gpu.violation_ns:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return pynvml.c_nvmlViolationTime_t(referenceTime=time.time_ns() // 1000,
+                                            violationTime=gpu.violation_ns[perfPolicyType])
+
+    # -- GPM -----------------------------------------------------------------------------------
+    def _gpm_driver(self, gpu: FakeGpu | None = None) -> None:
+        if gpu is not None and not gpu.gpm_driver or not all(g.gpm_driver for g in self.gpus):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    def nvmlGpmQueryDeviceSupport(self, gpu):
+        self._gpm_driver(gpu)
+        self._check(gpu, "nvmlGpmQueryDeviceSupport")
+        return pynvml.c_nvmlGpmSupport_t(version=pynvml.NVML_GPM_SUPPORT_VERSION, isSupportedDevice=int(gpu.gpm))
+
+    def nvmlGpmSampleAlloc(self):
+        self._gpm_driver()
+        buffer = pynvml.struct_c_nvmlGpmSample_t()
+        self.gpm_buffers.append(buffer)
+        self.gpm_samples[ctypes.addressof(buffer)] = None
+        return ctypes.pointer(buffer)   # a c_nvmlGpmSample_t, as nvmlGpmSampleAlloc fills it in
+
+    def _buffer(self, sample) -> int:
+        address = ctypes.addressof(sample.contents) if sample else 0
+        if address not in self.gpm_samples:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return address
+
+    def nvmlGpmSampleFree(self, gpmSample):  # noqa: N803 - pynvml's parameter name
+        del self.gpm_samples[self._buffer(gpmSample)]
+
+    def nvmlGpmSampleGet(self, gpu, gpmSample):  # noqa: N803 - pynvml's parameter name
+        self._check(gpu, "nvmlGpmSampleGet")
+        if not gpu.gpm:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        self.gpm_samples[self._buffer(gpmSample)] = (gpu, time.monotonic())
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet):  # noqa: N803 - pynvml's parameter name
+        if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        first = self.gpm_samples[self._buffer(metricsGet.sample1)]
+        second = self.gpm_samples[self._buffer(metricsGet.sample2)]
+        if first is None or second is None or first[0] is not second[0] \
+                or not 0 < metricsGet.numMetrics <= pynvml.NVML_GPM_METRIC_MAX:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = first[0]
+        self.gpm_intervals.append(second[1] - first[1])
+        for i in range(metricsGet.numMetrics):
+            metric = metricsGet.metrics[i]   # a view into the caller's struct
+            if metric.metricId in gpu.gpm_unsupported or metric.metricId not in gpu.gpm_values:
+                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            else:
+                metric.nvmlReturn, metric.value = pynvml.NVML_SUCCESS, gpu.gpm_values[metric.metricId]
+        return metricsGet
 
     def nvmlSystemGetProcessName(self, pid):
         for gpu in self.gpus:

@@ -31,6 +31,7 @@ CHANGES = {
     "attention_dropout": [0.1, 0.0], "hidden_dropout": [0.1, 0.0],
     "interconnect": ["changed"], "backend": ["sim"], "nodes": [2], "gpus_per_node": [8], "fp8_tflops": [1000.0],
     "tf32_tflops": [400.0], "fp32_tflops": [60.0], "device_names": [["NVIDIA Changed*"]],
+    "profile_steps": [[2]],
 }
 
 # What a field needs set with it to be valid, or to be read at all (Megatron ignores it otherwise).

@@ -6,7 +6,9 @@ Four kinds, as the CharLLM-PPT study reads its runs (Go et al., MICRO'25):
 - optimization: per model and layout, a metric for each of the four variants (base, overlap,
   recompute, both), optionally normalised per model (divided by the model's best);
 - microbatch: a metric against the micro batch size, one line per layout;
-- heatmap: a per-GPU metric, GPUs (by node) x members.
+- heatmap: a per-GPU metric, GPUs (by node) x members;
+- kernels: per layout, each kernel category's share of the profiled step, the mean over its
+  pipeline stages (the paper's Figures 10 and 15; probes.analysis.kernels), one panel a category.
 
 Every value is a member's run-level (or, for the heatmap, GPU-level) summary of the steady window,
 exactly as `summarize` gives it; the drawing (terminal or SVG/PNG) is the command line's and the
@@ -21,10 +23,11 @@ from dataclasses import dataclass, field
 from charllm.engine.campaign.spec import VARIANTS
 from charllm.engine.campaign.state import Record
 from charllm.engine.campaign.summary import WINDOW, campaign_summary, member_summary
+from charllm.probes.analysis.kernels import CATEGORIES, compare_kernels
 from charllm.probes.analysis.render import metric_label, metric_unit
 from charllm.probes.core.errors import UserError, did_you_mean
 
-KINDS = ("parallelism", "optimization", "microbatch", "heatmap")
+KINDS = ("parallelism", "optimization", "microbatch", "heatmap", "kernels")
 PARALLELISM_METRICS = ("temp_gpu_mean_c", "temp_gpu_peak_c", "power_mean_w", "power_peak_w", "sm_clock_mean_mhz",
                        "efficiency_samples_per_s_mj")
 DEFAULT_METRIC = {"optimization": "efficiency_samples_per_s_mj", "microbatch": "power_peak_w",
@@ -79,7 +82,7 @@ def figure(record: Record, kind: str, metric: str | None = None, normalize: bool
         raise UserError(f"--metric {metric!r}: not a campaign figure{did_you_mean(metric, summary.columns)}")
     window = f"steady window of each member (summaries' {WINDOW!r})"
     return {"parallelism": _parallelism, "optimization": _optimization, "microbatch": _microbatch,
-            "heatmap": _heatmap}[kind](record, summary, metric, normalize, window)
+            "heatmap": _heatmap, "kernels": _kernels}[kind](record, summary, metric, normalize, window)
 
 
 def _mark(row: dict) -> str:
@@ -188,6 +191,33 @@ def _heatmap(record, summary, metric, normalize, window) -> Figure:
     if skipped:
         fig.notes.append(f"not shown (no completed run): {', '.join(skipped[:5])}"
                          + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""))
+    return fig
+
+
+def _kernels(record, summary, metric, normalize, window) -> Figure:
+    """Per layout (grouped by model), each category's share of the profiled step (% of it), a panel
+    per category any member has; a member without traces is marked."""
+    fig = Figure("kernels", record.name, f"{record.name}: profiled step by kernel category, mean over stages",
+                 "the profiled steps of each member (telemetry.profile_steps)", "layout")
+    rows = summary.to_dicts()
+    members = [(m, r) for m, r in zip(record.members, rows)]
+    overview, _ = compare_kernels([r["run"] for _, r in members if r.get("run") and r["status"] == "completed"])
+    by_run = {row["run"]: row for row in overview.iter_rows(named=True)} if overview.height else {}
+    present = [c for c in CATEGORIES if any((row.get(f"{c}_s") or 0) > 0 for row in by_run.values())]
+    for category in present:
+        series = {}
+        for m, r in members:
+            s = series.setdefault(m.get("model") or "?", Series(m.get("model") or "?", [], []))
+            x = _layout_x(m)
+            found = by_run.get(r.get("run"))
+            share = 100 * found[f"{category}_s"] / found["step_s"] if found and found["step_s"] else None
+            s.x.append(x)
+            s.y.append(share)
+            if share is None:
+                s.marks[x] = "no traces" if r["status"] == "completed" else _mark(r)
+        fig.panels.append(Panel(f"{category}, share of the step", f"{category}_pct", list(series.values())))
+    if not present:
+        fig.notes.append("no member's run holds profiler traces (set telemetry.profile_steps to record some)")
     return fig
 
 

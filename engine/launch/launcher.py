@@ -21,6 +21,7 @@ from typing import Callable
 
 from charllm.engine.launch.target import Step, Target
 from charllm.engine.launch.targets import LOCAL, from_record
+from charllm.engine.model import profiling
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import validate
 from charllm.probes.core import lifeline, paths, procid
@@ -43,6 +44,7 @@ class LaunchResult:
     forced: list[str] = field(default_factory=list)
     dry_run: bool = False
     job_id: str | None = None
+    profile: str | None = None        # what the profiler window records and costs (engine.model.profiling)
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,8 +116,9 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     run_dir = unique_run_dir(paths.runs_dir() / run_id)
     steps, script = plan(exp, target, run_dir, dry_run=dry_run)
     commands = display_commands(steps, target)
+    window = profiling.plan(exp)
     result = LaunchResult(run_id=run_dir.name, run_dir=None, commands=commands, sbatch_script=script,
-                          forced=found, dry_run=dry_run)
+                          forced=found, dry_run=dry_run, profile=window.describe() if window else None)
     if dry_run:
         return result
 
@@ -143,6 +146,8 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         "launched_from": procid.place(),   # who may judge the run until its supervisor records itself
         **(record or {}),
     }
+    if window:   # what it will record and cost; the supervisor adds what it did (RunDir.profile_account)
+        manifest["profile"] = {**window.to_dict(), "cost": window.describe()}
     try:
         rd.logs_dir.mkdir()
         exp.save(rd.experiment_path)

@@ -21,7 +21,7 @@ from charllm.engine.launch.process import Proc, shell_status
 from charllm.engine.launch.target import Say, Step, Target, number, sampler_argv, train_argv
 from charllm.probes.core import lifeline, procid
 from charllm.probes.core.errors import UserError, plural
-from charllm.probes.store.rundir import MARKER
+from charllm.probes.store.rundir import MARKER, TRACES
 
 _HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")  # names and addresses; never an ssh option
 
@@ -102,6 +102,28 @@ class SshTarget(Target):
 
     def supervise(self, supervisor) -> str:
         return supervisor.own_steps(SshProc)
+
+    def bring_home(self, rd) -> None:
+        """Each node's profiler traces (traces/ in its remote run directory), as a tar stream over
+        a connection of its own, unpacked into the run's traces/ by Python's data filter (plain files
+        under traces/ only: no links, devices or paths out of it). Whole traces only: the workload
+        renames each into place once written."""
+        import tarfile
+
+        used = {step.get("host") for step in rd.manifest().steps}
+        for host in (h for h in self.hosts if h in used):
+            remote = self.remote_path("runs", rd.id, host)
+            command = (f"cd {shlex.quote(remote)} 2>/dev/null && [ -d {TRACES} ] && "
+                       f"tar -cf - --exclude='.*' {TRACES} || true")
+            with subprocess.Popen(self.ssh_argv(host) + [command], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL) as proc:
+                try:
+                    with tarfile.open(fileobj=proc.stdout, mode="r|") as archive:
+                        for member in archive:
+                            if member.isfile() and Path(member.name).parent == Path(TRACES):
+                                archive.extract(member, rd.path, filter="data")
+                except tarfile.ReadError:   # an empty stream: the node recorded no traces
+                    pass
 
     def run_doctor(self, doctor, nodes: int | None) -> list:
         return doctor.over_ssh(self, nodes)   # on every host

@@ -24,7 +24,7 @@ from charllm.engine.launch.target import Step
 from charllm.engine.launch.targets import from_record
 from charllm.engine.workload import CANCELLED_EXIT
 from charllm.probes.core import procid
-from charllm.probes.core.errors import disk_full_on, is_disk_full, mount_point, os_error_line
+from charllm.probes.core.errors import UserError, disk_full_on, is_disk_full, mount_point, os_error_line
 from charllm.probes.store.rundir import Reserve, RunDir
 
 
@@ -78,7 +78,14 @@ class Supervisor:
         self.reserve = Reserve(rd.path, RESERVE_BYTES)
 
     def record_final(self, **fields) -> None:
-        """Write the final status; on a full disk, give back the reserve and say so."""
+        """Write the final status (and what the profiler window recorded and cost, in `profile`);
+        on a full disk, give back the reserve and say so."""
+        try:
+            planned = self.rd.read_manifest().get("profile")
+            if isinstance(planned, dict):
+                fields["profile"] = {**planned, **self.rd.profile_account()}
+        except (UserError, OSError):   # a damaged manifest or log: the status still gets written
+            pass
         try:
             self.rd.update_manifest(**fields)
         except OSError as exc:
@@ -130,12 +137,21 @@ class Supervisor:
         for p in started:
             if p.reader:
                 p.reader.join(timeout=10)
+        self.bring_home()
         exits = {f"{p.step.role}@{p.step.node}": p.poll() for p in started}
         if self.cancel_requested:
             status, failure = "cancelled", None
         self.record_final(status=status, failure=failure, ended_ns=time.time_ns(), exit_codes=exits,
                           runtime=self.rd.runtime())
         return status
+
+    def bring_home(self) -> None:
+        """Copy what the nodes wrote beside the streams (profiler traces) into the run directory;
+        a node that cannot give them costs only its own, said in this log."""
+        try:
+            self.target.bring_home(self.rd)
+        except Exception as exc:  # noqa: BLE001 - the run has ended; its account must still be written
+            print(f"run {self.rd.id}: files not brought home: {exc}", flush=True)
 
     def watch_samplers(self, helpers: list[Proc]) -> None:
         """Record a sampler that ended while training runs: the run goes on, its telemetry is lost."""

@@ -149,6 +149,10 @@ class Target(ABC):
         Here the supervisor owns the steps' processes, run on this machine (process.Proc)."""
         return supervisor.own_steps(Proc)
 
+    def bring_home(self, rd) -> None:
+        """After the run: copy into the run directory what the nodes wrote there besides the streams
+        (the profiler's traces/); nothing to do where the nodes write into it themselves."""
+
     @abstractmethod
     def run_doctor(self, doctor, nodes: int | None) -> list:
         """Run `charllm-tui doctor` on the target's nodes: `doctor` (engine/doctor.py, above this

@@ -514,6 +514,14 @@ class Telemetry:
                            help="where telemetry comes from (replay:RUN replays a recorded run)")
     hz: float = setting(DEFAULT_HZ, flag=None, above=0, maximum=MAX_HZ,   # what the sampler accepts
                        help="telemetry samples per second (Hz)")
+    # Megatron-LM profiles a range (--profile-step-start/end); charllm names the steps, checked by
+    # engine.model.validate against train_iters (engine.model.profiling says what they cost)
+    profile_steps: list[int] | None = setting(
+        None, flag=None, help="steps (1-based) whose PyTorch profiler trace (Kineto JSON) goes into the run's "
+                              "traces/; unset: none")
+    profile_scope: str = setting("stage", flag=None, choices=("stage", "all"),
+                                 help="which ranks record the profiled steps: the first rank of each pipeline "
+                                      "stage, or every rank")
 
 SECTIONS: dict[str, type] = {
     "model": ModelSpec,

@@ -28,8 +28,8 @@ def _is_list(section: str, name: str) -> bool:
 # problems are listed. The telemetry backend is checked on its own: its last choice is a pattern, replay:RUN.
 CHOICES: dict[str, tuple[str, tuple]] = {
     name: (section, options) for section, name, options in declared("choices", ("model", "parallel", "training",
-                                                                                 "hardware"))
-    if not _is_list(section, name)
+                                                                                 "hardware", "telemetry"))
+    if not _is_list(section, name) and name != "backend"
 }
 ITEM_CHOICES: dict[str, tuple[str, tuple]] = {       # lists whose every item is one of the choices
     name: (section, options) for section, name, options in declared("choices") if _is_list(section, name)
@@ -90,7 +90,7 @@ def rule_problems(exp: Experiment) -> list[Problem]:
     its base's values once, then the rules for each layout)."""
     problems = []
     for rules in (_layout, _model, _pipeline, _batch, _experts, _sequence, _precision, _recompute,
-                  _offloading, _optimizer):
+                  _offloading, _optimizer, _profiling):
         problems.extend(rules(exp))
     return problems
 
@@ -469,4 +469,17 @@ def _optimizer(exp: Experiment) -> list[Problem]:
                                "use_distributed_optimizer=true"))
     if t.optimizer == "muon" and (p.use_distributed_optimizer or p.use_megatron_fsdp or p.use_torch_fsdp2):
         out.append(Problem("optimizer", "muon", "does not support the distributed optimizer or FSDP"))
+    return out
+
+
+def _profiling(exp: Experiment) -> list[Problem]:
+    """The profiler window (engine.model.profiling): steps the run has, each once."""
+    steps, iters = exp.telemetry.profile_steps or [], exp.training.train_iters
+    out = []
+    outside = [s for s in steps if not 1 <= s <= iters]
+    if outside:
+        out.append(Problem("profile_steps", steps, f"step {outside[0]} is not one of the run's steps "
+                                                   f"(1 to train_iters = {iters})"))
+    elif len(set(steps)) < len(steps):
+        out.append(Problem("profile_steps", steps, "a step is listed twice"))
     return out

@@ -5,7 +5,8 @@
 Reads RUN_DIR/experiment.toml, trains `training.train_iters` steps of a GPT (dense or MoE: GPTModel,
 or HybridModel where megatron-core prefers it, see `model_builder`) with Megatron's DDP, optimizer
 and pipeline schedules, on synthetic tokens or a Megatron indexed dataset (`training.data_path`),
-and appends the iteration log RUN_DIR/iterations.jsonl (rank 0 and the last rank). With CUDA it
+and appends the iteration log RUN_DIR/iterations.jsonl (rank 0 and the last rank; rank 0's line
+carries every rank's step timers, `timers`). With CUDA it
 runs on GPUs with NCCL, built the way `engine.model.runtime` resolves the experiment on this node
 (Transformer Engine where it imports, else megatron-core's local layers with SDPA attention);
 without, on CPU with gloo through `cpu_compat`. It follows Megatron-LM's training.py, arguments.py
@@ -13,6 +14,9 @@ and initialize.py; where it departs, a comment says why.
 
 Exit status: 0 completed, CANCELLED_EXIT (143) after SIGTERM (the current iteration finishes
 first, on every rank), 2 for an experiment this workload cannot run, 1 for any other failure.
+
+For tests only: CHARLLM_TEST_ONLY_SLOW_RANK=RANK:SECONDS makes that global rank sleep SECONDS in each
+micro-batch's forward step (a straggler on purpose); nothing else reads it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.flops import flops_per_iteration
 from charllm.engine.model.validate import check
 from charllm.engine.workload import CANCELLED_EXIT, TORCHRUN_MODULE, model_builder
+from charllm.engine.workload.profiler import ProfileWindow
+from charllm.engine.workload.timers import FIELDS as TIMER_FIELDS, StepTimers
 from charllm.probes.core.errors import UserError, plural
 
 
@@ -56,11 +62,12 @@ class IterationLog:
         os.write(self.fd, (json.dumps(record) + "\n").encode())
 
     def iteration(self, iteration, start_ns, end_ns, loss, grad_norm, samples, tokens,
-                  mem_peak_bytes, mem_reserved_bytes, tflops_per_gpu, warmup) -> None:
+                  mem_peak_bytes, mem_reserved_bytes, tflops_per_gpu, warmup, profiled, timers) -> None:
         # Exactly probes.store.schema.ITERATION_FIELDS.
         self.write("iteration", iteration=iteration, start_ns=start_ns, end_ns=end_ns, loss=loss,
                    grad_norm=grad_norm, samples=samples, tokens=tokens, mem_peak_bytes=mem_peak_bytes,
-                   mem_reserved_bytes=mem_reserved_bytes, tflops_per_gpu=tflops_per_gpu, warmup=warmup)
+                   mem_reserved_bytes=mem_reserved_bytes, tflops_per_gpu=tflops_per_gpu, warmup=warmup,
+                   profiled=profiled, timers=timers)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -312,9 +319,12 @@ def indexed_batches(exp, dp_rank: int, dp_size: int):
     return batches()
 
 
-def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int, check_nan: bool):
+def forward_step(data_iterator, model, *, seq: int, cp_rank: int, cp_size: int, check_nan: bool,
+                 slow_s: float = 0.0):
     import torch
 
+    if slow_s:
+        time.sleep(slow_s)   # CHARLLM_TEST_ONLY_SLOW_RANK: a straggler for the tests
     batch = next(data_iterator)
     if cp_size > 1:
         batch = {k: slice_for_context_parallel(v, cp_rank, cp_size) for k, v in batch.items()}
@@ -349,6 +359,19 @@ def loss_func(loss_mask, output_tensor, *, check_nan: bool = False):
             rerun.validate_result(result=loss, rejection_func=reject, tolerance=0.0, fatal=True,
                                   message=f"found {what} in local forward loss calculation")
     return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
+
+
+SLOW_RANK_ENV = "CHARLLM_TEST_ONLY_SLOW_RANK"
+
+
+def test_only_slowdown(rank: int) -> float:
+    """Seconds this rank sleeps per micro-batch: CHARLLM_TEST_ONLY_SLOW_RANK=RANK:SECONDS (tests only)."""
+    value = os.environ.get(SLOW_RANK_ENV, "")
+    who, _, seconds = value.partition(":")
+    try:
+        return float(seconds) if who.strip() and int(who) == rank else 0.0
+    except ValueError:
+        raise UserError(f"{SLOW_RANK_ENV} = {value!r}: expected RANK:SECONDS") from None
 
 
 def slice_for_context_parallel(tensor, cp_rank: int, cp_size: int):
@@ -467,7 +490,10 @@ class Trainer:
         self.data = one(data)
         self.forward_step = partial(forward_step, seq=exp.seq_length, cp_rank=ps.get_context_parallel_rank(),
                                     cp_size=ps.get_context_parallel_world_size(),
-                                    check_nan=checks_for_nan(exp))
+                                    check_nan=checks_for_nan(exp),
+                                    slow_s=test_only_slowdown(torch.distributed.get_rank()))
+        # Megatron's timers, as its schedules, P2P and gradient finalization call them (timers.py)
+        self.timers = config.timers = StepTimers(cuda)
         self.forward_backward = get_forward_backward_func()
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
@@ -507,7 +533,9 @@ class Trainer:
             micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
+        self.timers("optimizer").start()
         updated, grad_norm, _ = self.optimizer.step()
+        self.timers("optimizer").stop()
         grad_norm = float(grad_norm) if grad_norm is not None else None   # None: fp16 skipped the step
         if updated and self.param_sync_held:
             self.resume_param_sync()
@@ -533,25 +561,38 @@ class Trainer:
             for chunk in self.model:
                 chunk.disable_forward_pre_hook()
 
-    def agree(self, stop_requested: bool, loss: float | None) -> tuple[bool, float, list[tuple]]:
+    def agree(self, stop_requested: bool, loss: float | None,
+              timings: dict[str, float] | None = None) -> tuple[bool, float, list[tuple], dict[str, list]]:
         """One all-gather per iteration: did any rank get SIGTERM (so all leave the loop after the
         same step and none waits in a collective), the last rank's loss for rank 0's progress
-        line, and every rank's memory: (pipeline stage, allocator peak, reserved peak, most
-        memory seen outside the allocator)."""
+        line, every rank's memory: (pipeline stage, allocator peak, reserved peak, most
+        memory seen outside the allocator), and every rank's step timers (`timings`, this rank's:
+        TIMER_FIELDS and step_s) as {field: [rank 0's, rank 1's, ...]}."""
         import torch
 
         allocated, reserved = memory_peaks(self.cuda)
         outside = self.device_memory.outside_allocator()
         nan = float("nan")
+        timed = [(timings or {}).get(name, nan) for name in (*TIMER_FIELDS, "step_s")]
         row = torch.tensor([float(stop_requested), loss if loss is not None else 0.0, float(self.pp_rank),
                             float(allocated), nan if reserved is None else float(reserved),
-                            nan if outside is None else float(outside)], dtype=torch.float64, device=self.device)
+                            nan if outside is None else float(outside), *timed], dtype=torch.float64, device=self.device)
         rows = [torch.empty_like(row) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(rows, row)
         table = torch.stack(rows).cpu().tolist()
         known = lambda x: None if x != x else int(x)   # noqa: E731 - NaN marks "not measured here"
         peaks = [(int(r[2]), int(r[3]), known(r[4]), known(r[5])) for r in table]
-        return any(r[0] for r in table), table[-1][1], peaks
+        per_rank = {name: [None if r[6 + i] != r[6 + i] else round(r[6 + i], 6) for r in table]
+                    for i, name in enumerate((*TIMER_FIELDS, "step_s"))}
+        return any(r[0] for r in table), table[-1][1], peaks, per_rank
+
+    def place(self) -> dict:
+        """Where this rank sits: its node, local rank and coordinates in the layout."""
+        from megatron.core import parallel_state as ps
+
+        return {"rank": torch_rank(), "node": node_name(), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                "pp_rank": self.pp_rank, "tp_rank": ps.get_tensor_model_parallel_rank(),
+                "cp_rank": ps.get_context_parallel_rank(), "dp_rank": self.dp_rank}
 
 
 def alloc_conf(inherited: str, expandable: bool) -> str:
@@ -562,13 +603,21 @@ def alloc_conf(inherited: str, expandable: bool) -> str:
     return ",".join([*options, f"expandable_segments:{expandable}"])
 
 
+def node_name() -> str:
+    """The same node name the sampler records telemetry under: the launcher's, Slurm's, the host's."""
+    return os.environ.get("CHARLLM_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def torch_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     exp = Experiment.load(run_dir / "experiment.toml")
-    rank = int(os.environ.get("RANK", "0"))
+    rank = torch_rank()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    # The same node name the sampler records telemetry under: the launcher's, Slurm's, the host's.
-    node = os.environ.get("CHARLLM_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node = node_name()
     log = IterationLog(run_dir / "iterations.jsonl" if rank in (0, world - 1) else None, rank, node)
     log_holder.append(log)
     check(exp)   # the layout rules, as one line, before a slow import or any collective
@@ -611,8 +660,16 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
 
     setup_started = time.monotonic()
     trainer = Trainer(exp, impl, cuda=cuda, local_rank=local_rank)
+    places = [None] * world   # every rank's node and coordinates: rank 0's start record names them
+    torch.distributed.all_gather_object(places, trainer.place())
+    tel = exp.telemetry
+    window = ProfileWindow(exp, run_dir, places[rank], cuda)
+    if window.steps:   # a rank that records logs its traces; one that logs no steps opens the log for them
+        window.log = log if log.fd is not None else IterationLog(run_dir / "iterations.jsonl", rank, node)
+        log_holder.append(window.log)
     if log.fd is not None:   # what ran, as the run directory, `runs show` and Live report it
         log.write("start", start_ns=time.time_ns(), world_size=world, layout=trainer.layout(), seed=trainer.seed,
+                  ranks=places if rank == 0 else None,
                   runtime={"implementation": impl.to_dict(), "model": trainer.builder.describe(exp),
                            # fp32 matmuls on TF32 tensor cores (torch's setting; Megatron-LM sets none):
                            # which peak MFU is against (engine.model.flops.peak_tflops)
@@ -628,8 +685,12 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     peaks: list[tuple] = []
     for iteration in range(1, t.train_iters + 1):
         start_ns = time.time_ns()
+        window.start(iteration)
         loss, grad_norm = trainer.step()
-        stop_all, last_loss, peaks = trainer.agree(stop.requested, loss)
+        stepped_ns = time.time_ns()
+        window.stop(iteration)   # the trace export is part of the profiled step's cost
+        timings = {**trainer.timers.read(), "step_s": (stepped_ns - start_ns) / 1e9}
+        stop_all, last_loss, peaks, per_rank = trainer.agree(stop.requested, loss, timings)
         if cuda:
             torch.cuda.synchronize()
         end_ns = time.time_ns()
@@ -640,6 +701,7 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
             samples=t.global_batch_size, tokens=t.global_batch_size * exp.seq_length,
             mem_peak_bytes=max(a for _, a, _, _ in peaks), mem_reserved_bytes=max(reserved) if reserved else None,
             tflops_per_gpu=flops / seconds / world / 1e12, warmup=iteration <= t.warmup_iters,
+            profiled=iteration in (tel.profile_steps or ()), timers=per_rank if rank == 0 else None,
         )
         if rank == 0:
             print(f"iter {iteration}/{t.train_iters} loss {last_loss:.4f} {seconds * 1e3:.0f} ms", flush=True)

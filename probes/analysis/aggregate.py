@@ -27,7 +27,8 @@ def aggregate_hosts(host: pl.DataFrame) -> pl.DataFrame:
     sums = ["cpu_energy_j", "dram_energy_j", "ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes"]
     return host.select(
         pl.col("host_duration_s").max(),
-        *(pl.col(c).mean() for c in ("cpu_util_mean_pct", "cpu_freq_mean_mhz", "temp_cpu_mean_c")),
+        *(pl.col(c).mean() for c in ("cpu_util_mean_pct", "cpu_iowait_mean_pct", "cpu_core_busiest_mean_pct",
+                                     "cpu_freq_mean_mhz", "temp_cpu_mean_c")),
         *(pl.col(c).max() for c in ("temp_cpu_peak_c", "host_mem_used_peak_bytes")),
         *(pl.when(pl.col(c).is_not_null().any()).then(pl.col(c).sum()).alias(c) for c in sums),
         pl.col("host_simulated").any(),
@@ -36,7 +37,7 @@ def aggregate_hosts(host: pl.DataFrame) -> pl.DataFrame:
 
 _SUM = ["energy_j", "nvlink_tx_bytes", "nvlink_rx_bytes", "pcie_tx_bytes", "pcie_rx_bytes",
         "spikes_over_mean_count", "spikes_over_limit_count", "samples", "gpus"]
-_MAX = ["power_peak_w", "power_p99_w", "power_max_rise_w_per_s", "temp_gpu_peak_c", "temp_mem_peak_c",
+_MAX = ["nvlink_tx_peak_bytes_s", "nvlink_rx_peak_bytes_s", "power_peak_w", "power_p99_w", "power_max_rise_w_per_s", "temp_gpu_peak_c", "temp_mem_peak_c",
         "time_above_temp_limit_s", "mem_used_peak_bytes", "spikes_over_mean_max_excess_w",
         "spikes_over_limit_max_excess_w", "duration_s", "power_limit_w", "max_sm_clock_mhz"]
 _MIN = ["sm_clock_min_mhz"]

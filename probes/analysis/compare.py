@@ -39,9 +39,9 @@ _NOT_METRICS = {"run", "level", "node", "device", "gpus", "simulated", "backend"
                 "lowest_power_gpu", "uuid", "temp_limit_c", "max_sm_clock_mhz", "power_limit_w"}
 
 _HIGHER_BETTER = ("samples_per_s", "tokens_per_s", "tflops_per_gpu", "mfu_pct", "efficiency_", "sm_clock_mean",
-                  "sm_clock_min", "util_gpu")
+                  "sm_clock_min", "util_gpu", "sm_active", "sm_occupancy", "tensor_active")
 _LOWER_BETTER = ("energy_", "cpu_energy", "dram_energy", "power_mean", "power_peak", "power_p99", "power_max_rise", "power_spread", "temp_",
-                 "time_above", "time_over", "throttle_", "below_max_clock", "spikes_", "iter_time_")
+                 "time_above", "time_over", "throttle_", "violation_", "below_max_clock", "spikes_", "iter_time_")
 
 
 # The table reads as a user asks: how fast and how efficient, then the GPUs' power and heat, then
@@ -50,7 +50,8 @@ _SECTIONS = (
     ("iterations", "iter_time_", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu_pct", "efficiency_",
      "energy_per_", "energy_j", "tokens_total"),
     ("power_", "spikes_", "time_over_", "temp_gpu", "temp_mem", "time_above", "sm_clock", "below_max_clock",
-     "throttle_", "util_", "mem_used", "nvlink_", "pcie_", "gpus"),
+     "throttle_", "violation_", "util_", "sm_active", "sm_occupancy", "tensor_active", "dram_bw", "mem_used",
+     "nvlink_", "pcie_", "gpus"),
     ("host_", "cpu_", "temp_cpu", "dram_", "ib_", "net_"),
 )
 

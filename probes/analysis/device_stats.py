@@ -12,7 +12,12 @@ Statistics follow the CharLLM-PPT paper where it defines them:
   `power_max_rise_w_per_s` is the largest rise of power within any one second.
 - NVLink bytes: counter deltas; a counter that goes down wrapped at 2**32 when the previous
   value fitted in 32 bits, else at 2**64. PCIe bytes: the byte rate integrated over time.
-- Host rows (device "host") give per-node CPU utilization and frequency, CPU temperature, host
+- Utilization counters (NVML GPM: SM activity and occupancy, tensor-core activity, DRAM
+  bandwidth, NVLink bandwidth): time-weighted means (and the NVLink bandwidth's peak), null on a
+  device without GPM. Violation time (power, thermal, sync boost): the counter's growth over the
+  window as a share of it.
+- Host rows (device "host") give per-node CPU utilization, iowait and the busiest core's use
+  (the mean over samples of each sample's most used core), CPU frequency and temperature, host
   memory, RAPL energy and network bytes.
 """
 
@@ -24,6 +29,8 @@ from charllm.probes.store.schema import THROTTLE_BITS, THROTTLE_PERF_MASK
 
 _NS = 1e9
 _MOD32 = 2**32
+UTILIZATION = ("sm_active", "sm_occupancy", "tensor_active", "dram_bw_util")   # the GPM percentages
+VIOLATIONS = ("power", "thermal", "sync_boost")
 
 
 def _next(value: pl.Expr) -> pl.Expr:
@@ -111,6 +118,11 @@ def gpu_stats(gpu: pl.DataFrame, names: pl.DataFrame, temp_limit: float, max_clo
         frac(pl.col("sm_clock_mhz") < clock_max, "sm_clock_mhz").alias("below_max_clock_frac"),
         *(frac((throttle & bit) != 0, "throttle_reasons").alias(name) for name, bit in bits.items()),
         tw_mean("util_gpu_pct").alias("util_gpu_mean_pct"), tw_mean("util_mem_pct").alias("util_mem_mean_pct"),
+        *(tw_mean(f"{c}_pct").alias(f"{c}_mean_pct") for c in UTILIZATION),
+        *(tw_mean(f"nvlink_{d}_bytes_s").alias(f"nvlink_{d}_mean_bytes_s") for d in ("tx", "rx")),
+        *(pl.col(f"nvlink_{d}_bytes_s").max().alias(f"nvlink_{d}_peak_bytes_s") for d in ("tx", "rx")),
+        *(known((pl.col(f"violation_{v}_ns").max() - pl.col(f"violation_{v}_ns").min()) / _NS / dt.sum(),
+                f"violation_{v}_ns").alias(f"violation_{v}_frac") for v in VIOLATIONS),
         pl.col("mem_used_bytes").max().alias("mem_used_peak_bytes"),
         *(known(pl.col(f"_nvlink_{d}").sum(), f"nvlink_{d}_bytes").alias(f"nvlink_{d}_bytes") for d in ("tx", "rx")),
         *(known((pl.col(f"pcie_{d}_bytes_s") * dt).sum(), f"pcie_{d}_bytes_s").alias(f"pcie_{d}_bytes")
@@ -215,10 +227,12 @@ def host_stats(host: pl.DataFrame, names: pl.DataFrame) -> pl.DataFrame:
     known = lambda value, c: pl.when(pl.col(c).is_not_null().any()).then(value)  # noqa: E731
     energy = ("cpu_energy_j", "dram_energy_j")
     # RAPL counters wrap at a CPU-specific range: a wrapped interval is left out, not guessed.
-    columns = {"dt_s": _dt(), **{f"_{c}_delta": _next(pl.col(c)) - pl.col(c) for c in energy}}
+    columns = {"dt_s": _dt(), **{f"_{c}_delta": _next(pl.col(c)) - pl.col(c) for c in energy},
+               "_core_busiest": pl.col("cpu_core_util_pct").list.max()}
     return names.join(_per_device(host, columns, [
         dt.sum().alias("host_duration_s"),
-        tw_mean("cpu_util_pct").alias("cpu_util_mean_pct"), tw_mean("cpu_freq_mhz").alias("cpu_freq_mean_mhz"),
+        tw_mean("cpu_util_pct").alias("cpu_util_mean_pct"), tw_mean("cpu_iowait_pct").alias("cpu_iowait_mean_pct"),
+        tw_mean("_core_busiest").alias("cpu_core_busiest_mean_pct"), tw_mean("cpu_freq_mhz").alias("cpu_freq_mean_mhz"),
         tw_mean("temp_cpu_c").alias("temp_cpu_mean_c"), pl.col("temp_cpu_c").max().alias("temp_cpu_peak_c"),
         pl.col("host_mem_used_bytes").max().alias("host_mem_used_peak_bytes"),
         *(known(_only(pl.col(f"_{c}_delta") >= 0, pl.col(f"_{c}_delta")).sum(), c).alias(c) for c in energy),

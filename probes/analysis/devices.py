@@ -19,6 +19,8 @@ GPU_COLUMNS = [
     "temp_gpu_c", "temp_mem_c", "sm_clock_mhz", "util_gpu_pct", "util_mem_pct", "mem_used_bytes",
     "power_limit_w", "throttle_reasons", "pcie_tx_bytes_s", "pcie_rx_bytes_s",
     "nvlink_tx_bytes", "nvlink_rx_bytes",
+    "sm_active_pct", "sm_occupancy_pct", "tensor_active_pct", "dram_bw_util_pct", "nvlink_tx_bytes_s",
+    "nvlink_rx_bytes_s", "violation_power_ns", "violation_thermal_ns", "violation_sync_boost_ns",
 ]
 
 
@@ -27,7 +29,7 @@ GPU_LABELS = {"uuid": pl.col("uuid").first(), "backend": pl.col("backend").first
               "simulated": pl.col("simulated").any()}
 
 HOST_COLUMNS = [
-    "ts_ns", "node", "device", "simulated", "cpu_util_pct", "cpu_freq_mhz", "temp_cpu_c", "host_mem_used_bytes",
+    "ts_ns", "node", "device", "simulated", "cpu_util_pct", "cpu_iowait_pct", "cpu_core_util_pct", "cpu_freq_mhz", "temp_cpu_c", "host_mem_used_bytes",
     "cpu_energy_j", "dram_energy_j", "ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes",
 ]
 

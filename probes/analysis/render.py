@@ -18,7 +18,7 @@ from charllm.probes.core.formatting import binary_scale
 # Units of the summary's figures, by how their column names end (longest first); each figure is
 # shown with its unit at about four significant digits.
 _UNITS = (("_samples_per_s_mj", "samples/(s·MJ)"), ("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"),
-          ("tflops_per_gpu", "TFLOP/s"), ("_w_per_s", "W/s"), ("_bytes", "B"), ("_frac", "%"), ("_pct", "%"),
+          ("tflops_per_gpu", "TFLOP/s"), ("_w_per_s", "W/s"), ("_bytes_s", "B/s"), ("_bytes", "B"), ("_frac", "%"), ("_pct", "%"),
           ("_mhz", "MHz"), ("_w", "W"), ("_c", "°C"), ("_j", "J"), ("_s", "s"))
 _COUNTS = ("iterations", "samples", "gpus", "tokens_total")
 _PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "µ"))
@@ -39,8 +39,9 @@ def format_figure(metric: str, value) -> str:
     unit = next((u for suffix, u in _UNITS if metric.endswith(suffix)), "")
     if unit == "%" and metric.endswith("_frac"):
         value *= 100
-    if unit == "B":
-        value, unit = binary_scale(value)
+    if unit in ("B", "B/s"):
+        value, scaled = binary_scale(value)
+        unit = scaled + unit[1:]
     elif unit in ("J", "s") and value and not (unit == "s" and abs(value) >= 1):
         scale, prefix = next(((s, p) for s, p in _PREFIXES if abs(value) >= s), _PREFIXES[-1])
         value, unit = value / scale, prefix + unit
@@ -54,7 +55,7 @@ def format_figure(metric: str, value) -> str:
 # Words of metric names, as a reader says them (metric_label).
 _WORDS = {"iter": "iteration", "temp": "temperature", "gpu": "GPU", "cpu": "CPU", "mem": "memory", "util": "utilization",
           "sm": "SM", "mfu": "MFU", "freq": "frequency", "nvlink": "NVLink", "pcie": "PCIe", "ib": "InfiniBand",
-          "net": "network", "dram": "DRAM", "tx": "sent", "rx": "received", "hw": "HW", "sw": "SW",
+          "net": "network", "dram": "DRAM", "bw": "bandwidth", "iowait": "I/O wait", "tx": "sent", "rx": "received", "hw": "HW", "sw": "SW",
           "app": "application", "perf": "power or heat", "p50": "median", "avg": "average"}
 _STATISTICS = ("mean", "peak", "median", "p99", "min", "spread", "total", "count")
 _MEASURED = ("temperature", "utilization")       # temp_gpu -> GPU temperature
@@ -80,6 +81,8 @@ def metric_label(metric: str) -> str:
     statistic = words.pop() if len(words) > 1 and words[-1] in _STATISTICS and words[-2] != "over" else None
     if words[0] == "throttle":
         return "throttled: " + " ".join(words[1:])
+    if words[0] == "violation":   # the driver's violation-time counters
+        return "clocks held down: " + " ".join(words[1:])
     return " ".join(words) + (f", {statistic}" if statistic else "")
 
 
@@ -94,16 +97,17 @@ def _four_digits(value: float) -> str:
     return f"{value:.{min(decimals, 6)}f}"
 
 
-def render(df: pl.DataFrame, fmt: str) -> str:
-    """A summary (or any tidy frame) as text: table | markdown | csv | json."""
+def render(df: pl.DataFrame, fmt: str, labels: list[str] | None = None) -> str:
+    """A summary (or any tidy frame) as text: table | markdown | csv | json. The table forms name
+    each row's column by its node and device (a summary's rows), or by `labels` when given."""
     if fmt == "csv":
         return df.write_csv()
     if fmt == "json":
         return df.write_json()
     if fmt == "markdown":
-        return text_table(_long(df), markdown=True)
+        return text_table(_long(df, labels), markdown=True)
     if fmt == "table":
-        return _terminal_table(_long(df))
+        return _terminal_table(_long(df, labels))
     raise UserError(f"format {fmt!r}: expected one of table, markdown, csv, json (parquet needs --out FILE)")
 
 
@@ -124,10 +128,10 @@ def write_summary(df: pl.DataFrame, target: str | os.PathLike, fmt: str | None =
     return None
 
 
-def _long(df: pl.DataFrame) -> pl.DataFrame:
-    """Metrics as rows, one column per GPU / node / run: readable however many metrics."""
-    names = []
-    for row in df.iter_rows(named=True):
+def _long(df: pl.DataFrame, labels: list[str] | None = None) -> pl.DataFrame:
+    """Metrics as rows, one column per GPU / node / run (or per `labels`): readable however many metrics."""
+    names = list(labels or [])
+    for row in df.iter_rows(named=True) if labels is None else ():
         parts = [row.get("run")] if row.get("level") == "run" or "level" not in df.columns else []
         parts += [row.get(k) for k in ("node", "device") if row.get(k)]
         names.append("/".join(str(p) for p in parts if p) or str(row.get("run", "value")))

@@ -21,8 +21,21 @@ def inventory(backends: list[Backend]) -> list[dict]:
         backend.sample()
         for dev in backend.devices():
             out.append({"device": dev.label, "backend": backend.name, "simulated": backend.simulated,
-                        "name": dev.name, "uuid": dev.uuid, "metrics": backend.supported_metrics(dev)})
+                        "name": dev.name, "uuid": dev.uuid, "metrics": backend.supported_metrics(dev),
+                        "not_supported": [m for m in backend.metrics if m in dev.unsupported]})
     return out
+
+
+def not_supported(backends: list[Backend]) -> str:
+    """What the devices cannot report, said once: "gpu0, gpu1: sm_active_pct, ...; host: temp_cpu_c"
+    (devices that lack the same metrics share a line); "" when every device reports everything."""
+    lacking: dict[tuple[str, ...], list[str]] = {}
+    for backend in backends:
+        for dev in backend.devices():
+            missing = tuple(m for m in backend.metrics if m in dev.unsupported)
+            if missing:
+                lacking.setdefault(missing, []).append(dev.label)
+    return "; ".join(f"{', '.join(devices)}: {' '.join(metrics)}" for metrics, devices in lacking.items())
 
 
 def open_backend(name: str, **kw) -> Backend:

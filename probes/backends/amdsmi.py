@@ -3,6 +3,13 @@
 `import amdsmi` without the library prints two lines to stdout and raises KeyError; inside a
 running TUI that print would corrupt the screen, so the import runs with file descriptor 1
 pointed at /dev/null, and any exception means "unavailable".
+
+What AMD SMI has of NVML's newer counters: violation time from `amdsmi_get_violation_status`
+(MI300 and newer) and XGMI link bytes from `amdsmi_get_gpu_metrics_info` (in the NVLink columns).
+AMD SMI counts violations as ticks of its firmware's own counter (acc_counter): each interval's
+share of violating ticks times the interval's length is added up into nanoseconds since the probe
+started, so the columns read as NVML's counters do. It has no SM occupancy, tensor-core activity,
+DRAM bandwidth or sync-boost counter: those stay null.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ VIOLATION_BITS = {
     "active_hbm_thrm": THROTTLE_BITS["hw_thermal"],
     "active_vr_thrm": THROTTLE_BITS["hw_slowdown"],
 }
+# The accumulated violation counters that stand for NVML's power and thermal violation time.
+VIOLATION_COUNTERS = (("violation_power_ns", "acc_ppt_pwr"), ("violation_thermal_ns", "acc_socket_thrm"))
+XGMI_KIB = 1024   # gpu_metrics' xgmi_*_data_acc count kilobytes (amdgpu's kgd_pp_interface.h)
 
 
 @contextlib.contextmanager
@@ -57,7 +67,8 @@ class AmdSmiBackend(Backend):
     name = "amdsmi"
     metrics = ("power_w", "power_avg_w", "energy_j", "temp_gpu_c", "temp_hotspot_c", "temp_mem_c",
                "sm_clock_mhz", "mem_clock_mhz", "util_gpu_pct", "util_mem_pct", "mem_used_bytes",
-               "mem_total_bytes", "power_limit_w", "throttle_reasons")
+               "mem_total_bytes", "power_limit_w", "throttle_reasons", "violation_power_ns",
+               "violation_thermal_ns", "nvlink_tx_bytes", "nvlink_rx_bytes")
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,6 +90,7 @@ class AmdSmiBackend(Backend):
             raise BackendUnavailable("AMD SMI found no GPUs")
         codes = {getattr(smi.amdsmi_wrapper, n) for n in ("AMDSMI_STATUS_NOT_SUPPORTED", "AMDSMI_STATUS_NOT_YET_IMPLEMENTED")}
         self._not_supported_codes = codes
+        self._violations = {d.label: Violations() for d in self._devices}
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -143,7 +155,11 @@ class AmdSmiBackend(Backend):
             for key, bit in VIOLATION_BITS.items():
                 if status.get(key) is True:
                     bits |= bit
-            return (bits,)
+            return (bits, *self._violations[dev.label].add(status))
+
+        def xgmi():
+            m = smi.amdsmi_get_gpu_metrics_info(h)
+            return tuple(_link_bytes(m.get(key)) for key in ("xgmi_write_data_acc", "xgmi_read_data_acc"))
 
         call = self._call
         call(dev, row, ("power_w", "power_avg_w"), power)
@@ -156,9 +172,45 @@ class AmdSmiBackend(Backend):
         call(dev, row, ("util_gpu_pct", "util_mem_pct"), activity)
         call(dev, row, ("mem_used_bytes", "mem_total_bytes"), vram)
         call(dev, row, ("power_limit_w",), cap)
-        call(dev, row, ("throttle_reasons",), throttle)
+        call(dev, row, ("throttle_reasons", "violation_power_ns", "violation_thermal_ns"), throttle)
+        call(dev, row, ("nvlink_tx_bytes", "nvlink_rx_bytes"), xgmi)
         row["errors"] = dev.errors
         return row
+
+
+class Violations:
+    """One GCD's violation time, in nanoseconds since the first reading, from AMD SMI's counters."""
+
+    def __init__(self) -> None:
+        self.last: dict | None = None
+        self.totals = {column: 0 for column, _ in VIOLATION_COUNTERS}
+
+    def add(self, status: dict) -> tuple[int | None, ...]:
+        """The totals after this reading; None for a counter the GCD does not have ("N/A")."""
+        now = {key: status.get(key) for key in ("reference_timestamp", "acc_counter", *(k for _, k in VIOLATION_COUNTERS))}
+        if not all(isinstance(now[key], int) for key in ("reference_timestamp", "acc_counter")):
+            return (None,) * len(VIOLATION_COUNTERS)
+        last, self.last = self.last, now
+        out = []
+        for column, key in VIOLATION_COUNTERS:
+            if not isinstance(now[key], int):
+                out.append(None)
+                continue
+            if last is not None and isinstance(last.get(key), int):
+                ticks = now["acc_counter"] - last["acc_counter"]
+                elapsed_ns = (now["reference_timestamp"] - last["reference_timestamp"]) * 1000   # µs
+                if ticks > 0 and elapsed_ns > 0:   # a reset counter starts over: that interval is left out
+                    self.totals[column] += round(elapsed_ns * min(1.0, max(0, now[key] - last[key]) / ticks))
+            out.append(self.totals[column])
+        return tuple(out)
+
+
+def _link_bytes(links) -> int | None:
+    """All XGMI links' accumulated kilobytes as bytes; None where the GCD reports none."""
+    if not isinstance(links, list):
+        return None
+    known = [v for v in links if isinstance(v, int) and not isinstance(v, bool)]
+    return sum(known) * XGMI_KIB if known else None
 
 
 def _num(value) -> float | None:

@@ -3,6 +3,9 @@
 What the CharLLM-PPT artifact scraped from node_exporter, read directly: psutil for CPU, memory,
 sensors and NICs; sysfs for RAPL (`/sys/class/powercap/intel-rapl*`, root-only on recent
 kernels) and InfiniBand port counters (`/sys/class/infiniband/*/ports/*/counters`).
+
+CPU use comes from one read of every core's times per sample (`CoreTimes`): each core's
+utilization, the whole CPU's (their mean) and iowait, counted as psutil counts them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,49 @@ from charllm.probes.backends.base import DEFAULT_HZ, Backend, Device, hostname
 POWERCAP = "/sys/class/powercap"
 INFINIBAND = "/sys/class/infiniband"
 CPU_SENSORS = ("coretemp", "k10temp", "zenpower", "cpu_thermal", "cpu-thermal", "acpitz")
+
+
+class CoreTimes:
+    """Each core's CPU times, read once per sample; utilization and iowait since the last read.
+
+    As psutil.cpu_percent counts on Linux: a core's total time leaves out guest time (already in
+    user time), and busy time is the total less idle and iowait. iowait is its share of all cores'
+    total time."""
+
+    def __init__(self) -> None:
+        self.last = self._read()
+        self.values: tuple = (None, None, None)
+
+    @staticmethod
+    def _read() -> list[tuple[float, float, float]]:
+        """(total, idle, iowait) seconds of each core."""
+        out = []
+        for t in psutil.cpu_times(percpu=True):
+            total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+            out.append((total, t.idle, getattr(t, "iowait", 0.0)))
+        return out
+
+    def sample(self) -> tuple[float | None, float | None, list[float | None] | None]:
+        """(utilization of all cores, iowait, each core's utilization) in % since the last reading;
+        when no time has passed (two calls within one clock tick) the previous figures, Nones
+        before there are any (never a 0 that was not measured)."""
+        now = self._read()
+        if sum(t for t, _, _ in now) <= sum(t for t, _, _ in self.last):
+            return self.values
+        cores, spent, waited = [], 0.0, 0.0
+        for (total, idle, iowait), (total0, idle0, iowait0) in zip(now, self.last):
+            dt = total - total0
+            if dt <= 0:
+                cores.append(None)
+                continue
+            busy = dt - max(0.0, idle - idle0) - max(0.0, iowait - iowait0)
+            cores.append(min(100.0, max(0.0, 100.0 * busy / dt)))
+            spent += dt
+            waited += max(0.0, iowait - iowait0)
+        self.last = now
+        known = [c for c in cores if c is not None]
+        self.values = (sum(known) / len(known), 100.0 * waited / spent, cores)
+        return self.values
 
 
 @dataclass
@@ -76,7 +122,7 @@ class HostBackend(Backend):
     name = "host"
     max_hz = DEFAULT_HZ   # faster costs a core's ~0.6 % per 20 Hz for counters that change slowly
     max_hz_why = "psutil reads /proc and /sys, ~0.3 ms a sample, and host counters change slowly"
-    metrics = ("cpu_util_pct", "cpu_freq_mhz", "host_mem_used_bytes", "host_mem_total_bytes",
+    metrics = ("cpu_util_pct", "cpu_iowait_pct", "cpu_core_util_pct", "cpu_freq_mhz", "host_mem_used_bytes", "host_mem_total_bytes",
                "cpu_energy_j", "dram_energy_j", "temp_cpu_c", "ib_tx_bytes", "ib_rx_bytes",
                "net_tx_bytes", "net_rx_bytes")
 
@@ -99,13 +145,17 @@ class HostBackend(Backend):
             unsupported.add("cpu_freq_mhz")
         if not hasattr(psutil, "sensors_temperatures") or not psutil.sensors_temperatures():
             unsupported.add("temp_cpu_c")
-        psutil.cpu_percent(interval=None)  # the first call only sets the reference point
+        if not hasattr(psutil.cpu_times(), "iowait"):   # Linux only
+            unsupported.add("cpu_iowait_pct")
+        self._cores = CoreTimes()   # the first read only sets the reference point
 
     def sample(self) -> list[dict]:
         dev, row = self.device, self._row(self.device)
         errors = (OSError, ValueError, RuntimeError)
         read = self._read
-        read(dev, row, ("cpu_util_pct",), lambda: (psutil.cpu_percent(interval=None),), (), errors)
+        read(dev, row, ("cpu_util_pct", "cpu_iowait_pct", "cpu_core_util_pct"), self._cores.sample, (), errors)
+        if "cpu_iowait_pct" in dev.unsupported:
+            row.pop("cpu_iowait_pct", None)
         read(dev, row, ("cpu_freq_mhz",), lambda: (psutil.cpu_freq().current,), (), errors)
 
         def memory():

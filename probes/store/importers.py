@@ -27,6 +27,11 @@ cannot tell us is listed in the manifest (`limitations`) and in LIMITATIONS belo
 
 A results tree (the artifact's `results/<sweep>/<model>/<run>/`) is imported one run per folder
 that holds such files (`import_charllm_ppt_tree`), named after its path under the tree.
+
+The artifact's profiler traces come along: NeMo writes them (one Kineto JSON per pipeline stage,
+`rank-<global rank>.json`, on each stage's first rank) into `<SLURM job id>_kineto/`; the folder's
+newest such directory (the highest job id, as the artifact's figure_10_parse.py picks it) is copied
+into the run's traces/, where `summarize --kernels` reads them (probes.analysis.kernels).
 """
 
 from __future__ import annotations
@@ -44,8 +49,8 @@ from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.recorder import write_parquet
 from charllm.probes.core.files import is_regular, open_regular
-from charllm.probes.store.rundir import (RunDir, check_run_id, new_run_id, remove_abandoned_staging, staging_dir,
-                                         unique_run_dir)
+from charllm.probes.store.rundir import (TRACES, RunDir, check_run_id, new_run_id, remove_abandoned_staging,
+                                         staging_dir, unique_run_dir)
 from charllm.probes.store.schema import conform
 
 FORMAT = "charllm-ppt"
@@ -151,6 +156,7 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
                     done += 1
                     if on_progress:
                         on_progress(done, len(gpu_files))
+        traces = _copy_traces(src, run.path / TRACES)
         if first is None:
             raise UserError(f"charllm-ppt directory {str(src)!r}: its CSV files hold no samples"
                             + (f" that could be kept ({rejection_note(rejected)})" if rejected else ""))
@@ -164,7 +170,8 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
             "imported_at": time.time(),
             "imported_from": {"format": FORMAT, "path": str(src.resolve()), "ranks": sorted(gpu_files),
                               "gpus_per_node": gpus_per_node,
-                              "files": sum(len(f) for f in gpu_files.values()) + sum(len(f) for f in sys_files.values())},
+                              "files": sum(len(f) for f in gpu_files.values()) + sum(len(f) for f in sys_files.values()),
+                              "traces": traces},
             "limitations": LIMITATIONS,
             "rejected_rows": {file: count for file, (count, _) in sorted(rejected.items())},
             "notes": [rejection_note(rejected)] if rejected else [],
@@ -180,6 +187,27 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return run
+
+
+_KINETO = re.compile(r"^(\d+)_kineto$")
+_KINETO_TRACE = re.compile(r"^rank-\d+\.json(\.gz)?$")
+
+
+def _copy_traces(src: Path, dest: Path) -> list[str]:
+    """The newest `<job>_kineto/rank-R.json` traces of a result folder, copied into `dest`; their names."""
+    jobs = sorted((int(m[1]), d) for d in src.iterdir() if (m := _KINETO.match(d.name)) and d.is_dir()
+                  and not d.is_symlink())
+    if not jobs:
+        return []
+    folder = jobs[-1][1]
+    names = sorted(f.name for f in folder.iterdir() if _KINETO_TRACE.match(f.name) and is_regular(f)
+                   and not f.is_symlink())
+    if names:
+        dest.mkdir(exist_ok=True)
+    for name in names:
+        with open_regular(folder / name, "trace") as fh, open(dest / name, "wb") as out:
+            shutil.copyfileobj(fh, out)
+    return [f"{folder.name}/{name}" for name in names]
 
 
 def _rename_into_place(tmp: Path, base: Path) -> Path:

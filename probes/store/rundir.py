@@ -8,6 +8,8 @@
         telemetry/<node>/    Arrow IPC chunks, NNNNNN.arrow, one sampler per node; compacted
                              Parquet files NNNNNN-MMMMMM.parquet hold chunks NNNNNN..MMMMMM
                              (finished telemetry: recorder.write_parquet; imports write it too)
+        traces/              PyTorch profiler traces (Kineto JSON) of the profiled steps, one per
+                             rank and step (engine.model.profiling; imports copy the artifact's)
 
 A run can be watched live, replayed, summarised and compared from any process, after a crash
 too: nothing important lives only in memory.
@@ -32,6 +34,7 @@ from charllm.probes.core.files import is_regular, open_regular, read_bounded
 from charllm.probes.core.formatting import clock
 
 STATUSES = ("pending", "running", "completed", "failed", "cancelled")
+TRACES = "traces"   # the run's profiler traces
 MAX_MANIFEST_BYTES = 16 * 2**20   # a manifest is a few KiB (commands, process records)
 FINAL_STATUSES = ("completed", "failed", "cancelled")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -314,6 +317,10 @@ class RunDir:
     def telemetry_dir(self) -> Path:
         return self.path / "telemetry"
 
+    @property
+    def traces_dir(self) -> Path:
+        return self.path / TRACES
+
     def node_telemetry_dir(self, node: str) -> Path:
         return self.telemetry_dir / node
 
@@ -502,7 +509,7 @@ class RunDir:
     def read_steps(self):
         """One row per training step: the lines its ranks logged (rank 0 and the last rank both
         log each step) merged, from the first start to the last end; a step without both times is
-        left out."""
+        left out. `profiled` says a rank recorded a profiler trace of it."""
         import polars as pl  # deferred: loads polars (start-up time)
 
         log = self.read_iterations().filter(pl.col("event") == "iteration")
@@ -512,10 +519,34 @@ class RunDir:
                 pl.col("start_ns").min(), pl.col("end_ns").max(),
                 pl.col("samples").drop_nulls().first(), pl.col("tokens").drop_nulls().first(),
                 pl.col("tflops_per_gpu").drop_nulls().first(), pl.col("warmup").fill_null(False).any(),
+                pl.col("profiled").fill_null(False).any(),
             )
             .drop_nulls(["start_ns", "end_ns"])
             .sort("iteration")
         )
+
+    def rank_steps(self):
+        """Every rank's step timers, one row per step and rank (see `rank_rows`); empty for a run
+        whose workload logged no timers."""
+        return rank_rows(self.iteration_records())
+
+    def profile_account(self) -> dict:
+        """What the profiler window recorded and cost, from the iteration log: the traces written
+        (the workload's "profile" lines), their bytes, and the profiled steps' mean time against the
+        median of the other steady steps."""
+        import statistics
+
+        traces = [r for r in self.iteration_records() if isinstance(r, dict) and r.get("event") == "profile"]
+        steps = self.read_steps()
+        seconds = ((steps["end_ns"] - steps["start_ns"]) / 1e9).to_list()
+        profiled = [s for s, p in zip(seconds, steps["profiled"]) if p]
+        others = [s for s, p, w in zip(seconds, steps["profiled"], steps["warmup"]) if not p and not w]
+        out = {"traces": len(traces), "bytes": sum(r["bytes"] for r in traces if isinstance(r.get("bytes"), int)),
+               "profiled_step_s": round(statistics.fmean(profiled), 6) if profiled else None,
+               "other_step_s": round(statistics.median(others), 6) if others else None}
+        if out["profiled_step_s"] and out["other_step_s"]:
+            out["slowdown"] = round(out["profiled_step_s"] / out["other_step_s"], 3)
+        return out
 
     def end_events(self) -> list[dict]:
         """The workload's end records (each carries its status: completed, cancelled, failed)."""
@@ -559,13 +590,51 @@ class Reserve:
         self.path.unlink(missing_ok=True)
 
 
+def rank_rows(records):
+    """Every rank's step timers from iteration-log records (a run's file, or the lines a follower
+    has seen), one row per step and rank: rank 0's `timers` (schema.RANK_TIMERS), with the step's
+    start and end, warm-up and profiled marks, and where the rank ran (its node and coordinates,
+    from rank 0's start record; null where unknown). A damaged value costs only itself."""
+    import polars as pl
+
+    from charllm.probes.store.schema import RANK_TIMERS  # deferred: loads polars (start-up time)
+
+    rows, places = [], {}
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        if record.get("event") == "start" and isinstance(record.get("ranks"), list):
+            places = {p["rank"]: p for p in record["ranks"] if isinstance(p, dict) and isinstance(p.get("rank"), int)}
+        timers = record.get("timers")
+        if record.get("event") != "iteration" or not isinstance(timers, dict):
+            continue
+        columns = {name: timers.get(name) if isinstance(timers.get(name), list) else [] for name in RANK_TIMERS}
+        for rank in range(max(len(v) for v in columns.values())):
+            place = places.get(rank, {})
+            rows.append({"iteration": record.get("iteration"), "rank": rank,
+                         **{k: place.get(k) for k in ("node", "local_rank", "pp_rank", "tp_rank", "dp_rank")},
+                         "start_ns": record.get("start_ns"), "end_ns": record.get("end_ns"),
+                         "warmup": record.get("warmup"), "profiled": record.get("profiled"),
+                         **{name: values[rank] if rank < len(values) else None for name, values in columns.items()}})
+    schema = {"iteration": pl.Int64, "rank": pl.Int64, "node": pl.String, "local_rank": pl.Int64, "pp_rank": pl.Int64,
+              "tp_rank": pl.Int64, "dp_rank": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64,
+              "warmup": pl.Boolean, "profiled": pl.Boolean, **{name: pl.Float64 for name in RANK_TIMERS}}
+    clean = [{k: _typed(r.get(k), dtype) for k, dtype in schema.items()} for r in rows]
+    return pl.DataFrame(clean, schema=schema, strict=False)
+
+
 def one_per_step(events: list[dict]) -> list[dict]:
     """One iteration-log line per step, in step order: the first line logged for it (rank 0 and
-    the last rank both log each step). read_steps merges a step's lines instead, and the CLI's
-    follower prints the last rank's line (it carries the loss)."""
+    the last rank both log each step), or a later one that carries the loss (the last rank's)
+    and rank 0's timers where the first has neither. read_steps merges a step's lines instead,
+    and the CLI's follower prints the last rank's line."""
     steps: dict = {}
     for event in events:
-        steps.setdefault(event.get("iteration"), event)
+        kept = steps.setdefault(event.get("iteration"), event)
+        if kept is not event:
+            for key in ("loss", "timers"):
+                if kept.get(key) is None and event.get(key) is not None:
+                    kept = steps[event.get("iteration")] = {**kept, key: event[key]}
     return [steps[k] for k in sorted(steps, key=lambda k: (k is None, k))]
 
 

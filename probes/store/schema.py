@@ -39,13 +39,28 @@ GPU_METRICS: dict[str, pl.DataType] = {
     "throttle_reasons": pl.Int64(),     # NVML clocks-event reasons bitmask (see THROTTLE_BITS)
     "pcie_tx_bytes_s": pl.Float64(),
     "pcie_rx_bytes_s": pl.Float64(),
-    "nvlink_tx_bytes": pl.Int64(),      # cumulative counter over all links (may wrap)
+    "nvlink_tx_bytes": pl.Int64(),      # cumulative counter over all links (may wrap); AMD: XGMI
     "nvlink_rx_bytes": pl.Int64(),
+    # What the GPU was doing (NVML GPM, Hopper and newer; null elsewhere), each the mean over the
+    # interval since the previous GPM sample (at least 100 ms apart, NVML's rule).
+    "sm_active_pct": pl.Float64(),      # SMs busy (GPM SM_UTIL)
+    "sm_occupancy_pct": pl.Float64(),   # warps resident against the SMs' maximum (GPM SM_OCCUPANCY)
+    "tensor_active_pct": pl.Float64(),  # SM time on any tensor-core op (GPM ANY_TENSOR_UTIL)
+    "dram_bw_util_pct": pl.Float64(),   # DRAM bandwidth used against its peak (GPM DRAM_BW_UTIL)
+    "nvlink_tx_bytes_s": pl.Float64(),  # NVLink bandwidth over all links (GPM NVLINK_TOTAL_*_PER_SEC)
+    "nvlink_rx_bytes_s": pl.Float64(),
+    # Time the driver held clocks down for a reason, cumulative since driver load (NVML violation
+    # status; AMD: PVIOL/TVIOL's share of each interval, added up since the probe started).
+    "violation_power_ns": pl.Int64(),
+    "violation_thermal_ns": pl.Int64(),
+    "violation_sync_boost_ns": pl.Int64(),
 }
 
 # Node (host) metrics, on the row with device == "host".
 HOST_METRICS: dict[str, pl.DataType] = {
     "cpu_util_pct": pl.Float64(),
+    "cpu_iowait_pct": pl.Float64(),     # CPU time idle while waiting on I/O, over all cores
+    "cpu_core_util_pct": pl.List(pl.Float64()),   # each core's utilization, in the kernel's core order
     "cpu_freq_mhz": pl.Float64(),
     "host_mem_used_bytes": pl.Int64(),
     "host_mem_total_bytes": pl.Int64(),
@@ -102,9 +117,11 @@ def conform(frame: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame | pl.LazyFrame:
 
 # The iteration log (run_dir/iterations.jsonl): one JSON object per line, written by rank 0 and
 # by the last rank. `event` is "iteration" for a finished training step; other events are
-# "start" (workload begins; carries world_size, layout, seed, and runtime: what actually runs,
-# see engine.model.runtime) and "end" (carries status and memory: per pipeline stage, the highest
-# allocated and reserved peaks of its ranks).
+# "start" (workload begins; carries world_size, layout, seed, runtime: what actually runs, see
+# engine.model.runtime, and on rank 0's, ranks: every rank's node, local rank and pp/tp/cp/dp
+# coordinates), "end" (carries status and memory: per pipeline stage, the highest allocated and
+# reserved peaks of its ranks) and "profile" (a profiler trace written, by the rank that wrote it:
+# iteration, pp_rank, file under the run, bytes, export_s; engine.workload.profiler).
 ITERATION_FIELDS: dict[str, type] = {
     "event": str,              # "start" | "iteration" | "end"
     "iteration": int,          # 1-based training step
@@ -120,10 +137,15 @@ ITERATION_FIELDS: dict[str, type] = {
     "mem_reserved_bytes": int, # highest CUDA allocator reserved peak of any rank; null on CPU
     "tflops_per_gpu": float,   # model TFLOP/s per GPU (Megatron's FLOP count)
     "warmup": bool,            # True for the warm-up iterations (excluded from steady state)
+    "profiled": bool,          # True for a step some rank recorded a profiler trace of (it ran slower)
+    "timers": dict,            # rank 0's line: every rank's step timers, {field: [rank 0's, rank 1's, ...]}
+                               # (RANK_TIMERS; engine.workload.timers); null on the other lines
 }
+# The step timers each rank reports (seconds in the step; null where not measured), in `timers`.
+RANK_TIMERS = ("forward_backward_s", "compute_s", "pipeline_wait_s", "grad_reduce_s", "optimizer_s", "step_s")
 ITERATION_SCHEMA: dict[str, pl.DataType] = {
     "event": pl.String(), "iteration": pl.Int64(), "rank": pl.Int64(), "node": pl.String(),
     "start_ns": pl.Int64(), "end_ns": pl.Int64(), "loss": pl.Float64(), "grad_norm": pl.Float64(),
     "samples": pl.Int64(), "tokens": pl.Int64(), "mem_peak_bytes": pl.Int64(), "mem_reserved_bytes": pl.Int64(),
-    "tflops_per_gpu": pl.Float64(), "warmup": pl.Boolean(),
+    "tflops_per_gpu": pl.Float64(), "warmup": pl.Boolean(), "profiled": pl.Boolean(),
 }

@@ -132,3 +132,39 @@ def test_node_entry_point_needs_no_tui():
     helped = subprocess.run([sys.executable, "-m", "charllm.probes", "--help"], capture_output=True, text=True,
                             timeout=60)
     assert helped.returncode == 0 and "replay:RUN" in helped.stdout and "--sim-profile" in helped.stdout
+
+
+def test_gpm_counters_through_list_run_files_and_summary(tmp_path, capsys, monkeypatch):
+    """A Hopper GPU with GPM beside one without: `probe --list` names what the second cannot report,
+    the recording holds the counters for the first and nulls (never zeros) for the second, the probe
+    says so once, and `summarize` gives the counters' means for the first alone."""
+    from charllm.probes.analysis.summary import summarize
+    from fakes_nvml import FakeGpu, FakeNvml
+
+    from charllm.probes.backends import inventory, open_backends
+
+    FakeNvml([FakeGpu(0, gpm=True), FakeGpu(1, name="NVIDIA A100-SXM4-80GB")]).install(monkeypatch)
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["probe", "--list", "--backend", "nvml"]) == 0
+    assert "not supported" in capsys.readouterr().out
+    backends, _ = open_backends("nvml")
+    listed = {d["device"]: d for d in inventory(backends)}
+    gpm = {"sm_active_pct", "sm_occupancy_pct", "tensor_active_pct", "dram_bw_util_pct", "nvlink_tx_bytes_s"}
+    assert gpm <= set(listed["gpu0"]["metrics"]) and listed["gpu0"]["not_supported"] == []
+    assert gpm.isdisjoint(listed["gpu1"]["metrics"]) and gpm <= set(listed["gpu1"]["not_supported"])
+
+    out_dir = tmp_path / "run"
+    assert main(["probe", "--backend", "nvml", "--hz", "20", "--duration", "1", "--out", str(out_dir)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("not supported here, recorded as null") == 1
+    assert re.search(r"gpu1: .*sm_active_pct", err) and not re.search(r"gpu0: .*sm_active_pct", err)
+    frame = RunDir(out_dir).scan_telemetry().collect()
+    gpu0, gpu1 = (frame.filter(pl.col("device") == d) for d in ("gpu0", "gpu1"))
+    assert gpu0["sm_active_pct"].drop_nulls().unique().to_list() == [62.5] and gpu0.height == 20
+    assert 1 <= gpu0["sm_active_pct"].null_count() <= 2     # the first 100 ms: one GPM sample only
+    assert gpu1["sm_active_pct"].null_count() == gpu1.height and gpu1["tensor_active_pct"].null_count() == gpu1.height
+    assert (frame["violation_power_ns"].drop_nulls() == 5_000_000_000).all()
+    s = summarize(RunDir(out_dir), "all").sort("device")
+    assert s["sm_active_mean_pct"].to_list() == [pytest.approx(62.5), None]
+    assert s["tensor_active_mean_pct"].to_list() == [pytest.approx(44.0), None]
+    assert s["violation_power_frac"].to_list() == [0.0, 0.0]           # the counter did not move

@@ -93,3 +93,74 @@ def test_runs_list_is_newest_first_with_headline_figures(charllm_dirs, capsys):
         assert row[2:5] == [f"{steady['tokens_per_s']:,.0f}", f"{steady['power_peak_w']:.0f}",
                             f"{steady['energy_per_token_j']:.3g}"]
     assert "steady window" in lines[-1]
+
+
+def _ranked_run(charllm_dirs, run_id="20261121-000000-ranked", traces=True):
+    """Two GPUs, every rank's timers (rank 1 slow), and the artifact fixture's two stage traces."""
+    import shutil
+
+    from infra_traces import ARTIFACT_TRACES, rank_log
+
+    frames = [gpu_frame(T, device=f"gpu{g}", power_w=100.0 + 50 * g, temp_gpu_c=40.0 + 10 * g,
+                        sm_clock_mhz=1500.0, throttle_reasons=np.where(T < 5, 0x4, 0) if g else 0,
+                        nvlink_tx_bytes=(T * 1e9).astype(np.int64), nvlink_rx_bytes=0) for g in (0, 1)]
+    run = make_run(charllm_dirs["runs"], frames, run_id=run_id, iterations=rank_log([0.1, 0.3], pp=1, nodes=("n0",)))
+    if traces:
+        shutil.copytree(ARTIFACT_TRACES, run.traces_dir)
+    return run
+
+
+def test_summarize_ranks_kernels_and_matrices(charllm_dirs, capsys):
+    _ranked_run(charllm_dirs)
+    assert main(["summarize", "ranked", "--by", "rank"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("step timers per rank, medians over the steady steps") and "stragglers: rank 1" in out
+    assert "│ metric " in out and "┆ rank 1 " in out and "┆ rank 0 " in out      # one column per rank, slowest first
+    assert main(["summarize", "ranked", "--kernels", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["pp_rank"] for r in rows] == [0, 1] and rows[0]["busy_s"] == pytest.approx(790e-6)
+    assert main(["summarize", "ranked", "--kernels", "--by", "rank"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0" in out and "rank 8" in out and "device kernels; 2 traces" in out
+    assert main(["summarize", "ranked", "--matrix", "throttle", "--buckets", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "time throttled for power or heat per GPU (%), over time (seconds after the window's first sample)"
+    gpu1 = next(line for line in out if "n0/gpu1" in line).split("┆")
+    assert gpu1[1].strip() == "98.04%" and gpu1[2].strip("│ ") == "0%"   # the first 5 s of the first 5.05 s
+    assert main(["summarize", "ranked", "--matrix", "link", "--buckets", "2", "--format", "csv"]) == 0
+    link = pl.read_csv(capsys.readouterr().out.encode())
+    assert link.columns[:2] == ["gpu", "simulated"] and link.row(0)[2] == pytest.approx(5e9, rel=0.02)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kernels", "--by", "gpu"], "--kernels gives a table per pipeline stage or per rank"),
+    (["--kernels", "--window", "all"], "--kernels covers the profiled steps"),
+    (["--matrix", "heat"], "--matrix 'heat': expected one of temperature, power, clock, throttle, link"),
+    (["--matrix", "power", "--buckets", "0"], "--buckets 0: must be from 1 to 200"),
+])
+def test_summarize_new_views_refuse_bad_input_in_one_line(charllm_dirs, capsys, argv, message):
+    _ranked_run(charllm_dirs)
+    assert main(["summarize", "ranked", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_run_without_timers_or_traces_says_so(charllm_dirs, capsys):
+    _run(charllm_dirs)
+    assert main(["summarize", "demo", "--by", "rank"]) == 2
+    assert "no per-rank step timers" in capsys.readouterr().err
+    assert main(["summarize", "demo", "--kernels"]) == 2
+    assert "no profiler traces under" in capsys.readouterr().err
+
+
+def test_compare_kernels_and_gpu_matrix_side_by_side(charllm_dirs, capsys):
+    _ranked_run(charllm_dirs)
+    _ranked_run(charllm_dirs, "20261121-010000-plain", traces=False)
+    assert main(["compare", "ranked", "plain", "--kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "mean over its pipeline stages" in out and "20261121-000000-ranked" in out
+    assert "note: run 20261121-010000-plain: no profiler traces" in out
+    assert main(["compare", "ranked", "plain", "--matrix", "temperature", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["gpu"] for r in rows] == ["n0/gpu0", "n0/gpu1"] and rows[1]["20261121-010000-plain"] == pytest.approx(50.0)
+    assert main(["compare", "ranked", "plain", "--kernels", "--matrix", "power"]) == 2

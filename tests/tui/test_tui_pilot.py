@@ -781,3 +781,97 @@ async def test_runs_cancel_stops_a_running_run(charllm_dirs):
     finally:
         if rd.status not in ("completed", "failed", "cancelled"):
             launcher.cancel(rd.path)
+
+
+# -- utilization counters, heat strips, stragglers, kernels, GPU matrices ---------------------------
+def _run_with_ranks_and_traces(root, run_id: str, *, gpm: bool, traces: bool):
+    """Two GPUs on one node (gpu0 with GPM counters when `gpm`, gpu1 never), an iteration log with
+    every rank's timers (rank 1 computes three times its peer), and the artifact fixture's traces."""
+    import shutil
+
+    import numpy as np
+
+    from charllm.probes.store.synthetic import gpu_frame, make_run
+    from infra_traces import ARTIFACT_TRACES, rank_log
+
+    t = np.round(np.arange(0, 61) * 0.1, 10)
+    gpm_columns = dict(sm_active_pct=70.0, tensor_active_pct=40.0, dram_bw_util_pct=30.0, nvlink_tx_bytes_s=2e9,
+                       nvlink_rx_bytes_s=1e9) if gpm else {}
+    frames = [gpu_frame(t, device="gpu0", power_w=300.0 + 10 * t, temp_gpu_c=50.0 + t, sm_clock_mhz=1800.0,
+                        **gpm_columns),
+              gpu_frame(t, device="gpu1", power_w=250.0, temp_gpu_c=45.0, sm_clock_mhz=1700.0)]
+    run = make_run(root, frames, run_id=run_id, iterations=rank_log([0.1, 0.3], pp=1, nodes=("n0",)))
+    if traces:
+        shutil.copytree(ARTIFACT_TRACES, run.path / "traces")
+    return run.path
+
+
+@pilot_test
+async def test_live_utilization_heat_strips_and_stragglers(charllm_dirs):
+    """u: SM and tensor-core activity, DRAM and NVLink bandwidth (the GPU without GPM has none, never
+    zeros); m: each GPU's temperature, power, clock and link bytes over time; the iterations pane
+    names the slow rank."""
+    from charllm.tui.screens.live import STRIPS, UTILIZATION_CHARTS
+
+    app = CharllmApp(run=_run_with_ranks_and_traces(charllm_dirs["runs"], "20251121-080000-gpm", gpm=True, traces=False))
+    async with run_app(app) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "gpu")
+        assert "stragglers: rank 1 (node n0, stage 0): compute 1.50x" in str(screen.query_one("#iterations").render())
+        await pilot.press("u")
+        await wait_for(pilot, lambda: screen.last_frame.panes == list(UTILIZATION_CHARTS), what="the utilization panes")
+        charts = screen.last_frame.charts
+        assert {v for v in charts["sm_active_pct"]["gpu0"][1] if v is not None} == {70.0}
+        assert all(v is None for v in charts["sm_active_pct"]["gpu1"][1])
+        assert {round(v, 6) for v in charts["nvlink_gb_s"]["gpu0"][1] if v is not None} == {3.0}
+        assert [c.title.split(" · ")[0] for c in screen.query("Chart")] == [t for _, t in UTILIZATION_CHARTS]
+        for strip in STRIPS[1:]:
+            await pilot.press("m")
+            await wait_for(pilot, lambda: screen.last_frame.strip == strip, what=f"the {strip} strip")
+        assert screen.strip == "link" and len(screen.last_frame.heat) == 2
+        await pilot.press("m")
+        await pilot.press("u")
+        await wait_for(pilot, lambda: screen.last_frame.strip == "throttle" and screen.last_frame.panes[0][0] == "power_w")
+
+    app = CharllmApp(run=_run_with_ranks_and_traces(charllm_dirs["runs"], "20251121-090000-a100", gpm=False, traces=False))
+    async with run_app(app) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "gpu")
+        await pilot.press("u")
+        await wait_for(pilot, lambda: screen.last_frame.panes == list(UTILIZATION_CHARTS))
+        await pilot.pause(0.2)
+        notes = [c._note for c in screen.query("Chart")]
+        assert notes[:3] == [" — not supported by these GPUs (NVML GPM: Hopper and newer)"] * 3
+        await pilot.press("m")
+        await wait_for(pilot, lambda: screen.last_frame.strip == "temperature")
+        text = str(screen.query_one("#throttle").render())
+        assert "GPU temperature (°C)  ▁ 45 … █ 56" in text and "gpu0" in text and "gpu1" in text
+
+
+@pilot_test
+async def test_compare_kernels_gpu_matrix_and_stragglers(charllm_dirs):
+    a = _run_with_ranks_and_traces(charllm_dirs["runs"], "20251121-080000-traced", gpm=True, traces=True)
+    b = _run_with_ranks_and_traces(charllm_dirs["runs"], "20251121-090000-plain", gpm=False, traces=False)
+    app = CharllmApp()
+    app.compare_refs = [str(a), str(b)]
+    async with run_app(app) as pilot:
+        await pilot.press("f7")
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.result is not None, timeout=60)
+        status = screen.query_one("#compare-status")
+        assert "traced: stragglers: rank 1" in str(status.render()) and "plain: stragglers: rank 1" in str(status.render())
+        table = screen.query_one("#compare-table")
+        await pilot.press("k")
+        await wait_for(pilot, lambda: [c.label.plain for c in table.columns.values()] == ["mean per stage", "traced"])
+        rows = {str(table.get_row_at(i)[0]): str(table.get_row_at(i)[1]) for i in range(table.row_count)}
+        assert rows["matmul"].startswith("40.0% (400.0 µs)") and "SendRecv" in rows      # (200 + 600) / 2 stages
+        assert "no profiler traces" in str(status.render())
+        await pilot.press("g")
+        await wait_for(pilot, lambda: [c.label.plain for c in table.columns.values()] == ["gpu", "traced", "plain"])
+        assert [str(table.get_row_at(i)[0]) for i in range(table.row_count)] == ["n0/gpu0 (SIMULATED)", "n0/gpu1 (SIMULATED)"]
+        assert str(table.get_row_at(1)[2]) == "45.00 °C" and "GPU temperature per GPU" in str(status.render())
+        for _ in range(4):                      # power, clock, throttle, link, then the metrics again
+            await pilot.press("g")
+        await wait_for(pilot, lambda: screen.view == "link" and table.row_count == 2)
+        await pilot.press("g")
+        await wait_for(pilot, lambda: screen.view == "metrics" and table.row_count > 5)

@@ -63,7 +63,7 @@ def register(sub) -> None:
     summary.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     report = actions.add_parser("report", help="the paper's figures from the campaign's runs")
     report.add_argument("name", metavar="NAME")
-    report.add_argument("--figure", required=True, metavar="KIND", help="parallelism | optimization | microbatch | heatmap")
+    report.add_argument("--figure", required=True, metavar="KIND", help="parallelism | optimization | microbatch | heatmap | kernels")
     report.add_argument("--metric", metavar="M", help="the summary figure to plot (a column of `campaign summary`)")
     report.add_argument("--normalize", action="store_true", help="optimization: divide by each model's best")
     report.add_argument("--out", metavar="FILE", help="write an SVG or PNG image instead (needs the plot extra)")

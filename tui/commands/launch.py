@@ -10,7 +10,7 @@ from charllm.engine.launch.launcher import (cancel, launch, PORT_AT_LAUNCH, reco
 from charllm.engine.launch.targets import get_target
 from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import plural
-from charllm.probes.core.formatting import GIB
+from charllm.probes.core.formatting import GIB, size
 from charllm.probes.store.rundir import RunDir
 
 
@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"# run {result.run_id} on target {target.name!r} (dry run: nothing was created; "
               f"{PORT_AT_LAUNCH}: torchrun's rendezvous port, picked at launch)")
+        if result.profile:
+            print(f"# {result.profile}")
         for command in result.commands:
             print(command)
         if result.sbatch_script:
@@ -55,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"run {result.run_id}: launched on {target.name!r}" + (f" (slurm job {result.job_id})"
                                                                  if result.job_id else ""))
     print(f"  {result.run_dir}")
+    if result.profile:
+        print(f"  {result.profile}")
     if not args.follow:
         print(f"  follow with: charllm-tui runs logs {result.run_id} -f")
         return 0
@@ -80,7 +84,7 @@ def follow(run_dir) -> int:
                 print(f"status: {event.status}", flush=True)
             elif isinstance(event, NewIterations):
                 for row in event.events:
-                    key = (row.get("event"), row.get("iteration"))
+                    key = (row.get("event"), row.get("iteration"), row.get("rank") if row.get("event") == "profile" else None)
                     if key not in seen and (key[0] != "iteration" or row.get("rank") == last_rank):
                         seen.add(key)
                         print(_iteration_line(row), flush=True)
@@ -114,6 +118,10 @@ def _iteration_line(row: dict) -> str:
         return f"training started: world size {row.get('world_size')} ({sizes}) on {layout.get('device', '?')}"
     if event == "end":
         return f"training ended: {row.get('status')} at iteration {row.get('iteration')}"
+    if event == "profile":
+        written = row.get("bytes")
+        return (f"profiler trace of step {row.get('iteration')} by rank {row.get('rank')} (stage {row.get('pp_rank')}): "
+                f"{row.get('file')}" + (f", {size(written)}" if isinstance(written, int) else ""))
     parts = [f"iter {row.get('iteration', '?'):>5}", f"rank {row.get('rank', '?')}"]
     if row.get("loss") is not None:
         parts.append(f"loss {row['loss']:.4f}")

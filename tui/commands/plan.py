@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from charllm.engine.model import profiling
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.megatron import import_megatron_args, launcher_world_size, split_command_line
 from charllm.engine.model.memory import estimate
@@ -103,10 +104,14 @@ def run(args: argparse.Namespace) -> int:
     exp, ignored, warnings = load(args)
     check(exp)
     report = estimate(exp, ignored_args=ignored, warnings=warnings)
+    window = profiling.plan(exp)   # what a profiler window records and costs
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps({**report.to_dict(), **({"profile": {**window.to_dict(), "cost": window.describe()}}
+                                                  if window else {})}, indent=2))
     else:
         render(exp, report)
+        if window:
+            print(window.describe())
     return EXIT[report.verdict]
 
 

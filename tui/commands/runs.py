@@ -8,7 +8,7 @@ import sys
 from charllm.engine.launch.launcher import cancel, reconcile
 from charllm.probes.core.errors import plural, UserError
 from charllm.probes.core.files import open_regular
-from charllm.probes.core.formatting import duration, local_time
+from charllm.probes.core.formatting import duration, local_time, size
 from charllm.probes.store.rundir import list_runs, Manifest, resolve_run, runtime_line
 from charllm.tui.commands.launch import follow
 
@@ -139,6 +139,14 @@ def _show(rd, args) -> int:
         print(f"  {command}")
     steps = rd.read_iterations()
     print(f"iterations {plural(steps.filter(steps['event'] == 'iteration')['iteration'].n_unique(), 'step')} logged")
+    profile = rd.read_manifest().get("profile")
+    if isinstance(profile, dict):   # what the profiler window was to record, and (once ended) did
+        print(f"profiler  {profile.get('cost', '')}")
+        if isinstance(profile.get("traces"), int):
+            slower = f", the profiled steps {profile['slowdown']:.2f}x the others' time" \
+                if isinstance(profile.get("slowdown"), (int, float)) else ""
+            print(f"          {plural(profile['traces'], 'trace')} written, {size(profile.get('bytes') or 0)}{slower} "
+                  f"(summarize {rd.id} --kernels)")
     print(f"telemetry {plural(len(rd.telemetry_files()), 'chunk')}")
     return 0
 

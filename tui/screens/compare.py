@@ -6,6 +6,10 @@ baselines, and always shows the baseline the figures are measured against. The o
 show each run per training iteration (from its telemetry's `iteration` column): mean GPU power
 and temperature, or, when no run recorded an accelerator (a CPU run), its iteration time and
 mean CPU utilization. Runs come from the Runs screen (Space marks, m compares) or the palette.
+
+`k` shows instead each run's profiled step by kernel category (probes.analysis.kernels), `g` a
+GPUs x runs matrix (probes.analysis.matrix: temperature, then power, clock, throttling and link
+bytes on each press), and the status names each run's stragglers (probes.analysis.ranks).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from textual.message import Message
 from textual.widgets import DataTable, Label, Select, Static
 
 from charllm.probes.analysis import baselines, compare
+from charllm.probes.analysis.kernels import compare_kernels, kernels_side_by_side
+from charllm.probes.analysis.matrix import MATRICES, gpus_by_runs, render_matrix
+from charllm.probes.analysis.ranks import rank_summary, straggler_line
 from charllm.probes.analysis.render import metric_label
 from charllm.probes.analysis.summary import per_iteration
 from charllm.probes.core.errors import UserError
@@ -46,6 +53,14 @@ class Compared(Message):
     result: object | None          # probes.analysis.compare.CompareResult
     curves: dict                   # curve -> {run label: (iterations, values)}, runs with data only
     error: str | None = None
+    stragglers: list[str] = None   # "run: stragglers ..." for each run that logged its ranks' timers
+
+
+@dataclass
+class SideBySide(Message):
+    view: str                      # "kernels" or a matrix name
+    table: object | None           # a polars frame of text cells, first column the row names
+    lines: list[str]               # what it covers, and notes
 
 
 class CompareScreen(WorkbenchScreen):
@@ -53,7 +68,10 @@ class CompareScreen(WorkbenchScreen):
     BINDINGS = [
         Binding("r", "reload", "Reload", id="compare.reload"),
         Binding("b", "pick_baseline", "Baseline", id="compare.baseline"),
+        Binding("k", "kernels", "Kernels", id="compare.kernels"),
+        Binding("g", "gpu_matrix", "GPU matrix", id="compare.gpu_matrix"),
     ]
+    MATRIX_ORDER = tuple(MATRICES)
 
     def __init__(self):
         super().__init__()
@@ -61,6 +79,8 @@ class CompareScreen(WorkbenchScreen):
         self.choices: dict[str, str] = {}       # the selector's: value (a ref) -> label
         self.loaded: tuple | None = None
         self.result = None
+        self.view = "metrics"          # the table shows: metrics | kernels | a matrix name
+        self.straggler_lines: list[str] = []
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="compare"):
@@ -110,6 +130,7 @@ class CompareScreen(WorkbenchScreen):
                           "or pick a baseline (b).")
             return
         status.update(f"comparing {len(self.refs)} run(s){' against ' + baseline if baseline else ''}…")
+        self.view = "metrics"
         self.compare(self.refs, baseline)
 
     @on(Select.Changed, "#baseline")
@@ -129,7 +150,7 @@ class CompareScreen(WorkbenchScreen):
             result, error = None, f"compare failed: {exc!r}"
         else:
             error = None
-        self.post_message(Compared(result, per_iteration_curves(refs), error))
+        self.post_message(Compared(result, per_iteration_curves(refs), error, straggler_lines(refs)))
 
     def on_compared(self, message: Compared) -> None:
         status = self.query_one("#compare-status", Static)
@@ -141,8 +162,11 @@ class CompareScreen(WorkbenchScreen):
             status.update(f"[yellow]{escape(message.error)}[/]")
         else:
             result = self.result = message.result
+            self.straggler_lines = message.stragglers or []
+            self.view = "metrics"
             self._show_baseline(result)
-            status.update("\n".join(self._status_lines(result) + ([] if charts else [f"[dim]{NO_CHARTS}[/]"])))
+            status.update("\n".join(self._status_lines(result) + [escape(line) for line in self.straggler_lines]
+                                    + ([] if charts else [f"[dim]{NO_CHARTS}[/]"])))
             self._fill(table, result)
         self.query_one("#compare-charts").display = bool(charts)
         for (curve, title), chart in zip(charts, self.query(Chart)):
@@ -170,6 +194,65 @@ class CompareScreen(WorkbenchScreen):
                          f"(charllm-tui compare shows them all)[/]")
         return lines + [f"[yellow]note:[/] {escape(n)}" for n in result.notes]
 
+    # -- kernels and GPU matrices, in place of the metrics ---------------------------------------
+    def action_kernels(self) -> None:
+        """Each run's profiled step by kernel category; again: the metrics."""
+        self._switch("metrics" if self.view == "kernels" else "kernels")
+
+    def action_gpu_matrix(self) -> None:
+        """A GPUs x runs matrix: temperature, then power, clock, throttling, link bytes; then the metrics."""
+        order = self.MATRIX_ORDER
+        self._switch(order[0] if self.view not in order else
+                     order[order.index(self.view) + 1] if self.view != order[-1] else "metrics")
+
+    def _switch(self, view: str) -> None:
+        runs = [ref for ref in self.refs if not ref.startswith("baseline:")]
+        if view == "metrics" or not runs:
+            self.view = "metrics"
+            if self.result is not None:
+                table = self.query_one("#compare-table", DataTable)
+                table.clear(columns=True)
+                self._fill(table, self.result)
+                self.query_one("#compare-status", Static).update(
+                    "\n".join(self._status_lines(self.result) + [escape(line) for line in self.straggler_lines]))
+            return
+        self.view = view
+        self.query_one("#compare-status", Static).update(f"reading the runs' {view if view == 'kernels' else view + ' per GPU'}…")
+        self.side_by_side(runs, view)
+
+    @work(thread=True, exclusive=True, group="compare-side")
+    def side_by_side(self, runs: list[str], view: str) -> None:
+        labels = run_labels([resolve_run(r).id for r in runs if _resolves(r)])
+        try:
+            if view == "kernels":
+                df, notes = compare_kernels(runs)
+                table = kernels_side_by_side(df, labels) if df.height else None
+                lines = ["each run's profiled step by kernel category, mean over its pipeline stages "
+                         "(share of the step, time); k: back to the metrics", *notes]
+            else:
+                matrix = gpus_by_runs(runs, view)
+                table = render_matrix(matrix, view).rename(lambda c: labels.get(c, c))
+                what, unit, _ = MATRICES[view]
+                lines = [f"{what} per GPU ({unit}), each run's steady window; g: the next figure"]
+        except UserError as exc:
+            table, lines = None, [str(exc)]
+        self.post_message(SideBySide(view, table, lines))
+
+    def on_side_by_side(self, message: SideBySide) -> None:
+        if message.view != self.view:
+            return   # switched again meanwhile
+        self.query_one("#compare-status", Static).update("\n".join(escape(line) for line in message.lines))
+        table = self.query_one("#compare-table", DataTable)
+        table.clear(columns=True)
+        if message.table is None:
+            return
+        rows = [[Text(str(v), justify="left" if i == 0 else "right") for i, v in enumerate(row)]
+                for row in message.table.iter_rows()]
+        for i, column in enumerate(message.table.columns):
+            table.add_column(column, key=column, width=max([len(column), *(row[i].cell_len for row in rows)]))
+        for cells in rows:
+            table.add_row(*cells)
+
     @staticmethod
     def _fill(table: DataTable, result) -> None:
         """The comparison as rows: metrics in words, figures with units. Each column is as wide as
@@ -196,6 +279,27 @@ class CompareScreen(WorkbenchScreen):
                              width=max([len(heading), *(row[i].cell_len for row in rows)]))
         for cells in rows:
             table.add_row(*cells)
+
+
+def _resolves(ref: str) -> bool:
+    try:
+        resolve_run(ref)
+    except UserError:
+        return False
+    return True
+
+
+def straggler_lines(refs: list[str]) -> list[str]:
+    """Each run's stragglers in a line (runs whose workload logged every rank's timers)."""
+    runs = [resolve_run(ref) for ref in refs if not ref.startswith("baseline:") and _resolves(ref)]
+    labels = run_labels([rd.id for rd in runs])
+    lines = []
+    for rd in runs:
+        try:
+            lines.append(f"{labels[rd.id]}: {straggler_line(rank_summary(rd))}")
+        except UserError:
+            continue
+    return lines
 
 
 def per_iteration_curves(refs: list[str]) -> dict:

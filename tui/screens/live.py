@@ -1,5 +1,10 @@
 """Live: power, temperatures, SM clock and throttling per GPU, iteration speed, ranks and log.
 
+`u` turns the four charts to what the GPUs do (NVML GPM: SM and tensor-core activity, DRAM and
+NVLink bandwidth; a host: its busiest core, iowait, CPU use, network), `m` the strip below them
+from throttle reasons to a GPUs x time heat strip of temperature, power, SM clock or link bytes,
+and the iterations pane names the slowest ranks of the last steps (probes.analysis.ranks).
+
 A thread worker (`LiveScreen.feed`) follows one source — a run directory through
 `probes.store.follow.RunFollower` (live or recorded: a finished run replays whole),
 or, with no run selected, this machine's host telemetry from an in-process `probes.sampler.Sampler`
@@ -18,6 +23,7 @@ from itertools import groupby
 from operator import or_
 from pathlib import Path
 
+from rich.markup import escape
 from rich.text import Text
 
 from textual import work
@@ -34,6 +40,7 @@ from charllm.probes.backends.base import GpuProcess, hostname
 from charllm.probes.core.errors import UserError
 from charllm.probes.store import rundir
 from charllm.probes.store.follow import NewIterations, NewLogLines, NewTelemetry, RunFollower
+from charllm.probes.analysis.ranks import recent_line
 from charllm.probes.store.schema import conform
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import MAX_POINTS, Chart
@@ -58,11 +65,22 @@ HOST_CHARTS = (("cpu_util_pct", "host CPU utilization (%)"), ("host_mem_used_gib
                ("cpu_power_w", "host CPU power (W)"), ("temp_cpu_c", "host CPU temperature (°C)"),
                ("net_mb_s", "host network in+out (MB/s)"),
                ("cpu_freq_mhz", "host CPU frequency (MHz)"))
+# `u`: what the devices do (GPM counters: null, and said so, on a GPU without GPM)
+UTILIZATION_CHARTS = (("sm_active_pct", "SM active (%)"), ("tensor_active_pct", "tensor cores active (%)"),
+                      ("dram_bw_util_pct", "DRAM bandwidth used (%)"), ("nvlink_gb_s", "NVLink sent+received (GB/s)"))
+HOST_UTILIZATION_CHARTS = (("cpu_core_busiest_pct", "busiest CPU core (%)"), ("cpu_iowait_pct", "host CPU iowait (%)"),
+                           ("cpu_util_pct", "host CPU utilization (%)"), ("net_mb_s", "host network in+out (MB/s)"))
+NOT_SUPPORTED = {"sm_active_pct", "tensor_active_pct", "dram_bw_util_pct", "nvlink_gb_s"}   # GPM's (Hopper+)
 PANES = len(GPU_CHARTS)                            # chart panes on screen
 WINDOWED = ("power_w", "cpu_power_w", "net_mb_s")   # power and throughput titles name their window
 KEEP_COLUMNS = ("ts_ns", "node", "device", "simulated", "throttle_reasons", *(c for c, _ in GPU_CHARTS),
-                "cpu_util_pct", "temp_cpu_c", "cpu_freq_mhz", "host_mem_used_bytes", "cpu_energy_j",
-                "net_tx_bytes", "net_rx_bytes")
+                "sm_active_pct", "tensor_active_pct", "dram_bw_util_pct", "nvlink_tx_bytes_s", "nvlink_rx_bytes_s",
+                "nvlink_tx_bytes", "nvlink_rx_bytes",
+                "cpu_util_pct", "cpu_iowait_pct", "cpu_core_util_pct", "temp_cpu_c", "cpu_freq_mhz",
+                "host_mem_used_bytes", "cpu_energy_j", "net_tx_bytes", "net_rx_bytes")
+# `m`: what the strip under the charts shows per GPU over time: throttle reasons, or a heat strip
+STRIPS = ("throttle", "temperature", "power", "clock", "link")
+HEAT = " ▁▂▃▄▅▆▇█"
 # throttle-strip glyphs, most severe first: (bits, glyph, style, meaning)
 THROTTLE_KINDS = ((0x40 | 0x20, "▇", "red", "thermal"), (0x80 | 0x8, "▇", "magenta", "hw slowdown/brake"),
                   (0x4, "▆", "yellow", "power cap"))
@@ -79,8 +97,11 @@ class Frame(Message):
     panes: list[tuple[str, str]] = field(default_factory=list)   # (metric, title) of each chart pane
     window: str = ""                                          # what the chart points average over
     throttle: list[tuple[str, list[int]]] = field(default_factory=list)
+    heat: list[tuple[str, list[float | None]]] = field(default_factory=list)   # the strip's values, unless throttle
+    strip: str = "throttle"                                   # what the strip shows (STRIPS)
     iterations: list[dict] = field(default_factory=list)     # every "iteration" event so far
     ranks: str = ""
+    stragglers: str | None = None                             # the slowest ranks of the last steps
     log_lines: list[str] = field(default_factory=list)       # new since the previous frame
     simulated: bool = False
     grouped: bool = False
@@ -205,6 +226,8 @@ class LiveScreen(WorkbenchScreen):
         Binding("h", "host", "Host", id="live.host"),
         Binding("c", "next_chart", "Next chart", id="live.next_chart"),
         Binding("p", "processes", "GPU processes", id="live.processes"),
+        Binding("u", "utilization", "Utilization", id="live.utilization"),
+        Binding("m", "strip", "Strip", id="live.strip"),
     ]
 
     def __init__(self):
@@ -225,6 +248,8 @@ class LiveScreen(WorkbenchScreen):
         self.last_frame: Frame | None = None
         self.show_processes: bool | None = None  # the processes pane instead of the log; None: automatic
         self.processes: list[GpuProcess] = []
+        self.utilization = False                 # u: the charts show what the devices do
+        self.strip = STRIPS[0]                   # m: what the strip under the charts shows
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="live"):
@@ -311,6 +336,7 @@ class LiveScreen(WorkbenchScreen):
         last_kind = "none"
         rows_seen = 0
         last_status = None
+        stragglers = None      # the slowest ranks of the last steps (probes.analysis.ranks.recent_line)
         frozen_ts = None       # while paused: the newest sample the charts show
         try:
             while not worker.is_cancelled:
@@ -325,8 +351,8 @@ class LiveScreen(WorkbenchScreen):
                 for event in events:
                     if event.get("event") == "iteration":
                         iterations.append(event)
-                    elif event.get("event") == "start":
-                        starts = event
+                    elif event.get("event") == "start" and (not starts.get("ranks") or event.get("ranks")):
+                        starts = event   # rank 0's names every rank: kept over the last rank's
                 if rows is not None and rows.height:
                     rows_seen += rows.height
                     rows = rows.select([c for c in KEEP_COLUMNS if c in rows.columns])
@@ -339,7 +365,7 @@ class LiveScreen(WorkbenchScreen):
                 # charts every CHART_EVERY_S, a changed view (zoom, grouping, size) at once; while
                 # paused, a new view redraws the data shown when it paused.
                 paused = self.paused
-                view = (self.window, self.group_nodes, self.strip_width, self.chart_points)
+                view = (self.window, self.group_nodes, self.strip_width, self.chart_points, self.utilization, self.strip)
                 charts_due = drawn_with is None or view != drawn_with[1] or (
                     rows_seen != drawn_with[0] and not paused and began - drawn_at >= CHART_EVERY_S)
                 processes_due = processes is not None and began - listed_at >= PROCESSES_EVERY_S
@@ -352,10 +378,12 @@ class LiveScreen(WorkbenchScreen):
                         frozen_ts = history["ts_ns"].max() if history is not None and history.height else None
                     shown = history if not paused or frozen_ts is None else history.filter(pl.col("ts_ns") <= frozen_ts)
                     frame = build_frame(shown, t0, WINDOWS_S[self.window], self.group_nodes, self.strip_width,
-                                        self.chart_points)
+                                        self.chart_points, utilization=self.utilization, strip=self.strip)
                     frame.frozen = paused
                     if frame.kind == "none":        # nothing yet: the titles of what will come
-                        frame.panes = list(GPU_CHARTS if source.expects == "gpu" else HOST_CHARTS[:PANES])
+                        frame.panes = list(UTILIZATION_CHARTS if self.utilization else GPU_CHARTS) \
+                            if source.expects == "gpu" else \
+                            list(HOST_UTILIZATION_CHARTS if self.utilization else HOST_CHARTS[:PANES])
                     drawn_with, drawn_at = (rows_seen, view), began
                 else:
                     frame = Frame(source="", status="", kind=last_kind, charts=None)
@@ -368,6 +396,10 @@ class LiveScreen(WorkbenchScreen):
                 frame.iterations = iterations
                 frame.log_lines = log_lines
                 frame.ranks = ranks_text(iterations, starts)
+                if events:   # rank 0's lines carry every rank's timers: the last steps' slowest ranks
+                    stragglers = recent_line([starts, *iterations[-STRAGGLER_STEPS * 2:]], STRAGGLER_STEPS) \
+                        if any(e.get("timers") for e in iterations[-2:]) else None
+                frame.stragglers = stragglers
                 if starts.get("runtime"):
                     frame.runtime = rundir.runtime_line(starts["runtime"])
                 self.post_message(frame)
@@ -388,6 +420,7 @@ class LiveScreen(WorkbenchScreen):
         if frame.charts is None and newest is not None:   # nothing new to plot: keep the charts drawn
             frame.charts, frame.panes, frame.window = newest.charts, newest.panes, newest.window
             frame.throttle, frame.simulated = newest.throttle, newest.simulated
+            frame.heat, frame.strip = newest.heat, newest.strip
             frame.grouped, frame.devices = newest.grouped, newest.devices
         if self.paused and self.last_frame is not None:
             if frame.frozen and frame.charts is not None and frame.kind != "none":
@@ -413,9 +446,13 @@ class LiveScreen(WorkbenchScreen):
             chart.title = f"{title} · {frame.window}" if metric in WINDOWED and frame.window else title
             series = frame.charts.get(metric, {})
             empty = frame.kind != "none" and not any(v is not None for _, ys in series.values() for v in ys)
-            chart.show(series, note=" — not reported here" if empty else "")
+            why = " — not supported by these GPUs (NVML GPM: Hopper and newer)" if metric in NOT_SUPPORTED \
+                else " — not reported here"
+            chart.show(series, note=why if empty else "")
+        rows = 1 if self.compact else GROUP_ABOVE
         self.query_one("#throttle", Static).update(
-            throttle_text(frame.throttle, frame.kind, max_rows=1 if self.compact else GROUP_ABOVE))
+            throttle_text(frame.throttle, frame.kind, max_rows=rows) if frame.strip == "throttle"
+            else heat_text(frame.heat, frame.strip, frame.kind, max_rows=rows))
 
     def _draw_text(self, frame: Frame) -> None:
         """Title, badge, iterations and ranks: cheap, drawn on every frame."""
@@ -443,7 +480,8 @@ class LiveScreen(WorkbenchScreen):
         self.query_one("#live-bottom").display = processes or (run and (frame.kind != "host" or bool(frame.iterations)))
         if processes:
             self._update("#gpu-processes", processes_text(self.processes, frame.processes_note, frame.processes_listed))
-        self._update("#iterations", iterations_text(frame.iterations) + "\n" + frame.ranks)
+        stragglers = f"\n{escape(frame.stragglers)}" if frame.stragglers else ""
+        self._update("#iterations", iterations_text(frame.iterations) + "\n" + frame.ranks + stragglers)
 
     def _update(self, selector: str, content: str) -> None:
         """Update a Static only when its text changes (each update costs a repaint)."""
@@ -473,6 +511,15 @@ class LiveScreen(WorkbenchScreen):
     def action_host(self) -> None:
         self.app.open_run(None)
 
+    def action_utilization(self) -> None:
+        """The charts: power and heat, or what the devices do (GPM counters; a host's cores)."""
+        self.utilization = not self.utilization
+
+    def action_strip(self) -> None:
+        """The strip under the charts: throttle reasons, then each GPU's temperature, power, SM
+        clock and link bytes over time (heat strips), then throttle reasons again."""
+        self.strip = STRIPS[(STRIPS.index(self.strip) + 1) % len(STRIPS)]
+
     def action_processes(self) -> None:
         """The processes on this machine's GPUs in place of the log, and back."""
         frame = self.last_frame
@@ -486,14 +533,16 @@ class LiveScreen(WorkbenchScreen):
 
 
 # -- frame computation (worker thread) -----------------------------------------------------------
-def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: int = 120) -> Frame:
+def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: int = 120, *,
+                utilization: bool = False, strip: str = "throttle") -> Frame:
     import polars as pl
 
     if history is None or history.height == 0:
         return Frame(source="", status="", kind="none")
     gpus = history.filter(pl.col("device") != "host")
     kind = "gpu" if gpus.height else "host"
-    data = (gpus if kind == "gpu" else host_metrics(history)).with_columns(((pl.col("ts_ns") - t0) / 1e9).alias("t_s"))
+    data = (gpu_metrics(gpus) if kind == "gpu" else host_metrics(history)).with_columns(
+        ((pl.col("ts_ns") - t0) / 1e9).alias("t_s"))
     if window_s is not None:
         data = data.filter(pl.col("t_s") >= data["t_s"].max() - window_s)
     nodes = data["node"].n_unique()
@@ -506,12 +555,16 @@ def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: i
     else:
         label = pl.col("device")
     data = data.with_columns(label.alias("label"))
-    panes = list(GPU_CHARTS) if kind == "gpu" else host_panes(data)
+    if kind == "gpu":
+        panes = list(UTILIZATION_CHARTS if utilization else GPU_CHARTS)
+    else:
+        panes = list(HOST_UTILIZATION_CHARTS) if utilization else host_panes(data)
     metrics = [m for m, _ in panes]
+    heat_metric = STRIP_METRICS.get(strip)
     if grouped:   # one line per node: the mean of its devices at each instant
         data = (data.group_by("label", "ts_ns", maintain_order=True)
                 .agg(pl.col("t_s").first(), pl.col("simulated").any(), pl.col("throttle_reasons").max(),
-                     *(pl.col(m).mean() for m in metrics)))
+                     *(pl.col(m).mean() for m in {*metrics, *([heat_metric] if heat_metric else [])})))
     charts: dict[str, dict] = {m: {} for m in metrics}
     throttle: list[tuple[str, list[int]]] = []
     lo, hi = (data["t_s"].min() or 0.0), (data["t_s"].max() or 0.0)
@@ -524,9 +577,17 @@ def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: i
     for (name,), part in means.partition_by("label", as_dict=True).items():
         for m in metrics:
             charts[m][name] = (part["t_s"].to_list(), part[m].to_list())
+    heat: list[tuple[str, list[float | None]]] = []
     for (name,), part in sorted(data.partition_by("label", as_dict=True).items()):
         if kind == "gpu":
             cols = ((part["t_s"] - lo) / ((hi - lo) or 1) * (strip_width - 1)).cast(pl.Int64)
+            if heat_metric:
+                means = part.select(cols.alias("c"), pl.col(heat_metric)).group_by("c").agg(pl.col(heat_metric).mean())
+                values: list[float | None] = [None] * strip_width
+                for c, v in means.iter_rows():
+                    values[c] = v
+                heat.append((name, values))
+                continue
             bits = (part.select(cols.alias("c"), pl.col("throttle_reasons").fill_null(0))
                     .group_by("c").agg(pl.col("throttle_reasons").max()))
             row = [0] * strip_width
@@ -535,9 +596,30 @@ def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: i
             throttle.append((name, row))
     span = "all recorded" if window_s is None else f"last {window_s} s"
     averaged = data.height > buckets * labels     # else each point is one sample
-    return Frame(source="", status="", kind=kind, charts=charts, throttle=throttle, panes=panes,
+    return Frame(source="", status="", kind=kind, charts=charts, throttle=throttle, heat=heat,
+                 strip=strip if heat_metric and kind == "gpu" else "throttle", panes=panes,
                  window=f"{(hi - lo) / buckets:.2g} s means · {span}" if averaged else f"samples · {span}",
                  simulated=bool(data["simulated"].any()), grouped=grouped, devices=devices)
+
+
+# The heat strips' per-sample figures (gpu_metrics derives the link rate).
+STRIP_METRICS = {"temperature": "temp_gpu_c", "power": "power_w", "clock": "sm_clock_mhz", "link": "nvlink_gb_s"}
+STRIP_TITLES = {"temperature": "GPU temperature (°C)", "power": "GPU power (W)", "clock": "SM clock (MHz)",
+                "link": "NVLink sent+received (GB/s)"}
+STRAGGLER_STEPS = 10
+
+
+def gpu_metrics(gpus):
+    """GPU rows with the NVLink bandwidth the charts plot: GPM's where the GPU has it, else the
+    rate of its byte counters (per device, between consecutive samples)."""
+    import polars as pl
+
+    rows = gpus.sort("node", "device", "ts_ns")
+    dt = pl.col("ts_ns").diff().over("node", "device") / 1e9
+    counted = pl.col("nvlink_tx_bytes") + pl.col("nvlink_rx_bytes")
+    rate = pl.when(dt > 0).then(counted.diff().over("node", "device") / dt)
+    gpm = pl.col("nvlink_tx_bytes_s") + pl.col("nvlink_rx_bytes_s")
+    return rows.with_columns((pl.coalesce(gpm, pl.when(rate >= 0).then(rate)) / 1e9).alias("nvlink_gb_s"))
 
 
 def host_metrics(history):
@@ -551,9 +633,11 @@ def host_metrics(history):
     def rate(counter):
         return pl.when(dt > 0).then(counter.diff().over("node") / dt)
 
+    busiest = pl.col("cpu_core_util_pct").list.max() if "cpu_core_util_pct" in rows.columns else pl.lit(None, pl.Float64)
     return rows.with_columns((pl.col("host_mem_used_bytes") / GIB).alias("host_mem_used_gib"),
                              rate(pl.col("cpu_energy_j")).alias("cpu_power_w"),
-                             (rate(pl.col("net_tx_bytes") + pl.col("net_rx_bytes")) / 1e6).alias("net_mb_s"))
+                             (rate(pl.col("net_tx_bytes") + pl.col("net_rx_bytes")) / 1e6).alias("net_mb_s"),
+                             busiest.alias("cpu_core_busiest_pct"))
 
 
 def host_panes(data) -> list[tuple[str, str]]:
@@ -576,6 +660,29 @@ def throttle_text(rows: list[tuple[str, list[int]]], kind: str, max_rows: int = 
         text.append(f"\n{label[:12]:>12}  ")
         for (glyph, style), run in groupby(map(_throttle_glyph, bits)):   # one span per run: cheaper to paint
             text.append(glyph * len(list(run)), style)
+    return text
+
+
+def heat_text(rows: list[tuple[str, list[float | None]]], strip: str, kind: str, max_rows: int = GROUP_ABOVE) -> Text:
+    """One heat strip per device (or node): each cell its mean over that span, from the lowest
+    figure shown (▁) to the highest (█); a span without a figure is blank. More rows than fit: the
+    hottest (highest mean) are shown, the count of the others said."""
+    if kind != "gpu":
+        return Text(f"{strip} strip: no GPU in this source", "dim")
+    known = [v for _, values in rows for v in values if v is not None]
+    if not known:
+        return Text(f"{STRIP_TITLES[strip]} per GPU over time: not reported here", "dim")
+    lo, hi = min(known), max(known)
+    text = Text.assemble((f"{STRIP_TITLES[strip]}", "bold"), f"  ▁ {lo:,.4g} … █ {hi:,.4g}  (m: next)", no_wrap=True)
+    ranked = sorted(rows, key=lambda r: -(sum(v for v in r[1] if v is not None) / max(1, sum(v is not None for v in r[1]))))
+    shown = ranked[:max_rows] if len(rows) > max_rows else rows
+    for label, values in shown:
+        text.append(f"\n{label[:12]:>12}  ")
+        cells = "".join(" " if v is None else HEAT[1 + round((v - lo) / ((hi - lo) or 1) * (len(HEAT) - 2))]
+                        for v in values)
+        text.append(cells, "yellow")
+    if len(shown) < len(rows):
+        text.append(f"\n{'':>12}  … {len(rows) - len(shown)} more (the highest shown)", "dim")
     return text
 
 

@@ -68,3 +68,31 @@ def test_an_imported_results_tree_is_a_campaign_with_experiments_and_times(tmp_p
     assert plotted[("power_mean_w", "base", "TP1 PP1 EP8 DP32")] == pytest.approx(expected)
     for kind in ("parallelism", "optimization", "microbatch", "heatmap"):
         assert run(capsys, "campaign", "report", "results", "--figure", kind)[0] == 0
+
+
+def test_the_kernels_figure_shows_each_layouts_profiled_step_by_category(tmp_path, charllm_dirs, capsys):
+    """The artifact's traces come with the import: the report's kernels figure puts each layout's
+    share of the step per category side by side (the paper's Figure 10), marking a layout without."""
+    import shutil
+
+    from infra_traces import ARTIFACT_TRACES
+
+    root = tmp_path / "results"
+    traced, plain = ("optimization-sweep-h200/mixtral-8x7b/mixtral-8x7b_1_00000",
+                     "optimization-sweep-h200/mixtral-8x7b/mixtral-8x7b_2_00000")
+    for folder in (traced, plain):
+        make_results(root / folder, ranks=32, gpus_per_node=8)
+    shutil.copytree(ARTIFACT_TRACES, root / traced / "4242_kineto")
+    assert run(capsys, "import", "charllm-ppt", str(root))[0] == 0
+    record = Record.load("results")
+    fig = figure(record, "kernels")
+    assert [p.metric for p in fig.panels] == ["matmul_pct", "attention_pct", "norm_pct", "elementwise_pct", "optimizer_pct",
+                                              "other_pct", "memcpy_pct", "SendRecv_pct", "AllGather_pct",
+                                              "ReduceScatter_pct", "AllReduce_pct"]
+    matmul = fig.panels[0].series[0]
+    assert matmul.x == ["TP1 PP1 EP8 DP32 variant=base", "TP2 PP1 EP4 DP16 variant=base"]
+    assert matmul.y[0] == pytest.approx(40.0) and matmul.y[1] is None     # (20 % + 60 %) / 2 stages
+    assert matmul.marks == {"TP2 PP1 EP4 DP16 variant=base": "no traces"}
+    code, out, err = run(capsys, "campaign", "report", "results", "--figure", "kernels")
+    assert code == 0, err
+    assert "matmul, share of the step" in out and "no value: mixtral-8x7b TP2 PP1 EP4 DP16 variant=base: no traces" in out

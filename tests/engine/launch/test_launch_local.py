@@ -176,3 +176,54 @@ def test_stopping_steps_skips_one_a_cancel_kept_from_starting(tmp_path):
     never = Proc(rd, LOCAL, Step("n0", "train", ["true"]))
     stop([started, never], grace=5)
     assert started.poll() is not None and never.popen is None
+
+
+@pytest.mark.timeout(400)
+def test_pp2_profile_window_kernel_time_per_stage_and_a_slowed_rank_named(monkeypatch, capsys):
+    """A PP2 run with a profiler window (step 3) and rank 1 slowed on purpose (the workload's test-only
+    hook): a trace per stage, said and accounted for in the manifest; their categories add up to
+    each trace's busy time; every rank's step timers are in the run, and rank 1 is the straggler."""
+    from charllm.engine.model.profiling import plan as profile_plan
+    from charllm.probes.analysis.kernels import CATEGORIES, kernel_summary, run_traces
+    from charllm.probes.analysis.ranks import rank_summary
+    from charllm.tui.cli import main
+    from infra_traces import check_sums_to_busy
+
+    monkeypatch.setenv("CHARLLM_TEST_ONLY_SLOW_RANK", "1:0.05")   # 50 ms in each of its 4 micro-batches
+    exp = tiny(6).apply(["pipeline_model_parallel_size=2", "warmup_iters=1", "profile_steps=[3]"])
+    result = launch(exp, LOCAL)
+    assert result.profile.startswith("profiler: 1 step (3) on the first rank of each pipeline stage (ranks 0, 1)")
+    rd = RunDir(result.run_dir)
+    manifest = wait_final(rd)
+    assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
+    # the traces: one per stage, named as the plan said, each logged with its size
+    files = run_traces(rd)
+    assert [f.name for f in files] == [f"rank{r:05d}-step000003.pt.trace.json" for r in profile_plan(exp).ranks]
+    profile = manifest["profile"]
+    assert profile["steps"] == [3] and profile["ranks"] == [0, 1] and profile["traces"] == 2
+    assert profile["bytes"] == sum(f.stat().st_size for f in files) and profile["cost"] == result.profile
+    assert profile["profiled_step_s"] > 0 and profile["other_step_s"] > 0 and profile["slowdown"] > 0
+    steps = rd.read_steps()
+    assert steps.filter(steps["profiled"])["iteration"].to_list() == [3]
+    check_sums_to_busy(files)
+    by_stage = kernel_summary(rd, "stage")
+    assert by_stage["pp_rank"].to_list() == [0, 1] and set(by_stage["source"]) == {"host"}
+    for row in by_stage.iter_rows(named=True):
+        assert sum(row[f"{c}_s"] for c in CATEGORIES) == pytest.approx(row["busy_s"], rel=0.01)
+        assert row["matmul_s"] > 0 and row["attention_s"] > 0 and row["norm_s"] > 0 and row["optimizer_s"] > 0
+        assert row["SendRecv_kernel_s"] > 0      # the pipeline's gloo sends and receives
+    # every rank's timers, and the slowed rank named, the other not
+    timed = rd.rank_steps()
+    assert sorted(set(timed["rank"])) == [0, 1] and timed.height == 2 * 6
+    assert timed["compute_s"].null_count() == 0 and (timed["compute_s"] <= timed["forward_backward_s"]).all()
+    ranks = rank_summary(rd)
+    assert ranks.filter(ranks["straggler"])["rank"].to_list() == [1], ranks
+    assert main(["summarize", rd.id, "--by", "rank"]) == 0
+    out = capsys.readouterr().out
+    assert "stragglers: rank 1 (node " in out and "stage 1): compute" in out and "rank 0 (" not in out.split("\n")[0]
+    assert main(["summarize", rd.id, "--kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "host ops: a CPU run; 2 traces" in out and "stage 0" in out and "stage 1" in out and "SendRecv" in out
+    assert main(["runs", "show", rd.id]) == 0
+    out = capsys.readouterr().out
+    assert f"profiler  {result.profile}" in out and "2 traces written" in out

@@ -34,10 +34,12 @@ def two_nodes(iters: int):
 @pytest.mark.timeout(400)
 def test_submitted_job_runs_and_completes(slurm_cluster, tmp_path, monkeypatch):
     """With an env line as users write them (a comment at its end) and a name full of shell: the
-    comment ends at its line, the name is never a command."""
+    comment ends at its line, the name is never a command. A profiler window on every rank writes
+    its traces into the run directory on the shared filesystem, accounted for in the manifest."""
     monkeypatch.chdir(tmp_path)
     exp = two_nodes(4)
     exp.name = HOSTILE_NAME
+    exp.telemetry.profile_steps, exp.telemetry.profile_scope = [3], "all"
     result = launch(exp, target(env_setup="export OMP_NUM_THREADS=1  # one thread per rank, as on our nodes"))
     rd = RunDir(result.run_dir)
     assert result.job_id and rd.read_manifest()["slurm_job_id"] == result.job_id
@@ -50,6 +52,9 @@ def test_submitted_job_runs_and_completes(slurm_cluster, tmp_path, monkeypatch):
     telemetry = rd.scan_telemetry().collect()
     assert set(telemetry["node"].to_list()) == {"n1", "n2"}, "one sampler step per node"
     assert "telemetry_lost" not in manifest, "samplers stopped at the end are no loss"
+    traces = sorted(p.name for p in rd.traces_dir.iterdir())
+    assert traces == ["rank00000-step000003.pt.trace.json", "rank00001-step000003.pt.trace.json"], traces
+    assert manifest["profile"]["traces"] == 2 and manifest["profile"]["bytes"] > 0
     # the supervisor writes the final status just before it exits itself
     wait_for(lambda: run_processes(rd.id) == [], 15, "every process of the run to exit")
     assert not list(tmp_path.rglob("PWNED")) and not list(rd.path.rglob("PWNED")), "the name ran as a command"

@@ -35,13 +35,15 @@ def remote_leftovers(nodes, run_id: str) -> list:
 @pytest.mark.timeout(400)
 def test_two_node_job_streams_logs_iterations_and_telemetry_home(ssh_nodes, tmp_path, monkeypatch):
     """With an env line as users write them (a comment at its end: it once commented out torchrun
-    and faked a completed run) and a name full of shell, which never runs as a command."""
+    and faked a completed run) and a name full of shell, which never runs as a command; with a
+    profiler window on every rank, whose traces (one per node) come home after the run."""
     table = ssh_nodes.target_table()
     table["env_setup"] += "  # the nodes' interface for gloo"
     target = parse_target("nodes", table)
     monkeypatch.chdir(tmp_path)
     exp = two_nodes(4)
     exp.name = "x'; touch PWNED; echo \"$(touch PWNED)\" #"
+    exp.telemetry.profile_steps, exp.telemetry.profile_scope = [3], "all"
     rd = RunDir(launch(exp, target).run_dir)
     manifest = wait_final(rd, 300)
     assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
@@ -58,6 +60,10 @@ def test_two_node_job_streams_logs_iterations_and_telemetry_home(ssh_nodes, tmp_
     assert all(p["remote_pgid"] for p in manifest["processes"])
     assert not list(tmp_path.rglob("PWNED")) and not list(ssh_nodes.root.rglob("PWNED")), "the name ran as a command"
     assert "telemetry_lost" not in manifest, "samplers stopped at the end are no loss"
+    traces = sorted(p.name for p in rd.traces_dir.iterdir())
+    assert traces == ["rank00000-step000003.pt.trace.json", "rank00001-step000003.pt.trace.json"], traces
+    assert manifest["profile"]["traces"] == 2   # each node's "profile" line came home through its tail
+    assert manifest["profile"]["bytes"] == sum(p.stat().st_size for p in rd.traces_dir.iterdir())
     # the supervisor writes the final status just before it exits itself
     wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 15,
              "every process of the run to exit, here and on both nodes")

@@ -21,7 +21,8 @@ import pytest
 from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.workload import CANCELLED_EXIT, model_builder
-from charllm.probes.store.schema import ITERATION_FIELDS
+from charllm.engine.workload import timers
+from charllm.probes.store.schema import ITERATION_FIELDS, RANK_TIMERS
 from infra_runs import finish, start
 
 pytestmark = pytest.mark.integration
@@ -129,6 +130,22 @@ def check_log(run_dir: Path, world: int, iters: int, *, loss_falls: bool = True)
         assert r["warmup"] == (r["iteration"] <= exp.training.warmup_iters)
     for rank in writers:
         assert [r["iteration"] for r in steps if r["rank"] == rank] == list(range(1, iters + 1))
+    # Every rank's step timers, on rank 0's lines; every rank's place, in rank 0's start record.
+    assert RANK_TIMERS == (*timers.FIELDS, "step_s")
+    places = next(r["ranks"] for r in starts if r["rank"] == 0)
+    assert [p["rank"] for p in places] == list(range(world))
+    assert [p["pp_rank"] for p in places] == [r * pp // world for r in range(world)]
+    for r in steps:
+        assert r["profiled"] is False
+        if r["rank"] != 0:
+            assert r["timers"] is None
+            continue
+        assert set(r["timers"]) == set(RANK_TIMERS) and all(len(v) == world for v in r["timers"].values())
+        for rank in range(world):
+            got = {name: r["timers"][name][rank] for name in RANK_TIMERS}
+            assert all(isinstance(v, float) and v >= 0 for v in got.values()), got
+            assert got["compute_s"] + got["pipeline_wait_s"] <= got["forward_backward_s"] * 1.01 + 1e-3, got
+            assert got["forward_backward_s"] <= got["step_s"] and got["compute_s"] > 0
     last = [r["loss"] for r in steps if r["rank"] == world - 1]
     assert all(isinstance(x, float) for x in last)
     if loss_falls:

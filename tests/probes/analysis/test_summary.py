@@ -437,3 +437,38 @@ def test_summaries_do_not_depend_on_how_the_recording_is_laid_out(tmp_path):
         assert first.height == {"gpu": 6, "node": 2, "run": 1}[by]
         for other in others:
             assert_frame_equal(first, other, rel_tol=1e-12, abs_tol=0)
+
+
+def test_utilization_counters_and_violation_time_where_measured_null_where_not(tmp_path):
+    """A Hopper GPU with GPM beside one without: the counters' time-weighted means on the first,
+    nulls (never zeros) on the second; violation time is the counter's growth as a share of the window."""
+    hopper = gpu_frame(T, device="gpu0", power_w=100.0, sm_active_pct=np.where(T < 5, 80.0, 40.0),
+                       sm_occupancy_pct=30.0, tensor_active_pct=50.0, dram_bw_util_pct=20.0,
+                       nvlink_tx_bytes_s=np.where(T < 5, 2e9, 1e9), nvlink_rx_bytes_s=1e9,
+                       violation_power_ns=(T * 0.25 * 1e9).astype(np.int64), violation_thermal_ns=0,
+                       violation_sync_boost_ns=10**12)
+    ampere = gpu_frame(T, device="gpu1", power_w=100.0, violation_power_ns=0)
+    s = summarize(make_run(tmp_path, [hopper, ampere]), "all").sort("device")
+    gpm, other = s.row(0, named=True), s.row(1, named=True)
+    assert gpm["sm_active_mean_pct"] == pytest.approx(60.0) and gpm["sm_occupancy_mean_pct"] == pytest.approx(30.0)
+    assert gpm["tensor_active_mean_pct"] == pytest.approx(50.0) and gpm["dram_bw_util_mean_pct"] == pytest.approx(20.0)
+    assert gpm["nvlink_tx_mean_bytes_s"] == pytest.approx(1.5e9) and gpm["nvlink_tx_peak_bytes_s"] == 2e9
+    assert gpm["violation_power_frac"] == pytest.approx(0.25) and gpm["violation_thermal_frac"] == 0.0
+    assert gpm["violation_sync_boost_frac"] == 0.0                  # a constant counter: none in the window
+    for col in ("sm_active_mean_pct", "sm_occupancy_mean_pct", "tensor_active_mean_pct", "dram_bw_util_mean_pct",
+                "nvlink_tx_mean_bytes_s", "nvlink_tx_peak_bytes_s", "violation_thermal_frac"):
+        assert other[col] is None, col
+    assert other["violation_power_frac"] == 0.0
+    run_row = summarize(make_run(tmp_path, [hopper, ampere], run_id="run-b"), "all", by="run")
+    assert one(run_row, "sm_active_mean_pct") == pytest.approx(60.0)     # the GPUs that measured it
+    assert one(run_row, "nvlink_tx_peak_bytes_s") == 2e9
+
+
+def test_host_iowait_and_busiest_core(tmp_path):
+    cores = [[100.0, 0.0, 0.0, 0.0] if t < 5 else [25.0, 25.0, 25.0, 25.0] for t in T]
+    host = gpu_frame(T, device="host", cpu_util_pct=25.0, cpu_iowait_pct=np.where(T < 5, 10.0, 0.0),
+                     cpu_core_util_pct=cores)
+    s = summarize(make_run(tmp_path, [host]), "all", by="run")
+    assert one(s, "cpu_util_mean_pct") == pytest.approx(25.0)
+    assert one(s, "cpu_iowait_mean_pct") == pytest.approx(5.0)
+    assert one(s, "cpu_core_busiest_mean_pct") == pytest.approx(62.5)   # one core full, then all at a quarter

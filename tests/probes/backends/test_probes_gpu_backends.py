@@ -244,3 +244,113 @@ def test_amdsmi_init_failure_is_unavailable_and_auto_moves_on(monkeypatch, real_
     backends, reason = open_backends("auto")
     assert [b.name for b in backends] == ["amdsmi", "host"]
     assert reason.endswith("amdsmi: 2 devices found")
+
+
+# -- utilization counters (GPM), violation time, XGMI ------------------------------------------
+GPM_COLUMNS = ("sm_active_pct", "sm_occupancy_pct", "tensor_active_pct", "dram_bw_util_pct",
+               "nvlink_tx_bytes_s", "nvlink_rx_bytes_s")
+
+
+def test_nvml_gpm_metrics_from_two_samples_at_least_100_ms_apart(monkeypatch):
+    import time
+
+    fake = FakeNvml([FakeGpu(0, gpm=True)]).install(monkeypatch)
+    backend = open_backend("nvml")
+    first = backend.sample()[0]
+    assert all(first.get(c) is None for c in GPM_COLUMNS)        # a metric needs two samples
+    time.sleep(0.11)
+    row = backend.sample()[0]
+    assert row["sm_active_pct"] == 62.5 and row["sm_occupancy_pct"] == 31.25
+    assert row["tensor_active_pct"] == 44.0 and row["dram_bw_util_pct"] == 55.5
+    assert row["nvlink_tx_bytes_s"] == 1024 * 2**20 and row["nvlink_rx_bytes_s"] == 2048 * 2**20   # MiB/s
+    assert row["pcie_tx_bytes_s"] == 16 * 2**20 and row["pcie_rx_bytes_s"] == 32 * 2**20           # GPM's, ...
+    assert all((f, s) for f, s in fake.field_requests[-1]
+               if f not in (pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES))
+    assert not {pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES} & {f for f, _ in fake.field_requests[-1]}   # ... not the counters'
+    again = backend.sample()[0]                                    # within 100 ms: the interval's values stand
+    assert again["sm_active_pct"] == 62.5 and fake.calls["nvmlGpmMetricsGet"] == 1
+    assert all(interval >= 0.1 for interval in fake.gpm_intervals)
+    backend.close()
+    assert fake.gpm_samples == {}                                   # both buffers freed
+
+
+def test_nvml_without_gpm_has_the_metrics_null_and_unsupported_never_zero(monkeypatch):
+    import time
+
+    pre_hopper = FakeGpu(0, name="NVIDIA A100-SXM4-80GB")           # GPM: not supported on this device
+    old_driver = FakeGpu(1, gpm=True, gpm_driver=False)             # a driver without the GPM functions
+    fake = FakeNvml([pre_hopper]).install(monkeypatch)
+    backend = open_backend("nvml")
+    rows = [backend.sample()[0] for _ in range(2)]
+    time.sleep(0.11)
+    rows.append(backend.sample()[0])
+    assert all(r.get(c) is None for r in rows for c in GPM_COLUMNS)
+    assert rows[-1]["errors"] == 0 and rows[-1]["pcie_tx_bytes_s"] is not None   # PCIe from the counters
+    supported = backend.supported_metrics(backend.devices()[0])
+    assert set(GPM_COLUMNS).isdisjoint(supported) and "pcie_tx_bytes_s" in supported
+    assert "nvmlGpmSampleGet" not in fake.calls and "nvmlGpmMetricsGet" not in fake.calls
+    FakeNvml([old_driver]).install(monkeypatch)
+    backend = open_backend("nvml")
+    assert set(GPM_COLUMNS).isdisjoint(backend.supported_metrics(backend.devices()[0]))
+
+
+def test_nvml_gpm_metric_a_device_lacks_is_unsupported_alone(monkeypatch):
+    import time
+
+    pcie_board = FakeGpu(0, gpm=True, gpm_unsupported={pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
+                                                       pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC})
+    FakeNvml([pcie_board]).install(monkeypatch)
+    backend = open_backend("nvml")
+    backend.sample()
+    time.sleep(0.11)
+    row = backend.sample()[0]
+    assert row["sm_active_pct"] == 62.5 and row.get("nvlink_tx_bytes_s") is None
+    supported = backend.supported_metrics(backend.devices()[0])
+    assert "nvlink_tx_bytes_s" not in supported and "sm_active_pct" in supported
+
+
+def test_nvml_violation_time_counters_per_policy_read_once_a_second(monkeypatch):
+    from charllm.probes.backends import nvml
+
+    gpu = FakeGpu(0, violation_ns={pynvml.NVML_PERF_POLICY_POWER: 7_000_000_000,
+                                   pynvml.NVML_PERF_POLICY_THERMAL: 250_000_000})   # no sync boost counter
+    fake = FakeNvml([gpu]).install(monkeypatch)
+    backend = open_backend("nvml")
+    rows = [backend.sample()[0] for _ in range(2)]
+    assert rows[0]["violation_power_ns"] == 7_000_000_000 and rows[0]["violation_thermal_ns"] == 250_000_000
+    assert all(r.get("violation_sync_boost_ns") is None for r in rows) and rows[-1]["errors"] == 0
+    assert fake.calls["nvmlDeviceGetViolationStatus"] == 3               # the second tick repeats the first's
+    assert rows[1]["violation_power_ns"] == 7_000_000_000
+    gpu.violation_ns[pynvml.NVML_PERF_POLICY_POWER] += 10**9
+    monkeypatch.setattr(nvml, "VIOLATION_EVERY_S", 0.0)                  # a second later
+    assert backend.sample()[0]["violation_power_ns"] == 8_000_000_000
+    assert fake.calls["nvmlDeviceGetViolationStatus"] == 3 + 2           # sync boost is not asked again
+
+
+def test_amdsmi_violation_time_from_the_firmware_counters_and_xgmi_bytes(monkeypatch, real_amdsmi):
+    gcd = FakeGcd("u0")
+    FakeAmdSmi(real_amdsmi, [gcd]).install(monkeypatch)
+    backend = open_backend("amdsmi")
+    first = backend.sample()[0]
+    assert first["violation_power_ns"] == 0 and first["violation_thermal_ns"] == 0   # counted from the first reading
+    assert first["nvlink_tx_bytes"] == 3000 * 1024 and first["nvlink_rx_bytes"] == 7000 * 1024   # two links, KB
+    # 0.5 s later: 200 firmware ticks, 50 of them violating the power limit, none thermal
+    gcd.reference_us += 500_000
+    gcd.acc_counter += 200
+    gcd.acc_ppt_pwr += 50
+    row = backend.sample()[0]
+    assert row["violation_power_ns"] == 125_000_000 and row["violation_thermal_ns"] == 0
+    assert row.get("violation_sync_boost_ns") is None and "violation_sync_boost_ns" not in backend.metrics
+    assert row["errors"] == 0
+
+
+def test_amdsmi_without_violation_counters_or_links_has_them_null(monkeypatch, real_amdsmi):
+    mi200 = FakeGcd("u0", acc_counter="N/A", acc_ppt_pwr="N/A", acc_socket_thrm="N/A", xgmi_read_kb=["N/A"] * 8,
+                    xgmi_write_kb=["N/A"] * 8)
+    FakeAmdSmi(real_amdsmi, [mi200]).install(monkeypatch)
+    backend = open_backend("amdsmi")
+    rows = [backend.sample()[0] for _ in range(2)]
+    assert rows[-1]["throttle_reasons"] == THROTTLE_BITS["sw_power_cap"]   # the flags still read
+    for column in ("violation_power_ns", "violation_thermal_ns", "nvlink_tx_bytes", "nvlink_rx_bytes"):
+        assert all(r.get(column) is None for r in rows)
+        assert column not in backend.supported_metrics(backend.devices()[0])

@@ -27,14 +27,21 @@ class FakeClock:
 
 # -- host ---------------------------------------------------------------------------------------
 def test_host_reads_this_machine():
+    import time
+
     backend = open_backend("host")
+    [first] = backend.sample()
+    assert first.get("cpu_util_pct") is None or 0 <= first["cpu_util_pct"] <= 100   # the same clock tick: unknown
+    time.sleep(0.05)
     [row] = backend.sample()
     assert row["device"] == "host" and row["backend"] == "host" and row["uuid"].startswith("host-")
     assert set(row) - {"device", "uuid", "backend", "simulated", "errors"} <= set(HOST_METRICS)
     vm = psutil.virtual_memory()
     assert row["host_mem_total_bytes"] == vm.total
     assert 0 < row["host_mem_used_bytes"] < vm.total
-    assert 0.0 <= row["cpu_util_pct"] <= 100.0
+    assert 0.0 <= row["cpu_util_pct"] <= 100.0 and 0.0 <= row["cpu_iowait_pct"] <= 100.0
+    cores = row["cpu_core_util_pct"]
+    assert len(cores) == psutil.cpu_count() and all(c is None or 0.0 <= c <= 100.0 for c in cores)
     assert row["net_rx_bytes"] >= 0 and row["net_tx_bytes"] >= 0
     assert row["errors"] == 0
     supported = backend.supported_metrics(backend.devices()[0])
@@ -42,6 +49,27 @@ def test_host_reads_this_machine():
         assert metric in row, f"{metric} claimed supported but not read"
     if not psutil.sensors_temperatures():
         assert "temp_cpu_c" not in supported and row.get("temp_cpu_c") is None
+
+
+def test_host_per_core_use_and_iowait_count_as_psutil_does(monkeypatch):
+    """Each core's use and the iowait share from the kernel's per-core times (psutil's own tuples)."""
+    times = type(psutil.cpu_times())
+    fields = times._fields
+
+    def cpu(**kw):
+        return times(**{f: float(kw.get(f, 0.0)) for f in fields})
+
+    readings = iter([
+        [cpu(user=100, idle=100), cpu(user=100, idle=100)],
+        # core 0: 1 s busy, 1 s idle; core 1: 0.5 s user (0.25 s of it guest, which the kernel counts in
+        # user time too), 0.5 s iowait, 1 s idle
+        [cpu(user=101, idle=101), cpu(user=100.5, idle=101, iowait=0.5, guest=0.25)],
+    ])
+    monkeypatch.setattr(psutil, "cpu_times", lambda percpu=False: next(readings) if percpu else cpu())
+    backend = HostBackend(powercap_root="/nonexistent", infiniband_root="/nonexistent")
+    [row] = backend.sample()
+    assert row["cpu_core_util_pct"] == [50.0, 25.0]
+    assert row["cpu_util_pct"] == 37.5 and row["cpu_iowait_pct"] == 12.5   # 0.5 s of 4 s
 
 
 def _zone(root, name, label, energy, max_range):

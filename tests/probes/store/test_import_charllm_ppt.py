@@ -228,3 +228,28 @@ def test_a_killed_import_leaves_no_staging_directory_behind(tmp_path, charllm_di
     assert main(["import", "charllm-ppt", str(make_results(tmp_path / "small")), "--name", "small"]) == 0
     run_id = capsys.readouterr().out.strip()
     assert sorted(p.name for p in runs.iterdir()) == sorted([live.name, run_id])
+
+
+def test_import_brings_the_newest_kineto_traces_and_summarizes_their_kernels(tmp_path):
+    """The artifact's `<job>_kineto/rank-R.json` traces (one per pipeline stage) come along with the
+    CSVs; the newest job's, as the artifact's figure script picks them; `summarize --kernels` reads them."""
+    import shutil
+    from pathlib import Path
+
+    from charllm.probes.analysis.kernels import kernel_summary
+
+    results = make_results(tmp_path / "res")
+    artifact = Path(__file__).resolve().parents[2] / "data" / "kineto" / "charllm_ppt_run" / "4242_kineto"
+    shutil.copytree(artifact, results / "4242_kineto")
+    (results / "999_kineto").mkdir()                               # an older job's, left out
+    (results / "999_kineto" / "rank-0.json").write_text("{}")
+    (results / "4242_kineto" / "notes.txt").write_text("not a trace")
+    run = import_charllm_ppt(results, name="ppt", gpus_per_node=1)
+    assert run.read_manifest()["imported_from"]["traces"] == ["4242_kineto/rank-0.json", "4242_kineto/rank-8.json"]
+    assert sorted(p.name for p in run.traces_dir.iterdir()) == ["rank-0.json", "rank-8.json"]
+    df = kernel_summary(run, "stage")
+    assert df["pp_rank"].to_list() == [0, 1] and df["ranks"].to_list() == ["0", "8"]
+    assert df["busy_s"][0] == pytest.approx(790e-6) and df["SendRecv_s"][1] == pytest.approx(300e-6)
+    assert main(["summarize", run.id, "--kernels", "--format", "csv"]) == 0
+    plain = import_charllm_ppt(make_results(tmp_path / "plain"), name="plain", gpus_per_node=1)
+    assert plain.read_manifest()["imported_from"]["traces"] == [] and not plain.traces_dir.exists()

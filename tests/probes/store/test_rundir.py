@@ -105,11 +105,12 @@ def test_steps_one_row_per_step_merged_or_first_line(tmp_path):
     steps = rd.read_steps()
     assert steps.to_dicts() == [
         {"iteration": 1, "start_ns": 10, "end_ns": 19, "samples": 8, "tokens": 256, "tflops_per_gpu": None,
-         "warmup": True},
+         "warmup": True, "profiled": False},
         {"iteration": 2, "start_ns": 20, "end_ns": 29, "samples": None, "tokens": None, "tflops_per_gpu": None,
-         "warmup": False}]
+         "warmup": False, "profiled": False}]
     first = one_per_step([r for r in rows if r["event"] == "iteration"])
     assert [(r["iteration"], r["rank"]) for r in first] == [(1, 0), (2, 0), (3, 1)]
+    assert first[0]["loss"] == 2.5          # the last rank's loss, on the step's first line
 
 
 def test_runtime_line_names_what_ran_and_the_class_that_built_the_model():
