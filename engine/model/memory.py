@@ -420,6 +420,7 @@ class _Act:
     saved: float
     transient: float
     parts: dict = field(default_factory=dict)      # part -> (saved, transient)
+    offloaded: float = 0.0                         # fine-grained offloading: bytes sent to the host
 
 
 def implementation(exp: Experiment, cache: dict | None = None) -> "runtime.Implementation":
@@ -592,7 +593,7 @@ class _Shapes:
                      "experts": (saved - attn_saved - routing, mlp_transient)}
         else:
             parts = {"attn": (attn_saved, attn_transient), "mlp": (saved - attn_saved, mlp_transient)}
-        return _Act(saved, transient, parts)
+        return _Act(saved, transient, parts, offloaded)
 
     def checkpoint_input(self) -> float:
         return self.ab * self.sbh
@@ -789,6 +790,20 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
             moe_excess=excess, mtp_excess=excess if m.mtp_num_layers and pattern[-1] else 0.0,
             deferred_wgrad=deferred, deferral_limit=t.wgrad_deferral_limit, capture=capture)
     return entry
+
+
+def host_bytes(exp: Experiment, cache: dict | None = None) -> dict[bool, float]:
+    """Bytes one layer of each kind (MoE?) sends to host memory per micro-batch and fetches back for
+    its backward: the inputs of the fine-grained offloading modules, or a whole layer's saved
+    activations with layer offloading (cpu_offloading_num_layers; for the layers it covers)."""
+    t = exp.training
+    if not (t.fine_grained_activation_offloading or t.cpu_offloading_num_layers):
+        return {False: 0.0, True: 0.0}
+    shapes = _Shapes(exp, implementation(exp, cache))
+    kinds = (False, True) if exp.model.is_moe else (False,)
+    out = {k: (shapes.layer(k).offloaded if t.fine_grained_activation_offloading else shapes.layer(k).saved)
+           for k in kinds}
+    return {False: out[False], True: out.get(True, 0.0)}
 
 
 def _graphed_parts(exp: Experiment, impl: "runtime.Implementation") -> dict[bool, set[str]] | None:
