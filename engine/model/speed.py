@@ -50,14 +50,15 @@ from typing import Any
 
 from charllm.engine.model import calibration, memory
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.flops import flops_per_iteration, peak_tflops
+from charllm.engine.model.flops import num_floating_point_operations, peak_tflops
 
 # --------------------------------------------------------------------------------------------
 # Assumed rates (docs/speed-model.md gives each source)
 # --------------------------------------------------------------------------------------------
-# A GEMM of MATMUL_HALF_FLOPS reaches half the large-GEMM efficiency (Hardware.matmul_efficiency):
-# a bf16 GEMM on an H100 needs 132 SMs' worth of 128x256 output tiles and a long K to stay busy.
-MATMUL_HALF_FLOPS = 4e9
+# Each GEMM's fill and drain beyond its FLOPs at the large-GEMM rate (Hardware.matmul_efficiency): a
+# bf16 GEMM on an H100 reaches half that rate at about 4 GFLOP (132 SMs' worth of 128x256 output tiles
+# and a long K keep it busy), i.e. 4 GFLOP / (0.72 x 989 TFLOP/s).
+MATMUL_FILL_S = 5.5e-6
 # FP8 GEMMs reach a smaller share of their (twice as high) peak than BF16's: H100 cuBLASLt FP8
 # GEMMs run at 1.3-1.45 of 1.98 PFLOP/s against BF16's 0.75-0.8 of 0.99.
 FP8_MATMUL_SHARE = 0.85
@@ -235,15 +236,13 @@ def layouts_of(exp: Experiment, cache: dict | None = None) -> Layouts:
 # --------------------------------------------------------------------------------------------
 # The arithmetic, on arrays
 # --------------------------------------------------------------------------------------------
-def _gemm(np, m, k, n, peak, share, r: Rates, ab, kernels=1, size=None):
-    """Seconds of a GEMM (m x k) @ (k x n) at `peak` FLOP/s: the achieved share grows with the GEMM's
-    size (`size`: the FLOPs of one of `kernels` GEMMs, default the whole), never faster than its
+def _gemm(np, m, k, n, peak, share, r: Rates, ab, gemms=1):
+    """Seconds of `gemms` GEMMs together (m x k) @ (k x n) at `peak` FLOP/s: the FLOPs at the
+    large-GEMM share of it plus each GEMM's fill and drain (MATMUL_FILL_S), never faster than the
     operands stream from memory."""
     flops = 2.0 * m * k * n
-    one = flops / kernels if size is None else size
-    achieved = peak * share * one / (one + MATMUL_HALF_FLOPS)
     streamed = (m * k + k * n + m * n) * ab / (r.memory_bps * MEMORY_EFFICIENCY)
-    return np.maximum(flops / np.maximum(achieved, 1.0), streamed) + kernels * KERNEL_S
+    return np.maximum(flops / max(peak * share, 1.0) + gemms * MATMUL_FILL_S, streamed + gemms * KERNEL_S)
 
 
 def _stream(nbytes, r: Rates):
@@ -323,7 +322,7 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         # and the probabilities written (forward); their gradients (backward)
         full = s * exp.seq_length
         gem = lambda kdim: _gemm(np, b * local_heads * s, kdim, exp.seq_length, half.half_flops, half.matmul,  # noqa: E731
-                                 half, ab, size=2.0 * s * kdim * exp.seq_length)
+                                 half, ab, gemms=b * local_heads)
         elements = b * local_heads * full
         softmax_ab = 4 if t.attention_softmax_in_fp32 else ab
         # forward: the scores written, read and the probabilities written by the softmax, read by P x V;
@@ -366,11 +365,7 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         routed = routed * busiest
         local_experts = E / ep
         effn = m.moe_ffn / etp
-        per_expert = routed / local_experts
-        grouped = 1 if t.moe_grouped_gemm else local_experts
-        size1, size2 = 2.0 * per_expert * h * gate * effn, 2.0 * per_expert * effn * h
-        experts = (mm(routed, h, gate * effn, kernels=grouped, size=size1)
-                   + mm(routed, effn, h, kernels=grouped, size=size2))
+        experts = mm(routed, h, gate * effn, gemms=local_experts) + mm(routed, effn, h, gemms=local_experts)
         router = _gemm(np, T_sp, h, E, half.half_flops, half.matmul, half, 4)
         shared = 0.0
         if m.moe_shared_expert_intermediate_size:
@@ -618,8 +613,11 @@ def _stage_params(np, exp: Experiment, L: Layouts):
     mtp = per(lambda a, e, x: memory.mtp_layer_params(m, pattern[-1], a, e, x)) if m.mtp_num_layers \
         else np.zeros(shape + (2,))
     w = lambda x: x[:, None]  # noqa: E731
+    # a tied output layer is the embedding's own weight where the stage holds both
+    own_output = S[:, :, LOSS] * (1.0 if m.untie_embeddings_and_output_weights else (S[:, :, EMBEDDING] == 0))
+    final_norm = memory.norm_params(m, m.hidden_size)
     dense = (S[:, :, DENSE] * w(dense_layer) + S[:, :, MOE] * w(moe_layer[..., 0]) + S[:, :, EMBEDDING] * w(embedding)
-             + S[:, :, LOSS] * w(output) + S[:, :, MTP] * w(mtp[..., 0]))
+             + own_output * w(output) + S[:, :, LOSS] * final_norm + S[:, :, MTP] * w(mtp[..., 0]))
     expert = S[:, :, MOE] * w(moe_layer[..., 1]) + S[:, :, MTP] * w(mtp[..., 1])
     return dense, expert
 
@@ -647,7 +645,7 @@ def power_model(exp: Experiment) -> PowerModel | None:
     if fit is not None:
         return PowerModel(fit["idle_w"], fit["max_w"], f"calibrated from {fit['runs']} recorded run"
                           f"{'s' if fit['runs'] != 1 else ''} of {hw.name}")
-    return PowerModel(hw.idle_w, hw.tdp_w, f"assumed: {hw.name}'s idle {hw.idle_w:g} W to its {hw.tdp_w:g} W limit")
+    return PowerModel(hw.idle_w, hw.tdp_w, "assumed")
 
 
 def utilization(np, times: Times):
@@ -690,6 +688,46 @@ class SpeedReport:
                 "source": {"step_time": self.rates_source, "power": self.power_source}, "notes": list(self.notes)}
 
 
+def describe(exp: Experiment) -> str:
+    """Where the speed figures of `exp` come from, in one short line (links and memory: its preset)."""
+    precision = linear_precision(exp)
+    r = rates(exp, precision)
+    power = power_model(exp)
+    source = "assumed" if r.source == "assumed" else r.source
+    return (f"speed: GEMMs at {r.matmul:.0%} of the {precision} peak ({source}) · "
+            + (f"power: idle {power.idle_w:.0f} W to {power.max_w:.0f} W ({power.source})" if power
+               else "power: none (the preset gives no board limit)"))
+
+
+def figures(exp: Experiment, L: Layouts, times: Times) -> dict:
+    """Per layout (numpy arrays): the step time and what follows from it, as the sweep's columns
+    (engine.model.sweep.SPEED) and `estimate` report them."""
+    import numpy as np  # deferred: start-up time
+
+    t = exp.training
+    samples, tokens = t.global_batch_size, t.global_batch_size * exp.seq_length
+    step = times.step_s
+    tps = np.unique(L.tp)
+    flops = np.asarray([num_floating_point_operations(exp.model, samples, exp.seq_length, int(tp)) for tp in tps])
+    flops = flops[np.searchsorted(tps, L.tp)]
+    _, peak = peak_tflops(exp, None)
+    out = {"step_s": step, "tokens_per_s": tokens / step,
+           "mfu": flops / step / exp.world_size / (peak * 1e12) if peak else np.full(step.shape, np.nan),
+           **{f"{part}_share": getattr(times, f"{part}_s") / step
+              for part in ("compute", "communication", "bubble", "other")}}
+    power = power_model(exp)
+    if power is not None:
+        watts = power.watts(utilization(np, times))
+        out["power_w"] = watts
+        out["energy_per_token_j"] = watts * exp.world_size * step / tokens
+    else:
+        out["power_w"] = out["energy_per_token_j"] = np.full(step.shape, np.nan)
+    out["flops_per_iteration"] = flops
+    out["params"] = np.full(step.shape, float(memory.count_parameters(exp.model)))
+    out["params_per_device"] = np.where(L.stage_count > 0, times.params_stage, 0.0).max(axis=1)
+    return out
+
+
 def estimate(exp: Experiment) -> SpeedReport:
     """The step time, throughput, MFU, shares and power of `exp` as laid out."""
     import numpy as np  # deferred: start-up time
@@ -697,37 +735,28 @@ def estimate(exp: Experiment) -> SpeedReport:
     cache: dict = {}
     L = layouts_of(exp, cache)
     times = step_times(exp, L, impl=memory.implementation(exp, cache))
-    step = float(times.step_s[0])
-    samples = exp.training.global_batch_size
-    tokens = samples * exp.seq_length
-    flops = flops_per_iteration(exp)
-    precision, peak = peak_tflops(exp, None)
-    per_device = [int(times.params_stage[0][i]) for i in stage_features(exp, cache)[3]]
-    whole = _whole_stage_params(exp)
-    shares = {name: float(getattr(times, f"{name}_s")[0]) / step
-              for name in ("compute", "communication", "bubble", "other")}
+    got = {name: float(value[0]) for name, value in figures(exp, L, times).items()}
     power = power_model(exp)
-    watts = energy = efficiency = None
-    if power is not None:
-        watts = float(power.watts(utilization(np, times))[0])
-        energy_step = watts * exp.world_size * step
-        energy = energy_step / tokens
-        efficiency = samples / step / (energy_step / 1e6)
+    watts = got["power_w"] if power is not None else None
+    samples = exp.training.global_batch_size
+    energy_step = watts * exp.world_size * got["step_s"] if watts is not None else None
     notes = []
     t = exp.training
     if t.optimizer == "muon":
         notes.append("optimizer 'muon': its Newton-Schulz iterations are not modelled (timed as Adam's step)")
-    if t.cpu_offloading_num_layers or t.fine_grained_activation_offloading:
-        notes.append("activation offloading: its host transfers are taken as hidden behind compute")
     if t.cuda_graph_impl != "none":
         notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the host's launch time is not reduced for the "
                      "captured parts")
-    return SpeedReport(step_s=step, tokens_per_s=tokens / step, samples_per_s=samples / step,
-                       flops_per_iteration=flops,
-                       mfu=flops / step / exp.world_size / (peak * 1e12) if peak else None, precision=precision,
-                       params_total=memory.count_parameters(exp.model), params_per_stage=whole,
-                       params_per_device=per_device, shares=shares, power_w=watts, energy_per_token_j=energy,
-                       samples_per_s_mj=efficiency, rates_source=rates(exp, linear_precision(exp)).source,
+    precision, peak = peak_tflops(exp, None)
+    return SpeedReport(step_s=got["step_s"], tokens_per_s=got["tokens_per_s"], samples_per_s=samples / got["step_s"],
+                       flops_per_iteration=got["flops_per_iteration"], mfu=got["mfu"] if peak else None,
+                       precision=precision, params_total=int(got["params"]),
+                       params_per_stage=_whole_stage_params(exp),
+                       params_per_device=[int(times.params_stage[0][i]) for i in stage_features(exp, cache)[3]],
+                       shares={part: got[f"{part}_share"] for part in ("compute", "communication", "bubble", "other")},
+                       power_w=watts, energy_per_token_j=got["energy_per_token_j"] if watts is not None else None,
+                       samples_per_s_mj=samples / got["step_s"] / (energy_step / 1e6) if energy_step else None,
+                       rates_source=rates(exp, linear_precision(exp)).source,
                        power_source=power.source if power else None, notes=notes)
 
 
@@ -744,8 +773,10 @@ def _whole_stage_params(exp: Experiment) -> list[int]:
             total += sum(sum(memory.layer_params(m, pattern[i])) for i in chunk.layers)
             if chunk.embedding:
                 total += memory.embedding_params(m)
-            if chunk.loss and (not tied or pp > 1 or not chunk.embedding):
-                total += m.padded_vocab_size() * m.hidden_size
+            if chunk.loss:
+                total += memory.norm_params(m, m.hidden_size)
+                if not tied or pp > 1 or not chunk.embedding:
+                    total += m.padded_vocab_size() * m.hidden_size
             if chunk.mtp:
                 total += chunk.mtp * sum(memory.mtp_layer_params(m, pattern[-1]))
         out.append(int(total))
