@@ -59,6 +59,8 @@ from charllm.engine.model.flops import num_floating_point_operations, peak_tflop
 # bf16 GEMM on an H100 reaches half that rate at about 4 GFLOP (132 SMs' worth of 128x256 output tiles
 # and a long K keep it busy), i.e. 4 GFLOP / (0.72 x 989 TFLOP/s).
 MATMUL_FILL_S = 5.5e-6
+# Where a hardware preset gives no large-GEMM efficiency (matmul_efficiency 0: unknown)
+DEFAULT_MATMUL_EFFICIENCY = 0.5
 # FP8 GEMMs reach a smaller share of their (twice as high) peak than BF16's: H100 cuBLASLt FP8
 # GEMMs run at 1.3-1.45 of 1.98 PFLOP/s against BF16's 0.75-0.8 of 0.99.
 FP8_MATMUL_SHARE = 0.85
@@ -118,24 +120,47 @@ class Rates:
     source: str                     # "assumed" | "calibrated on NODE, DATE"
 
 
-def rates(exp: Experiment, precision: str) -> Rates:
+def rates(exp: Experiment, precision: str, efficiency: float | None = None) -> Rates:
     """The figures `exp`'s hardware offers for matmuls in `precision`: the preset's peaks and
-    bandwidths, its assumed large-GEMM efficiency, or the efficiency its node calibration measured."""
+    bandwidths, and its assumed large-GEMM efficiency, or the one its node calibration measured (or
+    `efficiency`, given)."""
     hw = exp.hardware
     peak = getattr(hw, _PEAK[precision]) or hw.bf16_tflops or 0.0
     half = hw.bf16_tflops or peak
-    share = hw.matmul_efficiency * (FP8_MATMUL_SHARE if precision == "fp8" else 1.0)
-    source = "assumed"
+    share, source = hw.matmul_efficiency or DEFAULT_MATMUL_EFFICIENCY, "assumed"
     cal = calibration.load(hw.name)
-    if cal is not None and cal.matmul_efficiency:
-        share = cal.matmul_efficiency * (FP8_MATMUL_SHARE if precision == "fp8" else 1.0)
-        source = cal.source
-    return Rates(peak * 1e12, half * 1e12, share or 0.5, hw.mem_bandwidth_gbs * 1e9, hw.node_link_gbs * 1e9,
+    if efficiency is not None:
+        share, source = efficiency, "given"
+    elif cal is not None and cal.matmul_efficiency:
+        share, source = cal.matmul_efficiency, cal.source
+    share *= FP8_MATMUL_SHARE if precision == "fp8" else 1.0
+    return Rates(peak * 1e12, half * 1e12, share, hw.mem_bandwidth_gbs * 1e9, hw.node_link_gbs * 1e9,
                  hw.network_gbs * 1e9, hw.host_link_gbs * 1e9, exp.cluster.gpus_per_node, source)
 
 
 _PEAK = {"fp8": "fp8_tflops", "bf16": "bf16_tflops", "fp16": "bf16_tflops", "tf32": "tf32_tflops",
          "fp32": "fp32_tflops"}
+
+
+def missing(exp: Experiment) -> list[str]:
+    """The hardware figures the model needs for `exp` that its preset leaves at 0 (unknown)."""
+    hw, t = exp.hardware, exp.training
+    needed = [_PEAK[linear_precision(exp)] if getattr(hw, _PEAK[linear_precision(exp)]) is not None
+              else "bf16_tflops", "mem_bandwidth_gbs"]
+    if exp.cluster.gpus_per_node > 1:
+        needed.append("node_link_gbs")
+    if exp.cluster.nodes > 1:
+        needed.append("network_gbs")
+    if t.fine_grained_activation_offloading or t.cpu_offloading_num_layers or t.optimizer_cpu_offload:
+        needed.append("host_link_gbs")
+    return [name for name in needed if not getattr(hw, name)]
+
+
+def unknown(exp: Experiment) -> str | None:
+    """Why the model gives `exp` no step time (figures its hardware lacks), or None."""
+    lacking = missing(exp)
+    return (f"no step time: hardware {exp.hardware.name!r} gives no {', '.join(lacking)} (0: unknown)"
+            if lacking else None)
 
 
 def linear_precision(exp: Experiment) -> str:
@@ -504,14 +529,15 @@ class Times:
     params_stage: Any               # per distinct stage: parameters on one rank (dense + expert)
 
 
-def step_times(exp: Experiment, L: Layouts, r: Rates | None = None, impl=None) -> Times:
-    """The step time of every layout in `L` (all of `exp`'s other settings), and its parts."""
+def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None = None) -> Times:
+    """The step time of every layout in `L` (all of `exp`'s other settings), and its parts;
+    `efficiency`: the large-GEMM efficiency to assume instead of the hardware's (see `rates`)."""
     import numpy as np  # deferred: start-up time
 
     m, t = exp.model, exp.training
     precision = linear_precision(exp)
-    r = r or rates(exp, precision)
-    half = r if precision in ("bf16", "fp16") else rates(exp, "fp16" if t.fp16 else "bf16")
+    r = rates(exp, precision, efficiency)
+    half = r if precision in ("bf16", "fp16") else rates(exp, "fp16" if t.fp16 else "bf16", efficiency)
     impl = impl or memory.implementation(exp)
     u = _unit_times(np, exp, L, r, half, impl)
     S = L.stages                                           # layouts x stages x features
@@ -699,6 +725,24 @@ def describe(exp: Experiment) -> str:
                else "power: none (the preset gives no board limit)"))
 
 
+def calibrated_efficiency(exp: Experiment, step_s: float, impl=None) -> float | None:
+    """The large-GEMM efficiency at which the model gives `exp` the measured `step_s` (`doctor
+    --train`'s job), to four digits; None where no efficiency in 2-100% gives it (the step is set by
+    what the efficiency does not change, or the measurement is off)."""
+    if missing(exp):
+        return None
+    L = layouts_of(exp)
+    impl = impl or memory.implementation(exp)
+    step = lambda share: float(step_times(exp, L, impl, share).step_s[0])  # noqa: E731  falls as share grows
+    low, high = 0.02, 1.0
+    if not step(high) <= step_s <= step(low):
+        return None
+    while high - low > 1e-4:
+        middle = (low + high) / 2
+        low, high = (middle, high) if step(middle) > step_s else (low, middle)
+    return round((low + high) / 2, 4)
+
+
 def figures(exp: Experiment, L: Layouts, times: Times) -> dict:
     """Per layout (numpy arrays): the step time and what follows from it, as the sweep's columns
     (engine.model.sweep.SPEED) and `estimate` report them."""
@@ -706,7 +750,7 @@ def figures(exp: Experiment, L: Layouts, times: Times) -> dict:
 
     t = exp.training
     samples, tokens = t.global_batch_size, t.global_batch_size * exp.seq_length
-    step = times.step_s
+    step = times.step_s if not missing(exp) else np.full(times.step_s.shape, np.nan)
     tps = np.unique(L.tp)
     flops = np.asarray([num_floating_point_operations(exp.model, samples, exp.seq_length, int(tp)) for tp in tps])
     flops = flops[np.searchsorted(tps, L.tp)]
@@ -728,10 +772,11 @@ def figures(exp: Experiment, L: Layouts, times: Times) -> dict:
     return out
 
 
-def estimate(exp: Experiment) -> SpeedReport:
-    """The step time, throughput, MFU, shares and power of `exp` as laid out."""
-    import numpy as np  # deferred: start-up time
-
+def estimate(exp: Experiment) -> SpeedReport | None:
+    """The step time, throughput, MFU, shares and power of `exp` as laid out; None where its hardware
+    lacks a figure the model needs (`unknown` says which)."""
+    if missing(exp):
+        return None
     cache: dict = {}
     L = layouts_of(exp, cache)
     times = step_times(exp, L, impl=memory.implementation(exp, cache))

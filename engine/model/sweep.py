@@ -268,8 +268,9 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
         ).filter(pl.Series(grid.allowed[:, d])))
     df = pl.concat(frames).with_columns(
         ((pl.col("pipeline_model_parallel_size") - 1)
-         / (pl.col("num_microbatches") * pl.col("virtual_pipeline_model_parallel_size"))).alias("bubble"))
-    df = df.sort(["_severity", "tokens_per_s", "headroom_bytes"], descending=[False, True, True])
+         / (pl.col("num_microbatches") * pl.col("virtual_pipeline_model_parallel_size"))).alias("bubble"),
+        *(pl.col(name).fill_nan(None) for name in SPEED))    # unknown (the hardware lacks a figure): null
+    df = df.sort(["_severity", "tokens_per_s", "headroom_bytes"], descending=[False, True, True], nulls_last=True)
     df = df.drop("_severity").with_row_index("rank", offset=1)
     df = df.with_columns(pl.col("rank").cast(pl.Int64))
     if fits_only:

@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     report = estimate(exp, ignored_args=ignored, warnings=warnings)
     fast = speed.estimate(exp)
     if args.json:
-        print(json.dumps({**report.to_dict(), "speed": fast.to_dict()}, indent=2))
+        print(json.dumps({**report.to_dict(), "speed": fast.to_dict() if fast else {"unknown": speed.unknown(exp)}},
+                         indent=2))
     else:
         render(exp, report, fast)
     return EXIT[report.verdict]
@@ -133,8 +134,8 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
-def seconds(value: float) -> str:
-    return f"{value:.3g}"
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
 
 
 def percent(value: float | None) -> str:
@@ -166,7 +167,7 @@ def speed_lines(fast) -> list[str]:
     return lines
 
 
-def render(exp, report, fast=None) -> None:
+def render(exp, report, fast) -> None:
     from rich.console import Console
     from rich import box
     from rich.table import Table
@@ -192,7 +193,9 @@ def render(exp, report, fast=None) -> None:
                       gib(s.activations), gib(s.other), gib(s.total_bytes), gib(s.reserve_bytes),
                       gib(s.headroom_bytes), f"[{VERDICT_STYLE[s.verdict]}]{s.verdict}[/]")
     console.print(table)
-    if fast is not None:
+    if fast is None:
+        console.print(f"[yellow]{speed.unknown(exp)}[/]", highlight=False)
+    else:
         for line in speed_lines(fast):
             console.print(line, highlight=False)
         console.print(f"[dim]{speed_basis(exp)}[/]", highlight=False)

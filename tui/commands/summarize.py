@@ -13,7 +13,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "summarize", help="summarize a run: power, energy, thermals, throttling, MFU",
         description="Summarize a run per GPU, node or the whole run over a window. Units are in the "
-                    "metric names; simulated telemetry is labelled in the 'simulated' column.",
+                    "metric names; simulated telemetry is labelled in the 'simulated' column. The table "
+                    "ends with what the plan predicts for the run's layout (step time, tokens/s, MFU, "
+                    "power, energy) beside what it measured, with the error.",
     )
     p.add_argument("run", metavar="RUN", help="run id (or unique prefix/suffix) or run directory")
     p.add_argument("--window", default="steady", metavar="steady|all|START:END",
@@ -43,4 +45,17 @@ def run(args: argparse.Namespace) -> int:
         if fmt == "table":      # which window the figures cover, in words (Live names its own too)
             print(f"figures over {window_phrase(df['window'][0])}")
         print(render(df, fmt), end="")
+        if fmt == "table":
+            print(predicted_lines(args.run, parse_window(args.window)), end="")
     return 0
+
+
+def predicted_lines(run, window) -> str:
+    """The plan's step time, throughput and power for the run's layout beside what it measured, or
+    nothing where the run recorded no experiment."""
+    from charllm.probes.analysis import predicted  # deferred: loads polars (start-up time)
+
+    try:
+        return predicted.render(predicted.predicted_vs_measured(run, window))
+    except UserError:
+        return ""

@@ -205,6 +205,10 @@ def why_none(base, recompute: tuple | None, dists: tuple | None) -> str:
     return str(problems[0]) if problems else "none passes validation with these recompute and optimizer choices"
 
 
+def _tokens(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def render(df, args, base, counted: str) -> None:
     """The ranked layouts as a table titled with how many were swept and how many fit (`counted`)."""
     from rich import box
@@ -223,7 +227,7 @@ def render(df, args, base, counted: str) -> None:
                       str(r["virtual_pipeline_model_parallel_size"]), str(r["context_parallel_size"]),
                       str(r["expert_model_parallel_size"]), str(r["data_parallel_size"]),
                       str(r["micro_batch_size"]), r["recompute"], "on" if r["use_distributed_optimizer"] else "off",
-                      f"{r['bubble']:.1%}", seconds(r["step_s"]), f"{r['tokens_per_s']:,.0f}", percent(r["mfu"]),
+                      f"{r['bubble']:.1%}", seconds(r["step_s"]), _tokens(r["tokens_per_s"]), percent(r["mfu"]),
                       watts(r["power_w"]), f"{r['peak_bytes'] / GIB:.1f}", str(r["peak_stage"]),
                       f"{r['headroom_bytes'] / GIB:.1f}", f"[{VERDICT_STYLE[r['verdict']]}]{r['verdict']}[/]")
     Console(width=None if sys.stdout.isatty() else 160).print(table)

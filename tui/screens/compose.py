@@ -134,6 +134,8 @@ def switch_model(exp: Experiment, model: ModelSpec) -> None:
 def speed_text(fast: dict) -> str:
     """The layout's speed beside the memory bars: step, throughput and MFU; the step's shares;
     parameters and FLOPs; power; and where the rates come from (lines under 80 columns)."""
+    if "unknown" in fast:
+        return f"[yellow]{escape(fast['unknown'])}[/]"
     sh = fast["shares"]
     mfu = f"MFU {fast['mfu']:.1%}" if fast["mfu"] is not None else "MFU n/a"
     stages = fast["params_per_stage"]
@@ -369,7 +371,8 @@ class ComposeScreen(WorkbenchScreen):
         if not problems:
             try:
                 report = memory.estimate(exp).to_dict()
-                fast = {**speed.estimate(exp).to_dict(), "basis": speed.describe(exp)}
+                found = speed.estimate(exp)
+                fast = {**found.to_dict(), "basis": speed.describe(exp)} if found else {"unknown": speed.unknown(exp)}
             except UserError as exc:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - an estimator bug is shown, editing goes on
