@@ -621,30 +621,27 @@ def _stage_params(np, exp: Experiment, L: Layouts):
     """(dense, expert) parameters on one rank of each distinct stage (per layout and stage)."""
     m = exp.model
     S = L.stages
-    tp, ep, etp = L.tp, L.ep, L.etp
-    shape = tp.shape
-
-    def per(fn):
-        """fn(tp, ep, etp) for each layout, computed once per distinct (tp, ep, etp)."""
-        keys = np.stack([tp, ep, etp], axis=1)
-        distinct, index = np.unique(keys, axis=0, return_inverse=True)
-        values = np.asarray([fn(*map(int, k)) for k in distinct], dtype=float)
-        return values[index.reshape(shape)]
-
-    dense_layer = per(lambda a, e, x: sum(memory.layer_params(m, False, a, e, x)))
-    moe_layer = per(lambda a, e, x: memory.layer_params(m, True, a, e, x)) if m.is_moe else np.zeros(shape + (2,))
-    embedding = per(lambda a, e, x: memory.embedding_params(m, a))
-    output = per(lambda a, e, x: m.padded_vocab_size(a) * m.hidden_size // a)
     pattern = m.moe_layer_pattern()
-    mtp = per(lambda a, e, x: memory.mtp_layer_params(m, pattern[-1], a, e, x)) if m.mtp_num_layers \
-        else np.zeros(shape + (2,))
+
+    def sizes(tp: int, ep: int, etp: int) -> tuple:
+        """(dense layer, MoE layer dense and expert, embedding, output layer, MTP layer dense and expert)."""
+        moe = memory.layer_params(m, True, tp, ep, etp) if m.is_moe else (0, 0)
+        mtp = memory.mtp_layer_params(m, pattern[-1], tp, ep, etp) if m.mtp_num_layers else (0, 0)
+        return (sum(memory.layer_params(m, False, tp, ep, etp)), *moe, memory.embedding_params(m, tp),
+                m.padded_vocab_size(tp) * m.hidden_size // tp, *mtp)
+
+    # once per distinct (TP, EP, expert TP): a key of the three in one integer
+    keys = (L.tp.astype(np.int64) << 40) | (L.ep.astype(np.int64) << 20) | L.etp.astype(np.int64)
+    distinct, index = np.unique(keys, return_inverse=True)
+    table = np.asarray([sizes(int(k >> 40), int((k >> 20) & 0xFFFFF), int(k & 0xFFFFF)) for k in distinct], dtype=float)
+    dense_layer, moe_dense, moe_expert, embedding, output, mtp_dense, mtp_expert = table[index.ravel()].T
     w = lambda x: x[:, None]  # noqa: E731
     # a tied output layer is the embedding's own weight where the stage holds both
     own_output = S[:, :, LOSS] * (1.0 if m.untie_embeddings_and_output_weights else (S[:, :, EMBEDDING] == 0))
     final_norm = memory.norm_params(m, m.hidden_size)
-    dense = (S[:, :, DENSE] * w(dense_layer) + S[:, :, MOE] * w(moe_layer[..., 0]) + S[:, :, EMBEDDING] * w(embedding)
-             + own_output * w(output) + S[:, :, LOSS] * final_norm + S[:, :, MTP] * w(mtp[..., 0]))
-    expert = S[:, :, MOE] * w(moe_layer[..., 1]) + S[:, :, MTP] * w(mtp[..., 1])
+    dense = (S[:, :, DENSE] * w(dense_layer) + S[:, :, MOE] * w(moe_dense) + S[:, :, EMBEDDING] * w(embedding)
+             + own_output * w(output) + S[:, :, LOSS] * final_norm + S[:, :, MTP] * w(mtp_dense))
+    expert = S[:, :, MOE] * w(moe_expert) + S[:, :, MTP] * w(mtp_expert)
     return dense, expert
 
 
