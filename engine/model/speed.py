@@ -50,7 +50,7 @@ from typing import Any
 
 from charllm.engine.model import calibration, memory
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.flops import num_floating_point_operations, peak_tflops
+from charllm.engine.model.flops import PEAK_FIELDS, num_floating_point_operations, peak_tflops
 
 # --------------------------------------------------------------------------------------------
 # Assumed rates (docs/speed-model.md gives each source)
@@ -59,8 +59,6 @@ from charllm.engine.model.flops import num_floating_point_operations, peak_tflop
 # bf16 GEMM on an H100 reaches half that rate at about 4 GFLOP (132 SMs' worth of 128x256 output tiles
 # and a long K keep it busy), i.e. 4 GFLOP / (0.72 x 989 TFLOP/s).
 MATMUL_FILL_S = 5.5e-6
-# Where a hardware preset gives no large-GEMM efficiency (matmul_efficiency 0: unknown)
-DEFAULT_MATMUL_EFFICIENCY = 0.5
 # FP8 GEMMs reach a smaller share of their (twice as high) peak than BF16's: H100 cuBLASLt FP8
 # GEMMs run at 1.3-1.45 of 1.98 PFLOP/s against BF16's 0.75-0.8 of 0.99.
 FP8_MATMUL_SHARE = 0.85
@@ -83,9 +81,10 @@ LATENCY_NODE_S = 20e-6
 LATENCY_NETWORK_S = 40e-6
 KERNEL_S = 4e-6                 # the least a kernel takes on the GPU
 # Host time to launch one Transformer Engine decoder layer's forward and backward for one
-# micro-batch (Python, autograd and kernel launches), and megatron-core's local layers; per
-# micro-batch and stage the schedule's own; per step the rest (optimizer launches, gradient norm,
-# logging). From Megatron-LM's CI runs of small models on H100 (tests/data/memory_dev/).
+# micro-batch (Python, autograd and kernel launches), and megatron-core's local layers'; an MoE
+# layer's extra; each collective; per micro-batch and stage the schedule's own; per step the rest
+# (optimizer launches, gradient norm, logging). Fitted (least squares on the log error) to the 83
+# small models of Megatron-LM's CI runs on H100 (tests/data/memory_dev/), whose steps are host time.
 HOST_LAYER_S = {"transformer_engine": 4.0e-3, "local": 2.2e-3}
 HOST_MOE_LAYER_S = 5.5e-3           # an MoE layer's router, permutation and experts, beyond a dense layer's
 HOST_COLLECTIVE_S = 80e-6           # per collective launched
@@ -125,9 +124,9 @@ def rates(exp: Experiment, precision: str, efficiency: float | None = None) -> R
     bandwidths, and its assumed large-GEMM efficiency, or the one its node calibration measured (or
     `efficiency`, given)."""
     hw = exp.hardware
-    peak = getattr(hw, _PEAK[precision]) or hw.bf16_tflops or 0.0
+    peak = getattr(hw, PEAK_FIELDS[precision]) or hw.bf16_tflops or 0.0
     half = hw.bf16_tflops or peak
-    share, source = hw.matmul_efficiency or DEFAULT_MATMUL_EFFICIENCY, "assumed"
+    share, source = hw.matmul_efficiency, "assumed"
     cal = calibration.load(hw.name)
     if efficiency is not None:
         share, source = efficiency, "given"
@@ -138,15 +137,14 @@ def rates(exp: Experiment, precision: str, efficiency: float | None = None) -> R
                  hw.network_gbs * 1e9, hw.host_link_gbs * 1e9, exp.cluster.gpus_per_node, source)
 
 
-_PEAK = {"fp8": "fp8_tflops", "bf16": "bf16_tflops", "fp16": "bf16_tflops", "tf32": "tf32_tflops",
-         "fp32": "fp32_tflops"}
-
-
 def missing(exp: Experiment) -> list[str]:
     """The hardware figures the model needs for `exp` that its preset leaves at 0 (unknown)."""
     hw, t = exp.hardware, exp.training
-    needed = [_PEAK[linear_precision(exp)] if getattr(hw, _PEAK[linear_precision(exp)]) is not None
-              else "bf16_tflops", "mem_bandwidth_gbs"]
+    peak = PEAK_FIELDS[linear_precision(exp)]
+    needed = [peak if getattr(hw, peak) is not None else "bf16_tflops", "mem_bandwidth_gbs"]
+    calibrated = calibration.load(hw.name)
+    if not (calibrated and calibrated.matmul_efficiency):
+        needed.append("matmul_efficiency")
     if exp.cluster.gpus_per_node > 1:
         needed.append("node_link_gbs")
     if exp.cluster.nodes > 1:
@@ -295,17 +293,17 @@ def _all_to_all(np, nbytes, size, stride, r: Rates):
     """Seconds of an all-to-all of `nbytes` per rank: what stays in the node over its link, the rest
     over each device's network share."""
     local = _members_per_node(np, size, stride, r.gpus_per_node)
-    inside = nbytes * (local - 1) / size / (r.node_bps * ALL_TO_ALL_EFFICIENCY)
+    inside = nbytes * (local - 1) / size / max(r.node_bps * ALL_TO_ALL_EFFICIENCY, 1.0)
     outside = nbytes * (size - local) / size / max(r.network_bps * LINK_EFFICIENCY, 1.0)
     latency = np.where(local < size, LATENCY_NETWORK_S, LATENCY_NODE_S)
     return np.where(size > 1, latency + np.maximum(inside, outside), 0.0)
 
 
 def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) -> dict:
-    """Per layout, the seconds of one micro-batch of each unit a stage holds: {unit: (forward,
-    backward, exposed communication forward, backward, matmul part of forward+backward)} for a dense
-    and an MoE decoder layer, the embedding and the loss; and the selective-recompute extra per layer
-    kind."""
+    """Per layout, what one micro-batch of each unit a stage holds takes: {unit: (forward seconds,
+    backward seconds, exposed communication forward, backward, the GEMM and attention part of forward
+    and backward, collectives the host launches)} for a dense and an MoE decoder layer, the
+    embedding, the loss and an MTP layer; and the selective-recompute extra per layer kind."""
     m, t = exp.model, exp.training
     ab = 2 if (t.bf16 or t.fp16) else 4
     lin_ab = 1 if t.fp8 else ab
@@ -314,7 +312,6 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
     s = exp.seq_length / cp                                  # tokens of a sequence on this rank
     T = L.micro_batch * s                                    # tokens through the layer's GEMMs
     T_sp = np.where(sp, T / tp, T)                           # tokens where SP shards them
-    gpn = r.gpus_per_node
     mm = lambda mr, kr, nr, **kw: _gemm(np, mr, kr, nr, r.matmul_flops, r.matmul, r, lin_ab, **kw)  # noqa: E731
 
     # -- attention projections (forward GEMMs)
