@@ -84,7 +84,8 @@ def register(sub) -> None:
     p.add_argument("--top", type=int, default=20, metavar="K", help="rows in the table (default 20; 0 = all)")
     p.add_argument("--sort", metavar="COLUMN",
                    help="order by this column instead of the rank, largest first where larger is better "
-                        "(tokens_per_s, mfu, headroom_bytes), else smallest first; a - prefix reverses it "
+                        "(tokens_per_s, mfu, headroom_bytes), else smallest first; a - prefix reverses it, "
+                        "as in --sort=-mfu "
                         "(--json lists the columns)")
     p.add_argument("--fits-only", action="store_true", help="only layouts that fit")
     out = p.add_mutually_exclusive_group()
