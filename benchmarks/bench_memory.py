@@ -1,7 +1,8 @@
-"""Memory-model speed, run by hand: `python benchmarks/bench_memory.py`.
+"""Memory- and step-time-model speed, run by hand: `python benchmarks/bench_memory.py`.
 
-Targets (issues 2, 11 and 26): one plan (`estimate`) well under 1 ms; the full sweep of Llama-3 70B on
-64 H100s (every recompute and optimizer choice: 7,176 layouts) under 100 ms beyond start-up, and on
+Targets (issues 2, 11, 26 and 30): one plan (`memory.estimate`) well under 1 ms, and its step time
+(`speed.estimate`) a few ms; the full sweep of Llama-3 70B on 64 H100s (every recompute and optimizer
+choice: 7,176 layouts, each with its memory and its step time) under 100 ms beyond start-up, and on
 1,024 H100s under 1 s. Prints best and median wall and process CPU time; on a shared, loaded
 machine the best-of-N CPU figures are the meaningful ones. Nothing is cached between sweeps but the
 catalog and the pipeline split (`memory._split`). "first in a process" is the first sweep of a fresh
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from charllm.engine.model import speed
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.sweep import base_experiment, sweep
 from charllm.engine.model.experiment import Experiment
@@ -64,6 +66,12 @@ def main() -> None:
     for name in PLANS:
         exp = Experiment.load(name)
         best, median, cpu, cpu_median = timed(lambda: estimate(exp), 300)
+        print(f"  {name:34s} PP{exp.parallel.pipeline_model_parallel_size:<3d} wall best {best * 1e6:5.0f} us"
+              f" median {median * 1e6:5.0f} us   cpu best {cpu * 1e6:5.0f} us median {cpu_median * 1e6:5.0f} us")
+    print("one step time (engine.model.speed.estimate):")
+    for name in PLANS:
+        exp = Experiment.load(name)
+        best, median, cpu, cpu_median = timed(lambda: speed.estimate(exp), 300)
         print(f"  {name:34s} PP{exp.parallel.pipeline_model_parallel_size:<3d} wall best {best * 1e6:5.0f} us"
               f" median {median * 1e6:5.0f} us   cpu best {cpu * 1e6:5.0f} us median {cpu_median * 1e6:5.0f} us")
     exp = Experiment.load(PLANS[0])

@@ -16,12 +16,15 @@
                                second, intervals between a device's rows, missed deadlines
     train                      (--train) a short real training job sized to the device: allocator
                                peak against the plan, reserved against allocated, memory outside
-                               the allocator, TFLOP/s and MFU, what implementation ran
+                               the allocator, TFLOP/s and MFU, what implementation ran, the step
+                               time the speed model assumed for it and the large-GEMM efficiency
+                               that gives the measured one (engine.model.speed)
     errors                     one line per failed check (the CLI exits 1 when there is any)
 
 `calibration_record()` turns a report into the node calibration `engine.model.calibration` saves and
 planning reads. Without a train check the record holds the stack and torch's capacity only; a
-memory measurement an earlier `--train` made on the same stack is kept, never replaced by less.
+memory or speed measurement an earlier `--train` made on the same stack is kept, never replaced by
+less.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from charllm.engine.launch.launcher import CANCEL_GRACE_S
 from charllm.engine.launch.local import free_port
 from charllm.engine.launch.process import describe_exit, root_cause
 from charllm.engine.launch.target import train_argv
-from charllm.engine.model import calibration, catalog, runtime
+from charllm.engine.model import calibration, catalog, runtime, speed
 from charllm.engine.model.experiment import Experiment, Hardware
 from charllm.engine.model.flops import peak_tflops
 from charllm.engine.model.memory import estimate
@@ -375,6 +378,13 @@ def measurements(exp, plan, events: list[dict], node: str) -> dict:
         "mfu_pct": 100 * tflops / peak if peak else None,
         "planned_bytes": plan.stages[-1].total_bytes, "stages": end["memory"],
     }
+    # the speed model's step for this job (assumed rates, what ran), and the GEMM efficiency that gives the measured one
+    ran = Implementation.from_dict(impl)
+    measured_s = out["iteration_ms_median"] / 1e3
+    out["speed"] = {"measured_step_s": measured_s,
+                    "assumed_step_s": float(speed.step_times(exp, speed.layouts_of(exp), ran,
+                                                             exp.hardware.matmul_efficiency or None).step_s[0]),
+                    "matmul_efficiency": speed.calibrated_efficiency(exp, measured_s, ran)}
     last = end["memory"][-1]
     outside = [s["outside_allocator_bytes"] for s in end["memory"] if s.get("outside_allocator_bytes") is not None]
     if out["device"] == "cuda":
@@ -491,6 +501,7 @@ def calibration_record(report: dict, previous: dict | None = None) -> dict:
         "reserve_fraction": train.get("reserve_fraction") if train else None,
         "expandable_segments": train.get("expandable_segments") if train else None,
     }
+    figures = {"matmul_efficiency": (train.get("speed") or {}).get("matmul_efficiency")} if train else {}
     if train is None and previous and previous.get("train") and previous.get("stack") == report.get("stack"):
         train = previous["train"]
         old = previous.get("memory") or {}
@@ -498,8 +509,9 @@ def calibration_record(report: dict, previous: dict | None = None) -> dict:
         memory["devices"] = old.get("devices", memory["devices"])
         memory["reserve_fraction"] = old.get("reserve_fraction")
         memory["expandable_segments"] = old.get("expandable_segments")
+        figures = previous.get("speed") or {}
     record = {key: report[key] for key in RECORD_KEYS if key in report}
-    record.update(memory=memory, train=train)
+    record.update(memory=memory, train=train, speed=figures)
     return record
 
 

@@ -1,4 +1,4 @@
-"""Rebuild the memory development set (tests/data/memory_dev/memory_dev.json) from a Megatron-LM checkout.
+"""Rebuild the memory and step-time development set (tests/data/memory_dev/memory_dev.json) from a Megatron-LM checkout.
 
     python tools/build_memory_dev.py MEGATRON_LM [--out FILE]
     MEGATRON_LM_CHECKOUT=/path/to/Megatron-LM python tools/build_memory_dev.py
@@ -24,7 +24,13 @@ Per case, as tests/data/memory_dev/README.md describes:
   MFU_RANGE, among the sizes the layout allows; exactly one must;
 - the vocabulary: none of the configs gives --vocab-size with a real tokenizer, so it is inferred from
   the tokenizer files (VOCABULARIES) and added as --vocab-size;
-- the environment (ENV_VARS), and every choice above, in `provenance` and `notes`.
+- the environment (ENV_VARS), and every choice above, in `provenance` and `notes`;
+- the step time (issue 30): `iteration-time` of the same golden file, the median of its finite values
+  past the first STEP_WARMUP of the logged steps (the first steps compile, allocate and warm up; a
+  checkpoint save spikes one step), with the commit in which those values last changed. Where that
+  commit's MODEL_ARGS differ from the ones used, they may differ only in flags that leave a training
+  step alone (NO_STEP_EFFECT: data and checkpoint files, checkpoint saving); any other difference
+  leaves the case without a step time, and says why.
 """
 
 from __future__ import annotations
@@ -72,6 +78,12 @@ VOCABULARIES = {
                                       "SentencePiece vocabulary of 256,000 tokens (inferred from its name)"),
 }
 
+# Flags that change no training step (files, and checkpointing, which runs between steps): MODEL_ARGS of
+# the iteration-time commit may differ from the ones used in these alone.
+NO_STEP_EFFECT = (*PATH_FLAGS, "--async-save", "--use-persistent-ckpt-worker", "--verify-integrity")
+ITERATION_TIME = "iteration-time"
+STEP_WARMUP = 0.25                    # share of the logged steps left out at the start
+
 GPUS_PER_NODE = 8
 H100_BF16_FLOPS = 989.4e12            # dense, per GPU (presets/hardware/h100-sxm-80gb.toml)
 MFU_RANGE = (0.2, 0.5)
@@ -117,19 +129,65 @@ def memory_at_last_step(golden: dict) -> dict | None:
             "range": {m: (min(series[m].values()), max(series[m].values())) for m in (STATIC, PEAK)}}
 
 
-def golden_commit(checkout: Path, path: str, measured: dict) -> tuple[str, str]:
-    """(commit, date) in which the last step's memory values last changed: the oldest of the newest
-    run of the file's commits that hold the values HEAD holds."""
-    found = None
+def finite_iteration_times(golden: dict) -> list[tuple[int, float]]:
+    """Every finite (step, iteration time), in step order: a golden file rewritten without its leading
+    NaN steps (Megatron-LM 93ebf8d72f) holds the same measurement."""
+    return sorted((int(step), float(value)) for step, value in golden.get(ITERATION_TIME, {}).get("values", {}).items()
+                  if math.isfinite(float(value)))
+
+
+def changed_in(checkout: Path, path: str, read) -> tuple[str, str] | None:
+    """(commit, date) in which `read(golden)` last changed to what HEAD's golden file gives: the oldest
+    of the newest run of the file's commits that give it; None if HEAD's gives None."""
+    found, head = None, None
     for line in git(checkout, "log", "--format=%H %ad", "--date=short", "--", path).splitlines():
         commit, date = line.split()
         try:
-            old = memory_at_last_step(json.loads(git(checkout, "show", f"{commit}:{path}")))
+            values = read(json.loads(git(checkout, "show", f"{commit}:{path}")))
         except (LookupError, json.JSONDecodeError):
             break
-        if old is None or (old["static"], old["peak"]) != (measured["static"], measured["peak"]):
+        if found is None:
+            head = values
+        if values is None or values != head:
             break
         found = (commit, date)
+    return found
+
+
+def step_time(checkout: Path, folder: str, golden: dict, used: list[tuple[str, list[str]]]) -> dict:
+    """The case's step time (median, range and count of its steady iteration times, the steps they
+    span) with the commit they come from, or why it has none (`why`). `used`: the flags the case's
+    megatron_args come from."""
+    from charllm.engine.model.megatron import model_config_tokens
+
+    series = finite_iteration_times(golden)
+    if not series:
+        return {"why": f"its H100 golden values hold no finite {ITERATION_TIME}"}
+    steady = series[int(len(series) * STEP_WARMUP):]
+    values = [v for _, v in steady]
+    commit, date = changed_in(checkout, f"{folder}/{GOLDEN}", lambda g: finite_iteration_times(g) or None)
+    _, groups = flags_of(model_config_tokens(git(checkout, "show", f"{commit}:{folder}/model_config.yaml")))
+    then, now = ({(flag, tuple(words)) for flag, words in flags if flag not in NO_STEP_EFFECT}
+                 for flags in (groups, used))
+    differ = sorted({flag for flag, _ in then ^ now})
+    if differ:
+        return {"why": f"its iteration times last changed in {commit[:10]}, whose MODEL_ARGS differ from the "
+                       f"ones used in {', '.join(differ)}"}
+    others = sorted({flag for flag, _ in groups} ^ {flag for flag, _ in used})
+    return {"seconds": round(statistics.median(values), 6), "min": min(values), "max": max(values), "count": len(values),
+            "steps": [steady[0][0], steady[-1][0]], "commit": commit, "date": date,
+            "flags": "the MODEL_ARGS used" + (f" but for {', '.join(others)}, which change no step" if others else "")}
+
+
+def last_memory(golden: dict) -> tuple[int, int] | None:
+    measured = memory_at_last_step(golden)
+    return measured and (measured["static"], measured["peak"])
+
+
+def golden_commit(checkout: Path, path: str) -> tuple[str, str]:
+    """(commit, date) in which the last step's memory values last changed: the oldest of the newest
+    run of the file's commits that hold the values HEAD holds."""
+    found = changed_in(checkout, path, last_memory)
     if found is None:
         raise LookupError(f"{path}: no commit in its history holds its memory values")
     return found
@@ -262,7 +320,7 @@ def build_case(checkout: Path, head: str, suite: str, case: str, recipes: dict) 
     measured = memory_at_last_step(golden)
     if measured is None:
         return "its H100 golden values hold no allocator memory"
-    commit, date = golden_commit(checkout, f"{folder}/{GOLDEN}", measured)
+    commit, date = golden_commit(checkout, f"{folder}/{GOLDEN}")
     twin = copied_from(checkout, commit, suite, case, measured)
     if twin is not None:
         return (f"its H100 memory values came with the case in {commit[:10]}, equal to {twin}'s then: a copy, "
@@ -314,6 +372,7 @@ def build_case(checkout: Path, head: str, suite: str, case: str, recipes: dict) 
                      f"{spec['nodes']} x {spec['gpus']}")
     exp = import_megatron_args(line, world_size=world, gpus_per_node=GPUS_PER_NODE,
                                hardware="h100-sxm-80gb").experiment
+    timed = step_time(checkout, folder, golden, groups)
     p = exp.parallel
     derived = {"data_parallel_size": exp.data_parallel_size, "virtual_pipeline": p.virtual_pipeline_model_parallel_size,
                "expert_tensor_parallel_size": exp.expert_tensor_parallel_size if exp.model.is_moe else None,
@@ -334,7 +393,12 @@ def build_case(checkout: Path, head: str, suite: str, case: str, recipes: dict) 
              f"megatron_args are the MODEL_ARGS of model_config.yaml at {config_commit[:10]} (HEAD {head[:10]}). "
              + (f"Left out: {', '.join(dropped)} (files, or shell variables CI expands). " if dropped else "")
              + (f"Added: {'; '.join(added)}. " if added else "")
-             + f"Env: {', '.join(f'{k}={v}' for k, v in env.items()) or 'none'}.")
+             + f"Env: {', '.join(f'{k}={v}' for k, v in env.items()) or 'none'}. "
+             + (f"Step time: {timed['why']}." if "why" in timed else
+                f"Step time: the median iteration time of steps {timed['steps'][0]}-{timed['steps'][1]} "
+                f"({timed['count']} logged, the first {STEP_WARMUP:.0%} of the logged steps left out), "
+                f"{timed['seconds']:.3f} s (range {timed['min']:.3f}-{timed['max']:.3f} s); those values last "
+                f"changed in {timed['commit'][:10]} ({timed['date']}), with {timed['flags']}."))
     return {
         "name": name,
         "suite": suite,
@@ -346,10 +410,12 @@ def build_case(checkout: Path, head: str, suite: str, case: str, recipes: dict) 
         "env": env,
         "measured_peak_bytes": measured["peak"],
         "measured_static_bytes": measured["static"],
+        "measured_iteration_time_s": timed.get("seconds"),
         "provenance": {"golden_commit": commit, "golden_date": date, "config_commit": config_commit, "head": head,
                        "measured_step": measured["step"], "logged_steps": [first_step, last_step, interval],
                        "test_type": config.get("TEST_TYPE"), "world_size": world_why, "vocabulary": vocab_why,
-                       "dropped_flags": dropped, "added_flags": added, "derived": derived},
+                       "dropped_flags": dropped, "added_flags": added, "derived": derived,
+                       "iteration_time": timed},
         "notes": notes,
     }
 

@@ -5,8 +5,13 @@
 `plan`, `sweep` and Compose use the calibration of an experiment's hardware in place of the
 preset's assumptions: the node's software stack (which transformer implementation "auto" becomes,
 what can run there), the memory the allocator can use, and the memory outside it. They say
-"calibrated on NODE, DATE" where they would otherwise say "assumed". A damaged file counts as no
-calibration (and says so once on stderr), never as an error that stops planning.
+"calibrated on NODE, DATE" where they would otherwise say "assumed"; the step-time model
+(`engine.model.speed`) takes the large-GEMM efficiency the node's train check achieved. A damaged
+file counts as no calibration (and says so once on stderr), never as an error that stops planning.
+
+Power calibrations come from recorded runs instead (`probes.analysis.predicted.calibrate_power`):
+
+    <data dir>/calibrations/<hardware>.power.json
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Calibration:
     reserve_fraction: float | None    # reserved beyond the allocated peak, per byte of churn (memory.Budget)
     expandable_segments: bool | None  # the allocator setting that figure was measured with
     data: dict                        # the whole record (versions, devices, measurements)
+    matmul_efficiency: float | None = None   # share of the dense peak large GEMMs reached (speed model)
 
     @property
     def source(self) -> str:
@@ -83,7 +89,12 @@ def _parse(target: Path, data: dict) -> Calibration:
                        devices=int(memory.get("devices") or 1),
                        reserve_fraction=_fraction(memory.get("reserve_fraction")),
                        expandable_segments=memory.get("expandable_segments") if isinstance(
-                           memory.get("expandable_segments"), bool) else None, data=data)
+                           memory.get("expandable_segments"), bool) else None, data=data,
+                       matmul_efficiency=_share((data.get("speed") or {}).get("matmul_efficiency")))
+
+
+def _share(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and 0 < value <= 1 else None
 
 
 def _fraction(value) -> float | None:
@@ -118,3 +129,43 @@ def for_planning(hardware) -> Stack:
     """The stack of the node calibrated for this hardware (`charllm-tui doctor`), else assumed."""
     found = load(hardware.name)
     return found.stack if found else assumed(hardware)
+
+
+# --------------------------------------------------------------------------------------------
+# Power, from recorded runs
+# --------------------------------------------------------------------------------------------
+def power_path(hardware: str) -> Path:
+    return directory() / f"{hardware}.power.json"
+
+
+def save_power(hardware: str, record: dict) -> Path:
+    """Write a power calibration (`probes.analysis.predicted.calibrate_power` builds it) atomically."""
+    target = power_path(hardware)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(target, {"version": VERSION, "hardware": hardware, **record})
+    _power.cache_clear()
+    return target
+
+
+def load_power(hardware: str) -> dict | None:
+    """{idle_w, max_w, runs, ...} fitted to `hardware`'s recorded runs, or None (none, or damaged)."""
+    target = power_path(hardware)
+    try:
+        stamp = target.stat().st_mtime_ns
+    except OSError:
+        return None
+    return _power(str(target), stamp)
+
+
+@functools.lru_cache(maxsize=32)   # keyed by path and mtime, as _cached
+def _power(target: str, stamp: int) -> dict | None:
+    try:
+        data = json.loads(read_bounded(target, 2**20, "power calibration"))
+        idle, top, runs = float(data["idle_w"]), float(data["max_w"]), int(data["runs"])
+        if not (0 <= idle < top < 100_000) or runs < 1:
+            raise ValueError(f"idle {idle} W, max {top} W, {runs} runs")
+        return {**data, "idle_w": idle, "max_w": top, "runs": runs}
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, UserError) as exc:
+        print(f"charllm-tui: warning: {target}: not a usable power calibration ({exc.__class__.__name__}: {exc}); "
+              "ignored", file=sys.stderr)
+        return None

@@ -300,7 +300,21 @@ class Hardware:
                                              "runs; unset: unknown")
     fp8: bool = setting(False, flag=None, help="the device has FP8 matrix units")
     mem_bandwidth_gbs: float = setting(0.0, flag=None, minimum=0, help="peak memory bandwidth (GB/s); 0: unknown")
+    node_link_gbs: float = setting(0.0, flag=None, minimum=0,
+                                   help="device-to-device bandwidth in a node, each way (GB/s): NVLink, Infinity "
+                                        "Fabric or PCIe; 0: unknown")
+    network_gbs: float = setting(0.0, flag=None, minimum=0,
+                                 help="network bandwidth between nodes per device, each way (GB/s): the node's "
+                                      "NICs over its devices; 0: unknown")
+    host_link_gbs: float = setting(0.0, flag=None, minimum=0,
+                                   help="device-to-host bandwidth, each way, with every device of the node "
+                                        "transferring (GB/s): offloading; 0: unknown")
+    matmul_efficiency: float = setting(0.0, flag=None, minimum=0, maximum=1,
+                                       help="share of the dense peak large GEMMs reach in training; assumed until "
+                                            "doctor --train measures it")
     tdp_w: float = setting(0.0, flag=None, minimum=0, help="board power limit (W); 0: unknown")
+    idle_w: float = setting(0.0, flag=None, minimum=0, help="power of an idle device (W), until recorded runs of "
+                                                            "the hardware calibrate it; 0: unknown")
     devices_per_package: int = setting(1, flag=None, minimum=1, maximum=64,
                                        help="devices one package shows the software (MI250X: 2 GCDs)")
     max_sm_clock_mhz: float = setting(0.0, flag=None, minimum=0, help="highest SM clock (MHz); 0: unknown")

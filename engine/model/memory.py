@@ -339,8 +339,10 @@ def _parse_layout(layout: str, total: int) -> list[_Chunk]:
 # --------------------------------------------------------------------------------------------
 # Parameters on one rank
 # --------------------------------------------------------------------------------------------
-def _norm(m, size: int) -> int:
+def norm_params(m, size: int) -> int:
+    """Parameters of one norm over `size` elements (LayerNorm: weight and bias; RMSNorm: weight)."""
     return size * (2 if m.normalization == "LayerNorm" else 1)
+
 
 
 def attention_params(m, tp: int = 1) -> int:
@@ -350,18 +352,18 @@ def attention_params(m, tp: int = 1) -> int:
         qk, pos, v = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
         if m.q_lora_rank:
             # down projections are replicated across TP ("duplicated"); up projections split
-            q = h * m.q_lora_rank + _norm(m, m.q_lora_rank) + m.q_lora_rank * a * (qk + pos) // tp
+            q = h * m.q_lora_rank + norm_params(m, m.q_lora_rank) + m.q_lora_rank * a * (qk + pos) // tp
         else:
             q = h * a * (qk + pos) // tp
-        kv = h * (m.kv_lora_rank + pos) + _norm(m, m.kv_lora_rank) + m.kv_lora_rank * a * (qk + v) // tp
+        kv = h * (m.kv_lora_rank + pos) + norm_params(m, m.kv_lora_rank) + m.kv_lora_rank * a * (qk + v) // tp
         out = a * v * h // tp + (h if m.add_bias_linear else 0)
-        return _norm(m, h) + q + kv + out
+        return norm_params(m, h) + q + kv + out
     d, g = m.head_dim, m.query_groups
     qkv = (a + 2 * g) * d
     qkv_bias = qkv if (m.add_bias_linear or m.add_qkv_bias) else 0
-    qk_norm = 2 * _norm(m, d) if m.qk_layernorm else 0
+    qk_norm = 2 * norm_params(m, d) if m.qk_layernorm else 0
     proj = a * d * h // tp + (h if m.add_bias_linear else 0)   # row-parallel bias is replicated
-    return _norm(m, h) + (h * qkv + qkv_bias) // tp + qk_norm + proj
+    return norm_params(m, h) + (h * qkv + qkv_bias) // tp + qk_norm + proj
 
 
 def mlp_params(m, ffn: int, tp: int = 1) -> int:
@@ -374,7 +376,7 @@ def mlp_params(m, ffn: int, tp: int = 1) -> int:
 
 def layer_params(m, moe: bool, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[int, int]:
     """(dense, expert) parameters of one decoder layer on one rank."""
-    dense = attention_params(m, tp) + _norm(m, m.hidden_size)
+    dense = attention_params(m, tp) + norm_params(m, m.hidden_size)
     if not moe:
         return dense + mlp_params(m, m.ffn, tp), 0
     dense += m.num_moe_experts * m.hidden_size                    # router, replicated
@@ -394,13 +396,13 @@ def mtp_layer_params(m, moe: bool, tp: int = 1, ep: int = 1, etp: int = 1) -> tu
     """enorm + hnorm + eh_proj (2h -> h) + one decoder layer + final norm."""
     dense, expert = layer_params(m, moe, tp, ep, etp)
     h = m.hidden_size
-    return dense + 3 * _norm(m, h) + 2 * h * h // tp, expert
+    return dense + 3 * norm_params(m, h) + 2 * h * h // tp, expert
 
 
 def count_parameters(m) -> int:
     """All parameters of the model (TP = EP = 1), as megatron-core's GPTModel has them."""
     pattern = m.moe_layer_pattern()
-    total = embedding_params(m) + _norm(m, m.hidden_size)
+    total = embedding_params(m) + norm_params(m, m.hidden_size)
     total += sum(sum(layer_params(m, moe)) for moe in pattern)
     if m.untie_embeddings_and_output_weights:
         total += m.padded_vocab_size() * m.hidden_size
@@ -420,6 +422,7 @@ class _Act:
     saved: float
     transient: float
     parts: dict = field(default_factory=dict)      # part -> (saved, transient)
+    offloaded: float = 0.0                         # fine-grained offloading: bytes sent to the host
 
 
 def implementation(exp: Experiment, cache: dict | None = None) -> "runtime.Implementation":
@@ -592,7 +595,7 @@ class _Shapes:
                      "experts": (saved - attn_saved - routing, mlp_transient)}
         else:
             parts = {"attn": (attn_saved, attn_transient), "mlp": (saved - attn_saved, mlp_transient)}
-        return _Act(saved, transient, parts)
+        return _Act(saved, transient, parts, offloaded)
 
     def checkpoint_input(self) -> float:
         return self.ab * self.sbh
@@ -601,7 +604,7 @@ class _Shapes:
         """Token ids (int64) and the embedding dropout mask."""
         return 8 * self.s * self.b + (self.sbh if self.hid_dropout else 0)
 
-    def final_norm(self) -> float:
+    def finalnorm_params(self) -> float:
         return self.ab * self.sbh + self.lin * self.sbh
 
     def logits(self, vocab: int) -> tuple[float, float]:
@@ -747,7 +750,7 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
         pattern = _pattern(m, cache)
         shapes = _Shapes(exp, impl)
         acts = {k: shapes.layer(k) for k in ((False, True) if m.is_moe else (False,))}
-        mtp_act = (acts[pattern[-1]].saved + 3 * shapes.ab * shapes.sbh + shapes.final_norm()) \
+        mtp_act = (acts[pattern[-1]].saved + 3 * shapes.ab * shapes.sbh + shapes.finalnorm_params()) \
             if m.mtp_num_layers else 0.0
         excess = acts[True].saved - _Shapes(exp, impl, imbalance=False).layer(True).saved if m.is_moe else 0.0
         lb, lf = shapes.logits(m.padded_vocab_size(shapes.tp))
@@ -784,11 +787,25 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
             backward={k: a.saved * (1 if block else group) if shapes.full_recompute
                       else a.transient + (a.saved if offloaded else 0.0) for k, a in acts.items()},
             checkpoint_input=shapes.checkpoint_input(), embedding=shapes.embedding(),
-            final_norm=shapes.final_norm(), mtp=mtp_act, loss_extra=loss_extra,
+            final_norm=shapes.finalnorm_params(), mtp=mtp_act, loss_extra=loss_extra,
             full_recompute=shapes.full_recompute, group=group, offloaded_layers=offloaded,
             moe_excess=excess, mtp_excess=excess if m.mtp_num_layers and pattern[-1] else 0.0,
             deferred_wgrad=deferred, deferral_limit=t.wgrad_deferral_limit, capture=capture)
     return entry
+
+
+def host_bytes(exp: Experiment, cache: dict | None = None) -> dict[bool, float]:
+    """Bytes one layer of each kind (MoE?) sends to host memory per micro-batch and fetches back for
+    its backward: the inputs of the fine-grained offloading modules, or a whole layer's saved
+    activations with layer offloading (cpu_offloading_num_layers; for the layers it covers)."""
+    t = exp.training
+    if not (t.fine_grained_activation_offloading or t.cpu_offloading_num_layers):
+        return {False: 0.0, True: 0.0}
+    shapes = _Shapes(exp, implementation(exp, cache))
+    kinds = (False, True) if exp.model.is_moe else (False,)
+    out = {k: (shapes.layer(k).offloaded if t.fine_grained_activation_offloading else shapes.layer(k).saved)
+           for k in kinds}
+    return {False: out[False], True: out.get(True, 0.0)}
 
 
 def _graphed_parts(exp: Experiment, impl: "runtime.Implementation") -> dict[bool, set[str]] | None:
@@ -943,7 +960,7 @@ def _chunk_params(m, kinds, params, mtp_params, embedding, output_weight):
             cd += embedding
             embeddings += embedding
         if loss:
-            cd += _norm(m, m.hidden_size) + output_weight
+            cd += norm_params(m, m.hidden_size) + output_weight
             embeddings += output_weight
         cd += mtp * mtp_params[0]
         ce += mtp * mtp_params[1]

@@ -8,14 +8,15 @@ attention, recompute settings, optimizer options) is `base`'s, so a row loaded b
 stay as `base` has them unless the caller asks to vary them too (`recompute=`, `distributed_optimizer=`);
 a varied recompute choice other than `base`'s own uses the plain settings in RECOMPUTE.
 
+Each row also carries what the step-time model (`engine.model.speed`) gives for the layout: the step
+time, tokens/s, MFU, the shares of the step in compute, exposed communication, pipeline bubble and the
+rest, the estimated power per device and energy per token, Megatron's FLOPs per iteration, and the
+parameters (all, and the most on one device); `speed.step_times` evaluates every row at once.
+
 Ranking (the `rank` column, 1 = most promising):
   1. layouts that fit first, then tight ones, then those that do not fit;
-  2. less recompute (none, then selective, then full: full recompute re-runs the forward);
-  3. a smaller pipeline bubble, (PP - 1) / (micro-batches x VP), in whole percent;
-  4. fewer ranks in the communication-heavy dimensions, TP x CP (their collectives sit on the
-     critical path of every layer), then fewer expert-parallel ranks, then fewer pipeline
-     stages and virtual stages (point-to-point traffic);
-  5. more memory headroom.
+  2. more tokens per second (the step-time model: recompute, bubble and communication all cost time);
+  3. more memory headroom.
 
 How (`_Grid`): `engine.model.validate`'s rules see each layout shape (TP, CP, PP, VP, EP) once
 (every micro batch shares the check: the micro batch only enters the batch rule, which the
@@ -36,7 +37,7 @@ import dataclasses
 import math
 from typing import Any
 
-from charllm.engine.model import calibration, memory, runtime
+from charllm.engine.model import calibration, memory, runtime, speed
 from charllm.engine.model.experiment import (Cluster, Experiment, Hardware, ModelSpec, Training, microbatches,
                                              resolve_key)
 from charllm.engine.model.validate import rule_problems, value_problems
@@ -47,7 +48,6 @@ RECOMPUTE = {
     "selective": {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None},
     "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
 }
-RECOMPUTE_ORDER = {name: i for i, name in enumerate(RECOMPUTE)}
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # Fields each layout sets itself: a `training` option naming one would be silently overwritten.
 SWEPT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -63,7 +63,10 @@ COLUMNS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
            "context_parallel_size", "expert_model_parallel_size", "data_parallel_size", "micro_batch_size",
            "recompute", "use_distributed_optimizer", "sequence_parallel")
 
-ORDER = ("rank", *COLUMNS, "num_microbatches", "bubble", "peak_bytes", "peak_stage", "static_bytes",
+# What the step-time model (engine.model.speed) adds per layout
+SPEED = ("step_s", "tokens_per_s", "mfu", "compute_share", "communication_share", "bubble_share", "other_share",
+         "power_w", "energy_per_token_j", "flops_per_iteration", "params", "params_per_device")
+ORDER = ("rank", *COLUMNS, "num_microbatches", "bubble", *SPEED, "peak_bytes", "peak_stage", "static_bytes",
          "headroom_bytes", "verdict", "fits")
 
 
@@ -235,13 +238,15 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
     grid = _Grid(base, micro_batch_sizes, recompute, distributed_optimizer)
     if not grid.rows:
         flags = ("use_distributed_optimizer", "sequence_parallel", "fits")
-        return pl.DataFrame(schema={name: pl.String if name in ("recompute", "verdict") else pl.Float64 if name == "bubble"
+        floats = ("bubble", *SPEED)
+        return pl.DataFrame(schema={name: pl.String if name in ("recompute", "verdict") else pl.Float64 if name in floats
                                     else pl.Boolean if name in flags else pl.Int64 for name in ORDER})
     starts = np.flatnonzero(np.r_[True, grid.stage_row[1:] != grid.stage_row[:-1]])
     sizes = np.diff(np.r_[starts, len(grid.stage_row)])
     frames = []
     for d, dist in enumerate(grid.distributed_optimizer):
         st = grid.stage_bytes(dist)
+        fast = grid.speed(dist)
         peak = np.maximum.reduceat(st["total"], starts)
         at_peak = st["total"] == np.repeat(peak, sizes)
         peak_stage = np.minimum.reduceat(np.where(at_peak, grid.stage_rank, 1 << 30), starts)
@@ -259,18 +264,14 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
             pl.Series("verdict", np.asarray(memory.VERDICTS)[worst]),
             pl.Series("fits", worst == memory.SEVERITY[memory.FITS]),
             pl.Series("_severity", worst),
+            *(pl.Series(name, values) for name, values in fast.items()),
         ).filter(pl.Series(grid.allowed[:, d])))
     df = pl.concat(frames).with_columns(
         ((pl.col("pipeline_model_parallel_size") - 1)
          / (pl.col("num_microbatches") * pl.col("virtual_pipeline_model_parallel_size"))).alias("bubble"),
-        pl.col("recompute").replace_strict(RECOMPUTE_ORDER, return_dtype=pl.Int64).alias("_recompute_cost"),
-        (pl.col("tensor_model_parallel_size") * pl.col("context_parallel_size")).alias("_comm"),
-    )
-    df = df.with_columns((pl.col("bubble") * 100).round(0).alias("_bubble_pct")).sort(
-        ["_severity", "_recompute_cost", "_bubble_pct", "_comm", "expert_model_parallel_size",
-         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "headroom_bytes"],
-        descending=[False, False, False, False, False, False, False, True])
-    df = df.drop("_recompute_cost", "_comm", "_bubble_pct", "_severity").with_row_index("rank", offset=1)
+        *(pl.col(name).fill_nan(None) for name in SPEED))    # unknown (the hardware lacks a figure): null
+    df = df.sort(["_severity", "tokens_per_s", "headroom_bytes"], descending=[False, True, True], nulls_last=True)
+    df = df.drop("_severity").with_row_index("rank", offset=1)
     df = df.with_columns(pl.col("rank").cast(pl.Int64))
     if fits_only:
         df = df.filter(pl.col("fits"))
@@ -293,6 +294,7 @@ def stage_table(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recomp
     frames = []
     for d, dist in enumerate(grid.distributed_optimizer):
         st = grid.stage_bytes(dist)
+        fast = grid.speed(dist)
         frames.append(layouts[grid.stage_row].with_columns(
             pl.lit(dist).alias("use_distributed_optimizer"),
             pl.Series("pp_rank", grid.stage_rank.astype(np.int64)),
@@ -341,25 +343,36 @@ class _Grid:
         parts: dict[tuple, int] = {}              # activation setting of a shape -> index
         part_of, part_shape = [], []              # per shape: its setting; per setting: a shape that has it
         sharding, workspace = [], []              # per shape: (dp shard, expert dp shard, dispatcher), per batch
+        expert_sizes = []                         # per shape: (expert TP, expert DP)
+        features: dict[int, int] = {}             # id(speed.stage_features entry) -> index in self.features
+        self.features = []                        # speed.stage_features' (stages, counts, first ranks, _)
+        feature_of = []                           # per shape: its features' index per recompute choice (-1: none)
         for shape, batches, choices in layouts(base, tuple(batch_sizes.tolist()), names, dists):
             _apply(work, {**shape, "micro_batch_size": batches[0]}, settings)
             pr = memory.precision(work)           # the same for every micro batch and recompute choice
             sharding.append((pr.dp_shard, pr.edp_shard, memory.dispatcher_buffer_bytes(work)))
+            expert_sizes.append((work.expert_tensor_parallel_size, work.expert_data_parallel_size))
             workspace.append(memory.workspace_bytes(work, cache, micro_batch_size=batch_sizes)
                              + np.zeros(len(batch_sizes)))
             batch_ok.append([size in batches for size in micro_batch_sizes])
             choice_ok.append([[dist in choices.get(name, ()) for dist in dists] for name in names])
-            row = []
+            row, feature_row = [], []
             for name in names:
                 if name not in choices:
                     row.append(-1)
+                    feature_row.append(-1)
                     continue
                 _set_recompute(work, name, settings)
                 entry = memory.layout_terms(work, cache, peak_candidates=True)
                 row.append(entries.setdefault(id(entry), len(entries)))
                 if row[-1] == len(self.entries):
                     self.entries.append(entry)
+                found = speed.stage_features(work, cache)
+                feature_row.append(features.setdefault(id(found), len(features)))
+                if feature_row[-1] == len(self.features):
+                    self.features.append(found)
             entry_of.append(row)
+            feature_of.append(feature_row)
             part = tuple(shape[name] for name in activation_sizes)
             part_of.append(parts.setdefault(part, len(parts)))
             if part_of[-1] == len(part_shape):
@@ -395,6 +408,8 @@ class _Grid:
                 acts.append(terms)
         act = table[part_of[s], r, b]
         entry = entry_of[s, r]
+        self.speed_layouts = self._speed_layouts(base, s, r, b, shapes, expert_sizes, np.array(feature_of),
+                                                 part_of, part_shape, settings, cache)
         # rows sharing a stage plan and a recompute setting are evaluated together
         plans: dict[int, int] = {}
         plan_of_entry = np.array([plans.setdefault(id(e[1]), len(plans)) for e in self.entries])
@@ -429,6 +444,50 @@ class _Grid:
         room = memory.budget(base)
         # each layout's own dispatcher buffers (its EP group) come out of what the allocator may hold
         self.room = dataclasses.replace(room, dispatcher_bytes=dispatcher)
+
+    def _speed_layouts(self, base, s, r, b, shapes, expert_sizes, feature_of, part_of, part_shape, settings,
+                       cache) -> speed.Layouts:
+        """The rows as the step-time model reads them (speed.Layouts, with the base's optimizer setting)."""
+        import numpy as np  # deferred: start-up time
+
+        c = self.columns
+        which = feature_of[s, r]
+        width = max(len(f[1]) for f in self.features)
+        stages = np.zeros((len(self.features), width, speed.FEATURES))
+        count, first = np.zeros((len(self.features), width)), np.zeros((len(self.features), width))
+        for i, (rows, counts, ranks, _) in enumerate(self.features):
+            stages[i, :len(rows)], count[i, :len(rows)], first[i, :len(rows)] = rows, counts, ranks
+        etp, edp = (np.array(v)[s] for v in zip(*expert_sizes))
+        t = base.training
+        modules = [set(settings[name]["recompute_modules"] or ["core_attn"])
+                   if settings[name]["recompute_granularity"] == "selective" else set() for name in self.recompute]
+        host = np.zeros((self.rows, 2))
+        if t.fine_grained_activation_offloading or t.cpu_offloading_num_layers:
+            work = base.copy()
+            for key in set(zip(part_of[s].tolist(), r.tolist(), b.tolist())):
+                p_, r_, b_ = key
+                _apply(work, {**shapes[part_shape[p_]], "micro_batch_size": int(self.micro_batch_sizes[b_])}, settings)
+                _set_recompute(work, self.recompute[r_], settings)
+                at = (part_of[s] == p_) & (r == r_) & (b == b_)
+                host[at] = [memory.host_bytes(work, cache)[k] for k in (False, True)]
+        return speed.Layouts(
+            tp=c["tensor_model_parallel_size"], cp=c["context_parallel_size"], ep=c["expert_model_parallel_size"],
+            etp=etp, pp=c["pipeline_model_parallel_size"], vp=c["virtual_pipeline_model_parallel_size"],
+            dp=c["data_parallel_size"], edp=edp, sp=c["sequence_parallel"].astype(bool),
+            micro_batch=c["micro_batch_size"], microbatches=c["num_microbatches"],
+            distributed_optimizer=np.zeros(self.rows, dtype=bool), selective=r, modules=modules,
+            stages=stages[which], stage_count=count[which], stage_rank=first[which], host_bytes=host)
+
+    def speed(self, distributed_optimizer: bool) -> dict:
+        """Per row, with the distributed optimizer on or off: what `speed.estimate` reports for the layout."""
+        import dataclasses as dc
+
+        import numpy as np  # deferred: start-up time
+
+        base = self.base
+        layouts = dc.replace(self.speed_layouts, distributed_optimizer=np.full(self.rows, distributed_optimizer))
+        times = speed.step_times(base, layouts)
+        return speed.figures(base, layouts, times)
 
     def layout_frame(self):
         """The rows' layout columns, as a polars frame."""

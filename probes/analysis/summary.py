@@ -14,6 +14,7 @@ import os
 import polars as pl
 
 from charllm.engine.model.experiment import Hardware
+from charllm.probes.analysis import power_fit
 from charllm.probes.analysis.aggregate import aggregate_gpus, aggregate_hosts, combine
 from charllm.probes.analysis.cache import keep, kept_place, kept_places, read_kept
 from charllm.probes.analysis.device_stats import excursions, gpu_stats, host_stats
@@ -62,9 +63,9 @@ def cached_summary(run: RunDir | str | os.PathLike, window="steady", by: str = "
 
 def keep_summaries(run: RunDir | str | os.PathLike) -> None:
     """Summarize a finished run now, as lists and comparisons show it (every level of the steady
-    window, and the per-iteration curves), so that they read kept results instead of telemetry.
-    What finishes a run calls it (the supervisor, import); a run with nothing to summarize, or
-    not finished, keeps nothing."""
+    window, and the per-iteration curves), so that they read kept results instead of telemetry,
+    and refit its hardware's power model with it (`power_fit.refit_for`). What finishes a run calls
+    it (the supervisor, import); a run with nothing to summarize, or not finished, keeps nothing."""
     run = run if isinstance(run, RunDir) else resolve_run(run)
     if run.status not in FINAL_STATUSES:
         return
@@ -73,6 +74,7 @@ def keep_summaries(run: RunDir | str | os.PathLike) -> None:
     except UserError:
         return
     per_iteration(run)
+    power_fit.refit_for(run)
 
 
 def _cached(run: RunDir, window, by: str) -> pl.DataFrame:

@@ -39,6 +39,27 @@ def duration(seconds: float, digits: int = 1) -> str:
     return f"{seconds:.{digits}f} s"
 
 
+def seconds(value: float) -> str:
+    """A step time, three significant digits: "0.0531 s", "13.5 s"."""
+    return f"{value:.3g} s"
+
+
+def si(value: float, unit: str, digits: int = 3) -> str:
+    """An amount in SI prefixes, `digits` significant: "471 PFLOP", "4.71 EFLOP"."""
+    for scale, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.{digits}g} {prefix}{unit}"
+    return f"{value:.{digits}g} {unit}"
+
+
+def count(value: float, digits: int = 3) -> str:
+    """A parameter count as models are named: "70.6B", "335M", "12.3K"."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:.{digits}g}{suffix}"
+    return f"{value:.{digits}g}"
+
+
 def local_time(ns: int | None, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
     """A stored time (ns since the epoch) in the local zone; "-" when there is none, "?" for one
     no calendar holds (a damaged record)."""

@@ -14,7 +14,7 @@ import pytest
 
 from charllm.engine.model.memory import estimate
 
-from charllm.engine.model import calibration
+from charllm.engine.model import calibration, speed
 
 from charllm.engine import doctor
 from charllm.tui.cli import build_parser, main
@@ -253,6 +253,14 @@ def test_gpu_train_figures_from_an_iteration_log():
     assert figures["reserve_fraction"] == pytest.approx((int(planned * 1.2) - int(planned * 1.1)) / churn)
     assert record["memory"] == {"usable_bytes": int(79.11 * 2**30), "outside_allocator_bytes": 3 * 2**30, "devices": 8,
                                 "reserve_fraction": figures["reserve_fraction"], "expandable_segments": True}
+    # the speed model: the GEMM efficiency at which it gives the measured 0.5 s step is what plans then use
+    found = figures["speed"]["matmul_efficiency"]
+    assert figures["speed"]["measured_step_s"] == 0.5 and 0 < found < 1
+    assert figures["speed"]["assumed_step_s"] != pytest.approx(0.5, rel=1e-2)
+    assert record["speed"] == {"matmul_efficiency": found}
+    calibration.save({**record, "train": None})
+    assert speed.estimate(exp).step_s == pytest.approx(0.5, rel=1e-2)
+    assert speed.estimate(exp).rates_source == "calibrated on n0, 2026-01-02"
 
 
 def figures_of(exp, plan, *, tf32: bool | None, tflops: float = 40.0) -> dict:

@@ -263,3 +263,46 @@ def test_a_paper_preset_that_does_not_fit_says_how_the_paper_ran_it(capsys):
     assert code == 1 and "parallelism sweep ran this layout with recomputation (ppt-h200-gpt3-175b-4-01000)" in said
     code, out, _ = run(capsys, "plan", "tiny-local")                   # fits: nothing more said
     assert code == 0 and "CPU processes" not in out
+
+
+# -- speed ------------------------------------------------------------------------------------
+def test_plan_shows_the_step_time_throughput_and_power_with_their_sources(capsys):
+    code, out, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000")
+    assert code == 0
+    assert re.search(r"^step [\d.]+ s · [\d,]+ tokens/s · [\d.]+ samples/s · MFU [\d.]+% \(bf16\)$", out, re.M)
+    assert re.search(r"^of the step: compute \d+% · exposed communication \d+% · pipeline bubble \d+% · "
+                     r"optimizer and fixed \d+%$", out, re.M)
+    assert "parameters 70.6B · per stage " in out and "PFLOP per iteration" in out
+    assert re.search(r"^power \d+ W per device · [\d.]+ J/token", out, re.M)
+    assert "speed: GEMMs at 72% of the bf16 peak (assumed) · power: idle 75 W to 700 W (assumed)" in out
+
+
+def test_plan_json_carries_the_speed_figures(capsys):
+    code, out, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000", "--json")
+    fast = json.loads(out)["speed"]
+    assert code == 0 and fast["step_s"] > 0 and fast["tokens_per_s"] > 0 and 0 < fast["mfu"] < 1
+    assert len(fast["params_per_stage"]) == len(fast["params_per_device"]) == 4
+    assert sum(fast["shares"].values()) == pytest.approx(1.0)
+    assert fast["source"] == {"step_time": "assumed", "power": "assumed"}
+    code, out, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000", "--set", "hardware.mem_bandwidth_gbs=0",
+                       "--json")
+    assert json.loads(out)["speed"] == {"unknown": "no step time: hardware 'h100-sxm-80gb' gives no "
+                                                   "mem_bandwidth_gbs (0: unknown)"}
+
+
+def test_sweep_ranks_fitting_layouts_by_tokens_per_second_and_sorts_by_any_column(capsys):
+    args = ("sweep", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--nodes", "1", "--gpus-per-node", "8",
+            "--global-batch-size", "64", "--fits-only", "--json")
+    code, out, _ = run(capsys, *args)
+    rows = json.loads(out)
+    assert code == 0 and rows and [r["tokens_per_s"] for r in rows] == sorted((r["tokens_per_s"] for r in rows),
+                                                                              reverse=True)
+    code, out, _ = run(capsys, *args, "--sort", "energy_per_token_j")
+    energy = [r["energy_per_token_j"] for r in json.loads(out)]
+    assert energy == sorted(energy)
+    code, out, _ = run(capsys, *args, "--sort=-mfu")                     # - reverses: the lowest MFU first
+    mfu = [r["mfu"] for r in json.loads(out)]
+    assert mfu == sorted(mfu)
+    code, _, err = run(capsys, *args, "--sort", "tokens_per_sec")
+    assert code == 2 and one_error_line(err).startswith("charllm-tui: error: --sort = 'tokens_per_sec': not a column")
+    assert "did you mean 'tokens_per_s'" in err

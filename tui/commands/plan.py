@@ -1,4 +1,5 @@
-"""`charllm-tui plan`: per-stage peak memory of an experiment or of a Megatron-LM command line."""
+"""`charllm-tui plan`: per-stage peak memory, step time and power of an experiment or of a Megatron-LM
+command line."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import sys
 from charllm.engine.model import profiling
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.megatron import import_megatron_args, launcher_world_size, split_command_line
+from charllm.engine.model import speed
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.validate import check
 from charllm.probes.core.errors import plural, UserError
-from charllm.probes.core.formatting import GIB
+from charllm.probes.core.formatting import GIB, count, si
 
 EPILOG = """\
 what the numbers mean:
@@ -34,6 +36,17 @@ what the numbers mean:
              transformer_impl / attention_backend become on the calibrated node's software, or on
              an assumed one (NVIDIA: Transformer Engine); "will not launch" lines say what that
              node cannot run
+  step       the estimated time of one training iteration (engine/model/speed.py): each layer's
+             GEMMs, attention and element-wise work per micro-batch, the TP/CP/EP collectives and
+             pipeline sends Megatron waits on, the pipeline schedule (1F1B or interleaved), the
+             data-parallel gradient sync, the optimizer step and fixed per-step costs; then
+             tokens/s, MFU (Megatron's FLOPs over the dense peak of the matmul precision) and the
+             share of the step in compute, exposed communication, pipeline bubble and the rest.
+             Large-GEMM efficiency, link and memory bandwidths come from the hardware preset
+             ("assumed") or, for the GEMMs, from `charllm-tui doctor --train` ("calibrated on NODE")
+  power      the average power per device over a step, from the hardware's idle power, its board
+             limit and how busy each part of the step keeps it; energy per token and samples/(s·MJ)
+             follow. "calibrated from N recorded runs" where runs of that hardware have been summarized
 
 exit status: 0 every stage fits, 1 some stage does not fit, 3 tight, 2 bad input (one line on stderr)
 
@@ -49,8 +62,9 @@ examples:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plan", help="per-stage peak memory and fit verdict of an experiment",
-                       description="Estimate the peak GPU memory of every pipeline stage and whether it fits.",
+    p = sub.add_parser("plan", help="per-stage peak memory, fit verdict and step time of an experiment",
+                       description="Estimate the peak GPU memory of every pipeline stage and whether it fits, "
+                                   "and the step time, throughput and power of the layout.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", nargs="?", metavar="EXPERIMENT_OR_PRESET",
                    help="an experiment TOML file or preset name")
@@ -105,11 +119,13 @@ def run(args: argparse.Namespace) -> int:
     check(exp)
     report = estimate(exp, ignored_args=ignored, warnings=warnings)
     window = profiling.plan(exp)   # what a profiler window records and costs
+    fast = speed.estimate(exp)
     if args.json:
-        print(json.dumps({**report.to_dict(), **({"profile": {**window.to_dict(), "cost": window.describe()}}
-                                                  if window else {})}, indent=2))
+        print(json.dumps({**report.to_dict(), "speed": fast.to_dict() if fast else {"unknown": speed.unknown(exp)},
+                          **({"profile": {**window.to_dict(), "cost": window.describe()}} if window else {})},
+                         indent=2))
     else:
-        render(exp, report)
+        render(exp, report, fast)
         if window:
             print(window.describe())
     return EXIT[report.verdict]
@@ -123,7 +139,40 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
-def render(exp, report) -> None:
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.0%}"
+
+
+def watts(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.0f}"
+
+
+def speed_basis(exp) -> str:
+    return speed.describe(exp)
+
+
+def speed_lines(fast) -> list[str]:
+    """The layout's speed, parameters and power, a line each (under 100 characters)."""
+    sh = fast.shares
+    mfu = f"MFU {fast.mfu:.1%} ({fast.precision})" if fast.mfu is not None else f"MFU n/a (no {fast.precision} peak)"
+    stages = fast.params_per_stage
+    per_stage = count(stages[0]) + " each" if len(set(stages)) == 1 else " / ".join(count(n) for n in stages)
+    lines = [f"step {fast.step_s:.3g} s · {fast.tokens_per_s:,.0f} tokens/s · {fast.samples_per_s:,.3g} samples/s · {mfu}",
+             f"of the step: compute {sh['compute']:.0%} · exposed communication {sh['communication']:.0%} · "
+             f"pipeline bubble {sh['bubble']:.0%} · optimizer and fixed {sh['other']:.0%}",
+             f"parameters {count(fast.params_total)} · per stage {per_stage} · at most "
+             f"{count(max(fast.params_per_device))} on one device · {si(fast.flops_per_iteration, 'FLOP')} per iteration"]
+    if fast.power_w is not None:
+        lines.append(f"power {fast.power_w:.0f} W per device · {fast.energy_per_token_j:.3g} J/token · "
+                     f"{fast.samples_per_s_mj:,.3g} samples/(s·MJ)")
+    return lines
+
+
+def render(exp, report, fast) -> None:
     from rich.console import Console
     from rich import box
     from rich.table import Table
@@ -149,6 +198,14 @@ def render(exp, report) -> None:
                       gib(s.activations), gib(s.other), gib(s.total_bytes), gib(s.reserve_bytes),
                       gib(s.headroom_bytes), f"[{VERDICT_STYLE[s.verdict]}]{s.verdict}[/]")
     console.print(table)
+    if fast is None:
+        console.print(f"[yellow]{speed.unknown(exp)}[/]", highlight=False)
+    else:
+        for line in speed_lines(fast):
+            console.print(line, highlight=False)
+        console.print(f"[dim]{speed_basis(exp)}[/]", highlight=False)
+        for note in fast.notes:
+            console.print(f"[yellow]note:[/] {note}", highlight=False)
     console.print(f"runs as: {report.implementation.describe()} ({report.stack_source})", highlight=False)
     *arithmetic, conclusion = report.explain()
     for line in arithmetic:

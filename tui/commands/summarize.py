@@ -18,7 +18,9 @@ def register(subparsers) -> None:
                     "metric names; simulated telemetry is labelled in the 'simulated' column. --by rank "
                     "(or stage) gives every rank's step timers (forward-backward, compute, pipeline wait, "
                     "gradient reduce, optimizer) and names the stragglers; --kernels splits the profiled "
-                    "steps' time into kernel categories per pipeline stage (or rank).",
+                    "steps' time into kernel categories per pipeline stage (or rank). The table ends with "
+                    "what the plan predicts for the run's layout (step time, tokens/s, MFU, power, energy) "
+                    "beside what it measured, with the error.",
     )
     p.add_argument("run", metavar="RUN", help="run id (or unique prefix/suffix) or run directory")
     p.add_argument("--window", default="steady", metavar="steady|all|START:END",
@@ -60,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         if fmt == "table":      # which window the figures cover, in words (Live names its own too)
             print(f"figures over {window_phrase(df['window'][0])}")
         print(render(df, fmt), end="")
+        if fmt == "table":
+            print(predicted_lines(args.run, parse_window(args.window)), end="")
     return 0
 
 
@@ -124,3 +128,14 @@ def _matrix(args: argparse.Namespace, out) -> int:
         raise UserError("--format parquet is binary: give --out FILE")
     print(render(df, fmt), end="")
     return 0
+
+
+def predicted_lines(run, window) -> str:
+    """The plan's step time, throughput and power for the run's layout beside what it measured, or
+    nothing where the run recorded no experiment."""
+    from charllm.probes.analysis import predicted  # deferred: loads polars (start-up time)
+
+    try:
+        return predicted.render(predicted.predicted_vs_measured(run, window))
+    except UserError:
+        return ""

@@ -11,9 +11,9 @@ from charllm.engine.model.sweep import RECOMPUTE, SWEPT, base_experiment, layout
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
-from charllm.probes.core.errors import os_error_line, plural, UserError
+from charllm.probes.core.errors import did_you_mean, os_error_line, plural, UserError
 from charllm.probes.core.formatting import GIB
-from charllm.tui.commands.plan import VERDICT_STYLE
+from charllm.tui.commands.plan import VERDICT_STYLE, percent, seconds, speed_basis, watts
 
 EPILOG = """\
 what is swept: the layout of an experiment (a preset or TOML file, as Compose and `plan` take it),
@@ -27,15 +27,18 @@ node planned for runs it (with Transformer Engine; a node calibrated without it,
 doctor`, gets TP without SP and no CP), unless the experiment runs TP without it. Only layouts
 that `engine.model.validate` accepts are listed.
 
-ranking (rank 1 = most promising):
+ranking (rank 1 = most promising; --sort orders by another column):
   1. layouts that fit first, then tight ones (the allocated peak fits, not the allocator's
      reserve beyond it), then those that do not fit;
-  2. less recompute (none, then selective, then full: full recompute re-runs the forward pass);
-  3. a smaller pipeline bubble, (PP - 1) / (micro-batches x VP), in whole percent;
-  4. fewer ranks in the communication-heavy dimensions TP x CP (their collectives sit on the
-     critical path of every layer), then fewer expert-parallel ranks, then fewer pipeline
-     stages and virtual stages (point-to-point traffic);
-  5. more memory headroom.
+  2. more tokens per second, as the step-time model estimates them (recompute, pipeline bubble
+     and exposed communication all cost time; see `charllm-tui plan --help`);
+  3. more memory headroom.
+
+speed per layout: the step time (s), tokens/s, MFU (against the dense peak of the precision the
+matmuls run in) and estimated power per device (W); --json/--parquet add the shares of the step in
+compute, exposed communication, bubble and the rest, the energy per token, Megatron's FLOPs per
+iteration and the parameters (all, and the most on one device). The line under the table says where
+the rates come from: assumed, or a node calibrated with `charllm-tui doctor --train`.
 
 peak/headroom are per device, in GiB in the table and in bytes in --json/--parquet; headroom is
 usable memory minus memory outside the allocator, the peak and the allocator's reserve beyond it
@@ -79,6 +82,11 @@ def register(sub) -> None:
                    help="distributed optimizer settings to sweep, comma-separated from on,off (default: the "
                         "experiment's own; with --model both)")
     p.add_argument("--top", type=int, default=20, metavar="K", help="rows in the table (default 20; 0 = all)")
+    p.add_argument("--sort", metavar="COLUMN",
+                   help="order by this column instead of the rank, largest first where larger is better "
+                        "(tokens_per_s, mfu, headroom_bytes), else smallest first; a - prefix reverses it, "
+                        "as in --sort=-mfu "
+                        "(--json lists the columns)")
     p.add_argument("--fits-only", action="store_true", help="only layouts that fit")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print every row as JSON records")
@@ -116,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     if args.fits_only:
         df = df.filter(pl.col("fits"))
         counted += ", only those listed"
+    if args.sort:
+        df = sort_by(df, args.sort)
+        counted += f", by {args.sort}"
     if args.json:
         import json
 
@@ -129,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         render(df, args, base, counted)
         print(budget(base).describe())
+        print(speed_basis(base))
     return 0
 
 
@@ -157,6 +169,20 @@ def load(args: argparse.Namespace):
                            args.seq_length, options), True
 
 
+# Columns where more is better: --sort puts the largest first
+LARGER_FIRST = ("tokens_per_s", "mfu", "headroom_bytes", "compute_share", "data_parallel_size")
+
+
+def sort_by(df, text: str):
+    """The sweep ordered by `text`: a column (--sort), best first; a leading - reverses."""
+    name = text.removeprefix("-")
+    if name not in df.columns:
+        raise UserError(f"--sort = {text!r}: not a column{did_you_mean(name, df.columns)}; the columns: "
+                        f"{', '.join(df.columns)}")
+    descending = (name in LARGER_FIRST) != text.startswith("-")
+    return df.sort(name, descending=descending, nulls_last=True, maintain_order=True)
+
+
 def _choices(flag: str, text: str | None, allowed: dict) -> tuple | None:
     if text is None:
         return None
@@ -180,6 +206,10 @@ def why_none(base, recompute: tuple | None, dists: tuple | None) -> str:
     return str(problems[0]) if problems else "none passes validation with these recompute and optimizer choices"
 
 
+def _tokens(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def render(df, args, base, counted: str) -> None:
     """The ranked layouts as a table titled with how many were swept and how many fit (`counted`)."""
     from rich import box
@@ -191,15 +221,16 @@ def render(df, args, base, counted: str) -> None:
                   title=f"{base.model.name} on {base.cluster.nodes} x {base.cluster.gpus_per_node} "
                         f"{base.hardware.name}, global batch {base.training.global_batch_size}: {counted} (GiB)")
     for column in ("rank", "TP", "PP", "VP", "CP", "EP", "DP", "mbs", "recompute", "dist-opt", "bubble",
-                   "peak", "stage", "headroom", "verdict"):
+                   "step s", "tok/s", "MFU", "W", "peak", "stage", "headroom", "verdict"):
         table.add_column(column, justify="left" if column in ("recompute", "verdict") else "right", no_wrap=True)
     for r in shown.iter_rows(named=True):
         table.add_row(str(r["rank"]), str(r["tensor_model_parallel_size"]), str(r["pipeline_model_parallel_size"]),
                       str(r["virtual_pipeline_model_parallel_size"]), str(r["context_parallel_size"]),
                       str(r["expert_model_parallel_size"]), str(r["data_parallel_size"]),
                       str(r["micro_batch_size"]), r["recompute"], "on" if r["use_distributed_optimizer"] else "off",
-                      f"{r['bubble']:.1%}", f"{r['peak_bytes'] / GIB:.1f}", str(r["peak_stage"]),
+                      f"{r['bubble']:.1%}", seconds(r["step_s"]), _tokens(r["tokens_per_s"]), percent(r["mfu"]),
+                      watts(r["power_w"]), f"{r['peak_bytes'] / GIB:.1f}", str(r["peak_stage"]),
                       f"{r['headroom_bytes'] / GIB:.1f}", f"[{VERDICT_STYLE[r['verdict']]}]{r['verdict']}[/]")
-    Console(width=None if sys.stdout.isatty() else 120).print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
     if shown.height < df.height:
         print(f"({df.height - shown.height} more; --top 0 shows all, --json/--parquet give every column)")

@@ -5,7 +5,9 @@ The table is `probes.analysis.compare.compare(refs, baseline)`'s, figures format
 baselines, and always shows the baseline the figures are measured against. The overlaid charts
 show each run per training iteration (from its telemetry's `iteration` column): mean GPU power
 and temperature, or, when no run recorded an accelerator (a CPU run), its iteration time and
-mean CPU utilization. Runs come from the Runs screen (Space marks, m compares) or the palette.
+mean CPU utilization. Under the status, each run's plan (`probes.analysis.predicted`: the step
+time and power the speed model gives its layout) stands beside what it measured, with the error.
+Runs come from the Runs screen (Space marks, m compares) or the palette.
 
 `k` shows instead each run's profiled step by kernel category (probes.analysis.kernels), `g` a
 GPUs x runs matrix (probes.analysis.matrix: temperature, then power, clock, throttling and link
@@ -26,7 +28,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Label, Select, Static
 
-from charllm.probes.analysis import baselines, compare
+from charllm.probes.analysis import baselines, compare, predicted
 from charllm.probes.analysis.kernels import compare_kernels, kernels_side_by_side
 from charllm.probes.analysis.matrix import MATRICES, gpus_by_runs, render_matrix
 from charllm.probes.analysis.ranks import rank_summary, straggler_line
@@ -54,6 +56,7 @@ class Compared(Message):
     curves: dict                   # curve -> {run label: (iterations, values)}, runs with data only
     error: str | None = None
     stragglers: list[str] = None   # "run: stragglers ..." for each run that logged its ranks' timers
+    planned: dict | None = None    # run label -> predicted.predicted_vs_measured(run), runs with an experiment
 
 
 @dataclass
@@ -88,6 +91,7 @@ class CompareScreen(WorkbenchScreen):
                 yield Label("baseline ")
                 yield Select([], id="baseline", compact=True, allow_blank=True, prompt=FIRST_RUN)
             yield Static(id="compare-status")
+            yield Static(id="compare-predicted")
             yield DataTable(id="compare-table", zebra_stripes=True, cursor_type="row")
             with Horizontal(id="compare-charts"):
                 for i, (_, title) in enumerate(GPU_CHARTS, start=1):  # retitled for host charts
@@ -150,7 +154,8 @@ class CompareScreen(WorkbenchScreen):
             result, error = None, f"compare failed: {exc!r}"
         else:
             error = None
-        self.post_message(Compared(result, per_iteration_curves(refs), error, straggler_lines(refs)))
+        self.post_message(Compared(result, per_iteration_curves(refs), error, straggler_lines(refs),
+                                   planned_figures(refs)))
 
     def on_compared(self, message: Compared) -> None:
         status = self.query_one("#compare-status", Static)
@@ -168,6 +173,9 @@ class CompareScreen(WorkbenchScreen):
             status.update("\n".join(self._status_lines(result) + [escape(line) for line in self.straggler_lines]
                                     + ([] if charts else [f"[dim]{NO_CHARTS}[/]"])))
             self._fill(table, result)
+        planned = self.query_one("#compare-predicted", Static)
+        planned.display = bool(message.planned) and not message.error
+        planned.update(planned_text(message.planned or {}))
         self.query_one("#compare-charts").display = bool(charts)
         for (curve, title), chart in zip(charts, self.query(Chart)):
             chart.title = title
@@ -300,6 +308,44 @@ def straggler_lines(refs: list[str]) -> list[str]:
         except UserError:
             continue
     return lines
+
+
+# What the plan line of each run shows: (metric of probes.analysis.predicted, its short name)
+PLANNED = (("step time", "step"), ("power per GPU", "power"))
+
+
+def planned_figures(refs: list[str]) -> dict:
+    """run label -> its predicted_vs_measured table, for the runs (not baselines) that recorded an experiment."""
+    runs = []
+    for ref in refs:
+        try:
+            runs.append(resolve_run(ref))
+        except UserError:
+            continue
+    labels = run_labels([rd.id for rd in runs])
+    out = {}
+    for rd in runs:
+        try:
+            table = predicted.predicted_vs_measured(rd)
+        except UserError:
+            continue
+        if table.height:
+            out[labels[rd.id]] = table
+    return out
+
+
+def planned_text(planned: dict) -> str:
+    """One line per run: the plan's step time and power beside the measured ones, with the errors;
+    then where the plan's rates come from."""
+    lines = []
+    for label, table in planned.items():
+        by = {r["metric"]: r for r in table.iter_rows(named=True)}
+        parts = [f"{short} {by[m]['predicted']:.3g}/{by[m]['measured']:.3g} {by[m]['unit']} "
+                 f"({by[m]['error_pct']:+.0f}%)" for m, short in PLANNED if m in by]
+        if parts:
+            lines.append(f"[b]{escape(label)}[/b] planned/measured: " + " · ".join(parts))
+    source = next(iter(planned.values()))["source"][0] if planned else ""
+    return "\n".join(lines + ([f"[dim]{escape(source)}[/]"] if lines else []))
 
 
 def per_iteration_curves(refs: list[str]) -> dict:

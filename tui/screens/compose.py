@@ -1,7 +1,8 @@
-"""Compose: pick model, hardware and cluster; edit the layout; see validation and memory at once.
+"""Compose: pick model, hardware and cluster; edit the layout; see validation, memory and speed at once.
 
-Every edit re-validates (`engine.model.validate.validate`) and re-estimates (`engine.model.memory.estimate`)
-in a thread worker (debounced, the newest edit wins) that posts `ComposeScreen.Estimated`.
+Every edit re-validates (`engine.model.validate.validate`) and re-estimates the memory
+(`engine.model.memory.estimate`) and the step time and power (`engine.model.speed.estimate`) in a
+thread worker (debounced, the newest edit wins) that posts `ComposeScreen.Estimated`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from textual.message import Message
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 from textual.worker import get_current_worker
 
-from charllm.engine.model import catalog, experiment, megatron, memory, validate
+from charllm.engine.model import catalog, experiment, megatron, memory, speed, validate
 from charllm.engine.model.experiment import SECTIONS, Experiment, Hardware, ModelSpec, field_types, resolve_key
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.formatting import count, si
 from charllm.tui.screens.base import WorkbenchScreen, edited_name
 from charllm.tui.screens.dialogs import AskName, free_name
 from charllm.tui.widgets.form import FormCheckbox, FormInput, FormSelect
@@ -129,6 +131,25 @@ def switch_model(exp: Experiment, model: ModelSpec) -> None:
         setattr(exp.training, name, getattr(default, name))
 
 
+def speed_text(fast: dict) -> str:
+    """The layout's speed beside the memory bars: step, throughput and MFU; the step's shares;
+    parameters and FLOPs; power; and where the rates come from (lines under 80 columns)."""
+    if "unknown" in fast:
+        return f"[yellow]{escape(fast['unknown'])}[/]"
+    sh = fast["shares"]
+    mfu = f"MFU {fast['mfu']:.1%}" if fast["mfu"] is not None else "MFU n/a"
+    stages = fast["params_per_stage"]
+    per_stage = count(stages[0]) if len(set(stages)) == 1 else "/".join(count(n) for n in stages)
+    per_stage = f"{per_stage} per stage" if len(stages) > 1 else "one stage"
+    power = (f"{fast['power_w']:.0f} W/device · {fast['energy_per_token_j']:.3g} J/token\n"
+             if fast["power_w"] is not None else "")
+    return (f"[b]step {fast['step_s']:.3g} s[/b] · {fast['tokens_per_s']:,.0f} tok/s · {mfu} ({fast['mfu_precision']})\n"
+            f"compute {sh['compute']:.0%} · comm {sh['communication']:.0%} · bubble {sh['bubble']:.0%} · "
+            f"other {sh['other']:.0%}\n"
+            f"params {count(fast['params_total'])}, {per_stage} · {si(fast['flops_per_iteration'], 'FLOP')}/iter\n"
+            f"{power}[dim]{escape(fast['basis'])}[/]")
+
+
 class Form(Grid):
     """The form's grid; once mounted (lazily) it shows the app's experiment."""
 
@@ -154,6 +175,7 @@ class ComposeScreen(WorkbenchScreen):
         report: dict | None       # MemoryReport.to_dict(), None when it could not be computed
         error: str | None         # why there is no report
         flags: list[str] | None = None   # engine.model.megatron.export_megatron_args(exp)
+        speed: dict | None = None        # engine.model.speed.SpeedReport.to_dict(), with "basis"
 
     def __init__(self):
         super().__init__()
@@ -183,6 +205,7 @@ class ComposeScreen(WorkbenchScreen):
             with VerticalScroll(id="plan"):
                 yield Static(id="summary")
                 yield MemoryBars(id="bars")
+                yield Static(id="speed")
                 yield Static(id="verdict")
                 yield Static(id="problems")
                 with Horizontal(classes="buttons"):
@@ -343,11 +366,13 @@ class ComposeScreen(WorkbenchScreen):
         time.sleep(DEBOUNCE_S)        # typing "128" re-estimates once, not three times
         if get_current_worker().is_cancelled:
             return
-        problems, report, error = [], None, None
+        problems, report, error, fast = [], None, None, None
         problems = validate.validate(exp)
         if not problems:
             try:
                 report = memory.estimate(exp).to_dict()
+                found = speed.estimate(exp)
+                fast = {**found.to_dict(), "basis": speed.describe(exp)} if found else {"unknown": speed.unknown(exp)}
             except UserError as exc:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - an estimator bug is shown, editing goes on
@@ -357,7 +382,7 @@ class ComposeScreen(WorkbenchScreen):
             flags = megatron.export_megatron_args(exp)
         except UserError:
             pass
-        self.post_message(self.Estimated(serial, problems, report, error, flags))
+        self.post_message(self.Estimated(serial, problems, report, error, flags, fast))
 
     def on_compose_screen_estimated(self, message: Estimated) -> None:
         if message.serial != self.edit_serial:
@@ -373,6 +398,9 @@ class ComposeScreen(WorkbenchScreen):
             self.query_one(f"#{wid}").set_class(wid in by_field, "invalid")
         self.query_one("#problems", Static).update("\n".join(f"[red]✗[/] {p}" for p in other))
         self.query_one("#bars", MemoryBars).report = message.report
+        shown = self.query_one("#speed", Static)
+        shown.display = message.speed is not None
+        shown.update(speed_text(message.speed) if message.speed else "")
         if message.flags:
             self.query_one("#flags", Static).update(
                 "[b]Megatron-LM arguments[/b] [dim](^g copies and writes them)[/]\n" + escape(shlex.join(message.flags)))

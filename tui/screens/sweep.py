@@ -5,8 +5,9 @@ attention, recompute and optimizer settings stay), in a thread worker, or ahead 
 sweeps the composed experiment once the workbench is idle after start-up (`sweep_ahead`), so that
 F3 finds the table ready (the first sweep of a process also pays for importing polars and numpy).
 The result (a polars DataFrame, one row per valid
-layout) feeds a TP × PP feasibility map (per micro batch and recompute choice, coloured by the best
-headroom in that cell) and a sortable table. Enter on a map cell or a table row loads that layout
+layout, with its memory and its speed as `engine.model.speed` estimates it) feeds a TP × PP
+feasibility map (per micro batch and recompute choice, coloured by the best headroom in that cell)
+and a table, fitting layouts ranked by tokens/s, sortable by any column. Enter on a map cell or a table row loads that layout
 into Compose through `engine.model.sweep.layout_to_experiment`.
 """
 
@@ -24,9 +25,9 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Label, ProgressBar, Select, Static
 
-from charllm.engine.model import memory, sweep
+from charllm.engine.model import memory, speed, sweep
 from charllm.probes.core.errors import UserError
-from charllm.probes.core.formatting import GIB
+from charllm.probes.core.formatting import GIB, count, si
 from charllm.tui.commands.plan import VERDICT_STYLE
 from charllm.tui.screens.base import WorkbenchScreen, edited_name
 
@@ -37,20 +38,24 @@ TABLE_COLUMNS = {
     "rank": "#", "tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
     "virtual_pipeline_model_parallel_size": "VP", "context_parallel_size": "CP",
     "expert_model_parallel_size": "EP", "data_parallel_size": "DP", "micro_batch_size": "mbs",
-    "headroom_bytes": "spare GiB", "peak_bytes": "peak GiB", "verdict": "verdict",
+    "tokens_per_s": "tok/s", "headroom_bytes": "spare GiB", "peak_bytes": "peak GiB", "verdict": "verdict",
+    "step_s": "step s", "mfu": "MFU", "communication_share": "comm", "bubble_share": "bubble",
+    "power_w": "W", "energy_per_token_j": "J/tok",
     "recompute": "recompute", "use_distributed_optimizer": "dist-opt", "sequence_parallel": "SP",
+    "params_per_device": "params/dev", "params": "params", "flops_per_iteration": "FLOP/iter",
 }
-# Never hidden: a layout is named by its rank and TP x PP, and judged by its headroom and verdict
+# Never hidden: a layout is named by its rank and TP x PP, and judged by its speed, headroom and verdict
 # (other columns are hidden when every layout of the sweep has the same value, and said so once)
-ALWAYS_SHOWN = ("rank", "tensor_model_parallel_size", "pipeline_model_parallel_size", "headroom_bytes",
-                "peak_bytes", "verdict")
+ALWAYS_SHOWN = ("rank", "tensor_model_parallel_size", "pipeline_model_parallel_size", "tokens_per_s",
+                "headroom_bytes", "peak_bytes", "verdict")
 # Rows are added to the table a page at a time, the next page as the cursor or the scroll nears
 # the end: a DataTable formats and measures every cell it is given, which for thousands of rows
 # takes longer than the sweep itself.
 TABLE_PAGE = 100
 # what `s` cycles through: (column, descending)
-SORTS = (("headroom_bytes", True), ("peak_bytes", False), ("data_parallel_size", True),
-         ("tensor_model_parallel_size", False), ("pipeline_model_parallel_size", False), ("rank", False))
+SORTS = (("tokens_per_s", True), ("energy_per_token_j", False), ("headroom_bytes", True), ("peak_bytes", False),
+         ("data_parallel_size", True), ("tensor_model_parallel_size", False), ("pipeline_model_parallel_size", False),
+         ("rank", False))
 
 
 @dataclass
@@ -58,7 +63,7 @@ class SweepDone(Message):
     frame: object | None        # polars DataFrame
     seconds: float
     error: str | None = None
-    basis: str = ""             # the device budget every verdict assumes, and its sources
+    basis: str = ""             # the device budget every verdict and the rates every speed assumes, and their sources
 
 
 def sweep_experiment(exp) -> SweepDone:
@@ -66,7 +71,7 @@ def sweep_experiment(exp) -> SweepDone:
     began = time.perf_counter()
     try:
         frame = sweep.sweep(exp)
-        basis = memory.budget(exp).describe()
+        basis = memory.budget(exp).describe() + "\n" + speed.describe(exp)
         return SweepDone(frame, time.perf_counter() - began, basis=basis)
     except UserError as exc:
         return SweepDone(None, time.perf_counter() - began, str(exc))
@@ -101,6 +106,20 @@ def cell_text(column: str, value) -> str | Text:
         return "-"
     if column == "peak_bytes":
         return f"{value / GIB:.1f}" if value >= GIB else f"{value / GIB:.2f}"
+    if isinstance(value, float) and value != value:      # NaN: the hardware gives no figure for it
+        return "-"
+    if column in ("mfu", "communication_share", "bubble_share"):
+        return f"{value:.0%}"
+    if column == "tokens_per_s":
+        return f"{value:,.0f}"
+    if column in ("step_s", "energy_per_token_j"):
+        return f"{value:.3g}"
+    if column == "power_w":
+        return f"{value:.0f}"
+    if column in ("params", "params_per_device"):
+        return count(value)
+    if column == "flops_per_iteration":
+        return si(value, "FLOP")
     if column == "verdict":
         return Text(value, VERDICT_STYLE[value])
     if isinstance(value, bool):

@@ -1,4 +1,5 @@
-"""The layout sweep: every row valid, its memory equal to `estimate`, ranked as documented."""
+"""The layout sweep: every row valid, its memory equal to `estimate` and its step time to `speed.estimate`,
+ranked as documented."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 import polars as pl
 import pytest
 
-from charllm.engine.model import calibration, runtime
+from charllm.engine.model import calibration, runtime, speed
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.sweep import (MICRO_BATCH_SIZES, RECOMPUTE, REQUIRED_COLUMNS, base_experiment,
                                   layout_to_experiment, stage_table, sweep)
@@ -115,17 +116,30 @@ def test_rows_are_exactly_what_validate_accepts(hardware, training):
     assert set(got) == expected
 
 
-def test_ranking_puts_fitting_layouts_without_recompute_and_small_bubbles_first(llama):
+def test_ranking_puts_fitting_layouts_first_then_the_fastest(llama):
     _, df = llama
     fits = df["fits"].to_list()
     assert fits == sorted(fits, reverse=True)            # every fitting layout before any that does not
     fitting = df.filter(pl.col("fits"))
-    order = {"none": 0, "selective": 1, "full": 2}
-    costs = [order[r] for r in fitting["recompute"]]
-    assert costs == sorted(costs)
-    none = fitting.filter(pl.col("recompute") == "none")
-    bubbles = (none["bubble"] * 100).round(0).to_list()
-    assert bubbles == sorted(bubbles)
+    speeds = fitting["tokens_per_s"].to_list()
+    assert speeds == sorted(speeds, reverse=True)
+    # the model's costs show in the order: of two layouts alike but for recompute, the one without runs faster
+    alike = [c for c in KEYS if c != "recompute"]
+    pairs = fitting.filter(pl.col("recompute") == "none").join(
+        fitting.filter(pl.col("recompute") == "full"), on=alike, suffix="_full")
+    assert pairs.height > 0 and (pairs["tokens_per_s"] > pairs["tokens_per_s_full"]).all()
+
+
+def test_speed_columns_follow_from_the_step_time(llama):
+    (model, hardware, nodes, gpus, batch), df = llama
+    base = base_experiment(model, hardware, nodes, gpus, batch)
+    tokens = batch * base.seq_length
+    assert (df["tokens_per_s"] - tokens / df["step_s"]).abs().max() < 1e-6 * df["tokens_per_s"].max()
+    shares = df["compute_share"] + df["communication_share"] + df["bubble_share"] + df["other_share"]
+    assert (shares - 1).abs().max() < 1e-9
+    assert df["mfu"].is_between(0, 1).all() and df["power_w"].is_between(0, base.hardware.tdp_w).all()
+    assert (df["params"] == df["params"][0]).all() and (df["params_per_device"] <= df["params"]).all()
+    assert (df["params_per_device"] < df["params"]).any()           # sharded wherever TP, PP or EP split it
 
 
 def test_fits_only_and_a_model_that_fits_nowhere():
@@ -231,15 +245,25 @@ def _moe_base() -> Experiment:
 
 def _stages_equal_estimate(base: Experiment) -> int:
     """Check every stage the sweep evaluates against `estimate` of the same layout, and that a stage it
-    leaves out is no worse; return the number of layouts."""
+    leaves out is no worse, and each layout's step time and power against `speed.estimate`'s; return the
+    number of layouts."""
     table = stage_table(base, **ALL)
     if table.height == 0:
         return 0
     keys = [*KEYS, "sequence_parallel"]
     layouts = 0
+    rows = {tuple(r[k] for k in keys): r for r in sweep(base, **ALL).iter_rows(named=True)}
     for key, stages in table.group_by(keys, maintain_order=True):
         row = dict(zip(keys, key))
-        report = estimate(layout_to_experiment(base, row))
+        exp = layout_to_experiment(base, row)
+        report = estimate(exp)
+        fast, swept = speed.estimate(exp), rows[tuple(key)]
+        if fast is None:                                 # the hardware lacks a figure: no speed anywhere
+            assert swept["step_s"] is None and swept["tokens_per_s"] is None, row
+        else:
+            assert (swept["step_s"], swept["power_w"], swept["flops_per_iteration"]) == pytest.approx(
+                (fast.step_s, fast.power_w, fast.flops_per_iteration), rel=1e-12), row
+            assert swept["params_per_device"] == max(fast.params_per_device), row
         for st in stages.iter_rows(named=True):
             planned = report.stages[st["pp_rank"]]
             assert (st["total_bytes"], st["static_bytes"], st["reserve_bytes"], st["headroom_bytes"], st["verdict"]) \

@@ -1,0 +1,89 @@
+"""Predicted against measured: what the plan (`engine.model.speed`) says a run's layout takes and
+draws, beside what the run's iteration log and telemetry show, with the error; and the power model
+of a hardware fitted to its recorded runs.
+
+`predicted_vs_measured(run)` is the one place the two meet: `summarize`, the Compare screen and a
+campaign's summary read it. The prediction is made now, for the experiment the run recorded
+(`experiment.toml`), with today's rates (a node calibration, a power fit from `power_fit`), and says
+where they come from. Errors are predicted / measured - 1: +10% means the model expected 10% more
+than ran.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import polars as pl
+
+from charllm.engine.model import speed
+from charllm.engine.model.experiment import Experiment
+from charllm.probes.analysis.iterations import read_experiment
+from charllm.probes.analysis.summary import summarize
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import RunDir, resolve_run
+
+# (metric, its summary column, the prediction's name, unit) in reading order
+METRICS = (
+    ("step time", "iter_time_p50_s", "step_s", "s"),
+    ("tokens/s", "tokens_per_s", "tokens_per_s", "tokens/s"),
+    ("MFU", "mfu_pct", "mfu_pct", "%"),
+    ("power per GPU", "power_mean_w", "power_w", "W"),
+    ("energy per token", "energy_per_token_j", "energy_per_token_j", "J"),
+    ("samples/(s·MJ)", "efficiency_samples_per_s_mj", "samples_per_s_mj", "samples/(s·MJ)"),
+)
+
+
+def prediction(exp: Experiment) -> dict:
+    """What the speed model predicts for `exp`, by the names of METRICS, with its sources (all None,
+    and why, where the hardware lacks a figure the model needs)."""
+    fast = speed.estimate(exp)
+    if fast is None:
+        return {name: None for _, _, name, _ in METRICS} | {"source": speed.unknown(exp)}
+    return {"step_s": fast.step_s, "tokens_per_s": fast.tokens_per_s,
+            "mfu_pct": 100 * fast.mfu if fast.mfu is not None else None, "power_w": fast.power_w,
+            "energy_per_token_j": fast.energy_per_token_j, "samples_per_s_mj": fast.samples_per_s_mj,
+            "source": speed.describe(exp)}
+
+
+def predicted_vs_measured(run: RunDir | str | os.PathLike, window="steady") -> pl.DataFrame:
+    """One row per METRICS entry the run measured: `metric`, `unit`, `predicted`, `measured` (the
+    run-level summary over `window`) and `error_pct` ((predicted / measured - 1) x 100), and `source`
+    (where the prediction's rates come from; "simulated telemetry" is added where the run's
+    telemetry is simulated). A run without an experiment.toml has nothing to predict: UserError."""
+    run = run if isinstance(run, RunDir) else resolve_run(run)
+    found = read_experiment(run.experiment_path)
+    if found is None:
+        raise UserError(f"run {run.id}: no experiment.toml, so no plan to predict it from")
+    predicted = prediction(found.experiment)
+    measured = summarize(run, window, by="run").row(0, named=True)
+    source = predicted["source"] + ("; simulated telemetry" if measured.get("simulated") else "")
+    rows = []
+    for metric, column, name, unit in METRICS:
+        have, want = measured.get(column), predicted[name]
+        if have is None or want is None or not math.isfinite(have) or have <= 0:
+            continue
+        rows.append({"metric": metric, "unit": unit, "predicted": float(want), "measured": float(have),
+                     "error_pct": 100 * (want / have - 1), "source": source})
+    return pl.DataFrame(rows, schema={"metric": pl.String, "unit": pl.String, "predicted": pl.Float64,
+                                      "measured": pl.Float64, "error_pct": pl.Float64, "source": pl.String})
+
+
+def render(table: pl.DataFrame) -> str:
+    """The comparison as an aligned text table, one line per metric, and where the prediction comes from."""
+    if table.height == 0:
+        return ""
+    rows = [("predicted (the plan) against measured", "predicted", "measured", "error")]
+    rows += [(r["metric"], _figure(r["predicted"], r["unit"]), _figure(r["measured"], r["unit"]), f"{r['error_pct']:+.1f}%")
+             for r in table.iter_rows(named=True)]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"{row[0]:{widths[0]}s}  " + "  ".join(f"{cell:>{widths[i + 1]}s}" for i, cell in enumerate(row[1:]))
+             for row in rows]
+    return "\n".join(lines + [f"({table['source'][0]})"]) + "\n"
+
+
+def _figure(value: float, unit: str) -> str:
+    if unit == "%":
+        return f"{value:.1f}%"
+    digits = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    return f"{digits} {unit}"

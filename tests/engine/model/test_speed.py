@@ -1,0 +1,138 @@
+"""The step-time and power model (engine.model.speed): its figures follow from its step time, each
+modelled cost moves the step the way Megatron's would, and calibrations replace what was assumed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from charllm.engine.model import calibration, speed
+from charllm.engine.model.experiment import Experiment
+from charllm.engine.model.flops import flops_per_iteration
+from charllm.engine.model.memory import count_parameters
+from charllm.engine.model.sweep import base_experiment
+
+
+def llama8b(**settings) -> Experiment:
+    """Llama-3 8B on 2 x 8 H100s, TP2 PP2 (DP4), as a composed experiment."""
+    exp = base_experiment("llama3-8b", "h100-sxm-80gb", 2, 8, 64)
+    exp.parallel.tensor_model_parallel_size = exp.parallel.pipeline_model_parallel_size = 2
+    exp.parallel.sequence_parallel = True
+    for key, value in settings.items():
+        exp.set(key, value)
+    return exp
+
+
+def test_figures_follow_from_the_step_time():
+    exp = llama8b()
+    got = speed.estimate(exp)
+    tokens = exp.training.global_batch_size * exp.seq_length
+    assert got.tokens_per_s == pytest.approx(tokens / got.step_s)
+    assert got.flops_per_iteration == flops_per_iteration(exp)
+    assert got.mfu == pytest.approx(got.flops_per_iteration / got.step_s / exp.world_size / 989.4e12)
+    assert sum(got.shares.values()) == pytest.approx(1.0)
+    assert all(0 <= share <= 1 for share in got.shares.values())
+    assert got.params_total == count_parameters(exp.model)
+    assert sum(got.params_per_stage) == got.params_total            # untied: no stage holds a copy
+    assert len(got.params_per_device) == 2 and max(got.params_per_device) < got.params_total / 2
+    assert exp.hardware.idle_w < got.power_w < exp.hardware.tdp_w
+    assert got.energy_per_token_j == pytest.approx(got.power_w * exp.world_size * got.step_s / tokens)
+    assert got.rates_source == "assumed" and got.power_source == "assumed"
+
+
+@pytest.mark.parametrize("change, slower", [
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}, True),
+    ({"recompute_granularity": "selective"}, True),
+    ({"attention_backend": "unfused"}, True),
+    ({"fp8": "hybrid"}, False),
+    ({"overlap_grad_reduce": True}, False),
+    ({"tp_comm_overlap": True}, False),
+])
+def test_each_cost_moves_the_step_as_megatron_would(change, slower):
+    plain, changed = speed.estimate(llama8b()).step_s, speed.estimate(llama8b(**change)).step_s
+    assert (changed > plain) if slower else (changed < plain), (change, plain, changed)
+
+
+def test_the_pipeline_bubble_shrinks_with_micro_batches_and_interleaving():
+    few, many = speed.estimate(llama8b(global_batch_size=16)), speed.estimate(llama8b(global_batch_size=256))
+    assert many.shares["bubble"] < few.shares["bubble"]
+    interleaved = speed.estimate(llama8b(global_batch_size=16, virtual_pipeline_model_parallel_size=4))
+    assert interleaved.shares["bubble"] < few.shares["bubble"]
+
+
+def test_tensor_parallelism_across_nodes_is_slower_than_within_one():
+    within = llama8b(tensor_model_parallel_size=4)
+    across = llama8b(tensor_model_parallel_size=4)
+    across.cluster.nodes, across.cluster.gpus_per_node = 8, 2            # the same 16 GPUs, 2 per node
+    inside, outside = speed.estimate(within), speed.estimate(across)
+    assert outside.shares["communication"] > inside.shares["communication"]
+    assert outside.step_s > inside.step_s
+
+
+def test_offloading_costs_what_the_host_link_cannot_hide():
+    exp = llama8b(fine_grained_activation_offloading=True, offload_modules=["core_attn", "qkv_linear"])
+    hidden = speed.estimate(exp).step_s                  # the transfers fit beside each layer's compute
+    assert hidden == pytest.approx(speed.estimate(llama8b()).step_s)
+    exp.hardware.host_link_gbs /= 4
+    assert speed.estimate(exp).step_s > 1.5 * hidden
+
+
+def test_a_node_calibration_replaces_the_assumed_gemm_efficiency():
+    exp = llama8b()
+    assumed = speed.estimate(exp)
+    calibration.save({"hardware": exp.hardware.name, "node": "gpu7", "date": "2026-08-30",
+                      "stack": {"cuda": True, "capability": [9, 0], "extensions": ["transformer_engine"]},
+                      "speed": {"matmul_efficiency": 0.85}})
+    calibrated = speed.estimate(exp)
+    assert calibrated.rates_source == "calibrated on gpu7, 2026-08-30"
+    assert calibrated.step_s < assumed.step_s
+    assert "85% of the bf16 peak (calibrated on gpu7, 2026-08-30)" in speed.describe(exp)
+
+
+def test_the_efficiency_a_measured_step_implies_gives_back_that_step():
+    exp = llama8b()
+    predicted = speed.estimate(exp).step_s
+    found = speed.calibrated_efficiency(exp, predicted * 1.2)
+    assert found is not None and found < exp.hardware.matmul_efficiency
+    exp.hardware.matmul_efficiency = found
+    assert speed.estimate(exp).step_s == pytest.approx(predicted * 1.2, rel=1e-3)
+    assert speed.calibrated_efficiency(exp, predicted / 100) is None        # faster than any efficiency allows
+
+
+def test_power_comes_from_the_recorded_runs_fit_where_there_is_one():
+    exp = llama8b()
+    calibration.save_power(exp.hardware.name, {"idle_w": 100.0, "max_w": 650.0, "runs": 3})
+    got = speed.estimate(exp)
+    assert got.power_source == "calibrated from 3 recorded runs of h100-sxm-80gb"
+    assert 100 < got.power_w < 650
+    assert "idle 100 W to 650 W (calibrated from 3 recorded runs" in speed.describe(exp)
+
+
+def test_no_power_without_a_board_limit_and_no_mfu_without_a_peak():
+    exp = Experiment.load("tiny-local")
+    got = speed.estimate(exp)
+    assert got.power_w is None and got.energy_per_token_j is None and got.power_source is None
+    exp.hardware = dataclasses.replace(exp.hardware, fp32_tflops=None)
+    assert speed.estimate(exp).mfu is None
+
+
+def test_a_damaged_power_calibration_is_no_calibration(capsys):
+    exp = llama8b()
+    calibration.power_path(exp.hardware.name).parent.mkdir(parents=True, exist_ok=True)
+    calibration.power_path(exp.hardware.name).write_text('{"idle_w": 900, "max_w": 100, "runs": 1}')
+    assert speed.estimate(exp).power_source == "assumed"
+    assert "not a usable power calibration" in capsys.readouterr().err
+
+
+def test_hardware_without_a_figure_the_model_needs_gets_no_step_time():
+    exp = llama8b()
+    exp.hardware.mem_bandwidth_gbs = 0.0
+    assert speed.estimate(exp) is None and speed.missing(exp) == ["mem_bandwidth_gbs"]
+    assert speed.unknown(exp) == "no step time: hardware 'h100-sxm-80gb' gives no mem_bandwidth_gbs (0: unknown)"
+    exp.hardware.network_gbs = 0.0                        # two nodes: the network is needed too
+    assert speed.missing(exp) == ["mem_bandwidth_gbs", "network_gbs"]
+    from charllm.engine.model.sweep import sweep          # noqa: PLC0415 - beside the estimate it mirrors
+
+    df = sweep(exp)
+    assert df.height > 0 and df["tokens_per_s"].null_count() == df.height and df["step_s"].null_count() == df.height

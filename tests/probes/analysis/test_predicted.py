@@ -1,0 +1,101 @@
+"""Predicted against measured (probes.analysis.predicted) and the power model fitted to recorded runs
+(probes.analysis.power_fit), on run directories as the probe and the launcher write them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from charllm.engine.model import calibration, speed
+from charllm.engine.model.sweep import base_experiment
+from charllm.probes.analysis import power_fit, predicted
+from charllm.probes.analysis.summary import keep_summaries
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run, tiny_experiment
+from charllm.tui.cli import main
+
+T = np.round(np.arange(0, 201) * 0.1, 10)          # 20 s at 10 Hz
+
+
+def layout(tp: int):
+    """Llama-3 8B on 8 H100s with tensor parallelism `tp` (the rest data parallel)."""
+    exp = base_experiment("llama3-8b", "h100-sxm-80gb", 1, 8, 16)
+    exp.parallel.tensor_model_parallel_size, exp.parallel.sequence_parallel = tp, tp > 1
+    return exp
+
+
+def recorded(root, run_id: str, exp, step_s: float, power_w: float, *, simulated: bool = False):
+    """A finished run of `exp`: 8 GPUs drawing `power_w`, steps of `step_s`, telemetry real or simulated."""
+    starts = np.arange(0, 19, step_s)
+    frames = [gpu_frame(T, device=f"gpu{i}", power_w=power_w, energy_j=power_w * T, simulated=simulated,
+                        backend="sim" if simulated else "nvml", iteration=np.searchsorted(starts, T, side="right"))
+              for i in range(8)]
+    rows = iteration_rows(starts, step_s, warmup=2, samples=exp.training.global_batch_size,
+                          tokens=exp.training.global_batch_size * exp.seq_length)
+    return make_run(root, frames, run_id=run_id, experiment=exp.to_toml(), iterations=rows,
+                    manifest={"id": run_id, "status": "completed", "kind": "train"})
+
+
+def test_predicted_against_measured_gives_the_plan_the_run_and_the_error(charllm_dirs):
+    exp = layout(2)
+    run = recorded(charllm_dirs["runs"], "20261121-000000-tp2", exp, 1.0, 500.0)
+    table = predicted.predicted_vs_measured(run)
+    by = {r["metric"]: r for r in table.iter_rows(named=True)}
+    plan = speed.estimate(exp)
+    assert by["step time"]["predicted"] == pytest.approx(plan.step_s)
+    assert by["step time"]["measured"] == pytest.approx(1.0, rel=1e-3)
+    assert by["step time"]["error_pct"] == pytest.approx(100 * (plan.step_s / by["step time"]["measured"] - 1))
+    assert by["power per GPU"]["predicted"] == pytest.approx(plan.power_w)
+    assert by["power per GPU"]["measured"] == pytest.approx(500.0)
+    assert {"tokens/s", "MFU", "energy per token"} <= set(by)
+    assert table["source"][0] == speed.describe(exp)
+    text = predicted.render(table)
+    assert text.startswith("predicted (the plan) against measured") and "step time" in text and "(speed: " in text
+
+
+def test_a_simulated_run_says_so_and_a_run_without_an_experiment_has_no_plan(charllm_dirs):
+    run = recorded(charllm_dirs["runs"], "20261121-000000-sim", layout(1), 1.0, 500.0, simulated=True)
+    assert predicted.predicted_vs_measured(run)["source"][0].endswith("; simulated telemetry")
+    bare = make_run(charllm_dirs["runs"], [gpu_frame(T, power_w=100.0)], run_id="20261121-000000-bare")
+    with pytest.raises(UserError, match="no experiment.toml"):
+        predicted.predicted_vs_measured(bare)
+    lacking = make_run(charllm_dirs["runs"], [gpu_frame(T, power_w=100.0)], run_id="20261121-000000-lacking",
+                       experiment=tiny_experiment("lacking"), iterations=iteration_rows(np.arange(0, 19, 1.0), 1.0))
+    assert predicted.predicted_vs_measured(lacking).height == 0       # its hardware gives no bandwidths
+
+
+def test_summarize_ends_with_the_plan_against_the_run(charllm_dirs, capsys):
+    recorded(charllm_dirs["runs"], "20261121-000000-tp2", layout(2), 1.0, 500.0)
+    assert main(["summarize", "tp2", "--by", "run"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted (the plan) against measured" in out and "power per GPU" in out and "500 W" in out
+
+
+def test_finished_real_runs_calibrate_their_hardware_power(charllm_dirs):
+    light, heavy = layout(8), layout(1)          # TP8 waits on its collectives: less of the board busy
+    times = [speed.step_times(e, speed.layouts_of(e)) for e in (light, heavy)]
+    u = [float(speed.utilization(np, t)[0]) for t in times]
+    assert u[0] < u[1] - 0.05
+    idle, top = 90.0, 680.0                       # what the boards "really" draw
+    for run_id, exp, share in (("20261121-000000-light", light, u[0]), ("20261121-010000-heavy", heavy, u[1])):
+        run = recorded(charllm_dirs["runs"], run_id, exp, 1.0, idle + (top - idle) * share)
+        keep_summaries(run)                       # what finishes a run: it refits the hardware's power
+    fit = calibration.load_power("h100-sxm-80gb")
+    assert fit["runs"] == 2 and fit["idle_w"] == pytest.approx(idle, abs=0.2) and fit["max_w"] == pytest.approx(top, abs=0.2)
+    plan = speed.estimate(heavy)
+    assert plan.power_source == "calibrated from 2 recorded runs of h100-sxm-80gb"
+    assert plan.power_w == pytest.approx(idle + (top - idle) * u[1], abs=0.5)
+    # a simulated run, or one of other hardware, does not count
+    recorded(charllm_dirs["runs"], "20261121-020000-sim", heavy, 1.0, 50.0, simulated=True)
+    assert len(power_fit.power_points("h100-sxm-80gb")) == 2
+
+
+def test_one_run_fits_full_load_and_keeps_the_presets_idle(charllm_dirs):
+    exp = layout(1)
+    share = float(speed.utilization(np, speed.step_times(exp, speed.layouts_of(exp)))[0])
+    run = recorded(charllm_dirs["runs"], "20261121-000000-one", exp, 1.0, 75.0 + 500.0 * share)
+    assert power_fit.refit_for(run) is None                   # no kept summary yet: nothing to fit
+    keep_summaries(run)
+    fit = calibration.load_power("h100-sxm-80gb")
+    assert fit["runs"] == 1 and fit["idle_w"] == 75.0 and fit["max_w"] == pytest.approx(575.0, abs=0.5)
+    assert "idle 75 W from the preset" in fit["how"]
