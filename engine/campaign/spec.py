@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from charllm.engine.model import catalog
+from charllm.engine.model import catalog, speed
 from charllm.engine.model.experiment import Experiment, resolve_key
 from charllm.engine.model.memory import DOES_NOT_FIT, estimate
 from charllm.engine.model.validate import validate
@@ -86,6 +86,7 @@ class Plan:
     reason: str = ""                # the rule broken, or "planned X GiB of Y"
     peak_bytes: int | None = None
     allocator_bytes: int | None = None
+    planned: dict | None = None     # the speed model's step time, tokens/s and power (engine.model.speed)
 
     @property
     def runnable(self) -> bool:
@@ -240,8 +241,10 @@ def plan_member(member: Member) -> Plan:
         return Plan(member, "invalid", str(problems[0]))
     report = estimate(member.experiment)
     allocator = report.budget.allocator_bytes
+    fast = speed.estimate(member.experiment)
+    planned = {"step_s": fast.step_s, "tokens_per_s": fast.tokens_per_s, "power_w": fast.power_w} if fast else None
     return Plan(member, report.verdict, f"planned {size(report.peak_bytes, 1)} of {size(allocator, 1)}",
-                report.peak_bytes, allocator)
+                report.peak_bytes, allocator, planned)
 
 
 VARIANTS = ("base", "overlap", "recompute", "overlap + recompute")   # the paper's optimization codes

@@ -54,7 +54,7 @@ class Record:
             members.append({"index": m.index, "key": m.key, "name": exp.name, "base": m.base,
                             "model": exp.model.name, "hardware": exp.hardware.name, "layout": exp.layout_label,
                             "variant": variant(exp, m.base), "micro_batch_size": exp.training.micro_batch_size,
-                            "varied": varied, "verdict": p.verdict, "reason": p.reason,
+                            "varied": varied, "verdict": p.verdict, "reason": p.reason, "planned": p.planned,
                             "status": status, "run": None, "runs": [], "failure": None,
                             "started_ns": None, "ended_ns": None})
         data = {"name": campaign.name, "source": campaign.source, "description": campaign.description,

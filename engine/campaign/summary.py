@@ -14,7 +14,7 @@ from charllm.probes.analysis.summary import cached_summary, summarize
 from charllm.probes.core.errors import UserError
 
 # The run-level summary's columns a campaign row shows, in reading order (units in the names).
-FIGURES = ("iter_time_mean_s", "tokens_per_s", "mfu_pct", "energy_per_token_j", "efficiency_samples_per_s_mj",
+FIGURES = ("iter_time_mean_s", "iter_time_p50_s", "tokens_per_s", "mfu_pct", "energy_per_token_j", "efficiency_samples_per_s_mj",
            "power_mean_w", "power_peak_w", "temp_gpu_mean_c", "temp_gpu_peak_c", "sm_clock_mean_mhz",
            "throttle_sw_power_cap_frac", "throttle_hw_slowdown_frac", "throttle_sw_thermal_frac",
            "nvlink_tx_bytes", "nvlink_rx_bytes", "pcie_tx_bytes", "pcie_rx_bytes", "gpus", "simulated")
@@ -48,12 +48,28 @@ def campaign_summary(record: Record) -> pl.DataFrame:
         df = member_summary(record, m)
         figures = df.row(0, named=True) if df is not None and df.height else {}
         row.update({name: figures.get(name) for name in FIGURES})
+        row.update(_planned(m.get("planned") or {}, figures))
         rows.append(row)
     schema = {"member": pl.Int64, "name": pl.String, "status": pl.String, "layout": pl.String,
               **{k: pl.String for k in varied_keys}, "run": pl.String, "verdict": pl.String, "why": pl.String}
     frame = pl.DataFrame(rows, schema_overrides=schema, infer_schema_length=None)
-    return frame.with_columns(pl.col(c).cast(pl.Float64) for c in FIGURES if c not in ("gpus", "simulated")
-                              and frame[c].dtype != pl.Float64)
+    numbers = [c for c in (*FIGURES, *(p for row in PLANNED for p in row[2:])) if c not in ("gpus", "simulated")]
+    return frame.with_columns(pl.col(c).cast(pl.Float64) for c in numbers if frame[c].dtype != pl.Float64)
+
+
+# The plan beside the measurement (engine.model.speed at the campaign's start; errors as
+# probes.analysis.predicted gives them: planned / measured - 1, the median step against the plan's).
+PLANNED = (("step_s", "iter_time_p50_s", "planned_step_s", "step_error_pct"),
+           ("power_w", "power_mean_w", "planned_power_w", "power_error_pct"))
+
+
+def _planned(planned: dict, measured: dict) -> dict:
+    out = {}
+    for name, column, shown, error in PLANNED:
+        value, real = planned.get(name), measured.get(column)
+        out[shown] = value
+        out[error] = 100 * (value / real - 1) if value is not None and real else None
+    return out
 
 
 def _text(value) -> str | None:
