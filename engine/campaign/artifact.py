@@ -15,7 +15,7 @@ import re
 import time
 from pathlib import Path
 
-from charllm.engine.campaign.spec import VARIANTS, check_name, variant
+from charllm.engine.campaign.spec import VARIANTS, Member, check_name, plan_member, variant
 from charllm.engine.campaign.state import Record, directory
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment
@@ -80,6 +80,7 @@ def record_tree(name: str, root: Path, imported: list[tuple[Path, RunDir]]) -> R
             "layout": exp.layout_label if exp else None, "variant": variant(exp, base) if exp else None,
             "micro_batch_size": exp.training.micro_batch_size if exp else None,
             "varied": _varied(folder), "verdict": None, "reason": "", "status": "completed", "run": run.id,
+            "planned": plan_member(Member(index, base, {}, {}, exp)).planned if exp else None,
             "runs": [], "failure": None, "started_ns": run.manifest().started_ns, "ended_ns": run.manifest().ended_ns})
     now = time.time_ns()
     record = Record(directory(name) / "campaign.json", {
