@@ -16,6 +16,7 @@ from charllm.probes.core.errors import UserError
 
 SHADES = " ░▒▓█"
 IMAGE_SUFFIXES = (".svg", ".png")
+TICK_WIDTH = 14          # characters of a category under its bar
 
 
 def terminal(fig: Figure, width: int = 100, height: int = 20) -> str:
@@ -23,7 +24,7 @@ def terminal(fig: Figure, width: int = 100, height: int = 20) -> str:
     its title, window and units, and the members without a value named."""
     out = [fig.title, f"window: {fig.window}"]
     if fig.kind == "heatmap":
-        out.append(_heatmap_text(fig))
+        out.append(heatmap_text(fig))
     else:
         for panel in fig.panels:
             out.append(_panel_text(panel, fig.x_axis, width, height))
@@ -37,23 +38,60 @@ def _panel_text(panel: Panel, x_axis: str, width: int, height: int) -> str:
     plt.clear_figure()
     plt.plotsize(width, height)
     plt.theme("clear")   # no colours: the chart reads the same in a pipe, a file and a terminal
-    categories = list(dict.fromkeys(x for s in panel.series for x in s.x))
-    if not categories:
+    if not draw_panel(plt, panel, x_axis):
         return f"{panel.title}: no values"
+    text = plt.uncolorize(plt.build())   # plain text: the same in a pipe, a file and a terminal
+    below = caption(panel)
+    return f"{text}\n{below}" if below else text
+
+
+def draw_panel(plt, panel: Panel, x_axis: str) -> bool:
+    """Draw the panel's bars, title and axis on `plt`: plotext itself, or a textual-plotext widget's
+    (the workbench's Campaign screen), so both draw the same; False when it has no category."""
+    categories = _categories(panel)
+    if not categories:
+        return False
     data = [[_value(s, x) for x in categories] for s in panel.series]
     labels = [s.label for s in panel.series]
-    short = [_short(x, 14) for x in categories]
+    ticks = _ticks(categories)
     if len(data) == 1:
-        plt.bar(short, data[0])
+        plt.bar(ticks, data[0])
     else:
-        plt.multiple_bar(short, data, labels=labels)
+        plt.multiple_bar(ticks, data, labels=labels)
     plt.title(f"{panel.title} ({panel.unit})" if panel.unit else panel.title)
     plt.xlabel(x_axis)
-    text = plt.uncolorize(plt.build())   # plain text: the same in a pipe, a file and a terminal
+    return True
+
+
+def caption(panel: Panel) -> str:
+    """What goes under a panel's chart: its tick key and the members it has no value for."""
+    return "\n".join(line for line in (tick_key(panel), no_values(panel)) if line)
+
+
+def tick_key(panel: Panel) -> str:
+    """What the panel's numbered ticks stand for ("" when its ticks are its categories)."""
+    categories = _categories(panel)
+    ticks = _ticks(categories)
+    if ticks == [_short(x, TICK_WIDTH) for x in categories]:
+        return ""
+    return "; ".join(f"{t}: {x}" for t, x in zip(ticks, categories))
+
+
+def no_values(panel: Panel) -> str:
+    """The members the panel has no value for, and why ("" when it has every value)."""
     marks = [f"{s.label} {x}: {why}" for s in panel.series for x, why in s.marks.items()]
-    if marks:
-        text += "\nno value: " + "; ".join(marks)
-    return text
+    return "no value: " + "; ".join(marks) if marks else ""
+
+
+def _categories(panel: Panel) -> list[str]:
+    return list(dict.fromkeys(x for s in panel.series for x in s.x))
+
+
+def _ticks(categories: list[str]) -> list[str]:
+    """The x tick labels: the categories, shortened; numbers where two would read the same once
+    shortened (plotext would merge them, and a reader could not tell them apart)."""
+    short = [_short(x, TICK_WIDTH) for x in categories]
+    return short if len(set(short)) == len(short) else [str(i) for i in range(1, len(categories) + 1)]
 
 
 def _value(series, x: str) -> float:
@@ -68,7 +106,8 @@ def _short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _heatmap_text(fig: Figure) -> str:
+def heatmap_text(fig: Figure) -> str:
+    """A heatmap figure as a grid of shades, GPUs by members, with its scale and the members' names."""
     if not fig.values:
         return "(no per-GPU values)"
     metric = fig.panels[0].metric
