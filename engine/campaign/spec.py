@@ -23,6 +23,7 @@ like any other (engine.launch): nothing here knows how to train or where.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import itertools
 import json
@@ -31,10 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from charllm.engine.model import catalog, speed
-from charllm.engine.model.experiment import Experiment, resolve_key
+from charllm.engine.model.experiment import Experiment, all_keys, resolve_key
 from charllm.engine.model.memory import DOES_NOT_FIT, estimate
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
+from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, did_you_mean, plural, shown
 from charllm.probes.core.formatting import size
 
@@ -343,3 +345,70 @@ def describe(plans: list[Plan]) -> str:
     return (f"{plural(len(plans), 'member')}: {runnable:,} planned to run, {skipped:,} skipped (do not fit), "
             f"{invalid:,} invalid")
 
+
+
+# -- a campaign of chosen layouts (the workbench's Sweep: marked layouts become a campaign) ----------
+NAMED_BY = ("tensor_model_parallel_size", "pipeline_model_parallel_size")   # every [[layouts]] entry says these
+
+
+def from_layouts(base: str, base_exp: Experiment, layouts: list[Experiment], description: str = "") -> dict:
+    """A campaign's table: the experiment `base` (its preset name or file; `base_exp` is what it
+    loads as) in each of `layouts`, experiments that differ from it in their layout only (sweep rows
+    loaded into it). What tells the layouts apart, and their TP and PP, are the [[layouts]] entries;
+    what they all change alike (a micro batch, a recompute choice) is a one-value axis. Layouts
+    that differ in a setting a [[layouts]] entry cannot hold are refused, with that setting named."""
+    if not layouts:
+        raise UserError("no layouts given: mark at least one")
+    sections = all_keys()
+    before = _settings(base_exp)
+    rows = list({json.dumps(s, sort_keys=True, default=str): s for s in map(_settings, layouts)}.values())
+    layout_keys, axes = [], {}
+    for key, value in before.items():
+        values = [row[key] for row in rows]
+        differ = any(v != values[0] for v in values)
+        if differ and sections[key] not in LAYOUT_SECTIONS:
+            shown_values = ", ".join(dict.fromkeys(str(_toml(v)) for v in values))
+            raise UserError(f"the layouts differ in {key} ({shown_values}): [[layouts]] hold parallel settings "
+                            f"only; choose layouts of one {key}, or vary it under [axes] in the campaign file")
+        if differ or (key in NAMED_BY and len(rows) > 1):
+            layout_keys.append(key)
+        elif values[0] != value:
+            axes[key] = [_toml(values[0])]
+    table = {"description": description, "experiments": [base]} if description else {"experiments": [base]}
+    if axes:
+        table["axes"] = axes
+    table["layouts"] = [{key: _toml(row[key]) for key in layout_keys or NAMED_BY} for row in rows]
+    return table
+
+
+def _settings(exp: Experiment) -> dict:
+    """Every cluster, parallel and training field of `exp`, by its bare name (as a campaign names it)."""
+    sections = all_keys()
+    return {name: value for section in ("cluster", "parallel", "training")
+            for name, value in dataclasses.asdict(getattr(exp, section)).items() if sections.get(name) == section}
+
+
+def _toml(value):
+    return "none" if value is None else value      # TOML has no null; every optional field reads "none"
+
+
+def save_new(name: str, table: dict) -> Path:
+    """Write the user's new campaign `name` (<config>/campaigns/NAME.toml) and read it back whole
+    (Campaign.load and its members); a name taken (the user's, or a shipped one that it would
+    hide) or a table that does not load is refused, and nothing is left written."""
+    import tomli_w  # deferred: only writing a campaign needs it
+
+    check_name(name)
+    taken = campaigns()
+    if name in taken:
+        raise UserError(f"campaign {name!r}: already exists ({taken[name]}); choose another name")
+    Campaign.from_dict(name, table)
+    path = paths.config_dir() / KIND / f"{name}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, tomli_w.dumps(table))
+    try:
+        Campaign.load(name).members()
+    except UserError:
+        path.unlink(missing_ok=True)
+        raise
+    return path

@@ -92,3 +92,38 @@ def test_keys_says_what_a_file_takes(capsys):
 def test_time_limits_read_as_slurm_writes_them(value, seconds):
     """Seconds, or Slurm's --time forms: a lone number is minutes, MM:SS, HH:MM:SS, D-HH:MM:SS."""
     assert parse_time_limit(value, "t") == seconds
+
+
+def test_chosen_layouts_become_a_campaign_file_whose_members_are_those_layouts(charllm_dirs):
+    from charllm.engine.campaign.spec import from_layouts, save_new
+    from charllm.engine.model.experiment import Experiment
+    from charllm.probes.core.errors import UserError
+
+    base = Experiment.load("ppt-h100-llama3-70b-1-01000")
+    layouts = []
+    for tp, pp, vp in ((8, 1, None), (4, 2, 2), (8, 4, None)):
+        exp = base.copy()
+        exp.parallel.tensor_model_parallel_size, exp.parallel.pipeline_model_parallel_size = tp, pp
+        exp.parallel.virtual_pipeline_model_parallel_size = vp
+        exp.training.micro_batch_size = 2          # all alike: an axis of one value
+        layouts.append(exp)
+    table = from_layouts(base.name, base, layouts + layouts[:1], "three layouts")   # the repeat is dropped
+    assert table["axes"] == {"micro_batch_size": [2]}
+    assert table["layouts"][0] == {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 1,
+                                   "virtual_pipeline_model_parallel_size": "none"}
+    path = save_new("chosen", table)
+    assert path == charllm_dirs["config"] / "campaigns" / "chosen.toml"
+    members = Campaign.load("chosen").members()
+    assert [{**m.experiment.to_dict(), "name": e.name} for m, e in zip(members, layouts)] == \
+        [e.to_dict() for e in layouts] and len(members) == 3
+    with pytest.raises(UserError, match="'chosen': already exists"):
+        save_new("chosen", table)
+    with pytest.raises(UserError, match="'tiny-local': already exists"):   # a shipped one would be hidden
+        save_new("tiny-local", table)
+    odd = layouts[0].copy()
+    odd.training.micro_batch_size = 1
+    with pytest.raises(UserError, match=r"the layouts differ in micro_batch_size \(2, 1\)"):
+        from_layouts(base.name, base, [layouts[0], odd])
+    with pytest.raises(UserError, match="experiments: 'no-such' matches no experiment"):
+        save_new("broken", {**table, "experiments": ["no-such"]})
+    assert not (charllm_dirs["config"] / "campaigns" / "broken.toml").exists()      # nothing left written
