@@ -281,7 +281,7 @@ def test_readme_config_files_are_read_as_the_readme_says(session):
     for name, body in files.items():
         (tmp / name).write_text(body)
     settings = load_settings(tmp / "tui.toml")
-    assert settings["theme"] == "gruvbox" and settings["keymap"] == {"screen.live": "f9"}
+    assert settings["theme"] == "gruvbox" and settings["keymap"] == {"screen.live": "f12"}
     targets = load_file(tmp / "targets.toml")
     assert {t.kind for t in targets.values()} == {"slurm", "ssh"}
 

@@ -1,15 +1,15 @@
 """The workbench: `charllm-tui` with no arguments.
 
-One Textual mode per screen (Compose, Sweep, Launch, Live, Runs, Compare, Doctor), each with its
-own screen stack, switched with F2..F8, the tab bar or the command palette. The app holds the state
-the screens share: the experiment being composed and the run being watched. Every screen is a
+One Textual mode per screen (Compose, Sweep, Launch, Live, Runs, Compare, Doctor, Campaign), each
+with its own screen stack, switched with F2..F9, the tab bar or the command palette. The app holds
+the state the screens share: the experiment being composed, the run being watched, the campaign shown. Every screen is a
 face on the headless API (`charllm.engine`, `charllm.probes`); blocking calls run in workers.
 
 User settings come from `<config_dir>/tui.toml`:
 
     theme = "gruvbox"                 # any Textual theme name
     [keymap]                          # binding id -> keys (see the help screen for the ids)
-    "screen.live" = "f9"
+    "screen.live" = "f12"
     "compose.save" = "ctrl+w"
 """
 
@@ -64,7 +64,7 @@ def load_settings(path: Path | None = None) -> dict:
     if theme is not None and not isinstance(theme, str):
         raise UserError(f"{path}: theme = {theme!r}: must be a theme name (a string)")
     if not isinstance(keymap, dict) or not all(isinstance(v, str) for v in keymap.values()):
-        raise UserError(f"{path}: [keymap] must map binding ids to key strings, e.g. \"screen.live\" = \"f9\"")
+        raise UserError(f"{path}: [keymap] must map binding ids to key strings, e.g. \"screen.live\" = \"f12\"")
     known = binding_ids() if keymap else set()
     for binding_id in keymap:
         if binding_id not in known:
@@ -105,6 +105,8 @@ class CharllmApp(App[None]):
         self.experiment_serial = 0      # bumped when the experiment is replaced from outside Compose
         self.run_path: Path | None = Path(run) if run else None
         self.compare_refs: list[str] = []
+        self.campaign_name: str | None = None   # the campaign the Campaign screen shows
+        self.runs_focus: str | None = None      # a run the Runs screen puts its cursor on when it shows
         self.swept_ahead = None         # (experiment TOML, SweepDone) from the background sweep
         self._start_mode = start_mode or ("live" if run else self.DEFAULT_MODE)
 
@@ -161,6 +163,22 @@ class CharllmApp(App[None]):
             self.screen.follow(self.run_path)
         else:
             self.switch_mode("live")    # Live follows app.run_path when it resumes
+
+    def show_in_runs(self, run_id: str) -> None:
+        """Show the Runs screen with its cursor on run `run_id`."""
+        self.runs_focus = run_id
+        if self.current_mode == "runs":
+            self.screen.action_refresh()
+        else:
+            self.switch_mode("runs")    # Runs puts its cursor on app.runs_focus when it resumes
+
+    def show_campaign(self, name: str) -> None:
+        """Show campaign `name` on the Campaign screen."""
+        self.campaign_name = name
+        if self.current_mode == "campaign":
+            self.screen.select(name)
+        else:
+            self.switch_mode("campaign")    # Campaign selects app.campaign_name when it resumes
 
     def compare_runs(self, refs: list[str]) -> None:
         self.compare_refs = list(refs)

@@ -83,6 +83,8 @@ class ActionsProvider(_ListProvider):
              partial(self._on, "doctor", "check")),
             ("Calibrate this node", "a short training job, then save the node calibration (Doctor: t)",
              partial(self._on, "doctor", "check(True)")),
+            ("Campaign of marked layouts", "write the layouts marked on Sweep as a new campaign (Sweep: c)",
+             partial(self._on, "sweep", "campaign")),
         ]
 
     def _on(self, mode: str, action: str) -> None:

@@ -688,11 +688,11 @@ async def test_launch_offers_the_good_targets_and_names_a_broken_one(charllm_dir
 async def test_keymap_and_theme_from_tui_toml(charllm_dirs):
     config = charllm_dirs["config"]
     config.mkdir(parents=True)
-    (config / "tui.toml").write_text('theme = "gruvbox"\n[keymap]\n"screen.runs" = "f9"\n')
+    (config / "tui.toml").write_text('theme = "gruvbox"\n[keymap]\n"screen.runs" = "f12"\n')
     app = CharllmApp(settings=load_settings())
     async with run_app(app) as pilot:
         assert app.theme == "gruvbox"
-        await pilot.press("f9")
+        await pilot.press("f12")
         await wait_for(pilot, lambda: app.current_mode == "runs")
 
 

@@ -186,13 +186,13 @@ async def test_launch_drops_a_refusal_when_another_experiment_comes(charllm_dirs
 # -- 5, 10. Keys say what they are ---------------------------------------------------------------------
 @pilot_test
 async def test_the_tab_bar_shows_a_remapped_screen_key():
-    app = CharllmApp(settings={"theme": None, "keymap": {"screen.live": "f9"}})
+    app = CharllmApp(settings={"theme": None, "keymap": {"screen.live": "f12"}})
     async with app.run_test(size=(120, 40)) as pilot:
         tabs = [str(tab.label) for tab in app.screen.query("ScreenTabs Tab")]
-        assert "Live F9" in tabs and "Live F5" not in tabs and "Runs F6" in tabs
-        await pilot.press("f9")
+        assert "Live F12" in tabs and "Live F5" not in tabs and "Runs F6" in tabs
+        await pilot.press("f12")
         await wait_for(pilot, lambda: app.current_mode == "live")
-        assert "Live F9" in [str(tab.label) for tab in app.screen.query("ScreenTabs Tab")]
+        assert "Live F12" in [str(tab.label) for tab in app.screen.query("ScreenTabs Tab")]
 
 
 @pilot_test

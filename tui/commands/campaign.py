@@ -154,9 +154,7 @@ def _start(args) -> int:
     target = get_target(args.target or campaign.target or "local", args.target_file)
     record = queue.start(campaign, target, max_parallel=args.max_parallel, include_oom=args.include_oom,
                          resume=args.resume)
-    counts = record.counts()
-    print(f"campaign {campaign.name}: {counts.get(state.QUEUED, 0):,} of {plural(len(record.members), 'member')} "
-          f"queued on {target.name}, at most {record.data['max_parallel']} at once; its supervisor runs the queue "
+    print(f"{queued_line(record, target.name)}; its supervisor runs the queue "
           f"(log: {state.directory(campaign.name) / 'supervisor.log'})", flush=True)
     for m in record.members:
         if m["status"] in (state.SKIPPED, state.INVALID):
@@ -164,6 +162,12 @@ def _start(args) -> int:
     if args.detach:
         return 0
     return _follow(campaign.name)
+
+
+def queued_line(record: state.Record, target: str) -> str:
+    """What a started campaign says (here and on the workbench's Campaign screen)."""
+    return (f"campaign {record.name}: {record.counts().get(state.QUEUED, 0):,} of "
+            f"{plural(len(record.members), 'member')} queued on {target}, at most {record.data['max_parallel']} at once")
 
 
 def _follow(name: str) -> int:

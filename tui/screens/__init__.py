@@ -15,6 +15,7 @@ SCREENS: tuple[tuple[str, str, str, str], ...] = (
     ("runs", "Runs", "f6", "runs:RunsScreen"),
     ("compare", "Compare", "f7", "compare:CompareScreen"),
     ("doctor", "Doctor", "f8", "doctor:DoctorScreen"),
+    ("campaign", "Campaign", "f9", "campaign:CampaignScreen"),
 )
 
 

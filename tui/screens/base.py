@@ -51,6 +51,8 @@ class WorkbenchScreen(Screen):
 
     MODE = ""
     BINDINGS = FOCUS_KEYS
+    # Below 90 columns the tab bar's tabs lose their right padding: all of them then fit in 80.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (90, "-wide")]
 
     def compose(self) -> ComposeResult:
         yield Header()

@@ -120,7 +120,22 @@ class RunsScreen(WorkbenchScreen):
             self.runs[rd.id] = rd.path
             self.manifests[rd.id] = m
         self._fill()
+        self._focus_asked_for()
         self.headlines(list(self.runs.items()))
+
+    def _focus_asked_for(self) -> None:
+        """Put the cursor on the run another screen asked to show (app.runs_focus: a campaign's
+        member), clearing the search and the status filter if they hide it."""
+        run_id, self.app.runs_focus = self.app.runs_focus, None
+        if run_id not in self.runs:
+            return
+        table = self.query_one(DataTable)
+        if run_id not in table.rows:
+            self.search, self.status_filter = "", None
+            self.query_one("#runs-search", Input).value = ""
+            self._fill()
+        table.move_cursor(row=table.get_row_index(run_id))
+        table.focus()
 
     def _fill(self) -> None:
         """The rows that pass the search and the status filter, in the chosen order."""

@@ -8,7 +8,9 @@ The result (a polars DataFrame, one row per valid
 layout, with its memory and its speed as `engine.model.speed` estimates it) feeds a TP × PP
 feasibility map (per micro batch and recompute choice, coloured by the best headroom in that cell)
 and a table, fitting layouts ranked by tokens/s, sortable by any column. Enter on a map cell or a table row loads that layout
-into Compose through `engine.model.sweep.layout_to_experiment`.
+into Compose through `engine.model.sweep.layout_to_experiment`. Space marks table rows, and `c`
+writes the marked layouts as a new campaign of the composed experiment
+(`engine.campaign.spec.from_layouts`), which the Campaign screen then shows.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Label, ProgressBar, Select, Static
 
-from charllm.engine.model import memory, speed, sweep
+from charllm.engine.campaign import spec as campaigns
+from charllm.engine.model import catalog, memory, speed, sweep
+from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import GIB, count, si
 from charllm.tui.commands.plan import VERDICT_STYLE
 from charllm.tui.screens.base import WorkbenchScreen, edited_name
+from charllm.tui.screens.dialogs import AskName, free_name
 
 ANY = "any"
 # DataFrame column -> table heading, in the order shown: the layout, what it leaves free, then its options
@@ -134,6 +139,8 @@ class SweepScreen(WorkbenchScreen):
         Binding("s", "sort", "Sort by column", id="sweep.sort"),
         Binding("f", "toggle_fitting", "Fitting only", id="sweep.fitting"),
         Binding("m", "toggle_map", "Map", id="sweep.map"),
+        Binding("space", "mark", "Mark", id="sweep.mark"),
+        Binding("c", "campaign", "Campaign of marked", id="sweep.campaign"),
     ]
     # Below this width the map is hidden at first (m shows it), so that the table's verdicts fit.
     MAP_MIN_WIDTH = 100
@@ -151,6 +158,8 @@ class SweepScreen(WorkbenchScreen):
         self.columns = list(TABLE_COLUMNS)  # the columns the table shows
         self.same_everywhere = ""       # the hidden columns and their one value ("EP 1 · SP yes")
         self.map_chosen = False         # the user toggled the map: the width no longer decides
+        self.marked: dict[tuple, dict] = {}  # the marked layouts (their sweep rows), in the order marked
+        self.marked_for = None          # the experiment they are layouts of (its TOML)
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="sweep"):
@@ -232,6 +241,8 @@ class SweepScreen(WorkbenchScreen):
             return
         self.frame = message.frame
         self.basis = message.basis
+        if self.marked_for != self.swept_serial:    # marks are layouts of the experiment swept before
+            self.marked, self.marked_for = {}, self.swept_serial
         self.show_status()
         with self.prevent(Select.Changed):
             for wid, column in (("mbs", "micro_batch_size"), ("recompute", "recompute")):
@@ -248,10 +259,11 @@ class SweepScreen(WorkbenchScreen):
         listed = self.table_frame.height if self.table_frame is not None else frame.height
         shown = "fitting only, f: all" if self.fitting_only else "all, f: fitting only"
         same = f"\nin every layout: {escape(self.same_everywhere)}" if self.same_everywhere else ""
+        marked = f" · {len(self.marked)} marked, c: a campaign of them" if self.marked else " · space marks"
         self.query_one("#sweep-status", Static).update(
             f"{frame.height} valid layouts: [green]{count.get('fits', 0)} fit[/], "
             f"[yellow]{count.get('tight', 0)} tight[/] · listing {listed} ({shown}) · Enter loads one into "
-            f"Compose · s sorts{same}\n[dim]{escape(self.basis)}[/]")
+            f"Compose · s sorts{marked}{same}\n[dim]{escape(self.basis)}[/]")
 
     @on(Select.Changed)
     def redraw(self) -> None:
@@ -300,8 +312,8 @@ class SweepScreen(WorkbenchScreen):
         table = self.query_one("#sweep-table", DataTable)
         start = self.loaded
         for i, row in enumerate(self.table_frame.slice(start, TABLE_PAGE).iter_rows(named=True), start):
-            cells = [headroom_text(row[c], row["verdict"]) if c == "headroom_bytes" else cell_text(c, row[c])
-                     for c in self.columns]
+            cells = [headroom_text(row[c], row["verdict"]) if c == "headroom_bytes" else
+                     self._rank_text(row) if c == "rank" else cell_text(c, row[c]) for c in self.columns]
             table.add_row(*cells, key=str(i))
         self.loaded = table.row_count
 
@@ -368,3 +380,86 @@ class SweepScreen(WorkbenchScreen):
         self.fitting_only = not self.fitting_only
         if self.frame is not None:
             self.fill_table(self.shown)
+
+    # -- marking layouts for a campaign -------------------------------------------------------------
+    def _rank_text(self, row: dict) -> str | Text:
+        return Text(f"●{row['rank']}", "bold cyan") if _layout_key(row) in self.marked else str(row["rank"])
+
+    def action_mark(self) -> None:
+        table = self.query_one("#sweep-table", DataTable)
+        if self.table_frame is None or not table.row_count:
+            return
+        index = table.cursor_row
+        row = self.table_row(index)
+        key = _layout_key(row)
+        if self.marked.pop(key, None) is None:
+            self.marked[key] = row
+        table.update_cell(str(index), "rank", self._rank_text(row), update_width=True)
+        self.show_status()
+
+    def action_campaign(self) -> None:
+        """Write the marked layouts as a new campaign of the composed experiment, and show it."""
+        if not self.marked:
+            self.notify("mark layouts with Space first", severity="warning")
+            return
+        exp = self.app.experiment.copy()
+        base = preset_name(exp)        # the preset it is, unchanged; else it is saved under the campaign's name
+        try:
+            layouts = [sweep.layout_to_experiment(exp, row) for row in self.marked.values()]
+            campaigns.from_layouts(base or exp.name, exp, layouts)       # the layouts' own mistakes, first
+        except UserError as exc:
+            self.notify(str(exc), severity="error")
+            return
+
+        def check(name: str) -> None:
+            campaigns.check_name(name)
+            if name in campaigns.campaigns():
+                raise UserError(f"campaign {name!r}: already exists; choose another name")
+            if base is None:           # the composed experiment is saved as a preset of that name too
+                catalog.new_user_preset("experiments", name)
+                if catalog.is_user("experiments", name):
+                    raise UserError(f"experiment preset {name!r}: yours already has that name; choose another")
+
+        def taken(name: str) -> bool:
+            try:
+                check(name)
+            except UserError:
+                return True
+            return False
+
+        what = f"{len(layouts)} marked layout{'s' if len(layouts) > 1 else ''} of {exp.name}"
+        self.app.push_screen(AskName(f"A campaign of the {what}, named:" if base else
+                                     f"A campaign of the {what} (saved as an experiment preset too), named:",
+                                     free_name(f"{exp.name.removesuffix('-edited')}-layouts", taken), check),
+                             lambda name: name and self.write_campaign(name, exp, base, layouts, what))
+
+    def write_campaign(self, name: str, exp: Experiment, base: str | None, layouts: list, what: str) -> None:
+        saved = None
+        try:
+            if base is None:
+                exp.name = base = name
+                saved = catalog.new_user_preset("experiments", name)
+                exp.save(saved)
+            path = campaigns.save_new(name, campaigns.from_layouts(base, exp, layouts, f"the {what}, from Sweep"))
+        except (UserError, OSError) as exc:
+            if saved is not None:      # nothing half-written: no experiment without its campaign
+                saved.unlink(missing_ok=True)
+            self.notify(f"campaign {name!r}: {exc}", severity="error")
+            return
+        self.notify(f"wrote campaign {name} to {path}" + (f" and experiment preset {name} to {saved}" if saved else ""))
+        self.app.show_campaign(name)
+
+
+def _layout_key(row: dict) -> tuple:
+    """What tells one sweep row's layout from another's."""
+    return tuple(row[c] for c in sweep.COLUMNS)
+
+
+def preset_name(exp: Experiment) -> str | None:
+    """The name of the experiment preset `exp` is, unchanged (None: it is not a preset as it stands)."""
+    if exp.name not in catalog.entries("experiments"):
+        return None
+    try:
+        return exp.name if Experiment.load(exp.name).to_dict() == exp.to_dict() else None
+    except UserError:
+        return None

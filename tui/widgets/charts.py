@@ -1,9 +1,11 @@
-"""The one chart adapter over textual-plotext: metrics over time (or iterations), several series.
+"""The chart adapters over textual-plotext: metrics over time (or iterations), several series
+(`Chart`), and a campaign figure's panel of bars (`FigurePanel`).
 
-Callers hand over raw points; the adapter downsamples each series to the widget's braille
+Chart callers hand over raw points; the adapter downsamples each series to the widget's braille
 resolution (two points per cell, mean per bucket) and draws them as braille points — at that
 density they read as lines, at a tenth of the cost of plotext's interpolated lines. It draws only
 while visible and at most `MAX_FPS` times a second, so a 20 Hz feed of many GPUs stays cheap.
+A FigurePanel draws what `campaign report` draws in the terminal (tui/figures.draw_panel).
 """
 
 from __future__ import annotations
@@ -38,18 +40,11 @@ def downsample(xs: Sequence[float], ys: Sequence[float], buckets: int) -> tuple[
     return [c[0] / c[2] for c in cols], [c[1] / c[2] for c in cols]
 
 
-class Chart(PlotextPlot):
-    """A titled line chart of several series; `show()` new data, it redraws when due."""
+class _KeptPlot(PlotextPlot):
+    """A plot that builds its figure again only when its data, size or theme change."""
 
-    def __init__(self, title: str, *, xlabel: str = "", id: str | None = None):
-        super().__init__(id=id)
-        self.title = title
-        self.xlabel = xlabel
-        self._series: Series = {}
-        self._last_draw = 0.0
-        self._pending = False
-        self._stale = False
-        self._note = ""
+    def __init__(self, *, id: str | None = None, classes: str | None = None):
+        super().__init__(id=id, classes=classes)
         self._drawn = 0                   # bumped by every _draw: the figure's data changed
         self._built: tuple | None = None  # (drawn, size, theme) -> the figure textual-plotext built
 
@@ -61,6 +56,20 @@ class Chart(PlotextPlot):
         if self._built is None or self._built[0] != key:
             self._built = (key, super().render())
         return self._built[1]
+
+
+class Chart(_KeptPlot):
+    """A titled line chart of several series; `show()` new data, it redraws when due."""
+
+    def __init__(self, title: str, *, xlabel: str = "", id: str | None = None):
+        super().__init__(id=id)
+        self.title = title
+        self.xlabel = xlabel
+        self._series: Series = {}
+        self._last_draw = 0.0
+        self._pending = False
+        self._stale = False
+        self._note = ""
 
     def show(self, series: Series, *, note: str = "") -> None:
         self._series = series
@@ -113,3 +122,16 @@ class Chart(PlotextPlot):
     def watch_display(self, display: bool) -> None:  # noqa: D102 - hidden charts skip drawing
         if display and self._stale:
             self._draw()
+
+
+class FigurePanel(_KeptPlot):
+    """One panel of a campaign figure (engine.campaign.report.Panel), drawn as `campaign report`
+    draws it in the terminal: the same values, bars, title, units and axis."""
+
+    def __init__(self, panel, x_axis: str, *, classes: str | None = None):
+        from charllm.tui.figures import draw_panel  # deferred: loads polars (Live's charts need neither)
+
+        super().__init__(classes=classes)
+        self.panel = panel
+        if not draw_panel(self.plt, panel, x_axis):
+            self.plt.title(f"{panel.title}: no values")
