@@ -64,7 +64,7 @@ async def test_lists_every_campaign_with_its_progress_and_shows_the_members_of_t
         assert str(listing.get_cell(DEMO_CAMPAIGN, "progress")) == record.progress().split(": ", 1)[1]
         assert str(listing.get_cell("ppt-microbatch", "members")) == "60"
         assert str(listing.get_cell("ppt-microbatch", "progress")) == "not run"
-        assert str(listing.get_cell("old-sweep", "members")) == "-"
+        assert str(listing.get_cell("old-sweep", "members")) == "9"         # its record's
         for m in record.members:
             assert cell(app, m["index"] + 1, "status") == state.member_status(record, m)
         assert cell(app, 2, "note") == record.members[1]["reason"]          # skipped: does not fit
@@ -77,7 +77,10 @@ async def test_lists_every_campaign_with_its_progress_and_shows_the_members_of_t
         listing.focus()
         await pilot.press("down")                       # demo-microbatch -> old-sweep
         await wait_for(pilot, shown(app, "old-sweep"))
-        assert "its campaign file is gone" in str(app.screen.query_one("#campaign-status").render())
+        assert record.data["description"] in str(app.screen.query_one("#campaign-status").render())
+        await pilot.press("r")                          # no file: nothing to run
+        await pilot.pause(0.1)
+        assert any("no campaign file to run" in n for n in notes_of(app))
         await pilot.press("down")                       # -> ppt-h100
         await wait_for(pilot, shown(app, "ppt-h100"), what="the plan of ppt-h100")
         plans = spec.Campaign.load("ppt-h100").plan()

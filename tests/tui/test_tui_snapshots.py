@@ -14,7 +14,7 @@ import time
 import pytest
 
 from charllm.tui.app import CharllmApp
-from charllm.tui.demo import make_demo_run
+from charllm.tui.demo import make_demo_campaign, make_demo_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -131,6 +131,33 @@ def test_compare_cpu_runs(snap_compare, size, charllm_dirs):
         await until(pilot, lambda: pilot.app.screen.result is not None)
 
     assert snap_compare(app, terminal_size=SIZES[size], run_before=compared)
+
+
+@pytest.fixture
+def demo_campaign(charllm_dirs):
+    return make_demo_campaign(charllm_dirs["runs"])
+
+
+async def campaign_shown(pilot):
+    await pilot.press("f9")
+    screen = pilot.app.screen
+    await until(pilot, lambda: screen.shown is not None and screen.query_one("#campaign-members").row_count == 9)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_campaign(snap_compare, size, demo_campaign):
+    assert snap_compare(CharllmApp(), terminal_size=SIZES[size], run_before=campaign_shown)
+
+
+@pytest.mark.parametrize("size, figures", [("large", 1), ("small", 3)])   # parallelism; micro batch
+def test_campaign_figure(snap_compare, size, figures, demo_campaign):
+    async def drawn(pilot):
+        await campaign_shown(pilot)
+        await pilot.press(*["g"] * figures)
+        screen = pilot.app.screen
+        await until(pilot, lambda: screen.drawn is not None and screen.drawn.wanted == screen.wanted)
+
+    assert snap_compare(CharllmApp(), terminal_size=SIZES[size], run_before=drawn)
 
 
 def test_help(snap_compare):

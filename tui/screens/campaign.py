@@ -85,6 +85,7 @@ class Shown(Message):
     description: str = ""
     progress: str = ""
     status: str | None = None           # its record's status; None: it has not run
+    has_file: bool = True               # a campaign file to run (an imported or deleted one has none)
     target: str = "local"               # where `r` runs it
     max_parallel: int = 1
     runnable: int = 0
@@ -185,7 +186,8 @@ class CampaignScreen(WorkbenchScreen):
                 progress = records[name].progress().split(": ", 1)[1]
             except UserError as exc:
                 progress = "not run" if "has not run" in str(exc) else f"damaged: {exc}"
-            count = str(len(members)) if isinstance(members, list) else "-"
+            count = str(len(members)) if isinstance(members, list) else \
+                str(len(records[name].members)) if name in records and name not in catalog else "-"
             rows.append((name, count, progress if isinstance(campaign, spec.Campaign) or name not in catalog
                          else f"invalid: {campaign}"))
         if rows != posted.get("listed"):
@@ -215,7 +217,8 @@ class CampaignScreen(WorkbenchScreen):
         elif name in catalog:
             out.error = str(campaign)
         else:
-            out.description = "its campaign file is gone: its record and runs stay"
+            out.has_file = False
+            out.description = (record.data.get("description") if record else "") or "its campaign file is gone"
         if not out.plan:
             out.progress, out.status = record.progress(), record.data.get("status")
             out.target = record.data.get("target", {}).get("name", out.target) if out.status not in \
@@ -228,7 +231,7 @@ class CampaignScreen(WorkbenchScreen):
         if record is not None:
             out.status = record.data.get("status")
         if not isinstance(members, list):
-            out.error = out.error or (str(members) if members else "its campaign file is gone: nothing to plan")
+            out.error = out.error or (str(members) if members else "no campaign file: nothing to plan")
             return out
         mtime, planned = plans.get(name, (None, None))
         if mtime != files[name][0]:
@@ -448,8 +451,9 @@ class CampaignScreen(WorkbenchScreen):
         if shown.status in ("pending", "running"):
             self.notify(f"campaign {shown.name} is {shown.status}; c cancels it", severity="warning")
             return
-        if shown.error or not shown.description and shown.name not in spec.campaigns():
-            self.notify(f"campaign {shown.name}: {shown.error or 'its file is gone'}", severity="error")
+        if shown.error or not shown.has_file:
+            self.notify(f"campaign {shown.name}: {shown.error or 'no campaign file to run (imported, or deleted)'}",
+                        severity="error")
             return
         resume = shown.status is not None
         question = (f"Resume campaign {shown.name} on {shown.target}: run its members that have no completed run, "

@@ -140,7 +140,7 @@ class SweepScreen(WorkbenchScreen):
         Binding("f", "toggle_fitting", "Fitting only", id="sweep.fitting"),
         Binding("m", "toggle_map", "Map", id="sweep.map"),
         Binding("space", "mark", "Mark", id="sweep.mark"),
-        Binding("c", "campaign", "Campaign of marked", id="sweep.campaign"),
+        Binding("c", "campaign", "New campaign", id="sweep.campaign"),
     ]
     # Below this width the map is hidden at first (m shows it), so that the table's verdicts fit.
     MAP_MIN_WIDTH = 100
