@@ -4,8 +4,10 @@
 
 The data is deterministic, as in tests/tui/test_tui_snapshots.py: private config/data/runs directories
 in a temp dir, recorded runs from `charllm.tui.demo` (simulated backend, fixed seed and clock), the
-shipped tiny-local preset, a dry run with this host's name and the free port pinned, and a fixed
-saved calibration of a CPU node (`charllm.tui.demo.save_demo_calibration`) for the Doctor screen.
+shipped tiny-local preset, a dry run with this host's name and the free port pinned, a fixed
+saved calibration of a CPU node (`charllm.tui.demo.save_demo_calibration`) for the Doctor screen, and
+a finished campaign of recorded runs (`charllm.tui.demo.make_demo_campaign`) for the Campaign screen,
+made after the Runs screen's shot (its runs would be listed there).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ async def shoot(name: str, app, prepare, out: Path, size=SIZE) -> Path:
 
 async def main(out: Path, only: set[str]) -> None:
     from charllm.tui.app import CharllmApp
-    from charllm.tui.demo import make_demo_run, save_demo_calibration
+    from charllm.tui.demo import make_demo_campaign, make_demo_run, save_demo_calibration
 
     runs_dir = Path(os.environ["CHARLLM_RUNS_DIR"])
     capped = make_demo_run(runs_dir, "20251121-090000-demo-capped", seconds=30, power_limit_w=450.0, seed=3)
@@ -102,6 +104,19 @@ async def main(out: Path, only: set[str]) -> None:
         status = pilot.app.screen.query_one("#doctor-status")
         await until(pilot, lambda: "Saved calibrations" in str(status.render()))
 
+    async def campaign(pilot):
+        if not (runs_dir / ".campaigns").is_dir():
+            make_demo_campaign(runs_dir)
+        await pilot.press("f9")
+        screen = pilot.app.screen
+        await until(pilot, lambda: screen.shown is not None and screen.query_one("#campaign-members").row_count)
+
+    async def campaign_figures(pilot):
+        await campaign(pilot)
+        await pilot.press("g")                  # the parallelism figure: the paper's six panels
+        screen = pilot.app.screen
+        await until(pilot, lambda: screen.drawn is not None and screen.drawn.wanted == screen.wanted)
+
     save_demo_calibration()
     shots = [
         ("compose", CharllmApp(), compose, SIZE), ("compose-llama3-70b", CharllmApp(), compose_big, SIZE),
@@ -109,7 +124,8 @@ async def main(out: Path, only: set[str]) -> None:
         ("launch", CharllmApp(), launch, SIZE), ("live", CharllmApp(run=demo), live, SIZE),
         ("live-80x24", CharllmApp(run=demo), live, (80, 24)), ("runs", CharllmApp(), runs, SIZE),
         ("compare", CharllmApp(), compare, SIZE), ("help", CharllmApp(), help_screen, SIZE),
-        ("doctor", CharllmApp(), doctor, SIZE),
+        ("doctor", CharllmApp(), doctor, SIZE), ("campaign", CharllmApp(), campaign, SIZE),
+        ("campaign-figures", CharllmApp(), campaign_figures, SIZE),
     ]
     unknown = only - {name for name, *_ in shots}
     if unknown:

@@ -250,7 +250,7 @@ def test_every_block_of_the_readme_is_run_or_marked_with_a_reason():
         for marker in block.markers:
             named = re.match(r"not run `(.+)`: (.+)$", marker)
             assert (marker.startswith("not run: ") and len(marker) > 20) or (named and named.group(1) in commands) \
-                or re.match(r"file <config>/[\w.]+$", marker) or marker == "duckdb in <runs>" \
+                or re.match(r"file <config>/[\w.-]+(/[\w.-]+)?$", marker) or marker == "duckdb in <runs>" \
                 or re.match(r"(tree|layers) \(tests/test_layering.py checks", marker), \
                 f"{where}: marker {marker!r} names no command of its block, or gives no reason"
         if block.lang != "bash":
@@ -275,15 +275,21 @@ def test_readme_config_files_are_read_as_the_readme_says(session):
 
     files = {m.removeprefix("file <config>/"): b.text for b in readme_blocks(README.read_text()) for m in b.markers
              if m.startswith("file <config>/")}
-    assert set(files) == {"tui.toml", "targets.toml"}
+    assert set(files) == {"tui.toml", "targets.toml", "campaigns/my-sweep.toml"}
     tmp = session.cwd / "config-check"
-    tmp.mkdir(exist_ok=True)
     for name, body in files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_text(body)
     settings = load_settings(tmp / "tui.toml")
     assert settings["theme"] == "gruvbox" and settings["keymap"] == {"screen.live": "f12"}
     targets = load_file(tmp / "targets.toml")
     assert {t.kind for t in targets.values()} == {"slurm", "ssh"}
+    from charllm.engine.campaign.spec import Campaign
+
+    campaign = Campaign.load(tmp / "campaigns/my-sweep.toml")
+    assert campaign.target in targets and campaign.max_parallel == 2 and campaign.time_limit_s == 1800
+    assert [(m.experiment.parallel.pipeline_model_parallel_size, m.experiment.training.micro_batch_size)
+            for m in campaign.members()] == [(4, 1), (4, 2), (2, 1), (2, 2)]
 
 
 def test_readme_sql_runs_in_duckdb_over_the_runs_the_readme_made(session):

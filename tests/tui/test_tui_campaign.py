@@ -43,6 +43,12 @@ def cell(app, member: int, column: str) -> str:
     return str(app.screen.query_one("#campaign-members").get_cell(str(member), column))
 
 
+def polling(app) -> bool:
+    from textual.worker import WorkerState
+
+    return any(w.group == "campaign-poll" and w.state == WorkerState.RUNNING for w in app.workers)
+
+
 def notes_of(app) -> list[str]:
     return [str(n.message) for n in app._notifications]
 
@@ -58,6 +64,8 @@ async def test_lists_every_campaign_with_its_progress_and_shows_the_members_of_t
     async with run_app(app) as pilot:
         await wait_for(pilot, shown(app), what="the demo campaign's members")
         listing = app.screen.query_one("#campaign-list")
+        await wait_for(pilot, lambda: "…" not in [str(listing.get_cell(k, "members")) for k in listing.rows],
+                       what="every campaign's count")           # they come after the chosen one's members
         names = [key.value for key in listing.rows]
         assert names == sorted({*spec.campaigns(), "old-sweep"}) and "ppt-microbatch" in names
         record = state.Record.load(DEMO_CAMPAIGN)
@@ -132,8 +140,9 @@ async def test_a_member_opens_on_live_and_on_runs(charllm_dirs):
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.current_mode == "live")
         assert app.run_path == paths.runs_dir() / record.members[3]["run"]
+        await wait_for(pilot, lambda: not polling(app), what="the poller to stop")   # it reads only while shown
         await pilot.press("f9")
-        await wait_for(pilot, lambda: app.current_mode == "campaign")
+        await wait_for(pilot, lambda: app.current_mode == "campaign" and polling(app))
         await pilot.press("o")
         await wait_for(pilot, lambda: app.current_mode == "runs")
         runs = app.screen.query_one("#runs-table")

@@ -36,7 +36,6 @@ from charllm.engine.launch.targets import get_target
 from charllm.probes.analysis.render import metric_label
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
-from charllm.probes.store.rundir import FINAL_STATUSES
 from charllm.tui.commands.campaign import queued_line
 from charllm.tui.commands.plan import VERDICT_STYLE
 from charllm.tui.figures import heatmap_text, no_values, tick_key
@@ -165,46 +164,51 @@ class CampaignScreen(WorkbenchScreen):
         files: dict[str, tuple] = {}         # name -> (mtime, campaign or error, members or error)
         plans: dict[str, tuple] = {}         # name -> (mtime, plans or error)
         posted: dict[str, object] = {}       # what was posted last, by message kind
+        first = True
         while not worker.is_cancelled:
             self.wake.clear()
             wanted = self.wanted
             try:
-                self._read(wanted, files, plans, posted)
+                self._read(wanted, files, plans, posted, count_all=not first)
+                first = False
             except Exception as exc:  # noqa: BLE001 - shown on screen; the poller goes on
                 self.post_message(Shown(wanted.serial, wanted.name or "", False,
                                         error=f"reading campaigns failed: {exc!r}"))
             self.wake.wait(POLL_S)
 
-    def _read(self, wanted: Wanted, files: dict, plans: dict, posted: dict) -> None:
-        catalog = spec.campaigns()
-        records: dict[str, state.Record] = {}
-        rows = []
-        for name in sorted(set(catalog) | set(state.recorded())):
-            campaign, members = _campaign(name, catalog, files)
+    def _read(self, wanted: Wanted, files: dict, plans: dict, posted: dict, count_all: bool = True) -> None:
+        """One pass: the list (with the member counts known so far), the chosen campaign, its figure,
+        then, with `count_all`, the list again with every count. Expanding all the shipped campaigns'
+        members takes a few hundred milliseconds of CPU, which the UI thread would share while it
+        draws the chosen one's members: the first pass leaves it to the next, and a choice made
+        meanwhile stops it."""
+        catalog, recorded = spec.campaigns(), set(state.recorded())
+        records: dict[str, state.Record | str] = {}
+        for name in sorted(recorded):
             try:
                 records[name] = queue.refresh(state.Record.load(name))
-                progress = records[name].progress().split(": ", 1)[1]
             except UserError as exc:
-                progress = "not run" if "has not run" in str(exc) else f"damaged: {exc}"
-            count = str(len(members)) if isinstance(members, list) else \
-                str(len(records[name].members)) if name in records and name not in catalog else "-"
-            rows.append((name, count, progress if isinstance(campaign, spec.Campaign) or name not in catalog
-                         else f"invalid: {campaign}"))
-        if rows != posted.get("listed"):
-            posted["listed"] = rows
-            self.post_message(Listed(rows))
-        if wanted.name is None:
-            return
-        shown = self._shown(wanted, catalog, files, plans, records.get(wanted.name))
-        if shown != posted.get("shown"):
-            posted["shown"] = shown
-            self.post_message(shown)
-        if wanted.kind is not None:
+                records[name] = f"damaged: {exc}"
+        names = sorted(set(catalog) | recorded)
+        self._post(posted, "listed", Listed([_row(name, catalog, files, records, read=False) for name in names]))
+        if wanted.name is not None:
             record = records.get(wanted.name)
-            key = (wanted, record and [(m["status"], m.get("run")) for m in record.members])
-            if key != posted.get("drawn"):
-                posted["drawn"] = key
-                self.post_message(_draw(wanted, record))
+            record = record if isinstance(record, state.Record) else None
+            self._post(posted, "shown", self._shown(wanted, catalog, files, plans, record))
+            if wanted.kind is not None:
+                key = (wanted, record and [(m["status"], m.get("run")) for m in record.members])
+                if key != posted.get("drawn"):
+                    posted["drawn"] = key
+                    self.post_message(_draw(wanted, record))
+        if count_all:
+            self._post(posted, "listed", Listed([_row(name, catalog, files, records, read=not self.wake.is_set())
+                                                 for name in names]))
+
+    def _post(self, posted: dict, kind: str, message: Message) -> None:
+        """Post `message` unless it says what the last one of its kind said."""
+        if message != posted.get(kind):
+            posted[kind] = message
+            self.post_message(message)
 
     def _shown(self, wanted: Wanted, catalog: dict, files: dict, plans: dict, record) -> Shown:
         name = wanted.name
@@ -221,8 +225,6 @@ class CampaignScreen(WorkbenchScreen):
             out.description = (record.data.get("description") if record else "") or "its campaign file is gone"
         if not out.plan:
             out.progress, out.status = record.progress(), record.data.get("status")
-            out.target = record.data.get("target", {}).get("name", out.target) if out.status not in \
-                FINAL_STATUSES else out.target
             for m in record.members:
                 status = state.member_status(record, m)
                 note = m.get("failure") or (m.get("reason") if status in (state.SKIPPED, state.INVALID) else "")
@@ -494,9 +496,10 @@ class CampaignScreen(WorkbenchScreen):
         self.wake.set()
 
 
-def _campaign(name: str, catalog: dict, files: dict) -> tuple:
+def _campaign(name: str, catalog: dict, files: dict, read: bool = True) -> tuple:
     """(campaign or the error reading it, its members or the error expanding them), read again only
-    when its file changes; (None, None) for a campaign whose file is gone."""
+    when its file changes; (None, None) for a campaign whose file is gone, and, with `read` false,
+    for one not read yet."""
     if name not in catalog:
         return None, None
     try:
@@ -504,6 +507,8 @@ def _campaign(name: str, catalog: dict, files: dict) -> tuple:
     except OSError as exc:
         return str(exc), None
     if files.get(name, (None,))[0] != mtime:
+        if not read:
+            return None, None
         try:
             campaign = spec.Campaign.load(name)
         except UserError as exc:
@@ -514,6 +519,23 @@ def _campaign(name: str, catalog: dict, files: dict) -> tuple:
             except UserError as exc:
                 files[name] = (mtime, campaign, str(exc))
     return files[name][1], files[name][2]
+
+
+def _row(name: str, catalog: dict, files: dict, records: dict, read: bool = True) -> tuple[str, str, str]:
+    """A campaign's row in the list: its name, members and progress ("…" for a count not read yet)."""
+    campaign, members = _campaign(name, catalog, files, read)
+    record = records.get(name)
+    progress = "not run" if record is None else record if isinstance(record, str) else \
+        record.progress().split(": ", 1)[1]
+    if isinstance(members, list):
+        count = str(len(members))
+    elif name not in catalog:                # imported, or its file deleted: its record's count
+        count = str(len(record.members)) if isinstance(record, state.Record) else "-"
+    else:
+        count = "…" if campaign is None else "-"
+    if isinstance(campaign, str):
+        progress = f"invalid: {campaign}"
+    return name, count, progress
 
 
 def _draw(wanted: Wanted, record) -> Drawn:
