@@ -109,7 +109,9 @@ async def main(out: Path, only: set[str]) -> None:
             make_demo_campaign(runs_dir)
         await pilot.press("f9")
         screen = pilot.app.screen
-        await until(pilot, lambda: screen.shown is not None and screen.query_one("#campaign-members").row_count)
+        listing = screen.query_one("#campaign-list")
+        await until(pilot, lambda: screen.shown is not None and screen.query_one("#campaign-members").row_count
+                    and listing.row_count and "…" not in [str(listing.get_cell(k, "members")) for k in listing.rows])
 
     async def campaign_figures(pilot):
         await campaign(pilot)

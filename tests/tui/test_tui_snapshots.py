@@ -141,7 +141,9 @@ def demo_campaign(charllm_dirs):
 async def campaign_shown(pilot):
     await pilot.press("f9")
     screen = pilot.app.screen
-    await until(pilot, lambda: screen.shown is not None and screen.query_one("#campaign-members").row_count == 9)
+    listing = screen.query_one("#campaign-list")
+    await until(pilot, lambda: screen.shown is not None and screen.query_one("#campaign-members").row_count == 9
+                and listing.row_count and "…" not in [str(listing.get_cell(k, "members")) for k in listing.rows])
 
 
 @pytest.mark.parametrize("size", SIZES)
