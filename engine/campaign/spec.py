@@ -354,9 +354,10 @@ NAMED_BY = ("tensor_model_parallel_size", "pipeline_model_parallel_size")   # ev
 def from_layouts(base: str, base_exp: Experiment, layouts: list[Experiment], description: str = "") -> dict:
     """A campaign's table: the experiment `base` (its preset name or file; `base_exp` is what it
     loads as) in each of `layouts`, experiments that differ from it in their layout only (sweep rows
-    loaded into it). What tells the layouts apart, and their TP and PP, are the [[layouts]] entries;
-    what they all change alike (a micro batch, a recompute choice) is a one-value axis. Layouts
-    that differ in a setting a [[layouts]] entry cannot hold are refused, with that setting named."""
+    loaded into it). Each layout's parallel and cluster settings that differ from the base's or
+    between the layouts, and its TP and PP always, are its [[layouts]] entry; any other setting they
+    change (a micro batch, a recompute choice) must be the same in all of them, and is a one-value
+    axis. Layouts that differ in such a setting are refused, with the setting named."""
     if not layouts:
         raise UserError("no layouts given: mark at least one")
     sections = all_keys()
@@ -366,18 +367,19 @@ def from_layouts(base: str, base_exp: Experiment, layouts: list[Experiment], des
     for key, value in before.items():
         values = [row[key] for row in rows]
         differ = any(v != values[0] for v in values)
-        if differ and sections[key] not in LAYOUT_SECTIONS:
+        if sections[key] in LAYOUT_SECTIONS:
+            if differ or values[0] != value or key in NAMED_BY:
+                layout_keys.append(key)
+        elif differ:
             shown_values = ", ".join(dict.fromkeys(str(_toml(v)) for v in values))
             raise UserError(f"the layouts differ in {key} ({shown_values}): [[layouts]] hold parallel settings "
                             f"only; choose layouts of one {key}, or vary it under [axes] in the campaign file")
-        if differ or (key in NAMED_BY and len(rows) > 1):
-            layout_keys.append(key)
         elif values[0] != value:
             axes[key] = [_toml(values[0])]
     table = {"description": description, "experiments": [base]} if description else {"experiments": [base]}
     if axes:
         table["axes"] = axes
-    table["layouts"] = [{key: _toml(row[key]) for key in layout_keys or NAMED_BY} for row in rows]
+    table["layouts"] = [{key: _toml(row[key]) for key in layout_keys} for row in rows]
     return table
 
 

@@ -34,7 +34,7 @@ def shown(app, name: str = DEMO_CAMPAIGN):
     """The condition: the screen shows campaign `name`'s members."""
     def ready():
         screen = app.screen
-        return getattr(screen, "shown", None) is not None and screen.shown.name == name and \
+        return type(screen).__name__ == "CampaignScreen" and screen.shown is not None and screen.shown.name == name and \
             screen.query_one("#campaign-members").row_count == len(screen.shown.rows) > 0
     return ready
 
@@ -200,6 +200,10 @@ async def test_figures_draw_the_values_of_the_report(charllm_dirs):
         heat = figure(record, "heatmap")
         assert values_of(screen.drawn.figure) == values_of(heat)
         assert heatmap_text(heat) in str(screen.query_one("#figure-text").render())
+        await pilot.press("g")
+        await wait_for(pilot, drawn("kernels", None), what="the kernels figure")
+        assert values_of(screen.drawn.figure) == values_of(figure(record, "kernels")) == {}     # no traces here
+        assert "no member's run holds profiler traces" in str(screen.query_one("#figure-text").render())
         await pilot.press("g")                                                            # back to the members
         await pilot.pause(0.1)
         assert screen.query_one("#campaign-members").display and not screen.query_one("#campaign-figure").display

@@ -7,8 +7,9 @@ each record through `queue.refresh` as `campaign status` does, and posts what ch
 only draws. The chosen campaign's members show their status and their run (a campaign that has not
 run shows its plan, each member's verdict; `p` shows the plan of one that has). Enter opens a
 member's run on Live, `o` on Runs. `g` shows the report's figures in turn: the values
-`engine.campaign.report.figure` gives, drawn by the code that draws `campaign report` in the terminal
-(tui/figures.py), here with textual-plotext (a heatmap is its grid of shades); `m` picks the metric,
+`engine.campaign.report.figure` gives (parallelism, optimization, micro batch, heatmap, kernels),
+drawn by the code that draws `campaign report` in the terminal (tui/figures.py), here with
+textual-plotext (a heatmap is its grid of shades); `m` picks the metric,
 `n` normalises the optimization figure per model. `r` runs the campaign (resumes one that ran:
 its members without a completed run), `c` cancels it; both ask first.
 """
@@ -330,6 +331,9 @@ class CampaignScreen(WorkbenchScreen):
         if self.wanted.kind is None:
             self.notify("g shows a figure first; m then picks its metric", timeout=3)
             return
+        if self.wanted.kind == "kernels":
+            self.notify("the kernels figure has a panel for each kernel category, and no metric", timeout=3)
+            return
         choices = ((None,) if self.wanted.kind == "parallelism" else ()) + METRICS
         current = self.wanted.metric if self.wanted.metric in choices else choices[0]
         metric = choices[(choices.index(current) + 1) % len(choices)]
@@ -351,8 +355,11 @@ class CampaignScreen(WorkbenchScreen):
 
     def _figure_head(self, fig: Figure | None = None) -> None:
         w = self.wanted
-        metric = "the paper's six" if w.kind == "parallelism" and w.metric is None else metric_label(w.metric or "")
-        parts = [f"[b]{w.kind}[/b] · {escape(metric)} (m: next)"]
+        if w.kind == "kernels":
+            parts = [f"[b]{w.kind}[/b] · each kernel category's share of the profiled step"]
+        else:
+            metric = "the paper's six" if w.kind == "parallelism" and w.metric is None else metric_label(w.metric or "")
+            parts = [f"[b]{w.kind}[/b] · {escape(metric)} (m: next)"]
         if w.kind == "optimization":
             parts.append("normalised per model (n: off)" if w.normalize else "n: normalise per model")
         parts.append("g: next figure")

@@ -124,6 +124,9 @@ def test_chosen_layouts_become_a_campaign_file_whose_members_are_those_layouts(c
     odd.training.micro_batch_size = 1
     with pytest.raises(UserError, match=r"the layouts differ in micro_batch_size \(2, 1\)"):
         from_layouts(base.name, base, [layouts[0], odd])
+    (one,) = from_layouts(base.name, base, layouts[1:2])["layouts"]       # one layout: still named by TP and PP
+    assert one == {"tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 2,
+                   "virtual_pipeline_model_parallel_size": 2}
     with pytest.raises(UserError, match="experiments: 'no-such' matches no experiment"):
         save_new("broken", {**table, "experiments": ["no-such"]})
     assert not (charllm_dirs["config"] / "campaigns" / "broken.toml").exists()      # nothing left written
