@@ -148,6 +148,11 @@ def write_image(fig: Figure, path: str | Path) -> Path:
         axes.set_xticks(range(len(fig.columns)), fig.columns, rotation=60, ha="right")
         figure.colorbar(image, ax=axes, label=fig.panels[0].axis if fig.panels else "")
         axes.set_title(fig.title)
+    elif not fig.panels:          # nothing to draw (no member has a value): the image says why
+        figure, axes = plt.subplots(figsize=(11, 2))
+        axes.axis("off")
+        axes.text(0.5, 0.5, "\n".join(fig.notes) or "no values", ha="center", va="center", wrap=True)
+        figure.suptitle(f"{fig.title}\n{fig.window}", fontsize=9)
     else:
         figure, grid = plt.subplots(len(fig.panels), 1, figsize=(11, 3.2 * max(1, len(fig.panels))), squeeze=False)
         for axes, panel in zip(grid[:, 0], fig.panels):
