@@ -353,3 +353,21 @@ async def test_run_a_tiny_campaign_from_the_screen_follow_it_and_cancel_it(charl
             from charllm.engine.campaign import queue
 
             queue.cancel(name)
+
+
+@pilot_test
+async def test_help_and_palette_list_the_campaign_screen(charllm_dirs):
+    app = CharllmApp()
+    async with run_app(app) as pilot:
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen")
+        text = app.screen.query_one("Markdown").source
+        for binding_id in ("screen.campaign", "campaign.run", "campaign.cancel", "campaign.figure", "sweep.mark",
+                           "sweep.campaign"):
+            assert binding_id in text
+        await pilot.press("escape")
+        await pilot.press("ctrl+p")
+        await pilot.press(*"go to campaign")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.current_mode == "campaign")
