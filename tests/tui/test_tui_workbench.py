@@ -372,8 +372,9 @@ async def test_live_h_while_paused_shows_the_host_charts_live(charllm_dirs):
         await pilot.press("h")
         await live_drawn(pilot, "host")
         assert not screen.paused and "PAUSED" not in str(screen.query_one("#live-title").render())
-        titles = [c.title.split(" · ")[0] for c in screen.query("Chart")]
-        assert titles[0] == "host CPU utilization (%)"
+        # CPU utilization is a rate: it is reported from the second sample on, and then leads the panes
+        await wait_for(pilot, lambda: [c.title.split(" · ")[0] for c in screen.query("Chart")][0]
+                       == "host CPU utilization (%)", what="the host CPU chart first")
 
 
 @pilot_test
