@@ -36,9 +36,11 @@ from charllm.probes.core.formatting import MIB, size
 
 # Allocations that stay between iterations beyond weights/grads/optimizer state (measured on H100,
 # see tests/engine/model/test_memory_validation.py): RNG states, autograd/NCCL-registered buffers, loss-scaler
-# and grad-norm scalars, and the cuBLAS/cuDNN workspaces Transformer Engine takes from the allocator.
+# and grad-norm scalars; and the cuBLAS/cuDNN workspaces taken from the allocator, by Transformer Engine
+# or by torch's own GEMMs alike (Megatron-LM's CI measures the same static memory for the same model
+# with --transformer-impl local as with transformer_engine, e.g. gpt3_mcore_tp1_pp4 and _te_tp1_pp4_vp1).
 BASE_WORKSPACE_BYTES = 32 * MIB
-TE_WORKSPACE_BYTES = 64 * MIB
+GEMM_WORKSPACE_BYTES = 64 * MIB
 # TE's grouped GEMM keeps one 32 MiB cuBLAS workspace per stream, 4 streams.
 GROUPED_GEMM_WORKSPACE_BYTES = 128 * MIB
 # TE's TP communication overlap (userbuffers) keeps one 32 MiB workspace per stream, 3 streams.
@@ -1031,7 +1033,9 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
     strategy = p.data_parallel_sharding_strategy if p.use_megatron_fsdp else (
         "optim_grads_params" if p.use_torch_fsdp2 else "no_shard")
     dist = p.use_distributed_optimizer if use_distributed_optimizer is None else use_distributed_optimizer
-    grad = 2 if (t.grad_reduce_in_bf16 and half) else 4
+    # bf16 accumulates and reduces grads in fp32 unless told otherwise; fp16 keeps them in fp16
+    # (Megatron-LM training/arguments.py, core_v0.16.1: only bf16 turns accumulate_allreduce_grads_in_fp32 on)
+    grad = 2 if (t.grad_reduce_in_bf16 and half) or t.fp16 else 4
     # Adam: master copy (mixed precision only) + two moments; SGD: master + momentum; fp32 unless the
     # precision-aware optimizer says otherwise; offloaded optimizer state lives on the host
     master = (_DTYPE_BYTES[t.main_params_dtype] if t.use_precision_aware_optimizer else 4) if half else 0
@@ -1040,6 +1044,11 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
         moments = _DTYPE_BYTES[t.exp_avg_dtype] + _DTYPE_BYTES[t.exp_avg_sq_dtype]
     else:
         moments = 8
+    if t.fp16 and not t.use_precision_aware_optimizer:
+        # the fp16 optimizer gives each master weight an fp32 copy of its grad (main_grad.float()), alive
+        # from the step until the next zero_grad, sharded like the master (core/optimizer/optimizer.py
+        # and distrib_optimizer.py _copy_model_grads_to_main_grads, core_v0.16.1)
+        master += 4
     adam = master + moments
     # Muon keeps one momentum buffer of the matrices it orthogonalises and leaves the embeddings, the
     # output layer (and vectors, counted as matrices here) to Adam (megatron-core
@@ -1068,8 +1077,9 @@ def workspace_bytes(exp: Experiment, cache: dict | None = None, micro_batch_size
     """Allocator memory that stays between iterations beyond weights, grads and optimizer state;
     `micro_batch_size`: for these micro batches (a numpy array: the sweep) instead of the experiment's."""
     m, p, t = exp.model, exp.parallel, exp.training
-    te = implementation(exp, cache).transformer == "transformer_engine"
-    total = BASE_WORKSPACE_BYTES + (TE_WORKSPACE_BYTES if te else 0)
+    runs = implementation(exp, cache)
+    te = runs.transformer == "transformer_engine"
+    total = BASE_WORKSPACE_BYTES + (GEMM_WORKSPACE_BYTES if runs.device == "cuda" else 0)
     if te and m.is_moe and t.moe_grouped_gemm:
         total += GROUPED_GEMM_WORKSPACE_BYTES
     if te and t.tp_comm_overlap:

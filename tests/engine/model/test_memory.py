@@ -12,7 +12,7 @@ import pytest
 
 from charllm.engine.model.experiment import Cluster, Experiment, Hardware, ModelSpec, Parallel, Training
 from charllm.engine.model.memory import (
-    BASE_WORKSPACE_BYTES, TE_WORKSPACE_BYTES, _Shapes, count_parameters, estimate, split_layers,
+    BASE_WORKSPACE_BYTES, GEMM_WORKSPACE_BYTES, _Shapes, count_parameters, estimate, split_layers,
 )
 
 S, B, H, A, FFN, L, V = 1024, 2, 512, 8, 2048, 4, 50304
@@ -168,7 +168,7 @@ def test_last_stage_holds_bf16_logits_and_the_fp32_copy_the_loss_keeps():
     exp = gpt(dropout=0.0)
     stage = estimate(exp).stages[0]
     logits = S * B * V * (2 + 4)
-    assert stage.other == BASE_WORKSPACE_BYTES + TE_WORKSPACE_BYTES + logits
+    assert stage.other == BASE_WORKSPACE_BYTES + GEMM_WORKSPACE_BYTES + logits
     exp.training.cross_entropy_loss_fusion = True                   # one more fp32 copy
     assert estimate(exp).stages[0].other == stage.other + 4 * S * B * V
 
