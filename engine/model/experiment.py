@@ -27,6 +27,7 @@ import re
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -85,7 +86,8 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
             choices: tuple | None = None,
             minimum: float | None = None, above: float | None = None, maximum: float | None = None,
             label: str | None = None,
-            config: bool | str = False, activations: bool = False, pipeline_split: bool = False) -> Any:
+            config: bool | str = False, activations: bool = False, pipeline_split: bool = False,
+            layout: bool = False) -> Any:
     """A dataclass field with what the rest of charllm derives from it:
 
     help      one line saying what it sets, with its unit (Compose's hint line, `charllm-tui fields`)
@@ -104,11 +106,13 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
     config    passed to megatron-core's TransformerConfig under its own name (True) or the one given
     activations     it changes what one micro-batch's activations take (engine.model.memory keys its
                     activation terms, and so the sweep's, by these fields)
-    pipeline_split  it changes which layers each pipeline chunk holds (likewise for the split)"""
+    pipeline_split  it changes which layers each pipeline chunk holds (likewise for the split)
+    layout    part of the parallel layout a run records (`Experiment.layout_record`, iterations.jsonl's
+              start row) and `layout_label` reads"""
     facts = {"help": help, "flag": flag, "switch": switch, "aliases": dict(aliases or {}), "renamed": renamed,
              "join": join,
              "choices": choices, "minimum": minimum, "above": above, "maximum": maximum, "label": label,
-             "config": config, "activations": activations, "pipeline_split": pipeline_split}
+             "config": config, "activations": activations, "pipeline_split": pipeline_split, "layout": layout}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=facts)
     return field(default=default, metadata=facts)
@@ -342,32 +346,34 @@ class Cluster:
 @dataclass
 class Parallel:
     tensor_model_parallel_size: int = setting(
-        1, minimum=1, label="TP  tensor", config=True,
+        1, minimum=1, label="TP  tensor", config=True, layout=True,
         activations=True, help="tensor parallel: each layer's matrices split over this many devices")
     pipeline_model_parallel_size: int = setting(1, minimum=1, label="PP  pipeline", config=True,
-                                                pipeline_split=True,
+                                                pipeline_split=True, layout=True,
                                                 help="pipeline parallel: the layers split into this many stages")
     virtual_pipeline_model_parallel_size: int | None = setting(   # set by either of two flags: SPECIAL_FLAGS
         None, flag=None, minimum=1, label="VP  virtual", config=True,
-        pipeline_split=True, help="interleaved pipeline: model chunks per pipeline stage; unset: 1")
+        pipeline_split=True, layout=True, help="interleaved pipeline: model chunks per pipeline stage; unset: 1")
     context_parallel_size: int = setting(1, minimum=1, label="CP  context", config=True,
-                                         activations=True,
+                                         activations=True, layout=True,
                                          help="context parallel: each sequence split over this many devices")
     expert_model_parallel_size: int = setting(1, minimum=1, label="EP  expert", config=True,
-                                              activations=True,
+                                              activations=True, layout=True,
                                               help="expert parallel: the experts split over this many devices")
     expert_tensor_parallel_size: int | None = setting(
         None, minimum=1, label="ETP expert TP",
-        activations=True, help="tensor parallel inside the experts; unset: tensor_model_parallel_size")
+        activations=True, layout=True, help="tensor parallel inside the experts; unset: tensor_model_parallel_size")
     sequence_parallel: bool = setting(False, label="seq. parallel", config=True,
-                                      activations=True,
+                                      activations=True, layout=True,
                                       help="with TP: norms and dropout split along the sequence too (less memory)")
-    use_distributed_optimizer: bool = setting(False, label="dist. optimizer",
+    use_distributed_optimizer: bool = setting(False, label="dist. optimizer", layout=True,
                                               help="shard the optimizer state over the data-parallel ranks")
     num_distributed_optimizer_instances: int = setting(
         1, minimum=1, help="copies of the distributed optimizer across the data-parallel ranks")
-    use_megatron_fsdp: bool = setting(False, help="shard with Megatron FSDP (see data_parallel_sharding_strategy)")
-    use_torch_fsdp2: bool = setting(False, help="shard parameters, gradients and optimizer state with PyTorch FSDP2")
+    use_megatron_fsdp: bool = setting(False, layout=True,
+                                      help="shard with Megatron FSDP (see data_parallel_sharding_strategy)")
+    use_torch_fsdp2: bool = setting(False, layout=True,
+                                    help="shard parameters, gradients and optimizer state with PyTorch FSDP2")
     data_parallel_sharding_strategy: str = setting(
         "no_shard", choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
         help="Megatron FSDP: what is sharded: nothing, the optimizer state, + gradients, + parameters")
@@ -560,6 +566,22 @@ def microbatches(global_batch_size, micro_batch_size, data_parallel_size):
     return np.maximum(count, 1)
 
 
+def layout_label(layout: Mapping[str, Any]) -> str:
+    """A parallel layout in short, from a layout record (`Experiment.layout_record`, or a run's read back, or a
+    sweep's row: the fields' names): "TP8 PP2 DP2", "TP2 PP4 VP2 EP8 DP4", "TP8 FSDP DP4" (sizes of 1 and
+    missing ones left out, but TP, PP and DP always said)."""
+    def size(name: str) -> int:
+        value = layout.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+    parts = [f"TP{size('tensor_model_parallel_size')}", f"PP{size('pipeline_model_parallel_size')}"]
+    parts += [f"{short}{size(name)}" for short, name in (
+        ("VP", "virtual_pipeline_model_parallel_size"), ("CP", "context_parallel_size"),
+        ("EP", "expert_model_parallel_size")) if size(name) > 1]
+    parts += ["FSDP"] if layout.get("use_torch_fsdp2") is True or layout.get("use_megatron_fsdp") is True else []
+    return " ".join(parts + [f"DP{size('data_parallel_size')}"])
+
+
 @dataclass
 class Experiment:
     name: str = "experiment"
@@ -613,15 +635,18 @@ class Experiment:
 
     @property
     def layout_label(self) -> str:
-        """The parallel layout in short: "TP8 PP2 DP2", "TP2 PP4 VP2 EP8 DP4", "TP8 FSDP DP4" (sizes
-        of 1 left out, but TP, PP and DP always said)."""
-        p = self.parallel
-        parts = [f"TP{p.tensor_model_parallel_size}", f"PP{p.pipeline_model_parallel_size}"]
-        parts += [f"VP{self.virtual_stages}"] if self.virtual_stages > 1 else []
-        parts += [f"CP{p.context_parallel_size}"] if p.context_parallel_size > 1 else []
-        parts += [f"EP{p.expert_model_parallel_size}"] if p.expert_model_parallel_size > 1 else []
-        parts += ["FSDP"] if p.use_torch_fsdp2 or p.use_megatron_fsdp else []
-        return " ".join(parts + [f"DP{self.data_parallel_size}"])
+        """The parallel layout in short (`layout_label` of `layout_record`)."""
+        return layout_label(self.layout_record())
+
+    def layout_record(self) -> dict[str, Any]:
+        """The parallel layout a run records (iterations.jsonl's start row; `Trainer.layout`): each field
+        marked `layout`, as this experiment resolves it where a property of the same name does
+        (expert_tensor_parallel_size: unset is TP), then the data-parallel size and micro-batch count."""
+        out = {}
+        for section, name, _ in declared("layout"):
+            resolved = isinstance(getattr(type(self), name, None), property)
+            out[name] = getattr(self, name) if resolved else getattr(getattr(self, section), name)
+        return {**out, "data_parallel_size": self.data_parallel_size, "num_microbatches": self.num_microbatches}
 
     def transformer_config_fields(self) -> dict[str, Any]:
         """The fields marked `config` (see `setting`), under megatron-core TransformerConfig's names."""

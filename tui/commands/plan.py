@@ -179,10 +179,8 @@ def render(exp, report, fast) -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 120)   # pipes and files get the whole table
     p = exp.parallel
-    layout = (f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size}"
-              f"{f' VP{exp.virtual_stages}' if exp.virtual_stages > 1 else ''} CP{p.context_parallel_size}"
-              f" EP{p.expert_model_parallel_size} DP{exp.data_parallel_size}"
-              f"{' SP' if p.sequence_parallel else ''}{' dist-opt' if p.use_distributed_optimizer else ''}")
+    layout = (exp.layout_label + (" SP" if p.sequence_parallel else "")
+              + (" dist-opt" if p.use_distributed_optimizer else ""))
     table = Table(box=box.SIMPLE_HEAD, caption="layers: per virtual chunk (NxV: N layers in each of V chunks); mb: micro-batch chunks held at the peak",
                   caption_justify="left", title=f"{exp.name}: {exp.model.name} on {exp.world_size} x {exp.hardware.name} ({layout}), "
                         f"micro batch {exp.training.micro_batch_size}, {plural(exp.num_microbatches, 'micro-batch', 'micro-batches')}, GiB",

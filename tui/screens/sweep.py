@@ -359,8 +359,7 @@ class SweepScreen(WorkbenchScreen):
             return
         exp.name = edited_name(exp.name)
         self.app.use_experiment(exp)
-        self.notify(f"loaded TP{row['tensor_model_parallel_size']} PP{row['pipeline_model_parallel_size']} "
-                    f"mbs {row['micro_batch_size']} into Compose")
+        self.notify(f"loaded {exp.layout_label} mbs {row['micro_batch_size']} into Compose")
 
     def action_sort(self) -> None:
         """Cycle the sort key (clicking a heading sorts by that column)."""
