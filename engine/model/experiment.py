@@ -79,6 +79,7 @@ def parse_pipeline_layout(layout: str) -> list[list[str]]:
 # name, said once
 # --------------------------------------------------------------------------------------------
 AUTO = "auto"   # the flag is the field's name in Megatron's spelling: num_layers -> --num-layers
+FIELD_DEFAULT = object()   # a `setting`'s megatron_default when Megatron's default is the field's
 
 
 def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: Any = True,
@@ -87,7 +88,8 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
             minimum: float | None = None, above: float | None = None, maximum: float | None = None,
             label: str | None = None,
             config: bool | str = False, activations: bool = False, pipeline_split: bool = False,
-            layout: bool = False) -> Any:
+            layout: bool = False, said: bool | tuple[str, tuple] = False, only_with: tuple[str, tuple] | None = None,
+            megatron_default: Any = FIELD_DEFAULT) -> Any:
     """A dataclass field with what the rest of charllm derives from it:
 
     help      one line saying what it sets, with its unit (Compose's hint line, `charllm-tui fields`)
@@ -108,11 +110,18 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
                     activation terms, and so the sweep's, by these fields)
     pipeline_split  it changes which layers each pipeline chunk holds (likewise for the split)
     layout    part of the parallel layout a run records (`Experiment.layout_record`, iterations.jsonl's
-              start row) and `layout_label` reads"""
+              start row) and `layout_label` reads
+    said      the Megatron export writes its flag whatever the value (a size a reader wants to see), or
+              (field, values) while that field of the section has one of those values; others only where
+              the value differs from Megatron's default
+    only_with (field, values): the flag means something only while that field of the section has one of
+              those values (rotary_base with rope); the export writes it only then
+    megatron_default  Megatron's default where it is not this field's default (`megatron_default`)"""
     facts = {"help": help, "flag": flag, "switch": switch, "aliases": dict(aliases or {}), "renamed": renamed,
              "join": join,
              "choices": choices, "minimum": minimum, "above": above, "maximum": maximum, "label": label,
-             "config": config, "activations": activations, "pipeline_split": pipeline_split, "layout": layout}
+             "config": config, "activations": activations, "pipeline_split": pipeline_split, "layout": layout,
+             "said": said, "only_with": only_with, "megatron_default": megatron_default}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=facts)
     return field(default=default, metadata=facts)
@@ -143,6 +152,15 @@ def help_text(kind: type, name: str) -> str:
     return facts(kind, name)["help"]
 
 
+def megatron_default(kind: type, name: str) -> Any:
+    """Megatron-LM's default for field `name` of `kind`: its `megatron_default`, else the field's default."""
+    f = _fields(kind)[name]
+    stated = f.metadata.get("megatron_default", FIELD_DEFAULT)
+    if stated is not FIELD_DEFAULT:
+        return stated
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def megatron_flag(kind: type, name: str) -> str | None:
     """The `pretrain_gpt.py` flag that sets the field (`--num-layers`); None where no single flag does."""
     flag = facts(kind, name)["flag"]
@@ -157,6 +175,9 @@ def _fields(kind: type) -> dict[str, dataclasses.Field]:
 # --------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------
+MLA = ("multi_latent_attention", (True,))     # only_with of the MLA sizes
+
+
 @dataclass
 class ModelSpec:
     """Architecture, in Megatron-LM argument names. Help texts follow Megatron-LM's own (core_v0.16.1:
@@ -165,12 +186,13 @@ class ModelSpec:
     name: str = setting("custom", flag=None, help="the model preset's name")
     description: str = setting("", flag=None, help="one line about the model, shown by presets list")
     num_layers: int = setting(2, minimum=1, maximum=10_000, config=True, activations=True, pipeline_split=True,
-                              help="transformer (decoder) layers")
-    hidden_size: int = setting(64, minimum=1, config=True, activations=True,
+                              said=True, help="transformer (decoder) layers")
+    hidden_size: int = setting(64, minimum=1, config=True, activations=True, said=True,
                                help="width of the hidden states (elements per token)")
-    ffn_hidden_size: int | None = setting(None, minimum=1, activations=True,
+    ffn_hidden_size: int | None = setting(None, minimum=1, activations=True, said=True,
                                           help="MLP inner width (elements); unset: 4 x hidden_size")
-    num_attention_heads: int = setting(4, minimum=1, config=True, activations=True, help="attention heads per layer")
+    num_attention_heads: int = setting(4, minimum=1, config=True, activations=True, said=True,
+                                       help="attention heads per layer")
     num_query_groups: int | None = setting(   # set by two flags together: see megatron.SPECIAL_FLAGS
         None, flag=None, minimum=1,
         activations=True,
@@ -178,11 +200,13 @@ class ModelSpec:
     kv_channels: int | None = setting(None, minimum=1,
                                       activations=True,
                                       help="width of one attention head (elements); unset: hidden_size / heads")
-    seq_length: int = setting(2048, minimum=1, activations=True,
+    seq_length: int = setting(2048, minimum=1, activations=True, said=True,
                               help="the model's default training sequence length (tokens)")
     max_position_embeddings: int | None = setting(
-        None, minimum=1, help="longest sequence the position embedding covers (tokens); unset: seq_length")
-    vocab_size: int = setting(50257, minimum=1, activations=True, help="tokenizer vocabulary before padding (tokens)")
+        None, minimum=1, said=True,
+        help="longest sequence the position embedding covers (tokens); unset: seq_length")
+    vocab_size: int = setting(50257, minimum=1, activations=True, said=True,
+                              help="tokenizer vocabulary before padding (tokens)")
     make_vocab_size_divisible_by: int = setting(
         128, minimum=1, activations=True,
         help="pad the vocabulary to a multiple of this times the tensor-parallel size")
@@ -190,19 +214,20 @@ class ModelSpec:
     squared_relu: bool = setting(False, help="squared-ReLU MLP activation instead of GeLU")
     untie_embeddings_and_output_weights: bool = setting(
         False, help="separate weights for the input embedding and the output layer")
-    position_embedding_type: str = setting(
-        "learned_absolute", aliases={"--use-rotary-position-embeddings": "rope"},
-        choices=("learned_absolute", "rope", "mrope", "relative", "none"),
-        help="how positions are encoded: a learned table, rotary (rope, mrope), relative, or none")
-    rotary_base: int = setting(  # Megatron-LM arguments.py: --rotary-base, int, default 10000
-        10000, minimum=1, help="rotary embeddings' base period (theta), with rope or mrope; Llama 3 500000, Mixtral 1000000")
-    normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), config=True,
-                                 help="the normalization layers: LayerNorm or RMSNorm")
     add_bias_linear: bool = setting(True, flag="--disable-bias-linear", switch=False, config=True,
                                     help="bias terms in the linear layers (QKV, attention output, MLP)")
     add_qkv_bias: bool = setting(False, help="a bias on the QKV projection only")
     qk_layernorm: bool = setting(False, config=True, activations=True,
                                  help="normalize queries and keys before attention")
+    position_embedding_type: str = setting(
+        "learned_absolute", aliases={"--use-rotary-position-embeddings": "rope"},
+        choices=("learned_absolute", "rope", "mrope", "relative", "none"),
+        help="how positions are encoded: a learned table, rotary (rope, mrope), relative, or none")
+    rotary_base: int = setting(  # Megatron-LM arguments.py: --rotary-base, int, default 10000
+        10000, minimum=1, only_with=("position_embedding_type", ("rope", "mrope")),
+        help="rotary embeddings' base period (theta), with rope or mrope; Llama 3 500000, Mixtral 1000000")
+    normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), config=True,
+                                 help="the normalization layers: LayerNorm or RMSNorm")
     hidden_dropout: float = setting(0.1, minimum=0, maximum=1, config=True,
                                     activations=True, help="dropout probability of the hidden states")
     attention_dropout: float = setting(0.1, minimum=0, maximum=1, config=True,
@@ -222,16 +247,18 @@ class ModelSpec:
     # Multi-latent attention (DeepSeek)
     multi_latent_attention: bool = setting(
         False, activations=True, help="multi-latent attention (DeepSeek): keys and values through a low-rank latent")
-    q_lora_rank: int | None = setting(None, minimum=1,
+    q_lora_rank: int | None = setting(None, minimum=1, only_with=MLA,
                                       activations=True,
                                       help="MLA: rank of the queries' low-rank projection; unset: full rank")
-    kv_lora_rank: int = setting(512, minimum=1, activations=True, help="MLA: rank of the key/value latent")
-    qk_head_dim: int = setting(128, minimum=1,
+    kv_lora_rank: int = setting(512, minimum=1, activations=True, said=True, only_with=MLA, megatron_default=32,
+                                help="MLA: rank of the key/value latent")
+    qk_head_dim: int = setting(128, minimum=1, said=True, only_with=MLA,
                                activations=True, help="MLA: query/key width per head, rotary part excluded (elements)")
-    qk_pos_emb_head_dim: int = setting(64, minimum=1,
+    qk_pos_emb_head_dim: int = setting(64, minimum=1, said=True, only_with=MLA,
                                        activations=True,
                                        help="MLA: rotary part of the query/key width per head (elements)")
-    v_head_dim: int = setting(128, minimum=1, activations=True, help="MLA: value width per head (elements)")
+    v_head_dim: int = setting(128, minimum=1, activations=True, said=True, only_with=MLA,
+                              help="MLA: value width per head (elements)")
     # Multi-token prediction
     mtp_num_layers: int | None = setting(None, minimum=1, maximum=10_000,
                                          activations=True, pipeline_split=True,
@@ -346,10 +373,10 @@ class Cluster:
 @dataclass
 class Parallel:
     tensor_model_parallel_size: int = setting(
-        1, minimum=1, label="TP  tensor", config=True, layout=True,
+        1, minimum=1, label="TP  tensor", config=True, layout=True, said=True,
         activations=True, help="tensor parallel: each layer's matrices split over this many devices")
     pipeline_model_parallel_size: int = setting(1, minimum=1, label="PP  pipeline", config=True,
-                                                pipeline_split=True, layout=True,
+                                                pipeline_split=True, layout=True, said=True,
                                                 help="pipeline parallel: the layers split into this many stages")
     virtual_pipeline_model_parallel_size: int | None = setting(   # set by either of two flags: SPECIAL_FLAGS
         None, flag=None, minimum=1, label="VP  virtual", config=True,
@@ -374,8 +401,9 @@ class Parallel:
                                       help="shard with Megatron FSDP (see data_parallel_sharding_strategy)")
     use_torch_fsdp2: bool = setting(False, layout=True,
                                     help="shard parameters, gradients and optimizer state with PyTorch FSDP2")
-    data_parallel_sharding_strategy: str = setting(
-        "no_shard", choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+    data_parallel_sharding_strategy: str = setting(   # Megatron's default: megatron.VERSIONED_DEFAULTS
+        "no_shard", said=("use_megatron_fsdp", (True,)),
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
         help="Megatron FSDP: what is sharded: nothing, the optimizer state, + gradients, + parameters")
     decoder_first_pipeline_num_layers: int | None = setting(
         None, minimum=1, config="num_layers_in_first_pipeline_stage",
@@ -404,7 +432,7 @@ class Training:
     train_iters: int = setting(20, minimum=1, help="optimizer steps (iterations) to run")
     warmup_iters: int = setting(2, flag=None, minimum=0, help="first iterations marked warm-up in the "
                                                               "iteration log (not learning-rate warm-up)")
-    bf16: bool = setting(True, config=True, activations=True, help="BF16 mixed precision")
+    bf16: bool = setting(True, config=True, activations=True, megatron_default=False, help="BF16 mixed precision")
     fp16: bool = setting(False, config=True, activations=True, help="FP16 mixed precision, with loss scaling")
     loss_scale: float | None = setting(None, above=0, help="FP16: a static loss scale; unset: dynamic, from "
                                                            "initial_loss_scale")
