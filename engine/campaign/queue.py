@@ -29,6 +29,7 @@ from charllm.engine.launch.launcher import cancel as cancel_run
 from charllm.engine.launch.launcher import launch, reconcile
 from charllm.engine.launch.target import Target
 from charllm.engine.launch.targets import from_record
+from charllm.engine.model.memory import FITS, TIGHT
 from charllm.probes.core import procid
 from charllm.probes.core.errors import UserError, os_error_line
 from charllm.probes.core.formatting import clock
@@ -250,7 +251,7 @@ class Queue:
             self.record.save()
             return None
         try:
-            result = launch(exp, target, force=m["verdict"] not in ("fits", "tight"), tied=tied,
+            result = launch(exp, target, force=m["verdict"] not in (FITS, TIGHT), tied=tied,
                             record={"campaign": {"name": self.record.name, "member": m["index"]}})
         except (UserError, OSError) as exc:
             why = str(exc) if isinstance(exc, UserError) else os_error_line(exc)

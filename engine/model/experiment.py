@@ -27,6 +27,7 @@ import re
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -78,6 +79,7 @@ def parse_pipeline_layout(layout: str) -> list[list[str]]:
 # name, said once
 # --------------------------------------------------------------------------------------------
 AUTO = "auto"   # the flag is the field's name in Megatron's spelling: num_layers -> --num-layers
+FIELD_DEFAULT = object()   # a `setting`'s megatron_default when Megatron's default is the field's
 
 
 def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: Any = True,
@@ -85,7 +87,9 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
             choices: tuple | None = None,
             minimum: float | None = None, above: float | None = None, maximum: float | None = None,
             label: str | None = None,
-            config: bool | str = False, activations: bool = False, pipeline_split: bool = False) -> Any:
+            config: bool | str = False, activations: bool = False, pipeline_split: bool = False,
+            layout: bool = False, said: bool | tuple[str, tuple] = False, only_with: tuple[str, tuple] | None = None,
+            megatron_default: Any = FIELD_DEFAULT) -> Any:
     """A dataclass field with what the rest of charllm derives from it:
 
     help      one line saying what it sets, with its unit (Compose's hint line, `charllm-tui fields`)
@@ -104,11 +108,20 @@ def setting(default: Any = None, *, help: str, flag: str | None = AUTO, switch: 
     config    passed to megatron-core's TransformerConfig under its own name (True) or the one given
     activations     it changes what one micro-batch's activations take (engine.model.memory keys its
                     activation terms, and so the sweep's, by these fields)
-    pipeline_split  it changes which layers each pipeline chunk holds (likewise for the split)"""
+    pipeline_split  it changes which layers each pipeline chunk holds (likewise for the split)
+    layout    part of the parallel layout a run records (`Experiment.layout_record`, iterations.jsonl's
+              start row) and `layout_label` reads
+    said      the Megatron export writes its flag whatever the value (a size a reader wants to see), or
+              (field, values) while that field of the section has one of those values; others only where
+              the value differs from Megatron's default
+    only_with (field, values): the flag means something only while that field of the section has one of
+              those values (rotary_base with rope); the export writes it only then
+    megatron_default  Megatron's default where it is not this field's default (`megatron_default`)"""
     facts = {"help": help, "flag": flag, "switch": switch, "aliases": dict(aliases or {}), "renamed": renamed,
              "join": join,
              "choices": choices, "minimum": minimum, "above": above, "maximum": maximum, "label": label,
-             "config": config, "activations": activations, "pipeline_split": pipeline_split}
+             "config": config, "activations": activations, "pipeline_split": pipeline_split, "layout": layout,
+             "said": said, "only_with": only_with, "megatron_default": megatron_default}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=facts)
     return field(default=default, metadata=facts)
@@ -139,6 +152,15 @@ def help_text(kind: type, name: str) -> str:
     return facts(kind, name)["help"]
 
 
+def megatron_default(kind: type, name: str) -> Any:
+    """Megatron-LM's default for field `name` of `kind`: its `megatron_default`, else the field's default."""
+    f = _fields(kind)[name]
+    stated = f.metadata.get("megatron_default", FIELD_DEFAULT)
+    if stated is not FIELD_DEFAULT:
+        return stated
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def megatron_flag(kind: type, name: str) -> str | None:
     """The `pretrain_gpt.py` flag that sets the field (`--num-layers`); None where no single flag does."""
     flag = facts(kind, name)["flag"]
@@ -153,6 +175,9 @@ def _fields(kind: type) -> dict[str, dataclasses.Field]:
 # --------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------
+MLA = ("multi_latent_attention", (True,))     # only_with of the MLA sizes
+
+
 @dataclass
 class ModelSpec:
     """Architecture, in Megatron-LM argument names. Help texts follow Megatron-LM's own (core_v0.16.1:
@@ -161,12 +186,13 @@ class ModelSpec:
     name: str = setting("custom", flag=None, help="the model preset's name")
     description: str = setting("", flag=None, help="one line about the model, shown by presets list")
     num_layers: int = setting(2, minimum=1, maximum=10_000, config=True, activations=True, pipeline_split=True,
-                              help="transformer (decoder) layers")
-    hidden_size: int = setting(64, minimum=1, config=True, activations=True,
+                              said=True, help="transformer (decoder) layers")
+    hidden_size: int = setting(64, minimum=1, config=True, activations=True, said=True,
                                help="width of the hidden states (elements per token)")
-    ffn_hidden_size: int | None = setting(None, minimum=1, activations=True,
+    ffn_hidden_size: int | None = setting(None, minimum=1, activations=True, said=True,
                                           help="MLP inner width (elements); unset: 4 x hidden_size")
-    num_attention_heads: int = setting(4, minimum=1, config=True, activations=True, help="attention heads per layer")
+    num_attention_heads: int = setting(4, minimum=1, config=True, activations=True, said=True,
+                                       help="attention heads per layer")
     num_query_groups: int | None = setting(   # set by two flags together: see megatron.SPECIAL_FLAGS
         None, flag=None, minimum=1,
         activations=True,
@@ -174,11 +200,13 @@ class ModelSpec:
     kv_channels: int | None = setting(None, minimum=1,
                                       activations=True,
                                       help="width of one attention head (elements); unset: hidden_size / heads")
-    seq_length: int = setting(2048, minimum=1, activations=True,
+    seq_length: int = setting(2048, minimum=1, activations=True, said=True,
                               help="the model's default training sequence length (tokens)")
     max_position_embeddings: int | None = setting(
-        None, minimum=1, help="longest sequence the position embedding covers (tokens); unset: seq_length")
-    vocab_size: int = setting(50257, minimum=1, activations=True, help="tokenizer vocabulary before padding (tokens)")
+        None, minimum=1, said=True,
+        help="longest sequence the position embedding covers (tokens); unset: seq_length")
+    vocab_size: int = setting(50257, minimum=1, activations=True, said=True,
+                              help="tokenizer vocabulary before padding (tokens)")
     make_vocab_size_divisible_by: int = setting(
         128, minimum=1, activations=True,
         help="pad the vocabulary to a multiple of this times the tensor-parallel size")
@@ -186,19 +214,20 @@ class ModelSpec:
     squared_relu: bool = setting(False, help="squared-ReLU MLP activation instead of GeLU")
     untie_embeddings_and_output_weights: bool = setting(
         False, help="separate weights for the input embedding and the output layer")
-    position_embedding_type: str = setting(
-        "learned_absolute", aliases={"--use-rotary-position-embeddings": "rope"},
-        choices=("learned_absolute", "rope", "mrope", "relative", "none"),
-        help="how positions are encoded: a learned table, rotary (rope, mrope), relative, or none")
-    rotary_base: int = setting(  # Megatron-LM arguments.py: --rotary-base, int, default 10000
-        10000, minimum=1, help="rotary embeddings' base period (theta), with rope or mrope; Llama 3 500000, Mixtral 1000000")
-    normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), config=True,
-                                 help="the normalization layers: LayerNorm or RMSNorm")
     add_bias_linear: bool = setting(True, flag="--disable-bias-linear", switch=False, config=True,
                                     help="bias terms in the linear layers (QKV, attention output, MLP)")
     add_qkv_bias: bool = setting(False, help="a bias on the QKV projection only")
     qk_layernorm: bool = setting(False, config=True, activations=True,
                                  help="normalize queries and keys before attention")
+    position_embedding_type: str = setting(
+        "learned_absolute", aliases={"--use-rotary-position-embeddings": "rope"},
+        choices=("learned_absolute", "rope", "mrope", "relative", "none"),
+        help="how positions are encoded: a learned table, rotary (rope, mrope), relative, or none")
+    rotary_base: int = setting(  # Megatron-LM arguments.py: --rotary-base, int, default 10000
+        10000, minimum=1, only_with=("position_embedding_type", ("rope", "mrope")),
+        help="rotary embeddings' base period (theta), with rope or mrope; Llama 3 500000, Mixtral 1000000")
+    normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), config=True,
+                                 help="the normalization layers: LayerNorm or RMSNorm")
     hidden_dropout: float = setting(0.1, minimum=0, maximum=1, config=True,
                                     activations=True, help="dropout probability of the hidden states")
     attention_dropout: float = setting(0.1, minimum=0, maximum=1, config=True,
@@ -218,16 +247,18 @@ class ModelSpec:
     # Multi-latent attention (DeepSeek)
     multi_latent_attention: bool = setting(
         False, activations=True, help="multi-latent attention (DeepSeek): keys and values through a low-rank latent")
-    q_lora_rank: int | None = setting(None, minimum=1,
+    q_lora_rank: int | None = setting(None, minimum=1, only_with=MLA,
                                       activations=True,
                                       help="MLA: rank of the queries' low-rank projection; unset: full rank")
-    kv_lora_rank: int = setting(512, minimum=1, activations=True, help="MLA: rank of the key/value latent")
-    qk_head_dim: int = setting(128, minimum=1,
+    kv_lora_rank: int = setting(512, minimum=1, activations=True, said=True, only_with=MLA, megatron_default=32,
+                                help="MLA: rank of the key/value latent")
+    qk_head_dim: int = setting(128, minimum=1, said=True, only_with=MLA,
                                activations=True, help="MLA: query/key width per head, rotary part excluded (elements)")
-    qk_pos_emb_head_dim: int = setting(64, minimum=1,
+    qk_pos_emb_head_dim: int = setting(64, minimum=1, said=True, only_with=MLA,
                                        activations=True,
                                        help="MLA: rotary part of the query/key width per head (elements)")
-    v_head_dim: int = setting(128, minimum=1, activations=True, help="MLA: value width per head (elements)")
+    v_head_dim: int = setting(128, minimum=1, activations=True, said=True, only_with=MLA,
+                              help="MLA: value width per head (elements)")
     # Multi-token prediction
     mtp_num_layers: int | None = setting(None, minimum=1, maximum=10_000,
                                          activations=True, pipeline_split=True,
@@ -342,34 +373,37 @@ class Cluster:
 @dataclass
 class Parallel:
     tensor_model_parallel_size: int = setting(
-        1, minimum=1, label="TP  tensor", config=True,
+        1, minimum=1, label="TP  tensor", config=True, layout=True, said=True,
         activations=True, help="tensor parallel: each layer's matrices split over this many devices")
     pipeline_model_parallel_size: int = setting(1, minimum=1, label="PP  pipeline", config=True,
-                                                pipeline_split=True,
+                                                pipeline_split=True, layout=True, said=True,
                                                 help="pipeline parallel: the layers split into this many stages")
     virtual_pipeline_model_parallel_size: int | None = setting(   # set by either of two flags: SPECIAL_FLAGS
         None, flag=None, minimum=1, label="VP  virtual", config=True,
-        pipeline_split=True, help="interleaved pipeline: model chunks per pipeline stage; unset: 1")
+        pipeline_split=True, layout=True, help="interleaved pipeline: model chunks per pipeline stage; unset: 1")
     context_parallel_size: int = setting(1, minimum=1, label="CP  context", config=True,
-                                         activations=True,
+                                         activations=True, layout=True,
                                          help="context parallel: each sequence split over this many devices")
     expert_model_parallel_size: int = setting(1, minimum=1, label="EP  expert", config=True,
-                                              activations=True,
+                                              activations=True, layout=True,
                                               help="expert parallel: the experts split over this many devices")
     expert_tensor_parallel_size: int | None = setting(
         None, minimum=1, label="ETP expert TP",
-        activations=True, help="tensor parallel inside the experts; unset: tensor_model_parallel_size")
+        activations=True, layout=True, help="tensor parallel inside the experts; unset: tensor_model_parallel_size")
     sequence_parallel: bool = setting(False, label="seq. parallel", config=True,
-                                      activations=True,
+                                      activations=True, layout=True,
                                       help="with TP: norms and dropout split along the sequence too (less memory)")
-    use_distributed_optimizer: bool = setting(False, label="dist. optimizer",
+    use_distributed_optimizer: bool = setting(False, label="dist. optimizer", layout=True,
                                               help="shard the optimizer state over the data-parallel ranks")
     num_distributed_optimizer_instances: int = setting(
         1, minimum=1, help="copies of the distributed optimizer across the data-parallel ranks")
-    use_megatron_fsdp: bool = setting(False, help="shard with Megatron FSDP (see data_parallel_sharding_strategy)")
-    use_torch_fsdp2: bool = setting(False, help="shard parameters, gradients and optimizer state with PyTorch FSDP2")
-    data_parallel_sharding_strategy: str = setting(
-        "no_shard", choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+    use_megatron_fsdp: bool = setting(False, layout=True,
+                                      help="shard with Megatron FSDP (see data_parallel_sharding_strategy)")
+    use_torch_fsdp2: bool = setting(False, layout=True,
+                                    help="shard parameters, gradients and optimizer state with PyTorch FSDP2")
+    data_parallel_sharding_strategy: str = setting(   # Megatron's default: megatron.VERSIONED_DEFAULTS
+        "no_shard", said=("use_megatron_fsdp", (True,)),
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
         help="Megatron FSDP: what is sharded: nothing, the optimizer state, + gradients, + parameters")
     decoder_first_pipeline_num_layers: int | None = setting(
         None, minimum=1, config="num_layers_in_first_pipeline_stage",
@@ -398,7 +432,7 @@ class Training:
     train_iters: int = setting(20, minimum=1, help="optimizer steps (iterations) to run")
     warmup_iters: int = setting(2, flag=None, minimum=0, help="first iterations marked warm-up in the "
                                                               "iteration log (not learning-rate warm-up)")
-    bf16: bool = setting(True, config=True, activations=True, help="BF16 mixed precision")
+    bf16: bool = setting(True, config=True, activations=True, megatron_default=False, help="BF16 mixed precision")
     fp16: bool = setting(False, config=True, activations=True, help="FP16 mixed precision, with loss scaling")
     loss_scale: float | None = setting(None, above=0, help="FP16: a static loss scale; unset: dynamic, from "
                                                            "initial_loss_scale")
@@ -560,6 +594,22 @@ def microbatches(global_batch_size, micro_batch_size, data_parallel_size):
     return np.maximum(count, 1)
 
 
+def layout_label(layout: Mapping[str, Any]) -> str:
+    """A parallel layout in short, from a layout record (`Experiment.layout_record`, or a run's read back, or a
+    sweep's row: the fields' names): "TP8 PP2 DP2", "TP2 PP4 VP2 EP8 DP4", "TP8 FSDP DP4" (sizes of 1 and
+    missing ones left out, but TP, PP and DP always said)."""
+    def size(name: str) -> int:
+        value = layout.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+    parts = [f"TP{size('tensor_model_parallel_size')}", f"PP{size('pipeline_model_parallel_size')}"]
+    parts += [f"{short}{size(name)}" for short, name in (
+        ("VP", "virtual_pipeline_model_parallel_size"), ("CP", "context_parallel_size"),
+        ("EP", "expert_model_parallel_size")) if size(name) > 1]
+    parts += ["FSDP"] if layout.get("use_torch_fsdp2") is True or layout.get("use_megatron_fsdp") is True else []
+    return " ".join(parts + [f"DP{size('data_parallel_size')}"])
+
+
 @dataclass
 class Experiment:
     name: str = "experiment"
@@ -613,15 +663,18 @@ class Experiment:
 
     @property
     def layout_label(self) -> str:
-        """The parallel layout in short: "TP8 PP2 DP2", "TP2 PP4 VP2 EP8 DP4", "TP8 FSDP DP4" (sizes
-        of 1 left out, but TP, PP and DP always said)."""
-        p = self.parallel
-        parts = [f"TP{p.tensor_model_parallel_size}", f"PP{p.pipeline_model_parallel_size}"]
-        parts += [f"VP{self.virtual_stages}"] if self.virtual_stages > 1 else []
-        parts += [f"CP{p.context_parallel_size}"] if p.context_parallel_size > 1 else []
-        parts += [f"EP{p.expert_model_parallel_size}"] if p.expert_model_parallel_size > 1 else []
-        parts += ["FSDP"] if p.use_torch_fsdp2 or p.use_megatron_fsdp else []
-        return " ".join(parts + [f"DP{self.data_parallel_size}"])
+        """The parallel layout in short (`layout_label` of `layout_record`)."""
+        return layout_label(self.layout_record())
+
+    def layout_record(self) -> dict[str, Any]:
+        """The parallel layout a run records (iterations.jsonl's start row; `Trainer.layout`): each field
+        marked `layout`, as this experiment resolves it where a property of the same name does
+        (expert_tensor_parallel_size: unset is TP), then the data-parallel size and micro-batch count."""
+        out = {}
+        for section, name, _ in declared("layout"):
+            resolved = isinstance(getattr(type(self), name, None), property)
+            out[name] = getattr(self, name) if resolved else getattr(getattr(self, section), name)
+        return {**out, "data_parallel_size": self.data_parallel_size, "num_microbatches": self.num_microbatches}
 
     def transformer_config_fields(self) -> dict[str, Any]:
         """The fields marked `config` (see `setting`), under megatron-core TransformerConfig's names."""

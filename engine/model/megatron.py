@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, get_origin
 
 from charllm.engine.model import calibration, runtime
-from charllm.engine.model.experiment import (Experiment, Hardware, ModelSpec, Parallel, Training, field_options,
-                                           megatron_flag, parse_pipeline_layout)
+from charllm.engine.model.experiment import (MLA, Experiment, Hardware, ModelSpec, Parallel, Training, declared,
+                                           field_options, megatron_default, megatron_flag, parse_pipeline_layout)
 from charllm.probes.core.errors import UserError, plural, shown
 
 # Megatron-LM defaults that changed between the releases charllm supports (core_v0.16.1 to
@@ -63,9 +63,10 @@ ROUND_TRIP_NORMALIZED = (
     "model.v_head_dim", "training.transformer_impl", "training.attention_backend",
 )
 
-# Megatron's defaults for MLA sizes when `--multi-latent-attention` is given without them.
-MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
-                "qk_pos_emb_head_dim": 64, "v_head_dim": 128}
+# Megatron's defaults for MLA sizes when `--multi-latent-attention` is given without them (the fields
+# that mean something only with MLA, and their `megatron_default`).
+MLA_DEFAULTS = {name: megatron_default(ModelSpec, name) for _, name, needs in declared("only_with", ("model",))
+                if needs == MLA}
 
 
 @dataclass
@@ -600,11 +601,11 @@ def _resolve_model(m: ModelSpec, special: dict, given: set[str], result: Megatro
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     flag_of = {name: flag for flag, (section, name, _) in FLAGS.items() if section == "model"}
-    for name, megatron_default in MLA_DEFAULTS.items():
+    for name, theirs in MLA_DEFAULTS.items():
         if not m.multi_latent_attention:
             setattr(m, name, getattr(ModelSpec, name))     # unused without MLA: keep ours
         elif flag_of[name] not in given:
-            setattr(m, name, megatron_default)
+            setattr(m, name, theirs)
 
 
 def _resolve_virtual_pipeline(exp: Experiment, special: dict) -> None:
@@ -684,72 +685,32 @@ def export_megatron_args(exp: Experiment, version: str | None = None) -> list[st
         out.append(flag)
         out.extend(_fmt(v) for v in values)
 
-    add("--num-layers", m.num_layers)
-    add("--hidden-size", m.hidden_size)
-    add("--ffn-hidden-size", m.ffn)
-    add("--num-attention-heads", m.num_attention_heads)
-    if m.num_query_groups is not None:
-        add("--group-query-attention")
-        add("--num-query-groups", m.num_query_groups)
-    if m.kv_channels is not None:
-        add("--kv-channels", m.kv_channels)
-    add("--seq-length", exp.seq_length)
-    add("--max-position-embeddings", m.max_position_embeddings or m.seq_length)
+    # The model: every flag from its field's metadata (`said`, `only_with`, `megatron_default`), in field
+    # order; these write a value the experiment resolves, or more flags than their own.
     # pretrain_gpt.py builds a tokenizer before anything else; NullTokenizer (synthetic tokens, no file)
     # needs only the vocabulary size, which it counts with or without its end-of-document token
     # depending on the release (VERSIONED_DEFAULTS). Megatron pads the tokenizer's vocabulary.
-    add("--tokenizer-type", "NullTokenizer")
-    add("--vocab-size", m.vocab_size - versioned_default("--tokenizer-type NullTokenizer", release))
-    if m.make_vocab_size_divisible_by != 128:
-        add("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)
-    for flag, on in (("--swiglu", m.swiglu), ("--squared-relu", m.squared_relu),
-                     ("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights),
-                     ("--disable-bias-linear", not m.add_bias_linear), ("--add-qkv-bias", m.add_qkv_bias),
-                     ("--qk-layernorm", m.qk_layernorm)):
-        if on:
-            add(flag)
-    if m.position_embedding_type != "learned_absolute":
-        add("--position-embedding-type", m.position_embedding_type)
-    if m.position_embedding_type in ("rope", "mrope") and m.rotary_base != 10000:     # Megatron's default
-        add("--rotary-base", m.rotary_base)
-    if m.normalization != "LayerNorm":
-        add("--normalization", m.normalization)
-    if m.hidden_dropout != 0.1:
-        add("--hidden-dropout", m.hidden_dropout)
-    if m.attention_dropout != 0.1:
-        add("--attention-dropout", m.attention_dropout)
-    if m.num_moe_experts is not None:
-        add("--num-experts", m.num_moe_experts)
-    if m.moe_router_topk != 2:
-        add("--moe-router-topk", m.moe_router_topk)
-    if m.moe_ffn_hidden_size is not None:
-        add("--moe-ffn-hidden-size", m.moe_ffn_hidden_size)
-    if m.moe_shared_expert_intermediate_size is not None:
-        add("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size)
-    if m.moe_layer_freq != 1:
-        add("--moe-layer-freq", format_layer_pattern(m.moe_layer_freq))
-    if m.multi_latent_attention:
-        add("--multi-latent-attention")
-        if m.q_lora_rank is not None:
-            add("--q-lora-rank", m.q_lora_rank)
-        add("--kv-lora-rank", m.kv_lora_rank)
-        add("--qk-head-dim", m.qk_head_dim)
-        add("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim)
-        add("--v-head-dim", m.v_head_dim)
-    if m.mtp_num_layers is not None:
-        add("--mtp-num-layers", m.mtp_num_layers)
+    groups = [("--group-query-attention",), ("--num-query-groups", m.num_query_groups)]
+    written: dict[str, list[tuple]] = {
+        "ffn_hidden_size": [("--ffn-hidden-size", m.ffn)],
+        "num_query_groups": groups if m.num_query_groups is not None else [],
+        "seq_length": [("--seq-length", exp.seq_length)],
+        "max_position_embeddings": [("--max-position-embeddings", m.max_position_embeddings or m.seq_length)],
+        "vocab_size": [("--tokenizer-type", "NullTokenizer"),
+                       ("--vocab-size", m.vocab_size - versioned_default("--tokenizer-type NullTokenizer", release))],
+    }
+    _add_non_default(add, m, MODEL_FLAGS, written=written)
 
-    add("--tensor-model-parallel-size", p.tensor_model_parallel_size)
-    add("--pipeline-model-parallel-size", p.pipeline_model_parallel_size)
+    # The layout, likewise; the pipeline's split is one flag of three, and Megatron FSDP's sharding strategy
+    # is always said (its default depends on the release: VERSIONED_DEFAULTS).
     if p.pipeline_model_parallel_layout is not None:
-        add("--pipeline-model-parallel-layout", p.pipeline_model_parallel_layout)
+        split = [("--pipeline-model-parallel-layout", p.pipeline_model_parallel_layout)]
     elif p.virtual_pipeline_model_parallel_size not in (None, 1):
-        add("--num-virtual-stages-per-pipeline-rank", p.virtual_pipeline_model_parallel_size)
-    skip = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_model_parallel_layout"}
-    if p.use_megatron_fsdp:     # its default depends on the release (VERSIONED_DEFAULTS): always said
-        add("--data-parallel-sharding-strategy", p.data_parallel_sharding_strategy)
-        skip.add("data_parallel_sharding_strategy")
-    _add_non_default(add, p, Parallel(), PARALLEL_FLAGS, skip=skip)
+        split = [("--num-virtual-stages-per-pipeline-rank", p.virtual_pipeline_model_parallel_size)]
+    else:
+        split = []
+    _add_non_default(add, p, PARALLEL_FLAGS, skip={"pipeline_model_parallel_layout"},
+                     written={"virtual_pipeline_model_parallel_size": split})
     if p.use_megatron_fsdp:
         # validate_args: "Megatron FSDP only supports fsdp_dtensor checkpoint format" (core_v0.16.1+)
         add("--ckpt-format", "fsdp_dtensor")
@@ -775,7 +736,7 @@ def export_megatron_args(exp: Experiment, version: str | None = None) -> list[st
         # (core_v0.16.1 to 0.19.0), which pretrain_gpt.py then cannot load (spec_utils.import_module
         # wants a module and a name).
         skip.add("attention_backend")
-    _add_non_default(add, t, Training(bf16=False), TRAINING_FLAGS, skip=skip)
+    _add_non_default(add, t, TRAINING_FLAGS, skip=skip)
     return out
 
 
@@ -805,25 +766,45 @@ def export_script(exp: Experiment, version: str | None = None) -> str:
     return "\n".join(lines) + "\n" + " ".join(launcher) + " \\\n    " + flags + "\n"
 
 
-def _add_non_default(add, obj, defaults, table, *, skip: set[str]) -> None:
-    """One flag per field of `obj` whose value differs from Megatron's default."""
-    done: set[str] = set()
-    for flag, (name, kind) in table.items():
-        if name in skip or name in done:
+def _add_non_default(add, obj, table, *, skip: frozenset[str] | set[str] = frozenset(),
+                     written: dict[str, list[tuple]] | None = None) -> None:
+    """The flags of `obj`'s fields, in field order, as their metadata says (engine.model.experiment.setting):
+    a field `said` always, any other where its value differs from Megatron's default (`megatron_default`),
+    and one that means something only with another field's value (`only_with`) only then. A field in
+    `written` writes those (flag, *values) instead; one in `skip` nothing (written before)."""
+    kind, written = type(obj), written or {}
+    flags: dict[str, list[tuple[str, Switch | Value | Many]]] = {}
+    for flag, (name, how) in table.items():
+        flags.setdefault(name, []).append((flag, how))
+    for f in dataclasses.fields(kind):
+        name, facts = f.name, f.metadata
+        needs = facts.get("only_with")
+        if name in skip or (needs and getattr(obj, needs[0]) not in needs[1]):
             continue
-        value, default = getattr(obj, name), getattr(defaults, name)
-        if value == default:
+        if name in written:
+            for flag, *values in written[name]:
+                add(flag, *values)
             continue
-        if isinstance(kind, Switch):
-            if value == kind.value:
-                add(flag)
-                done.add(name)
+        value, said = getattr(obj, name), facts.get("said")
+        if isinstance(said, tuple):
+            said = getattr(obj, said[0]) in said[1]
+        if not said and value == megatron_default(kind, name):
             continue
-        done.add(name)
-        if isinstance(kind, Many):
-            add(flag, *value)
-        else:
-            add(flag, value)
+        for flag, how in flags.get(name, ()):
+            if isinstance(how, Switch):
+                if value == how.value:
+                    add(flag)
+                    break
+            elif isinstance(how, Many):
+                add(flag, *value)
+                break
+            else:
+                add(flag, _FORMATS.get(name, _fmt)(value))
+                break
+
+
+# How a value that is not a plain int, float or string is written (the inverse of _PARSERS).
+_FORMATS: dict[str, Callable[[Any], str]] = {"moe_layer_freq": format_layer_pattern}
 
 
 def _fmt(value: Any) -> str:

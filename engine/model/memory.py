@@ -72,6 +72,7 @@ class ChunkMemory:
 FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does not fit"
 VERDICTS = (FITS, TIGHT, DOES_NOT_FIT)                          # by severity
 SEVERITY = {name: level for level, name in enumerate(VERDICTS)}
+VERDICT_STYLE = {FITS: "green", TIGHT: "yellow", DOES_NOT_FIT: "red"}   # how every command and screen colours one
 
 
 @dataclass

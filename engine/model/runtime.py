@@ -28,6 +28,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from charllm.engine.model.experiment import Problem
+from charllm.probes.store.rundir import implementation_words
 
 # Optional extensions the workload can use, by import name. Found = imports, not merely installed:
 # a Transformer Engine built for another CUDA or torch is installed but unusable.
@@ -166,7 +167,7 @@ class Implementation:
     attention: str                # te-<backend> | sdpa | sdpa-flash | sdpa-fused | megatron-unfused
     fusions: tuple[str, ...] = field(default=())   # TransformerConfig fusion flags that are on
     device: str = "cuda"          # "cuda" (NCCL) | "cpu" (gloo, through cpu_compat)
-    optimizer: str = "torch"      # whose Adam and multi-tensor kernels: OPTIMIZERS
+    optimizer: str = "torch"      # whose Adam and multi-tensor kernels: rundir.OPTIMIZERS
     notes: tuple[str, ...] = field(default=())     # what is off on this node that Megatron-LM has on, and why
 
     @property
@@ -197,21 +198,8 @@ class Implementation:
                    optimizer=data.get("optimizer", "torch"), notes=tuple(data.get("notes", ())))
 
     def describe(self) -> str:
-        impl = "Transformer Engine" if self.transformer == "transformer_engine" else "local (megatron-core)"
-        return f"{impl}, attention {self.attention}, fusions {', '.join(self.fusions) or 'none'}, " \
-               f"{OPTIMIZERS.get(self.optimizer, self.optimizer)}" \
-            + ("" if self.device == "cuda" else ", on CPU") + "".join(f"; {note}" for note in self.notes)
-
-
-# Who provides Adam and the multi-tensor kernels (gradient norm, scaling), as megatron-core picks them:
-# Transformer Engine's, else Apex's, else torch's (megatron-core's fallback builds torch's AdamW
-# without fused=True and computes the gradient norm with a host sync per parameter; the workload
-# turns fused on and computes the norm on the device, see train.use_torch_fast_paths).
-OPTIMIZERS = {
-    "transformer_engine": "optimizer kernels Transformer Engine's",
-    "apex": "optimizer kernels Apex's",
-    "torch": "optimizer kernels torch's (fused Adam, gradient norm on the device)",
-}
+        """What runs, in the words a run's record is read back in (`rundir.implementation_words`)."""
+        return " · ".join(implementation_words(self.to_dict()))
 
 
 def sdpa_takes_gqa(cuda: bool, half: bool, kernels: tuple[str, ...] | None) -> bool:

@@ -501,20 +501,9 @@ class Trainer:
         self.device_memory = DeviceMemory(local_rank if cuda else None)
 
     def layout(self) -> dict:
-        p = self.exp.parallel
-        return {
-            "tensor_model_parallel_size": p.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
-            "virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
-            "context_parallel_size": p.context_parallel_size,
-            "expert_model_parallel_size": p.expert_model_parallel_size,
-            "expert_tensor_parallel_size": self.exp.expert_tensor_parallel_size,
-            "data_parallel_size": self.dp_size,
-            "sequence_parallel": p.sequence_parallel,
-            "use_distributed_optimizer": p.use_distributed_optimizer,
-            "num_microbatches": self.exp.num_microbatches,
-            "device": self.device.type,
-        }
+        """The experiment's layout record (`Experiment.layout_record`) with the data-parallel size of the
+        world that runs it and the device it runs on."""
+        return {**self.exp.layout_record(), "data_parallel_size": self.dp_size, "device": self.device.type}
 
     def step(self) -> tuple[float | None, float | None]:
         """One training iteration: (lm loss on the last stage else None, grad norm)."""

@@ -21,60 +21,58 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, replace
-from importlib import resources
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from charllm.probes.backends.base import Backend, Device
-from charllm.probes.core import paths
+from charllm.probes.core import catalog
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.files import read_bounded
-from charllm.probes.core.formatting import GIB
 from charllm.probes.store.rundir import resolve_run
 from charllm.probes.store.schema import THROTTLE_BITS
 
 PROFILES = ("steady", "bursty", "iterations")
 
 
+DEFAULT_HARDWARE = "h100-sxm-80gb"
+
+
 @dataclass(frozen=True)
 class SimHardware:
-    """What the simulator needs to know about a GPU (defaults: H100 SXM 80 GB)."""
+    """What the simulator needs to know about a GPU, read from a hardware preset (`from_preset`)."""
 
-    name: str = "h100-sxm-80gb"
-    description: str = "NVIDIA H100 80GB HBM3 (simulated)"
-    tdp_w: float = 700.0
-    idle_w: float = 70.0
-    max_sm_clock_mhz: float = 1980.0
-    mem_clock_mhz: float = 2619.0
-    temp_limit_c: float = 87.0
-    memory_bytes: int = 80 * GIB
-    nvlink_bytes_s: float = 450e9       # per direction, all links
+    name: str
+    description: str
+    tdp_w: float
+    idle_w: float
+    max_sm_clock_mhz: float
+    temp_limit_c: float
+    memory_bytes: int
+    nvlink_bytes_s: float               # per direction, all links (the preset's node_link_gbs)
+    mem_clock_mhz: float = 2619.0       # reported as is; the catalog has no memory clock (H100 HBM3's)
 
     @classmethod
     def from_preset(cls, name: str) -> "SimHardware":
-        """Hardware from the catalog's TOML (user config dir first, then shipped presets)."""
-        user = paths.config_dir() / "hardware" / f"{name}.toml"
-        shipped = resources.files("charllm.presets") / "hardware" / f"{name}.toml"
-        source = user if user.is_file() else shipped if shipped.is_file() else None
-        if source is None:
-            if name == cls.name:
-                return cls()
-            raise UserError(f"sim hardware = {name!r}: no such hardware preset")
-        data = paths.read_toml(Path(str(source)), "hardware preset")
+        """Hardware from the catalog's TOML (the user's file first, then the shipped presets)."""
+        try:
+            data = catalog.read("hardware", name)
+        except UserError as e:
+            raise UserError(f"sim {e}") from None
 
-        def positive(key: str, default=None) -> float:
-            value = data.get(key, default)
+        def positive(key: str) -> float:
+            value = data.get(key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise UserError(f"sim hardware = {name!r}: {key} = {value!r}: must be a number above 0 to "
                                 "simulate a GPU")
             return value
 
         tdp = float(positive("tdp_w"))
-        return replace(cls(), name=name, description=f"{data.get('description', name)} (simulated)",
-                       tdp_w=tdp, idle_w=0.1 * tdp, max_sm_clock_mhz=float(positive("max_sm_clock_mhz")),
-                       temp_limit_c=float(positive("temp_limit_c", cls.temp_limit_c)),
-                       memory_bytes=int(positive("memory_bytes", cls.memory_bytes)))
+        link = data.get("node_link_gbs", 0.0)
+        return cls(name=name, description=f"{data.get('description', name)} (simulated)",
+                   tdp_w=tdp, idle_w=0.1 * tdp, max_sm_clock_mhz=float(positive("max_sm_clock_mhz")),
+                   temp_limit_c=float(positive("temp_limit_c")), memory_bytes=int(positive("memory_bytes")),
+                   nvlink_bytes_s=float(link) * 1e9 if isinstance(link, (int, float)) else 0.0)
 
 
 MAX_TIMELINE_BYTES = 512 * 2**20   # an iteration log of a very long run
@@ -133,7 +131,7 @@ class Load:
                 return 0.45, 0.6
             return (0.98, 0.05) if t % 0.5 < 0.35 else (0.25, 0.9)
         t = t % self.period
-        inside = any(s <= t < e for s, e in self.timeline)
+        inside = any(s <= t < e for s, e in self.timeline or ())
         return (0.97, 0.2) if inside else (0.08, 0.0)
 
 
@@ -165,7 +163,8 @@ class SimBackend(Backend):
             raise UserError(f"sim gpus = {gpus}: must be between 1 and 64")
         if profile.startswith("iterations:"):
             profile, iterations = "iterations", profile.split(":", 1)[1]
-        self.hw = hardware if isinstance(hardware, SimHardware) else SimHardware.from_preset(hardware or SimHardware.name)
+        self.hw = (hardware if isinstance(hardware, SimHardware)
+                   else SimHardware.from_preset(hardware or DEFAULT_HARDWARE))
         self.load = Load(profile, iteration_timeline(_iterations_file(iterations)) if iterations else None)
         self.clock, self.ambient_c, self.tau_s = clock, ambient_c, tau_s
         self.intensity = intensity if intensity is not None else INTENSITY[self.load.profile]
@@ -176,7 +175,8 @@ class SimBackend(Backend):
             rng = random.Random(seed * 1_000_003 + i)
             self._devices.append(Device(f"gpu{i}", f"SIM-{self.hw.name}-{seed}-{i}", self.hw.description))
             # Boards differ a little in cooling; that spread is part of what the paper measures.
-            self._state.append(_GpuState(temp_c=ambient_c + 5.0, resistance=nominal_r * rng.uniform(0.92, 1.08), rng=rng))
+            self._state.append(_GpuState(temp_c=ambient_c + 5.0, resistance=nominal_r * rng.uniform(0.92, 1.08),
+                                         rng=rng))
         self._t0 = self._last = clock()
 
     def sample(self) -> list[dict]:
@@ -213,7 +213,8 @@ class SimBackend(Backend):
         target = self.ambient_c + st.resistance * power
         st.temp_c += (target - st.temp_c) * (1.0 - math.exp(-dt / self.tau_s))
         st.energy_j += power * dt
-        st.power_avg_w = power if st.power_avg_w == 0.0 else st.power_avg_w + (power - st.power_avg_w) * (1.0 - math.exp(-dt))
+        st.power_avg_w = (power if st.power_avg_w == 0.0
+                          else st.power_avg_w + (power - st.power_avg_w) * (1.0 - math.exp(-dt)))
         link = hw.nvlink_bytes_s * comm * dt
         st.nvlink_tx += link
         st.nvlink_rx += link

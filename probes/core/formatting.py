@@ -12,9 +12,10 @@ import time
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
 
-def gib(n: float, digits: int = 2) -> str:
-    """`n` bytes in GiB, whatever its size: "0.04 GiB", "79.65 GiB"."""
-    return f"{n / GIB:.{digits}f} GiB"
+def gib(n: float, digits: int = 2, unit: bool = True) -> str:
+    """`n` bytes in GiB, whatever its size: "0.04 GiB", "79.65 GiB" ("79.65" without the unit: a table
+    whose heading says GiB)."""
+    return f"{n / GIB:.{digits}f}" + (" GiB" if unit else "")
 
 
 def size(n: float, digits: int = 2, mib_digits: int = 1) -> str:

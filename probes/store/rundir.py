@@ -753,31 +753,61 @@ def scan_runs(root: Path | None = None):
     return scan.select(run.alias("run"), pl.exclude("_path"))
 
 
+# Who provides Adam and the multi-tensor kernels (gradient norm, scaling), as megatron-core picks them:
+# Transformer Engine's, else Apex's, else torch's (megatron-core's fallback builds torch's AdamW
+# without fused=True and computes the gradient norm with a host sync per parameter; the workload
+# turns fused on and computes the norm on the device, see train.use_torch_fast_paths).
+OPTIMIZERS = {
+    "transformer_engine": "optimizer kernels Transformer Engine's",
+    "apex": "optimizer kernels Apex's",
+    "torch": "optimizer kernels torch's (fused Adam, gradient norm on the device)",
+}
+
+
+def implementation_words(impl: dict | None, versions: dict | None = None) -> list[str]:
+    """What an implementation record (`engine.model.runtime.Implementation.to_dict()`) says runs, in
+    words: the one wording of the plan (`Implementation.describe`) and of the run (`runtime_line`).
+    A field of the wrong type reads as unknown ("?")."""
+    impl, versions = _table(impl), _table(versions)
+    transformer = {"transformer_engine": f"Transformer Engine {_text(versions, 'transformer_engine', '')}".strip(),
+                   "local": "local layers"}.get(_text(impl, "transformer_impl"), "?")
+    fusions = _items(impl.get("fusions"))
+    fused = ", ".join(str(f).removesuffix("_fusion") for f in fusions) or "none"
+    words = [transformer, f"attention {_text(impl, 'attention')}", f"fusions {fused}"]
+    optimizer = impl.get("optimizer")
+    if isinstance(optimizer, str):
+        words.append(OPTIMIZERS.get(optimizer, f"optimizer kernels {optimizer}"))
+    if impl.get("device") == "cpu":
+        words.append("on CPU")
+    return words + [str(note) for note in _items(impl.get("notes"))]
+
+
 def runtime_line(record: dict | None) -> str:
-    """One line saying what ran: implementation, attention, fusions, devices, versions, and the
+    """One line saying what ran: implementation (`implementation_words`), devices, versions, and the
     megatron-core class that built the model. A field of the wrong type (a damaged record) reads
     as unknown ("?"), never as an error."""
     if not isinstance(record, dict) or not record:
         return "not recorded (the workload has not started, or predates this record)"
     impl, versions, model = (_table(record.get(k)) for k in ("implementation", "versions", "model"))
-    transformer = {"transformer_engine": f"Transformer Engine {_text(versions, 'transformer_engine', '')}".strip(),
-                   "local": "local layers"}.get(impl.get("transformer_impl"), "?")
-    devices = [d for d in record.get("devices") or [] if isinstance(d, dict)] if isinstance(record.get("devices"), list) else []
+    words = implementation_words(impl, versions)
+    devices = [d for d in _items(record.get("devices")) if isinstance(d, dict)]
     if devices:
         names = sorted({_text(d, "name") for d in devices})
         driver = _text(record, "driver", "")
-        where = f"{len(devices)}x {'/'.join(names)}" + (f" (driver {driver})" if driver else "")
-    else:
-        where = "CPU"
+        words.append(f"{len(devices)}x {'/'.join(names)}" + (f" (driver {driver})" if driver else ""))
+    elif "on CPU" not in words:
+        words.append("CPU")
     torch = f"torch {_text(versions, 'torch')}"
     if _text(versions, "cuda", ""):
         nccl = _text(versions, "nccl", "")
         torch += f" (CUDA {versions['cuda']}" + (f", NCCL {nccl})" if nccl else ")")
-    fusions = impl.get("fusions") if isinstance(impl.get("fusions"), list) else []
-    fused = ", ".join(str(f).removesuffix("_fusion") for f in fusions) or "none"
     built = f" {model['class']}" if isinstance(model.get("class"), str) else ""
-    return " · ".join([transformer, f"attention {_text(impl, 'attention')}", f"fusions {fused}", where, torch,
-                       f"megatron-core {_text(versions, 'megatron_core')}{built}"])
+    return " · ".join([*words, torch, f"megatron-core {_text(versions, 'megatron_core')}{built}"])
+
+
+def _items(value) -> list | tuple:
+    """A record's list, or () where a damaged record holds something else."""
+    return value if isinstance(value, (list, tuple)) else ()
 
 
 def _table(value) -> dict:

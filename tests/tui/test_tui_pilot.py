@@ -640,7 +640,8 @@ async def test_launch_tiny_local_then_live_runs_and_compare(charllm_dirs):
         assert "iteration" in str(live.query_one("#iterations").render())
         # What ran, as the workload recorded it: never a silent downgrade.
         ran = str(live.query_one("#live-runtime").render())
-        assert ran.startswith("ran as local layers · attention sdpa · fusions none · CPU · torch "), ran
+        assert ran.startswith("ran as local layers · attention sdpa · fusions none · optimizer kernels torch's"), ran
+        assert " · on CPU · torch " in ran, ran
         run_dir = done.result.run_dir
         from charllm.probes.store.rundir import RunDir
 

@@ -10,11 +10,11 @@ import time
 
 from charllm.engine.campaign import queue, spec, state
 from charllm.engine.launch.targets import get_target
+from charllm.engine.model.memory import VERDICT_STYLE
 from charllm.probes.analysis import SUMMARY_FORMATS
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.formatting import local_time
-from charllm.tui.commands.plan import VERDICT_STYLE
 
 EXAMPLES = """\
 examples:

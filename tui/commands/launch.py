@@ -8,7 +8,7 @@ from pathlib import Path
 from charllm.engine.launch.launcher import (cancel, launch, PORT_AT_LAUNCH, reconcile, SUPERVISOR_EXIT_S,
                                            wait_for_supervisor)
 from charllm.engine.launch.targets import get_target
-from charllm.engine.model.experiment import Experiment
+from charllm.engine.model.experiment import Experiment, layout_label
 from charllm.probes.core.errors import plural
 from charllm.probes.core.formatting import GIB, size
 from charllm.probes.store.rundir import RunDir
@@ -111,11 +111,10 @@ HEADLINE_S = 2.0
 def _iteration_line(row: dict) -> str:
     event = row.get("event", "iteration")
     if event == "start":
-        layout = row.get("layout") or {}
-        sizes = " ".join(f"{short}{layout.get(key) or 1}" for short, key in (
-            ("TP", "tensor_model_parallel_size"), ("PP", "pipeline_model_parallel_size"),
-            ("CP", "context_parallel_size"), ("EP", "expert_model_parallel_size"), ("DP", "data_parallel_size")))
-        return f"training started: world size {row.get('world_size')} ({sizes}) on {layout.get('device', '?')}"
+        layout = row.get("layout")
+        layout = layout if isinstance(layout, dict) else {}
+        return (f"training started: world size {row.get('world_size')} ({layout_label(layout)}) "
+                f"on {layout.get('device', '?')}")
     if event == "end":
         return f"training ended: {row.get('status')} at iteration {row.get('iteration')}"
     if event == "profile":

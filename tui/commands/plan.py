@@ -11,10 +11,10 @@ from charllm.engine.model import profiling
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.megatron import import_megatron_args, launcher_world_size, split_command_line
 from charllm.engine.model import speed
-from charllm.engine.model.memory import estimate
+from charllm.engine.model.memory import DOES_NOT_FIT, FITS, TIGHT, VERDICT_STYLE, estimate
 from charllm.engine.model.validate import check
 from charllm.probes.core.errors import plural, UserError
-from charllm.probes.core.formatting import GIB, count, si
+from charllm.probes.core.formatting import count, gib, si
 
 EPILOG = """\
 what the numbers mean:
@@ -131,12 +131,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT[report.verdict]
 
 
-EXIT = {"fits": 0, "does not fit": 1, "tight": 3}
-VERDICT_STYLE = {"fits": "green", "tight": "yellow", "does not fit": "red"}   # the TUI's colours too
-
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.2f}"
+EXIT = {FITS: 0, DOES_NOT_FIT: 1, TIGHT: 3}
 
 
 def seconds(value: float | None) -> str:
@@ -179,10 +174,8 @@ def render(exp, report, fast) -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 120)   # pipes and files get the whole table
     p = exp.parallel
-    layout = (f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size}"
-              f"{f' VP{exp.virtual_stages}' if exp.virtual_stages > 1 else ''} CP{p.context_parallel_size}"
-              f" EP{p.expert_model_parallel_size} DP{exp.data_parallel_size}"
-              f"{' SP' if p.sequence_parallel else ''}{' dist-opt' if p.use_distributed_optimizer else ''}")
+    layout = (exp.layout_label + (" SP" if p.sequence_parallel else "")
+              + (" dist-opt" if p.use_distributed_optimizer else ""))
     table = Table(box=box.SIMPLE_HEAD, caption="layers: per virtual chunk (NxV: N layers in each of V chunks); mb: micro-batch chunks held at the peak",
                   caption_justify="left", title=f"{exp.name}: {exp.model.name} on {exp.world_size} x {exp.hardware.name} ({layout}), "
                         f"micro batch {exp.training.micro_batch_size}, {plural(exp.num_microbatches, 'micro-batch', 'micro-batches')}, GiB",
@@ -194,9 +187,10 @@ def render(exp, report, fast) -> None:
     for s in report.stages:
         sizes = [len(c.layers) for c in s.chunks]
         layers = f"{sizes[0]}x{len(sizes)}" if len(sizes) > 1 and len(set(sizes)) == 1 else "+".join(map(str, sizes))
-        table.add_row(str(s.pp_rank), layers, str(s.in_flight), gib(s.weights), gib(s.gradients), gib(s.optimizer),
-                      gib(s.activations), gib(s.other), gib(s.total_bytes), gib(s.reserve_bytes),
-                      gib(s.headroom_bytes), f"[{VERDICT_STYLE[s.verdict]}]{s.verdict}[/]")
+        held = (s.weights, s.gradients, s.optimizer, s.activations, s.other, s.total_bytes, s.reserve_bytes,
+                 s.headroom_bytes)
+        table.add_row(str(s.pp_rank), layers, str(s.in_flight), *(gib(n, unit=False) for n in held),
+                      f"[{VERDICT_STYLE[s.verdict]}]{s.verdict}[/]")
     console.print(table)
     if fast is None:
         console.print(f"[yellow]{speed.unknown(exp)}[/]", highlight=False)
@@ -211,7 +205,7 @@ def render(exp, report, fast) -> None:
     for line in arithmetic:
         console.print(line, highlight=False)
     console.print(f"[b {VERDICT_STYLE[report.verdict]}]{conclusion}[/]", highlight=False)
-    if report.verdict == "does not fit" and exp.description:   # a preset says why it is listed at all
+    if report.verdict == DOES_NOT_FIT and exp.description:   # a preset says why it is listed at all
         console.print(f"{exp.name}: {exp.description}", highlight=False)
     for problem in report.runtime_problems:
         console.print(f"[red]will not launch:[/] {problem}", highlight=False)

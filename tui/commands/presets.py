@@ -80,18 +80,11 @@ def _summary(kind: str, obj) -> str:
         fp8 = f", FP8 {h.fp8_tflops:g}" if h.fp8 and h.fp8_tflops else ""
         return f"{gib:.1f} GiB usable, BF16 {h.bf16_tflops:g} TFLOP/s{fp8}, {h.tdp_w:g} W"
 
-    e, p = obj, obj.parallel
+    e = obj
     if value_problems(e):
         return f"invalid: {value_problems(e)[0]}"
-    layout = f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size}"
-    if p.virtual_pipeline_model_parallel_size:
-        layout += f" VP{p.virtual_pipeline_model_parallel_size}"
-    if p.context_parallel_size > 1:
-        layout += f" CP{p.context_parallel_size}"
-    if p.expert_model_parallel_size > 1:
-        layout += f" EP{p.expert_model_parallel_size}"
     return (f"{e.model.name} on {e.world_size} x {e.hardware.name} ({e.cluster.nodes}x{e.cluster.gpus_per_node}), "
-            f"{layout} DP{e.data_parallel_size}")
+            f"{e.layout_label}")
 
 
 def _list(kind: str | None, as_json: bool) -> int:

@@ -34,11 +34,11 @@ from charllm.engine.campaign import queue, spec, state
 from charllm.engine.campaign.report import DEFAULT_METRIC, KINDS, Figure, figure
 from charllm.engine.campaign.summary import FIGURES
 from charllm.engine.launch.targets import get_target
+from charllm.engine.model.memory import VERDICT_STYLE
 from charllm.probes.analysis.render import metric_label
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
 from charllm.tui.commands.campaign import queued_line
-from charllm.tui.commands.plan import VERDICT_STYLE
 from charllm.tui.figures import heatmap_text, no_values, tick_key
 from charllm.tui.screens.base import WorkbenchScreen, shortest_key
 from charllm.tui.screens.dialogs import Confirm

@@ -413,14 +413,13 @@ class ComposeScreen(WorkbenchScreen):
             verdict.update(f"[yellow]{message.error}[/]")
         else:
             r = message.report
-            word = {"fits": "[b green]FITS[/]", "tight": "[b yellow]TIGHT[/]",
-                    "does not fit": "[b red]DOES NOT FIT[/]"}[r["verdict"]]
+            word = f"[b {memory.VERDICT_STYLE[r['verdict']]}]{r['verdict'].upper()}[/]"
             *arithmetic, conclusion = r["arithmetic"]
             notes = "".join(f"\n[yellow]![/] {w}" for w in r.get("warnings", []))
             blocked = "".join(f"\n[red]✗ will not launch:[/] {escape(p)}" for p in r.get("cannot_run", []))
             impl = r["implementation"]
             exp = self.app.experiment
-            if r["verdict"] == "does not fit" and exp.description and not exp.name.endswith("-edited"):
+            if r["verdict"] == memory.DOES_NOT_FIT and exp.description and not exp.name.endswith("-edited"):
                 notes += f"\n[dim]{escape(exp.description)}[/]"      # an unedited preset says why it is listed
             verdict.update(f"{word}  {escape(conclusion)}\n"
                            + "".join(f"[dim]{escape(line)}[/]\n" for line in arithmetic)

@@ -90,8 +90,7 @@ class LaunchScreen(WorkbenchScreen):
         exp = self.app.experiment
         self.query_one("#launch-summary", Static).update(
             f"[b]{escape(exp.name)}[/b]: {exp.model.name} on {exp.cluster.nodes}×{exp.cluster.gpus_per_node} "
-            f"{exp.hardware.name} · TP{exp.parallel.tensor_model_parallel_size} "
-            f"PP{exp.parallel.pipeline_model_parallel_size} DP{exp.data_parallel_size} · "
+            f"{exp.hardware.name} · {exp.layout_label} · "
             f"{plural(exp.training.train_iters, 'iteration')}{extra}"
             + "".join(f"\n[yellow]not offered: {escape(problem)}[/]" for problem in self.target_problems.values()))
 

@@ -30,9 +30,9 @@ from textual.widgets import DataTable, Label, ProgressBar, Select, Static
 from charllm.engine.campaign import spec as campaigns
 from charllm.engine.model import catalog, memory, speed, sweep
 from charllm.engine.model.experiment import Experiment
+from charllm.engine.model.memory import FITS, TIGHT, VERDICT_STYLE
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import GIB, count, si
-from charllm.tui.commands.plan import VERDICT_STYLE
 from charllm.tui.screens.base import WorkbenchScreen, edited_name
 from charllm.tui.screens.dialogs import AskName, free_name
 
@@ -100,7 +100,7 @@ def headroom_text(value: float | None, verdict: str | None, compact: bool = Fals
     """GiB to spare, coloured by the verdict; `compact` (the map) drops the decimal from 10 GiB on."""
     if value is None:
         return Text("·", "dim")
-    style = "bold green" if verdict == "fits" and value >= 8 * GIB else VERDICT_STYLE[verdict]
+    style = "bold green" if verdict == FITS and value >= 8 * GIB else VERDICT_STYLE[verdict]
     gib = value / GIB
     return Text(f"{gib:+.0f}" if compact and abs(gib) >= 10 else f"{gib:+.1f}", style)
 
@@ -261,8 +261,9 @@ class SweepScreen(WorkbenchScreen):
         same = f"\nin every layout: {escape(self.same_everywhere)}" if self.same_everywhere else ""
         marked = f" · {len(self.marked)} marked, c: a campaign of them" if self.marked else " · space marks"
         self.query_one("#sweep-status", Static).update(
-            f"{frame.height} valid layouts: [green]{count.get('fits', 0)} fit[/], "
-            f"[yellow]{count.get('tight', 0)} tight[/] · listing {listed} ({shown}) · Enter loads one into "
+            f"{frame.height} valid layouts: [{VERDICT_STYLE[FITS]}]{count.get(FITS, 0)} fit[/], "
+            f"[{VERDICT_STYLE[TIGHT]}]{count.get(TIGHT, 0)} tight[/] · "
+            f"listing {listed} ({shown}) · Enter loads one into "
             f"Compose · s sorts{marked}{same}\n[dim]{escape(self.basis)}[/]")
 
     @on(Select.Changed)
@@ -359,8 +360,7 @@ class SweepScreen(WorkbenchScreen):
             return
         exp.name = edited_name(exp.name)
         self.app.use_experiment(exp)
-        self.notify(f"loaded TP{row['tensor_model_parallel_size']} PP{row['pipeline_model_parallel_size']} "
-                    f"mbs {row['micro_batch_size']} into Compose")
+        self.notify(f"loaded {exp.layout_label} mbs {row['micro_batch_size']} into Compose")
 
     def action_sort(self) -> None:
         """Cycle the sort key (clicking a heading sorts by that column)."""

@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from charllm.tui.commands.plan import VERDICT_STYLE
+from charllm.engine.model.memory import FITS, VERDICT_STYLE
 from charllm.probes.core.formatting import size
 
 # breakdown key -> (legend name, colour)
@@ -21,11 +21,6 @@ PARTS = {
     "other": ("other", "grey50"),
 }
 RESERVE = "yellow3"
-
-
-def gib(n: float) -> str:
-    """Bytes in GiB, or MiB below one GiB (a CPU run's model is small)."""
-    return size(n, 1, 0)
 
 
 class MemoryBars(Widget):
@@ -63,14 +58,14 @@ class MemoryBars(Widget):
             n = round((acc + stage["reserve_bytes"]) / scale * bar_w) - round(acc / scale * bar_w)
             cells.extend([("░", RESERVE)] * n)
             cells.extend([(" ", "")] * (bar_w - len(cells)))
-            over = stage["verdict"] != "fits"
+            over = stage["verdict"] != FITS
             if cap_col < len(cells):
                 glyph = cells[cap_col][0] if cells[cap_col][0] != " " else "│"
                 cells[cap_col] = (glyph if over else "│", "bold red" if over else "bold")
             for glyph, style in cells[:bar_w]:
                 line.append(glyph, style)
             headroom = stage["headroom_bytes"]
-            line.append(f" {gib(stage['total_bytes']):>9} ", "")
-            line.append(f"{'+' if headroom >= 0 else ''}{gib(headroom)}", VERDICT_STYLE[stage["verdict"]])
+            line.append(f" {size(stage['total_bytes'], 1, 0):>9} ", "")
+            line.append(f"{'+' if headroom >= 0 else ''}{size(headroom, 1, 0)}", VERDICT_STYLE[stage["verdict"]])
             lines.append(line)
         return Text("\n").join(lines)

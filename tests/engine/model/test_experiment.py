@@ -85,3 +85,19 @@ def test_a_missing_or_broken_file_is_one_line_naming_it(tmp_path):
     broken.write_text("[parallel\n")
     with pytest.raises(UserError, match=r"experiment file '.*/broken.toml': invalid TOML"):
         Experiment.load(broken)
+
+
+def test_the_layout_record_and_label_come_from_the_fields_marked_layout():
+    from charllm.engine.model.experiment import declared, layout_label
+    from charllm.tui.commands.launch import _iteration_line
+
+    exp = Experiment.load("ppt-h100-llama3-70b-1-01000")
+    record = exp.layout_record()
+    assert list(record) == [name for _, name, _ in declared("layout")] + ["data_parallel_size", "num_microbatches"]
+    assert record["expert_tensor_parallel_size"] == exp.parallel.tensor_model_parallel_size   # resolved
+    assert exp.layout_label == layout_label(record) == "TP8 PP4 DP2"
+    started = _iteration_line({"event": "start", "world_size": 64, "layout": {**record, "device": "cuda"}})
+    assert started == "training started: world size 64 (TP8 PP4 DP2) on cuda"
+    fsdp = exp.apply(["use_torch_fsdp2=true", "virtual_pipeline_model_parallel_size=2"])
+    assert fsdp.layout_label == "TP8 PP4 VP2 FSDP DP2"
+    assert layout_label({"tensor_model_parallel_size": 2}) == "TP2 PP1 DP1"   # a sweep row, an older record

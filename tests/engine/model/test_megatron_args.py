@@ -684,3 +684,19 @@ def test_the_default_rotary_base_is_megatrons_and_not_written():
     assert import_megatron_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                                  "--seq-length", "32", "--max-position-embeddings", "32"],
                                 world_size=1, hardware="cpu").experiment.model.rotary_base == 10000
+
+
+def test_the_model_section_follows_the_fields_metadata():
+    """Megatron's defaults are metadata (`megatron_default`), a flag that means something only with another
+    setting is written only then (`only_with`), and the sizes a reader wants are always said (`said`)."""
+    from charllm.engine.model.experiment import Training, megatron_default
+
+    assert megatron_default(Training, "bf16") is False and megatron_default(ModelSpec, "kv_lora_rank") == 32
+    exp = Experiment.load("tiny-local").apply(["position_embedding_type=learned_absolute", "rotary_base=500000",
+                                                "multi_latent_attention=false", "hidden_dropout=0.1"])
+    flags = export_megatron_args(exp)
+    assert "--rotary-base" not in flags and "--kv-lora-rank" not in flags and "--hidden-dropout" not in flags
+    assert flags[:2] == ["--num-layers", str(exp.model.num_layers)]
+    flags = export_megatron_args(exp.apply(["position_embedding_type=rope", "multi_latent_attention=true"]))
+    assert flags[flags.index("--rotary-base") + 1] == "500000"
+    assert flags[flags.index("--kv-lora-rank") + 1] == str(exp.model.kv_lora_rank)   # said with MLA

@@ -528,3 +528,9 @@ def test_te_cuda_graphs_count_their_parts_while_captured_and_the_rest_while_repl
     assert terms.capture.saved[False] + terms.saved[False] == pytest.approx(layer.saved)
     assert terms.capture.loss_extra == 0 and terms.loss_extra == activation_terms(plain, {}).loss_extra
     assert estimate(graphed).peak_bytes < estimate(plain).peak_bytes
+
+
+def test_every_verdict_has_its_style_beside_it():
+    from charllm.engine.model import memory
+
+    assert tuple(memory.VERDICT_STYLE) == memory.VERDICTS

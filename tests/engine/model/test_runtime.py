@@ -13,12 +13,12 @@ import json
 import re
 
 import pytest
-
 from charllm.engine.model import calibration, catalog, runtime
 from charllm.engine.model.experiment import Experiment, Hardware, Training
 from charllm.engine.model.runtime import Stack
 from charllm.engine.model.validate import validate
 from charllm.engine.workload import model_builder, train
+from charllm.probes.store import rundir
 
 CPU = Stack(cuda=False, source="test: a CPU node")
 GPU = Stack(cuda=True, capability=(9, 0), source="test: an H100 without TE")
@@ -339,7 +339,7 @@ def test_the_compiler_check_builds_a_python_extension_as_triton_does(monkeypatch
 ])
 def test_the_optimizer_kernels_are_whose_megatron_core_imports(stack, optimizer):
     impl = runtime.resolve(exp("tiny-local"), stack)
-    assert impl.optimizer == optimizer and runtime.OPTIMIZERS[optimizer] in impl.describe()
+    assert impl.optimizer == optimizer and rundir.OPTIMIZERS[optimizer] in impl.describe()
     assert runtime.Implementation.from_dict(impl.to_dict()) == impl
 
 

@@ -6,10 +6,9 @@ import json
 
 import psutil
 import pytest
-
+from charllm.probes.backends import open_backend
 from charllm.probes.backends.host import HostBackend
 from charllm.probes.backends.sim import SimBackend, SimHardware
-from charllm.probes.backends import open_backend
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.schema import HOST_METRICS, THROTTLE_BITS, THROTTLE_PERF_MASK
 
@@ -218,3 +217,18 @@ def test_a_short_bursty_run_throttles_in_its_bursts_and_a_steady_one_does_not():
         assert all(r["util_gpu_pct"] >= 90 and r["sm_clock_mhz"] < 1980 for r in capped), "only bursts, clocked down"
         assert all(r["power_w"] <= r["power_limit_w"] * 1.03 for r in rows)
     assert shares["steady"] == 0 and shares["bursty"] > 0.3, shares
+
+
+def test_sim_hardware_limits_are_the_presets(tmp_path, monkeypatch):
+    # No second copy of hardware numbers: the temperature limit is the preset's (85 °C for the H100, once
+    # 87 here), a user's file of the same name wins as everywhere, and an unknown name is the catalog's error.
+    assert SimBackend(gpus=1).hw.temp_limit_c == 85.0
+    monkeypatch.setenv("CHARLLM_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "hardware").mkdir()
+    (tmp_path / "hardware" / "h100-sxm-80gb.toml").write_text(
+        'tdp_w = 500.0\nmax_sm_clock_mhz = 1500.0\ntemp_limit_c = 80.0\nmemory_bytes = 1024\nnode_link_gbs = 100.0\n')
+    hw = SimBackend(gpus=1).hw
+    assert (hw.tdp_w, hw.max_sm_clock_mhz, hw.temp_limit_c, hw.memory_bytes, hw.nvlink_bytes_s) == \
+        (500.0, 1500.0, 80.0, 1024, 100e9)
+    with pytest.raises(UserError, match="sim hardware 'h100-sxm': no such preset; did you mean"):
+        SimHardware.from_preset("h100-sxm")

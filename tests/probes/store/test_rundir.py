@@ -4,10 +4,17 @@ import json
 import re
 
 import pytest
-
 from charllm.probes.core.errors import UserError
-from charllm.probes.store.rundir import (check_run_id, Manifest, manifest_problem, new_run_id, one_per_step,
-                                         resolve_run, run_id_name, RunDir)
+from charllm.probes.store.rundir import (
+    Manifest,
+    RunDir,
+    check_run_id,
+    manifest_problem,
+    new_run_id,
+    one_per_step,
+    resolve_run,
+    run_id_name,
+)
 
 
 def _run(root, run_id, status):
@@ -123,3 +130,20 @@ def test_runtime_line_names_what_ran_and_the_class_that_built_the_model():
                                     "megatron-core 0.19.2 HybridModel")
     del record["model"]   # a run recorded before the class was
     assert runtime_line(record).endswith("megatron-core 0.19.2")
+
+
+def test_the_plan_and_the_run_word_an_implementation_alike():
+    from charllm.engine.model.runtime import Implementation
+    from charllm.probes.store.rundir import runtime_line
+
+    impl = Implementation("transformer_engine", "te-flash", ("bias_activation_fusion",), device="cuda",
+                          optimizer="apex", notes=("a note",))
+    record = {"implementation": impl.to_dict(), "versions": {"torch": "2.13.0", "megatron_core": "0.19.2"},
+              "devices": [{"name": "H100"}] * 2}
+    planned = impl.describe()
+    assert planned == ("Transformer Engine · attention te-flash · fusions bias_activation · optimizer kernels "
+                       "Apex's · a note")
+    assert runtime_line(record) == f"{planned} · 2x H100 · torch 2.13.0 · megatron-core 0.19.2"
+    cpu = Implementation("local", "sdpa", device="cpu")
+    assert cpu.describe().endswith(" · on CPU")
+    assert runtime_line({"implementation": cpu.to_dict()}).startswith(cpu.describe() + " · torch ?")
