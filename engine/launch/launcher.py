@@ -43,7 +43,8 @@ class LaunchResult:
     sbatch_script: str | None = None
     forced: list[str] = field(default_factory=list)
     dry_run: bool = False
-    job_id: str | None = None
+    job_id: str | None = None         # the scheduler's id of the run's job, where the target has one
+    job: str = ""                     # the target's words for it ("slurm job 12"); "" without a scheduler
     profile: str | None = None        # what the profiler window records and costs (engine.model.profiling)
 
 
@@ -153,7 +154,8 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         exp.save(rd.experiment_path)
         rd.write_manifest(manifest)
         manifest.update(target.prepare(rd, steps, script, say))
-        result.job_id = manifest.get("slurm_job_id")
+        recorded = manifest["target"]
+        result.job_id, result.job = target.run_record(recorded).get("job_id"), target.describe_job(recorded)
         say("starting the supervisor")
         with open(rd.logs_dir / "supervisor.log", "ab") as log:
             subprocess.Popen([sys.executable, "-m", "charllm.engine.launch.supervise", str(rd.path)],

@@ -109,7 +109,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, charllm_dirs):
     for argv, says in ((["--hardware", "h100"], "hardware 'h100': no such preset"),
                        (["--target", "nowhere"], "--target 'nowhere': no such target"),
                        (["--iters", "0"], "--iters = 0"),
-                       (["--nodes", "2"], "--nodes = 2: only for a slurm target"),
+                       (["--nodes", "2"], "--nodes = 2: only for a target whose scheduler allocates its nodes"),
                        (["--show", "h100-sxm-80gb"], "no calibration for this hardware")):
         code, _, err = run(capsys, "doctor", *argv)
         assert code == 2 and says in one_error_line(err), (argv, err)
@@ -302,14 +302,14 @@ def test_the_train_check_plans_the_stack_the_node_has(monkeypatch):
 
     facts = {"versions": {"torch": "2.13.0"}, "driver": "580.159", "devices": gpus("NVIDIA H100 80GB HBM3", 79.11, 1),
              "stack": {"cuda": True, "capability": [9, 0], "extensions": [], "compiler": "/usr/bin/gcc"}}
-    monkeypatch.setattr(doctor, "software", lambda timeout=None: facts)
+    monkeypatch.setattr(doctor.report, "software", lambda timeout=None: facts)   # gather's own names
     planned = []
 
     def run_train(exp, plan, **kwargs):
         planned.append((exp, plan))
         return {"planned": True}
 
-    monkeypatch.setattr(doctor, "run_train", run_train)
+    monkeypatch.setattr(doctor.report, "run_train", run_train)
     said: list[str] = []
     report = doctor.gather(train=True, rates=(20.0,), sample_seconds=0.2, progress=said.append)
     assert report["hardware"] == "h100-sxm-80gb" and report["train"] == {"planned": True}
