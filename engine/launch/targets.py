@@ -60,6 +60,8 @@ def _want(where: str, key: str, value, kind: type | tuple, rule: str):
 
 def parse_target(name: str, data: dict, source: str = "targets") -> Target:
     """One target table -> the Target of its kind, with one-line messages for every mistake."""
+    if not isinstance(name, str):   # a manifest's record may be damaged
+        raise UserError(f"{source}: target name {name!r}: must be a string")
     where = f"{source}: [{name}]"
     if not isinstance(data, dict):
         raise UserError(f"{where}: must be a table with kind = \"ssh\" or \"slurm\"")
