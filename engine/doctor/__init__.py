@@ -44,25 +44,25 @@ from charllm.engine.doctor.hardware import MEMORY_TOLERANCE, check_hardware, har
 from charllm.engine.doctor.report import check_options, gather
 from charllm.engine.doctor.sampling import SAMPLE_SECONDS, SAMPLING_HZ, sampling_check, telemetry_check
 from charllm.engine.doctor.software import (
-                                            SOFTWARE_TIMEOUT_S,
-                                            CheckFailed,
-                                            Progress,
-                                            error_line,
-                                            node_name,
-                                            software,
-                                            today,
+    SOFTWARE_TIMEOUT_S,
+    CheckFailed,
+    Progress,
+    error_line,
+    node_name,
+    software,
+    today,
 )
 from charllm.engine.doctor.train import (
-                                            CPU_EXPERIMENT,
-                                            LLAMA_1_5B,
-                                            MICROBATCHES,
-                                            TRAIN_ITERS,
-                                            TRAIN_SHAPES,
-                                            TRAIN_TIMEOUT_S,
-                                            llama_experiment,
-                                            measurements,
-                                            run_train,
-                                            train_experiment,
+    CPU_EXPERIMENT,
+    LLAMA_1_5B,
+    MICROBATCHES,
+    TRAIN_ITERS,
+    TRAIN_SHAPES,
+    TRAIN_TIMEOUT_S,
+    llama_experiment,
+    measurements,
+    run_train,
+    train_experiment,
 )
 
 __all__ = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from charllm.engine.doctor.hardware import match_hardware
 from charllm.engine.doctor.report import check_options
 from charllm.engine.doctor.sampling import SAMPLE_SECONDS
 from charllm.engine.doctor.software import SOFTWARE_TIMEOUT_S, Progress, error_line
@@ -33,7 +34,7 @@ class NodeResult:
         late), else the node's own error line."""
         report = parse_report(output.stdout)
         if report is not None:
-            return cls.of(report)
+            return cls.of(match_here(report))
         return cls(output.node, None, output.failure or error_line("\n".join(output.stderr), output.returncode))
 
     def to_dict(self) -> dict:
@@ -75,6 +76,21 @@ def on_target(target, *, nodes: int | None = None, train: bool = False, hardware
 
     outputs = target.run_on_nodes(argv_for, nodes, wait=remote_wait(timeout, train), say=say)
     return [NodeResult.from_output(output) for output in outputs]
+
+
+def match_here(report: dict) -> dict:
+    """A node matches its GPUs against the presets it has; the user's own presets live in this
+    side's <config>/hardware/, which the node may not share: a GPU the node did not know is matched
+    again here (a train check it could not run still says so)."""
+    devices = report.get("devices")
+    if report.get("hardware") is not None or not isinstance(devices, list) or not devices:
+        return report
+    found, why = match_hardware(devices)
+    if found is not None:
+        unknown = report.get("hardware_reason")
+        report.update(hardware=found, hardware_reason=f"{why} (preset of this machine)",
+                      errors=[e for e in report.get("errors", []) if e != unknown])
+    return report
 
 
 def parse_report(text: str) -> dict | None:

@@ -27,8 +27,14 @@ from charllm.engine.model.validate import validate
 from charllm.probes.core import lifeline, paths, procid
 from charllm.probes.core.errors import UserError, mount_point, os_error_line
 from charllm.probes.core.formatting import clock, size
-from charllm.probes.store.rundir import (FINAL_STATUSES, Manifest, RunDir, new_run_id, remove_abandoned_staging,
-                                         unique_run_dir)
+from charllm.probes.store.rundir import (
+    FINAL_STATUSES,
+    Manifest,
+    RunDir,
+    new_run_id,
+    remove_abandoned_staging,
+    unique_run_dir,
+)
 
 CANCEL_GRACE_S = 10.0
 RESERVE_BYTES = 256 * 1024   # what a supervisor holds on the run's disk to record its final status
@@ -211,8 +217,8 @@ def reconcile(rd: RunDir) -> str:
     done = bool(ended) and all(s == "completed" for s in ended)
     disk = disk_note(rd.path)
     return _record(rd, status="completed" if done else "failed", ended_ns=time.time_ns(),
-                   failure=manifest.failure or (None if done else
-                                                f"the supervisor died (found at {found}); its processes were stopped{disk}"),
+                   failure=manifest.failure or (None if done else f"the supervisor died (found at {found}); "
+                                                                  f"its processes were stopped{disk}"),
                    note=f"the supervisor died (found at {found}){disk}")
 
 

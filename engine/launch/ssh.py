@@ -8,11 +8,13 @@ root): to stop it we kill the group over a second connection. Arguments are join
 
 from __future__ import annotations
 
+import io
 import re
 import shlex
 import signal
 import subprocess
 import threading
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,7 +308,7 @@ class SshProc(Proc):
 
     def _read(self, log) -> None:
         """Remote stdout: the pgid line, then the log, the telemetry stream or iteration lines."""
-        out = self.popen.stdout
+        out = typing.cast(io.BufferedReader, self.started.stdout)   # start() made it a pipe: Popen buffers it
         first = out.readline()
         self.remote = procid.parse_remote_identity(first)
         if self.remote is None:

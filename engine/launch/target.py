@@ -107,7 +107,7 @@ class Target(ABC):
     def to_dict(self) -> dict:
         """What the manifest records: the non-default fields (no secrets live in a target). The
         manifest's copy may also hold, under "run", what the target keeps of that run (`prepare`)."""
-        out = {"name": self.name, "kind": self.kind}
+        out: dict = {"name": self.name, "kind": self.kind}
         defaults = type(self)(name=self.name)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

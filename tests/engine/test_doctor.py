@@ -191,6 +191,31 @@ def test_a_users_own_hardware_preset_matches_its_devices(charllm_dirs):
     assert found is None and "h100-sxm-80gb" in why and "my-h100" in why
 
 
+def test_a_node_s_unknown_gpu_is_matched_with_the_user_s_presets_here(charllm_dirs):
+    """A target's node matches against its own presets; the user's live on this side, so the report
+    a node prints (as `python -m charllm.engine.doctor report` does) is matched again here."""
+    from charllm.engine.launch.nodes import NodeOutput
+
+    name = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+    devices = gpus(name, 94.97, capability="12.0")
+    why = doctor.match_hardware(devices)[1]
+    node = {"node": "n1", "date": "2026-01-01", "hardware": None, "hardware_reason": why, "devices": devices,
+            "errors": [why]}
+    printed = NodeOutput("n1", json.dumps(node), ["n1: sampling at 20 Hz"], 0)
+    assert doctor.NodeResult.from_output(printed).error == why          # no preset here either
+    (charllm_dirs["config"] / "hardware").mkdir(parents=True)
+    (charllm_dirs["config"] / "hardware" / "rtx-pro-6000.toml").write_text(
+        'vendor = "nvidia"\ncompute_capability = "12.0"\ndevice_names = ["NVIDIA RTX PRO 6000 Blackwell*"]\n'
+        'usable_bytes = 101974016000\nbf16_tflops = 503.8\n')
+    result = doctor.NodeResult.from_output(printed)
+    assert result.error is None and result.report["errors"] == []
+    assert result.report["hardware"] == "rtx-pro-6000" and "preset of this machine" in result.report["hardware_reason"]
+    # a node that printed no report: the target's reason, else the node's own error line
+    assert doctor.NodeResult.from_output(NodeOutput("n2", "", ["Traceback", "OSError: boom"], 1)).error == "OSError: boom"
+    assert doctor.NodeResult.from_output(NodeOutput("n3", "", [], 255, "lost the ssh connection (x)")).error \
+        == "lost the ssh connection (x)"
+
+
 def test_a_mig_instance_finds_its_nvml_handle(monkeypatch):
     """torch gives a device's UUID without NVML's prefix: GPU- for a whole GPU, MIG- for an instance."""
     from charllm.engine.workload.train import nvml_handle

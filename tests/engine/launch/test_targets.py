@@ -8,9 +8,8 @@ import pytest
 
 from charllm.engine.launch import slurm, ssh
 from charllm.engine.launch.launcher import plan
+from charllm.engine.launch.targets import LOCAL, describe, from_record, get_target, load_file, load_targets, runs_here
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.launch.targets import (LOCAL, describe, from_record, get_target, load_file, load_targets,
-                                           runs_here)
 from charllm.probes.core import paths, procid
 from charllm.probes.core.errors import UserError
 
@@ -220,9 +219,8 @@ def test_readers_print_the_target_s_own_line_for_its_record():
 
 def test_runs_show_prints_an_old_manifest_s_slurm_job(charllm_dirs, capsys):
     """A run recorded before the target kept its job (top-level slurm_job_id and slurm_state)."""
-    from infra_cli import run
-
     from charllm.probes.store.rundir import RunDir
+    from infra_cli import run
 
     rd = RunDir.create(charllm_dirs["runs"] / "20250101-000000-old", "launch")
     rd.write_manifest({"id": rd.id, "kind": "train", "status": "completed", "created_ns": 1,
