@@ -3,8 +3,10 @@
 A target's fields are what targets.toml gives it; what differs by kind is a method: which layouts it
 can take, the processes it plans per node, how a command is shown, what it checks and prepares
 before a run starts, how its supervisor runs the steps (here, or on a node: process.py, ssh.py) or
-follows a scheduler's job (slurm.py), and how the run's processes are stopped when its supervisor
-cannot. Parsing targets.toml into the right kind is targets.py.
+follows a scheduler's job (slurm.py), how the run's processes are stopped when its supervisor
+cannot, how a short command reaches every node (doctor: nodes.py), and what it keeps of a run in the
+manifest's target record and how it says it in one line. Parsing targets.toml into the right kind,
+and reading a manifest's record, is targets.py; no module outside this package names a kind.
 """
 
 from __future__ import annotations
