@@ -373,3 +373,30 @@ def test_the_doctor_module_keeps_torch_out_of_this_process():
                           env={**os.environ})
     assert done.stdout.split() == ["cpu", "False"], done.stderr
     assert calibration.directory().exists() is False
+
+
+@pytest.mark.parametrize("argv, says", [(["report", "--iters", "0"], "--iters = 0: must be at least 1"),
+                                        (["report", "--hardware", "nope"], "hardware 'nope'"),
+                                        (["report", "--train=x"], "--train"), (["fix"], "invalid choice: 'fix'")])
+def test_the_node_entry_point_says_bad_input_in_one_line(argv, says):
+    """What a target's nodes run (`python -m charllm.engine.doctor`): its own argv, not the CLI's."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "charllm.engine.doctor", *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("charllm-tui: error: ") and says in done.stderr
+    assert doctor.error_line(done.stderr, 2) == done.stderr.removeprefix("charllm-tui: error: ").strip()
+
+
+def test_the_local_target_runs_the_engine_entry_point_in_a_child():
+    """`doctor --target local`: Target.run_on_nodes runs `python -m charllm.engine.doctor report` here."""
+    from charllm.engine.launch.targets import LOCAL
+
+    argv = doctor.node_argv("python3", train=False, hardware=None, node=None, sample_seconds=0.2, iters=3, timeout=60)
+    assert argv[:4] == ["python3", "-m", "charllm.engine.doctor", "report"]
+    said: list[str] = []
+    (result,) = doctor.on_target(LOCAL, sample_seconds=0.2, progress=said.append)
+    assert result.error is None and result.report["hardware"] == "cpu" and result.node == doctor.node_name()
+    assert any(line.endswith("sampling at 20 Hz for 0.2 s") for line in said), said   # its stderr, forwarded
