@@ -4,7 +4,8 @@
   sweep and the FLOP count: pure arithmetic and rules, no processes.
 - `launch/`: targets (this machine, SSH nodes, Slurm), the launcher and the per-run supervisor.
 - `workload/`: the Megatron-Core training that runs on compute nodes under torchrun.
-- `doctor.py`: checking a node.
+- `doctor/`: checking a node (or every node of a target), one module per check.
+- `campaign/`: many experiments as one job.
 
 Headless: never imports textual. Only `engine.workload` imports torch / megatron.core.
 """

@@ -192,3 +192,72 @@ def test_the_tests_mirror_the_packages():
     homes = {p.parent.relative_to(REPO / "tests") for p in (REPO / "tests").rglob("test_*.py")} - {Path(".")}
     assert homes
     assert [h for h in homes if not (REPO / h / "__init__.py").exists()] == [], "tests with no package of that name"
+
+
+def _above(concern: str) -> set[str]:
+    """The concerns that may import `concern`, directly or through others."""
+    up = {c for c, below in ALLOWED.items() if concern in below}
+    return up | {a for c in up for a in _above(c)}
+
+
+def test_modules_run_by_name_are_not_above_their_runner():
+    """A module run as a program (`python -m NAME`, the name a string) is a dependency the imports
+    do not show: the engine running the command line's flags on a node would hide an upward one."""
+    broken = []
+    for module, path in MODULES.items():
+        mine = _concern(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES:
+                theirs = _concern(node.value)
+                if theirs != mine and theirs in _above(mine):
+                    broken.append(f"{path.relative_to(REPO)}:{node.lineno}: {mine} runs {node.value} ({theirs})")
+    assert not broken, "\n".join(broken)
+
+
+def _kinds() -> dict[str, str]:
+    """Target kind -> the module of its class (engine/launch/targets.py's registry)."""
+    from charllm.engine.launch.targets import KINDS, LOCAL
+
+    assert LOCAL.name == LOCAL.kind == "local"
+    return {kind: cls.__module__ for kind, cls in KINDS.items()}
+
+
+def _names_kind(node: ast.expr) -> bool:
+    """`x.kind`, `x["kind"]`, `x.get("kind")` or a variable called kind."""
+    return any(isinstance(n, ast.Attribute) and n.attr == "kind" or isinstance(n, ast.Name) and n.id == "kind"
+               or isinstance(n, ast.Constant) and n.value == "kind" for n in ast.walk(node))
+
+
+def test_no_module_outside_engine_launch_names_a_target_kind():
+    """What differs by kind is a Target method (engine/launch); elsewhere code asks the target, and
+    text about kinds comes from the registry. Caught: comparing a kind with a kind's name, a
+    `"kind": NAME` entry, and outside docstrings a string that says a kind's name as a word or as the
+    prefix of a key ("slurm_job_id"). "local" is also the built-in target's name and an ordinary word
+    (megatron's local layers), so only the first two count for it."""
+    kinds = _kinds()
+    words = [k for k in kinds if k != "local"]
+    word = re.compile(rf"\b({'|'.join(words)})\b|^({'|'.join(words)})_")
+    found = []
+    for module, path in MODULES.items():
+        if module.startswith("charllm.engine.launch"):
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.value) for n in ast.walk(tree)
+                      if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        where = f"{path.relative_to(REPO)}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                named = {c.value for side in sides for c in ast.walk(side)
+                         if isinstance(c, ast.Constant) and c.value in kinds}
+                if named and any(_names_kind(side) for side in sides):
+                    found.append(f"{where}:{node.lineno}: compares a kind with {sorted(named)}")
+            elif isinstance(node, ast.Dict):
+                for key, value in zip(node.keys, node.values, strict=True):
+                    if isinstance(key, ast.Constant) and key.value == "kind" and isinstance(value, ast.Constant) \
+                            and value.value in kinds:
+                        found.append(f"{where}:{node.lineno}: \"kind\": {value.value!r}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                    and word.search(node.value):
+                found.append(f"{where}:{node.lineno}: {node.value.strip()[:60]!r}")
+    assert not found, "\n".join(found)

@@ -15,6 +15,7 @@ from pathlib import Path
 import polars as pl
 
 from charllm.engine import doctor
+from charllm.engine.launch.targets import LOCAL
 from charllm.engine.model import calibration, catalog
 from charllm.engine.model.experiment import Cluster, Experiment, Hardware, ModelSpec
 from charllm.probes.backends import open_backend
@@ -70,7 +71,7 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
                   for e in events if e["event"] == "iteration")
     manifest = {"id": run_id, "kind": "train", "name": exp.name, "status": status, "simulated": True,
                 "created_ns": t0_ns, "started_ns": t0_ns, "ended_ns": t0_ns + int(seconds * ns),
-                "target": {"name": "local", "kind": "local"},
+                "target": {"name": LOCAL.name, "kind": LOCAL.kind},
                 "nodes": [f"node{n}" for n in range(nodes)], "world_size": nodes * gpus, **(record or {})}
     rd = make_run(root, run_id=run_id, manifest=manifest, experiment=exp.to_toml(), iterations=events,
                   logs={"rank0.log": log})

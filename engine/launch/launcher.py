@@ -27,8 +27,14 @@ from charllm.engine.model.validate import validate
 from charllm.probes.core import lifeline, paths, procid
 from charllm.probes.core.errors import UserError, mount_point, os_error_line
 from charllm.probes.core.formatting import clock, size
-from charllm.probes.store.rundir import (FINAL_STATUSES, Manifest, RunDir, new_run_id, remove_abandoned_staging,
-                                         unique_run_dir)
+from charllm.probes.store.rundir import (
+    FINAL_STATUSES,
+    Manifest,
+    RunDir,
+    new_run_id,
+    remove_abandoned_staging,
+    unique_run_dir,
+)
 
 CANCEL_GRACE_S = 10.0
 RESERVE_BYTES = 256 * 1024   # what a supervisor holds on the run's disk to record its final status
@@ -43,7 +49,8 @@ class LaunchResult:
     sbatch_script: str | None = None
     forced: list[str] = field(default_factory=list)
     dry_run: bool = False
-    job_id: str | None = None
+    job_id: str | None = None         # the scheduler's id of the run's job, where the target has one
+    job: str = ""                     # the target's words for it ("slurm job 12"); "" without a scheduler
     profile: str | None = None        # what the profiler window records and costs (engine.model.profiling)
 
 
@@ -153,7 +160,8 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         exp.save(rd.experiment_path)
         rd.write_manifest(manifest)
         manifest.update(target.prepare(rd, steps, script, say))
-        result.job_id = manifest.get("slurm_job_id")
+        recorded = manifest["target"]
+        result.job_id, result.job = target.run_record(recorded).get("job_id"), target.describe_job(recorded)
         say("starting the supervisor")
         with open(rd.logs_dir / "supervisor.log", "ab") as log:
             subprocess.Popen([sys.executable, "-m", "charllm.engine.launch.supervise", str(rd.path)],
@@ -209,8 +217,8 @@ def reconcile(rd: RunDir) -> str:
     done = bool(ended) and all(s == "completed" for s in ended)
     disk = disk_note(rd.path)
     return _record(rd, status="completed" if done else "failed", ended_ns=time.time_ns(),
-                   failure=manifest.failure or (None if done else
-                                                f"the supervisor died (found at {found}); its processes were stopped{disk}"),
+                   failure=manifest.failure or (None if done else f"the supervisor died (found at {found}); "
+                                                                  f"its processes were stopped{disk}"),
                    note=f"the supervisor died (found at {found}){disk}")
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from charllm.engine.launch.target import Step, Target, sampler_argv, train_argv
+from charllm.engine.launch.nodes import ArgvFor, NodeOutput, run_here
+from charllm.engine.launch.target import Say, Step, Target, sampler_argv, train_argv
 from charllm.probes.core.errors import UserError
 
 
@@ -22,6 +23,8 @@ def free_port() -> int:
 class LocalTarget(Target):
     kind: ClassVar[str] = "local"
     default_python: ClassVar[str] = sys.executable   # this interpreter
+    on_this_machine: ClassVar[bool] = True
+    nodes_help: ClassVar[str] = "this machine"
 
     def check_nodes(self, nodes: int) -> None:
         if nodes != 1:
@@ -37,5 +40,6 @@ class LocalTarget(Target):
                 Step(node, "train", train_argv(python, exp, str(run_dir), node_rank=0,
                                                master_addr="127.0.0.1", master_port=port))], None
 
-    def run_doctor(self, doctor, nodes: int | None) -> list:
-        return doctor.here(self, nodes)   # in this process
+    def run_on_nodes(self, argv_for: ArgvFor, nodes: int | None, *, wait: float, say: Say) -> list[NodeOutput]:
+        self.no_node_count(nodes)
+        return [run_here(argv_for(None), socket.gethostname(), wait=wait, say=say)]

@@ -42,15 +42,23 @@ class Proc:
                                       stderr=subprocess.STDOUT, cwd=self.rd.path, start_new_session=True,
                                       preexec_fn=self.with_parent())
 
+    @property
+    def started(self) -> subprocess.Popen:
+        """The step's process, once start() ran (every caller runs after it)."""
+        assert self.popen is not None, "the step was not started"
+        return self.popen
+
     def wait_started(self) -> None:
         """Until the step's process group is known (here at once)."""
 
     def poll(self) -> int | None:
-        return self.popen.poll()
+        return self.started.poll()
 
     def exit_status(self) -> int:
-        """How the step ended, as Popen says (-N: killed by signal N)."""
-        return self.poll()
+        """How the step ended, as Popen says (-N: killed by signal N); asked once it ended."""
+        status = self.poll()
+        assert status is not None, "the step is still running"
+        return status
 
     def connection_lost(self) -> bool:
         """Whether the step ended because its node could not be reached (never, here)."""
@@ -67,7 +75,7 @@ class Proc:
     def signal(self, sig: signal.Signals) -> None:
         """Signal the whole process group (a dead leader can leave ranks behind in it)."""
         try:
-            os.killpg(self.popen.pid, sig)
+            os.killpg(self.started.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
@@ -76,7 +84,7 @@ class Proc:
         import psutil
 
         try:
-            return psutil.Process(self.popen.pid).children(recursive=True)
+            return psutil.Process(self.started.pid).children(recursive=True)
         except psutil.Error:
             return []
 
@@ -84,8 +92,8 @@ class Proc:
         """What the manifest records, so that `cancel` can stop the step without the supervisor:
         its process group, and who leads it where (procid: nothing is signalled unless that
         process still leads it)."""
-        return {"node": self.step.node, "role": self.step.role, **procid.identify(self.popen.pid),
-                "pgid": self.popen.pid}
+        return {"node": self.step.node, "role": self.step.role, **procid.identify(self.started.pid),
+                "pgid": self.started.pid}
 
 
 NO_END = ("every node's training exited with status 0, but the workload never logged its end: it did not run "
@@ -126,7 +134,7 @@ def root_cause(log_path: Path) -> tuple[int, int, int] | None:
     vanished; a rank killed by a signal is the cause whenever the summary lists one."""
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
     summary = text[text.rfind("ChildFailedError"):] if "ChildFailedError" in text else ""
-    failures = [tuple(int(g) for g in m.groups()) for m in _FAILED_RANK.finditer(summary)]
+    failures = [(int(m.group(1)), int(m.group(2)), int(m.group(3))) for m in _FAILED_RANK.finditer(summary)]
     return min(failures, key=lambda f: f[2] >= 0) if failures else None
 
 

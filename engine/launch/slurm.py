@@ -13,15 +13,25 @@ import re
 import shlex
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from charllm.engine.launch.process import (NO_END, describe_exit, killed_first, last_line, rank_failure, shell_status,
-                                          training_ended)
+from charllm.engine.launch.nodes import ArgvFor, Collect, NodeOutput, forward
+from charllm.engine.launch.process import (
+    NO_END,
+    describe_exit,
+    killed_first,
+    last_line,
+    rank_failure,
+    shell_status,
+    training_ended,
+)
 from charllm.engine.launch.target import Say, Step, Target, sampler_argv, train_argv
-from charllm.probes.core.errors import UserError
+from charllm.probes.core import lifeline
+from charllm.probes.core.errors import UserError, plural
 from charllm.probes.store.rundir import Manifest
 
 # Per-node values in the argv given to `script`, expanded by each node's shell.
@@ -29,6 +39,7 @@ PLACEHOLDERS = {"@@NODE@@": '"$SLURMD_NODENAME"', "@@NODE_RANK@@": '"$SLURM_NODE
                 "@@MASTER_ADDR@@": '"$MASTER_ADDR"'}
 JOB_NAME = "charllm-{run_id}"   # every run's job is named after the run (script), and cancelled by it
 _JOB_ID = re.compile(r"^\d+$")
+QUEUE_WAIT_S = 600   # run_on_nodes: how long its step may wait for nodes, on top of the command's time
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE"}
 
@@ -38,6 +49,8 @@ class SlurmTarget(Target):
     """Slurm owns the processes: the supervisor submits the job and follows it."""
 
     kind: ClassVar[str] = "slurm"
+    allocates_nodes: ClassVar[bool] = True
+    nodes_help: ClassVar[str] = "--nodes N nodes (default 1), one srun step"
 
     partition: str | None = None
     account: str | None = None
@@ -77,11 +90,12 @@ class SlurmTarget(Target):
         script_path = rd.path / "job.sbatch"
         script_path.write_text(script)
         say("submitting to Slurm")
-        recorded = {"slurm_job_id": submit(str(script_path))}
+        job = submit(str(script_path))
+        recorded = {"target": {**self.to_dict(), "run": {"job_id": job}}}
         try:
             rd.update_manifest(**recorded)
         except BaseException:
-            cancel(recorded["slurm_job_id"], rd.id)
+            cancel(job, rd.id)
             raise
         return recorded
 
@@ -89,21 +103,84 @@ class SlurmTarget(Target):
         return follow(supervisor)
 
     def queued(self, after: list[Manifest], time_limit_s: float | None) -> "SlurmTarget":
-        jobs = [m.slurm_job_id for m in after if _JOB_ID.match(m.slurm_job_id)]
+        jobs = [job for m in after if _JOB_ID.match(job := job_id(m))]
         lines = self.sbatch_lines + ((f"--dependency=afterany:{':'.join(jobs)}",) if jobs else ())
         return dataclasses.replace(self, sbatch_lines=lines,
                                    time=_slurm_time(time_limit_s) if time_limit_s else self.time)
 
     def cancel_job(self, manifest: Manifest) -> bool:
-        if manifest.slurm_job_id:
-            cancel(manifest.slurm_job_id, manifest.id)
+        if job_id(manifest):
+            cancel(job_id(manifest), manifest.id)
         return True
+
+    @classmethod
+    def describe_job(cls, record: dict) -> str:
+        run = cls.run_record(record)
+        job, state = run.get("job_id"), run.get("state")
+        if not isinstance(job, str) or not job:
+            return ""
+        return f"slurm job {job}" + (f", {state}" if isinstance(state, str) and state else "")
 
     def stop_processes(self, manifest: Manifest, grace: float) -> None:
         self.cancel_job(manifest)   # the processes are Slurm's
 
-    def run_doctor(self, doctor, nodes: int | None) -> list:
-        return doctor.over_slurm(self, nodes)   # one srun step over `nodes` nodes
+    def run_on_nodes(self, argv_for: ArgvFor, nodes: int | None, *, wait: float, say: Say) -> list[NodeOutput]:
+        """One srun step, one task on each of `nodes` nodes (default 1); each task's output is told
+        apart by srun's label, and a task with none is named by srun's error line about it."""
+        if nodes is not None and nodes < 1:
+            raise UserError(f"--nodes = {nodes}: must be at least 1")
+        nodes = nodes or 1
+        if shutil.which("srun") is None:
+            raise UserError(f"target {self.name!r}: `srun` is not on PATH (run from a Slurm login node)")
+        label = re.compile(r"^\s*(\d+): ?(.*)$")
+        argv = self.srun_argv(nodes, self.shell_line(argv_for(None)))
+        say(f"srun: {plural(nodes, 'node')} of target {self.name!r}")
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True,
+                                preexec_fn=lifeline.terminated_with_parent)   # srun cancels its step on SIGTERM
+        err: list[str] = []
+
+        def unlabelled(line: str) -> str:
+            match = label.match(line)
+            return match.group(2) if match else line
+
+        reader = threading.Thread(target=forward, args=(proc.stderr, err, say, unlabelled), daemon=True)
+        reader.start()
+        out = Collect(proc.stdout)   # type: ignore[arg-type]
+        wait += QUEUE_WAIT_S
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            err.append(f"srun: error: no end within {wait:.0f} s (stopped)")
+        finally:
+            if proc.poll() is None:
+                proc.terminate()   # srun cancels its step on SIGTERM
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            out.join()
+            reader.join(timeout=5)
+
+        def by_task(lines: list[str]) -> dict[int, list[str]]:
+            tasks: dict[int, list[str]] = {}
+            for line in lines:
+                match = label.match(line)
+                if match:
+                    tasks.setdefault(int(match.group(1)), []).append(match.group(2))
+            return tasks
+
+        printed, errors = by_task(out.text.splitlines()), by_task(err)
+        srun_said = [line for line in err if line.startswith("srun:")]
+        results = []
+        for task in range(nodes):
+            # srun names a failed task's node: "srun: error: n2: task 1: Exited with exit code 2".
+            named = [m.group(1) for m in (re.match(rf"srun: error: (\S+): tasks? ([\d,-]*\b)?{task}\b", line)
+                                          for line in srun_said) if m]
+            results.append(NodeOutput(named[0] if named else f"task {task}", "\n".join(printed.get(task, [])),
+                                      errors.get(task) or srun_said, proc.returncode))
+        return results
 
     def srun_argv(self, nodes: int, line: str) -> list[str]:
         """One srun step, one task per node, every task's output labelled with its task id."""
@@ -114,6 +191,12 @@ class SlurmTarget(Target):
         argv.append(f"--gpus-per-node={self.gpus_per_node}" if self.gpus_per_node else "--cpus-per-task=2")
         argv += [word for extra in self.sbatch_lines for word in shlex.split(extra)]
         return argv + ["bash", "-c", line]
+
+
+def job_id(manifest: Manifest) -> str:
+    """The run's Slurm job id as the manifest's target record keeps it ("" before submission)."""
+    job = Target.run_record(manifest.target).get("job_id")
+    return job if isinstance(job, str) else ""
 
 
 def script(*, target: SlurmTarget, run_dir: str, run_id: str, nodes: int, nproc: int, gpus: bool,
@@ -233,7 +316,7 @@ def cancel(job_id: str, run_id: str) -> None:
 def follow(supervisor) -> str:
     """Follow the run's Slurm job until it ends, recording its start, lost samplers and its end;
     returns the final status."""
-    rd, job = supervisor.rd, supervisor.manifest.slurm_job_id
+    rd, job = supervisor.rd, job_id(supervisor.manifest)
     running = False
     while True:
         info = job_info(job)
@@ -259,8 +342,9 @@ def follow(supervisor) -> str:
     else:
         status = "failed"
         failure = _failure(rd, state, info)
-    supervisor.record_final(status=status, failure=failure, ended_ns=time.time_ns(), slurm_state=state,
-                            runtime=rd.runtime())
+    record = supervisor.manifest.target
+    supervisor.record_final(status=status, failure=failure, ended_ns=time.time_ns(), runtime=rd.runtime(),
+                            target={**record, "run": {**Target.run_record(record), "state": state}})
     return status
 
 

@@ -8,15 +8,19 @@ root): to stop it we kill the group over a second connection. Arguments are join
 
 from __future__ import annotations
 
+import io
 import re
 import shlex
 import signal
 import subprocess
 import threading
+import typing
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from charllm.engine.launch.nodes import ArgvFor, Collect, NodeOutput, forward
 from charllm.engine.launch.process import Proc, shell_status
 from charllm.engine.launch.target import Say, Step, Target, number, sampler_argv, train_argv
 from charllm.probes.core import lifeline, procid
@@ -36,6 +40,7 @@ _STOP_WITH_CONNECTION = ('{ trap "" TERM; cat >/dev/null; kill -TERM -- -$$; '
 @dataclass(frozen=True)
 class SshTarget(Target):
     kind: ClassVar[str] = "ssh"
+    nodes_help: ClassVar[str] = "every host, at once"
 
     hosts: tuple[str, ...] = ()      # the first host is the torchrun rendezvous master
     user: str | None = None
@@ -125,8 +130,62 @@ class SshTarget(Target):
                 except tarfile.ReadError:   # an empty stream: the node recorded no traces
                     pass
 
-    def run_doctor(self, doctor, nodes: int | None) -> list:
-        return doctor.over_ssh(self, nodes)   # on every host
+    def run_on_nodes(self, argv_for: ArgvFor, nodes: int | None, *, wait: float, say: Say) -> list[NodeOutput]:
+        """On every host at once, each in a remote process group of its own (in_process_group)."""
+        self.no_node_count(nodes)
+        running: dict[str, tuple] = {}   # host -> (its ssh client, that client's stdout)
+
+        def one(host: str) -> NodeOutput:
+            try:
+                self.run_on(host)
+            except UserError as exc:
+                return NodeOutput(host, failure=str(exc))
+            proc = subprocess.Popen(self.ssh_argv(host) + [self.in_process_group(argv_for(host))],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True, text=True,   # its end stops the remote group
+                                    preexec_fn=lifeline.killed_with_parent)
+            err: list[str] = []
+            reader = threading.Thread(target=forward, args=(proc.stderr, err, say), daemon=True)
+            reader.start()
+            out = Collect(proc.stdout)
+            running[host] = (proc, out)
+            failure = None
+            try:
+                proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                failure = f"no end within {wait:.0f} s (stopped)"
+            finally:
+                self._stop_remote(host, proc, out)
+                running.pop(host, None)
+                out.join()
+                reader.join(timeout=5)
+            if failure is None and proc.returncode == 255:   # ssh's own status: the connection failed
+                failure = f"lost the ssh connection ({err[-1] if err else 'exit status 255'})"
+            first, _, rest = out.text.partition("\n")
+            # Output counts only after the group's identity line: before it, the command never ran.
+            return NodeOutput(host, rest if procid.parse_remote_identity(first) else "", err, proc.returncode,
+                              failure)
+
+        pool = ThreadPoolExecutor(max_workers=min(16, len(self.hosts)))
+        try:
+            return list(pool.map(one, self.hosts))
+        except BaseException:   # Ctrl-C or SIGTERM here: stop every node's command, then leave
+            for host, (proc, out) in list(running.items()):
+                self._stop_remote(host, proc, out)
+            raise
+        finally:
+            pool.shutdown(wait=True)
+
+    def _stop_remote(self, host: str, proc: subprocess.Popen, out: Collect) -> None:
+        """Stop a command run_on_nodes started: its remote process group (closing the channel does not
+        stop it; the group's identity is the first line it printed), then the ssh client."""
+        if proc.poll() is not None:
+            return
+        group = procid.parse_remote_identity(out.first_line(timeout=1))
+        if group:
+            self.kill_group(host, group)
+        proc.kill()
+        proc.wait()
 
     def signal_recorded(self, proc: dict, sig: str) -> None:
         if proc.get("remote_host") in self.hosts:   # one of this target's nodes, never another host
@@ -249,7 +308,7 @@ class SshProc(Proc):
 
     def _read(self, log) -> None:
         """Remote stdout: the pgid line, then the log, the telemetry stream or iteration lines."""
-        out = self.popen.stdout
+        out = typing.cast(io.BufferedReader, self.started.stdout)   # start() made it a pipe: Popen buffers it
         first = out.readline()
         self.remote = procid.parse_remote_identity(first)
         if self.remote is None:

@@ -27,7 +27,6 @@ from charllm.probes.core import procid
 from charllm.probes.core.errors import UserError, disk_full_on, is_disk_full, mount_point, os_error_line
 from charllm.probes.store.rundir import Reserve, RunDir
 
-
 POLL_S = 0.2
 FAILURE_SETTLE_S = 5.0  # how long the other nodes get to exit and log their account
 
@@ -108,7 +107,8 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         if not self.reserve.held:   # no room to be sure of recording how the run ends: start nothing
             why = f"disk full on {mount_point(self.rd.path)}: no room for the supervisor's reserve; nothing was started"
-            self.record_final(status="failed", failure=why, disk_full=disk_full_on(self.rd.path), ended_ns=time.time_ns())
+            self.record_final(status="failed", failure=why, disk_full=disk_full_on(self.rd.path),
+                              ended_ns=time.time_ns())
             return "failed"
         self.rd.update_manifest(supervisor={**procid.identify(os.getpid()), "pgid": os.getpgid(0)})
         return self.target.supervise(self)
@@ -165,10 +165,10 @@ class Supervisor:
             self.samplers_lost[node] = {"node": node, "at_ns": at_ns, "reason": reason}
             self.rd.update_manifest(telemetry_lost=list(self.samplers_lost.values()))
 
-    def wait(self, trains: list[Proc], helpers: list[Proc] = ()) -> tuple[str, str | None]:
+    def wait(self, trains: list[Proc], helpers: list[Proc] | None = None) -> tuple[str, str | None]:
         """Until every node finished, one failed, or a cancel came in."""
         while not self.cancel_requested:
-            self.watch_samplers(helpers)
+            self.watch_samplers(helpers or [])
             codes = [p.poll() if p.popen else 0 for p in trains]
             if CANCELLED_EXIT in codes:
                 return "cancelled", None

@@ -3,8 +3,10 @@
 A target's fields are what targets.toml gives it; what differs by kind is a method: which layouts it
 can take, the processes it plans per node, how a command is shown, what it checks and prepares
 before a run starts, how its supervisor runs the steps (here, or on a node: process.py, ssh.py) or
-follows a scheduler's job (slurm.py), and how the run's processes are stopped when its supervisor
-cannot. Parsing targets.toml into the right kind is targets.py.
+follows a scheduler's job (slurm.py), how the run's processes are stopped when its supervisor
+cannot, how a short command reaches every node (doctor: nodes.py), and what it keeps of a run in the
+manifest's target record and how it says it in one line. Parsing targets.toml into the right kind,
+and reading a manifest's record, is targets.py; no module outside this package names a kind.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
+from charllm.engine.launch.nodes import ArgvFor, NodeOutput
 from charllm.engine.launch.process import Proc
 from charllm.engine.workload import TORCHRUN_MODULE, TRAIN_MODULE
 from charllm.probes.core import procid
+from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import Manifest
 
 SAMPLER_MODULE = "charllm.probes"
@@ -79,6 +83,9 @@ class Target(ABC):
 
     kind: ClassVar[str]
     default_python: ClassVar[str] = "python3"   # the interpreter when `python` is not given
+    on_this_machine: ClassVar[bool] = False     # its runs' processes are this machine's
+    allocates_nodes: ClassVar[bool] = False     # a scheduler picks the nodes (run_on_nodes takes a count)
+    nodes_help: ClassVar[str] = ""              # which nodes run_on_nodes reaches, for the CLI's help
 
     name: str
     description: str = ""
@@ -100,8 +107,9 @@ class Target(ABC):
         """What a kind requires of its parsed values beyond their types (one-line UserErrors)."""
 
     def to_dict(self) -> dict:
-        """What the manifest records: the non-default fields (no secrets live in a target)."""
-        out = {"name": self.name, "kind": self.kind}
+        """What the manifest records: the non-default fields (no secrets live in a target). The
+        manifest's copy may also hold, under "run", what the target keeps of that run (`prepare`)."""
+        out: dict = {"name": self.name, "kind": self.kind}
         defaults = type(self)(name=self.name)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -118,6 +126,24 @@ class Target(ABC):
             lines.append(self.env_setup)
         lines.append(("exec " if replace_shell else "") + shlex.join(argv))
         return "\n".join(lines)
+
+    # -- what it recorded of a run, in the manifest's "target" ------------------------------------
+    @staticmethod
+    def run_record(record: dict) -> dict:
+        """What the target kept of a run (`record["run"]`, e.g. a scheduler's job); {} for nothing."""
+        run = record.get("run")
+        return run if isinstance(run, dict) else {}
+
+    @classmethod
+    def describe_job(cls, record: dict) -> str:
+        """The target's words for the run's job ("slurm job 12, COMPLETED"); "" where it has none."""
+        return ""
+
+    @classmethod
+    def describe_record(cls, record: dict) -> str:
+        """One line for readers: the target a manifest recorded, with its job where it has one."""
+        name = record.get("name")
+        return f"{name if isinstance(name, str) and name else '-'} ({cls.describe_job(record) or cls.kind})"
 
     # -- planning ------------------------------------------------------------------------------
     def check_nodes(self, nodes: int) -> None:
@@ -141,7 +167,7 @@ class Target(ABC):
 
     def prepare(self, rd, steps: list[Step], script: str | None, say: Say) -> dict:
         """Ready the nodes once the run directory exists; returns the fields it added to the
-        manifest (a scheduler's job)."""
+        manifest (its own "target" record with a scheduler's job under "run")."""
         return {}
 
     def supervise(self, supervisor) -> str:
@@ -153,10 +179,18 @@ class Target(ABC):
         """After the run: copy into the run directory what the nodes wrote there besides the streams
         (the profiler's traces/); nothing to do where the nodes write into it themselves."""
 
+    # -- a short command on every node (doctor) -------------------------------------------------
     @abstractmethod
-    def run_doctor(self, doctor, nodes: int | None) -> list:
-        """Run `charllm-tui doctor` on the target's nodes: `doctor` (engine/doctor.py, above this
-        package) has one method per way of reaching them."""
+    def run_on_nodes(self, argv_for: ArgvFor, nodes: int | None, *, wait: float, say: Say) -> list[NodeOutput]:
+        """Run a short command on each of the target's nodes (`nodes` of them where the target
+        allocates nodes, else every node it names; nodes.py), stopping it after `wait` seconds; what
+        each printed. A node that cannot be reached is a NodeOutput with its `failure`."""
+
+    def no_node_count(self, nodes: int | None) -> None:
+        """A target that names its nodes takes no count of them (the caller's --nodes)."""
+        if nodes is not None:
+            raise UserError(f"--nodes = {nodes}: only for a target whose scheduler allocates its nodes; "
+                            f"target {self.name!r} ({self.kind}) names its own")
 
     def queued(self, after: list[Manifest], time_limit_s: float | None) -> "Target | None":
         """This target with its scheduler told to start a run's job only once the jobs of `after`

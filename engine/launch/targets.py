@@ -60,6 +60,8 @@ def _want(where: str, key: str, value, kind: type | tuple, rule: str):
 
 def parse_target(name: str, data: dict, source: str = "targets") -> Target:
     """One target table -> the Target of its kind, with one-line messages for every mistake."""
+    if not isinstance(name, str):   # a manifest's record may be damaged
+        raise UserError(f"{source}: target name {name!r}: must be a string")
     where = f"{source}: [{name}]"
     if not isinstance(data, dict):
         raise UserError(f"{where}: must be a table with kind = \"ssh\" or \"slurm\"")
@@ -174,6 +176,30 @@ def get_target(name: str = "local", target_file: Path | None = None) -> Target:
 
 
 def from_record(record: dict) -> Target:
-    """The Target a manifest recorded with `Target.to_dict()`."""
+    """The Target a manifest recorded with `Target.to_dict()` (and what it kept of the run, "run")."""
     data = dict(record)
+    data.pop("run", None)
     return parse_target(data.pop("name", "target"), data, source="manifest")
+
+
+def kind_of(record: dict) -> type[Target] | None:
+    """The class of the kind a manifest's target record names; None for a kind this version lacks."""
+    kind = record.get("kind")
+    return KINDS.get(kind) if isinstance(kind, str) else None
+
+
+def runs_here(record: dict) -> bool:
+    """Whether a run on the target a manifest recorded has its processes on this machine."""
+    cls = kind_of(record)
+    return cls is not None and cls.on_this_machine
+
+
+def describe(record: dict) -> str:
+    """The one line readers print for the target a manifest recorded: its name, and its kind's own
+    words for the run's job where it has one ("cluster (slurm job 12, COMPLETED)"). A kind this
+    version does not know is shown as recorded."""
+    cls = kind_of(record)
+    if cls is None:
+        kind, name = record.get("kind"), record.get("name")
+        return f"{name if isinstance(name, str) and name else '-'} ({kind if isinstance(kind, str) and kind else '-'})"
+    return cls.describe_record(record)

@@ -86,7 +86,8 @@ class Manifest:
     status: str = "unknown"
     failure: str | None = None
     note: str = ""
-    target: dict = field(default_factory=dict)
+    target: dict = field(default_factory=dict)   # the target's record (engine.launch): its fields, and
+    #                                             under "run" what it keeps of this run (a scheduler's job)
     nodes: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     commands: list = field(default_factory=list)
@@ -99,8 +100,6 @@ class Manifest:
     started_ns: int | None = None
     ended_ns: int | None = None
     world_size: int = 1
-    slurm_job_id: str = ""
-    slurm_state: str = ""                # the job's final state, as Slurm named it
     telemetry_lost: list = field(default_factory=list)
     exit_codes: dict = field(default_factory=dict)
     runtime: dict | None = None
@@ -109,7 +108,18 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
         """The typed view of a manifest that manifest_problem passed."""
-        return cls(**{name: data[name] for name in _MANIFEST_TYPES if name in data})
+        values = {name: data[name] for name in _MANIFEST_TYPES if name in data}
+        kind = (values.get("target") or {}).get("kind")
+        if isinstance(kind, str) and kind:
+            # Older manifests kept the target's record of the run at the top level, each key named
+            # `<kind>_<key>` (a Slurm job's id and state); runs last for months, so read them where
+            # the target keeps that record now, `target["run"]` (which wins where both are).
+            legacy = {key.removeprefix(kind + "_"): value for key, value in data.items()
+                      if key.startswith(kind + "_") and isinstance(value, str) and value}
+            run = values["target"].get("run")
+            if legacy:
+                values["target"] = {**values["target"], "run": {**legacy, **(run if isinstance(run, dict) else {})}}
+        return cls(**values)
 
     @property
     def target_name(self) -> str:

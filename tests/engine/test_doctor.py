@@ -109,7 +109,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, charllm_dirs):
     for argv, says in ((["--hardware", "h100"], "hardware 'h100': no such preset"),
                        (["--target", "nowhere"], "--target 'nowhere': no such target"),
                        (["--iters", "0"], "--iters = 0"),
-                       (["--nodes", "2"], "--nodes = 2: only for a slurm target"),
+                       (["--nodes", "2"], "--nodes = 2: only for a target whose scheduler allocates its nodes"),
                        (["--show", "h100-sxm-80gb"], "no calibration for this hardware")):
         code, _, err = run(capsys, "doctor", *argv)
         assert code == 2 and says in one_error_line(err), (argv, err)
@@ -189,6 +189,31 @@ def test_a_users_own_hardware_preset_matches_its_devices(charllm_dirs):
         'vendor = "nvidia"\ndevice_names = ["NVIDIA H100 80GB HBM3"]\nusable_bytes = 84943715697\n')
     found, why = doctor.match_hardware(gpus("NVIDIA H100 80GB HBM3", 79.11))
     assert found is None and "h100-sxm-80gb" in why and "my-h100" in why
+
+
+def test_a_node_s_unknown_gpu_is_matched_with_the_user_s_presets_here(charllm_dirs):
+    """A target's node matches against its own presets; the user's live on this side, so the report
+    a node prints (as `python -m charllm.engine.doctor report` does) is matched again here."""
+    from charllm.engine.launch.nodes import NodeOutput
+
+    name = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+    devices = gpus(name, 94.97, capability="12.0")
+    why = doctor.match_hardware(devices)[1]
+    node = {"node": "n1", "date": "2026-01-01", "hardware": None, "hardware_reason": why, "devices": devices,
+            "errors": [why]}
+    printed = NodeOutput("n1", json.dumps(node), ["n1: sampling at 20 Hz"], 0)
+    assert doctor.NodeResult.from_output(printed).error == why          # no preset here either
+    (charllm_dirs["config"] / "hardware").mkdir(parents=True)
+    (charllm_dirs["config"] / "hardware" / "rtx-pro-6000.toml").write_text(
+        'vendor = "nvidia"\ncompute_capability = "12.0"\ndevice_names = ["NVIDIA RTX PRO 6000 Blackwell*"]\n'
+        'usable_bytes = 101974016000\nbf16_tflops = 503.8\n')
+    result = doctor.NodeResult.from_output(printed)
+    assert result.error is None and result.report["errors"] == []
+    assert result.report["hardware"] == "rtx-pro-6000" and "preset of this machine" in result.report["hardware_reason"]
+    # a node that printed no report: the target's reason, else the node's own error line
+    assert doctor.NodeResult.from_output(NodeOutput("n2", "", ["Traceback", "OSError: boom"], 1)).error == "OSError: boom"
+    assert doctor.NodeResult.from_output(NodeOutput("n3", "", [], 255, "lost the ssh connection (x)")).error \
+        == "lost the ssh connection (x)"
 
 
 def test_a_mig_instance_finds_its_nvml_handle(monkeypatch):
@@ -302,14 +327,14 @@ def test_the_train_check_plans_the_stack_the_node_has(monkeypatch):
 
     facts = {"versions": {"torch": "2.13.0"}, "driver": "580.159", "devices": gpus("NVIDIA H100 80GB HBM3", 79.11, 1),
              "stack": {"cuda": True, "capability": [9, 0], "extensions": [], "compiler": "/usr/bin/gcc"}}
-    monkeypatch.setattr(doctor, "software", lambda timeout=None: facts)
+    monkeypatch.setattr(doctor.report, "software", lambda timeout=None: facts)   # gather's own names
     planned = []
 
     def run_train(exp, plan, **kwargs):
         planned.append((exp, plan))
         return {"planned": True}
 
-    monkeypatch.setattr(doctor, "run_train", run_train)
+    monkeypatch.setattr(doctor.report, "run_train", run_train)
     said: list[str] = []
     report = doctor.gather(train=True, rates=(20.0,), sample_seconds=0.2, progress=said.append)
     assert report["hardware"] == "h100-sxm-80gb" and report["train"] == {"planned": True}
@@ -348,3 +373,30 @@ def test_the_doctor_module_keeps_torch_out_of_this_process():
                           env={**os.environ})
     assert done.stdout.split() == ["cpu", "False"], done.stderr
     assert calibration.directory().exists() is False
+
+
+@pytest.mark.parametrize("argv, says", [(["report", "--iters", "0"], "--iters = 0: must be at least 1"),
+                                        (["report", "--hardware", "nope"], "hardware 'nope'"),
+                                        (["report", "--train=x"], "--train"), (["fix"], "invalid choice: 'fix'")])
+def test_the_node_entry_point_says_bad_input_in_one_line(argv, says):
+    """What a target's nodes run (`python -m charllm.engine.doctor`): its own argv, not the CLI's."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "charllm.engine.doctor", *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("charllm-tui: error: ") and says in done.stderr
+    assert doctor.error_line(done.stderr, 2) == done.stderr.removeprefix("charllm-tui: error: ").strip()
+
+
+def test_the_local_target_runs_the_engine_entry_point_in_a_child():
+    """`doctor --target local`: Target.run_on_nodes runs `python -m charllm.engine.doctor report` here."""
+    from charllm.engine.launch.targets import LOCAL
+
+    argv = doctor.node_argv("python3", train=False, hardware=None, node=None, sample_seconds=0.2, iters=3, timeout=60)
+    assert argv[:4] == ["python3", "-m", "charllm.engine.doctor", "report"]
+    said: list[str] = []
+    (result,) = doctor.on_target(LOCAL, sample_seconds=0.2, progress=said.append)
+    assert result.error is None and result.report["hardware"] == "cpu" and result.node == doctor.node_name()
+    assert any(line.endswith("sampling at 20 Hz for 0.2 s") for line in said), said   # its stderr, forwarded

@@ -52,7 +52,7 @@ def test_every_ssh_node_reports_and_an_unreachable_one_is_one_line(ssh_nodes, ch
     assert code == 1
     assert f"node {ssh_nodes.hosts[1]}" in out and "✗ node 127.0.0.1:" in out
     assert "2 of 3 nodes passed; failed: 127.0.0.1" in out
-    wait_for(lambda: not [p for p in run_processes("charllm.tui.cli doctor") if p.pid in set(ssh_nodes.pids())],
+    wait_for(lambda: not [p for p in run_processes("charllm.engine.doctor report") if p.pid in set(ssh_nodes.pids())],
              15, "no doctor left on the nodes")
 
 

@@ -11,7 +11,7 @@ import json
 import sys
 
 from charllm.engine import doctor
-from charllm.engine.launch.targets import get_target
+from charllm.engine.launch.targets import KINDS, get_target
 from charllm.probes.core.errors import did_you_mean, plural, UserError
 from charllm.probes.core.formatting import size
 
@@ -44,9 +44,9 @@ what the figures mean:
                  Without --train only the stack and torch's device capacity are saved; a memory
                  measurement an earlier --train made on the same stack is kept
 
-targets: --target NAME runs doctor on every host of an ssh target, or on --nodes N nodes of a slurm
-target (one srun step), and saves the calibrations here; a node that fails is one line, the others
-still report.
+targets: --target NAME runs doctor on the target's nodes and saves the calibrations here; a node
+that fails is one line, the others still report. Which nodes, by the target's kind:
+{kinds}
 
 exit status: 0 every check passed, 1 a check or a node failed, 2 bad input (one line on stderr)
 
@@ -56,7 +56,7 @@ examples:
   charllm-tui doctor --json --no-save      the report as JSON, nothing saved
   charllm-tui doctor --target local        the same, through the targets machinery
   charllm-tui doctor --show                the saved calibrations
-"""
+""".format(kinds="\n".join(f"  {kind:<14} {cls.nodes_help}" for kind, cls in KINDS.items()))
 
 
 def register(sub) -> None:
@@ -70,7 +70,9 @@ def register(sub) -> None:
                    help="the hardware preset this node is (default: matched from its GPU)")
     p.add_argument("--target", metavar="NAME", help="run on every node of this target (default: this node)")
     p.add_argument("--target-file", metavar="PATH", help="targets TOML file (default: <config>/targets.toml)")
-    p.add_argument("--nodes", type=int, metavar="N", help="slurm targets: how many nodes (default: 1)")
+    p.add_argument("--nodes", type=int, metavar="N",
+                   help="how many nodes, for a target whose scheduler allocates them "
+                        f"({', '.join(k for k, cls in KINDS.items() if cls.allocates_nodes)}; default: 1)")
     p.add_argument("--node", metavar="NAME",
                    help="this node's name in the report (default: $SLURMD_NODENAME or the host name)")
     p.add_argument("--no-save", action="store_true", help="only report; save no calibration")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from charllm.engine.launch.launcher import (cancel, launch, PORT_AT_LAUNCH, reconcile, SUPERVISOR_EXIT_S,
                                            wait_for_supervisor)
-from charllm.engine.launch.targets import get_target
+from charllm.engine.launch.targets import KINDS, get_target
 from charllm.engine.model.experiment import Experiment, layout_label
 from charllm.probes.core.errors import plural
 from charllm.probes.core.formatting import GIB, size
@@ -15,7 +15,7 @@ from charllm.probes.store.rundir import RunDir
 
 
 def register(sub) -> None:
-    p = sub.add_parser("launch", help="launch an experiment on a target (local, ssh, slurm) with probes",
+    p = sub.add_parser("launch", help=f"launch an experiment on a target ({', '.join(KINDS)}) with probes",
                        description="Check the layout, create a run directory, start a telemetry sampler on "
                                    "every node and train with torchrun. Runs detached; see `charllm-tui runs`.")
     p.add_argument("experiment", metavar="EXPERIMENT_OR_PRESET", help="an experiment file or preset name")
@@ -54,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
             print("# sbatch script:")
             print(result.sbatch_script)
         return 0
-    print(f"run {result.run_id}: launched on {target.name!r}" + (f" (slurm job {result.job_id})"
-                                                                 if result.job_id else ""))
+    print(f"run {result.run_id}: launched on {target.name!r}" + (f" ({result.job})" if result.job else ""))
     print(f"  {result.run_dir}")
     if result.profile:
         print(f"  {result.profile}")

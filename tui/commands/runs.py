@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from charllm.engine.launch import targets
 from charllm.engine.launch.launcher import cancel, reconcile
-from charllm.probes.core.errors import plural, UserError
+from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.files import open_regular
 from charllm.probes.core.formatting import duration, local_time, size
-from charllm.probes.store.rundir import list_runs, Manifest, resolve_run, runtime_line
+from charllm.probes.store.rundir import Manifest, list_runs, resolve_run, runtime_line
 from charllm.tui.commands.launch import follow
 
 # summary column -> (Runs table heading, format): a run's headline figures, over its steady window
@@ -125,9 +126,7 @@ def _show(rd, args) -> int:
         print(f"telemetry {lost.get('reason', 'lost')}")
     if m.note:
         print(f"note      {m.note}")
-    print(f"target    {m.target.get('name', '-')} ({m.target.get('kind', '-')})")
-    if m.slurm_job_id:
-        print(f"slurm job {m.slurm_job_id} ({m.slurm_state})")
+    print(f"target    {targets.describe(m.target)}")
     print(f"nodes     {', '.join(m.nodes) or '-'}")
     print(f"started   {local_time(m.started_ns)}   duration {_duration(m)}")
     if m.kind in ("train", ""):   # a launched run (one without a kind predates probe-only runs)

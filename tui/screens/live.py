@@ -34,6 +34,7 @@ from textual.message import Message
 from textual.widgets import Log, Static
 from textual.worker import get_current_worker
 
+from charllm.engine.launch import targets
 from charllm.engine.model.experiment import Experiment
 from charllm.probes import backends, sampler
 from charllm.probes.backends.base import GpuProcess, hostname
@@ -213,7 +214,7 @@ def watches_this_machine(run_dir: Path | None) -> bool:
         m = rundir.RunDir(run_dir).manifest()
     except UserError:
         return False
-    return m.target.get("kind") == "local" and not m.final
+    return targets.runs_here(m.target) and not m.final
 
 
 class LiveScreen(WorkbenchScreen):

@@ -10,6 +10,7 @@ import sys
 import psutil
 import pytest
 
+from charllm.engine.launch.slurm import job_id
 from infra_campaign import record, runs_of, tiny_campaign, wait_until
 from infra_cli import run
 from infra_runs import left_after, start
@@ -43,7 +44,7 @@ def test_the_queue_lives_in_slurm_and_outlives_the_command_and_the_supervisor(sl
     name = tiny_campaign(charllm_dirs, target="cluster")
     starter = start([sys.executable, "-m", "charllm.tui", "campaign", "run", name])
     rec = wait_until(name, lambda r: all(m.get("run") for m in r.members), 180, "every member submitted")
-    jobs = [rd.manifest().slurm_job_id for rd in runs_of(rec)]
+    jobs = [job_id(rd.manifest()) for rd in runs_of(rec)]
     assert all(jobs) and len(set(jobs)) == 6
     lines = [rd.manifest().target.get("sbatch_lines", []) for rd in runs_of(rec)]
     assert lines[:2] == [[], []] and lines[2:] == [[f"--dependency=afterany:{jobs[i]}"] for i in range(4)], lines

@@ -8,7 +8,7 @@ import pytest
 
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.launcher import launch
-from charllm.engine.launch.targets import parse_target
+from charllm.engine.launch.targets import describe, parse_target
 from charllm.probes.store.rundir import RunDir
 from infra_runs import iterations_logged, logs, rank_process, run_processes, wait_final, wait_for
 from infra_slurm import slurm_cluster  # noqa: F401 - fixture
@@ -42,10 +42,15 @@ def test_submitted_job_runs_and_completes(slurm_cluster, tmp_path, monkeypatch):
     exp.telemetry.profile_steps, exp.telemetry.profile_scope = [3], "all"
     result = launch(exp, target(env_setup="export OMP_NUM_THREADS=1  # one thread per rank, as on our nodes"))
     rd = RunDir(result.run_dir)
-    assert result.job_id and rd.read_manifest()["slurm_job_id"] == result.job_id
+    # the job is the target's own record of the run, which the target describes for readers
+    assert result.job_id and rd.manifest().target["run"] == {"job_id": result.job_id}
+    assert result.job == f"slurm job {result.job_id}"
     assert (rd.path / "job.sbatch").read_text() == result.sbatch_script
     manifest = wait_final(rd, 300)
     assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
+    assert manifest["target"]["run"] == {"job_id": result.job_id, "state": "COMPLETED"}
+    assert "slurm_job_id" not in manifest and "slurm_state" not in manifest
+    assert describe(manifest["target"]) == f"testcluster (slurm job {result.job_id}, COMPLETED)"
     steps = rd.read_iterations()
     steps = steps.filter(steps["event"] == "iteration")
     assert set(steps["rank"].to_list()) == {0, 1} and steps["iteration"].max() == 4
@@ -73,7 +78,7 @@ def test_runs_cancel_maps_to_scancel(slurm_cluster):
     from charllm.tui.cli import main
 
     rd = RunDir(launch(two_nodes(100_000), target()).run_dir)
-    job = rd.read_manifest()["slurm_job_id"]
+    job = rd.manifest().target["run"]["job_id"]
     wait_for(lambda: iterations_logged(rd) >= 1, 300, f"the first iteration\n{logs(rd)}")
     assert main(["runs", "cancel", rd.id]) == 0
     assert rd.read_manifest()["status"] == "cancelled"
@@ -99,7 +104,7 @@ def test_killed_supervisor_is_found_by_the_next_reader_which_ends_the_job(slurm_
     from infra_runs import kill_and_wait, supervisor_process
 
     rd = RunDir(launch(two_nodes(100_000), target()).run_dir)
-    job = rd.read_manifest()["slurm_job_id"]
+    job = rd.manifest().target["run"]["job_id"]
     wait_for(lambda: iterations_logged(rd) >= 1, 300, f"the first iteration\n{logs(rd)}")
     kill_and_wait(supervisor_process(rd))
     code, out, err = run(capsys, "runs", "list")

@@ -268,21 +268,30 @@ def test_a_reader_never_cancels_a_planted_slurm_job(slurm_cluster, charllm_dirs,
     other_run = submit("charllm-20260101-000009-another-run")
     wait_for(lambda: state(victim) == "RUNNING" and state(other_run) == "RUNNING", 60, "the jobs to run")
     slurm = {"name": "cluster", "kind": "slurm"}
-    for run_id, job in (("20260101-000000-slurm", victim), ("20260101-000001-slurm", other_run)):
-        rd = plant(charllm_dirs["runs"], run_id, target=slurm, slurm_job_id=job)
-        read_everything(rd)
-    for bad in ("--user=root", "-1", "1 2"):
-        rd = plant(charllm_dirs["runs"], f"20260101-00001{len(bad)}-slurm", target=slurm, slurm_job_id=bad)
-        read_everything(rd)
+
+    def job_of(job: str, old: bool) -> dict:
+        """The manifest fields naming the run's job: the target's record of it, or as manifests
+        before it kept it (top-level slurm_job_id, still read)."""
+        return {"target": slurm, "slurm_job_id": job} if old else {"target": {**slurm, "run": {"job_id": job}}}
+
+    for old in (False, True):
+        for n, job in enumerate((victim, other_run)):
+            rd = plant(charllm_dirs["runs"], f"20260101-00000{n}-slurm{'-old' * old}", **job_of(job, old))
+            read_everything(rd)
+        for bad in ("--user=root", "-1", "1 2"):
+            rd = plant(charllm_dirs["runs"], f"20260101-00001{len(bad)}-slurm{'-old' * old}", **job_of(bad, old))
+            read_everything(rd)
     time.sleep(1)
     SIGNALLED.extend(f"slurm: job {job}" for job in (victim, other_run) if state(job) != "RUNNING")
     assert state(victim) == "RUNNING" and state(other_run) == "RUNNING"
-    # the positive control: the run's own job (named after it) is cancelled
-    own = submit("charllm-20260101-000002-slurm")
-    wait_for(lambda: state(own) == "RUNNING", 60, "the job to run")
-    rd = plant(charllm_dirs["runs"], "20260101-000002-slurm", target=slurm, slurm_job_id=own)
-    run(capsys, "runs", "show", rd.id)
-    wait_for(lambda: state(own) in ("CANCELLED", "COMPLETING"), 30, "the run's own job to be cancelled")
+    # the positive control: the run's own job (named after it) is cancelled, in either manifest
+    for run_id, old in (("20260101-000002-slurm", False), ("20260101-000003-slurm-old", True)):
+        own = submit(f"charllm-{run_id}")
+        wait_for(lambda: state(own) == "RUNNING", 60, "the job to run")
+        rd = plant(charllm_dirs["runs"], run_id, **job_of(own, old))
+        code, out, _ = run(capsys, "runs", "show", rd.id)
+        assert f"target    cluster (slurm job {own}" in out, out
+        wait_for(lambda: state(own) in ("CANCELLED", "COMPLETING"), 30, "the run's own job to be cancelled")
 
 
 def test_the_figure_is_printed_at_the_end():

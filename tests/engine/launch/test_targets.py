@@ -8,8 +8,8 @@ import pytest
 
 from charllm.engine.launch import slurm, ssh
 from charllm.engine.launch.launcher import plan
+from charllm.engine.launch.targets import LOCAL, describe, from_record, get_target, load_file, load_targets, runs_here
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.launch.targets import LOCAL, from_record, get_target, load_file, load_targets
 from charllm.probes.core import paths, procid
 from charllm.probes.core.errors import UserError
 
@@ -199,3 +199,33 @@ def test_the_killed_rank_is_named_even_when_its_node_reports_after_the_peer(tmp_
     supervisor = Supervisor.__new__(Supervisor)  # first_failure needs only the run directory
     supervisor.rd = rd
     assert supervisor.first_failure([echo, killed]) == "node n2, rank 1 (local rank 0) was killed by SIGKILL"
+
+
+def test_readers_print_the_target_s_own_line_for_its_record():
+    """The manifest's target record: its fields, and what the target kept of the run under "run"."""
+    hpc = load_file(write(GOOD))["hpc"]
+    record = {**hpc.to_dict(), "run": {"job_id": "12", "state": "COMPLETED"}}
+    assert describe(record) == "hpc (slurm job 12, COMPLETED)"
+    assert describe({**hpc.to_dict(), "run": {"job_id": "12"}}) == "hpc (slurm job 12)"   # not ended yet
+    assert describe(hpc.to_dict()) == "hpc (slurm)"                                       # not submitted yet
+    assert from_record(record) == hpc, "the run's record is not a field of the target"
+    assert describe(LOCAL.to_dict()) == "local (local)" and runs_here(LOCAL.to_dict())
+    assert not runs_here(hpc.to_dict()) and not runs_here({"kind": ["x"]})
+    # a kind this version lacks, or a damaged record, is shown as recorded
+    assert describe({"name": "k", "kind": "kubernetes"}) == "k (kubernetes)"
+    assert describe({"name": 3, "kind": ["x"], "run": "y"}) == "- (-)"
+    assert describe({"name": "c", "kind": "slurm", "run": {"job_id": 5}}) == "c (slurm)"
+
+
+def test_runs_show_prints_an_old_manifest_s_slurm_job(charllm_dirs, capsys):
+    """A run recorded before the target kept its job (top-level slurm_job_id and slurm_state)."""
+    from charllm.probes.store.rundir import RunDir
+    from infra_cli import run
+
+    rd = RunDir.create(charllm_dirs["runs"] / "20250101-000000-old", "launch")
+    rd.write_manifest({"id": rd.id, "kind": "train", "status": "completed", "created_ns": 1,
+                       "target": {"name": "hpc", "kind": "slurm", "partition": "gpu"},
+                       "slurm_job_id": "4711", "slurm_state": "COMPLETED"})
+    code, out, err = run(capsys, "runs", "show", rd.id)
+    assert code == 0, err
+    assert "target    hpc (slurm job 4711, COMPLETED)\n" in out

@@ -178,6 +178,12 @@ DAMAGES = {
     "manifest running, a slurm job id that is an option": _manifest(
         status="running", kind="train", supervisor={"pid": 999999, "create_time": 1.0}, slurm_job_id="--user=root",
         target={"name": "c", "kind": "slurm"}),
+    "manifest running, a slurm job record of the wrong types": _manifest(
+        status="running", kind="train", supervisor={"pid": 999999, "create_time": 1.0},
+        target={"name": "c", "kind": "slurm", "run": {"job_id": 5, "state": ["x"]}}),
+    "manifest running, a target record whose run is a string": _manifest(
+        status="running", kind="train", supervisor={"pid": 999999, "create_time": 1.0},
+        target={"name": 7, "kind": "slurm", "run": "--user=root"}),
     "manifest running, an ssh group of -1": _manifest(
         status="running", kind="train", supervisor={"pid": 999999, "create_time": 1.0},
         processes=[{"remote_host": "h", "remote_pgid": -1, "remote_boot_id": "x", "remote_start": 1}],

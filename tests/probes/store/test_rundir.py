@@ -66,6 +66,20 @@ def test_run_ids_are_built_and_taken_apart_in_one_place():
         assert run_id_name(other) is None, other
 
 
+def test_an_old_manifest_s_top_level_target_fields_read_as_the_target_s_record():
+    """Manifests before the target kept its own record kept a Slurm job at the top level
+    (slurm_job_id, slurm_state); runs stay for months, so those read as target["run"]."""
+    old = {"id": "r", "status": "failed", "target": {"name": "c", "kind": "slurm"}, "slurm_job_id": "42",
+           "slurm_state": "TIMEOUT"}
+    assert Manifest.from_dict(old).target == {"name": "c", "kind": "slurm", "run": {"job_id": "42", "state": "TIMEOUT"}}
+    # what the target wrote itself wins; fields of another kind, empty or not text, are not its record
+    both = {**old, "target": {"name": "c", "kind": "slurm", "run": {"job_id": "43"}}, "slurm_state": ""}
+    assert Manifest.from_dict(both).target["run"] == {"job_id": "43"}
+    assert Manifest.from_dict({**old, "slurm_job_id": 42, "slurm_state": None}).target == old["target"]
+    assert Manifest.from_dict({**old, "target": {"name": "s", "kind": "ssh"}}).target == {"name": "s", "kind": "ssh"}
+    assert "run" not in old["target"], "the manifest read is not changed"
+
+
 def test_the_typed_manifest_reads_each_field_and_defaults_what_is_absent(tmp_path):
     rd = RunDir(tmp_path / "20260101-000000-a")
     assert rd.manifest() == Manifest(id="20260101-000000-a", status="unknown")   # none written yet
