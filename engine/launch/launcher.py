@@ -22,7 +22,7 @@ from typing import Callable
 from charllm.engine.launch.target import Step, Target
 from charllm.engine.launch.targets import LOCAL, from_record
 from charllm.engine.model import profiling
-from charllm.engine.model.memory import estimate
+from charllm.engine.model.memory import DOES_NOT_FIT, estimate
 from charllm.engine.model.validate import validate
 from charllm.probes.core import lifeline, paths, procid
 from charllm.probes.core.errors import UserError, mount_point, os_error_line
@@ -66,7 +66,7 @@ def problems(exp) -> list[str]:
         return found  # the memory model assumes a valid layout
     report = estimate(exp)
     found = list(report.runtime_problems)
-    if report.verdict == "does not fit":   # a tight plan launches: the allocator may still manage
+    if report.verdict == DOES_NOT_FIT:   # a tight plan launches: the allocator may still manage
         stage = report.peak_stage
         found.append(f"memory: peak {size(report.peak_bytes, 1)} on pipeline stage {stage} exceeds the "
                      f"{size(report.budget.allocator_bytes, 1)} the allocator may use per device of "
