@@ -46,7 +46,8 @@ class LaunchResult:
     run_id: str
     run_dir: Path | None              # None for a dry run (nothing was created)
     commands: list[str]
-    sbatch_script: str | None = None
+    job_script: str | None = None     # the script a scheduler target submits (plan's), else None
+    job_script_label: str = "job script"   # the target's word for it ("sbatch script")
     forced: list[str] = field(default_factory=list)
     dry_run: bool = False
     job_id: str | None = None         # the scheduler's id of the run's job, where the target has one
@@ -96,7 +97,7 @@ PORT_AT_LAUNCH = "PORT"
 
 
 def plan(exp, target: Target, run_dir: Path, *, dry_run: bool = False) -> tuple[list[Step], str | None]:
-    """The processes per node (and the sbatch script under Slurm)."""
+    """The processes per node (and the job script of a scheduler target)."""
     return target.plan(exp, run_dir, PORT_AT_LAUNCH if dry_run else target.rendezvous_port())
 
 
@@ -124,7 +125,8 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     steps, script = plan(exp, target, run_dir, dry_run=dry_run)
     commands = display_commands(steps, target)
     window = profiling.plan(exp)
-    result = LaunchResult(run_id=run_dir.name, run_dir=None, commands=commands, sbatch_script=script,
+    result = LaunchResult(run_id=run_dir.name, run_dir=None, commands=commands, job_script=script,
+                          job_script_label=target.job_script_label,
                           forced=found, dry_run=dry_run, profile=window.describe() if window else None)
     if dry_run:
         return result
@@ -142,7 +144,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         except FileExistsError:
             run_dir = unique_run_dir(base)
             steps, script = plan(exp, target, run_dir)
-            result.run_id, result.sbatch_script = run_dir.name, script
+            result.run_id, result.job_script = run_dir.name, script
             result.commands = commands = display_commands(steps, target)
     say(f"creating {run_dir}")
     manifest = {

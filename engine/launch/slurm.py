@@ -49,6 +49,7 @@ class SlurmTarget(Target):
     """Slurm owns the processes: the supervisor submits the job and follows it."""
 
     kind: ClassVar[str] = "slurm"
+    job_script_label: ClassVar[str] = "sbatch script"
     allocates_nodes: ClassVar[bool] = True
     nodes_help: ClassVar[str] = "--nodes N nodes (default 1), one srun step"
 

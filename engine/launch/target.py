@@ -86,6 +86,7 @@ class Target(ABC):
     on_this_machine: ClassVar[bool] = False     # its runs' processes are this machine's
     allocates_nodes: ClassVar[bool] = False     # a scheduler picks the nodes (run_on_nodes takes a count)
     nodes_help: ClassVar[str] = ""              # which nodes run_on_nodes reaches, for the CLI's help
+    job_script_label: ClassVar[str] = "job script"   # what a scheduler kind calls the script plan() writes
 
     name: str
     description: str = ""

@@ -31,7 +31,7 @@ def test_no_configuration_field_breaks_out_of_its_line(field, breakout, tmp_path
 def test_a_clean_target_gives_one_sbatch_line_per_option(tmp_path):
     exp = Experiment.load("tiny-local")
     exp.cluster.nodes, exp.cluster.gpus_per_node = 2, 1
-    script = launch(exp, parse_target("cluster", SLURM), dry_run=True).sbatch_script
+    script = launch(exp, parse_target("cluster", SLURM), dry_run=True).job_script
     header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
     for option in ("partition", "account", "qos", "time", "constraint"):
         assert sum(f"--{option}=" in line for line in header) == 1

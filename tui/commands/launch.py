@@ -25,7 +25,7 @@ def register(sub) -> None:
                    help="override an experiment field, e.g. --set tensor_model_parallel_size=2 (repeatable; "
                         "charllm-tui fields lists them)")
     p.add_argument("--nproc", type=int, help="processes per node (CPU runs; default: cluster.gpus_per_node)")
-    p.add_argument("--dry-run", action="store_true", help="print the commands (and sbatch script); touch nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the commands (and the job script a scheduler target submits); touch nothing")
     p.add_argument("--follow", action="store_true", help="print iterations and telemetry until the run ends")
     p.add_argument("--force", action="store_true",
                    help="launch a layout that fails validation or does not fit (recorded in the manifest)")
@@ -50,9 +50,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"# {result.profile}")
         for command in result.commands:
             print(command)
-        if result.sbatch_script:
-            print("# sbatch script:")
-            print(result.sbatch_script)
+        if result.job_script:
+            print(f"# {result.job_script_label}:")
+            print(result.job_script)
         return 0
     print(f"run {result.run_id}: launched on {target.name!r}" + (f" ({result.job})" if result.job else ""))
     print(f"  {result.run_dir}")

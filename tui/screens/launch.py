@@ -1,4 +1,4 @@
-"""Launch: pick a target, see the dry run (commands, sbatch script), launch, then watch it live.
+"""Launch: pick a target, see the dry run (commands, a scheduler's job script), launch, then watch it live.
 
 `engine.launch.launcher.launch` runs in a thread worker; its `on_progress` messages are posted to the
 screen while it starts. Once the run directory exists the Live screen follows it.
@@ -131,8 +131,8 @@ class LaunchScreen(WorkbenchScreen):
             parts += [f"  [red]✗[/] {escape(p)}" for p in result.forced]
         parts.append("\n[b]Commands[/b]")
         parts += [f"  {short(c)}" for c in result.commands]
-        if result.sbatch_script:
-            parts += ["\n[b]sbatch script[/b]", short(result.sbatch_script)]
+        if result.job_script:
+            parts += [f"\n[b]{result.job_script_label}[/b]", short(result.job_script)]
         self.query_one("#dry-run-text", Static).update("\n".join(parts))
 
     # -- launch --------------------------------------------------------------------------------

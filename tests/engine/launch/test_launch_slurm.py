@@ -45,7 +45,7 @@ def test_submitted_job_runs_and_completes(slurm_cluster, tmp_path, monkeypatch):
     # the job is the target's own record of the run, which the target describes for readers
     assert result.job_id and rd.manifest().target["run"] == {"job_id": result.job_id}
     assert result.job == f"slurm job {result.job_id}"
-    assert (rd.path / "job.sbatch").read_text() == result.sbatch_script
+    assert (rd.path / "job.sbatch").read_text() == result.job_script
     manifest = wait_final(rd, 300)
     assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
     assert manifest["target"]["run"] == {"job_id": result.job_id, "state": "COMPLETED"}
