@@ -68,9 +68,14 @@ class SimHardware:
             return value
 
         tdp = float(positive("tdp_w"))
+        idle = data.get("idle_w", 0.0)
+        # the preset's idle power, which the power model plans with too; a preset without one (0: not
+        # known) idles at a tenth of its board limit
+        idle = float(idle) if isinstance(idle, (int, float)) and not isinstance(idle, bool) and 0 < idle < tdp \
+            else 0.1 * tdp
         link = data.get("node_link_gbs", 0.0)
         return cls(name=name, description=f"{data.get('description', name)} (simulated)",
-                   tdp_w=tdp, idle_w=0.1 * tdp, max_sm_clock_mhz=float(positive("max_sm_clock_mhz")),
+                   tdp_w=tdp, idle_w=idle, max_sm_clock_mhz=float(positive("max_sm_clock_mhz")),
                    temp_limit_c=float(positive("temp_limit_c")), memory_bytes=int(positive("memory_bytes")),
                    nvlink_bytes_s=float(link) * 1e9 if isinstance(link, (int, float)) else 0.0)
 
