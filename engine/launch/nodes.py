@@ -60,16 +60,22 @@ def forward(stream: IO[str], keep: list[str], say: Say, shown: Callable[[str], s
             say(shown(line))
 
 
+def read_streams(proc: subprocess.Popen, say: Say) -> tuple[threading.Thread, list[str], Collect]:
+    """Start reading a node command's output: stderr lines go on as progress (and are kept), stdout is
+    collected. Returns the stderr reader (join it once the process ended), the kept lines, the output."""
+    assert proc.stdout is not None and proc.stderr is not None
+    err: list[str] = []
+    reader = threading.Thread(target=forward, args=(proc.stderr, err, say), daemon=True)
+    reader.start()
+    return reader, err, Collect(proc.stdout)
+
+
 def run_here(argv: list[str], node: str, *, wait: float, say: Say) -> NodeOutput:
     """Run `argv` on this machine in a session of its own (it dies with this process); after `wait`
     seconds, or on Ctrl-C, its whole group is stopped."""
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, preexec_fn=lifeline.killed_with_parent)
-    assert proc.stdout is not None and proc.stderr is not None
-    err: list[str] = []
-    reader = threading.Thread(target=forward, args=(proc.stderr, err, say), daemon=True)
-    reader.start()
-    out = Collect(proc.stdout)
+    reader, err, out = read_streams(proc, say)
     failure = None
     try:
         proc.wait(timeout=wait)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from charllm.engine.launch.nodes import ArgvFor, Collect, NodeOutput, forward
+from charllm.engine.launch.nodes import ArgvFor, Collect, NodeOutput, read_streams
 from charllm.engine.launch.process import Proc, shell_status
 from charllm.engine.launch.target import Say, Step, Target, number, sampler_argv, train_argv
 from charllm.probes.core import lifeline, procid
@@ -144,10 +144,7 @@ class SshTarget(Target):
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True, text=True,   # its end stops the remote group
                                     preexec_fn=lifeline.killed_with_parent)
-            err: list[str] = []
-            reader = threading.Thread(target=forward, args=(proc.stderr, err, say), daemon=True)
-            reader.start()
-            out = Collect(proc.stdout)
+            reader, err, out = read_streams(proc, say)
             running[host] = (proc, out)
             failure = None
             try:
