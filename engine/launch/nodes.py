@@ -76,12 +76,8 @@ def run_here(argv: list[str], node: str, *, wait: float, say: Say) -> NodeOutput
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, preexec_fn=lifeline.killed_with_parent)
     reader, err, out = read_streams(proc, say)
-    failure = None
-    try:
-        proc.wait(timeout=wait)
-    except subprocess.TimeoutExpired:
-        failure = f"no end within {wait:.0f} s (stopped)"
-    finally:
+
+    def stop() -> None:
         if proc.poll() is None:   # late, or Ctrl-C here: TERM lets it stop what it started
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -89,6 +85,22 @@ def run_here(argv: list[str], node: str, *, wait: float, say: Say) -> NodeOutput
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+    failure = wait_then_stop(proc, wait, stop, reader, out)
+    return NodeOutput(node, out.text, err, proc.returncode, failure)
+
+
+def wait_then_stop(proc: subprocess.Popen, wait: float, stop: Callable[[], None], reader: threading.Thread,
+                   out: Collect) -> str | None:
+    """Wait up to `wait` seconds for a node command, then (late, or on Ctrl-C here) `stop` it and finish
+    reading its output. Returns the failure: None when it ended in time."""
+    failure = None
+    try:
+        proc.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+        failure = f"no end within {wait:.0f} s (stopped)"
+    finally:
+        stop()
         out.join()
         reader.join(timeout=5)
-    return NodeOutput(node, out.text, err, proc.returncode, failure)
+    return failure

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from charllm.engine.launch.nodes import ArgvFor, Collect, NodeOutput, read_streams
+from charllm.engine.launch.nodes import ArgvFor, Collect, NodeOutput, read_streams, wait_then_stop
 from charllm.engine.launch.process import Proc, shell_status
 from charllm.engine.launch.target import Say, Step, Target, number, sampler_argv, train_argv
 from charllm.probes.core import lifeline, procid
@@ -146,16 +146,12 @@ class SshTarget(Target):
                                     preexec_fn=lifeline.killed_with_parent)
             reader, err, out = read_streams(proc, say)
             running[host] = (proc, out)
-            failure = None
-            try:
-                proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                failure = f"no end within {wait:.0f} s (stopped)"
-            finally:
+
+            def stop() -> None:
                 self._stop_remote(host, proc, out)
                 running.pop(host, None)
-                out.join()
-                reader.join(timeout=5)
+
+            failure = wait_then_stop(proc, wait, stop, reader, out)
             if failure is None and proc.returncode == 255:   # ssh's own status: the connection failed
                 failure = f"lost the ssh connection ({err[-1] if err else 'exit status 255'})"
             first, _, rest = out.text.partition("\n")
