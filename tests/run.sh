@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up everything the test suite needs on a fresh Debian 12 machine, then run all tests.
+# Set up everything the test suite needs on a fresh Debian 12 machine, then lint (ruff), type-check
+# (mypy) and run all tests.
 # Python packages come from pyproject.toml ([train,test] extras); the integration tests also need
 # Debian packages (Slurm, munge, OpenSSH server, tmux), installed here when run as root.
 # Usage: bash tests/run.sh [pytest args...]
@@ -22,6 +23,12 @@ fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[train,test]'
 status=0
+# Lint and type check first (their configuration is in pyproject.toml): a finding fails the run, as a
+# failed test does, and the tests still run.
+echo "tests/run.sh: ruff check ."
+python3 -m ruff check . || status=$?
+echo "tests/run.sh: mypy (engine, probes)"
+python3 -m mypy || status=$?
 python3 -m pytest "$@" || status=$?
 
 # The whole suite runs above on this Python (3.11: megatron-core 0.16.1). With no pytest arguments the
