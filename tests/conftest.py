@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 import time
@@ -18,6 +19,31 @@ for _kind in ("CONFIG", "DATA", "RUNS"):
 # the same on every machine.
 os.environ["TZ"] = "UTC"
 time.tzset()
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:              # a parent package is missing
+        return False
+
+
+# The [train] extra (torch, megatron-core): tests that train, build models or run Megatron's own code
+# carry @pytest.mark.train and are skipped, with this reason, where only [test] is installed.
+TRAIN_MISSING = [n for n in ("torch", "megatron.core") if not _importable(n)]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "train: needs the [train] extra (torch, megatron-core); skipped without it")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not TRAIN_MISSING:
+        return
+    skip = pytest.mark.skip(reason=f"needs the [train] extra: {', '.join(TRAIN_MISSING)} not installed")
+    for item in items:
+        if item.get_closest_marker("train"):
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ FAST = ("--sample-seconds", "0.5")
 
 
 # -- this node -----------------------------------------------------------------------------------
+@pytest.mark.train
 def test_doctor_on_this_cpu_node_says_no_gpu_and_measures_host_sampling(capsys, charllm_dirs):
     code, out, err = run(capsys, "doctor", "--no-save", "--sample-seconds", "1")
     assert code == 0, err
@@ -45,6 +46,7 @@ def test_doctor_on_this_cpu_node_says_no_gpu_and_measures_host_sampling(capsys, 
     assert not (charllm_dirs["data"] / "calibrations").exists()
 
 
+@pytest.mark.train
 def test_doctor_json_is_the_whole_report(capsys):
     code, out, _ = run(capsys, "doctor", "--json", "--no-save", *FAST)
     assert code == 0
@@ -62,6 +64,7 @@ def test_doctor_json_is_the_whole_report(capsys):
     assert report["saved_calibration"] is None and "train" not in report
 
 
+@pytest.mark.train
 @pytest.mark.integration
 def test_train_check_saves_a_calibration_that_plan_then_uses(capsys, charllm_dirs):
     code, out, err = run(capsys, "doctor", "--train", "--iters", "3", *FAST)
@@ -115,6 +118,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, charllm_dirs):
         assert code == 2 and says in one_error_line(err), (argv, err)
 
 
+@pytest.mark.train
 def test_a_gpu_preset_on_this_cpu_node_is_refused(capsys):
     code, _, err = run(capsys, "doctor", "--hardware", "h100-sxm-80gb", *FAST)
     assert code == 2
@@ -122,6 +126,7 @@ def test_a_gpu_preset_on_this_cpu_node_is_refused(capsys):
                                             "and this node has no GPU")
 
 
+@pytest.mark.train
 def test_every_epilog_example_runs_as_written(capsys):
     commands = [shlex.split(re.split(r"\s{2,}", line.strip())[0])[1:] for line in EPILOG.splitlines()
                 if line.strip().startswith("charllm-tui doctor")]
@@ -363,6 +368,7 @@ def test_small_gpus_get_a_smaller_job():
         doctor.train_experiment(tiny, gpus=1)
 
 
+@pytest.mark.train
 def test_the_doctor_module_keeps_torch_out_of_this_process():
     import subprocess
     import sys

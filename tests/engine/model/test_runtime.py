@@ -80,6 +80,7 @@ def test_fusions_are_megatrons_defaults_where_they_can_run(assignments, stack, f
     assert fused <= got and not (not_fused & got)
 
 
+@pytest.mark.train
 def test_gpu_configs_of_every_shipped_experiment_are_accepted_by_megatron_core():
     """TransformerConfig, OptimizerConfig and DistributedDataParallelConfig as the workload builds
     them for an H100 without TE, for every shipped experiment (TE-only features switched off, as
@@ -113,6 +114,7 @@ def test_gpu_configs_of_every_shipped_experiment_are_accepted_by_megatron_core()
     assert checked >= 40
 
 
+@pytest.mark.train
 def test_squared_relu_is_megatrons_own_activation_not_a_lambda():
     from megatron.core.activations import squared_relu
 
@@ -121,6 +123,7 @@ def test_squared_relu_is_megatrons_own_activation_not_a_lambda():
     assert config.activation_func is squared_relu and not config.bias_activation_fusion
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("vp, overlap", [(None, False), (2, True)])
 def test_the_interleaved_schedule_overlaps_p2p_and_never_batches_it(vp, overlap):
     """Megatron-LM: --overlap-p2p-communication is on, and batch_p2p_comm = not overlap_p2p_comm;
@@ -210,6 +213,7 @@ def _settings(e, stack) -> dict:
             **{f"ddp.{k}": v for k, v in train.ddp_settings(e, e.data_parallel_size).items()}}
 
 
+@pytest.mark.train
 def test_every_training_field_is_used_or_refused():
     fields = [f.name for f in dataclasses.fields(Training)]
     assert set(fields) == set(ALTERNATIVES) | set(LOOP_FIELDS), "a Training field without a use: add it here"
@@ -343,6 +347,7 @@ def test_the_optimizer_kernels_are_whose_megatron_core_imports(stack, optimizer)
     assert runtime.Implementation.from_dict(impl.to_dict()) == impl
 
 
+@pytest.mark.train
 def test_detect_reports_this_cpu_node():
     stack = runtime.detect()
     assert stack.cuda is False and stack.capability is None and not stack.te

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from infra_runs import finish, start
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.train]
 
 PRELUDE = '''
 import os, warnings
