@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from charllm.probes.backends import BACKEND_NAMES, inventory, not_supported, open_backends
 from charllm.probes.backends.base import DEFAULT_HZ, MAX_HZ, check_hz
@@ -79,11 +80,12 @@ def run(args: argparse.Namespace) -> int:
             _print_list(_console(sys.stdout), backends, reason)
             return 0
         run_dir, own_manifest = _prepare_run_dir(args.out, args, reason) if args.out is not None else (None, False)
+        owned = run_dir if own_manifest else None     # the run whose manifest (status) this probe writes
         # A probe-only run owns its status: room to record how it ends is held from the start.
-        reserve = Reserve(run_dir.path, RESERVE_BYTES) if own_manifest else None
-        if reserve is not None and not reserve.held:
-            why = f"{disk_full_on(run_dir.path)}: no room to record the run; nothing was recorded"
-            run_dir.update_manifest(status="failed", failure=why, disk_full=disk_full_on(run_dir.path))
+        reserve = Reserve(owned.path, RESERVE_BYTES) if owned is not None else None
+        if owned is not None and reserve is not None and not reserve.held:
+            why = f"{disk_full_on(owned.path)}: no room to record the run; nothing was recorded"
+            owned.update_manifest(status="failed", failure=why, disk_full=disk_full_on(owned.path))
             raise UserError(f"--out {args.out!r}: {why}")
         follow = args.follow or (run_dir is None and not args.stream)
         view = _LiveTable(err if args.stream else _console(sys.stdout), reason) if follow else None
@@ -97,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
         devices = sum(len(b.devices()) for b in backends)
         target = f" -> {sampler.writer.dir}" if sampler.writer else ""
         slower = "".join(f"; {s}" for s in sampler.slower_backends())
-        if own_manifest:
-            run_dir.update_manifest(rates={b.name: sampler.backend_hz(b) for b in backends})
+        if owned is not None:
+            owned.update_manifest(rates={b.name: sampler.backend_hz(b) for b in backends})
         if not view:
             err.print(f"probe: {plural(devices, 'device')} at {args.hz:g} Hz{slower}{target} ({reason}); SIGTERM/Ctrl-C stops")
             if lacking := not_supported(backends):    # said once: these columns stay null, never 0
@@ -113,15 +115,15 @@ def run(args: argparse.Namespace) -> int:
         except BaseException as exc:
             from charllm.probes.store.recorder import DiskFull  # deferred: loads polars (start-up time)
 
-            changes = {"status": "failed"} if own_manifest else {}
+            changes: dict[str, Any] = {"status": "failed"} if owned is not None else {}
             if isinstance(exc, DiskFull):
                 changes["telemetry_stopped"] = {"node": sampler.node, "reason": str(exc)}
-                if own_manifest:   # the status line says why (a launched run's supervisor says it for its run)
-                    changes.update(failure=str(exc), disk_full=disk_full_on(run_dir.path))
+                if owned is not None:   # the status line says why (a launched run's supervisor says it for its run)
+                    changes.update(failure=str(exc), disk_full=disk_full_on(owned.path))
             if reserve is not None:
                 reserve.release()   # room for the status, on a full disk
             try:
-                if changes:
+                if changes and run_dir is not None:
                     run_dir.update_manifest(**changes)
             except OSError:
                 pass  # the full disk may refuse even the manifest; the error line still says why
@@ -132,9 +134,10 @@ def run(args: argparse.Namespace) -> int:
         chunks = f", {plural(sampler.writer.chunks_written, 'chunk')}" if sampler.writer else ""
         err.print(f"probe: {plural(sampler.rows, 'row')} in {plural(sampler.ticks, 'tick')} at "
                   f"{sampler.achieved(time.monotonic() - started)}{slower}{chunks}")
-        if own_manifest:
-            reserve.release()
-            run_dir.update_manifest(status="completed")
+        if owned is not None:
+            if reserve is not None:
+                reserve.release()
+            owned.update_manifest(status="completed")
         return 0
     finally:
         for backend in backends:
@@ -213,10 +216,9 @@ class _LiveTable:
 
     def __exit__(self, *exc):
         self.live.update(self._render(), refresh=True)
-        done = self.live.__exit__(*exc)
+        self.live.__exit__(*exc)
         if not self.live.console.is_terminal:    # rich leaves a piped table's last line open
             self.live.console.line()
-        return done
 
     def update(self, rows: list[dict]) -> None:
         import time

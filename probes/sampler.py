@@ -81,7 +81,7 @@ class Sampler:
         self.marker = IterationMarker(self.run_dir) if self.run_dir else None
         self._consumers: list[Callable[[list[dict]], object]] = [on_sample] if on_sample else []
         # A backend slower than the tick rate (the host: psutil costs ~0.3 ms) is sampled every n-th tick.
-        self._every = [max(1, math.ceil(self.hz / b.max_hz - 1e-9)) if getattr(b, "max_hz", None) else 1
+        self._every = [max(1, math.ceil(self.hz / b.max_hz - 1e-9)) if b.max_hz else 1
                        for b in backends]
         self.ticks = 0
         self.missed_deadlines = 0

@@ -240,6 +240,7 @@ class Queue:
             before = submitted[-lanes] if len(submitted) >= lanes else None
             after = [before.manifest()] if before is not None else []
             target = self.target.queued(after, self.record.data.get("time_limit_s"))
+            assert target is not None            # submit_all runs only where a scheduler keeps the queue
             submitted.append(self.start_member(m, target, tied=False))
 
     def start_member(self, m: dict, target: Target, *, tied: bool) -> RunDir | None:
@@ -261,6 +262,7 @@ class Queue:
         m.update(status="pending", run=result.run_id, started_ns=time.time_ns(), failure=None)
         self.started[m["index"]] = time.monotonic()
         self.record.save()
+        assert result.run_dir is not None        # not a dry run
         return RunDir(result.run_dir)
 
     # -- watching ----------------------------------------------------------------------------
@@ -270,6 +272,8 @@ class Queue:
         limit = self.record.data.get("time_limit_s")
         for m in self.members("pending", "running"):
             rd = self.record.run_dir(m)
+            if rd is None:                       # a pending member always names its run
+                continue
             status = reconcile(rd)
             if status != m["status"]:
                 _settle(m, rd, status)

@@ -205,7 +205,7 @@ def _kernels(record, summary, metric, normalize, window) -> Figure:
     by_run = {row["run"]: row for row in overview.iter_rows(named=True)} if overview.height else {}
     present = [c for c in CATEGORIES if any((row.get(f"{c}_s") or 0) > 0 for row in by_run.values())]
     for category in present:
-        series = {}
+        series: dict[str, Series] = {}
         for m, r in members:
             s = series.setdefault(m.get("model") or "?", Series(m.get("model") or "?", [], []))
             x = _layout_x(m)

@@ -30,6 +30,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from charllm.engine.model import catalog, speed
 from charllm.engine.model.experiment import Experiment, all_keys, resolve_key
@@ -204,7 +205,7 @@ class Campaign:
         if count > MAX_MEMBERS:
             raise UserError(f"campaign {self.name!r}: {count:,} members, more than the {MAX_MEMBERS:,} a campaign "
                             "may have")
-        out = []
+        out: list[Member] = []
         for base in bases:
             experiment = Experiment.load(base)
             for layout in self.layouts or ({},):
@@ -376,7 +377,8 @@ def from_layouts(base: str, base_exp: Experiment, layouts: list[Experiment], des
                             f"only; choose layouts of one {key}, or vary it under [axes] in the campaign file")
         elif values[0] != value:
             axes[key] = [_toml(values[0])]
-    table = {"description": description, "experiments": [base]} if description else {"experiments": [base]}
+    table: dict[str, Any] = {"description": description, "experiments": [base]} if description \
+        else {"experiments": [base]}
     if axes:
         table["axes"] = axes
     table["layouts"] = [{key: _toml(row[key]) for key in layout_keys} for row in rows]

@@ -27,7 +27,7 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -754,7 +754,7 @@ class Experiment:
             if value is None:
                 continue
             if section in ("model", "hardware"):
-                loader = kind.load
+                loader: Callable[[str], Any] = ModelSpec.load if section == "model" else Hardware.load
                 if isinstance(value, str):
                     setattr(exp, section, loader(value))
                     continue

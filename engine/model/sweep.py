@@ -43,7 +43,7 @@ from charllm.engine.model.experiment import (Cluster, Experiment, Hardware, Mode
 from charllm.engine.model.validate import rule_problems, value_problems
 from charllm.probes.core.errors import UserError
 
-RECOMPUTE = {
+RECOMPUTE: dict[str, dict[str, Any]] = {
     "none": {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None},
     "selective": {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None},
     "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
@@ -180,7 +180,7 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
                 dp = world // (tp * cp * pp)
                 vps = [1] + ([v for v in _divisors(m.num_layers // pp) if v > 1]
                              if pp > 1 and m.num_layers % pp == 0 else [])
-                eps = [e for e in _divisors(m.num_moe_experts) if (tp * cp * dp) % (e * tp) == 0] \
+                eps = [e for e in _divisors(m.num_moe_experts or 1) if (tp * cp * dp) % (e * tp) == 0] \
                     if m.is_moe else [1]
                 batches = [b for b in micro_batch_sizes if gbs % (b * dp) == 0]
                 for vp in vps if batches else ():
@@ -334,19 +334,21 @@ class _Grid:
         self.micro_batch_sizes = np.asarray(micro_batch_sizes, dtype=np.int64)
         names, dists, batch_sizes = self.recompute, self.distributed_optimizer, self.micro_batch_sizes
         activation_sizes = [name for name in _SHAPE if (_section(name), name) in memory.ACTIVATION_FIELDS]
-        work, cache = base.copy(), {}
+        work = base.copy()
+        cache: dict = {}
         shapes: list[dict] = []
         batch_ok, choice_ok = [], []              # per shape: micro batch allowed (B), choice allowed (R x D)
         entries: dict[int, int] = {}              # id(layout entry) -> index in self.entries
-        self.entries = []                         # memory.layout_terms' (chunks, plan, weights)
-        entry_of = []                             # per shape: its entry index per recompute choice (-1: none)
+        self.entries: list[tuple] = []            # memory.layout_terms' (chunks, plan, weights)
+        entry_of: list[list[int]] = []            # per shape: its entry index per recompute choice (-1: none)
         parts: dict[tuple, int] = {}              # activation setting of a shape -> index
-        part_of, part_shape = [], []              # per shape: its setting; per setting: a shape that has it
+        part_of: list[int] = []                   # per shape: its setting
+        part_shape: list[int] = []                # per setting: a shape that has it
         sharding, workspace = [], []              # per shape: (dp shard, expert dp shard, dispatcher), per batch
         expert_sizes = []                         # per shape: (expert TP, expert DP)
         features: dict[int, int] = {}             # id(speed.stage_features entry) -> index in self.features
-        self.features = []                        # speed.stage_features' (stages, counts, first ranks, _)
-        feature_of = []                           # per shape: its features' index per recompute choice (-1: none)
+        self.features: list[tuple] = []           # speed.stage_features' (stages, counts, first ranks, _)
+        feature_of: list[list[int]] = []          # per shape: its features' index per recompute choice (-1: none)
         for shape, batches, choices in layouts(base, tuple(batch_sizes.tolist()), names, dists):
             _apply(work, {**shape, "micro_batch_size": batches[0]}, settings)
             pr = memory.precision(work)           # the same for every micro batch and recompute choice
@@ -381,10 +383,10 @@ class _Grid:
         self.rows = 0
         if not shapes:
             return
-        batch_ok, choice_ok = np.array(batch_ok), np.array(choice_ok, dtype=bool)
-        part_of, entry_of = np.array(part_of), np.array(entry_of)
+        batch_okay, choice_okay = np.array(batch_ok), np.array(choice_ok, dtype=bool)
+        part_at, entry_at_shape = np.array(part_of), np.array(entry_of)
         # rows: (shape, recompute choice, micro batch) in that order
-        s, r, b = np.nonzero(choice_ok.any(axis=2)[:, :, None] & batch_ok[:, None, :])
+        s, r, b = np.nonzero(np.asarray(choice_okay.any(axis=2))[:, :, None] & batch_okay[:, None, :])
         self.rows = len(s)
         self.columns = {name: np.array([shape[name] for shape in shapes])[s]
                         for name in (*_SHAPE, "data_parallel_size")}
@@ -392,13 +394,13 @@ class _Grid:
         self.columns["recompute"] = np.asarray(names)[r]
         self.columns["num_microbatches"] = microbatches(base.training.global_batch_size, batch_sizes[b],
                                                         self.columns["data_parallel_size"])
-        self.allowed = choice_ok[s, r]                                        # rows x optimizer choices
+        self.allowed = choice_okay[s, r]                                      # rows x optimizer choices
         # the activation terms of every (setting, recompute, micro batch) some row has
         acts: list[memory.ActTerms] = []
         act_index: dict[int, int] = {}
         table = np.full((len(part_shape), len(names), len(batch_sizes)), -1)
         used = np.zeros(table.shape, dtype=bool)
-        used[part_of[s], r, b] = True
+        used[part_at[s], r, b] = True
         for p_, r_, b_ in zip(*np.nonzero(used)):
             _apply(work, {**shapes[part_shape[p_]], "micro_batch_size": int(batch_sizes[b_])}, settings)
             _set_recompute(work, names[r_], settings)
@@ -406,10 +408,10 @@ class _Grid:
             table[p_, r_, b_] = act_index.setdefault(id(terms), len(act_index))
             if table[p_, r_, b_] == len(acts):
                 acts.append(terms)
-        act = table[part_of[s], r, b]
-        entry = entry_of[s, r]
+        act = table[part_at[s], r, b]
+        entry = entry_at_shape[s, r]
         self.speed_layouts = self._speed_layouts(base, s, r, b, shapes, expert_sizes, np.array(feature_of),
-                                                 part_of, part_shape, settings, cache)
+                                                 part_at, part_shape, settings, cache)
         # rows sharing a stage plan and a recompute setting are evaluated together
         plans: dict[int, int] = {}
         plan_of_entry = np.array([plans.setdefault(id(e[1]), len(plans)) for e in self.entries])
@@ -430,10 +432,11 @@ class _Grid:
                                                            for e in used_entries], dtype=np.int64)[entry_at].T
                 weights.append((dense, expert, self.entries[used_entries[0]][2][st][2], fsdp, embedding))
             terms = memory.take(memory.stack([acts[a] for a in used_acts]), act_at)
-            for st in memory.stage_arrays(len(chunks), plan, weights, terms, self.columns["num_microbatches"][members]):
-                stages.append((members, np.full(len(members), st.pp_rank), st.dense_params, st.expert_params,
-                               st.embedding_params, st.held_loss, st.held_max, st.backward, st.loss_extra,
-                               st.fsdp_layer_params))
+            for arrays in memory.stage_arrays(len(chunks), plan, weights, terms,
+                                              self.columns["num_microbatches"][members]):
+                stages.append((members, np.full(len(members), arrays.pp_rank), arrays.dense_params,
+                               arrays.expert_params, arrays.embedding_params, arrays.held_loss, arrays.held_max,
+                               arrays.backward, arrays.loss_extra, arrays.fsdp_layer_params))
         columns = [np.concatenate(c) for c in zip(*stages)]
         by_row = np.argsort(columns[0], kind="stable")
         (self.stage_row, self.stage_rank, self.dense, self.expert, self.embedding, self.held_loss, self.held_max,

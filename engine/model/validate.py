@@ -34,7 +34,7 @@ CHOICES: dict[str, tuple[str, tuple]] = {
 ITEM_CHOICES: dict[str, tuple[str, tuple]] = {       # lists whose every item is one of the choices
     name: (section, options) for section, name, options in declared("choices") if _is_list(section, name)
 }
-BACKENDS = choices(Telemetry, "backend")   # probes.backends.BACKEND_NAMES, through the field
+BACKENDS: tuple = choices(Telemetry, "backend") or ()   # probes.backends.BACKEND_NAMES, through the field
 
 # Upper bounds far beyond any real model or cluster, checked before any rule, plan or sweep loops
 # over a size (a loop over 10^20 nodes or layers never ends) or the arithmetic overflows.
@@ -97,7 +97,7 @@ def rule_problems(exp: Experiment) -> list[Problem]:
 
 # --------------------------------------------------------------------------------------------
 @functools.cache
-def _field_names(cls) -> tuple[str, ...]:
+def _field_names(cls: type) -> tuple[str, ...]:
     """A section's field names (the sweep validates thousands of layouts: `dataclasses.fields` each
     time was a third of its time)."""
     return tuple(f.name for f in dataclasses.fields(cls))
@@ -113,7 +113,7 @@ def value_problems(exp: Experiment) -> list[Problem]:
         out.append(Problem("name", exp.name, ONE_LINE))
     for section in ("model", "hardware", "cluster", "parallel", "training", "telemetry"):
         obj = getattr(exp, section)
-        for name in _field_names(type(obj)):
+        for name in _field_names(SECTIONS[section]):
             value = getattr(obj, name)
             if isinstance(value, str) and CONTROL.search(value):
                 out.append(Problem(name, value, ONE_LINE))
@@ -305,12 +305,11 @@ def _experts(exp: Experiment) -> list[Problem]:
         if ep > 1:
             out.append(Problem("expert_model_parallel_size", ep, "needs a mixture-of-experts model (num_moe_experts)"))
         return out
-    if m.num_moe_experts % ep:
-        out.append(Problem("num_moe_experts", m.num_moe_experts,
-                           f"must be divisible by expert_model_parallel_size ({ep})"))
-    if m.moe_router_topk > m.num_moe_experts:
-        out.append(Problem("moe_router_topk", m.moe_router_topk,
-                           f"cannot exceed num_moe_experts ({m.num_moe_experts})"))
+    experts = m.num_moe_experts or 0         # set: is_moe
+    if experts % ep:
+        out.append(Problem("num_moe_experts", experts, f"must be divisible by expert_model_parallel_size ({ep})"))
+    if m.moe_router_topk > experts:
+        out.append(Problem("moe_router_topk", m.moe_router_topk, f"cannot exceed num_moe_experts ({experts})"))
     if exp.world_size % (etp * ep * pp):
         stage = exp.world_size // pp
         out.append(Problem("expert_model_parallel_size", ep,

@@ -10,7 +10,7 @@ import polars as pl
 from charllm.probes.analysis.devices import KEYS
 
 
-def combine(accelerators: pl.DataFrame | None, host: pl.DataFrame | None) -> pl.DataFrame:
+def combine(accelerators: pl.DataFrame | None, host: pl.DataFrame | None) -> pl.DataFrame | None:
     """Accelerator and host statistics side by side (per node, or one run row each)."""
     if host is None:
         return accelerators
@@ -66,9 +66,9 @@ def aggregate_gpus(gpus: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
     ]
     frame = gpus.lazy()
     if keys:
-        out = frame.group_by(keys).agg(aggs).sort(keys)
+        lazy = frame.group_by(keys).agg(aggs).sort(keys)
     else:
-        out = frame.select(aggs).with_columns(pl.lit(None, pl.String).alias("node"))
-    out = out.with_columns(pl.lit(None, pl.String).alias("device")).collect()
+        lazy = frame.select(aggs).with_columns(pl.lit(None, pl.String).alias("node"))
+    out = lazy.with_columns(pl.lit(None, pl.String).alias("device")).collect()
     order = [c for c in gpus.columns if c in out.columns]
     return out.select(order + [c for c in out.columns if c not in order])

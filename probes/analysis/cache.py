@@ -47,7 +47,8 @@ def kept_places(run: RunDir, window, levels) -> dict[str, tuple[Path, Path, dict
     span = window if isinstance(window, str) else f"{window[0]:g}-{window[1]:g}"
     spec = list(window) if isinstance(window, tuple) else window
     places = {by: kept_place(run, f"{by}-{span}", window=spec, by=by) for by in levels}
-    return None if None in places.values() else places
+    kept = {by: place for by, place in places.items() if place is not None}
+    return kept if len(kept) == len(places) else None
 
 
 def kept_place(run: RunDir, name: str, **spec) -> tuple[Path, Path, dict] | None:

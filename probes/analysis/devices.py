@@ -49,9 +49,10 @@ def device_batches(devices: pl.DataFrame) -> list[tuple[list[str], list[str] | N
     batches: list[tuple[list[str], list[str] | None]] = []
     size = BATCH_ROWS + 1
     for (d,), part in devices.group_by("node", maintain_order=True):
-        rows = part["rows"].sum()
+        rows = int(part["rows"].sum())
         if rows > BATCH_ROWS:  # a big node: its devices in groups
-            group, group_rows = [], 0
+            group: list[str] = []
+            group_rows = 0
             for device, n in part.group_by("device", maintain_order=True).agg(pl.col("rows").sum()).iter_rows():
                 if group and group_rows + n > BATCH_ROWS:
                     batches.append(([d], group))

@@ -53,7 +53,8 @@ def iteration_stats(iterations, start_ns, end_ns, exp_file: ExperimentFile | Non
     notes = []
     exp = exp_file.experiment if exp_file else None
     seq = exp.seq_length if exp else None
-    gbs = exp.training.global_batch_size if exp and exp_file.gives("training", "global_batch_size") else None
+    gbs = exp.training.global_batch_size if exp and exp_file and exp_file.gives("training", "global_batch_size") \
+        else None
     its = its.with_columns(
         ((pl.col("end_ns") - pl.col("start_ns")) / _NS).alias("time_s"),
         pl.col("samples").fill_null(pl.lit(gbs, dtype=pl.Int64)),  # gbs is None without experiment.toml
@@ -69,7 +70,7 @@ def iteration_stats(iterations, start_ns, end_ns, exp_file: ExperimentFile | Non
         "samples_per_s": samples / total_s if samples and total_s > 0 else None,
         "tokens_per_s": tokens / total_s if tokens and total_s > 0 else None,
     }
-    world = (exp.world_size if exp and exp_file.gives("cluster") else None) or n_gpus
+    world = (exp.world_size if exp and exp_file and exp_file.gives("cluster") else None) or n_gpus
     tflops = None
     if exp and world and total_s > 0 and its["samples"].null_count() == 0:
         flops = sum(flops_per_iteration(exp, int(s)) for s in its["samples"])

@@ -153,8 +153,8 @@ def read_trace(path: str | os.PathLike) -> Trace:
         raise UserError(f"trace {str(path)!r}: not a readable Kineto JSON trace ({why})") from None
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise UserError(f"trace {str(path)!r}: not a Kineto JSON trace (no traceEvents list)")
-    ours = data.get("charllm") if isinstance(data.get("charllm"), dict) else {}
-    dist = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else {}
+    ours: dict = data["charllm"] if isinstance(data.get("charllm"), dict) else {}
+    dist: dict = data["distributedInfo"] if isinstance(data.get("distributedInfo"), dict) else {}
     named = re.search(r"rank-?(\d+)", path.name)
     rank = next((v for v in (ours.get("rank"), dist.get("rank"), int(named[1]) if named else None)
                  if isinstance(v, int) and not isinstance(v, bool)), None)
@@ -228,7 +228,7 @@ def _device_segments(events: list[dict], window) -> _Segments:
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in _DEVICE_CATS or not _timed(e):
             continue
-        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        args: dict = e["args"] if isinstance(e.get("args"), dict) else {}
         category = classify_kernel(str(e.get("name", "")), args, e["cat"])
         if category in COMPUTE and args.get("correlation") in optimizer:
             category = "optimizer"

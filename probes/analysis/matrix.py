@@ -10,6 +10,8 @@ GPU's figure from each run's summary (the steady window): its mean, throttled sh
 
 from __future__ import annotations
 
+from functools import partial
+
 import polars as pl
 
 from charllm.probes.analysis.render import format_figure
@@ -94,7 +96,7 @@ def gpus_by_runs(refs: list[str], name: str, window="steady") -> pl.DataFrame:
     summary; null where the run had no such GPU or it reported nothing."""
     check(name)
     column = MATRICES[name][2]
-    out = None
+    out: pl.DataFrame | None = None
     for ref in refs:
         run = resolve_run(ref)
         gpus = summarize(run, window, by="gpu")
@@ -108,6 +110,8 @@ def gpus_by_runs(refs: list[str], name: str, window="steady") -> pl.DataFrame:
                            pl.col("simulated").alias("_sim"), pl.col(column).alias(run.id))
         out = part if out is None else (out.join(part, on="gpu", how="full", coalesce=True)
                                         .with_columns(pl.any_horizontal("_sim", "_sim_right").alias("_sim")).drop("_sim_right"))
+    if out is None:
+        raise UserError("no runs to compare")
     return out.rename({"_sim": "simulated"}).select("gpu", "simulated", pl.exclude("gpu", "simulated")).sort("gpu")
 
 
@@ -117,5 +121,5 @@ def render_matrix(matrix: pl.DataFrame, name: str) -> pl.DataFrame:
     suffix = {"°C": "_c", "W": "_w", "MHz": "_mhz", "%": "_pct", "B": "_bytes"}[unit]
     gpu = pl.when(pl.col("simulated")).then(pl.col("gpu") + " (SIMULATED)").otherwise("gpu") \
         if "simulated" in matrix.columns else pl.col("gpu")
-    return matrix.select(gpu, *(pl.col(c).map_elements(lambda v, s=suffix: format_figure(s, v), return_dtype=pl.String)
+    return matrix.select(gpu, *(pl.col(c).map_elements(partial(format_figure, suffix), return_dtype=pl.String)
                                 .fill_null("—").alias(c) for c in matrix.columns if c not in ("gpu", "simulated")))

@@ -18,6 +18,7 @@ Profiled steps (a profiler trace slows them) and warm-up steps are left out of t
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import polars as pl
 
@@ -53,7 +54,7 @@ def choose_steps(steps: pl.DataFrame, window="steady", name: str = "run") -> tup
         if clean.height < iterations.height:
             notes.append(f"{plural(iterations.height - clean.height, 'profiled step')} left out (the profiler slows them)")
         iterations = clean
-    start_ns, end_ns, label, more = resolve_window(window, iterations, int(iterations["start_ns"].min()))
+    start_ns, end_ns, label, more = resolve_window(window, iterations, cast(int, iterations["start_ns"].min()))
     notes += more
     chosen = iterations.filter((pl.col("start_ns") >= start_ns) & (pl.col("end_ns") <= (end_ns or 2**63 - 1)))
     if chosen.height == 0:

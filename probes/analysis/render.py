@@ -135,9 +135,9 @@ def _long(df: pl.DataFrame, labels: list[str] | None = None) -> pl.DataFrame:
         parts = [row.get("run")] if row.get("level") == "run" or "level" not in df.columns else []
         parts += [row.get(k) for k in ("node", "device") if row.get(k)]
         names.append("/".join(str(p) for p in parts if p) or str(row.get("run", "value")))
-    columns = {"metric": df.columns}
-    for name, row in zip(names, df.iter_rows()):
-        columns[name] = [format_figure(metric, v) for metric, v in zip(df.columns, row)]
+    columns: dict[str, list[str]] = {"metric": df.columns}
+    for name, values in zip(names, df.iter_rows()):
+        columns[name] = [format_figure(metric, v) for metric, v in zip(df.columns, values)]
     return pl.DataFrame(columns)
 
 
@@ -155,7 +155,9 @@ def _terminal_table(long: pl.DataFrame, width: int | None = None) -> str:
     def column_width(name: str) -> int:
         return max(map(len, rest[name].to_list() + [name])) + 3
 
-    blocks, block, used = [], [], metric_width
+    blocks: list[list[str]] = []
+    block: list[str] = []
+    used = metric_width
     for name in names:
         if block and used + column_width(name) > width:
             blocks.append(block)

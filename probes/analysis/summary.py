@@ -10,6 +10,7 @@ finished runs are kept (cache); render turns them into text and files.
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import polars as pl
 
@@ -167,7 +168,8 @@ def _summarize(run: RunDir, window, levels, thorough: bool = False) -> dict[str,
                 rows = rows.filter(pl.col("device").is_in(devs))
         return rows.select(key.alias("_key"), host_row.alias("_host"), *sorted(metrics)).collect(engine="streaming")
 
-    def load(frame: pl.DataFrame):
+    def load(frame: pl.DataFrame) -> tuple[tuple[pl.DataFrame, pl.DataFrame] | None,
+                                           tuple[pl.DataFrame, pl.DataFrame] | None]:
         """((GPU samples by device, their names), or None; host samples likewise) of one batch's samples."""
         # Columns no file holds are all null: never read, added as (unallocated) constants.
         frame = frame.with_columns(pl.lit(None, dtype).alias(c) for c, dtype in TELEMETRY_SCHEMA.items()
@@ -195,14 +197,14 @@ def _summarize(run: RunDir, window, levels, thorough: bool = False) -> dict[str,
 
     gpu_parts, host_parts, loaded = [], [], None
     for batch in batches:
-        loaded = gpu = host = None  # one batch in memory at a time
+        loaded = gpu_batch = host_batch = None  # one batch in memory at a time
         loaded = load(whole.filter(in_span) if whole is not None else read(batch, in_span))
         whole = None
-        gpu, host = loaded
-        if gpu is not None:
-            gpu_parts.append(gpu_stats(*gpu, temp_limit, max_clock))
-        if host is not None:
-            host_parts.append(host_stats(*host))
+        gpu_batch, host_batch = loaded
+        if gpu_batch is not None:
+            gpu_parts.append(gpu_stats(*gpu_batch, temp_limit, max_clock))
+        if host_batch is not None:
+            host_parts.append(host_stats(*host_batch))
     if not gpu_parts and not host_parts:
         raise UserError(
             f"run {run.id}: window {label}: no telemetry samples in it (the run's samples span "
@@ -210,7 +212,8 @@ def _summarize(run: RunDir, window, levels, thorough: bool = False) -> dict[str,
         )
     host = pl.concat(host_parts).sort("node") if host_parts else None
     gpus = None
-    durations = [f["duration_s"].max() for f in gpu_parts] + [f["host_duration_s"].max() for f in host_parts]
+    durations = [cast(float, f["duration_s"].max()) for f in gpu_parts] \
+        + [cast(float, f["host_duration_s"].max()) for f in host_parts]
     if max(durations) == 0:
         raise UserError(
             f"run {run.id}: window {label}: only one sample per device; at least two are needed to weight by time"
@@ -218,7 +221,7 @@ def _summarize(run: RunDir, window, levels, thorough: bool = False) -> dict[str,
     if end_ns is None:
         end_ns = last_ns
     if gpu_parts:
-        run_mean_w = pl.concat(gpu_parts)["power_mean_w"].mean()
+        run_mean_w = cast(float | None, pl.concat(gpu_parts)["power_mean_w"].mean())
         spikes = []
         gpu = None
         for batch in batches:
@@ -240,11 +243,11 @@ def _summarize(run: RunDir, window, levels, thorough: bool = False) -> dict[str,
     notes += it_notes
 
     def level(by: str) -> pl.DataFrame:
-        if by == "gpu":
-            table = gpus
-        else:
-            table = combine(aggregate_gpus(gpus, ["node"] if by == "node" else []) if gpus is not None else None,
-                             (host if by == "node" else aggregate_hosts(host)) if host is not None else None)
+        table = gpus if by == "gpu" else \
+            combine(aggregate_gpus(gpus, ["node"] if by == "node" else []) if gpus is not None else None,
+                    (host if by == "node" else aggregate_hosts(host)) if host is not None else None)
+        assert table is not None    # a window without samples was refused above, and "gpu" is asked for with GPUs only
+        if by != "gpu":
             if by == "run":
                 table = table.with_columns(pl.lit(None, pl.String).alias("node"))
             table = table.with_columns(pl.lit(None, pl.String).alias("device"))

@@ -4,6 +4,8 @@ run's first sample."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import polars as pl
 
 from charllm.probes.core.errors import UserError
@@ -38,7 +40,7 @@ def resolve_window(window, iterations: pl.DataFrame, first_ns: int):
     if window == "steady":
         steady = iterations.filter(~pl.col("warmup"))
         if steady.height:
-            return int(steady["start_ns"].min()), int(steady["end_ns"].max()), "steady", []
+            return cast(int, steady["start_ns"].min()), cast(int, steady["end_ns"].max()), "steady", []
         why = "no iteration log" if iterations.height == 0 else "no steady (non-warm-up) iterations"
         return first_ns, None, "all", [f"{why}: window 'all' used instead of 'steady'"]
     if window == "all":

@@ -65,7 +65,7 @@ def open_backends(name: str, **kw) -> tuple[list[Backend], str]:
     recorded host rows, so it runs alone.
     """
     backend = open_backend(name, **kw)
-    reason = getattr(backend, "reason", f"{backend.name}: requested")
+    reason = backend.reason or f"{backend.name}: requested"
     if backend.name == "host" or name.startswith(REPLAY):
         return [backend], reason
     return [backend, _host()], reason

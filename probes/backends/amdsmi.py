@@ -191,7 +191,7 @@ class Violations:
         if not all(isinstance(now[key], int) for key in ("reference_timestamp", "acc_counter")):
             return (None,) * len(VIOLATION_COUNTERS)
         last, self.last = self.last, now
-        out = []
+        out: list[int | None] = []
         for column, key in VIOLATION_COUNTERS:
             if not isinstance(now[key], int):
                 out.append(None)

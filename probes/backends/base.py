@@ -71,6 +71,7 @@ class Backend(abc.ABC):
     metrics: tuple[str, ...] = ()       # the metrics this backend can report at best
     max_hz: float | None = None         # sample at most this often (None: every tick)
     max_hz_why: str = ""                # why, said when a faster rate is asked for
+    reason: str = ""                    # why this backend was chosen (`auto` says what it tried)
 
     def __init__(self) -> None:
         self._devices: list[Device] = []

@@ -50,7 +50,8 @@ class CoreTimes:
         now = self._read()
         if sum(t for t, _, _ in now) <= sum(t for t, _, _ in self.last):
             return self.values
-        cores, spent, waited = [], 0.0, 0.0
+        cores: list[float | None] = []
+        spent, waited = 0.0, 0.0
         for (total, idle, iowait), (total0, idle0, iowait0) in zip(now, self.last):
             dt = total - total0
             if dt <= 0:
@@ -177,7 +178,7 @@ class HostBackend(Backend):
         return [row]
 
     def _energy(self) -> tuple[float | None, float | None]:
-        totals = {"cpu": None, "dram": None}
+        totals: dict[str, float | None] = {"cpu": None, "dram": None}
         for zone in self._rapl:
             totals[zone.kind] = (totals[zone.kind] or 0) + zone.read() * 1e-6
         return totals["cpu"], totals["dram"]

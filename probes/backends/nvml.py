@@ -22,6 +22,7 @@ each holds, its SM share from the process-utilization samples since the last cal
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import psutil
 import pynvml
@@ -176,7 +177,7 @@ class NvmlBackend(Backend):
         got: dict = {}
         for column, policy in VIOLATIONS:
             self._read(dev, got, (column,),
-                       lambda policy=policy: (int(pynvml.nvmlDeviceGetViolationStatus(dev.handle, policy).violationTime),),
+                       partial(_violation_time, dev.handle, policy),
                        NOT_SUPPORTED, (pynvml.NVMLError,))
         self._violations[dev.label] = (now, got)
         row.update(got)
@@ -360,3 +361,8 @@ def _process_owner(pid: int) -> tuple[str, str]:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _violation_time(handle, policy: int) -> tuple[int]:
+    """The time (ns) the device spent held back by `policy` (an NVML_PERF_POLICY_*)."""
+    return (int(pynvml.nvmlDeviceGetViolationStatus(handle, policy).violationTime),)

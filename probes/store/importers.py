@@ -40,6 +40,9 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable
+from functools import partial
+from typing import cast
 from pathlib import Path
 
 import numpy as np
@@ -133,23 +136,25 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
         first_rank: dict[str, int] = {}          # every rank wrote its node's host files: keep one
         for rank in sorted(sys_files):
             first_rank.setdefault(f"node{rank // gpus_per_node}", rank)
-        first = last = None
+        first: int | None = None
+        last: int | None = None
         done = 0
         for node in sorted({*ranks, *first_rank}, key=lambda n: int(n.removeprefix("node"))):
             out = run.node_telemetry_dir(node)
             out.mkdir(parents=True, exist_ok=True)
-            parts = [(True, lambda rank=rank: _gpu_rank(gpu_files[rank], node, f"gpu{rank % gpus_per_node}", rank,
-                                                        simulated, rejected))
-                     for rank in ranks.get(node, [])]
+            parts: list[tuple[bool, Callable[[], pl.DataFrame | None]]] = [
+                (True, partial(_gpu_rank, gpu_files[rank], node, f"gpu{rank % gpus_per_node}", rank, simulated,
+                               rejected))
+                for rank in ranks.get(node, [])]
             if node in first_rank:
-                parts.append((False, lambda: _host(sys_files[first_rank[node]], node, simulated, rejected)))
+                parts.append((False, partial(_host, sys_files[first_rank[node]], node, simulated, rejected)))
             chunk = 0
             for is_gpu, part in parts:
                 frame = part()
                 if frame is not None and frame.height:
                     write_parquet(conform(frame), out / f"{chunk:06d}.parquet")
                     chunk += 1
-                    lo, hi = frame["ts_ns"].min(), frame["ts_ns"].max()
+                    lo, hi = cast(int, frame["ts_ns"].min()), cast(int, frame["ts_ns"].max())
                     first = lo if first is None else min(first, lo)
                     last = hi if last is None else max(last, hi)
                 if is_gpu:
@@ -157,7 +162,7 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
                     if on_progress:
                         on_progress(done, len(gpu_files))
         traces = _copy_traces(src, run.path / TRACES)
-        if first is None:
+        if first is None or last is None:
             raise UserError(f"charllm-ppt directory {str(src)!r}: its CSV files hold no samples"
                             + (f" that could be kept ({rejection_note(rejected)})" if rejected else ""))
         # The artifact sampled one training step (the 10th of 11): the recording is that step.
@@ -342,9 +347,10 @@ def _gpu_rank(files: dict[str, Path], node: str, device: str, rank: int, simulat
                 continue  # the byte counters give exact totals; the throughput is a point sample
             df = df.with_columns(pl.col("v") * factor)
         columns[col] = df.unique("ts_ns", keep="first").rename({"v": col})
-    frame = None
-    for df in columns.values():  # every metric of a tick shares its time: join on it
-        frame = df if frame is None else frame.join(df, on="ts_ns", how="full", coalesce=True)
+    frames = iter(columns.values())
+    frame = next(frames)
+    for df in frames:  # every metric of a tick shares its time: join on it
+        frame = frame.join(df, on="ts_ns", how="full", coalesce=True)
     frame = frame.sort("ts_ns")
     return frame.with_columns(
         (pl.col("ts_ns") - pl.col("ts_ns").min()).alias("mono_ns"),

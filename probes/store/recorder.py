@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 
@@ -35,6 +36,9 @@ from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, is_disk_full, mount_point
 from charllm.probes.store.rundir import chunk_span, node_chunks
 from charllm.probes.store.schema import ID_COLUMNS, TELEMETRY_SCHEMA, conform
+
+if TYPE_CHECKING:
+    from polars._typing import IpcCompression
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,12 @@ class DiskFull(UserError):
                          "written before is kept")
 
 
+def _first_chunk(path: Path) -> int:
+    span = chunk_span(path.name)
+    assert span is not None, path        # only chunk files are ever open
+    return span[0]
+
+
 def _write_atomic(final: Path, write, sync_dir: bool = False) -> Path:
     try:
         return write_atomic(final, write, sync_dir=sync_dir)
@@ -84,7 +94,7 @@ def _write_atomic(final: Path, write, sync_dir: bool = False) -> Path:
 class ChunkWriter:
     """Writes numbered chunks into one node's telemetry directory, continuing after existing ones."""
 
-    def __init__(self, directory: str | os.PathLike, compression: str = "zstd",
+    def __init__(self, directory: str | os.PathLike, compression: IpcCompression = "zstd",
                  compact_every: int | None = COMPACT_EVERY) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +144,7 @@ class ChunkWriter:
         self._merged = []
         if not self._open:
             return None
-        first, last = chunk_span(self._open[0].name)[0], chunk_span(self._open[-1].name)[0]
+        first, last = _first_chunk(self._open[0]), _first_chunk(self._open[-1])
         frames = []
         for p in self._open:
             try:

@@ -7,6 +7,8 @@ a device too (`device = "host"`, `backend = "host"`), so host metrics sit in the
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import polars as pl
 
 # Identity columns, always present and never null.
@@ -103,7 +105,10 @@ def empty_frame() -> pl.DataFrame:
     return pl.DataFrame(schema=TELEMETRY_SCHEMA)
 
 
-def conform(frame: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame | pl.LazyFrame:
+Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
+
+
+def conform(frame: Frame) -> Frame:
     """Add missing columns as nulls and cast to the schema, in schema order (eager or lazy)."""
     present = set(frame.collect_schema().names())
     cols = []

@@ -11,6 +11,7 @@ to check) and `cpu_run()` (a local CPU run as the host sampler records it). The 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from charllm.probes.store.schema import conform
 T0_NS = 1_700_000_000 * 10**9            # the synthetic clock's zero (2023-11-14 22:13:20 UTC)
 
 
-def make_run(root: str | Path, frames: list[pl.DataFrame] = (), *, run_id: str = "run-a",
+def make_run(root: str | Path, frames: Sequence[pl.DataFrame] = (), *, run_id: str = "run-a",
              manifest: dict | None = None, experiment: str | None = None, iterations: list[dict] | None = None,
              logs: dict[str, str] | None = None, chunks: int = 2, chunk_rows: int | None = None) -> RunDir:
     """A run directory `root/run_id`: its manifest (a completed test run unless given), the
@@ -46,7 +47,7 @@ def make_run(root: str | Path, frames: list[pl.DataFrame] = (), *, run_id: str =
     return run
 
 
-def write_telemetry(run: RunDir, frames: list[pl.DataFrame], *, chunks: int = 2, chunk_rows: int | None = None) -> None:
+def write_telemetry(run: RunDir, frames: Sequence[pl.DataFrame], *, chunks: int = 2, chunk_rows: int | None = None) -> None:
     """Each node's rows of `frames`, in time order, as numbered Arrow chunks: `chunk_rows` rows a
     chunk (as a sampler flushes), or else split into `chunks` nearly equal chunks."""
     if not len(frames):
