@@ -46,6 +46,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def megatron_lm_mirror():
+    """The Megatron-LM git mirror (CHARLLM_MEGATRON_LM, tests/infra_paths.py); skipped without one."""
+    from infra_paths import MEGATRON_LM, megatron_lm_missing
+
+    if missing := megatron_lm_missing():
+        pytest.skip(missing)
+    return MEGATRON_LM
+
+
+@pytest.fixture(scope="session")
+def validation_dir():
+    """The memory development set (CHARLLM_VALIDATION_DIR, tests/infra_paths.py); skipped without it."""
+    from infra_paths import VALIDATION, validation_missing
+
+    if missing := validation_missing():
+        pytest.skip(missing)
+    return VALIDATION
+
+
 @pytest.fixture
 def _pristine_environ():
     """Restore os.environ after each test. Megatron-Core writes NVTE_* variables into os.environ

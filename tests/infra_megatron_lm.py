@@ -1,8 +1,9 @@
 """Megatron-LM's own argument code, from a git mirror of NVIDIA/Megatron-LM, for tests that check what
 charllm writes against what Megatron accepts (tests/megatron_lm_validate.py runs in the checkout).
 
-The mirror is MEGATRON_LM_MIRROR, else the team's read-only mirror; where neither exists (CI) the tests
-that need it are skipped with that reason, and plain unit tests of the same rules still run.
+The mirror is CHARLLM_MEGATRON_LM (tests/infra_paths.py), else the team's read-only mirror; where neither
+exists (CI) the tests that need it are skipped with that reason, and plain unit tests of the same rules still
+run.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from pathlib import Path
 
 import pytest
 
-MIRROR = Path(os.environ.get("MEGATRON_LM_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+from infra_paths import MEGATRON_LM, megatron_lm_missing
+
+MIRROR = MEGATRON_LM
 RELEASES = ("0.16.1", "0.17.1", "0.18.0", "0.19.0")     # the releases charllm supports, as tags core_v<release>
 RUNNER = Path(__file__).with_name("megatron_lm_validate.py")
 
 
 def mirror_reason() -> str | None:
     """Why the Megatron-LM tests cannot run here, or None."""
-    if not (MIRROR / "HEAD").exists() and not (MIRROR / ".git").exists():
-        return f"needs a Megatron-LM git mirror (MEGATRON_LM_MIRROR; {MIRROR} is missing)"
+    if missing := megatron_lm_missing():
+        return missing
     try:
         import torch  # noqa: F401  (Megatron's argument code imports it)
     except ImportError:

@@ -28,14 +28,14 @@ from charllm.engine.model.megatron import (
 )
 from charllm.engine.model import calibration, runtime
 from charllm.probes.core.errors import UserError
+from infra_paths import VALIDATION, validation_missing
 
-VALIDATION = Path("/work/shared/validation")
-CASES = json.loads((VALIDATION / "memory_dev.json").read_text()) if VALIDATION.is_dir() else []
+CASES = [] if validation_missing() else json.loads((VALIDATION / "memory_dev.json").read_text())
 
 
-def _readme_table() -> dict[str, list[str]]:
+def _readme_table(validation: Path) -> dict[str, list[str]]:
     rows = {}
-    for line in (VALIDATION / "README.md").read_text().splitlines():
+    for line in (validation / "README.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 11 and "/" in cells[2] and cells[0] != "name":
             rows[cells[0]] = cells
@@ -69,11 +69,11 @@ def _row_of(exp: Experiment) -> list[str]:
             str(exp.seq_length), str(t.micro_batch_size)]
 
 
-@pytest.mark.skipif(not CASES, reason="needs /work/shared/validation (the memory development set)")
+@pytest.mark.skipif(not CASES, reason=validation_missing() or "")
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_memory_dev_case_imports_with_the_stated_layout(case):
+def test_memory_dev_case_imports_with_the_stated_layout(case, validation_dir):
     result = import_megatron_args(case["megatron_args"], world_size=case["world_size"], hardware=case["hardware"])
-    assert _row_of(result.experiment) == _readme_table()[case["name"]][1:8]
+    assert _row_of(result.experiment) == _readme_table(validation_dir)[case["name"]][1:8]
     assert result.experiment.hardware.name == "h100-sxm-80gb"
     assert not result.warnings or all("world size" not in w for w in result.warnings)
     # Logging and checkpoint flags are listed as ignored, exactly as written.
@@ -82,7 +82,7 @@ def test_memory_dev_case_imports_with_the_stated_layout(case):
         assert f"--log-interval {tokens[tokens.index('--log-interval') + 1]}" in result.ignored
 
 
-@pytest.mark.skipif(not CASES, reason="needs /work/shared/validation")
+@pytest.mark.skipif(not CASES, reason=validation_missing() or "")
 def test_memory_dev_shapes_follow_megatron_defaults():
     by_name = {c["name"]: c for c in CASES}
     mla = import_megatron_args(by_name["gpt3_mcore_te_tp2_pp2_mla"]["megatron_args"], world_size=8,
@@ -297,7 +297,7 @@ def test_every_shipped_experiment_round_trips(name):
     assert _round_trip(exp) == _megatron_resolved(exp)
 
 
-@pytest.mark.skipif(not CASES, reason="needs /work/shared/validation")
+@pytest.mark.skipif(not CASES, reason=validation_missing() or "")
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_imported_cases_are_a_fixed_point(case):
     first = import_megatron_args(case["megatron_args"], world_size=8, hardware="h100-sxm-80gb").experiment

@@ -113,17 +113,16 @@ def test_megatron_refuses_what_export_avoids(release, small):
         assert "error" not in got, (argv, got)
 
 
-def test_megatron_lms_own_gpt_test_configs_import():
+def test_megatron_lms_own_gpt_test_configs_import(megatron_lm_mirror):
     """Every model_config.yaml of Megatron-LM's GPT functional tests (core_v0.16.1) imports, or is refused
     with one UserError line (a shell variable where a number belongs, a config without --num-layers)."""
     import subprocess
 
     from charllm.engine.model.megatron import import_megatron_args
     from charllm.probes.core.errors import UserError
-    from infra_megatron_lm import MIRROR
 
     def git(*args):
-        return subprocess.run(["git", "-C", str(MIRROR), *args], capture_output=True, text=True, check=True).stdout
+        return subprocess.run(["git", "-C", str(megatron_lm_mirror), *args], capture_output=True, text=True, check=True).stdout
 
     paths = [p for p in git("ls-tree", "-r", "--name-only", "core_v0.16.1", "tests/functional_tests/test_cases/gpt")
              .split() if p.endswith("model_config.yaml")]

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from infra_megatron_lm import MIRROR
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "tools" / "build_memory_dev.py"
@@ -32,9 +31,7 @@ def test_no_held_out_case_is_in_the_dev_set():
 
 
 @pytest.fixture(scope="module")
-def built():
-    if not (MIRROR / "HEAD").exists() and not (MIRROR / ".git").exists():
-        pytest.skip(f"needs a Megatron-LM git mirror (MEGATRON_LM_MIRROR; {MIRROR} is missing)")
+def built(megatron_lm_mirror):
     tool = _tool()
     asked: list[list[str]] = []
     git = tool.git
@@ -44,7 +41,7 @@ def built():
         return git(checkout, *args)
 
     tool.git = recording
-    items, left_out = tool.build(MIRROR)
+    items, left_out = tool.build(megatron_lm_mirror)
     return tool, items, left_out, asked
 
 

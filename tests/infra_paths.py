@@ -1,0 +1,30 @@
+"""Inputs that live outside the repository, on the machines that have them: each from an environment
+variable, with the team's location as the default. Tests that need one are skipped, saying which
+variable to set, where it is missing (the fixtures in tests/conftest.py, or these reasons for tests
+that parametrize over the files at import time)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# A git mirror of NVIDIA/Megatron-LM (its argument code and functional-test configs).
+MEGATRON_LM = Path(os.environ.get("CHARLLM_MEGATRON_LM")
+                   or os.environ.get("MEGATRON_LM_MIRROR")      # the name used before
+                   or "/work/.mirror/NVIDIA+Megatron-LM/repo")
+# The memory development set: memory_dev.json and its README table of measured Megatron-LM runs.
+VALIDATION = Path(os.environ.get("CHARLLM_VALIDATION_DIR") or "/work/shared/validation")
+
+
+def megatron_lm_missing() -> str | None:
+    """Why there is no Megatron-LM mirror here, or None."""
+    if (MEGATRON_LM / "HEAD").exists() or (MEGATRON_LM / ".git").exists():
+        return None
+    return f"needs a Megatron-LM git mirror: set CHARLLM_MEGATRON_LM ({MEGATRON_LM} is missing)"
+
+
+def validation_missing() -> str | None:
+    """Why there is no memory development set here, or None."""
+    if (VALIDATION / "memory_dev.json").is_file():
+        return None
+    return f"needs the memory development set: set CHARLLM_VALIDATION_DIR ({VALIDATION} is missing)"
