@@ -6,11 +6,14 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from charllm.engine.launch.nodes import ArgvFor, NodeOutput, run_here
 from charllm.engine.launch.target import Say, Step, Target, sampler_argv, train_argv
 from charllm.probes.core.errors import UserError
+
+if TYPE_CHECKING:
+    from charllm.engine.model.experiment import Experiment
 
 
 def free_port() -> int:
@@ -34,7 +37,7 @@ class LocalTarget(Target):
     def rendezvous_port(self) -> int:
         return free_port()   # a free port here
 
-    def plan(self, exp, run_dir: Path, port) -> tuple[list[Step], None]:
+    def plan(self, exp: Experiment, run_dir: Path, port) -> tuple[list[Step], None]:
         node, python = socket.gethostname(), self.python_path
         return [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node)),
                 Step(node, "train", train_argv(python, exp, str(run_dir), node_rank=0,

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from charllm.engine.launch.nodes import ArgvFor, Collect, NodeOutput, forward
 from charllm.engine.launch.process import (
@@ -33,6 +33,9 @@ from charllm.engine.launch.target import Say, Step, Target, sampler_argv, train_
 from charllm.probes.core import lifeline
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.store.rundir import Manifest
+
+if TYPE_CHECKING:
+    from charllm.engine.model.experiment import Experiment
 
 # Per-node values in the argv given to `script`, expanded by each node's shell.
 PLACEHOLDERS = {"@@NODE@@": '"$SLURMD_NODENAME"', "@@NODE_RANK@@": '"$SLURM_NODEID"',
@@ -73,7 +76,7 @@ class SlurmTarget(Target):
         return [(option, value) for option in ("partition", "account", "qos", "time", "constraint")
                 if (value := getattr(self, option))]
 
-    def plan(self, exp, run_dir: Path, port) -> tuple[list[Step], str]:
+    def plan(self, exp: Experiment, run_dir: Path, port) -> tuple[list[Step], str]:
         python = self.python_path
         sampler = sampler_argv(python, exp, str(run_dir), "@@NODE@@")
         train = train_argv(python, exp, str(run_dir), node_rank="@@NODE_RANK@@", master_addr="@@MASTER_ADDR@@",
@@ -87,7 +90,8 @@ class SlurmTarget(Target):
         if shutil.which("sbatch") is None:
             raise UserError(f"target {self.name!r}: `sbatch` is not on PATH (run from a Slurm login node)")
 
-    def prepare(self, rd, steps: list[Step], script: str, say: Say) -> dict:
+    def prepare(self, rd, steps: list[Step], script: str | None, say: Say) -> dict:
+        assert script is not None                # plan() writes the batch script for Slurm
         script_path = rd.path / "job.sbatch"
         script_path.write_text(script)
         say("submitting to Slurm")

@@ -143,14 +143,17 @@ def _pattern_value(node: ast.AST) -> int | list:
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
         left, right = _pattern_value(node.left), _pattern_value(node.right)
         if isinstance(node.op, ast.Add):
-            if type(left) is not type(right):
-                raise ValueError("int + list")
-            return left + right
+            if isinstance(left, int) and isinstance(right, int):
+                return left + right
+            if isinstance(left, list) and isinstance(right, list):
+                return left + right
+            raise ValueError("int + list")
         if isinstance(left, int) and isinstance(right, int):
             return left * right
         if isinstance(left, list) and isinstance(right, list):
             raise ValueError("list * list")
-        seq, times = (left, right) if isinstance(left, list) else (right, left)
+        seq, times = (left, right) if isinstance(left, list) and isinstance(right, int) else (right, left)
+        assert isinstance(seq, list) and isinstance(times, int)
         if times < 0 or len(seq) * times > _MAX_PATTERN:
             raise ValueError("pattern too long")
         return seq * times
@@ -186,7 +189,7 @@ def _flags(kind: type) -> dict[str, tuple[str, Switch | Value | Many]]:
 
 
 # Megatron's own syntax for a value that is not a plain int, float or string.
-_PARSERS = {"moe_layer_freq": parse_layer_pattern}
+_PARSERS: dict[str, Callable[[str], Any]] = {"moe_layer_freq": parse_layer_pattern}
 
 
 def _parser(kind: type, name: str, facts) -> Switch | Value | Many:
@@ -199,7 +202,8 @@ def _parser(kind: type, name: str, facts) -> Switch | Value | Many:
         return Switch(facts["switch"])
     if facts["join"] or get_origin(options[0]) is list:
         return Many(str, join=facts["join"])
-    return Value({int: _int, float: _float, str: str}[options[0]])
+    parsers: dict[Any, Callable[[str], Any]] = {int: _int, float: _float, str: str}
+    return Value(parsers[options[0]])
 
 
 MODEL_FLAGS = _flags(ModelSpec)
@@ -229,7 +233,7 @@ FLAGS: dict[str, tuple[str, str, Switch | Value | Many]] = {
     **{f: ("training", n, k) for f, (n, k) in TRAINING_FLAGS.items()},
 }
 
-_TYPE_WORDS = {_int: "an integer", _float: "a number", parse_layer_pattern:
+_TYPE_WORDS: dict[Callable[[str], Any], str] = {_int: "an integer", _float: "a number", parse_layer_pattern:
                "an integer or a list expression such as ([0]*3+[1]*58)"}
 
 
@@ -491,7 +495,8 @@ def installed_version() -> str | None:
         try:
             info = ast.parse((Path(spec.origin).parent / "package_info.py").read_text())
             parts = {t.id: node.value.value for node in info.body if isinstance(node, ast.Assign)
-                     for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, ast.Constant)}
+                     for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, ast.Constant)
+                     and isinstance(node.value.value, (int, str))}
             return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts.get('PRE_RELEASE', '')}"
         except (OSError, SyntaxError, KeyError):
             pass
@@ -650,7 +655,7 @@ def _resolve_cluster(exp: Experiment, launcher: list[str], special: dict, world_
         world_size = _one_int("--world-size", special["--world-size"])
     if world_size is None:
         launch_world, launch_gpn = _launcher_world(launcher)
-        if launch_world is not None:
+        if launch_world is not None and launch_gpn is not None:
             world_size, gpus_per_node = launch_world, gpus_per_node or launch_gpn
             result.warnings.append(f"world size {world_size} = {plural(world_size // launch_gpn, 'node')} x {launch_gpn}, "
                                    "from the torchrun prefix")

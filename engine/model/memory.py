@@ -255,11 +255,7 @@ class _Fields:
             values = (values,)
         if not self._lists:
             return values
-        values = list(values)
-        for i in self._lists:
-            if isinstance(values[i], list):
-                values[i] = tuple(values[i])
-        return tuple(values)
+        return tuple(tuple(v) if i in self._lists and isinstance(v, list) else v for i, v in enumerate(values))
 
 
 # The fields the split reads, as their metadata says (engine.model.experiment.setting's pipeline_split):
@@ -295,7 +291,7 @@ def _split(key: tuple) -> list[list[_Chunk]]:
                 elif slot == "L":
                     flat[c].loss = True
                 else:
-                    flat[c].layers.append(slot)
+                    flat[c].layers.append(int(slot))
             i += k
         flat[0].embedding = True
         flat[-1].loss = True
@@ -568,7 +564,7 @@ class _Shapes:
             elif self.exp.parallel.expert_model_parallel_size > 1:
                 routed *= busiest
             effn = routed * m.moe_ffn / self.etp
-            router = 4 * s * b * m.num_moe_experts * 2 / (tp if self.sp else 1)  # fp32 logits + probs
+            router = 4 * s * b * (m.num_moe_experts or 0) * 2 / (tp if self.sp else 1)  # fp32 logits + probs
             # fc1 input, fc1 output, fc2 input (+ the activation output the probability multiply keeps),
             # and the fp32 routing probabilities; permute and unpermute keep only index maps
             act_out = 0.0 if "moe_act" in self.modules else lin * effn + (0.0 if self.fused_probs else ab * effn)
@@ -835,11 +831,14 @@ def stack(acts: list[ActTerms]) -> ActTerms:
     first = acts[0]
     assert all(a.recompute == first.recompute for a in acts)
     arrays = {name: np.array([getattr(a, name) for a in acts]) for name in ActTerms.PER_SETTING}
+    # the stacked terms hold arrays where one setting's hold floats (the class says so): mypy reads the fields' types
     return ActTerms(saved={k: np.array([a.saved[k] for a in acts]) for k in first.saved},
                     backward={k: np.array([a.backward[k] for a in acts]) for k in first.backward},
                     full_recompute=first.full_recompute, group=first.group,
-                    offloaded_layers=first.offloaded_layers, **arrays,
-                    capture=stack([a.capture for a in acts]) if first.capture is not None else None)
+                    offloaded_layers=first.offloaded_layers, **arrays,  # type: ignore[arg-type]
+                    # (every one has a capture where the first has: the same recompute setting, asserted above)
+                    capture=stack([a.capture for a in acts if a.capture is not None])
+                    if first.capture is not None else None)
 
 
 def take(acts: ActTerms, index) -> ActTerms:
@@ -1080,7 +1079,7 @@ def workspace_bytes(exp: Experiment, cache: dict | None = None, micro_batch_size
     m, p, t = exp.model, exp.parallel, exp.training
     runs = implementation(exp, cache)
     te = runs.transformer == "transformer_engine"
-    total = BASE_WORKSPACE_BYTES + (GEMM_WORKSPACE_BYTES if runs.device == "cuda" else 0)
+    total: float = BASE_WORKSPACE_BYTES + (GEMM_WORKSPACE_BYTES if runs.device == "cuda" else 0)
     if te and m.is_moe and t.moe_grouped_gemm:
         total += GROUPED_GEMM_WORKSPACE_BYTES
     if te and t.tp_comm_overlap:

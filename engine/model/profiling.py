@@ -10,11 +10,15 @@ parallel rank 0) is s*W/PP.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 from charllm.probes.core.errors import plural
 from charllm.probes.core.formatting import size
 from charllm.probes.store.rundir import TRACES
+
+if TYPE_CHECKING:
+    from charllm.engine.model.experiment import Experiment
 
 # What one profiled step writes, per layer and micro-batch on the rank, and besides: measured on
 # tiny CPU runs (about 600 op events a layer and micro-batch, ~170 bytes each); a GPU trace adds a
@@ -56,7 +60,7 @@ class ProfilePlan:
                 "estimated_bytes": self.total_bytes}
 
 
-def plan(exp, device: str | None = None) -> ProfilePlan | None:
+def plan(exp: Experiment, device: str | None = None) -> ProfilePlan | None:
     """The experiment's profiler window, or None when it records nothing. `device` ("cpu" or
     "cuda"): what the trace size is estimated for; default from the hardware."""
     tel = exp.telemetry

@@ -19,6 +19,7 @@ scaled_dot_product_attention (a flash-class kernel on GPUs).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 import functools
 import os
 import shutil
@@ -29,6 +30,9 @@ from dataclasses import dataclass, field
 
 from charllm.engine.model.experiment import Problem
 from charllm.probes.store.rundir import implementation_words
+
+if TYPE_CHECKING:
+    from charllm.engine.model.experiment import Experiment
 
 # Optional extensions the workload can use, by import name. Found = imports, not merely installed:
 # a Transformer Engine built for another CUDA or torch is installed but unusable.
@@ -107,7 +111,7 @@ def detect() -> Stack:
             found.add(name)
         except Exception:   # noqa: BLE001 - any failure to import means "not usable here"
             continue
-    capability = tuple(torch.cuda.get_device_capability()) if cuda else None
+    capability = torch.cuda.get_device_capability() if cuda else None
     return Stack(cuda=cuda, capability=capability, extensions=frozenset(found), source=f"found on {platform.node()}",
                  compiler=host_compiler())
 
@@ -216,7 +220,7 @@ def sdpa_takes_gqa(cuda: bool, half: bool, kernels: tuple[str, ...] | None) -> b
     return cuda and half and (kernels is None or "FLASH_ATTENTION" in kernels)
 
 
-def transformer_impl(exp, stack: Stack) -> str:
+def transformer_impl(exp: Experiment, stack: Stack) -> str:
     """What `training.transformer_impl` becomes on `stack`: "transformer_engine" or "local"."""
     return _transformer(exp.training.transformer_impl, exp.training.attention_backend, stack)
 
@@ -228,12 +232,12 @@ def _transformer(impl: str, backend: str, stack: Stack) -> str:
     return "transformer_engine" if stack.te and backend != "local" else "local"
 
 
-def resolve(exp, stack: Stack) -> Implementation:
+def resolve(exp: Experiment, stack: Stack) -> Implementation:
     """What the workload builds for `exp` on `stack` (assumes problems(exp, stack) is empty)."""
     return _resolve(_resolve_key(exp), stack)
 
 
-def _resolve_key(exp) -> tuple:
+def _resolve_key(exp: Experiment) -> tuple:
     m, t = exp.model, exp.training
     return (t.transformer_impl, t.attention_backend, m.swiglu, m.squared_relu, m.add_bias_linear,
             m.position_embedding_type, t.cross_entropy_loss_fusion)
@@ -290,7 +294,7 @@ def _resolve(key: tuple, stack: Stack) -> Implementation:
 # --------------------------------------------------------------------------------------------
 # What cannot run
 # --------------------------------------------------------------------------------------------
-def problems(exp, stack: Stack) -> list:
+def problems(exp: Experiment, stack: Stack) -> list:
     """Why `exp` cannot be trained by this workload on `stack`: one Problem per reason.
 
     `engine.model.validate` holds the layout rules Megatron-LM enforces everywhere; these are the rules

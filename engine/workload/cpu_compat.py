@@ -41,6 +41,7 @@ import contextlib
 import functools
 import logging
 import threading
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -97,7 +98,7 @@ def _enter_in_new_threads() -> None:
             if mode is not None:
                 mode.__exit__(None, None, None)
 
-    threading.Thread.run = run_in_mode
+    setattr(threading.Thread, "run", run_in_mode)   # patched on purpose (mypy refuses method assignment)
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,7 +151,8 @@ _DEFAULT_STREAM = _Stream()
 
 
 def _redirect_torch_cuda() -> None:
-    cuda = torch.cuda
+    # Patched on purpose with stand-ins that are not torch's own types: an untyped namespace here.
+    cuda: Any = torch.cuda
     # megatron passes `torch.cuda.current_device()` as a device all over (buffers, masks,
     # optimizer state). Real CUDA answers the ordinal 0; a bare int is a CUDA device to torch,
     # so the mode below places those allocations on the virtual device.

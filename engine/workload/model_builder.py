@@ -11,11 +11,15 @@ the two classes hold the same parameters and compute the same function.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 import functools
 import importlib.util
 from dataclasses import dataclass
 
 from charllm.engine.model.memory import split_layers
+
+if TYPE_CHECKING:
+    from charllm.engine.model.experiment import Experiment
 
 # The release that deprecates GPTModel ships the GPT-to-Hybrid checkpoint translation with it
 # (megatron-core 0.19.0: dist_checkpointing/gpt_checkpoint_interop.py); 0.18 has HybridModel without
@@ -44,12 +48,12 @@ class ModelBuilder:
     def hybrid(self) -> bool:
         return self.name == "HybridModel"
 
-    def describe(self, exp) -> dict:
+    def describe(self, exp: Experiment) -> dict:
         """For the run record: which class built the model, why, and HybridModel's layer pattern."""
         return {"class": self.name, "reason": self.reason,
                 "hybrid_layer_pattern": hybrid_pattern(exp) if self.hybrid else None}
 
-    def config_settings(self, exp, settings: dict) -> dict:
+    def config_settings(self, exp: Experiment, settings: dict) -> dict:
         """TransformerConfig arguments for this class. HybridModel counts its own layers, two per
         GPT layer; its pattern places the MoE layers and the pipeline chunks, so the GPT fields that
         did (moe_layer_freq, the pipeline split and layout) step aside, as Megatron-LM's
@@ -72,7 +76,7 @@ class ModelBuilder:
             recompute_num_layers=2 * recompute if recompute else recompute,
         )
 
-    def build(self, exp, config, impl, *, pre_process: bool, post_process: bool, vp_stage: int | None):
+    def build(self, exp: Experiment, config, impl, *, pre_process: bool, post_process: bool, vp_stage: int | None):
         m, p = exp.model, exp.parallel
         common = dict(
             config=config,
@@ -95,7 +99,7 @@ class ModelBuilder:
         return GPTModel(transformer_layer_spec=gpt_block_spec(exp, config, impl, vp_stage), **common)
 
 
-def choose(exp) -> ModelBuilder:
+def choose(exp: Experiment) -> ModelBuilder:
     """HybridModel where megatron-core prefers it and it has what the experiment uses, else GPTModel."""
     if not hybrid_preferred():
         return ModelBuilder("GPTModel", "this megatron-core predates HybridModel's preference")
@@ -110,7 +114,7 @@ def choose(exp) -> ModelBuilder:
 # --------------------------------------------------------------------------------------------
 # GPTModel: Megatron-LM's decoder block spec (gpt_builders.py)
 # --------------------------------------------------------------------------------------------
-def gpt_block_spec(exp, config, impl, vp_stage):
+def gpt_block_spec(exp: Experiment, config, impl, vp_stage):
     """Megatron-LM's decoder block spec for this chunk, with SDPA core attention on the local path
     where engine.model.runtime chose it."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -131,7 +135,7 @@ def _with_attention(spec, impl):
 # --------------------------------------------------------------------------------------------
 # HybridModel: the GPT stack as a layer pattern
 # --------------------------------------------------------------------------------------------
-def hybrid_pattern(exp) -> str:
+def hybrid_pattern(exp: Experiment) -> str:
     """Each GPT layer as attention then MLP or MoE, the chunks in Megatron's order (chunk c =
     virtual stage v * PP + pipeline rank r, as select_pipeline_segment reads them), "|" between
     chunks: the same layers on every rank as GPTModel's split (engine.model.memory.split_layers)."""
@@ -155,7 +159,7 @@ class _OneDenseOneMoE:
         return getattr(self._config, name)
 
 
-def hybrid_stack_spec(exp, config, impl):
+def hybrid_stack_spec(exp: Experiment, config, impl):
     """A HybridStack spec whose attention, MLP and MoE layers are the halves of the GPT layer
     specs megatron-core builds for GPTModel (gpt_layer_specs.get_gpt_decoder_layer_specs, with
     the same arguments gpt_block_spec gives), and whose final norm is the GPT block's."""

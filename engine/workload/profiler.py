@@ -15,22 +15,28 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from charllm.engine.model.profiling import TRACES, trace_name
+
+if TYPE_CHECKING:
+    from charllm.engine.model.experiment import Experiment
+    from torch.profiler import profile, record_function
 
 
 class ProfileWindow:
     """Starts the profiler before each profiled step on this rank and writes its trace after; each
     trace written is one "profile" line in the iteration log (`log`, this rank's)."""
 
-    def __init__(self, exp, run_dir: Path, place: dict, cuda: bool, log=None) -> None:
+    def __init__(self, exp: Experiment, run_dir: Path, place: dict, cuda: bool, log=None) -> None:
         tel = exp.telemetry
         first_of_stage = place["tp_rank"] == place["cp_rank"] == place["dp_rank"] == 0
         records = tel.profile_scope == "all" or first_of_stage
         self.steps = set(tel.profile_steps or []) if records else set()
         self.dir = Path(run_dir) / TRACES
         self.place, self.cuda, self.log = place, cuda, log
-        self._profiler = self._span = None
+        self._profiler: profile | None = None
+        self._span: record_function | None = None
 
     def records(self, iteration: int) -> bool:
         return iteration in self.steps
@@ -42,16 +48,16 @@ class ProfileWindow:
         from torch.profiler import ProfilerActivity, profile, record_function
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self._profiler = profile(activities=activities)
-        self._profiler.__enter__()
+        self._profiler = profiler = profile(activities=activities)
+        profiler.__enter__()
         if self.cuda:
             torch.cuda.synchronize()   # the step's kernels only, not the ones still running from the last
-        self._span = record_function(f"ProfilerStep#{iteration}")
-        self._span.__enter__()
+        self._span = span = record_function(f"ProfilerStep#{iteration}")
+        span.__enter__()
 
     def stop(self, iteration: int) -> None:
         """Stop, write the trace, and log it with what it cost."""
-        if self._profiler is None:
+        if self._profiler is None or self._span is None:
             return
         import torch
 

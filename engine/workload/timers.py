@@ -22,6 +22,10 @@ on CPU, where every op has finished when it returns, the host's clock.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "forward_backward_s": ("forward-backward",),
@@ -40,12 +44,14 @@ class _HostTimer:
     """Host clock: right where every op is synchronous (CPU)."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.total, self._started = name, 0.0, None
+        self.name, self.total = name, 0.0
+        self._started: float | None = None
 
     def start(self, barrier: bool = False) -> None:
         self._started = time.perf_counter()
 
     def stop(self, barrier: bool = False) -> None:
+        assert self._started is not None, f"timer {self.name} was not started"   # as Megatron's Timer
         self.total += time.perf_counter() - self._started
         self._started = None
 
@@ -67,21 +73,23 @@ class _DeviceTimer(_HostTimer):
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
+        self._event: torch.cuda.Event | None = None     # the start of the span being timed
         self.spans: list[tuple] = []
 
     def start(self, barrier: bool = False) -> None:
         import torch
 
-        self._started = torch.cuda.Event(enable_timing=True)
-        self._started.record()
+        self._event = torch.cuda.Event(enable_timing=True)
+        self._event.record()
 
     def stop(self, barrier: bool = False) -> None:
         import torch
 
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self.spans.append((self._started, end))
-        self._started = None
+        assert self._event is not None, f"timer {self.name} was not started"
+        self.spans.append((self._event, end))
+        self._event = None
 
     def seconds(self) -> float:
         for start, end in self.spans:

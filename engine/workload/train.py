@@ -33,6 +33,7 @@ import traceback
 import warnings
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
@@ -89,7 +90,7 @@ class StopFlag:
 # --------------------------------------------------------------------------------------------
 # What this workload can run
 # --------------------------------------------------------------------------------------------
-def check_supported(exp, stack) -> None:
+def check_supported(exp: Experiment, stack) -> None:
     """Refuse, before any collective, what cannot run on this node (engine.model.runtime's rules)."""
     found = runtime.problems(exp, stack)
     if found:
@@ -112,13 +113,13 @@ def params_dtype(t):
     return torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
 
 
-def transformer_config(exp, impl, builder):
+def transformer_config(exp: Experiment, impl, builder):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(**builder.config_settings(exp, transformer_settings(exp, impl)))
 
 
-def transformer_settings(exp, impl) -> dict:
+def transformer_settings(exp: Experiment, impl) -> dict:
     """Megatron-LM's core_transformer_config_from_args for this experiment and implementation:
     the TransformerConfig arguments."""
     import torch.nn.functional as F
@@ -171,7 +172,7 @@ def transformer_settings(exp, impl) -> dict:
     )
 
 
-def build_model(exp, config, impl, builder):
+def build_model(exp: Experiment, config, impl, builder):
     """One model chunk per virtual stage on this rank (GPTModel or HybridModel, as `builder`
     chose), wrapped in Float16Module and DDP."""
     import torch
@@ -201,13 +202,13 @@ def build_model(exp, config, impl, builder):
     ]
 
 
-def ddp_config(exp, dp_cp_size: int):
+def ddp_config(exp: Experiment, dp_cp_size: int):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(**ddp_settings(exp, dp_cp_size))
 
 
-def ddp_settings(exp, dp_cp_size: int) -> dict:
+def ddp_settings(exp: Experiment, dp_cp_size: int) -> dict:
     """Megatron-LM's DistributedDataParallelConfig arguments (training.py get_model)."""
     p, t = exp.parallel, exp.training
     return dict(
@@ -227,7 +228,7 @@ def ddp_settings(exp, dp_cp_size: int) -> dict:
     )
 
 
-def checks_for_nan(exp) -> bool:
+def checks_for_nan(exp: Experiment) -> bool:
     """Whether each step checks the loss and gradients for NaN and Inf: --check-for-nan-in-loss-and-grad
     (Megatron-LM's default), which Megatron-LM's arguments.py turns off for fp16 with dynamic loss
     scaling, where an Inf gradient is the loss scaler's signal to back off."""
@@ -235,13 +236,13 @@ def checks_for_nan(exp) -> bool:
     return t.check_for_nan_in_loss_and_grad and not (t.fp16 and not t.loss_scale)
 
 
-def optimizer_config(exp):
+def optimizer_config(exp: Experiment):
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(**optimizer_settings(exp))
 
 
-def optimizer_settings(exp) -> dict:
+def optimizer_settings(exp: Experiment) -> dict:
     """Megatron-LM's OptimizerConfig arguments (get_megatron_optimizer_config)."""
     import torch
 
@@ -264,7 +265,7 @@ def optimizer_settings(exp) -> dict:
     )
 
 
-def synthetic_batches(exp, rank_seed: int):
+def synthetic_batches(exp: Experiment, rank_seed: int):
     """Endless micro-batches of a learnable pattern: each sample cycles through a short random
     phrase over a small slice of the vocabulary, so the loss falls within a few steps."""
     import torch
@@ -282,7 +283,7 @@ def synthetic_batches(exp, rank_seed: int):
         yield {"tokens": text[:, :-1], "labels": text[:, 1:], "loss_mask": torch.ones(t.micro_batch_size, seq)}
 
 
-def indexed_batches(exp, dp_rank: int, dp_size: int):
+def indexed_batches(exp: Experiment, dp_rank: int, dp_size: int):
     """Micro-batches from a Megatron indexed dataset (`training.data_path` = the file prefix).
     The dataset is built (and checked) now; batches are drawn lazily."""
     import types
@@ -382,7 +383,7 @@ def slice_for_context_parallel(tensor, cp_rank: int, cp_size: int):
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=1)
 
 
-def initialize_userbuffers(exp) -> None:
+def initialize_userbuffers(exp: Experiment) -> None:
     """As Megatron-LM's _initialize_tp_communicators (initialize.py): Transformer Engine's
     userbuffers for TP communication/GEMM overlap, for one micro-batch of [s*b/cp, h]."""
     from transformer_engine.pytorch import module as te_module
@@ -405,7 +406,7 @@ def initialize_userbuffers(exp) -> None:
 class Trainer:
     """Megatron's pieces for one rank, wired the way Megatron-LM's training loop wires them."""
 
-    def __init__(self, exp, impl, *, cuda: bool, local_rank: int):
+    def __init__(self, exp: Experiment, impl, *, cuda: bool, local_rank: int):
         import random
 
         import numpy as np
@@ -649,7 +650,7 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
 
     setup_started = time.monotonic()
     trainer = Trainer(exp, impl, cuda=cuda, local_rank=local_rank)
-    places = [None] * world   # every rank's node and coordinates: rank 0's start record names them
+    places: list[Any] = [None] * world   # every rank's node and coordinates: rank 0's start record names them
     torch.distributed.all_gather_object(places, trainer.place())
     tel = exp.telemetry
     window = ProfileWindow(exp, run_dir, places[rank], cuda)
@@ -717,7 +718,7 @@ def stage_peaks(peaks: list[tuple]) -> list[dict]:
     return [out[stage] for stage in sorted(out)]
 
 
-def use_torch_fast_paths(exp, optimizer) -> None:
+def use_torch_fast_paths(exp: Experiment, optimizer) -> None:
     """Without Transformer Engine or Apex, megatron-core falls back to torch for Adam and for its
     multi-tensor kernels, the slow way: torch's AdamW built without fused=True, and a gradient norm
     (utils.local_multi_tensor_l2_norm) that reads every parameter's norm to the host, a sync per
@@ -760,7 +761,8 @@ class DeviceMemory:
     most seen so far. None without a GPU or where NVML cannot attribute memory to this process."""
 
     def __init__(self, local_rank: int | None):
-        self.handle, self.most = None, None
+        self.handle = None
+        self.most: int | None = None
         if local_rank is None:
             return
         try:

@@ -479,8 +479,8 @@ class RunDir:
         if not files:
             return empty_frame().lazy()
         parts = []
-        for k, group in itertools.groupby(files, key=kinds.get):
-            group = list(group)
+        for k, same_kind in itertools.groupby(files, key=kinds.get):
+            group = list(same_kind)
             if k == "parquet":
                 parts.append(scan_parquet(group))
             else:
@@ -618,7 +618,8 @@ def rank_rows(records):
         timers = record.get("timers")
         if record.get("event") != "iteration" or not isinstance(timers, dict):
             continue
-        columns = {name: timers.get(name) if isinstance(timers.get(name), list) else [] for name in RANK_TIMERS}
+        columns: dict[str, list] = {name: timers[name] if isinstance(timers.get(name), list) else []
+                                    for name in RANK_TIMERS}
         for rank in range(max(len(v) for v in columns.values())):
             place = places.get(rank, {})
             rows.append({"iteration": record.get("iteration"), "rank": rank,
@@ -727,7 +728,7 @@ def _widens(have, want) -> bool:
 
 def damage_note(run: RunDir, damaged: list[tuple[Path, str]], total: int) -> str:
     """One line: how many telemetry files were skipped, which, why, and about how much time they held."""
-    chunks = sum(last - first + 1 for f, _ in damaged for first, last in [chunk_span(f.name)])
+    chunks = sum(last - first + 1 for f, _ in damaged for first, last in [chunk_span(f.name) or (0, -1)])
     names = ", ".join(f"{f.relative_to(run.path)} ({why})" for f, why in damaged[:3])
     more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
     return (f"{len(damaged)} of {total} telemetry files unreadable, skipped: {names}{more}; "

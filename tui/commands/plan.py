@@ -146,7 +146,7 @@ def watts(value: float | None) -> str:
     return "-" if value is None or value != value else f"{value:.0f}"
 
 
-def speed_basis(exp) -> str:
+def speed_basis(exp: Experiment) -> str:
     return speed.describe(exp)
 
 
@@ -167,7 +167,7 @@ def speed_lines(fast) -> list[str]:
     return lines
 
 
-def render(exp, report, fast) -> None:
+def render(exp: Experiment, report, fast) -> None:
     from rich.console import Console
     from rich import box
     from rich.table import Table

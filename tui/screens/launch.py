@@ -6,6 +6,7 @@ screen while it starts. Once the run directory exists the Live screen follows it
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 import sys
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ from charllm.engine.launch import launcher, targets
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, plural
 from charllm.tui.screens.base import WorkbenchScreen
+
+if TYPE_CHECKING:
+    from charllm.engine.model.experiment import Experiment
 
 
 @dataclass
@@ -110,7 +114,7 @@ class LaunchScreen(WorkbenchScreen):
         return self.app.experiment.to_toml(), self.target.name
 
     @work(thread=True, exclusive=True, group="launch-plan")
-    def plan(self, exp, target) -> None:
+    def plan(self, exp: Experiment, target) -> None:
         try:
             result = launcher.launch(exp, target, dry_run=True, force=True)
             self.app.call_from_thread(self._show_plan, result)
@@ -153,7 +157,7 @@ class LaunchScreen(WorkbenchScreen):
         self.start(self.app.experiment.copy(), self.target, force)
 
     @work(thread=True, exclusive=True, group="launch")
-    def start(self, exp, target, force: bool) -> None:
+    def start(self, exp: Experiment, target, force: bool) -> None:
         try:
             result = launcher.launch(
                 exp, target, force=force, on_progress=lambda text: self.post_message(LaunchProgress(text)))

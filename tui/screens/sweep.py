@@ -71,7 +71,7 @@ class SweepDone(Message):
     basis: str = ""             # the device budget every verdict and the rates every speed assumes, and their sources
 
 
-def sweep_experiment(exp) -> SweepDone:
+def sweep_experiment(exp: Experiment) -> SweepDone:
     """Sweep `exp` (a copy the caller does not change) and say so as a message; errors included."""
     began = time.perf_counter()
     try:
@@ -230,7 +230,7 @@ class SweepScreen(WorkbenchScreen):
         self.run_sweep(exp.copy())
 
     @work(thread=True, exclusive=True, group="sweep")
-    def run_sweep(self, exp) -> None:
+    def run_sweep(self, exp: Experiment) -> None:
         self.post_message(sweep_experiment(exp))
 
     def on_sweep_done(self, message: SweepDone) -> None:
