@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+import sys
 
 import psutil
 import polars as pl
@@ -148,8 +149,6 @@ def bench_memory(hours: float, progress: Progress) -> list[tuple[float, float]]:
 
 def bench_counters(seconds: float, progress: Progress, counters: bool = True) -> dict:
     """The NVML backend (fake library) with GPM and violation counters on or off, 8 GPUs + host, 20 Hz."""
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from _pytest.monkeypatch import MonkeyPatch
 

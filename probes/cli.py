@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Any
+import signal
+import time
+import os
+from pathlib import Path
 
 from charllm.probes.backends import BACKEND_NAMES, inventory, not_supported, open_backends
 from charllm.probes.backends.base import DEFAULT_HZ, MAX_HZ, check_hz
@@ -59,9 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Execute the probe command; raises UserError for bad input."""
-    import signal
-    import time
-
     from charllm.probes.sampler import Sampler  # deferred: loads polars (start-up time)
 
     check_hz(args.hz)
@@ -149,10 +150,6 @@ def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
     run with a {"kind": "probe"} manifest; an existing one only if it is a launched run's, prepared
     for its samplers. Anything else (a folder with files in it, another probe's run, a link) is
     refused: of several probes given the same --out, one records and the others say so."""
-    import os
-    import time
-    from pathlib import Path
-
     path = Path(out).expanduser().absolute()
     if path.is_symlink():
         raise UserError(f"--out {out!r}: a symbolic link; give the run directory itself")
@@ -221,8 +218,6 @@ class _LiveTable:
             self.live.console.line()
 
     def update(self, rows: list[dict]) -> None:
-        import time
-
         for row in rows:
             self.latest[(row["node"], row["device"])] = row
         now = time.monotonic()

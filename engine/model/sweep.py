@@ -483,12 +483,11 @@ class _Grid:
 
     def speed(self, distributed_optimizer: bool) -> dict:
         """Per row, with the distributed optimizer on or off: what `speed.estimate` reports for the layout."""
-        import dataclasses as dc
-
         import numpy as np  # deferred: start-up time
 
         base = self.base
-        layouts = dc.replace(self.speed_layouts, distributed_optimizer=np.full(self.rows, distributed_optimizer))
+        layouts = dataclasses.replace(self.speed_layouts,
+                                      distributed_optimizer=np.full(self.rows, distributed_optimizer))
         times = speed.step_times(base, layouts)
         return speed.figures(base, layouts, times)
 

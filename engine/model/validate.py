@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import re
 from typing import get_origin
+import math
 
 from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Telemetry, Training, choices, declared,
                                            facts, field_names, field_options, parse_pipeline_layout)
@@ -106,8 +107,6 @@ def _field_names(cls: type) -> tuple[str, ...]:
 def value_problems(exp: Experiment) -> list[Problem]:
     """Problems with single values (sizes, ranges, choices). When there are none, the experiment's
     derived sizes (data-parallel size, micro-batch count, ...) are well defined."""
-    import math
-
     out = []
     if CONTROL.search(exp.name):
         out.append(Problem("name", exp.name, ONE_LINE))

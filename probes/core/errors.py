@@ -4,6 +4,12 @@ Anything raised as `UserError` reaches the user as one line (`charllm-tui: error
 non-zero exit, never as a traceback. The message says which field, what value, what rule.
 """
 
+import re
+import difflib
+import errno
+import os
+from pathlib import Path
+
 
 class UserError(Exception):
     """A mistake in user input: a bad field, value, file or name."""
@@ -12,8 +18,6 @@ class UserError(Exception):
 def one_line(message) -> str:
     """A message as the one line the user reads: newlines folded, and any word of more than 200
     characters (a hostile value, a path built from one) cut to its start and its length."""
-    import re
-
     def cut(m: re.Match) -> str:
         word = m.group(0)
         tail = word[-1] if word[-1] in ":,;.'\")]" else ""   # the punctuation that ends it stays
@@ -31,8 +35,6 @@ def shown(value, limit: int = 80) -> str:
 
 def did_you_mean(name, choices, otherwise: str = "", cutoff: float = 0.6) -> str:
     """`; did you mean 'x'?` for the closest valid name, else `otherwise` (another hint, or "")."""
-    import difflib
-
     close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=cutoff)
     return f"; did you mean {close[0]!r}?" if close else otherwise
 
@@ -46,18 +48,12 @@ def plural(n: int, noun: str, nouns: str | None = None) -> str:
 def is_disk_full(exc: BaseException) -> bool:
     """Whether `exc` says the disk is full. Python sets errno; polars raises an OSError (or its own
     error) carrying only the operating system's message."""
-    import errno
-    import os
-
     codes = (errno.ENOSPC, errno.EDQUOT)
     return getattr(exc, "errno", None) in codes or any(os.strerror(code) in str(exc) for code in codes)
 
 
 def mount_point(path) -> str:
     """The mount point holding `path` (the disk a user must free space on)."""
-    import os
-    from pathlib import Path
-
     path = Path(os.path.abspath(path))
     while not os.path.ismount(path) and path != path.parent:
         path = path.parent

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+import tomllib
 
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.files import read_bounded
@@ -26,8 +27,6 @@ def _dir(env: str, default) -> Path:
 
 def read_toml(path: Path, what: str = "file") -> dict:
     """A TOML file as a dict; a missing file or bad syntax is one UserError line naming the file."""
-    import tomllib
-
     try:  # a preset is a few KiB: a pipe, a device or something huge is refused before it is read
         text = read_bounded(Path(path).expanduser(), MAX_TOML_BYTES, what)
     except FileNotFoundError:

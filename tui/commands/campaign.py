@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+import shutil
 
 from charllm.engine.campaign import queue, spec, state
 from charllm.engine.launch.targets import get_target
@@ -276,7 +277,6 @@ def _report(args) -> int:
         figures.write_image(fig, out)
         print(f"wrote {args.out}")
         return 0
-    import shutil
 
     columns = shutil.get_terminal_size((100, 30)).columns
     print(figures.terminal(fig, width=min(columns, 160)), end="")
@@ -284,8 +284,6 @@ def _report(args) -> int:
 
 
 def _delete(args) -> int:
-    import shutil
-
     record = queue.refresh(state.Record.load(args.name))
     if record.data.get("status") not in ("completed", "cancelled", "failed"):
         raise UserError(f"campaign {args.name!r} is {record.data.get('status')}; cancel it first "

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import signal
+from pathlib import Path
 
 from charllm.engine import doctor
 from charllm.engine.launch.targets import KINDS, get_target
@@ -88,8 +90,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
-
     if args.show is not None:
         return show(args.show, args.json)
 
@@ -104,8 +104,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     options = dict(train=args.train, hardware=args.hardware, sample_seconds=args.sample_seconds,
                    iters=args.iters, timeout=args.timeout, progress=_progress)
     if args.target is not None and not args.target.strip():

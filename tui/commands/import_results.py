@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 
 def register(subparsers) -> None:
@@ -29,9 +31,6 @@ def register(subparsers) -> None:
 
 
 def _charllm_ppt(args: argparse.Namespace) -> int:
-    import sys
-    from pathlib import Path
-
     from rich.progress import Progress
 
     from charllm.engine.campaign import artifact  # deferred: loads the experiment catalog (start-up time)
@@ -81,7 +80,5 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
 
 def _warn(run) -> None:
     """The rows an import left out, one line per run (the manifest keeps the counts per file)."""
-    import sys
-
     for note in run.read_manifest().get("notes") or []:
         print(f"charllm-tui: warning: {run.id}: {note}", file=sys.stderr)

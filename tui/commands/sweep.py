@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import json
 
 from charllm.engine.model.experiment import Experiment, parse_value
 from charllm.engine.model.memory import budget
@@ -129,8 +130,6 @@ def run(args: argparse.Namespace) -> int:
         df = sort_by(df, args.sort)
         counted += f", by {args.sort}"
     if args.json:
-        import json
-
         print(json.dumps(df.to_dicts()))
     elif args.parquet is not None:
         try:
