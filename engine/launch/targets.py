@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+import shutil
+import subprocess
 
 from charllm.engine.launch.local import LocalTarget
 from charllm.engine.launch.slurm import SlurmTarget
@@ -110,9 +112,6 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
 def _check_shell(line: str, where: str) -> None:
     """A line the nodes' bash runs as it is must be whole: an open quote or a trailing `&&` would
     swallow the commands after it. bash itself says (-n: parse, run nothing)."""
-    import shutil
-    import subprocess
-
     bash = shutil.which("bash")
     if bash is None:
         return

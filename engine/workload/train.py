@@ -34,6 +34,8 @@ import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
+import types
+import random
 
 from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
@@ -286,8 +288,6 @@ def synthetic_batches(exp: Experiment, rank_seed: int):
 def indexed_batches(exp: Experiment, dp_rank: int, dp_size: int):
     """Micro-batches from a Megatron indexed dataset (`training.data_path` = the file prefix).
     The dataset is built (and checked) now; batches are drawn lazily."""
-    import types
-
     import torch
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -407,8 +407,6 @@ class Trainer:
     """Megatron's pieces for one rank, wired the way Megatron-LM's training loop wires them."""
 
     def __init__(self, exp: Experiment, impl, *, cuda: bool, local_rank: int):
-        import random
-
         import numpy as np
         import torch
         from megatron.core import parallel_state as ps

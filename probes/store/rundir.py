@@ -26,6 +26,9 @@ import time
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+import shutil
+import itertools
+import statistics
 
 from charllm.probes.core import paths, procid
 from charllm.probes.core.atomic import write_atomic
@@ -427,8 +430,6 @@ class RunDir:
                             "left as it is")
 
     def delete(self) -> None:
-        import shutil
-
         self.check_ours_to_delete()
         self.check_deletable()
         try:
@@ -458,8 +459,6 @@ class RunDir:
         gets nulls); Arrow chunks with the schema's exact columns likewise, others (older or
         imported files) are conformed one by one. One scan is far faster than a scan per file.
         """
-        import itertools
-
         import polars as pl
 
         from charllm.probes.store.schema import conform, empty_frame  # deferred: loads polars (start-up time)
@@ -544,8 +543,6 @@ class RunDir:
         """What the profiler window recorded and cost, from the iteration log: the traces written
         (the workload's "profile" lines), their bytes, and the profiled steps' mean time against the
         median of the other steady steps."""
-        import statistics
-
         traces = [r for r in self.iteration_records() if isinstance(r, dict) and r.get("event") == "profile"]
         steps = self.read_steps()
         seconds = ((steps["end_ns"] - steps["start_ns"]) / 1e9).to_list()
@@ -843,8 +840,6 @@ _STAGING = re.compile(r"^\..+\.(\d+)-\d+\.importing$")
 
 def remove_abandoned_staging(root: Path) -> None:
     """Remove the staging directories of writers that died (a killed import); a live one's stays."""
-    import shutil
-
     import psutil
 
     for entry in root.iterdir() if root.is_dir() else []:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+import time
 
 from charllm.engine.launch.launcher import (cancel, launch, PORT_AT_LAUNCH, reconcile, SUPERVISOR_EXIT_S,
                                            wait_for_supervisor)
@@ -66,8 +67,6 @@ def run(args: argparse.Namespace) -> int:
 
 def follow(run_dir) -> int:
     """Print iterations and a telemetry headline until the run ends; exit status says how it ended."""
-    import time
-
     import polars as pl
 
     from charllm.probes.store.follow import (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import dataclasses
 
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec, _drop_none
@@ -126,8 +127,6 @@ def _find_kind(name: str) -> str:
 
 
 def _show(name: str, kind: str | None, as_json: bool) -> int:
-    import dataclasses
-
     import tomli_w
 
     kind = kind or _find_kind(name)

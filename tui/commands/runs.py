@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from charllm.engine.launch import targets
 from charllm.engine.launch.launcher import cancel, reconcile
@@ -108,8 +109,6 @@ def _figures(rd, m: Manifest) -> list[str]:
 
 
 def _duration(m: Manifest) -> str:
-    import time
-
     if not m.started_ns:
         return "-"
     return duration(((m.ended_ns or time.time_ns()) - m.started_ns) / 1e9)
