@@ -34,9 +34,9 @@ import traceback
 # megatron-core decorates them, at import.
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
 
-import torch  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 
 def cuda_build() -> bool:

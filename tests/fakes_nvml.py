@@ -241,7 +241,7 @@ class FakeNvml:
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
         return self._processes(handle, "nvmlDeviceGetGraphicsRunningProcesses", graphics=True)
 
-    def nvmlDeviceGetProcessUtilization(self, handle, timeStamp):  # noqa: N803 - pynvml's parameter name
+    def nvmlDeviceGetProcessUtilization(self, handle, timeStamp):  # pynvml's parameter name
         """Samples newer than timeStamp; NVML_ERROR_NOT_FOUND when there are none, as the driver answers."""
         self._check(handle, "nvmlDeviceGetProcessUtilization")
         newest = handle.utilization_us if handle.utilization_us is not None else time.time_ns() // 1000
@@ -252,7 +252,7 @@ class FakeNvml:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return samples
 
-    def nvmlDeviceGetViolationStatus(self, gpu, perfPolicyType):  # noqa: N803 - pynvml's parameter name
+    def nvmlDeviceGetViolationStatus(self, gpu, perfPolicyType):  # pynvml's parameter name
         self._check(gpu, "nvmlDeviceGetViolationStatus")
         if perfPolicyType not in gpu.violation_ns:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -282,17 +282,17 @@ class FakeNvml:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return address
 
-    def nvmlGpmSampleFree(self, gpmSample):  # noqa: N803 - pynvml's parameter name
+    def nvmlGpmSampleFree(self, gpmSample):  # pynvml's parameter name
         del self.gpm_samples[self._buffer(gpmSample)]
 
-    def nvmlGpmSampleGet(self, gpu, gpmSample):  # noqa: N803 - pynvml's parameter name
+    def nvmlGpmSampleGet(self, gpu, gpmSample):  # pynvml's parameter name
         self._check(gpu, "nvmlGpmSampleGet")
         if not gpu.gpm:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         self.gpm_samples[self._buffer(gpmSample)] = (gpu, time.monotonic())
         return gpmSample
 
-    def nvmlGpmMetricsGet(self, metricsGet):  # noqa: N803 - pynvml's parameter name
+    def nvmlGpmMetricsGet(self, metricsGet):  # pynvml's parameter name
         if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         first = self.gpm_samples[self._buffer(metricsGet.sample1)]

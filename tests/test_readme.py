@@ -104,8 +104,8 @@ def readme_commands() -> list[Command]:
 
 
 def subparsers(parser: argparse.ArgumentParser, prog: str = "charllm-tui"):
-    for action in parser._actions:  # noqa: SLF001 - argparse keeps its subcommands here
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+    for action in parser._actions:  # argparse keeps its subcommands here
+        if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 yield f"{prog} {name}", sub
                 yield from subparsers(sub, f"{prog} {name}")

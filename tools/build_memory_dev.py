@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shlex
 import statistics
 import subprocess

@@ -39,7 +39,7 @@ exit status:
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake as one line and exit code 2 (no usage dump)."""
 
-    def error(self, message: str):  # noqa: D401 - argparse API
+    def error(self, message: str):  # argparse API
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
 

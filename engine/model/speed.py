@@ -44,7 +44,6 @@ step times (tests/data/memory_dev/); docs/speed-model.md lists every assumption.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 

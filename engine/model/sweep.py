@@ -294,7 +294,6 @@ def stage_table(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recomp
     frames = []
     for d, dist in enumerate(grid.distributed_optimizer):
         st = grid.stage_bytes(dist)
-        fast = grid.speed(dist)
         frames.append(layouts[grid.stage_row].with_columns(
             pl.lit(dist).alias("use_distributed_optimizer"),
             pl.Series("pp_rank", grid.stage_rank.astype(np.int64)),

@@ -141,7 +141,7 @@ def _frame(path: Path) -> pl.DataFrame:
                         "again") from None
 
 
-def list() -> builtins.list[dict]:  # noqa: A001 - the agreed name (save/list/show/delete)
+def list() -> builtins.list[dict]:  # the agreed name (save/list/show/delete)
     """Every baseline: name, source (user|shipped), run, window, simulated, description."""
     found: dict[str, dict] = {}
     for source, root in (("shipped", _shipped_root()), ("user", paths.baselines_dir())):

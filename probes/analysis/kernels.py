@@ -443,7 +443,7 @@ def compare_kernels(refs: list[str]) -> tuple[pl.DataFrame, list[str]]:
         except UserError as exc:
             notes.append(str(exc))
             continue
-        figures = [c for c in per_stage.columns if c.endswith(("_s", "_frac")) or c.endswith("_count")]
+        figures = [c for c in per_stage.columns if c.endswith(("_s", "_frac", "_count"))]
         rows.append(per_stage.select(pl.lit(run.id).alias("run"), pl.len().alias("stages"),
                                      pl.col("source").first(), *(pl.col(c).mean() for c in figures)))
     return (pl.concat(rows, how="diagonal_relaxed") if rows else pl.DataFrame()), notes

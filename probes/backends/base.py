@@ -91,7 +91,7 @@ class Backend(abc.ABC):
         """The processes on each device now; [] where the library lists none or cannot list them."""
         return []
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:  # optional hook
         """Release the vendor library."""
 
     @property

@@ -85,7 +85,7 @@ def _first_chunk(path: Path) -> int:
 def _write_atomic(final: Path, write, sync_dir: bool = False) -> Path:
     try:
         return write_atomic(final, write, sync_dir=sync_dir)
-    except Exception as exc:  # noqa: BLE001 - polars reports a full disk as its own error too
+    except Exception as exc:  # polars reports a full disk as its own error too
         if is_disk_full(exc):
             raise DiskFull(final.parent) from None
         raise

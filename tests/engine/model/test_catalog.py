@@ -44,7 +44,7 @@ def test_charllm_ppt_model_shapes(name):
 
 def _params(m) -> float:
     """Parameter count from the shape (no biases/norms): a check that the presets are the real models."""
-    h, layers = m.hidden_size, m.num_layers
+    h = m.hidden_size
     if m.multi_latent_attention:
         q = h * m.q_lora_rank + m.q_lora_rank * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim)
         kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * m.num_attention_heads * (

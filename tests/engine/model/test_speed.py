@@ -132,7 +132,7 @@ def test_hardware_without_a_figure_the_model_needs_gets_no_step_time():
     assert speed.unknown(exp) == "no step time: hardware 'h100-sxm-80gb' gives no mem_bandwidth_gbs (0: unknown)"
     exp.hardware.network_gbs = 0.0                        # two nodes: the network is needed too
     assert speed.missing(exp) == ["mem_bandwidth_gbs", "network_gbs"]
-    from charllm.engine.model.sweep import sweep          # noqa: PLC0415 - beside the estimate it mirrors
+    from charllm.engine.model.sweep import sweep  # beside the estimate it mirrors
 
     df = sweep(exp)
     assert df.height > 0 and df["tokens_per_s"].null_count() == df.height and df["step_s"].null_count() == df.height

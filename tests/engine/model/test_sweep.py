@@ -14,13 +14,13 @@ from charllm.engine.model.memory import estimate
 from charllm.engine.model.sweep import (MICRO_BATCH_SIZES, RECOMPUTE, REQUIRED_COLUMNS, base_experiment,
                                   layout_to_experiment, stage_table, sweep)
 from charllm.engine.model.validate import validate
+from charllm.probes.core.errors import UserError
+from charllm.engine.model.experiment import Experiment
 from infra_fields import changed, variants
 
 KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "micro_batch_size", "recompute",
         "use_distributed_optimizer")
-from charllm.probes.core.errors import UserError
-from charllm.engine.model.experiment import Experiment
 
 
 ALL = {"recompute": tuple(RECOMPUTE), "distributed_optimizer": (True, False)}   # vary these too
