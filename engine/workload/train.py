@@ -639,9 +639,9 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
 
         cpu_compat.apply()
     # Everything setup needs, imported here so that import time is one figure.
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs
+    import megatron.core.optimizer
+    import megatron.core.pipeline_parallel
     if model_builder.hybrid_preferred():
         import megatron.core.models.hybrid.hybrid_model  # noqa: F401
     define_te_general_gemm()

@@ -119,7 +119,7 @@ class Chart(_KeptPlot):
     def on_resize(self) -> None:
         self._draw()
 
-    def watch_display(self, display: bool) -> None:  # noqa: D102 - hidden charts skip drawing
+    def watch_display(self, display: bool) -> None:  # hidden charts skip drawing
         if display and self._stale:
             self._draw()
 

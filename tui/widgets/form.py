@@ -48,5 +48,5 @@ class FormCheckbox(InOrderKeys, Checkbox):
     ✓ when on, blank when off (Textual's draws an X either way)."""
 
     @property
-    def BUTTON_INNER(self) -> str:  # noqa: N802 - Textual's class attribute, per value here
+    def BUTTON_INNER(self) -> str:  # Textual's class attribute, per value here
         return "✓" if self.value else " "
