@@ -94,6 +94,7 @@ def test_train_check_saves_a_calibration_that_plan_then_uses(capsys, charllm_dir
     assert again["train"] == train and again["memory"]["devices"] == 2
 
 
+@pytest.mark.train
 @pytest.mark.integration
 def test_a_failing_train_job_is_one_line_and_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
