@@ -257,6 +257,7 @@ def test_every_block_of_the_readme_is_run_or_marked_with_a_reason():
             assert block.markers, f"{where}: a {block.lang!r} block needs a readme-test marker saying how it is used"
 
 
+@pytest.mark.train           # one session: it trains the tiny CPU run the later commands read
 @pytest.mark.timeout(3 * TIMEOUT_S)
 @pytest.mark.parametrize("command", README_COMMANDS, ids=lambda c: c.id)
 def test_readme_command_runs_as_written(session, command):
@@ -307,6 +308,7 @@ def test_readme_sql_runs_in_duckdb_over_the_runs_the_readme_made(session):
     assert rows and all(row[3] > 0 for row in rows)  # one row per run, node and GPU, with samples
 
 
+@pytest.mark.train           # the examples train (doctor --train, campaign run) and read the session's runs
 @pytest.mark.timeout(3 * TIMEOUT_S)
 @pytest.mark.parametrize("command", EPILOG_COMMANDS, ids=lambda c: c.id)
 def test_help_epilog_example_runs_as_written(session, command):

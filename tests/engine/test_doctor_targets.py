@@ -14,7 +14,7 @@ from infra_runs import run_processes, wait_for
 from infra_slurm import slurm_cluster  # noqa: F401 - fixture
 from infra_ssh import ssh_nodes  # noqa: F401 - fixture
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.integration, pytest.mark.train, pytest.mark.timeout(400)]   # doctor reads torch on each node
 
 FAST = ("--sample-seconds", "0.5")
 

@@ -81,6 +81,7 @@ def test_keys_sent_in_one_go_all_arrive(tmp_path, charllm_dirs):
         server.kill()
 
 
+@pytest.mark.train
 def test_compose_launch_watch_and_quit(tmp_path, charllm_dirs):
     tmux = Tmux(tmp_path / "tmux.sock")
     start(tmux, charllm_dirs)

@@ -17,7 +17,7 @@ from infra_campaign import most_at_once, record, runs_of, tiny_campaign, wait_un
 from infra_cli import run
 from infra_runs import left_after, start, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.train]   # they launch training (torchrun)
 
 
 def supervisor(name: str) -> psutil.Process:

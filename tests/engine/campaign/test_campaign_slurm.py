@@ -16,7 +16,7 @@ from infra_cli import run
 from infra_runs import left_after, start
 from infra_slurm import slurm_cluster  # noqa: F401 - fixture
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.train]   # they launch training (torchrun)
 
 
 def slurm_at_once(cluster, jobs: list[str]) -> int:

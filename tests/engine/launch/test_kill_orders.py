@@ -15,7 +15,7 @@ from infra_cli import run
 from infra_runs import (iterations_logged, left_after, logs, rank_process, role_process, run_processes,
                         supervisor_process, wait_final, wait_for)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.train]   # they launch training (torchrun)
 
 
 def alive(proc) -> bool:

@@ -13,7 +13,7 @@ from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import RunDir
 from infra_runs import iterations_logged, logs, rank_process, run_processes, wait_final, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.train]   # they launch training (torchrun)
 
 
 def tiny(iters: int = 5):

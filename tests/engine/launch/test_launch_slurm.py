@@ -13,7 +13,7 @@ from charllm.probes.store.rundir import RunDir
 from infra_runs import iterations_logged, logs, rank_process, run_processes, wait_final, wait_for
 from infra_slurm import slurm_cluster  # noqa: F401 - fixture
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.train]   # they launch training (torchrun)
 
 
 def target(**extra):

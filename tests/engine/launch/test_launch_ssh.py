@@ -16,7 +16,7 @@ from charllm.probes.store.rundir import RunDir
 from infra_runs import iterations_logged, logs, run_processes, wait_final, wait_for
 from infra_ssh import ssh_nodes  # noqa: F401 - fixture
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.train]   # they launch training (torchrun)
 
 
 def two_nodes(iters: int):

@@ -167,6 +167,7 @@ def _namespaces_reason() -> str | None:
     return None if done.returncode == 0 else f"cannot make PID namespaces here: {done.stderr.decode().strip()}"
 
 
+@pytest.mark.train
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_another_login_node_sees_a_live_run_as_running_elsewhere(charllm_dirs):
