@@ -37,6 +37,7 @@ def text(widget) -> str:
     return console.export_text()
 
 
+@pytest.mark.train
 @pytest.mark.integration
 def test_check_then_train_and_calibrate_from_the_doctor_screen(charllm_dirs):
     async def scenario():
