@@ -308,6 +308,7 @@ async def test_an_edited_experiment_is_saved_with_its_campaign_and_mixed_layouts
 
 # -- a real campaign, run and cancelled from the screen ---------------------------------------------
 @pytest.mark.integration
+@pytest.mark.train
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pilot_test
