@@ -613,6 +613,7 @@ async def test_runs_save_as_baseline_then_bad_name_is_refused(charllm_dirs):
 
 
 # -- Launch: a tiny local run, end to end ----------------------------------------------------------
+@pytest.mark.train
 @pytest.mark.integration
 @pytest.mark.slow
 @pilot_test
@@ -762,6 +763,7 @@ async def test_compare_a_run_against_a_saved_baseline(charllm_dirs):
         assert screen.query_one("#compare-table").row_count > 5
 
 
+@pytest.mark.train
 @pytest.mark.integration
 @pytest.mark.slow
 @pilot_test
