@@ -61,6 +61,7 @@ def training(iters: int = 100_000) -> RunDir:
     return rd
 
 
+@pytest.mark.train                  # training() launches a run
 @pytest.mark.timeout(300)
 def test_supervisor_records_a_full_disk_and_stops_everything(small_disk, capsys):
     rd = training()
@@ -76,6 +77,7 @@ def test_supervisor_records_a_full_disk_and_stops_everything(small_disk, capsys)
     assert mount_point(rd.path) == str(small_disk)
 
 
+@pytest.mark.train                  # training() launches a run
 @pytest.mark.timeout(300)
 def test_runs_cancel_on_a_full_disk_is_one_line_and_keeps_the_cause(small_disk, capsys):
     rd = training()
@@ -90,6 +92,7 @@ def test_runs_cancel_on_a_full_disk_is_one_line_and_keeps_the_cause(small_disk, 
     assert left_after(str(rd.path)) == 0
 
 
+@pytest.mark.train                  # training() launches a run
 @pytest.mark.timeout(300)
 def test_a_dead_supervisors_run_on_a_full_disk_is_one_line_and_the_others_still_list(small_disk, capsys):
     from infra_runs import supervisor_process
