@@ -57,7 +57,9 @@ def build(cache: Path, members: int, gpus: int, seconds: int) -> Path:
         (rd.telemetry_dir / "n0").mkdir(parents=True, exist_ok=True)
         write_parquet(conform(pl.concat(frames)), rd.telemetry_dir / "n0" / f"000000-{seconds - 1:06d}.parquet")
         rd.experiment_path.write_text(tiny_experiment(run_id, gpus_per_node=gpus))
-        rd.iterations_path.write_text("".join(json.dumps(r) + "\n" for r in iteration_rows(np.arange(0, seconds - 12, 12.0), 11.0)))
+        rd.iterations_path.write_text(
+            "".join(json.dumps(r) + "\n" for r in iteration_rows(np.arange(0, seconds - 12, 12.0), 11.0))
+        )
         rd.write_manifest({"id": run_id, "kind": "train", "status": "completed", "created_ns": T0_NS,
                            "started_ns": T0_NS, "ended_ns": T0_NS + seconds * 10**9})
         record_members.append({"index": i, "key": str(i), "name": run_id, "base": "bench", "model": "tiny",
@@ -121,7 +123,9 @@ def main() -> int:
         cold = fresh()
         warm = [fresh() for _ in range(3)]
         best = min(warm, key=lambda r: r["seconds"])
-        print(f"cold campaign summary: {cold['seconds']:.1f} s, peak RSS {cold['rss_mb']:.0f} MB (target < 60 s, <= 1 GB)")
+        print(
+            f"cold campaign summary: {cold['seconds']:.1f} s, peak RSS {cold['rss_mb']:.0f} MB (target < 60 s, <= 1 GB)"
+        )
         times = ", ".join(f"{r['seconds']:.2f}" for r in warm)
         print(f"warm campaign summary: {best['seconds']:.2f} s best of 3 ({times}), peak RSS {best['rss_mb']:.0f} MB "
               "(target < 1 s)")

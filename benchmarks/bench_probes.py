@@ -194,10 +194,18 @@ def bench_counters(seconds: float, progress: Progress, counters: bool = True) ->
     outside = TimedFake.ns / 1e9 + host.seconds
     gpu = frame.filter(pl.col("device") != "host")
     cores = frame.filter(pl.col("device") == "host")["cpu_core_util_pct"].drop_nulls().list.len().max()
-    return {"counters": counters, "seconds": wall, "cpu_pct": 100 * cpu / wall, "fake_pct": 100 * TimedFake.ns / 1e9 / wall,
-            "host_pct": 100 * host.seconds / wall, "sampler_pct": 100 * (cpu - outside) / wall,
-            "gpm_rows": gpu["sm_active_pct"].drop_nulls().len(), "gpu_rows": gpu.height, "cores": cores,
-            "missed": sampler.missed_deadlines}
+    return {
+        "counters": counters,
+        "seconds": wall,
+        "cpu_pct": 100 * cpu / wall,
+        "fake_pct": 100 * TimedFake.ns / 1e9 / wall,
+        "host_pct": 100 * host.seconds / wall,
+        "sampler_pct": 100 * (cpu - outside) / wall,
+        "gpm_rows": gpu["sm_active_pct"].drop_nulls().len(),
+        "gpu_rows": gpu.height,
+        "cores": cores,
+        "missed": sampler.missed_deadlines,
+    }
 
 
 def main() -> None:

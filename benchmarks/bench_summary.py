@@ -96,7 +96,8 @@ def make_csvs(root: Path, seconds: int, gpus: int, seed: int) -> Path:
 # Measurements (each in its own process)
 # --------------------------------------------------------------------------------------------
 def _measure(kind: str, args: list[str]) -> dict:
-    code = f"import sys; sys.argv = {['x', kind, *args]!r}; import runpy; runpy.run_path({__file__!r}, run_name='__child__')"
+    code = (f"import sys; sys.argv = {['x', kind, *args]!r}; import runpy; "
+            f"runpy.run_path({__file__!r}, run_name='__child__')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -243,10 +244,12 @@ def measure(a: argparse.Namespace, console, csvs: list[Path]) -> None:
                                      "bytes": imp["bytes"] * k, "import_s": imp["seconds"] * k,
                                      "summary_by_gpu_s": summ["seconds"] * k, "summary_cpu_s": summ["cpu_s"] * k,
                                      "summary_peak_rss_mb": summ["peak_rss_mb"]}
-        console.print(f"scaled to {a.scale_to_gpus} GPUs (x{k:g}, arithmetic): {scaled['samples'] / 1e6:,.0f} M samples, "
-                      f"{scaled['bytes'] / 1e9:.1f} GB, import {scaled['import_s'] / 60:.0f} min, summarize --by gpu "
-                      f"{scaled['summary_by_gpu_s']:.0f} s ({scaled['summary_cpu_s']:.0f} s CPU) in the same peak RSS "
-                      f"{scaled['summary_peak_rss_mb']:.0f} MB (batches of at most BATCH_ROWS samples)")
+        console.print(
+            f"scaled to {a.scale_to_gpus} GPUs (x{k:g}, arithmetic): {scaled['samples'] / 1e6:,.0f} M samples, "
+            f"{scaled['bytes'] / 1e9:.1f} GB, import {scaled['import_s'] / 60:.0f} min, summarize --by gpu "
+            f"{scaled['summary_by_gpu_s']:.0f} s ({scaled['summary_cpu_s']:.0f} s CPU) in the same peak RSS "
+            f"{scaled['summary_peak_rss_mb']:.0f} MB (batches of at most BATCH_ROWS samples)"
+        )
     if not a.skip_artifact:
         report["artifact_way"] = r = _measure("artifact", [str(csvs[0])])
         ratio = r["seconds"] / report["summary_by_gpu"]["seconds"]

@@ -109,7 +109,9 @@ def live_cpu(seconds: float) -> tuple[float, int]:
             deadline = time.monotonic() + 60
             while "SIMULATED" not in tmux(sock, "capture-pane", "-p", "-t", "b"):
                 if time.monotonic() > deadline:
-                    raise SystemExit("the live view never showed the run:\n" + tmux(sock, "capture-pane", "-p", "-t", "b"))
+                    raise SystemExit(
+                        "the live view never showed the run:\n" + tmux(sock, "capture-pane", "-p", "-t", "b")
+                    )
                 time.sleep(0.1)
             time.sleep(3)   # past startup: measure the steady state
             cpu0, t0 = app.cpu_times(), time.monotonic()

@@ -103,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
         if owned is not None:
             owned.update_manifest(rates={b.name: sampler.backend_hz(b) for b in backends})
         if not view:
-            err.print(f"probe: {plural(devices, 'device')} at {args.hz:g} Hz{slower}{target} ({reason}); SIGTERM/Ctrl-C stops")
+            err.print(
+                f"probe: {plural(devices, 'device')} at {args.hz:g} Hz{slower}{target} ({reason}); SIGTERM/Ctrl-C stops"
+            )
             if lacking := not_supported(backends):    # said once: these columns stay null, never 0
                 err.print(f"probe: not supported here, recorded as null: {lacking}")
         started = time.monotonic()
@@ -247,7 +249,9 @@ class _LiveTable:
                 elif col == "mem_used_bytes":
                     cells.append(fmt.format(value / GIB))
                 elif col == "throttle_reasons":
-                    cells.append(",".join(n for n, bit in THROTTLE_BITS.items() if value & bit and n != "gpu_idle") or "-")
+                    cells.append(
+                        ",".join(n for n, bit in THROTTLE_BITS.items() if value & bit and n != "gpu_idle") or "-"
+                    )
                 else:
                     cells.append(fmt.format(value))
             backend = f"[bold yellow]{row['backend']}*[/]" if row.get("simulated") else row["backend"]

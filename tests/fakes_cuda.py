@@ -245,7 +245,8 @@ def run(exp, *, rank: int, world: int, steps: int = 2, stack=None) -> dict:
     implementation (runtime.resolve on the fake node), model (the megatron-core class),
     not_on_cuda (placement() of the model as the optimizer was about to be built),
     host_reads (per step), sdpa (the first SDPA calls: query heads, key heads,
-    enable_gqa), sdpa_kernels (the kernels SDPA was restricted to, None: not), optimizer (whether every torch param group is fused; the gradient-norm function),
+    enable_gqa), sdpa_kernels (the kernels SDPA was restricted to, None: not), optimizer (whether every torch param
+    group is fused; the gradient-norm function),
     param_sync (forward pre-hooks on and param_sync_func set: after setup, after each step)."""
     import torch.nn.functional as F
     from megatron.core import optimizer as mcore_optimizer

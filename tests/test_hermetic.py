@@ -24,10 +24,25 @@ def test_collection_ignores_the_users_saved_presets(tmp_path):
                             "print('my-tp2' in catalog.entries('experiments'))"],
                            env=env, capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "True", probe.stderr
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           str(TESTS / "engine/model/test_validate.py"), str(TESTS / "engine/model/test_megatron_args.py"),
-                           str(TESTS / "engine/model/test_fuzz_experiments.py")],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=TESTS.parent)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(TESTS / "engine/model/test_validate.py"),
+            str(TESTS / "engine/model/test_megatron_args.py"),
+            str(TESTS / "engine/model/test_fuzz_experiments.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=TESTS.parent,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "shipped_experiments_are_valid[tiny-tp2]" in done.stdout
     assert "my-tp2" not in done.stdout

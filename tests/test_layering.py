@@ -197,14 +197,18 @@ def test_readme_layers_are_the_contracts():
     rows = []
     for line in _readme_block("layers"):
         cells = [c for c in line.split("  ") if c.strip()]
-        concerns = [c.strip().split(" (")[0] for c in cells if re.fullmatch(r"(engine|probes|tui)[\w.]*( \(.*\))?", c.strip())]
+        concerns = [
+            c.strip().split(" (")[0] for c in cells if re.fullmatch(r"(engine|probes|tui)[\w.]*( \(.*\))?", c.strip())
+        ]
         rows.append(concerns)
     shown = [c for row in rows for c in row]
     assert sorted(shown) == sorted(ALLOWED), "the drawing shows each concern once"
     for i, row in enumerate(rows):
         below = {c for r in rows[i + 1:] for c in r}
         for concern in row:
-            assert ALLOWED[concern] <= below, f"{concern} may import {ALLOWED[concern] - below}, drawn beside or above it"
+            assert ALLOWED[concern] <= below, (
+                f"{concern} may import {ALLOWED[concern] - below}, drawn beside or above it"
+            )
 
 
 def test_the_tests_mirror_the_packages():

@@ -173,9 +173,16 @@ def step_time(checkout: Path, folder: str, golden: dict, used: list[tuple[str, l
         return {"why": f"its iteration times last changed in {commit[:10]}, whose MODEL_ARGS differ from the "
                        f"ones used in {', '.join(differ)}"}
     others = sorted({flag for flag, _ in groups} ^ {flag for flag, _ in used})
-    return {"seconds": round(statistics.median(values), 6), "min": min(values), "max": max(values), "count": len(values),
-            "steps": [steady[0][0], steady[-1][0]], "commit": commit, "date": date,
-            "flags": "the MODEL_ARGS used" + (f" but for {', '.join(others)}, which change no step" if others else "")}
+    return {
+        "seconds": round(statistics.median(values), 6),
+        "min": min(values),
+        "max": max(values),
+        "count": len(values),
+        "steps": [steady[0][0], steady[-1][0]],
+        "commit": commit,
+        "date": date,
+        "flags": "the MODEL_ARGS used" + (f" but for {', '.join(others)}, which change no step" if others else ""),
+    }
 
 
 def last_memory(golden: dict) -> tuple[int, int] | None:
@@ -204,7 +211,9 @@ def copied_from(checkout: Path, commit: str, suite: str, case: str, measured: di
         if other in HELD_OUT or other == case:        # by name, before anything of it is read
             continue
         try:
-            values = memory_at_last_step(json.loads(git(checkout, "show", f"{commit}~1:{CASES}/{suite}/{other}/{GOLDEN}")))
+            values = memory_at_last_step(
+                json.loads(git(checkout, "show", f"{commit}~1:{CASES}/{suite}/{other}/{GOLDEN}"))
+            )
         except (LookupError, json.JSONDecodeError):
             continue
         if values is not None and (values["step"], values["static"], values["peak"]) == \

@@ -19,7 +19,8 @@ grad-reduce, param-gather and TP communication overlap (TP overlap needs TP>1); 
 overlap; FSDP none (its TP overlap without sequence parallelism is turned off again by the artifact's NeMo).
 Recomputation: full, block method, every layer of a stage. The artifact sampled the second-to-last step, so
 all but the last two steps are marked warm-up. A variant without recomputation says in its description how
-the paper ran its layout (PAPER_RUNS), which a plan that finds it does not fit shows beside its verdict. The micro-batch sweep (1/2/4/8, recompute on) is
+the paper ran its layout (PAPER_RUNS), which a plan that finds it does not fit shows beside its verdict. The
+micro-batch sweep (1/2/4/8, recompute on) is
 `--set micro_batch_size=N` on the 01000 presets rather than more files.
 
 Left out: H100 llama3-70b layout 4 (TP1 PP32): 80 layers do not split evenly over 32 stages, and the

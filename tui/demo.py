@@ -67,8 +67,11 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
                        "mem_reserved_bytes": 64 * GIB, "tflops_per_gpu": 388.0 + i % 5, "warmup": i <= 2})
     events.append({"event": "end", "status": status, "rank": 0, "node": "node0",
                    "end_ns": t0_ns + int(seconds * ns)})
-    log = "".join(f"iteration {e['iteration']:>4} | loss {e['loss']:.4f} | {(e['end_ns'] - e['start_ns']) / 1e6:.0f} ms\n"
-                  for e in events if e["event"] == "iteration")
+    log = "".join(
+        f"iteration {e['iteration']:>4} | loss {e['loss']:.4f} | {(e['end_ns'] - e['start_ns']) / 1e6:.0f} ms\n"
+        for e in events
+        if e["event"] == "iteration"
+    )
     manifest = {"id": run_id, "kind": "train", "name": exp.name, "status": status, "simulated": True,
                 "created_ns": t0_ns, "started_ns": t0_ns, "ended_ns": t0_ns + int(seconds * ns),
                 "target": {"name": LOCAL.name, "kind": LOCAL.kind},

@@ -278,7 +278,11 @@ class Queue:
             if status != m["status"]:
                 _settle(m, rd, status)
                 changed = True
-            elif not self.scheduler and limit and time.monotonic() - self.started.get(m["index"], time.monotonic()) > limit:
+            elif (
+                not self.scheduler
+                and limit
+                and time.monotonic() - self.started.get(m["index"], time.monotonic()) > limit
+            ):
                 m.update(timed_out=True, failure=f"time limit ({limit:g} s) reached; stopped")
                 try:
                     cancel_run(rd)
@@ -299,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = queue.run()
     except BaseException as exc:
-        _cancel_members(queue.record)   # never leave members running without their queue
-        queue.record.data.update(status="failed", ended_ns=time.time_ns(), failure=f"campaign supervisor error: {exc!r}")
+        _cancel_members(queue.record)  # never leave members running without their queue
+        queue.record.data.update(
+            status="failed", ended_ns=time.time_ns(), failure=f"campaign supervisor error: {exc!r}"
+        )
         queue.record.save()
         raise
     print(f"campaign {argv[0]}: {status}", flush=True)

@@ -14,10 +14,28 @@ from charllm.probes.analysis.summary import cached_summary, summarize
 from charllm.probes.core.errors import UserError
 
 # The run-level summary's columns a campaign row shows, in reading order (units in the names).
-FIGURES = ("iter_time_mean_s", "iter_time_p50_s", "tokens_per_s", "mfu_pct", "energy_per_token_j", "efficiency_samples_per_s_mj",
-           "power_mean_w", "power_peak_w", "temp_gpu_mean_c", "temp_gpu_peak_c", "sm_clock_mean_mhz",
-           "throttle_sw_power_cap_frac", "throttle_hw_slowdown_frac", "throttle_sw_thermal_frac",
-           "nvlink_tx_bytes", "nvlink_rx_bytes", "pcie_tx_bytes", "pcie_rx_bytes", "gpus", "simulated")
+FIGURES = (
+    "iter_time_mean_s",
+    "iter_time_p50_s",
+    "tokens_per_s",
+    "mfu_pct",
+    "energy_per_token_j",
+    "efficiency_samples_per_s_mj",
+    "power_mean_w",
+    "power_peak_w",
+    "temp_gpu_mean_c",
+    "temp_gpu_peak_c",
+    "sm_clock_mean_mhz",
+    "throttle_sw_power_cap_frac",
+    "throttle_hw_slowdown_frac",
+    "throttle_sw_thermal_frac",
+    "nvlink_tx_bytes",
+    "nvlink_rx_bytes",
+    "pcie_tx_bytes",
+    "pcie_rx_bytes",
+    "gpus",
+    "simulated",
+)
 WINDOW = "steady"
 
 

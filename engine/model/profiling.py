@@ -28,7 +28,9 @@ BYTES_PER_LAYER_MICROBATCH = {"cpu": 110_000, "cuda": 250_000}
 BYTES_PER_STEP = 400_000   # the optimizer step, the loss, the pipeline's sends and receives
 # The profiler's cost on a recorded step: every op is recorded (on a GPU also every kernel, by
 # CUPTI), and the trace is written before the step ends. The other ranks wait for it at the step's end.
-SLOWDOWN = "the recorded steps run slower on every rank (each op is recorded, and the trace written before the step ends)"
+SLOWDOWN = (
+    "the recorded steps run slower on every rank (each op is recorded, and the trace written before the step ends)"
+)
 
 
 def trace_name(rank: int, step: int) -> str:
@@ -50,7 +52,9 @@ class ProfilePlan:
     def describe(self) -> str:
         """One line: what is recorded, where, and what it costs."""
         who = "every rank" if self.scope == "all" else f"the first rank of each pipeline stage ({_ranks(self.ranks)})"
-        steps = ", ".join(map(str, self.steps[:8])) + (f" and {len(self.steps) - 8} more" if len(self.steps) > 8 else "")
+        steps = ", ".join(map(str, self.steps[:8])) + (
+            f" and {len(self.steps) - 8} more" if len(self.steps) > 8 else ""
+        )
         return (f"profiler: {plural(len(self.steps), 'step')} ({steps}) on {who}: "
                 f"{plural(len(self.ranks) * len(self.steps), 'trace')} into {TRACES}/, about "
                 f"{size(self.trace_bytes)} each ({size(self.total_bytes)} in all); {SLOWDOWN}")

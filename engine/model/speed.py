@@ -556,7 +556,9 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
     # pipeline sends: each stage receives and sends an activation forward and a gradient backward
     # per micro-batch; hidden by the interleaved schedule's overlap, exposed in 1F1B
     pp, vp = w(L.pp), w(L.vp)
-    p2p_bytes = w(L.micro_batch * exp.seq_length / L.cp * m.hidden_size / np.where(L.sp, L.tp, 1)) * u["activation_bytes"]
+    p2p_bytes = (
+        w(L.micro_batch * exp.seq_length / L.cp * m.hidden_size / np.where(L.sp, L.tp, 1)) * u["activation_bytes"]
+    )
     world = exp.world_size
     p2p = _collective(np, 1.0, p2p_bytes, 2 * (pp > 1), world / pp, r)
     comm = comm + np.where(vp > 1, 2 * np.where(pp > 1, LATENCY_NODE_S, 0.0), 2 * p2p)

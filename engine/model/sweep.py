@@ -239,8 +239,18 @@ def sweep(base: Experiment, *, micro_batch_sizes=MICRO_BATCH_SIZES, recompute: t
     if not grid.rows:
         flags = ("use_distributed_optimizer", "sequence_parallel", "fits")
         floats = ("bubble", *SPEED)
-        return pl.DataFrame(schema={name: pl.String if name in ("recompute", "verdict") else pl.Float64 if name in floats
-                                    else pl.Boolean if name in flags else pl.Int64 for name in ORDER})
+        return pl.DataFrame(
+            schema={
+                name: pl.String
+                if name in ("recompute", "verdict")
+                else pl.Float64
+                if name in floats
+                else pl.Boolean
+                if name in flags
+                else pl.Int64
+                for name in ORDER
+            }
+        )
     starts = np.flatnonzero(np.r_[True, grid.stage_row[1:] != grid.stage_row[:-1]])
     sizes = np.diff(np.r_[starts, len(grid.stage_row)])
     frames = []

@@ -383,9 +383,15 @@ def _recompute(exp: Experiment) -> list[Problem]:
                 and p.decoder_last_pipeline_num_layers is None and m.num_layers % chunks == 0)
         per_chunk = m.num_layers // chunks
         if even and t.recompute_num_layers is not None and t.recompute_num_layers > per_chunk:
-            out.append(Problem("recompute_num_layers", t.recompute_num_layers,
-                               f"cannot exceed the {plural(per_chunk, 'layer')} of one pipeline stage "
-                               f"({plural(m.num_layers, 'layer')} / {plural(chunks, 'model chunk')})", f"recompute_num_layers={per_chunk}"))
+            out.append(
+                Problem(
+                    "recompute_num_layers",
+                    t.recompute_num_layers,
+                    f"cannot exceed the {plural(per_chunk, 'layer')} of one pipeline stage "
+                    f"({plural(m.num_layers, 'layer')} / {plural(chunks, 'model chunk')})",
+                    f"recompute_num_layers={per_chunk}",
+                )
+            )
     return out
 
 
@@ -412,14 +418,32 @@ def _offloading(exp: Experiment) -> list[Problem]:
     out = []
     if t.cpu_offloading_num_layers:
         if t.cpu_offloading_num_layers >= m.num_layers:
-            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
-                               f"must be below num_layers ({m.num_layers})", f"cpu_offloading_num_layers={m.num_layers - 1}"))
+            out.append(
+                Problem(
+                    "cpu_offloading_num_layers",
+                    t.cpu_offloading_num_layers,
+                    f"must be below num_layers ({m.num_layers})",
+                    f"cpu_offloading_num_layers={m.num_layers - 1}",
+                )
+            )
         if p.pipeline_model_parallel_size > 1:
-            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
-                               "layer offloading does not support pipeline parallelism", "pipeline_model_parallel_size=1"))
+            out.append(
+                Problem(
+                    "cpu_offloading_num_layers",
+                    t.cpu_offloading_num_layers,
+                    "layer offloading does not support pipeline parallelism",
+                    "pipeline_model_parallel_size=1",
+                )
+            )
         if t.recompute_granularity is not None:
-            out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
-                               "layer offloading does not work with activation recompute", "recompute_granularity=none"))
+            out.append(
+                Problem(
+                    "cpu_offloading_num_layers",
+                    t.cpu_offloading_num_layers,
+                    "layer offloading does not work with activation recompute",
+                    "recompute_granularity=none",
+                )
+            )
         if t.cuda_graph_impl != "none":
             out.append(Problem("cpu_offloading_num_layers", t.cpu_offloading_num_layers,
                                "layer offloading does not work with CUDA graphs", "cuda_graph_impl=none"))
@@ -434,8 +458,14 @@ def _offloading(exp: Experiment) -> list[Problem]:
                                "fine-grained offloading needs the modules whose inputs leave the GPU",
                                "offload_modules=['core_attn']"))
         if "attn_proj" in modules and "core_attn" not in modules:
-            out.append(Problem("offload_modules", modules, "attn_proj needs core_attn too (its input is core "
-                                                           "attention's output, which core attention's backward reads)"))
+            out.append(
+                Problem(
+                    "offload_modules",
+                    modules,
+                    "attn_proj needs core_attn too (its input is core "
+                    "attention's output, which core attention's backward reads)",
+                )
+            )
     return out
 
 
@@ -461,7 +491,9 @@ def _optimizer(exp: Experiment) -> list[Problem]:
             out.append(Problem("optimizer_cpu_offload", True, "needs use_precision_aware_optimizer = true"))
     if t.use_precision_aware_optimizer:   # megatron.core.optimizer.OptimizerConfig asserts these
         if t.optimizer != "adam":
-            out.append(Problem("use_precision_aware_optimizer", True, f"works only with optimizer = adam, not {t.optimizer}"))
+            out.append(
+                Problem("use_precision_aware_optimizer", True, f"works only with optimizer = adam, not {t.optimizer}")
+            )
         if not p.use_distributed_optimizer:
             out.append(Problem("use_precision_aware_optimizer", True, "needs use_distributed_optimizer = true",
                                "use_distributed_optimizer=true"))

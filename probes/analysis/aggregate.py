@@ -37,9 +37,22 @@ def aggregate_hosts(host: pl.DataFrame) -> pl.DataFrame:
 
 _SUM = ["energy_j", "nvlink_tx_bytes", "nvlink_rx_bytes", "pcie_tx_bytes", "pcie_rx_bytes",
         "spikes_over_mean_count", "spikes_over_limit_count", "samples", "gpus"]
-_MAX = ["nvlink_tx_peak_bytes_s", "nvlink_rx_peak_bytes_s", "power_peak_w", "power_p99_w", "power_max_rise_w_per_s", "temp_gpu_peak_c", "temp_mem_peak_c",
-        "time_above_temp_limit_s", "mem_used_peak_bytes", "spikes_over_mean_max_excess_w",
-        "spikes_over_limit_max_excess_w", "duration_s", "power_limit_w", "max_sm_clock_mhz"]
+_MAX = [
+    "nvlink_tx_peak_bytes_s",
+    "nvlink_rx_peak_bytes_s",
+    "power_peak_w",
+    "power_p99_w",
+    "power_max_rise_w_per_s",
+    "temp_gpu_peak_c",
+    "temp_mem_peak_c",
+    "time_above_temp_limit_s",
+    "mem_used_peak_bytes",
+    "spikes_over_mean_max_excess_w",
+    "spikes_over_limit_max_excess_w",
+    "duration_s",
+    "power_limit_w",
+    "max_sm_clock_mhz",
+]
 _MIN = ["sm_clock_min_mhz"]
 _FIRST = ["backend"]
 

@@ -114,7 +114,9 @@ def show(name: str) -> Baseline:
             gpus = _frame(d / "gpus.parquet") if (d / "gpus.parquet").is_file() else None
             exp = None
             if (d / "experiment.toml").is_file():
-                exp = read_bounded(d / "experiment.toml", paths.MAX_TOML_BYTES, "baseline experiment").decode(errors="replace")
+                exp = read_bounded(d / "experiment.toml", paths.MAX_TOML_BYTES, "baseline experiment").decode(
+                    errors="replace"
+                )
             return Baseline(name, source, meta, summary, gpus, exp)
     known = ", ".join(b["name"] for b in list()) or "none"
     raise UserError(f"baseline {name!r}: no such baseline (known: {known})")

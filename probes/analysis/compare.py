@@ -40,8 +40,24 @@ _NOT_METRICS = {"run", "level", "node", "device", "gpus", "simulated", "backend"
 
 _HIGHER_BETTER = ("samples_per_s", "tokens_per_s", "tflops_per_gpu", "mfu_pct", "efficiency_", "sm_clock_mean",
                   "sm_clock_min", "util_gpu", "sm_active", "sm_occupancy", "tensor_active")
-_LOWER_BETTER = ("energy_", "cpu_energy", "dram_energy", "power_mean", "power_peak", "power_p99", "power_max_rise", "power_spread", "temp_",
-                 "time_above", "time_over", "throttle_", "violation_", "below_max_clock", "spikes_", "iter_time_")
+_LOWER_BETTER = (
+    "energy_",
+    "cpu_energy",
+    "dram_energy",
+    "power_mean",
+    "power_peak",
+    "power_p99",
+    "power_max_rise",
+    "power_spread",
+    "temp_",
+    "time_above",
+    "time_over",
+    "throttle_",
+    "violation_",
+    "below_max_clock",
+    "spikes_",
+    "iter_time_",
+)
 
 
 # The table reads as a user asks: how fast and how efficient, then the GPUs' power and heat, then

@@ -29,8 +29,22 @@ GPU_LABELS = {"uuid": pl.col("uuid").first(), "backend": pl.col("backend").first
               "simulated": pl.col("simulated").any()}
 
 HOST_COLUMNS = [
-    "ts_ns", "node", "device", "simulated", "cpu_util_pct", "cpu_iowait_pct", "cpu_core_util_pct", "cpu_freq_mhz", "temp_cpu_c", "host_mem_used_bytes",
-    "cpu_energy_j", "dram_energy_j", "ib_tx_bytes", "ib_rx_bytes", "net_tx_bytes", "net_rx_bytes",
+    "ts_ns",
+    "node",
+    "device",
+    "simulated",
+    "cpu_util_pct",
+    "cpu_iowait_pct",
+    "cpu_core_util_pct",
+    "cpu_freq_mhz",
+    "temp_cpu_c",
+    "host_mem_used_bytes",
+    "cpu_energy_j",
+    "dram_energy_j",
+    "ib_tx_bytes",
+    "ib_rx_bytes",
+    "net_tx_bytes",
+    "net_rx_bytes",
 ]
 
 

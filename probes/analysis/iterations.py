@@ -1,6 +1,7 @@
 """Iteration statistics (run-wide) from the iteration log, iterations that lie wholly inside the
 window: TFLOP/s per GPU uses Megatron's FLOP count (`engine.model.flops`), MFU is against the
-hardware's dense peak in the precision the run's matrix multiplies ran in (`flops.peak_tflops`), efficiency is samples/s per MJ of energy per iteration (the paper's
+hardware's dense peak in the precision the run's matrix multiplies ran in (`flops.peak_tflops`), efficiency is
+samples/s per MJ of energy per iteration (the paper's
 samples/(s·MJ))."""
 
 from __future__ import annotations

@@ -461,7 +461,9 @@ def kernels_side_by_side(overview: pl.DataFrame, labels: dict[str, str] | None =
         cells = []
         for name, column in rows:
             value = row[column]
-            share = f"{100 * value / row['step_s']:.1f}% " if name != "step" and row["step_s"] and value is not None else ""
+            share = (
+                f"{100 * value / row['step_s']:.1f}% " if name != "step" and row["step_s"] and value is not None else ""
+            )
             cells.append(f"{share}({format_figure(column, value)})" if share else format_figure(column, value))
         table[labels.get(row["run"], row["run"])] = cells
     return pl.DataFrame(table)

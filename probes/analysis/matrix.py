@@ -101,15 +101,24 @@ def gpus_by_runs(refs: list[str], name: str, window="steady") -> pl.DataFrame:
         run = resolve_run(ref)
         gpus = summarize(run, window, by="gpu")
         if name == "link":
-            gpus = gpus.with_columns(pl.when(pl.col("nvlink_tx_bytes").is_not_null() | pl.col("nvlink_rx_bytes").is_not_null())
-                                     .then(pl.col("nvlink_tx_bytes").fill_null(0) + pl.col("nvlink_rx_bytes").fill_null(0))
-                                     .alias(column))
+            gpus = gpus.with_columns(
+                pl.when(pl.col("nvlink_tx_bytes").is_not_null() | pl.col("nvlink_rx_bytes").is_not_null())
+                .then(pl.col("nvlink_tx_bytes").fill_null(0) + pl.col("nvlink_rx_bytes").fill_null(0))
+                .alias(column)
+            )
         elif name == "throttle":
             gpus = gpus.with_columns(pl.col(column) * 100)
         part = gpus.select(pl.concat_str("node", pl.lit("/"), "device").alias("gpu"),
                            pl.col("simulated").alias("_sim"), pl.col(column).alias(run.id))
-        out = part if out is None else (out.join(part, on="gpu", how="full", coalesce=True)
-                                        .with_columns(pl.any_horizontal("_sim", "_sim_right").alias("_sim")).drop("_sim_right"))
+        out = (
+            part
+            if out is None
+            else (
+                out.join(part, on="gpu", how="full", coalesce=True)
+                .with_columns(pl.any_horizontal("_sim", "_sim_right").alias("_sim"))
+                .drop("_sim_right")
+            )
+        )
     if out is None:
         raise UserError("no runs to compare")
     return out.rename({"_sim": "simulated"}).select("gpu", "simulated", pl.exclude("gpu", "simulated")).sort("gpu")

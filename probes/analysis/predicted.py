@@ -74,8 +74,10 @@ def render(table: pl.DataFrame) -> str:
     if table.height == 0:
         return ""
     rows = [("predicted (the plan) against measured", "predicted", "measured", "error")]
-    rows += [(r["metric"], _figure(r["predicted"], r["unit"]), _figure(r["measured"], r["unit"]), f"{r['error_pct']:+.1f}%")
-             for r in table.iter_rows(named=True)]
+    rows += [
+        (r["metric"], _figure(r["predicted"], r["unit"]), _figure(r["measured"], r["unit"]), f"{r['error_pct']:+.1f}%")
+        for r in table.iter_rows(named=True)
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [f"{row[0]:{widths[0]}s}  " + "  ".join(f"{cell:>{widths[i + 1]}s}" for i, cell in enumerate(row[1:]))
              for row in rows]

@@ -52,7 +52,9 @@ def choose_steps(steps: pl.DataFrame, window="steady", name: str = "run") -> tup
     if window == "steady":
         clean = iterations.filter(~pl.col("profiled"))
         if clean.height < iterations.height:
-            notes.append(f"{plural(iterations.height - clean.height, 'profiled step')} left out (the profiler slows them)")
+            notes.append(
+                f"{plural(iterations.height - clean.height, 'profiled step')} left out (the profiler slows them)"
+            )
         iterations = clean
     start_ns, end_ns, label, more = resolve_window(window, iterations, cast(int, iterations["start_ns"].min()))
     notes += more

@@ -17,9 +17,22 @@ from charllm.probes.core.formatting import binary_scale
 
 # Units of the summary's figures, by how their column names end (longest first); each figure is
 # shown with its unit at about four significant digits.
-_UNITS = (("_samples_per_s_mj", "samples/(s·MJ)"), ("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"),
-          ("tflops_per_gpu", "TFLOP/s"), ("_w_per_s", "W/s"), ("_bytes_s", "B/s"), ("_bytes", "B"), ("_frac", "%"), ("_pct", "%"),
-          ("_mhz", "MHz"), ("_w", "W"), ("_c", "°C"), ("_j", "J"), ("_s", "s"))
+_UNITS = (
+    ("_samples_per_s_mj", "samples/(s·MJ)"),
+    ("tokens_per_s", "tokens/s"),
+    ("samples_per_s", "samples/s"),
+    ("tflops_per_gpu", "TFLOP/s"),
+    ("_w_per_s", "W/s"),
+    ("_bytes_s", "B/s"),
+    ("_bytes", "B"),
+    ("_frac", "%"),
+    ("_pct", "%"),
+    ("_mhz", "MHz"),
+    ("_w", "W"),
+    ("_c", "°C"),
+    ("_j", "J"),
+    ("_s", "s"),
+)
 _COUNTS = ("iterations", "samples", "gpus", "tokens_total")
 _PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "µ"))
 
@@ -53,10 +66,32 @@ def format_figure(metric: str, value) -> str:
 
 
 # Words of metric names, as a reader says them (metric_label).
-_WORDS = {"iter": "iteration", "temp": "temperature", "gpu": "GPU", "cpu": "CPU", "mem": "memory", "util": "utilization",
-          "sm": "SM", "mfu": "MFU", "freq": "frequency", "nvlink": "NVLink", "pcie": "PCIe", "ib": "InfiniBand",
-          "net": "network", "dram": "DRAM", "bw": "bandwidth", "iowait": "I/O wait", "tx": "sent", "rx": "received", "hw": "HW", "sw": "SW",
-          "app": "application", "perf": "power or heat", "p50": "median", "avg": "average"}
+_WORDS = {
+    "iter": "iteration",
+    "temp": "temperature",
+    "gpu": "GPU",
+    "cpu": "CPU",
+    "mem": "memory",
+    "util": "utilization",
+    "sm": "SM",
+    "mfu": "MFU",
+    "freq": "frequency",
+    "nvlink": "NVLink",
+    "pcie": "PCIe",
+    "ib": "InfiniBand",
+    "net": "network",
+    "dram": "DRAM",
+    "bw": "bandwidth",
+    "iowait": "I/O wait",
+    "tx": "sent",
+    "rx": "received",
+    "hw": "HW",
+    "sw": "SW",
+    "app": "application",
+    "perf": "power or heat",
+    "p50": "median",
+    "avg": "average",
+}
 _STATISTICS = ("mean", "peak", "median", "p99", "min", "spread", "total", "count")
 _MEASURED = ("temperature", "utilization")       # temp_gpu -> GPU temperature
 # Figures whose whole name is their unit.

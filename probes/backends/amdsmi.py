@@ -88,7 +88,9 @@ class AmdSmiBackend(Backend):
         if not self._devices:
             self.close()
             raise BackendUnavailable("AMD SMI found no GPUs")
-        codes = {getattr(smi.amdsmi_wrapper, n) for n in ("AMDSMI_STATUS_NOT_SUPPORTED", "AMDSMI_STATUS_NOT_YET_IMPLEMENTED")}
+        codes = {
+            getattr(smi.amdsmi_wrapper, n) for n in ("AMDSMI_STATUS_NOT_SUPPORTED", "AMDSMI_STATUS_NOT_YET_IMPLEMENTED")
+        }
         self._not_supported_codes = codes
         self._violations = {d.label: Violations() for d in self._devices}
 
@@ -187,7 +189,9 @@ class Violations:
 
     def add(self, status: dict) -> tuple[int | None, ...]:
         """The totals after this reading; None for a counter the GCD does not have ("N/A")."""
-        now = {key: status.get(key) for key in ("reference_timestamp", "acc_counter", *(k for _, k in VIOLATION_COUNTERS))}
+        now = {
+            key: status.get(key) for key in ("reference_timestamp", "acc_counter", *(k for _, k in VIOLATION_COUNTERS))
+        }
         if not all(isinstance(now[key], int) for key in ("reference_timestamp", "acc_counter")):
             return (None,) * len(VIOLATION_COUNTERS)
         last, self.last = self.last, now

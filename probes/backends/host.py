@@ -123,9 +123,21 @@ class HostBackend(Backend):
     name = "host"
     max_hz = DEFAULT_HZ   # faster costs a core's ~0.6 % per 20 Hz for counters that change slowly
     max_hz_why = "psutil reads /proc and /sys, ~0.3 ms a sample, and host counters change slowly"
-    metrics = ("cpu_util_pct", "cpu_iowait_pct", "cpu_core_util_pct", "cpu_freq_mhz", "host_mem_used_bytes", "host_mem_total_bytes",
-               "cpu_energy_j", "dram_energy_j", "temp_cpu_c", "ib_tx_bytes", "ib_rx_bytes",
-               "net_tx_bytes", "net_rx_bytes")
+    metrics = (
+        "cpu_util_pct",
+        "cpu_iowait_pct",
+        "cpu_core_util_pct",
+        "cpu_freq_mhz",
+        "host_mem_used_bytes",
+        "host_mem_total_bytes",
+        "cpu_energy_j",
+        "dram_energy_j",
+        "temp_cpu_c",
+        "ib_tx_bytes",
+        "ib_rx_bytes",
+        "net_tx_bytes",
+        "net_rx_bytes",
+    )
 
     def __init__(self, powercap_root: str = POWERCAP, infiniband_root: str = INFINIBAND) -> None:
         super().__init__()

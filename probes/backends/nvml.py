@@ -140,8 +140,14 @@ class NvmlBackend(Backend):
         h = dev.handle
         self._read_fields(dev, row)
         read = self._read
-        read(dev, row, ("temp_gpu_c",), lambda: (float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),),
-             NOT_SUPPORTED, (pynvml.NVMLError,))
+        read(
+            dev,
+            row,
+            ("temp_gpu_c",),
+            lambda: (float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),),
+            NOT_SUPPORTED,
+            (pynvml.NVMLError,),
+        )
         read(dev, row, ("sm_clock_mhz",), lambda: (float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),),
              NOT_SUPPORTED, (pynvml.NVMLError,))
         read(dev, row, ("mem_clock_mhz",), lambda: (float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),),

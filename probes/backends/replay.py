@@ -40,7 +40,9 @@ class ReplayBackend(Backend):
             raise UserError(f"replay run {ref!r}: no telemetry recorded in {run.telemetry_dir}")
         backends = frame["backend"].unique().to_list()
         self.name = f"replay:{backends[0]}" if len(backends) == 1 else "replay"
-        self.reason = f"replay: {plural(frame.height, 'row')} from {run.path} at {speed:g}x" + "".join(f"; {s}" for s in skipped)
+        self.reason = f"replay: {plural(frame.height, 'row')} from {run.path} at {speed:g}x" + "".join(
+            f"; {s}" for s in skipped
+        )
         offsets = ((frame["ts_ns"] - frame["ts_ns"].min()) / speed).cast(pl.Int64)
         self._frame = frame.with_columns(
             pl.when(pl.col("backend").str.starts_with("replay:")).then(pl.col("backend"))

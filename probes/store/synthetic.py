@@ -47,7 +47,9 @@ def make_run(root: str | Path, frames: Sequence[pl.DataFrame] = (), *, run_id: s
     return run
 
 
-def write_telemetry(run: RunDir, frames: Sequence[pl.DataFrame], *, chunks: int = 2, chunk_rows: int | None = None) -> None:
+def write_telemetry(
+    run: RunDir, frames: Sequence[pl.DataFrame], *, chunks: int = 2, chunk_rows: int | None = None
+) -> None:
     """Each node's rows of `frames`, in time order, as numbered Arrow chunks: `chunk_rows` rows a
     chunk (as a sampler flushes), or else split into `chunks` nearly equal chunks."""
     if not len(frames):

@@ -61,7 +61,9 @@ def test_presets_list_imports_no_heavy_library():
 def test_presets_list_json_marks_user_presets(capsys, charllm_dirs):
     user = charllm_dirs["config"] / "hardware"
     user.mkdir(parents=True)
-    (user / "my-gpu.toml").write_text('description = "lab box"\nvendor = "nvidia"\nusable_bytes = 1\nmemory_bytes = 1\n')
+    (user / "my-gpu.toml").write_text(
+        'description = "lab box"\nvendor = "nvidia"\nusable_bytes = 1\nmemory_bytes = 1\n'
+    )
     code, out, _ = run(capsys, "presets", "list", "hardware", "--json")
     rows = {r["name"]: r for r in json.loads(out)}
     assert code == 0 and {r["kind"] for r in rows.values()} == {"hardware"}
@@ -86,7 +88,9 @@ def test_a_broken_user_preset_is_listed_as_invalid(capsys, charllm_dirs):
 def test_an_impossible_user_experiment_is_listed_as_invalid(capsys, charllm_dirs):
     user = charllm_dirs["config"] / "experiments"
     user.mkdir(parents=True)
-    (user / "zero.toml").write_text('model = "tiny-dense"\nhardware = "cpu"\n[parallel]\ntensor_model_parallel_size = 0\n')
+    (user / "zero.toml").write_text(
+        'model = "tiny-dense"\nhardware = "cpu"\n[parallel]\ntensor_model_parallel_size = 0\n'
+    )
     code, out, _ = run(capsys, "presets", "list", "experiments", "--json")
     rows = {r["name"]: r for r in json.loads(out)}
     assert code == 0 and rows["zero"]["summary"] == "invalid: tensor_model_parallel_size = 0: must be at least 1"
@@ -179,15 +183,23 @@ def test_export_toml_is_the_resolved_experiment(capsys, tmp_path):
     assert code == 0 and "micro_batch_size = 2" in out
 
 
-@pytest.mark.parametrize("argv, fragments", [
-    (["export", "megatron", "tiny-local", "--set", "tensor_model_parallel_size"], ["expected key=value"]),
-    (["export", "megatron", "tiny-local", "--set", "tensor_paralel_size=2"],
-     ["unknown key 'tensor_paralel_size'", "did you mean 'tensor_model_parallel_size'"]),
-    (["export", "megatron", "tiny-local", "--set", "micro_batch_size=two"], ["expected an integer", "'two'"]),
-    (["export", "toml", "no-such-experiment"], ["experiment 'no-such-experiment': no such preset"]),
-    (["export", "toml", "/nonexistent/x.toml"], ["no such file"]),
-    (["export", "megatron", "tiny-local", "--out", "/proc/charllm/x.sh"], ["--out '/proc/charllm/x.sh': directory '/proc/charllm' does not exist"]),
-])
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["export", "megatron", "tiny-local", "--set", "tensor_model_parallel_size"], ["expected key=value"]),
+        (
+            ["export", "megatron", "tiny-local", "--set", "tensor_paralel_size=2"],
+            ["unknown key 'tensor_paralel_size'", "did you mean 'tensor_model_parallel_size'"],
+        ),
+        (["export", "megatron", "tiny-local", "--set", "micro_batch_size=two"], ["expected an integer", "'two'"]),
+        (["export", "toml", "no-such-experiment"], ["experiment 'no-such-experiment': no such preset"]),
+        (["export", "toml", "/nonexistent/x.toml"], ["no such file"]),
+        (
+            ["export", "megatron", "tiny-local", "--out", "/proc/charllm/x.sh"],
+            ["--out '/proc/charllm/x.sh': directory '/proc/charllm' does not exist"],
+        ),
+    ],
+)
 def test_bad_input_is_one_line(capsys, argv, fragments):
     code, _, err = run(capsys, *argv)
     assert_one_line_error(code, err, *fragments)

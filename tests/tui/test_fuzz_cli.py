@@ -79,7 +79,12 @@ class Tally:
             self.counts["accepted"] += 1   # plan's verdict: 1 does not fit, 3 tight (its output says why)
         elif outcome.code != 0:
             lines = outcome.err.strip().splitlines()
-            if len(lines) != 1 or not ONE_LINE.match(lines[0]) or "Traceback" in outcome.err or len(lines[0]) > MAX_LINE:
+            if (
+                len(lines) != 1
+                or not ONE_LINE.match(lines[0])
+                or "Traceback" in outcome.err
+                or len(lines[0]) > MAX_LINE
+            ):
                 self.counts["unclear"] += 1
                 self.failures.append(f"NOT ONE CLEAR LINE: {outcome}")
             else:
@@ -289,7 +294,10 @@ def test_every_file_the_product_reads_mutated(sandbox):
     for data in mutations(manifest, rng, 60):
         cases += [(["runs", "list"], "manifest", data), (["summarize", "zz-damaged"], "manifest", data)]
     for data in mutations(iterations, rng, 60):
-        cases += [(["summarize", "zz-damaged"], "iterations", data), (["runs", "show", "zz-damaged"], "iterations", data)]
+        cases += [
+            (["summarize", "zz-damaged"], "iterations", data),
+            (["runs", "show", "zz-damaged"], "iterations", data),
+        ]
     for data in mutations(csv, rng, 60):
         cases.append((["import", "charllm-ppt", str(csv_dir), "--name", "imported"], "csv", data))
     for data in mutations(campaign, rng, 80):

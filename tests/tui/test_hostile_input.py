@@ -75,21 +75,72 @@ def test_compare_threshold_is_a_finite_percentage(threshold, charllm_dirs, capsy
     assert code == 2 and "--threshold" in one_error_line(err)
 
 
-@pytest.mark.parametrize("argv, field", [
-    (["sweep", "--model", "tiny-dense", "--hardware", "cpu", "--nodes", "99999999999999999999", "--gpus-per-node", "2",
-      "--global-batch-size", "8"], "nodes"),
-    (["sweep", "--model", "tiny-dense", "--hardware", "cpu", "--nodes", "1000000000", "--gpus-per-node", "2",
-      "--global-batch-size", "8"], "nodes"),
-    (["plan", "tiny-local", "--set", "pipeline_model_parallel_layout=E|t*9999999999|L"], "pipeline_model_parallel_layout"),
-    (["plan", "tiny-local", "--set", "pipeline_model_parallel_layout=(t*9999)*9999"], "pipeline_model_parallel_layout"),
-    (["plan", "tiny-local", "--set", "num_layers=100000000"], "num_layers"),
-    (["plan", "tiny-local", "--set", "num_layers=1e23"], "num_layers"),
-    (["plan", "tiny-local", "--set", "hardware.memory_bytes=-1"], "memory_bytes"),
-    (["plan", "tiny-local", "--set", "lr=nan"], "lr"),
-    (["plan", "tiny-local", "--set", "hz=1000"], "hz"),
-    (["sweep", "--model", "tiny-dense", "--hardware", "cpu", "--nodes", "1", "--gpus-per-node", "2",
-      "--global-batch-size", "100000000000000000000"], "global_batch_size"),
-])
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (
+            [
+                "sweep",
+                "--model",
+                "tiny-dense",
+                "--hardware",
+                "cpu",
+                "--nodes",
+                "99999999999999999999",
+                "--gpus-per-node",
+                "2",
+                "--global-batch-size",
+                "8",
+            ],
+            "nodes",
+        ),
+        (
+            [
+                "sweep",
+                "--model",
+                "tiny-dense",
+                "--hardware",
+                "cpu",
+                "--nodes",
+                "1000000000",
+                "--gpus-per-node",
+                "2",
+                "--global-batch-size",
+                "8",
+            ],
+            "nodes",
+        ),
+        (
+            ["plan", "tiny-local", "--set", "pipeline_model_parallel_layout=E|t*9999999999|L"],
+            "pipeline_model_parallel_layout",
+        ),
+        (
+            ["plan", "tiny-local", "--set", "pipeline_model_parallel_layout=(t*9999)*9999"],
+            "pipeline_model_parallel_layout",
+        ),
+        (["plan", "tiny-local", "--set", "num_layers=100000000"], "num_layers"),
+        (["plan", "tiny-local", "--set", "num_layers=1e23"], "num_layers"),
+        (["plan", "tiny-local", "--set", "hardware.memory_bytes=-1"], "memory_bytes"),
+        (["plan", "tiny-local", "--set", "lr=nan"], "lr"),
+        (["plan", "tiny-local", "--set", "hz=1000"], "hz"),
+        (
+            [
+                "sweep",
+                "--model",
+                "tiny-dense",
+                "--hardware",
+                "cpu",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "2",
+                "--global-batch-size",
+                "100000000000000000000",
+            ],
+            "global_batch_size",
+        ),
+    ],
+)
 def test_bounded_before_any_loop(argv, field):
     outcome = call(argv)  # a watchdog: past 2 s of CPU time it counts as a hang
     assert not outcome.hung and not outcome.crash, str(outcome)

@@ -162,5 +162,7 @@ def test_compare_kernels_and_gpu_matrix_side_by_side(charllm_dirs, capsys):
     assert "note: run 20261121-010000-plain: no profiler traces" in out
     assert main(["compare", "ranked", "plain", "--matrix", "temperature", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["gpu"] for r in rows] == ["n0/gpu0", "n0/gpu1"] and rows[1]["20261121-010000-plain"] == pytest.approx(50.0)
+    assert [r["gpu"] for r in rows] == ["n0/gpu0", "n0/gpu1"] and rows[1]["20261121-010000-plain"] == pytest.approx(
+        50.0
+    )
     assert main(["compare", "ranked", "plain", "--kernels", "--matrix", "power"]) == 2

@@ -34,8 +34,12 @@ def shown(app, name: str = DEMO_CAMPAIGN):
     """The condition: the screen shows campaign `name`'s members."""
     def ready():
         screen = app.screen
-        return type(screen).__name__ == "CampaignScreen" and screen.shown is not None and screen.shown.name == name and \
-            screen.query_one("#campaign-members").row_count == len(screen.shown.rows) > 0
+        return (
+            type(screen).__name__ == "CampaignScreen"
+            and screen.shown is not None
+            and screen.shown.name == name
+            and screen.query_one("#campaign-members").row_count == len(screen.shown.rows) > 0
+        )
     return ready
 
 

@@ -87,7 +87,9 @@ async def test_figures_carry_units_throughput_first_and_match_the_cli(charllm_di
         < metrics.index("host duration") < metrics.index("CPU utilization, mean")
     figures = {r[0]: r[2] for r in rows}
     assert re.fullmatch(r"[\d,]+ tokens/s", figures["tokens per second"])
-    assert figures["iteration time, mean"] == "950.0 ms" and figures["iterations"] == "9"  # 11 steps of 0.95 s, 2 warm-up
+    assert (
+        figures["iteration time, mean"] == "950.0 ms" and figures["iterations"] == "9"
+    )  # 11 steps of 0.95 s, 2 warm-up
     assert figures["CPU utilization, mean"].endswith("%") and figures["host memory used, peak"] == "3.000 GiB"
     assert not any(re.search(r"\de[+-]\d", cell) for row in rows for cell in row)
     # The CLI prints the same cells (the same wide form, the same formatting).

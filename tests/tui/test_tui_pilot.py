@@ -175,7 +175,9 @@ async def test_compose_edit_renames_the_experiment_and_save_refuses_a_shipped_or
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.screen is screen)
     assert "a shipped preset has that name" in refusals[0] and "'../outside'" in refusals[1]
-    assert not (charllm_dirs["config"] / "experiments").exists() and not (charllm_dirs["config"] / "outside.toml").exists()
+    assert (
+        not (charllm_dirs["config"] / "experiments").exists() and not (charllm_dirs["config"] / "outside.toml").exists()
+    )
 
 
 @pilot_test
@@ -271,8 +273,11 @@ async def test_sweep_table_adds_rows_a_page_at_a_time_as_the_cursor_nears_the_en
         await wait_for(pilot, lambda: app.current_mode == "compose")
         row = screen.table_frame.row(last, named=True)
         p = app.experiment.parallel
-        assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, app.experiment.training.micro_batch_size) \
-            == (row["tensor_model_parallel_size"], row["pipeline_model_parallel_size"], row["micro_batch_size"])
+        assert (
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            app.experiment.training.micro_batch_size,
+        ) == (row["tensor_model_parallel_size"], row["pipeline_model_parallel_size"], row["micro_batch_size"])
 
 
 @pilot_test
@@ -820,7 +825,9 @@ async def test_live_utilization_heat_strips_and_stragglers(charllm_dirs):
     names the slow rank."""
     from charllm.tui.screens.live import STRIPS, UTILIZATION_CHARTS
 
-    app = CharllmApp(run=_run_with_ranks_and_traces(charllm_dirs["runs"], "20251121-080000-gpm", gpm=True, traces=False))
+    app = CharllmApp(
+        run=_run_with_ranks_and_traces(charllm_dirs["runs"], "20251121-080000-gpm", gpm=True, traces=False)
+    )
     async with run_app(app) as pilot:
         screen = app.screen
         await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "gpu")
@@ -838,9 +845,13 @@ async def test_live_utilization_heat_strips_and_stragglers(charllm_dirs):
         assert screen.strip == "link" and len(screen.last_frame.heat) == 2
         await pilot.press("m")
         await pilot.press("u")
-        await wait_for(pilot, lambda: screen.last_frame.strip == "throttle" and screen.last_frame.panes[0][0] == "power_w")
+        await wait_for(
+            pilot, lambda: screen.last_frame.strip == "throttle" and screen.last_frame.panes[0][0] == "power_w"
+        )
 
-    app = CharllmApp(run=_run_with_ranks_and_traces(charllm_dirs["runs"], "20251121-090000-a100", gpm=False, traces=False))
+    app = CharllmApp(
+        run=_run_with_ranks_and_traces(charllm_dirs["runs"], "20251121-090000-a100", gpm=False, traces=False)
+    )
     async with run_app(app) as pilot:
         screen = app.screen
         await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.kind == "gpu")
@@ -866,7 +877,9 @@ async def test_compare_kernels_gpu_matrix_and_stragglers(charllm_dirs):
         screen = app.screen
         await wait_for(pilot, lambda: screen.result is not None, timeout=60)
         status = screen.query_one("#compare-status")
-        assert "traced: stragglers: rank 1" in str(status.render()) and "plain: stragglers: rank 1" in str(status.render())
+        assert "traced: stragglers: rank 1" in str(status.render()) and "plain: stragglers: rank 1" in str(
+            status.render()
+        )
         table = screen.query_one("#compare-table")
         await pilot.press("k")
         await wait_for(pilot, lambda: [c.label.plain for c in table.columns.values()] == ["mean per stage", "traced"])
@@ -875,7 +888,10 @@ async def test_compare_kernels_gpu_matrix_and_stragglers(charllm_dirs):
         assert "no profiler traces" in str(status.render())
         await pilot.press("g")
         await wait_for(pilot, lambda: [c.label.plain for c in table.columns.values()] == ["gpu", "traced", "plain"])
-        assert [str(table.get_row_at(i)[0]) for i in range(table.row_count)] == ["n0/gpu0 (SIMULATED)", "n0/gpu1 (SIMULATED)"]
+        assert [str(table.get_row_at(i)[0]) for i in range(table.row_count)] == [
+            "n0/gpu0 (SIMULATED)",
+            "n0/gpu1 (SIMULATED)",
+        ]
         assert str(table.get_row_at(1)[2]) == "45.00 °C" and "GPU temperature per GPU" in str(status.render())
         for _ in range(4):                      # power, clock, throttle, link, then the metrics again
             await pilot.press("g")

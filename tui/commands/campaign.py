@@ -49,7 +49,9 @@ def register(sub) -> None:
     run.add_argument("name", metavar="NAME")
     run.add_argument("--target", help="the target members run on (default: the campaign's, else local)")
     run.add_argument("--target-file", metavar="FILE", help="read targets from FILE instead of targets.toml")
-    run.add_argument("--max-parallel", type=int, metavar="N", help="at most N members at once (default: the campaign's)")
+    run.add_argument(
+        "--max-parallel", type=int, metavar="N", help="at most N members at once (default: the campaign's)"
+    )
     run.add_argument("--include-oom", action="store_true", help="run members that do not fit too")
     run.add_argument("--resume", action="store_true", help="run only the members without a completed run")
     run.add_argument("--detach", action="store_true", help="return once the queue is handed over")
@@ -60,11 +62,15 @@ def register(sub) -> None:
     cancel.add_argument("name", metavar="NAME")
     summary = actions.add_parser("summary", help="one row per member, from each run's kept summary")
     summary.add_argument("name", metavar="NAME")
-    summary.add_argument("--format", choices=SUMMARY_FORMATS, default=None, help="default: table, or from --out's suffix")
+    summary.add_argument(
+        "--format", choices=SUMMARY_FORMATS, default=None, help="default: table, or from --out's suffix"
+    )
     summary.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     report = actions.add_parser("report", help="the paper's figures from the campaign's runs")
     report.add_argument("name", metavar="NAME")
-    report.add_argument("--figure", required=True, metavar="KIND", help="parallelism | optimization | microbatch | heatmap | kernels")
+    report.add_argument(
+        "--figure", required=True, metavar="KIND", help="parallelism | optimization | microbatch | heatmap | kernels"
+    )
     report.add_argument("--metric", metavar="M", help="the summary figure to plot (a column of `campaign summary`)")
     report.add_argument("--normalize", action="store_true", help="optimization: divide by each model's best")
     report.add_argument("--out", metavar="FILE", help="write an SVG or PNG image instead (needs the plot extra)")
@@ -167,8 +173,10 @@ def _start(args) -> int:
 
 def queued_line(record: state.Record, target: str) -> str:
     """What a started campaign says (here and on the workbench's Campaign screen)."""
-    return (f"campaign {record.name}: {record.counts().get(state.QUEUED, 0):,} of "
-            f"{plural(len(record.members), 'member')} queued on {target}, at most {record.data['max_parallel']} at once")
+    return (
+        f"campaign {record.name}: {record.counts().get(state.QUEUED, 0):,} of "
+        f"{plural(len(record.members), 'member')} queued on {target}, at most {record.data['max_parallel']} at once"
+    )
 
 
 def _follow(name: str) -> int:

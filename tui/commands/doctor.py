@@ -343,8 +343,14 @@ def _render_train(train: dict, report: dict):
     model = train.get("speed")
     if model:
         found = model.get("matmul_efficiency")
-        grid.add_row("step-time model", f"assumed {model['assumed_step_s'] * 1e3:.0f} ms a step for this job; "
-                     + (f"the measured one takes GEMMs at [b]{found:.1%}[/b] of the peak, what plans on this hardware "
-                        "now assume" if found is not None else
-                        "no GEMM efficiency gives the measured step (fixed costs set it), so plans keep the assumed one"))
+        grid.add_row(
+            "step-time model",
+            f"assumed {model['assumed_step_s'] * 1e3:.0f} ms a step for this job; "
+            + (
+                f"the measured one takes GEMMs at [b]{found:.1%}[/b] of the peak, what plans on this hardware "
+                "now assume"
+                if found is not None
+                else "no GEMM efficiency gives the measured step (fixed costs set it), so plans keep the assumed one"
+            ),
+        )
     return Group(f"[b]train check[/b]{where}", grid)

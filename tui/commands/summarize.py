@@ -70,8 +70,16 @@ def run(args: argparse.Namespace) -> int:
 def _per_rank(args: argparse.Namespace, window, out) -> int:
     """--kernels, or --by rank|stage: a table per rank or stage, and what it says in a line."""
     from charllm.probes.analysis.kernels import kernel_summary, kernel_table  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.ranks import rank_summary, steps_phrase, straggler_line  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.render import render, text_table, write_summary  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.ranks import (
+        rank_summary,
+        steps_phrase,
+        straggler_line,
+    )  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.render import (
+        render,
+        text_table,
+        write_summary,
+    )  # deferred: loads polars (start-up time)
 
     fmt = args.format or "table"
     if args.kernels:
@@ -81,8 +89,11 @@ def _per_rank(args: argparse.Namespace, window, out) -> int:
         if args.window != "steady":
             raise UserError("--window: --kernels covers the profiled steps (telemetry.profile_steps), not a window")
         df = kernel_summary(args.run, by)
-        heading = (f"time per profiled step, by kernel category ({'device kernels' if df['source'][0] == 'device' else 'host ops: a CPU run'}; "
-                   f"{df['traces'].sum()} traces; shares of the step)")
+        heading = (
+            "time per profiled step, by kernel category "
+            f"({'device kernels' if df['source'][0] == 'device' else 'host ops: a CPU run'}; "
+            f"{df['traces'].sum()} traces; shares of the step)"
+        )
         text = text_table(kernel_table(df), fmt == "markdown") if fmt in ("table", "markdown") else None
     else:
         df = rank_summary(args.run, window, by=args.by)
@@ -108,8 +119,17 @@ def _per_rank(args: argparse.Namespace, window, out) -> int:
 
 def _matrix(args: argparse.Namespace, out) -> int:
     """--matrix NAME: GPUs x time."""
-    from charllm.probes.analysis.matrix import MATRICES, check, gpus_by_time, render_matrix  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.render import render, text_table, write_summary  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.matrix import (
+        MATRICES,
+        check,
+        gpus_by_time,
+        render_matrix,
+    )  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.render import (
+        render,
+        text_table,
+        write_summary,
+    )  # deferred: loads polars (start-up time)
 
     name = check(args.matrix)
     window = "all" if args.window == "steady" else args.window   # a matrix shows the whole run unless asked

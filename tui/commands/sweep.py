@@ -155,12 +155,16 @@ def load(args: argparse.Namespace):
     if args.experiment:
         given = [f"--{f.replace('_', '-')}" for f in (*MODEL_FLAGS, "seq_length") if getattr(args, f) is not None]
         if given:
-            raise UserError(f"sweep: {given[0]} goes with --model, not with an experiment (use --set on the experiment)")
+            raise UserError(
+                f"sweep: {given[0]} goes with --model, not with an experiment (use --set on the experiment)"
+            )
 
         exp = Experiment.load(args.experiment)
         for key, value in options.items():
             if key.rpartition(".")[2] in SWEPT:
-                raise UserError(f"{key} = {value!r}: the sweep varies {key.rpartition('.')[2]} itself; it cannot be fixed")
+                raise UserError(
+                    f"{key} = {value!r}: the sweep varies {key.rpartition('.')[2]} itself; it cannot be fixed"
+                )
         return exp.apply(args.sets), False
     missing = [f"--{f.replace('_', '-')}" for f in MODEL_FLAGS if getattr(args, f) is None]
     if missing:

@@ -286,7 +286,9 @@ class CampaignScreen(WorkbenchScreen):
         if message.serial != self.wanted.serial:
             return
         self.shown = message
-        lines = [f"[b]{escape(message.name)}[/b]" + (f" · {escape(message.description)}" if message.description else "")]
+        lines = [
+            f"[b]{escape(message.name)}[/b]" + (f" · {escape(message.description)}" if message.description else "")
+        ]
         if message.error:
             lines.append(f"[yellow]{escape(message.error)}[/]")
         elif message.plan and message.status is None:

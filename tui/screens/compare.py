@@ -225,7 +225,9 @@ class CompareScreen(WorkbenchScreen):
                     "\n".join(self._status_lines(self.result) + [escape(line) for line in self.straggler_lines]))
             return
         self.view = view
-        self.query_one("#compare-status", Static).update(f"reading the runs' {view if view == 'kernels' else view + ' per GPU'}…")
+        self.query_one("#compare-status", Static).update(
+            f"reading the runs' {view if view == 'kernels' else view + ' per GPU'}…"
+        )
         self.side_by_side(runs, view)
 
     @work(thread=True, exclusive=True, group="compare-side")

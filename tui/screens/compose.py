@@ -143,11 +143,13 @@ def speed_text(fast: dict) -> str:
     per_stage = f"{per_stage} per stage" if len(stages) > 1 else "one stage"
     power = (f"{fast['power_w']:.0f} W/device · {fast['energy_per_token_j']:.3g} J/token\n"
              if fast["power_w"] is not None else "")
-    return (f"[b]step {fast['step_s']:.3g} s[/b] · {fast['tokens_per_s']:,.0f} tok/s · {mfu} ({fast['mfu_precision']})\n"
-            f"compute {sh['compute']:.0%} · comm {sh['communication']:.0%} · bubble {sh['bubble']:.0%} · "
-            f"other {sh['other']:.0%}\n"
-            f"params {count(fast['params_total'])}, {per_stage} · {si(fast['flops_per_iteration'], 'FLOP')}/iter\n"
-            f"{power}[dim]{escape(fast['basis'])}[/]")
+    return (
+        f"[b]step {fast['step_s']:.3g} s[/b] · {fast['tokens_per_s']:,.0f} tok/s · {mfu} ({fast['mfu_precision']})\n"
+        f"compute {sh['compute']:.0%} · comm {sh['communication']:.0%} · bubble {sh['bubble']:.0%} · "
+        f"other {sh['other']:.0%}\n"
+        f"params {count(fast['params_total'])}, {per_stage} · {si(fast['flops_per_iteration'], 'FLOP')}/iter\n"
+        f"{power}[dim]{escape(fast['basis'])}[/]"
+    )
 
 
 class Form(Grid):
@@ -403,7 +405,8 @@ class ComposeScreen(WorkbenchScreen):
         shown.update(speed_text(message.speed) if message.speed else "")
         if message.flags:
             self.query_one("#flags", Static).update(
-                "[b]Megatron-LM arguments[/b] [dim](^g copies and writes them)[/]\n" + escape(shlex.join(message.flags)))
+                "[b]Megatron-LM arguments[/b] [dim](^g copies and writes them)[/]\n" + escape(shlex.join(message.flags))
+            )
         verdict = self.query_one("#verdict", Static)
         if message.problems:
             more = len(message.problems) - 1

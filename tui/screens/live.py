@@ -366,7 +366,14 @@ class LiveScreen(WorkbenchScreen):
                 # charts every CHART_EVERY_S, a changed view (zoom, grouping, size) at once; while
                 # paused, a new view redraws the data shown when it paused.
                 paused = self.paused
-                view = (self.window, self.group_nodes, self.strip_width, self.chart_points, self.utilization, self.strip)
+                view = (
+                    self.window,
+                    self.group_nodes,
+                    self.strip_width,
+                    self.chart_points,
+                    self.utilization,
+                    self.strip,
+                )
                 charts_due = drawn_with is None or view != drawn_with[1] or (
                     rows_seen != drawn_with[0] and not paused and began - drawn_at >= CHART_EVERY_S)
                 processes_due = processes is not None and began - listed_at >= PROCESSES_EVERY_S
@@ -573,8 +580,11 @@ def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: i
     labels = data["label"].n_unique()
     buckets = max(10, min(chart_points, MAX_POINTS // max(1, labels)))
     bucket = ((pl.col("t_s") - lo) / ((hi - lo) or 1) * (buckets - 1)).round().cast(pl.Int64)
-    means = (data.group_by("label", bucket.alias("bucket")).agg(pl.col("t_s").mean(), *(pl.col(m).mean() for m in metrics))
-             .sort("label", "bucket"))
+    means = (
+        data.group_by("label", bucket.alias("bucket"))
+        .agg(pl.col("t_s").mean(), *(pl.col(m).mean() for m in metrics))
+        .sort("label", "bucket")
+    )
     for (name,), part in means.partition_by("label", as_dict=True).items():
         for m in metrics:
             charts[m][name] = (part["t_s"].to_list(), part[m].to_list())
@@ -634,7 +644,9 @@ def host_metrics(history):
     def rate(counter):
         return pl.when(dt > 0).then(counter.diff().over("node") / dt)
 
-    busiest = pl.col("cpu_core_util_pct").list.max() if "cpu_core_util_pct" in rows.columns else pl.lit(None, pl.Float64)
+    busiest = (
+        pl.col("cpu_core_util_pct").list.max() if "cpu_core_util_pct" in rows.columns else pl.lit(None, pl.Float64)
+    )
     return rows.with_columns((pl.col("host_mem_used_bytes") / GIB).alias("host_mem_used_gib"),
                              rate(pl.col("cpu_energy_j")).alias("cpu_power_w"),
                              (rate(pl.col("net_tx_bytes") + pl.col("net_rx_bytes")) / 1e6).alias("net_mb_s"),
@@ -675,7 +687,9 @@ def heat_text(rows: list[tuple[str, list[float | None]]], strip: str, kind: str,
         return Text(f"{STRIP_TITLES[strip]} per GPU over time: not reported here", "dim")
     lo, hi = min(known), max(known)
     text = Text.assemble((f"{STRIP_TITLES[strip]}", "bold"), f"  ▁ {lo:,.4g} … █ {hi:,.4g}  (m: next)", no_wrap=True)
-    ranked = sorted(rows, key=lambda r: -(sum(v for v in r[1] if v is not None) / max(1, sum(v is not None for v in r[1]))))
+    ranked = sorted(
+        rows, key=lambda r: -(sum(v for v in r[1] if v is not None) / max(1, sum(v is not None for v in r[1])))
+    )
     shown = ranked[:max_rows] if len(rows) > max_rows else rows
     for label, values in shown:
         text.append(f"\n{label[:12]:>12}  ")
@@ -734,6 +748,8 @@ def ranks_text(events: list[dict], start: dict) -> str:
     for e in events:
         seen.setdefault(str(e.get("node", "?")), set()).add(e.get("rank"))
     world = start.get("world_size")
-    nodes = "  ".join(f"{node}: ranks {','.join(str(r) for r in sorted(rs, key=str))}" for node, rs in sorted(seen.items()))
+    nodes = "  ".join(
+        f"{node}: ranks {','.join(str(r) for r in sorted(rs, key=str))}" for node, rs in sorted(seen.items())
+    )
     return (f"world {world} · " if world else "") + (nodes or "no rank has reported yet")
 

@@ -86,13 +86,25 @@ def test_the_kernels_figure_shows_each_layouts_profiled_step_by_category(tmp_pat
     assert run(capsys, "import", "charllm-ppt", str(root))[0] == 0
     record = Record.load("results")
     fig = figure(record, "kernels")
-    assert [p.metric for p in fig.panels] == ["matmul_pct", "attention_pct", "norm_pct", "elementwise_pct", "optimizer_pct",
-                                              "other_pct", "memcpy_pct", "SendRecv_pct", "AllGather_pct",
-                                              "ReduceScatter_pct", "AllReduce_pct"]
+    assert [p.metric for p in fig.panels] == [
+        "matmul_pct",
+        "attention_pct",
+        "norm_pct",
+        "elementwise_pct",
+        "optimizer_pct",
+        "other_pct",
+        "memcpy_pct",
+        "SendRecv_pct",
+        "AllGather_pct",
+        "ReduceScatter_pct",
+        "AllReduce_pct",
+    ]
     matmul = fig.panels[0].series[0]
     assert matmul.x == ["TP1 PP1 EP8 DP32 variant=base", "TP2 PP1 EP4 DP16 variant=base"]
     assert matmul.y[0] == pytest.approx(40.0) and matmul.y[1] is None     # (20 % + 60 %) / 2 stages
     assert matmul.marks == {"TP2 PP1 EP4 DP16 variant=base": "no traces"}
     code, out, err = run(capsys, "campaign", "report", "results", "--figure", "kernels")
     assert code == 0, err
-    assert "matmul, share of the step" in out and "no value: mixtral-8x7b TP2 PP1 EP4 DP16 variant=base: no traces" in out
+    assert (
+        "matmul, share of the step" in out and "no value: mixtral-8x7b TP2 PP1 EP4 DP16 variant=base: no traces" in out
+    )

@@ -59,20 +59,41 @@ def test_members_are_bases_by_layouts_by_axis_values(charllm_dirs):
     assert len({m.key for m in members}) == 6 and campaign.max_parallel == 2 and campaign.time_limit_s == 600
 
 
-@pytest.mark.parametrize("text, words", [
-    ('experiments = ["tiny-local"]\n[axes]\nmicro_batch_sise = [1, 2]\n', "axes.micro_batch_sise: key: unknown key 'micro_batch_sise'; did you mean 'micro_batch_size'?"),
-    ('experiments = ["tiny-local"]\n[axes]\nmicro_batch_size = []\n', "axes.micro_batch_size = []: must be a non-empty list"),
-    ('experiments = ["tiny-local"]\n[axes]\nmicro_batch_size = 2\n', "axes.micro_batch_size = 2: must be a non-empty list"),
-    ('experiments = ["tiny-local"]\n[axes]\nmicro_batch_size = ["x"]\n', "micro_batch_size: expected an integer, got 'x'"),
-    ('experiments = ["tiny-local"]\n[axes]\nmicro_batch_size = [1, 1]\n', "a value is listed twice"),
-    ('experiments = ["no-such-*"]\n', "experiments: 'no-such-*' matches no experiment"),
-    ('experiments = []\n', "experiments = []: give a list of experiment names"),
-    ('experiment = ["tiny-local"]\n', "unknown key 'experiment'; did you mean 'experiments'?"),
-    ('experiments = ["tiny-local"]\n[[layouts]]\nlr = 0.1\n', "layouts[1].lr: not a parallel setting ([training])"),
-    ('experiments = ["tiny-local"]\n[target]\nmax_parallel = 0\n', "target.max_parallel = 0: must be an integer from 1"),
-    ('experiments = ["tiny-local"]\n[target]\ntime_limit = "forever"\n', "target.time_limit = 'forever': give seconds"),
-    ('experiments = ["tiny-local"]\n[target]\nnodes = 2\n', "unknown key 'target.nodes'"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (
+            'experiments = ["tiny-local"]\n[axes]\nmicro_batch_sise = [1, 2]\n',
+            "axes.micro_batch_sise: key: unknown key 'micro_batch_sise'; did you mean 'micro_batch_size'?",
+        ),
+        (
+            'experiments = ["tiny-local"]\n[axes]\nmicro_batch_size = []\n',
+            "axes.micro_batch_size = []: must be a non-empty list",
+        ),
+        (
+            'experiments = ["tiny-local"]\n[axes]\nmicro_batch_size = 2\n',
+            "axes.micro_batch_size = 2: must be a non-empty list",
+        ),
+        (
+            'experiments = ["tiny-local"]\n[axes]\nmicro_batch_size = ["x"]\n',
+            "micro_batch_size: expected an integer, got 'x'",
+        ),
+        ('experiments = ["tiny-local"]\n[axes]\nmicro_batch_size = [1, 1]\n', "a value is listed twice"),
+        ('experiments = ["no-such-*"]\n', "experiments: 'no-such-*' matches no experiment"),
+        ("experiments = []\n", "experiments = []: give a list of experiment names"),
+        ('experiment = ["tiny-local"]\n', "unknown key 'experiment'; did you mean 'experiments'?"),
+        ('experiments = ["tiny-local"]\n[[layouts]]\nlr = 0.1\n', "layouts[1].lr: not a parallel setting ([training])"),
+        (
+            'experiments = ["tiny-local"]\n[target]\nmax_parallel = 0\n',
+            "target.max_parallel = 0: must be an integer from 1",
+        ),
+        (
+            'experiments = ["tiny-local"]\n[target]\ntime_limit = "forever"\n',
+            "target.time_limit = 'forever': give seconds",
+        ),
+        ('experiments = ["tiny-local"]\n[target]\nnodes = 2\n', "unknown key 'target.nodes'"),
+    ],
+)
 def test_a_bad_campaign_is_one_line_naming_the_key(text, words, charllm_dirs, capsys):
     write(charllm_dirs, "bad", text)
     code, out, err = run(capsys, "campaign", "plan", "bad")

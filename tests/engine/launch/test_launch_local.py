@@ -43,7 +43,10 @@ def test_dp2_trains_and_records_iterations_and_host_telemetry():
     # ... after keeping the run's summaries, so that lists and compares need not read its telemetry
     from charllm.probes.analysis.summary import cached_summary
 
-    assert cached_summary(rd, "steady", by="run") is not None and (rd.path / "summaries" / "per-iteration.parquet").is_file()
+    assert (
+        cached_summary(rd, "steady", by="run") is not None
+        and (rd.path / "summaries" / "per-iteration.parquet").is_file()
+    )
     check_cli_on_finished_run(rd)
 
 

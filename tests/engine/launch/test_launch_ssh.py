@@ -187,7 +187,9 @@ def probe_on_node(ssh_nodes, out_dir):
     proc, rd = recording_probe(out_dir, host, lambda argv: target.ssh_argv(host) + [target.shell_line(argv)])
 
     def on_node(*argv: str) -> subprocess.CompletedProcess:
-        where = [f"{name}={os.environ[name]}" for name in ("CHARLLM_CONFIG_DIR", "CHARLLM_DATA_DIR", "CHARLLM_RUNS_DIR")]
+        where = [
+            f"{name}={os.environ[name]}" for name in ("CHARLLM_CONFIG_DIR", "CHARLLM_DATA_DIR", "CHARLLM_RUNS_DIR")
+        ]
         line = target.shell_line(["env", *where, sys.executable, "-m", "charllm.tui", *argv])
         return subprocess.run(target.ssh_argv(host) + [line], capture_output=True, text=True, timeout=120)
 

@@ -168,8 +168,11 @@ def test_failure_names_the_killed_rank_not_the_peer_that_exited_after_it(tmp_pat
     quiet.write_text("iter 3/20\n")
     # one node, both ranks in its summary: the first *observed* failure is the echo
     both = tmp_path / "train-n4.log"
-    both.write_text(_torchrun_summary(1, -9).replace("Root Cause (first observed failure):\n", "Failures:\n")
-                    + "------\nRoot Cause (first observed failure):\n" + _torchrun_summary(0, 1).split("ChildFailedError:\n")[1])
+    both.write_text(
+        _torchrun_summary(1, -9).replace("Root Cause (first observed failure):\n", "Failures:\n")
+        + "------\nRoot Cause (first observed failure):\n"
+        + _torchrun_summary(0, 1).split("ChildFailedError:\n")[1]
+    )
     assert rank_failure("n4", both) == "node n4, rank 1 (local rank 0) was killed by SIGKILL"
     order = killed_first([echo, quiet, killed])
     assert order == [killed, echo, quiet]

@@ -81,7 +81,13 @@ def test_deepseek_v3_shape():
     assert m.moe_layer_pattern() == [False] * 3 + [True] * 58
     assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size,
             m.moe_shared_expert_intermediate_size) == (256, 8, 2048, 2048)
-    assert (m.mtp_num_layers, m.vocab_size, m.hidden_size, m.num_attention_heads, m.ffn) == (1, 129280, 7168, 128, 18432)
+    assert (m.mtp_num_layers, m.vocab_size, m.hidden_size, m.num_attention_heads, m.ffn) == (
+        1,
+        129280,
+        7168,
+        128,
+        18432,
+    )
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "llama3.1-405b"])

@@ -67,7 +67,10 @@ def test_a_count_agrees_with_its_noun(capsys):
 def test_unknown_section_key_in_a_file_names_the_file_and_suggests(tmp_path):
     path = tmp_path / "e.toml"
     path.write_text('model = "tiny-dense"\nhardware = "cpu"\n[parallel]\npipeline_parallel_size = 2\n')
-    with pytest.raises(UserError, match=r"\[parallel\]: unknown key 'pipeline_parallel_size'; did you mean 'pipeline_model_parallel_size'"):
+    with pytest.raises(
+        UserError,
+        match=r"\[parallel\]: unknown key 'pipeline_parallel_size'; did you mean 'pipeline_model_parallel_size'",
+    ):
         Experiment.load(path)
 
 

@@ -317,7 +317,11 @@ def experiments() -> st.SearchStrategy[Experiment]:
     def build(draw):
         exp = Experiment(name="fuzz")
         m, p, t = exp.model, exp.parallel, exp.training
-        m.num_layers, m.hidden_size, m.num_attention_heads = draw(small), draw(st.sampled_from([64, 128, 512])), draw(small)
+        m.num_layers, m.hidden_size, m.num_attention_heads = (
+            draw(small),
+            draw(st.sampled_from([64, 128, 512])),
+            draw(small),
+        )
         m.ffn_hidden_size = draw(st.none() | st.integers(1, 4096))
         m.num_query_groups = draw(st.none() | small)
         m.kv_channels = draw(st.none() | small)
@@ -325,8 +329,16 @@ def experiments() -> st.SearchStrategy[Experiment]:
         m.max_position_embeddings = draw(st.none() | st.integers(1, 8192))
         m.vocab_size = draw(st.integers(1, 200_000))
         m.make_vocab_size_divisible_by = draw(st.sampled_from([1, 64, 128]))
-        m.swiglu, m.squared_relu, m.untie_embeddings_and_output_weights = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
-        m.add_bias_linear, m.add_qkv_bias, m.qk_layernorm = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+        m.swiglu, m.squared_relu, m.untie_embeddings_and_output_weights = (
+            draw(st.booleans()),
+            draw(st.booleans()),
+            draw(st.booleans()),
+        )
+        m.add_bias_linear, m.add_qkv_bias, m.qk_layernorm = (
+            draw(st.booleans()),
+            draw(st.booleans()),
+            draw(st.booleans()),
+        )
         m.position_embedding_type = draw(st.sampled_from(["learned_absolute", "rope", "none"]))
         m.normalization = draw(st.sampled_from(["LayerNorm", "RMSNorm"]))
         m.hidden_dropout = draw(st.sampled_from([0.0, 0.1, 0.25]))
@@ -585,19 +597,34 @@ def test_a_whole_launch_line_imports():
     assert exp.model.vocab_size == 32000                                  # 0.19's NullTokenizer: --vocab-size
     assert import_megatron_args(LAUNCH, hardware="h100-sxm-80gb", version="0.16.1").experiment.model.vocab_size == 32001
     t = exp.training
-    assert (t.moe_token_dispatcher_type, t.moe_flex_dispatcher_backend, t.moe_router_dtype) == ("flex", "deepep", "fp32")
+    assert (t.moe_token_dispatcher_type, t.moe_flex_dispatcher_backend, t.moe_router_dtype) == (
+        "flex",
+        "deepep",
+        "fp32",
+    )
     assert not imported.ignored
     said = " | ".join(imported.no_effect)
     assert "--apply-layernorm-1p: LayerNorm keeps its weight as w - 1" in said and "NCCL_DEBUG=WARN" in said
     assert "--ckpt-format torch_dist" in said
 
 
-@pytest.mark.parametrize("line, message", [
-    (LAUNCH.replace("--train-samples 6400", "--train-samples 6400 --train-iters 5"),
-     "--train-iters and --train-samples cannot be combined"),
-    (LAUNCH.replace("--train-samples 6400", "--train-samples 10"), "--train-samples = 10: fewer than one global batch"),
-    (LAUNCH.replace("--moe-token-dispatcher-type flex", ""), "--moe-enable-deepep: needs --moe-token-dispatcher-type flex"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (
+            LAUNCH.replace("--train-samples 6400", "--train-samples 6400 --train-iters 5"),
+            "--train-iters and --train-samples cannot be combined",
+        ),
+        (
+            LAUNCH.replace("--train-samples 6400", "--train-samples 10"),
+            "--train-samples = 10: fewer than one global batch",
+        ),
+        (
+            LAUNCH.replace("--moe-token-dispatcher-type flex", ""),
+            "--moe-enable-deepep: needs --moe-token-dispatcher-type flex",
+        ),
+    ],
+)
 def test_launch_lines_megatron_would_refuse_say_why(line, message):
     with pytest.raises(UserError, match=message):
         import_megatron_args(line, hardware="h100-sxm-80gb")

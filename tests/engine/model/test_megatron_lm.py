@@ -63,7 +63,10 @@ def test_every_shipped_experiment_exports_a_line_megatron_starts(release, root):
     for name, exp, got in zip(names, exps, results):
         p = exp.parallel
         assert (got["data_parallel_size"], got["padded_vocab_size"], got["sequence_parallel"]) == (
-            exp.data_parallel_size, exp.model.padded_vocab_size(p.tensor_model_parallel_size), p.sequence_parallel), name
+            exp.data_parallel_size,
+            exp.model.padded_vocab_size(p.tensor_model_parallel_size),
+            p.sequence_parallel,
+        ), name
 
 
 # The rules export follows, each as Megatron states it (its message) in every supported release.
@@ -122,7 +125,9 @@ def test_megatron_lms_own_gpt_test_configs_import(megatron_lm_mirror):
     from charllm.probes.core.errors import UserError
 
     def git(*args):
-        return subprocess.run(["git", "-C", str(megatron_lm_mirror), *args], capture_output=True, text=True, check=True).stdout
+        return subprocess.run(
+            ["git", "-C", str(megatron_lm_mirror), *args], capture_output=True, text=True, check=True
+        ).stdout
 
     paths = [p for p in git("ls-tree", "-r", "--name-only", "core_v0.16.1", "tests/functional_tests/test_cases/gpt")
              .split() if p.endswith("model_config.yaml")]

@@ -441,7 +441,9 @@ def test_the_workload_counts_flops_as_the_summaries_do(tmp_path):
     for name in catalog.entries("experiments"):
         e = exp(name)
         e.save(tmp_path / "experiment.toml")
-        assert train.flops_per_iteration(e) == flops.flops_per_iteration(read_experiment(tmp_path / "experiment.toml").experiment)
+        assert train.flops_per_iteration(e) == flops.flops_per_iteration(
+            read_experiment(tmp_path / "experiment.toml").experiment
+        )
     e = exp("tiny-local")
     m, b, s = e.model, e.training.global_batch_size, e.seq_length
     h, layers, vocab = m.hidden_size, m.num_layers, m.padded_vocab_size()

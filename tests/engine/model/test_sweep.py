@@ -63,15 +63,27 @@ def test_every_row_is_valid_and_its_peak_is_what_plan_says(llama):
         assert row["headroom_bytes"] == pytest.approx(report.headroom_bytes, abs=1)
 
 
-@pytest.mark.parametrize("args, training", [
-    (("llama3-8b", "h100-sxm-80gb", 1, 8, 64), None),                  # dense, interleaved schedules
-    (("deepseek-v3", "h200-141gb", 2, 8, 32), None),                    # MLA, MTP, dense/MoE layer pattern
-    (("mixtral-8x7b", "h100-sxm-80gb", 4, 8, 64),                       # DeepEP buffers per EP group
-     {"moe_token_dispatcher_type": "flex"}),
-    # (FSDP2 needs untied embeddings, which tiny-moe does not have: Megatron-FSDP shards the same way)
-    (("tiny-moe", "cpu", 1, 4, 8), {"attention_backend": "unfused", "moe_expert_capacity_factor": 1.25,
-                                    "use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"}),
-])
+@pytest.mark.parametrize(
+    "args, training",
+    [
+        (("llama3-8b", "h100-sxm-80gb", 1, 8, 64), None),  # dense, interleaved schedules
+        (("deepseek-v3", "h200-141gb", 2, 8, 32), None),  # MLA, MTP, dense/MoE layer pattern
+        (
+            ("mixtral-8x7b", "h100-sxm-80gb", 4, 8, 64),  # DeepEP buffers per EP group
+            {"moe_token_dispatcher_type": "flex"},
+        ),
+        # (FSDP2 needs untied embeddings, which tiny-moe does not have: Megatron-FSDP shards the same way)
+        (
+            ("tiny-moe", "cpu", 1, 4, 8),
+            {
+                "attention_backend": "unfused",
+                "moe_expert_capacity_factor": 1.25,
+                "use_megatron_fsdp": True,
+                "data_parallel_sharding_strategy": "optim_grads_params",
+            },
+        ),
+    ],
+)
 @pytest.mark.timeout(120)
 def test_every_row_equals_estimate_exactly(args, training):
     df = sweep_model(*args, training=training)

@@ -67,19 +67,39 @@ def test_real_kernel_names_classify_as_expected():
     assert b["overlap_s"] == 0 and trace.rank == 3
 
 
-@pytest.mark.parametrize("name, category", [
-    ("aten::mm", "matmul"), ("aten::linear", "matmul"), ("LinearWithGradAccumulationAndAsyncCommunication", "matmul"),
-    ("autograd::engine::evaluate_function: AddmmBackward0", "matmul"),
-    ("aten::scaled_dot_product_attention", "attention"), ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
-    ("aten::native_layer_norm", "norm"), ("autograd::engine::evaluate_function: NativeLayerNormBackward0", "norm"),
-    ("aten::add_", "elementwise"), ("aten::gelu", "elementwise"), ("torch::autograd::AccumulateGrad", "elementwise"),
-    ("aten::linalg_vector_norm", "elementwise"), ("aten::copy_", "memcpy"), ("aten::_to_copy", "memcpy"),
-    ("Optimizer.step#AdamW.step", "optimizer"), ("aten::_fused_adamw_", "optimizer"),
-    ("gloo:all_reduce", "AllReduce"), ("gloo:send", "SendRecv"), ("gloo:recv", "SendRecv"), ("c10d::recv_", "SendRecv"),
-    ("c10d::_allgather_base_", "AllGather"), ("c10d::_reduce_scatter_base_", "ReduceScatter"),
-    ("gloo:broadcast", "SendRecv"), ("c10d::barrier", "OtherComm"), ("aten::embedding_dense_backward", "other"),
-    ("aten::view", None), ("aten::empty", None), ("aten::t", None),
-])
+@pytest.mark.parametrize(
+    "name, category",
+    [
+        ("aten::mm", "matmul"),
+        ("aten::linear", "matmul"),
+        ("LinearWithGradAccumulationAndAsyncCommunication", "matmul"),
+        ("autograd::engine::evaluate_function: AddmmBackward0", "matmul"),
+        ("aten::scaled_dot_product_attention", "attention"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
+        ("aten::native_layer_norm", "norm"),
+        ("autograd::engine::evaluate_function: NativeLayerNormBackward0", "norm"),
+        ("aten::add_", "elementwise"),
+        ("aten::gelu", "elementwise"),
+        ("torch::autograd::AccumulateGrad", "elementwise"),
+        ("aten::linalg_vector_norm", "elementwise"),
+        ("aten::copy_", "memcpy"),
+        ("aten::_to_copy", "memcpy"),
+        ("Optimizer.step#AdamW.step", "optimizer"),
+        ("aten::_fused_adamw_", "optimizer"),
+        ("gloo:all_reduce", "AllReduce"),
+        ("gloo:send", "SendRecv"),
+        ("gloo:recv", "SendRecv"),
+        ("c10d::recv_", "SendRecv"),
+        ("c10d::_allgather_base_", "AllGather"),
+        ("c10d::_reduce_scatter_base_", "ReduceScatter"),
+        ("gloo:broadcast", "SendRecv"),
+        ("c10d::barrier", "OtherComm"),
+        ("aten::embedding_dense_backward", "other"),
+        ("aten::view", None),
+        ("aten::empty", None),
+        ("aten::t", None),
+    ],
+)
 def test_host_ops_classify_by_name(name, category):
     assert classify_op(name) == category
 

@@ -81,7 +81,11 @@ def test_finished_real_runs_calibrate_their_hardware_power(charllm_dirs):
         run = recorded(charllm_dirs["runs"], run_id, exp, 1.0, idle + (top - idle) * share)
         keep_summaries(run)                       # what finishes a run: it refits the hardware's power
     fit = calibration.load_power("h100-sxm-80gb")
-    assert fit["runs"] == 2 and fit["idle_w"] == pytest.approx(idle, abs=0.2) and fit["max_w"] == pytest.approx(top, abs=0.2)
+    assert (
+        fit["runs"] == 2
+        and fit["idle_w"] == pytest.approx(idle, abs=0.2)
+        and fit["max_w"] == pytest.approx(top, abs=0.2)
+    )
     plan = speed.estimate(heavy)
     assert plan.power_source == "calibrated from 2 recorded runs of h100-sxm-80gb"
     assert plan.power_w == pytest.approx(idle + (top - idle) * u[1], abs=0.5)

@@ -9,7 +9,9 @@ from charllm.engine.model.experiment import ModelSpec
 from charllm.engine.model.flops import flops_per_iteration, num_floating_point_operations
 from charllm.probes.analysis.iterations import read_experiment
 
-GPT3 = dict(num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=51200, make_vocab_size_divisible_by=128)
+GPT3 = dict(
+    num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=51200, make_vocab_size_divisible_by=128
+)
 
 
 def test_dense_mha_matches_the_closed_form():
@@ -34,7 +36,9 @@ def test_gqa_swiglu_moe_topk():
 
 def test_vocab_padding_depends_on_tp():
     m = dict(GPT3, vocab_size=50257)
-    assert num_floating_point_operations(ModelSpec(**m), 1, 8, tp=8) > num_floating_point_operations(ModelSpec(**m), 1, 8, tp=1)
+    assert num_floating_point_operations(ModelSpec(**m), 1, 8, tp=8) > num_floating_point_operations(
+        ModelSpec(**m), 1, 8, tp=1
+    )
 
 
 def test_mla_counts():

@@ -266,7 +266,9 @@ def test_nvml_gpm_metrics_from_two_samples_at_least_100_ms_apart(monkeypatch):
     assert row["pcie_tx_bytes_s"] == 16 * 2**20 and row["pcie_rx_bytes_s"] == 32 * 2**20           # GPM's, ...
     assert all((f, s) for f, s in fake.field_requests[-1]
                if f not in (pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES))
-    assert not {pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES} & {f for f, _ in fake.field_requests[-1]}   # ... not the counters'
+    assert not {pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES} & {
+        f for f, _ in fake.field_requests[-1]
+    }  # ... not the counters'
     again = backend.sample()[0]                                    # within 100 ms: the interval's values stand
     assert again["sm_active_pct"] == 62.5 and fake.calls["nvmlGpmMetricsGet"] == 1
     assert all(interval >= 0.1 for interval in fake.gpm_intervals)

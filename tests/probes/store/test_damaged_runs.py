@@ -23,10 +23,12 @@ DAMAGES = {
     "manifest status unknown": ("manifest.json", b'{"status": 7}'),
     "manifest is a directory": ("manifest.json", DIRECTORY),
     "iteration log is binary": ("iterations.jsonl", b"\xff\xfe\x00\x01\n\x80\x81\n"),
-    "iteration rows of the wrong type": ("iterations.jsonl",
-                                         b'{"event": "iteration", "iteration": "x", "start_ns": "a", "end_ns": [1]}\n'
-                                         b'[1, 2]\n5\n"s"\n{"event": 5}\n'
-                                         b'{"event": "iteration", "iteration": 1e400, "start_ns": 1e30, "warmup": 3}\n'),
+    "iteration rows of the wrong type": (
+        "iterations.jsonl",
+        b'{"event": "iteration", "iteration": "x", "start_ns": "a", "end_ns": [1]}\n'
+        b'[1, 2]\n5\n"s"\n{"event": 5}\n'
+        b'{"event": "iteration", "iteration": 1e400, "start_ns": 1e30, "warmup": 3}\n',
+    ),
     "iteration log is a directory": ("iterations.jsonl", DIRECTORY),
     "experiment.toml missing": ("experiment.toml", None),
     "experiment.toml binary": ("experiment.toml", b"\xff\xfe\x00"),

@@ -25,7 +25,9 @@ def _run(root, run_id, status):
 
 def test_a_running_run_cannot_be_deleted_a_finished_one_can(charllm_dirs):
     running = _run(charllm_dirs["runs"], "20260101-000000-a", "running")
-    with pytest.raises(UserError, match=r"run '20260101-000000-a' is running; cancel it first \(charllm-tui runs cancel"):
+    with pytest.raises(
+        UserError, match=r"run '20260101-000000-a' is running; cancel it first \(charllm-tui runs cancel"
+    ):
         running.delete()
     assert running.path.is_dir()
     done = _run(charllm_dirs["runs"], "20260101-000001-b", "completed")
