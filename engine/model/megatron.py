@@ -4,13 +4,15 @@
 (`\\`-continued lines, comments, `--flag=value`, `NAME=value` and `export` lines, a `torchrun ...
 pretrain_gpt.py` prefix that gives the world size) or in a Megatron-LM functional test's
 `model_config.yaml`, and builds an Experiment from the flags that shape memory and speed; flags known to
-change nothing it plans are listed in `no_effect` with why, every other flag in `ignored`, never an error. Flags that are absent take Megatron-LM's own defaults (`megatron/training/arguments.py`), which
+change nothing it plans are listed in `no_effect` with why, every other flag in `ignored`, never an error. Flags
+that are absent take Megatron-LM's own defaults (`megatron/training/arguments.py`), which
 are not always ours: dropout 0.1, biases on, 4h FFN (SwiGLU: `int(8h/3/64)*64`), `--kv-lora-rank` 32,
 fp32 unless `--bf16`/`--fp16`, and sequence parallelism switched off at TP 1.
 
 `export_megatron_args` writes the flags back for the user's megatron-core (a token list for
 `subprocess`; `format_megatron_args` lays them out one per line; `export_script` wraps them with the
-environment and torchrun into a launch script), with what pretrain_gpt.py needs to start. Importing an export gives the same experiment except where Megatron
+environment and torchrun into a launch script), with what pretrain_gpt.py needs to start. Importing an export gives
+the same experiment except where Megatron
 itself resolves a value (see `ROUND_TRIP_NORMALIZED`).
 """
 
@@ -393,7 +395,8 @@ def import_megatron_args(
                                f"default of megatron-core {release} ({source})")
     _resolve_tokenizer(exp.model, special, given, release, source, result)
     if "--moe-enable-deepep" in given and t.moe_token_dispatcher_type != "flex":
-        # TransformerConfig.__post_init__ (core_v0.16.1+): "DeepEP backend is only supported with flex token dispatcher."
+        # TransformerConfig.__post_init__ (core_v0.16.1+): "DeepEP backend is only supported with flex token
+        # dispatcher."
         raise UserError(f"--moe-enable-deepep: needs --moe-token-dispatcher-type flex (got "
                         f"{t.moe_token_dispatcher_type}), as Megatron requires")
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
@@ -657,8 +660,10 @@ def _resolve_cluster(exp: Experiment, launcher: list[str], special: dict, world_
         launch_world, launch_gpn = _launcher_world(launcher)
         if launch_world is not None and launch_gpn is not None:
             world_size, gpus_per_node = launch_world, gpus_per_node or launch_gpn
-            result.warnings.append(f"world size {world_size} = {plural(world_size // launch_gpn, 'node')} x {launch_gpn}, "
-                                   "from the torchrun prefix")
+            result.warnings.append(
+                f"world size {world_size} = {plural(world_size // launch_gpn, 'node')} x {launch_gpn}, "
+                "from the torchrun prefix"
+            )
     if world_size is None:
         stage = p.tensor_model_parallel_size * p.context_parallel_size
         expert = (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) * p.expert_model_parallel_size

@@ -771,11 +771,19 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
             inside = {k: part(k, True) for k in acts}
             last = pattern[-1]
             captured_excess = excess if m.is_moe and "experts" in graphed[True] else 0.0
-            capture = ActTerms(saved={k: v[0] for k, v in inside.items()}, backward={k: v[1] for k, v in inside.items()},
-                               checkpoint_input=0.0, embedding=0.0, final_norm=0.0,
-                               mtp=inside[last][0] if m.mtp_num_layers else 0.0, loss_extra=0.0,
-                               full_recompute=False, group=group, moe_excess=captured_excess,
-                               mtp_excess=captured_excess if m.mtp_num_layers and last else 0.0)
+            capture = ActTerms(
+                saved={k: v[0] for k, v in inside.items()},
+                backward={k: v[1] for k, v in inside.items()},
+                checkpoint_input=0.0,
+                embedding=0.0,
+                final_norm=0.0,
+                mtp=inside[last][0] if m.mtp_num_layers else 0.0,
+                loss_extra=0.0,
+                full_recompute=False,
+                group=group,
+                moe_excess=captured_excess,
+                mtp_excess=captured_excess if m.mtp_num_layers and last else 0.0,
+            )
             outside = {k: part(k, False) for k in acts}
             acts = {k: _Act(outside[k][0], outside[k][1]) for k in acts}
             mtp_act -= capture.mtp
@@ -1107,8 +1115,9 @@ def combine(dense, expert, embedding, held_loss, held_max, backward, loss_extra,
     matrices = dense - embedding                          # the linear layers, norms and biases
     weights = sharded(pr.shard_weights) * pr.weight + (matrices + expert) * pr.weight_cache
     grads = sharded(pr.shard_grads) * pr.grad
-    optimizer = (matrices * pr.optimizer + embedding * pr.embedding_optimizer) \
-        / (pr.dp_shard if pr.shard_optimizer else 1) + expert * pr.optimizer / (pr.edp_shard if pr.shard_optimizer else 1)
+    optimizer = (matrices * pr.optimizer + embedding * pr.embedding_optimizer) / (
+        pr.dp_shard if pr.shard_optimizer else 1
+    ) + expert * pr.optimizer / (pr.edp_shard if pr.shard_optimizer else 1)
     # the peak is either while the loss runs (logits live) or during a backward
     loss_peak = (loss_extra > 0) & (held_loss + loss_extra >= held_max + backward)
     activations = held_max + loss_peak * (held_loss - held_max)
@@ -1193,11 +1202,14 @@ class Budget:
 
     def describe(self) -> str:
         """The device side of every verdict, with where each figure comes from."""
-        return (f"usable {size(self.usable_bytes)} per device ({self.usable_source}) - "
-                f"{size(self.outside_allocator_bytes)} outside the allocator (CUDA context, NCCL; "
-                f"{self.outside_source}){self.dispatcher_text()} = {size(self.allocator_bytes)} for the allocator; it reserves "
-                f"{self.reserve_fraction:.0%} of each iteration's churn beyond the allocated peak "
-                f"({self.segments_text()}; {self.reserve_source})")
+        return (
+            f"usable {size(self.usable_bytes)} per device ({self.usable_source}) - "
+            f"{size(self.outside_allocator_bytes)} outside the allocator (CUDA context, NCCL; "
+            f"{self.outside_source}){self.dispatcher_text()} = {size(self.allocator_bytes)} for the allocator; "
+            f"it reserves "
+            f"{self.reserve_fraction:.0%} of each iteration's churn beyond the allocated peak "
+            f"({self.segments_text()}; {self.reserve_source})"
+        )
 
     def segments_text(self) -> str:
         return "expandable segments" if self.expandable_segments else "fixed segments"

@@ -71,9 +71,11 @@ class Stack:
 
     cuda: bool
     capability: tuple[int, int] | None = None   # the GPU's compute capability, (9, 0) on an H100
-    extensions: frozenset[str] = frozenset()    # EXTENSIONS that import there
-    source: str = "assumed"                     # how we know: "found on NODE", "calibrated on NODE, DATE", "assumed for HW: ..."
-    compiler: str | None = ASSUMED_COMPILER     # the C compiler torch.compile can build with (host_compiler); None: none works
+    extensions: frozenset[str] = frozenset()  # EXTENSIONS that import there
+    source: str = "assumed"  # how we know: "found on NODE", "calibrated on NODE, DATE", "assumed for HW: ..."
+    compiler: str | None = (
+        ASSUMED_COMPILER  # the C compiler torch.compile can build with (host_compiler); None: none works
+    )
 
     def has(self, extension: str) -> bool:
         return extension in self.extensions
@@ -150,7 +152,9 @@ def assumed(hardware) -> Stack:
     if hardware.vendor == "nvidia":
         return Stack(cuda=True, capability=capability, extensions=NVIDIA_CONTAINER,
                      source=f"assumed for {hardware.name}: NVIDIA's PyTorch container (Transformer Engine, Apex)")
-    return Stack(cuda=True, capability=capability, source=f"assumed for {hardware.name}: GPU without Transformer Engine")
+    return Stack(
+        cuda=True, capability=capability, source=f"assumed for {hardware.name}: GPU without Transformer Engine"
+    )
 
 
 def parse_capability(text: str | None) -> tuple[int, int] | None:

@@ -562,9 +562,19 @@ class Trainer:
         outside = self.device_memory.outside_allocator()
         nan = float("nan")
         timed = [(timings or {}).get(name, nan) for name in (*TIMER_FIELDS, "step_s")]
-        row = torch.tensor([float(stop_requested), loss if loss is not None else 0.0, float(self.pp_rank),
-                            float(allocated), nan if reserved is None else float(reserved),
-                            nan if outside is None else float(outside), *timed], dtype=torch.float64, device=self.device)
+        row = torch.tensor(
+            [
+                float(stop_requested),
+                loss if loss is not None else 0.0,
+                float(self.pp_rank),
+                float(allocated),
+                nan if reserved is None else float(reserved),
+                nan if outside is None else float(outside),
+                *timed,
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
         rows = [torch.empty_like(row) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(rows, row)
         table = torch.stack(rows).cpu().tolist()

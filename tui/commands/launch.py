@@ -82,7 +82,11 @@ def follow(run_dir) -> int:
                 print(f"status: {event.status}", flush=True)
             elif isinstance(event, NewIterations):
                 for row in event.events:
-                    key = (row.get("event"), row.get("iteration"), row.get("rank") if row.get("event") == "profile" else None)
+                    key = (
+                        row.get("event"),
+                        row.get("iteration"),
+                        row.get("rank") if row.get("event") == "profile" else None,
+                    )
                     if key not in seen and (key[0] != "iteration" or row.get("rank") == last_rank):
                         seen.add(key)
                         print(_iteration_line(row), flush=True)
@@ -117,8 +121,10 @@ def _iteration_line(row: dict) -> str:
         return f"training ended: {row.get('status')} at iteration {row.get('iteration')}"
     if event == "profile":
         written = row.get("bytes")
-        return (f"profiler trace of step {row.get('iteration')} by rank {row.get('rank')} (stage {row.get('pp_rank')}): "
-                f"{row.get('file')}" + (f", {size(written)}" if isinstance(written, int) else ""))
+        return (
+            f"profiler trace of step {row.get('iteration')} by rank {row.get('rank')} (stage {row.get('pp_rank')}): "
+            f"{row.get('file')}" + (f", {size(written)}" if isinstance(written, int) else "")
+        )
     parts = [f"iter {row.get('iteration', '?'):>5}", f"rank {row.get('rank', '?')}"]
     if row.get("loss") is not None:
         parts.append(f"loss {row['loss']:.4f}")

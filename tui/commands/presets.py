@@ -28,7 +28,9 @@ def register(sub) -> None:
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     show = actions.add_parser("show", help="one preset, fully resolved")
     show.add_argument("name", metavar="NAME")
-    show.add_argument("--kind", choices=[*KINDS, *KIND_ALIASES], help="which kind NAME is (default: the only kind that has it)")
+    show.add_argument(
+        "--kind", choices=[*KINDS, *KIND_ALIASES], help="which kind NAME is (default: the only kind that has it)"
+    )
     show.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     p.set_defaults(func=run, action=None, kind=None, json=False)
 
@@ -148,8 +150,10 @@ def _show(name: str, kind: str | None, as_json: bool) -> int:
     print(f"# {SINGULAR[kind]} preset {name!r} ({source}: {path})")
     if extra.get("derived"):
         d = extra["derived"]
-        print(f"# world size {d['world_size']}, data parallel {d['data_parallel_size']}, "
-              f"{plural(d['num_microbatches'], 'micro-batch', 'micro-batches')} per iteration, sequence {d['seq_length']}")
+        print(
+            f"# world size {d['world_size']}, data parallel {d['data_parallel_size']}, "
+            f"{plural(d['num_microbatches'], 'micro-batch', 'micro-batches')} per iteration, sequence {d['seq_length']}"
+        )
     for problem in extra.get("problems", []):
         print(f"# invalid: {problem}")
     print(tomli_w.dumps(data), end="")

@@ -7,7 +7,8 @@ F3 finds the table ready (the first sweep of a process also pays for importing p
 The result (a polars DataFrame, one row per valid
 layout, with its memory and its speed as `engine.model.speed` estimates it) feeds a TP × PP
 feasibility map (per micro batch and recompute choice, coloured by the best headroom in that cell)
-and a table, fitting layouts ranked by tokens/s, sortable by any column. Enter on a map cell or a table row loads that layout
+and a table, fitting layouts ranked by tokens/s, sortable by any column. Enter on a map cell or a table row loads
+that layout
 into Compose through `engine.model.sweep.layout_to_experiment`. Space marks table rows, and `c`
 writes the marked layouts as a new campaign of the composed experiment
 (`engine.campaign.spec.from_layouts`), which the Campaign screen then shows.
