@@ -29,9 +29,9 @@ def import_times() -> tuple[float, float]:
 
 
 def one_launch(preset: str) -> dict:
-    from charllm.engine.model.experiment import Experiment
     from charllm.engine.launch.launcher import cancel, launch
     from charllm.engine.launch.targets import LOCAL
+    from charllm.engine.model.experiment import Experiment
     from charllm.probes.store.rundir import RunDir
 
     exp = Experiment.load(preset)

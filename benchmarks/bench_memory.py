@@ -17,9 +17,9 @@ import sys
 import time
 
 from charllm.engine.model import speed
+from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.memory import estimate
 from charllm.engine.model.sweep import base_experiment, sweep
-from charllm.engine.model.experiment import Experiment
 
 EVERY_CHOICE = {"recompute": ("none", "selective", "full"), "distributed_optimizer": (True, False)}
 

@@ -26,22 +26,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-import sys
 
-import psutil
 import polars as pl
+import psutil
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from charllm.probes.backends.host import HostBackend
 from charllm.probes.backends.sim import SimBackend
-from charllm.probes.store.rundir import RunDir
 from charllm.probes.sampler import Sampler
+from charllm.probes.store.rundir import RunDir
 
 console = Console(width=150)
 
@@ -152,8 +152,8 @@ def bench_counters(seconds: float, progress: Progress, counters: bool = True) ->
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from _pytest.monkeypatch import MonkeyPatch
 
-    from fakes_nvml import FakeGpu, FakeNvml
     from charllm.probes.backends import open_backends
+    from fakes_nvml import FakeGpu, FakeNvml
 
     class TimedFake(FakeNvml):
         """The fake NVML, adding up the time spent inside its calls (the 'driver' time). The fake is

@@ -38,6 +38,7 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 from rich.table import Table
+
 from charllm.engine.model.experiment import Experiment
 
 console = Console()

@@ -4,19 +4,19 @@ need no TUI). Heavy imports stay inside `run` so `--help` is fast."""
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any
-import signal
-import time
 import os
+import signal
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from charllm.probes.backends import BACKEND_NAMES, inventory, not_supported, open_backends
 from charllm.probes.backends.base import DEFAULT_HZ, MAX_HZ, check_hz
 from charllm.probes.core import paths, procid
-from charllm.probes.core.errors import disk_full_on, plural, UserError
+from charllm.probes.core.errors import UserError, disk_full_on, plural
 from charllm.probes.core.formatting import GIB
-from charllm.probes.store.rundir import check_node_name, Reserve, RunDir
+from charllm.probes.store.rundir import Reserve, RunDir, check_node_name
 
 MAX_DURATION_S = 366 * 24 * 3600
 RESERVE_BYTES = 64 * 1024   # what a probe-only run holds on its disk to record its final status

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from infra_runs import stop_process
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"

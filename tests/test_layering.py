@@ -6,8 +6,8 @@ waits (`# deferred: ...`); and the headless packages never load textual (nor tor
 workload)."""
 
 import ast
-import re
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path

@@ -125,7 +125,7 @@ class CharllmApp(App[None]):
     def _when_idle(self) -> None:
         """What start-up leaves for later: the sweep of the composed experiment and the CSS of the
         other screens' widgets, so that their first key does not pay for them."""
-        from charllm.tui.screens.sweep import sweep_ahead   # deferred: see screen_class
+        from charllm.tui.screens.sweep import sweep_ahead  # deferred: see screen_class
 
         if self.current_mode != "sweep":
             sweep_ahead(self)

@@ -11,8 +11,22 @@ import argparse
 import sys
 
 from charllm.probes.core.errors import UserError, one_line, os_error_line
-from charllm.tui.commands import (baseline, campaign, compare, doctor, export, fields, import_results, launch, plan,
-                                  presets, probe, runs, summarize, sweep)
+from charllm.tui.commands import (
+    baseline,
+    campaign,
+    compare,
+    doctor,
+    export,
+    fields,
+    import_results,
+    launch,
+    plan,
+    presets,
+    probe,
+    runs,
+    summarize,
+    sweep,
+)
 
 # In the order `--help` lists them.
 COMMANDS = (plan, sweep, presets, fields, export, probe, summarize, compare, baseline, import_results, launch, runs,
@@ -83,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_tui() -> int:
-    from charllm.tui.app import main as app_main   # deferred: textual is not loaded for headless commands
+    from charllm.tui.app import main as app_main  # deferred: textual is not loaded for headless commands
 
     return int(app_main() or 0)
 

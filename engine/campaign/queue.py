@@ -25,8 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from charllm.engine.campaign.spec import Campaign, check_max_parallel
 from charllm.engine.campaign.state import DONE, QUEUED, Record, directory
-from charllm.engine.launch.launcher import cancel as cancel_run
-from charllm.engine.launch.launcher import launch, reconcile
+from charllm.engine.launch.launcher import cancel as cancel_run, launch, reconcile
 from charllm.engine.launch.target import Target
 from charllm.engine.launch.targets import from_record
 from charllm.engine.model.memory import FITS, TIGHT

@@ -30,11 +30,17 @@ from charllm.probes.store.rundir import MARKER, TRACES
 _HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]*$")  # names and addresses; never an ssh option
 
 # Reads the connection's stdin until it closes (the local client or its parent died, or the
-# caller closed it), then stops the group: TERM, up to 10 s for its leader to end, KILL. It ignores TERM itself, and its
-# output goes nowhere so it never holds the channel open after the command ends.
+# caller closed it), then stops the group: TERM, up to 10 s for its leader to end, KILL. It ignores TERM
+# itself, and its output goes nowhere so it never holds the channel open after the command ends.
 _STOP_WITH_CONNECTION = ('{ trap "" TERM; cat >/dev/null; kill -TERM -- -$$; '
                          'for _ in $(seq 20); do kill -0 $$ || break; sleep 0.5; done; kill -KILL -- -$$; } '
                          '<&0 >/dev/null 2>&1 & exec </dev/null; ')
+
+
+def host_of(step: Step) -> str:
+    """The host an ssh step runs on (SshTarget.plan names one for every step)."""
+    assert step.host is not None, f"ssh step {step.node}/{step.role} has no host"
+    return step.host
 
 
 @dataclass(frozen=True)
@@ -87,16 +93,16 @@ class SshTarget(Target):
 
     def remote_argv(self, step: Step) -> list[str]:
         """The local command that runs `step` on its host, in a process group of its own."""
-        return self.ssh_argv(step.host) + [self.in_process_group(step.argv)]
+        return self.ssh_argv(host_of(step)) + [self.in_process_group(step.argv)]
 
     # -- launching -----------------------------------------------------------------------------
     def check_ready(self, steps: list[Step], say: Say) -> None:
-        for host in dict.fromkeys(s.host for s in steps):  # in node order: the first bad host is named
+        for host in dict.fromkeys(host_of(s) for s in steps):  # in node order: the first bad host is named
             say(f"checking ssh to {host}")
             self.run_on(host)
 
     def prepare(self, rd, steps: list[Step], script: str | None, say: Say) -> dict:
-        for host in sorted({s.host for s in steps}):
+        for host in sorted({host_of(s) for s in steps}):
             say(f"preparing {host}")
             remote = self.remote_path("runs", rd.id, host)
             marker = (rd.path / MARKER).read_text()   # the node's sampler writes into it as a launched run's
@@ -315,7 +321,7 @@ class SshProc(Proc):
             writer = ChunkWriter(self.rd.node_telemetry_dir(self.step.node))
             try:
                 read_stream(out, writer.write)
-            except Exception as exc:  # a cut connection ends the stream mid-batch
+            except Exception as exc:  # noqa: BLE001 - a cut connection ends the stream mid-batch, any way
                 log.write(f"telemetry stream ended: {exc}\n".encode())
                 log.flush()
             finally:
@@ -330,7 +336,9 @@ class SshProc(Proc):
 
     def exit_status(self) -> int:
         """The remote leader shell's status, carried home by ssh (SshTarget.in_process_group)."""
-        return shell_status(self.poll())
+        status = self.poll()
+        assert status is not None, "exit_status of a step still running"
+        return shell_status(status)
 
     def connection_lost(self) -> bool:
         return self.poll() == 255   # ssh's own status: the connection failed, not the command

@@ -53,10 +53,10 @@ def stop(procs: list[Proc], grace: float) -> None:
             pass
     psutil.wait_procs(below, timeout=5)
     for p in procs:
-        if p.popen.stdin:
-            p.popen.stdin.close()
+        if p.started.stdin:
+            p.started.stdin.close()
         try:
-            p.popen.wait(timeout=5)
+            p.started.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
 

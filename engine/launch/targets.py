@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 import shutil
 import subprocess
+from pathlib import Path
 
 from charllm.engine.launch.local import LocalTarget
 from charllm.engine.launch.slurm import SlurmTarget

@@ -14,8 +14,8 @@ Field names are Megatron-LM's own argument names (`--tensor-model-parallel-size`
 Each field's facts live once, in its dataclass metadata (`setting`): its one-line help, the Megatron
 flag that sets it, its choices and bounds, its Compose-form label and its TransformerConfig name;
 `engine.model.megatron`'s flag tables, `engine.model.validate`'s choice and size checks, the Compose
-form, `charllm-tui fields` and the workload's TransformerConfig are derived from them. Validation of the layout lives in `engine.model.validate`; this module only parses,
-stores and derives.
+form, `charllm-tui fields` and the workload's TransformerConfig are derived from them. Validation of the
+layout lives in `engine.model.validate`; this module only parses, stores and derives.
 """
 
 from __future__ import annotations
@@ -319,10 +319,12 @@ class Hardware:
     outside_allocator_bytes: int = setting(0, flag=None, minimum=0,
                                            help="memory outside PyTorch's allocator: CUDA/HIP context, NCCL "
                                                 "buffers, library workspaces (bytes); 0: unknown")
-    bf16_tflops: float = setting(0.0, flag=None, minimum=0, help="peak dense BF16 (and FP16) tensor throughput "
-                                                                  "(TFLOP/s): the MFU peak of bf16/fp16 runs; 0: unknown")
+    bf16_tflops: float = setting(0.0, flag=None, minimum=0,
+                                 help="peak dense BF16 (and FP16) tensor throughput (TFLOP/s): the MFU peak of "
+                                      "bf16/fp16 runs; 0: unknown")
     fp8_tflops: float | None = setting(None, flag=None, minimum=0,
-                                       help="peak dense FP8 throughput (TFLOP/s): the MFU peak of FP8 runs; unset: no FP8")
+                                       help="peak dense FP8 throughput (TFLOP/s): the MFU peak of FP8 runs; "
+                                            "unset: no FP8")
     tf32_tflops: float | None = setting(None, flag=None, minimum=0,
                                         help="peak dense TF32 throughput (TFLOP/s): the MFU peak of fp32 runs that "
                                              "allow TF32; unset: none")

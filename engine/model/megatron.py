@@ -23,13 +23,24 @@ import dataclasses
 import math
 import re
 import shlex
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, get_origin
 
 from charllm.engine.model import calibration, runtime
-from charllm.engine.model.experiment import (MLA, Experiment, Hardware, ModelSpec, Parallel, Training, declared,
-                                           field_options, megatron_default, megatron_flag, parse_pipeline_layout)
+from charllm.engine.model.experiment import (
+    MLA,
+    Experiment,
+    Hardware,
+    ModelSpec,
+    Parallel,
+    Training,
+    declared,
+    field_options,
+    megatron_default,
+    megatron_flag,
+    parse_pipeline_layout,
+)
 from charllm.probes.core.errors import UserError, plural, shown
 
 # Megatron-LM defaults that changed between the releases charllm supports (core_v0.16.1 to
@@ -716,7 +727,7 @@ def export_megatron_args(exp: Experiment, version: str | None = None) -> list[st
     if p.pipeline_model_parallel_layout is not None:
         split = [("--pipeline-model-parallel-layout", p.pipeline_model_parallel_layout)]
     elif p.virtual_pipeline_model_parallel_size not in (None, 1):
-        split = [("--num-virtual-stages-per-pipeline-rank", p.virtual_pipeline_model_parallel_size)]
+        split = [("--num-virtual-stages-per-pipeline-rank", str(p.virtual_pipeline_model_parallel_size))]
     else:
         split = []
     _add_non_default(add, p, PARALLEL_FLAGS, skip={"pipeline_model_parallel_layout"},

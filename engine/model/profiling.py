@@ -10,8 +10,8 @@ parallel rank 0) is s*W/PP.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from charllm.probes.core.errors import plural
 from charllm.probes.core.formatting import size

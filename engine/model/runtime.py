@@ -19,19 +19,19 @@ scaled_dot_product_attention (a flash-class kernel on GPUs).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
 import functools
+import importlib
+import io
 import os
+import platform
 import shutil
 import subprocess
 import sysconfig
 import tempfile
-from dataclasses import dataclass, field
-import contextlib
-import importlib
-import io
-import platform
 import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from charllm.engine.model.experiment import Problem
 from charllm.probes.store.rundir import implementation_words

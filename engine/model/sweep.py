@@ -38,8 +38,15 @@ import math
 from typing import Any
 
 from charllm.engine.model import calibration, memory, runtime, speed
-from charllm.engine.model.experiment import (Cluster, Experiment, Hardware, ModelSpec, Training, microbatches,
-                                             resolve_key)
+from charllm.engine.model.experiment import (
+    Cluster,
+    Experiment,
+    Hardware,
+    ModelSpec,
+    Training,
+    microbatches,
+    resolve_key,
+)
 from charllm.engine.model.validate import rule_problems, value_problems
 from charllm.probes.core.errors import UserError
 

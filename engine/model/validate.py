@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from typing import get_origin
-import math
 
-from charllm.engine.model.experiment import (SECTIONS, Experiment, Problem, Telemetry, Training, choices, declared,
-                                           facts, field_names, field_options, parse_pipeline_layout)
+from charllm.engine.model.experiment import (
+    SECTIONS,
+    Experiment,
+    Problem,
+    Telemetry,
+    Training,
+    choices,
+    declared,
+    facts,
+    field_names,
+    field_options,
+    parse_pipeline_layout,
+)
 from charllm.engine.model.runtime import parse_capability
 from charllm.probes.backends import REPLAY
 from charllm.probes.core.errors import UserError, plural

@@ -11,10 +11,10 @@ the two classes hold the same parameters and compute the same function.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import functools
 import importlib.util
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from charllm.engine.model.memory import split_layers
 

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 from charllm.engine.model.profiling import TRACES, trace_name
 
 if TYPE_CHECKING:
-    from charllm.engine.model.experiment import Experiment
     from torch.profiler import profile, record_function
+
+    from charllm.engine.model.experiment import Experiment
 
 
 class ProfileWindow:

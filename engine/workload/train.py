@@ -24,18 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import signal
 import socket
 import sys
 import time
 import traceback
+import types
 import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
-import types
-import random
 
 from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
@@ -409,8 +409,7 @@ class Trainer:
     def __init__(self, exp: Experiment, impl, *, cuda: bool, local_rank: int):
         import numpy as np
         import torch
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
+        from megatron.core import parallel_state as ps, tensor_parallel
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine

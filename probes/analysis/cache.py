@@ -15,7 +15,6 @@ from charllm.probes.core.errors import UserError
 from charllm.probes.core.files import open_regular, read_bounded
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, write_json_atomic
 
-
 # Bump when a statistic changes meaning, so cached summaries of finished runs are recomputed.
 SUMMARY_VERSION = 1
 

@@ -21,15 +21,13 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from charllm.probes.analysis import baselines
-from charllm.probes.analysis import COMPARE_FORMATS
+from charllm.probes.analysis import COMPARE_FORMATS, baselines
 from charllm.probes.analysis.render import format_figure, metric_label, text_table
 from charllm.probes.analysis.summary import summarize
 from charllm.probes.analysis.windows import window_phrase
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import resolve_run
-
 
 DEFAULT_THRESHOLD_PCT = 5.0
 

@@ -21,6 +21,7 @@ from charllm.probes.analysis.iterations import read_experiment
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, list_runs
 
+
 def power_points(hardware: str) -> list[tuple[str, float, float]]:
     """(run id, the model's utilization of its layout, its measured mean power per GPU) of every
     finished run of `hardware` with a kept run summary of real (not simulated) GPU telemetry."""

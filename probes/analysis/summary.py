@@ -19,12 +19,20 @@ from charllm.probes.analysis import power_fit
 from charllm.probes.analysis.aggregate import aggregate_gpus, aggregate_hosts, combine
 from charllm.probes.analysis.cache import keep, kept_place, kept_places, read_kept
 from charllm.probes.analysis.device_stats import excursions, gpu_stats, host_stats
-from charllm.probes.analysis.devices import (GPU_COLUMNS, GPU_LABELS, HOST_COLUMNS, KEYS, by_device,
-                                             device_batches, device_key, scan_devices)
+from charllm.probes.analysis.devices import (
+    GPU_COLUMNS,
+    GPU_LABELS,
+    HOST_COLUMNS,
+    KEYS,
+    by_device,
+    device_batches,
+    device_key,
+    scan_devices,
+)
 from charllm.probes.analysis.iterations import iteration_stats, read_experiment, with_iteration_stats
 from charllm.probes.analysis.windows import in_window, parse_window, resolve_window
 from charllm.probes.core.errors import UserError
-from charllm.probes.store.rundir import FINAL_STATUSES, resolve_run, RunDir, past_damage
+from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, past_damage, resolve_run
 from charllm.probes.store.schema import TELEMETRY_SCHEMA
 
 BY = ("gpu", "node", "run")

@@ -18,7 +18,6 @@ from charllm.probes.core.errors import UserError, plural
 from charllm.probes.store.rundir import past_damage, resolve_run
 from charllm.probes.store.schema import METRIC_COLUMNS
 
-
 MIN_SPEED, MAX_SPEED = 1e-3, 1e6   # a thousand times slower, a million times faster
 
 

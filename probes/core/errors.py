@@ -4,10 +4,10 @@ Anything raised as `UserError` reaches the user as one line (`charllm-tui: error
 non-zero exit, never as a traceback. The message says which field, what value, what rule.
 """
 
-import re
 import difflib
 import errno
 import os
+import re
 from pathlib import Path
 
 

@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import tomllib
+from pathlib import Path
 
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.files import read_bounded

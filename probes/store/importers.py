@@ -42,18 +42,25 @@ import shutil
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import cast
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import polars as pl
 
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
-from charllm.probes.store.recorder import write_parquet
 from charllm.probes.core.files import is_regular, open_regular
-from charllm.probes.store.rundir import (TRACES, RunDir, check_run_id, new_run_id, remove_abandoned_staging,
-                                         staging_dir, unique_run_dir)
+from charllm.probes.store.recorder import write_parquet
+from charllm.probes.store.rundir import (
+    TRACES,
+    RunDir,
+    check_run_id,
+    new_run_id,
+    remove_abandoned_staging,
+    staging_dir,
+    unique_run_dir,
+)
 from charllm.probes.store.schema import conform
 
 FORMAT = "charllm-ppt"

@@ -17,18 +17,18 @@ too: nothing important lives only in memory.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+import shutil
 import stat
+import statistics
 import threading
 import time
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-import shutil
-import itertools
-import statistics
 
 from charllm.probes.core import paths, procid
 from charllm.probes.core.atomic import write_atomic
@@ -453,8 +453,8 @@ class RunDir:
         left out; when `skipped` is given, one line saying what was lost is appended to it
         (`damage_note`). Only a file's footer and schema are checked, unless `thorough`: then
         each file is read whole first, which finds damage inside its data (what a reader does
-        again after a scan failed on it, see TELEMETRY_DAMAGE). `columns`, when given, receives the names of the columns the files
-        hold (finished files leave out all-null ones: a reader may skip what none holds).
+        again after a scan failed on it, see TELEMETRY_DAMAGE). `columns`, when given, receives the names of
+        the columns the files hold (finished files leave out all-null ones: a reader may skip what none holds).
         Compacted Parquet files go into one scan, given the schema (a file missing a column
         gets nulls); Arrow chunks with the schema's exact columns likewise, others (older or
         imported files) are conformed one by one. One scan is far faster than a scan per file.

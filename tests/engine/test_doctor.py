@@ -12,17 +12,15 @@ import tempfile
 
 import pytest
 
-from charllm.engine.model.memory import estimate
-
-from charllm.engine.model import calibration, speed
-
 from charllm.engine import doctor
+from charllm.engine.model import calibration, speed
+from charllm.engine.model.experiment import Hardware
+from charllm.engine.model.memory import estimate
 from charllm.tui.cli import build_parser, main
 from charllm.tui.commands.doctor import EPILOG
-from charllm.engine.model.experiment import Hardware
+from fakes_nvml import FakeGpu, FakeNvml
 from infra_cli import one_error_line, run
 from infra_runs import run_processes, wait_for
-from fakes_nvml import FakeGpu, FakeNvml
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -217,7 +215,8 @@ def test_a_node_s_unknown_gpu_is_matched_with_the_user_s_presets_here(charllm_di
     assert result.error is None and result.report["errors"] == []
     assert result.report["hardware"] == "rtx-pro-6000" and "preset of this machine" in result.report["hardware_reason"]
     # a node that printed no report: the target's reason, else the node's own error line
-    assert doctor.NodeResult.from_output(NodeOutput("n2", "", ["Traceback", "OSError: boom"], 1)).error == "OSError: boom"
+    failed = NodeOutput("n2", "", ["Traceback", "OSError: boom"], 1)
+    assert doctor.NodeResult.from_output(failed).error == "OSError: boom"
     assert doctor.NodeResult.from_output(NodeOutput("n3", "", [], 255, "lost the ssh connection (x)")).error \
         == "lost the ssh connection (x)"
 

@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 
-from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.launcher import launch
 from charllm.engine.launch.targets import LOCAL
+from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import mount_point
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir
 from infra_cli import one_error_line, run

@@ -139,9 +139,8 @@ def test_gpm_counters_through_list_run_files_and_summary(tmp_path, capsys, monke
     the recording holds the counters for the first and nulls (never zeros) for the second, the probe
     says so once, and `summarize` gives the counters' means for the first alone."""
     from charllm.probes.analysis.summary import summarize
-    from fakes_nvml import FakeGpu, FakeNvml
-
     from charllm.probes.backends import inventory, open_backends
+    from fakes_nvml import FakeGpu, FakeNvml
 
     FakeNvml([FakeGpu(0, gpm=True), FakeGpu(1, name="NVIDIA A100-SXM4-80GB")]).install(monkeypatch)
     monkeypatch.setenv("COLUMNS", "300")

@@ -13,12 +13,12 @@ import time
 import polars as pl
 import pytest
 
-from charllm.probes.backends.sim import SimBackend
 from charllm.probes.backends import open_backend, open_backends
+from charllm.probes.backends.sim import SimBackend
 from charllm.probes.core.errors import UserError
+from charllm.probes.sampler import Sampler
 from charllm.probes.store.recorder import ChunkWriter
 from charllm.probes.store.rundir import RunDir
-from charllm.probes.sampler import Sampler
 from charllm.probes.store.schema import TELEMETRY_SCHEMA
 from charllm.probes.store.stream import StreamWriter, read_stream
 from charllm.probes.store.tail import IterationTail, TelemetryTail

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from charllm.engine.model.experiment import Experiment
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 from charllm.tui.cli import EXIT_STATUS
 from infra_cli import one_error_line, run
-from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 
 
 def test_help_states_the_convention(capsys):
@@ -93,8 +93,8 @@ def test_a_probe_whose_directory_turns_read_only_stops_in_one_line(tmp_path):
     """`python -m charllm.probes` follows the same convention (it ended in a traceback)."""
     import sys
 
-    from infra_runs import finish, start, wait_for
     from charllm.probes.store.rundir import RunDir
+    from infra_runs import finish, start, wait_for
 
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.launcher import launch
 from charllm.engine.launch.targets import parse_target
+from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import UserError
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 from infra_cli import one_error_line, run
 from infra_fuzz import call
-from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 
 SLURM = {"kind": "slurm", "partition": "gpu", "account": "proj", "qos": "normal", "time": "01:00:00",
          "constraint": "H100", "env_setup": "module load cuda", "python": "python3", "description": "x"}

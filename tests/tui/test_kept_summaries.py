@@ -9,12 +9,12 @@ import shutil
 import numpy as np
 from polars.testing import assert_frame_equal
 
+from charllm.engine.launch.supervise import keep_summaries
 from charllm.engine.model.experiment import Experiment
 from charllm.probes.analysis.summary import BY, cached_summary, per_iteration, summarize
 from charllm.probes.store.rundir import resolve_run
 from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 from charllm.tui.cli import main
-from charllm.engine.launch.supervise import keep_summaries
 from infra_charllm_ppt import make_results
 
 

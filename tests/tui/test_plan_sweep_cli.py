@@ -9,8 +9,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from charllm.tui.cli import main
 from charllm.engine.model.experiment import Experiment
+from charllm.tui.cli import main
 from infra_cli import one_error_line, run
 
 MEGATRON = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import polars as pl
 import pytest
-from charllm.probes.store.synthetic import gpu_frame, make_run
 
+from charllm.probes.store.synthetic import gpu_frame, make_run
 from charllm.tui.cli import main
 
 T = np.round(np.arange(0, 101) * 0.1, 10)

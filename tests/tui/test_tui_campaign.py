@@ -10,6 +10,7 @@ import os
 import shutil
 
 import pytest
+from test_tui_pilot import pilot_test, run_app, wait_for
 
 from charllm.engine.campaign import spec, state
 from charllm.engine.campaign.report import figure, values_of
@@ -19,7 +20,6 @@ from charllm.probes.core import paths, procid
 from charllm.tui.app import CharllmApp
 from charllm.tui.demo import DEMO_CAMPAIGN, make_demo_campaign
 from charllm.tui.figures import heatmap_text
-from test_tui_pilot import pilot_test, run_app, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,10 +11,10 @@ import time
 
 import numpy as np
 import pytest
-from charllm.probes.store.synthetic import cpu_run, gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.analysis import baselines
 from charllm.probes.analysis.compare import compare, render
+from charllm.probes.store.synthetic import cpu_run, gpu_frame, iteration_rows, make_run, tiny_experiment
 from charllm.tui.app import CharllmApp
 from charllm.tui.screens import compare as compare_screen
 from charllm.tui.widgets.charts import Chart

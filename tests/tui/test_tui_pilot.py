@@ -13,10 +13,10 @@ import time
 import polars as pl
 import pytest
 
+from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec
 from charllm.probes.core.errors import UserError
 from charllm.tui.app import CharllmApp, load_settings
 from charllm.tui.demo import make_demo_run
-from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -437,8 +437,8 @@ async def test_live_without_a_run_shows_host_telemetry():
 
 def test_live_host_panes_plot_reported_figures_and_counter_rates():
     import numpy as np
-    from charllm.probes.store.synthetic import gpu_frame
 
+    from charllm.probes.store.synthetic import gpu_frame
     from charllm.tui.screens.live import build_frame
 
     t = np.arange(0, 10, 0.25)

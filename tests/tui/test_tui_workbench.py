@@ -444,9 +444,9 @@ async def test_live_gpu_processes_say_why_there_are_none():
 
 @pilot_test
 async def test_live_p_shows_the_processes_in_place_of_a_local_runs_log(charllm_dirs, monkeypatch):
-    from fakes_nvml import FakeGpu, FakeNvml, FakeProcess
-    from charllm.tui.demo import make_demo_run
     from charllm.probes.store.rundir import RunDir
+    from charllm.tui.demo import make_demo_run
+    from fakes_nvml import FakeGpu, FakeNvml, FakeProcess
 
     FakeNvml([FakeGpu(0, processes=[FakeProcess(4242)])]).install(monkeypatch)
     recorded = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo", seconds=6)

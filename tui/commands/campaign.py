@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
-import shutil
 
 from charllm.engine.campaign import queue, spec, state
 from charllm.engine.launch.targets import get_target

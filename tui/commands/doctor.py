@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import signal
+import sys
 from pathlib import Path
 
 from charllm.engine import doctor
 from charllm.engine.launch.targets import KINDS, get_target
-from charllm.probes.core.errors import did_you_mean, plural, UserError
+from charllm.probes.core.errors import UserError, did_you_mean, plural
 from charllm.probes.core.formatting import size
 
 EPILOG = """\

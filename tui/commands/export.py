@@ -12,7 +12,7 @@ from charllm.engine.model.megatron import export_environment, export_megatron_ar
 from charllm.engine.model.validate import check
 from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
-from charllm.probes.core.errors import plural, UserError
+from charllm.probes.core.errors import UserError, plural
 
 
 def register(sub) -> None:

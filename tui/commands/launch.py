@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import time
+from pathlib import Path
 
-from charllm.engine.launch.launcher import (cancel, launch, PORT_AT_LAUNCH, reconcile, SUPERVISOR_EXIT_S,
-                                           wait_for_supervisor)
+from charllm.engine.launch.launcher import (
+    PORT_AT_LAUNCH,
+    SUPERVISOR_EXIT_S,
+    cancel,
+    launch,
+    reconcile,
+    wait_for_supervisor,
+)
 from charllm.engine.launch.targets import KINDS, get_target
 from charllm.engine.model.experiment import Experiment, layout_label
 from charllm.probes.core.errors import plural
@@ -26,7 +32,8 @@ def register(sub) -> None:
                    help="override an experiment field, e.g. --set tensor_model_parallel_size=2 (repeatable; "
                         "charllm-tui fields lists them)")
     p.add_argument("--nproc", type=int, help="processes per node (CPU runs; default: cluster.gpus_per_node)")
-    p.add_argument("--dry-run", action="store_true", help="print the commands (and the job script a scheduler target submits); touch nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the commands (and the job script a scheduler target submits); touch nothing")
     p.add_argument("--follow", action="store_true", help="print iterations and telemetry until the run ends")
     p.add_argument("--force", action="store_true",
                    help="launch a layout that fails validation or does not fit (recorded in the manifest)")
@@ -70,7 +77,11 @@ def follow(run_dir) -> int:
     import polars as pl
 
     from charllm.probes.store.follow import (
-        follow as follow_run, NewIterations, NewTelemetry, StatusChanged)  # deferred: loads polars (start-up time)
+        NewIterations,
+        NewTelemetry,
+        StatusChanged,
+        follow as follow_run,  # deferred: loads polars (start-up time)
+    )
 
     # Rank 0 and the last rank both log each step; the last rank's line carries the loss.
     last_rank = RunDir(run_dir).manifest().world_size - 1

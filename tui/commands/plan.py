@@ -7,13 +7,12 @@ import argparse
 import json
 import sys
 
-from charllm.engine.model import profiling
+from charllm.engine.model import profiling, speed
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.megatron import import_megatron_args, launcher_world_size, split_command_line
-from charllm.engine.model import speed
 from charllm.engine.model.memory import DOES_NOT_FIT, FITS, TIGHT, VERDICT_STYLE, estimate
 from charllm.engine.model.validate import check
-from charllm.probes.core.errors import plural, UserError
+from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.formatting import count, gib, si
 
 EPILOG = """\
@@ -156,11 +155,13 @@ def speed_lines(fast) -> list[str]:
     mfu = f"MFU {fast.mfu:.1%} ({fast.precision})" if fast.mfu is not None else f"MFU n/a (no {fast.precision} peak)"
     stages = fast.params_per_stage
     per_stage = count(stages[0]) + " each" if len(set(stages)) == 1 else " / ".join(count(n) for n in stages)
-    lines = [f"step {fast.step_s:.3g} s · {fast.tokens_per_s:,.0f} tokens/s · {fast.samples_per_s:,.3g} samples/s · {mfu}",
+    lines = [f"step {fast.step_s:.3g} s · {fast.tokens_per_s:,.0f} tokens/s · {fast.samples_per_s:,.3g} samples/s · "
+             f"{mfu}",
              f"of the step: compute {sh['compute']:.0%} · exposed communication {sh['communication']:.0%} · "
              f"pipeline bubble {sh['bubble']:.0%} · optimizer and fixed {sh['other']:.0%}",
              f"parameters {count(fast.params_total)} · per stage {per_stage} · at most "
-             f"{count(max(fast.params_per_device))} on one device · {si(fast.flops_per_iteration, 'FLOP')} per iteration"]
+             f"{count(max(fast.params_per_device))} on one device · {si(fast.flops_per_iteration, 'FLOP')} per "
+             "iteration"]
     if fast.power_w is not None:
         lines.append(f"power {fast.power_w:.0f} W per device · {fast.energy_per_token_j:.3g} J/token · "
                      f"{fast.samples_per_s_mj:,.3g} samples/(s·MJ)")
@@ -168,17 +169,21 @@ def speed_lines(fast) -> list[str]:
 
 
 def render(exp: Experiment, report, fast) -> None:
-    from rich.console import Console
     from rich import box
+    from rich.console import Console
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 120)   # pipes and files get the whole table
     p = exp.parallel
     layout = (exp.layout_label + (" SP" if p.sequence_parallel else "")
               + (" dist-opt" if p.use_distributed_optimizer else ""))
-    table = Table(box=box.SIMPLE_HEAD, caption="layers: per virtual chunk (NxV: N layers in each of V chunks); mb: micro-batch chunks held at the peak",
-                  caption_justify="left", title=f"{exp.name}: {exp.model.name} on {exp.world_size} x {exp.hardware.name} ({layout}), "
-                        f"micro batch {exp.training.micro_batch_size}, {plural(exp.num_microbatches, 'micro-batch', 'micro-batches')}, GiB",
+    batches = plural(exp.num_microbatches, "micro-batch", "micro-batches")
+    table = Table(box=box.SIMPLE_HEAD,
+                  caption="layers: per virtual chunk (NxV: N layers in each of V chunks); mb: micro-batch chunks "
+                          "held at the peak",
+                  caption_justify="left",
+                  title=f"{exp.name}: {exp.model.name} on {exp.world_size} x {exp.hardware.name} ({layout}), "
+                        f"micro batch {exp.training.micro_batch_size}, {batches}, GiB",
                   title_justify="left")
     columns = ("PP", "layers", "mb", "weights", "grads", "optim", "acts", "other", "total", "reserve", "headroom",
                "verdict")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
+import json
 
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec, _drop_none
 from charllm.engine.model.validate import validate, value_problems
-from charllm.probes.core.errors import did_you_mean, plural, UserError
+from charllm.probes.core.errors import UserError, did_you_mean, plural
 from charllm.probes.core.formatting import GIB
 
 KINDS = ("models", "hardware", "experiments")

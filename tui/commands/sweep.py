@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import json
+import sys
 
 from charllm.engine.model.experiment import Experiment, parse_value
-from charllm.engine.model.memory import budget
-from charllm.engine.model.memory import VERDICT_STYLE
+from charllm.engine.model.memory import VERDICT_STYLE, budget
 from charllm.engine.model.sweep import RECOMPUTE, SWEPT, base_experiment, layout_to_experiment, recompute_name, sweep
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
-from charllm.probes.core.errors import did_you_mean, os_error_line, plural, UserError
+from charllm.probes.core.errors import UserError, did_you_mean, os_error_line, plural
 from charllm.probes.core.formatting import GIB
 from charllm.tui.commands.plan import percent, seconds, speed_basis, watts
 

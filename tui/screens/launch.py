@@ -6,9 +6,9 @@ screen while it starts. Once the run directory exists the Live screen follows it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 from textual import on, work

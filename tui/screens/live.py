@@ -25,7 +25,6 @@ from pathlib import Path
 
 from rich.markup import escape
 from rich.text import Text
-
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -37,15 +36,15 @@ from textual.worker import get_current_worker
 from charllm.engine.launch import targets
 from charllm.engine.model.experiment import Experiment
 from charllm.probes import backends, sampler
+from charllm.probes.analysis.ranks import recent_line
 from charllm.probes.backends.base import GpuProcess, hostname
 from charllm.probes.core.errors import UserError
+from charllm.probes.core.formatting import GIB, size
 from charllm.probes.store import rundir
 from charllm.probes.store.follow import NewIterations, NewLogLines, NewTelemetry, RunFollower
-from charllm.probes.analysis.ranks import recent_line
 from charllm.probes.store.schema import conform
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import MAX_POINTS, Chart
-from charllm.probes.core.formatting import GIB, size
 
 POLL_S = 0.25
 WINDOWS_S = (15, 30, 60, 120, 300, 900, None)     # zoom steps; None: everything recorded

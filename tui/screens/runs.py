@@ -24,7 +24,7 @@ from charllm.engine.launch import launcher
 from charllm.probes.analysis import baselines, summary
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import local_time
-from charllm.probes.store.rundir import list_runs, Manifest, RunDir, run_id_name, runtime_line
+from charllm.probes.store.rundir import Manifest, RunDir, list_runs, run_id_name, runtime_line
 from charllm.tui.commands.runs import HEADLINE, WINDOW, WINDOW_TEXT
 from charllm.tui.screens.base import WorkbenchScreen, shortest_key
 from charllm.tui.screens.dialogs import AskName, Confirm, free_name

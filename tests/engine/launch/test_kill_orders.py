@@ -7,13 +7,22 @@ import signal
 
 import pytest
 
-from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.launcher import cancel, launch, reconcile
 from charllm.engine.launch.targets import LOCAL
+from charllm.engine.model.experiment import Experiment
 from charllm.probes.store.rundir import RunDir
 from infra_cli import run
-from infra_runs import (iterations_logged, left_after, logs, rank_process, role_process, run_processes,
-                        supervisor_process, wait_final, wait_for)
+from infra_runs import (
+    iterations_logged,
+    left_after,
+    logs,
+    rank_process,
+    role_process,
+    run_processes,
+    supervisor_process,
+    wait_final,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.train]   # they launch training (torchrun)
 

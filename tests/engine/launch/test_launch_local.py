@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.launcher import cancel, launch
 from charllm.engine.launch.targets import LOCAL
+from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import RunDir
 from infra_runs import iterations_logged, logs, rank_process, run_processes, wait_final, wait_for
@@ -168,9 +168,9 @@ def test_stopping_steps_skips_one_a_cancel_kept_from_starting(tmp_path):
     records "cancelled" (it once died on the step that never started and recorded "failed")."""
     import sys
 
-    from charllm.engine.launch.target import Step
     from charllm.engine.launch.process import Proc
     from charllm.engine.launch.supervise import stop
+    from charllm.engine.launch.target import Step
 
     rd = RunDir(tmp_path / "run")
     rd.logs_dir.mkdir(parents=True)

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.launcher import launch
 from charllm.engine.launch.targets import describe, parse_target
+from charllm.engine.model.experiment import Experiment
 from charllm.probes.store.rundir import RunDir
 from infra_runs import iterations_logged, logs, rank_process, run_processes, wait_final, wait_for
 from infra_slurm import slurm_cluster  # noqa: F401 - fixture

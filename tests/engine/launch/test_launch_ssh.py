@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from charllm.engine.model.experiment import Experiment
 from charllm.engine.launch.launcher import cancel, launch
 from charllm.engine.launch.targets import parse_target
+from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import RunDir
 from infra_runs import iterations_logged, logs, run_processes, wait_final, wait_for

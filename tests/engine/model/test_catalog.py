@@ -8,8 +8,8 @@ import math
 import pytest
 
 from charllm.engine.model import catalog
-from charllm.probes.core.errors import UserError
 from charllm.engine.model.experiment import Hardware, ModelSpec
+from charllm.probes.core.errors import UserError
 
 GIB = 2**30
 

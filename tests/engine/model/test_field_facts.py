@@ -10,8 +10,19 @@ import typing
 import pytest
 
 from charllm.engine.model import megatron, validate
-from charllm.engine.model.experiment import (AUTO, SECTIONS, Experiment, ModelSpec, Parallel, Training, choices,
-                                           expected, facts, field_types, help_text)
+from charllm.engine.model.experiment import (
+    AUTO,
+    SECTIONS,
+    Experiment,
+    ModelSpec,
+    Parallel,
+    Training,
+    choices,
+    expected,
+    facts,
+    field_types,
+    help_text,
+)
 from charllm.engine.model.megatron import FLAGS, Many, Switch, Value
 from charllm.probes.backends import BACKEND_NAMES, open_backend
 from charllm.probes.backends.base import MAX_HZ

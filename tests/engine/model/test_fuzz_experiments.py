@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import SECTIONS, Experiment, all_keys, field_names

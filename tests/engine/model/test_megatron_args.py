@@ -9,10 +9,9 @@ import shlex
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from charllm.engine.model import catalog
+from charllm.engine.model import calibration, catalog, runtime
 from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec
 from charllm.engine.model.megatron import (
     MLA_DEFAULTS,
@@ -26,7 +25,6 @@ from charllm.engine.model.megatron import (
     parse_layer_pattern,
     parse_pipeline_layout,
 )
-from charllm.engine.model import calibration, runtime
 from charllm.probes.core.errors import UserError
 from infra_paths import VALIDATION, validation_missing
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from charllm.engine.model import catalog
-from charllm.engine.model.megatron import export_environment, export_megatron_args, versioned_default
 from charllm.engine.model.experiment import Experiment
+from charllm.engine.model.megatron import export_environment, export_megatron_args, versioned_default
 from infra_megatron_lm import RELEASES, needs_mirror, validate
 
 pytestmark = needs_mirror

@@ -12,7 +12,12 @@ import pytest
 
 from charllm.engine.model.experiment import Cluster, Experiment, Hardware, ModelSpec, Parallel, Training
 from charllm.engine.model.memory import (
-    BASE_WORKSPACE_BYTES, GEMM_WORKSPACE_BYTES, _Shapes, count_parameters, estimate, split_layers,
+    BASE_WORKSPACE_BYTES,
+    GEMM_WORKSPACE_BYTES,
+    _Shapes,
+    count_parameters,
+    estimate,
+    split_layers,
 )
 
 S, B, H, A, FFN, L, V = 1024, 2, 512, 8, 2048, 4, 50304

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "tools" / "build_memory_dev.py"
 DATA = REPO / "tests" / "data" / "memory_dev" / "memory_dev.json"

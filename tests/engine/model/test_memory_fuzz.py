@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from charllm.engine.model.experiment import Cluster, Experiment, Hardware, ModelSpec, Parallel, Training
 from charllm.engine.model.memory import estimate

@@ -13,6 +13,7 @@ import json
 import re
 
 import pytest
+
 from charllm.engine.model import calibration, catalog, runtime
 from charllm.engine.model.experiment import Experiment, Hardware, Training
 from charllm.engine.model.runtime import Stack

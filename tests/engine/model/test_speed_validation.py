@@ -14,11 +14,11 @@ from __future__ import annotations
 import statistics
 
 import pytest
+from test_memory_validation import _cases, line
 
 from charllm.engine.model.megatron import import_megatron_args
 from charllm.engine.model.memory import count_parameters
 from charllm.engine.model.speed import estimate
-from test_memory_validation import _cases, line
 
 LARGE = 1e9                     # parameters: the line between the target and the small cases
 LARGE_MEAN, LARGE_MAX = 0.10, 0.25

@@ -10,12 +10,19 @@ import polars as pl
 import pytest
 
 from charllm.engine.model import calibration, runtime, speed
+from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.memory import estimate
-from charllm.engine.model.sweep import (MICRO_BATCH_SIZES, RECOMPUTE, REQUIRED_COLUMNS, base_experiment,
-                                  layout_to_experiment, stage_table, sweep)
+from charllm.engine.model.sweep import (
+    MICRO_BATCH_SIZES,
+    RECOMPUTE,
+    REQUIRED_COLUMNS,
+    base_experiment,
+    layout_to_experiment,
+    stage_table,
+    sweep,
+)
 from charllm.engine.model.validate import validate
 from charllm.probes.core.errors import UserError
-from charllm.engine.model.experiment import Experiment
 from infra_fields import changed, variants
 
 KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from charllm.engine.model import catalog
-from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.experiment import Problem
+from charllm.engine.model.experiment import Experiment, Problem
 from charllm.engine.model.validate import check, validate
 from charllm.probes.core.errors import UserError
 

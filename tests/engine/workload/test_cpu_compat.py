@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from infra_runs import finish, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.train]

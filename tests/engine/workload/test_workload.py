@@ -20,8 +20,7 @@ import pytest
 
 from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.workload import CANCELLED_EXIT, model_builder
-from charllm.engine.workload import timers
+from charllm.engine.workload import CANCELLED_EXIT, model_builder, timers
 from charllm.probes.store.schema import ITERATION_FIELDS, RANK_TIMERS
 from infra_runs import finish, start
 

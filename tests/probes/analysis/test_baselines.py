@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from charllm.probes.store.synthetic import gpu_frame, make_run
 
 from charllm.probes.analysis import baselines
 from charllm.probes.core.errors import UserError
+from charllm.probes.store.synthetic import gpu_frame, make_run
 from charllm.tui.cli import main
 
 T = np.round(np.arange(0, 101) * 0.1, 10)

@@ -7,12 +7,12 @@ import re
 
 import numpy as np
 import pytest
-from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.analysis import baselines
 from charllm.probes.analysis.compare import compare, direction, render
-from charllm.probes.core.errors import UserError
 from charllm.probes.analysis.render import format_figure
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run, tiny_experiment
 from charllm.tui.cli import main
 
 T = np.round(np.arange(0, 101) * 0.1, 10)

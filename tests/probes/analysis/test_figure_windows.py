@@ -7,10 +7,10 @@ import json
 import re
 
 import numpy as np
-from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.analysis.compare import compare, render
 from charllm.probes.analysis.summary import summarize
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run, tiny_experiment
 from charllm.tui.cli import main
 from charllm.tui.screens import runs as runs_screen
 from charllm.tui.screens.live import iterations_text

@@ -10,8 +10,17 @@ from pathlib import Path
 import pytest
 
 from charllm.probes.analysis import kernels
-from charllm.probes.analysis.kernels import (CATEGORIES, breakdown, breakdowns, by_group, classify_kernel, classify_op,
-                                             kernel_summary, kernel_table, read_trace)
+from charllm.probes.analysis.kernels import (
+    CATEGORIES,
+    breakdown,
+    breakdowns,
+    by_group,
+    classify_kernel,
+    classify_op,
+    kernel_summary,
+    kernel_table,
+    read_trace,
+)
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.synthetic import make_run
 from infra_traces import check_sums_to_busy

@@ -6,13 +6,13 @@ import numpy as np
 import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
-from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run, tiny_experiment
 
-from charllm.probes.core.errors import UserError
 from charllm.engine.model.experiment import ModelSpec
 from charllm.engine.model.flops import num_floating_point_operations
-from charllm.probes.store.schema import THROTTLE_BITS
 from charllm.probes.analysis.summary import cached_summary, summarize
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.schema import THROTTLE_BITS
+from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run, tiny_experiment
 
 T = np.round(np.arange(0, 101) * 0.1, 10)             # 10 s at 10 Hz, both ends sampled
 SQUARE = np.where(np.floor(T + 1e-9) % 2 == 0, 100.0, 300.0)  # 100 W / 300 W, 1 s each

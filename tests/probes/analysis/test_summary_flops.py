@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from charllm.probes.core.errors import UserError
 from charllm.engine.model.experiment import ModelSpec
 from charllm.engine.model.flops import flops_per_iteration, num_floating_point_operations
 from charllm.probes.analysis.iterations import read_experiment
+from charllm.probes.core.errors import UserError
 
 GPT3 = dict(
     num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=51200, make_vocab_size_divisible_by=128

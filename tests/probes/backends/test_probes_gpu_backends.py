@@ -6,7 +6,6 @@ import pynvml
 import pytest
 
 from charllm.probes.backends import open_backend, open_backends
-
 from charllm.probes.backends.base import BackendUnavailable
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.schema import THROTTLE_BITS

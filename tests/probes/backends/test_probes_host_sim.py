@@ -6,6 +6,7 @@ import json
 
 import psutil
 import pytest
+
 from charllm.probes.backends import open_backend
 from charllm.probes.backends.host import HostBackend
 from charllm.probes.backends.sim import SimBackend, SimHardware

@@ -119,7 +119,8 @@ def _every_file(how: bytes):
 def _wrong_schema(run: Path) -> None:
     import polars as pl
 
-    pl.DataFrame({"ts_ns": ["a", "b"], "power_w": ["x", "y"]}).write_parquet(run / "telemetry" / "n0" / "000009.parquet")
+    bad = pl.DataFrame({"ts_ns": ["a", "b"], "power_w": ["x", "y"]})
+    bad.write_parquet(run / "telemetry" / "n0" / "000009.parquet")
 
 
 def _kept_summaries(how: str):
@@ -189,7 +190,8 @@ DAMAGES = {
         processes=[{"remote_host": "h", "remote_pgid": -1, "remote_boot_id": "x", "remote_start": 1}],
         target={"name": "s", "kind": "ssh", "hosts": ["h"]}),
     "manifest running, a target of an unknown kind": _manifest(
-        status="running", kind="train", supervisor={"pid": 999999, "create_time": 1.0}, target={"name": "k", "kind": "k8s"}),
+        status="running", kind="train", supervisor={"pid": 999999, "create_time": 1.0},
+        target={"name": "k", "kind": "k8s"}),
     "manifest nested 100,000 deep": _write("manifest.json", b"[" * 100_000),
     "manifest a pipe": _fifo("manifest.json"),
     "manifest a link to /dev/zero": _link("manifest.json", "/dev/zero"),
@@ -215,7 +217,8 @@ DAMAGES = {
     "compacted telemetry zeroed at 40%": _zero_parquet(0.40),
     "compacted telemetry zeroed at 70%": _zero_parquet(0.70),
     "compacted telemetry zeroed at its footer": _zero_parquet(0.95, 64),
-    "compacted telemetry cut in half": lambda run: (p := _compacted(run)).write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+    "compacted telemetry cut in half":
+        lambda run: (p := _compacted(run)).write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
     "an Arrow chunk zeroed": _damage_chunk(0, "zeroed"),
     "an Arrow chunk cut": _damage_chunk(1, "cut"),
     "an Arrow chunk of random bytes": _damage_chunk(0, "garbage"),
@@ -270,8 +273,8 @@ DAMAGES = {
     # more kept summaries
     "kept summary key a list": lambda run: (_kept_summaries("none")(run),
                                             [m.write_text("[1, 2]") for m in (run / "summaries").glob("*.json")]),
-    "kept summary key of 64 MiB": lambda run: (_kept_summaries("none")(run),
-                                               [_huge(f"summaries/{m.name}")(run) for m in (run / "summaries").glob("*.json")]),
+    "kept summary key of 64 MiB": lambda run: (
+        _kept_summaries("none")(run), [_huge(f"summaries/{m.name}")(run) for m in (run / "summaries").glob("*.json")]),
     # logs and the marker
     "a log that is a pipe": _fifo("logs/train-n0.log"),
     "a log that links to /dev/zero": _link("logs/sampler-n0.log", "/dev/zero"),

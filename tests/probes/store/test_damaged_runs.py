@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from charllm.engine.model.experiment import Experiment
-from infra_cli import one_error_line, run
 from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
+from infra_cli import one_error_line, run
 
 DIRECTORY = object()
 DAMAGES = {

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from charllm.probes.core.errors import UserError
-from charllm.probes.store.follow import follow, NewIterations, NewLogLines, NewTelemetry, RunFollower, StatusChanged
+from charllm.probes.store.follow import NewIterations, NewLogLines, NewTelemetry, RunFollower, StatusChanged, follow
 from charllm.probes.store.recorder import ChunkWriter
 from charllm.probes.store.rundir import RunDir
 from charllm.probes.store.synthetic import gpu_frame, iteration_rows

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
+from charllm.probes.analysis.summary import summarize
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.importers import LIMITATIONS, import_charllm_ppt
 from charllm.probes.store.rundir import resolve_run
-from charllm.probes.analysis.summary import summarize
 from charllm.tui.cli import main
 from infra_charllm_ppt import make_results
 

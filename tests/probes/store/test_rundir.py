@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import (
     Manifest,

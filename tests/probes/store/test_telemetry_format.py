@@ -13,15 +13,15 @@ import numpy as np
 import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
-from charllm.probes.store.synthetic import T0_NS, gpu_frame, iteration_rows, make_run, tiny_experiment
 
 from charllm.probes.analysis import baselines
-from charllm.probes.backends.replay import ReplayBackend
 from charllm.probes.analysis.compare import compare
+from charllm.probes.analysis.summary import summarize
+from charllm.probes.backends.replay import ReplayBackend
 from charllm.probes.store.recorder import ChunkWriter
 from charllm.probes.store.rundir import RunDir, scan_runs
 from charllm.probes.store.schema import ID_COLUMNS, conform
-from charllm.probes.analysis.summary import summarize
+from charllm.probes.store.synthetic import T0_NS, gpu_frame, iteration_rows, make_run, tiny_experiment
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 T = np.round(np.arange(0, 200) * 0.05, 10)  # 10 s at 20 Hz
