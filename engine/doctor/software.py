@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -48,8 +49,6 @@ def software(timeout: float = SOFTWARE_TIMEOUT_S) -> dict:
 def error_line(text: str, returncode: int | None = None) -> str:
     """The line of a process's output that says why it failed: our own error line, else the last
     exception line (not torchrun's summary of it), else the last line."""
-    import re
-
     lines = [re.sub(r"^\[(default|rank)\d+\]:\s*", "", line).strip() for line in text.splitlines()]
     lines = [line for line in lines if line]
     ours = [line for line in lines if "charllm-tui: error:" in line]

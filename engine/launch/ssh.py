@@ -13,6 +13,7 @@ import re
 import shlex
 import signal
 import subprocess
+import tarfile
 import threading
 import typing
 from concurrent.futures import ThreadPoolExecutor
@@ -119,8 +120,6 @@ class SshTarget(Target):
         a connection of its own, unpacked into the run's traces/ by Python's data filter (plain files
         under traces/ only: no links, devices or paths out of it). Whole traces only: the workload
         renames each into place once written."""
-        import tarfile
-
         used = {step.get("host") for step in rd.manifest().steps}
         for host in (h for h in self.hosts if h in used):
             remote = self.remote_path("runs", rd.id, host)
