@@ -47,9 +47,7 @@ def open_backend(name: str, **kw) -> Backend:
     if name == "auto":
         return _auto(**kw)
     if name.startswith(REPLAY):
-        from charllm.probes.backends.replay import (
-            ReplayBackend,
-        )  # deferred: a vendor library loads only when its backend is opened
+        from charllm.probes.backends.replay import ReplayBackend  # deferred: its vendor library, only once opened
 
         return ReplayBackend(name.removeprefix(REPLAY), **_only(kw, "speed", "clock"))
     if name not in FACTORIES:
@@ -78,33 +76,25 @@ def _only(kw: dict, *names: str) -> dict:
 
 
 def _nvml(**_kw) -> Backend:
-    from charllm.probes.backends.nvml import (
-        NvmlBackend,
-    )  # deferred: a vendor library loads only when its backend is opened
+    from charllm.probes.backends.nvml import NvmlBackend  # deferred: its vendor library, only once opened
 
     return NvmlBackend()
 
 
 def _amdsmi(**_kw) -> Backend:
-    from charllm.probes.backends.amdsmi import (
-        AmdSmiBackend,
-    )  # deferred: a vendor library loads only when its backend is opened
+    from charllm.probes.backends.amdsmi import AmdSmiBackend  # deferred: its vendor library, only once opened
 
     return AmdSmiBackend()
 
 
 def _host(**_kw) -> Backend:
-    from charllm.probes.backends.host import (
-        HostBackend,
-    )  # deferred: a vendor library loads only when its backend is opened
+    from charllm.probes.backends.host import HostBackend  # deferred: its vendor library, only once opened
 
     return HostBackend()
 
 
 def _sim(**kw) -> Backend:
-    from charllm.probes.backends.sim import (
-        SimBackend,
-    )  # deferred: a vendor library loads only when its backend is opened
+    from charllm.probes.backends.sim import SimBackend  # deferred: its vendor library, only once opened
 
     return SimBackend(**_only(kw, "gpus", "profile", "seed", "clock", "hardware", "iterations",
                               "intensity", "ambient_c", "power_limit_w", "tau_s"))

@@ -75,49 +75,17 @@ def test_compare_threshold_is_a_finite_percentage(threshold, charllm_dirs, capsy
     assert code == 2 and "--threshold" in one_error_line(err)
 
 
+SWEEP = ["sweep", "--model", "tiny-dense", "--hardware", "cpu", "--gpus-per-node", "2", "--global-batch-size", "8"]
+LAYOUT = "pipeline_model_parallel_layout"
+
+
 @pytest.mark.parametrize(
     "argv, field",
     [
-        (
-            [
-                "sweep",
-                "--model",
-                "tiny-dense",
-                "--hardware",
-                "cpu",
-                "--nodes",
-                "99999999999999999999",
-                "--gpus-per-node",
-                "2",
-                "--global-batch-size",
-                "8",
-            ],
-            "nodes",
-        ),
-        (
-            [
-                "sweep",
-                "--model",
-                "tiny-dense",
-                "--hardware",
-                "cpu",
-                "--nodes",
-                "1000000000",
-                "--gpus-per-node",
-                "2",
-                "--global-batch-size",
-                "8",
-            ],
-            "nodes",
-        ),
-        (
-            ["plan", "tiny-local", "--set", "pipeline_model_parallel_layout=E|t*9999999999|L"],
-            "pipeline_model_parallel_layout",
-        ),
-        (
-            ["plan", "tiny-local", "--set", "pipeline_model_parallel_layout=(t*9999)*9999"],
-            "pipeline_model_parallel_layout",
-        ),
+        ([*SWEEP, "--nodes", "99999999999999999999"], "nodes"),
+        ([*SWEEP, "--nodes", "1000000000"], "nodes"),
+        (["plan", "tiny-local", "--set", f"{LAYOUT}=E|t*9999999999|L"], LAYOUT),
+        (["plan", "tiny-local", "--set", f"{LAYOUT}=(t*9999)*9999"], LAYOUT),
         (["plan", "tiny-local", "--set", "num_layers=100000000"], "num_layers"),
         (["plan", "tiny-local", "--set", "num_layers=1e23"], "num_layers"),
         (["plan", "tiny-local", "--set", "hardware.memory_bytes=-1"], "memory_bytes"),

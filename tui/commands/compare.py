@@ -41,16 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _side_by_side(args: argparse.Namespace, window) -> int:
     """--kernels or --matrix: runs (not baselines: they keep summaries only) as columns."""
-    from charllm.probes.analysis.kernels import (
-        compare_kernels,
-        kernels_side_by_side,
-    )  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.matrix import (
-        MATRICES,
-        check,
-        gpus_by_runs,
-        render_matrix,
-    )  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.kernels import compare_kernels, kernels_side_by_side  # deferred: polars
+    from charllm.probes.analysis.matrix import MATRICES, check, gpus_by_runs, render_matrix  # deferred: polars
     from charllm.probes.analysis.render import render, text_table  # deferred: loads polars (start-up time)
     from charllm.probes.core.errors import UserError  # deferred: with the rest
 

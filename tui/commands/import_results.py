@@ -35,11 +35,11 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
 
     from charllm.engine.campaign import artifact  # deferred: loads the experiment catalog (start-up time)
     from charllm.probes.analysis.summary import keep_summaries  # deferred: loads polars (start-up time)
-    from charllm.probes.store.importers import (
+    from charllm.probes.store.importers import (  # deferred: numpy, polars
         import_charllm_ppt,
         import_charllm_ppt_tree,
         is_result_folder,
-    )  # deferred: loads numpy, polars (start-up time)
+    )
 
     src = Path(args.dir).expanduser()
     if not src.is_dir() or is_result_folder(src):

@@ -70,16 +70,8 @@ def run(args: argparse.Namespace) -> int:
 def _per_rank(args: argparse.Namespace, window, out) -> int:
     """--kernels, or --by rank|stage: a table per rank or stage, and what it says in a line."""
     from charllm.probes.analysis.kernels import kernel_summary, kernel_table  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.ranks import (
-        rank_summary,
-        steps_phrase,
-        straggler_line,
-    )  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.render import (
-        render,
-        text_table,
-        write_summary,
-    )  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.ranks import rank_summary, steps_phrase, straggler_line  # deferred: polars
+    from charllm.probes.analysis.render import render, text_table, write_summary  # deferred: polars (start-up time)
 
     fmt = args.format or "table"
     if args.kernels:
@@ -119,17 +111,8 @@ def _per_rank(args: argparse.Namespace, window, out) -> int:
 
 def _matrix(args: argparse.Namespace, out) -> int:
     """--matrix NAME: GPUs x time."""
-    from charllm.probes.analysis.matrix import (
-        MATRICES,
-        check,
-        gpus_by_time,
-        render_matrix,
-    )  # deferred: loads polars (start-up time)
-    from charllm.probes.analysis.render import (
-        render,
-        text_table,
-        write_summary,
-    )  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.matrix import MATRICES, check, gpus_by_time, render_matrix  # deferred: polars
+    from charllm.probes.analysis.render import render, text_table, write_summary  # deferred: polars (start-up time)
 
     name = check(args.matrix)
     window = "all" if args.window == "steady" else args.window   # a matrix shows the whole run unless asked
