@@ -396,6 +396,7 @@ def test_the_node_entry_point_says_bad_input_in_one_line(argv, says):
     assert doctor.error_line(done.stderr, 2) == done.stderr.removeprefix("charllm-tui: error: ").strip()
 
 
+@pytest.mark.train   # the node report reads the software stack, torch included: without it that is its error
 def test_the_local_target_runs_the_engine_entry_point_in_a_child():
     """`doctor --target local`: Target.run_on_nodes runs `python -m charllm.engine.doctor report` here."""
     from charllm.engine.launch.targets import LOCAL
