@@ -232,7 +232,7 @@ class CompareScreen(WorkbenchScreen):
 
     @work(thread=True, exclusive=True, group="compare-side")
     def side_by_side(self, runs: list[str], view: str) -> None:
-        labels = run_labels([resolve_run(r).id for r in runs if _resolves(r)])
+        labels = run_labels([rd.id for rd in resolved_runs(runs)])
         try:
             if view == "kernels":
                 df, notes = compare_kernels(runs)
@@ -291,17 +291,20 @@ class CompareScreen(WorkbenchScreen):
             table.add_row(*cells)
 
 
-def _resolves(ref: str) -> bool:
-    try:
-        resolve_run(ref)
-    except UserError:
-        return False
-    return True
+def resolved_runs(refs: list[str]):
+    """The run directories of the refs that name a run (a baseline or a run gone since is left out)."""
+    runs = []
+    for ref in refs:
+        try:
+            runs.append(resolve_run(ref))
+        except UserError:
+            continue
+    return runs
 
 
 def straggler_lines(refs: list[str]) -> list[str]:
     """Each run's stragglers in a line (runs whose workload logged every rank's timers)."""
-    runs = [resolve_run(ref) for ref in refs if not ref.startswith("baseline:") and _resolves(ref)]
+    runs = resolved_runs([ref for ref in refs if not ref.startswith("baseline:")])
     labels = run_labels([rd.id for rd in runs])
     lines = []
     for rd in runs:
@@ -318,12 +321,7 @@ PLANNED = (("step time", "step"), ("power per GPU", "power"))
 
 def planned_figures(refs: list[str]) -> dict:
     """run label -> its predicted_vs_measured table, for the runs (not baselines) that recorded an experiment."""
-    runs = []
-    for ref in refs:
-        try:
-            runs.append(resolve_run(ref))
-        except UserError:
-            continue
+    runs = resolved_runs(refs)
     labels = run_labels([rd.id for rd in runs])
     out = {}
     for rd in runs:
@@ -355,12 +353,7 @@ def per_iteration_curves(refs: list[str]) -> dict:
     curves it has data for: means over GPUs (or hosts) and samples within each iteration, and
     each iteration's time from the iteration log."""
     curves: dict[str, dict] = {curve: {} for curve, _ in (*GPU_CHARTS, *HOST_CHARTS)}
-    runs = []
-    for ref in refs:
-        try:
-            runs.append(resolve_run(ref))
-        except UserError:
-            continue
+    runs = resolved_runs(refs)
     labels = run_labels([rd.id for rd in runs])
     for rd in runs:
         label = labels[rd.id]
