@@ -108,7 +108,9 @@ FEATURES = 7
 @dataclass(frozen=True)
 class Rates:
     matmul_flops: float             # dense peak of the precision the linears run in (FLOP/s)
-    half_flops: float               # BF16/FP16 peak: attention and the output layer
+    half_flops: float               # peak of what attention and the output layer run in: the linears'
+                                    # precision, but BF16/FP16 under FP8 (Transformer Engine's FP8 covers
+                                    # the layers' linears only)
     matmul: float                   # achieved share of matmul_flops for a large GEMM
     memory_bps: float               # memory bandwidth (B/s)
     node_bps: float                 # device-to-device link within a node, per direction (B/s)
@@ -124,7 +126,7 @@ def rates(exp: Experiment, precision: str, efficiency: float | None = None) -> R
     `efficiency`, given)."""
     hw = exp.hardware
     peak = getattr(hw, PEAK_FIELDS[precision]) or hw.bf16_tflops or 0.0
-    half = hw.bf16_tflops or peak
+    half = (hw.bf16_tflops or peak) if precision == "fp8" else peak
     share, source = hw.matmul_efficiency, "assumed"
     cal = calibration.load(hw.name)
     if efficiency is not None:
@@ -533,7 +535,7 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
     m, t = exp.model, exp.training
     precision = linear_precision(exp)
     r = rates(exp, precision, efficiency)
-    half = r if precision in ("bf16", "fp16") else rates(exp, "fp16" if t.fp16 else "bf16", efficiency)
+    half = r if precision != "fp8" else rates(exp, "fp16" if t.fp16 else "bf16", efficiency)
     impl = impl or memory.implementation(exp)
     u = _unit_times(np, exp, L, r, half, impl)
     S = L.stages                                           # layouts x stages x features
