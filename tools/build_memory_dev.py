@@ -484,7 +484,28 @@ def build(checkout: Path) -> tuple[list[dict], list[tuple[str, str]]]:
                 items.append(item)
     names = [item["name"] for item in items]
     assert len(names) == len(set(names)), "two cases share a name"
+    mark_superseded(items)
     return items, left_out
+
+
+def mark_superseded(items: list[dict]) -> None:
+    """A case whose command line, environment and world size are another's, with memory values from an
+    older golden commit that differ, measured an older Megatron-LM: it gets `superseded_by`, and the
+    validation reports it without counting it."""
+    same: dict[tuple, list[dict]] = {}
+    for item in items:
+        key = (item["megatron_args"], json.dumps(item["env"], sort_keys=True), item["world_size"])
+        same.setdefault(key, []).append(item)
+    for group in same.values():
+        newest = max(group, key=lambda i: i["provenance"]["golden_date"])
+        for item in group:
+            measured = (item["measured_static_bytes"], item["measured_peak_bytes"])
+            if item["provenance"]["golden_date"] < newest["provenance"]["golden_date"] and \
+                    measured != (newest["measured_static_bytes"], newest["measured_peak_bytes"]):
+                item["superseded_by"] = newest["name"]
+                item["notes"] += (f" Superseded: {newest['name']} has the same command line, environment and world "
+                                  f"size, measured at {newest['provenance']['golden_commit'][:10]} "
+                                  f"({newest['provenance']['golden_date']}); these values are an older Megatron-LM's.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,10 @@ pipeline stage is compared with rank world_size-1's allocator figures: `steady_b
 grads + optimizer + resident workspaces) with `mem-allocated-bytes`, `total_bytes` with
 `mem-max-allocated-bytes`. The thresholds sit just above what the estimator achieves today, so a
 regression fails. Run with `-s` to see each case's errors and each class's means.
+
+A case marked `superseded_by` (tools/build_memory_dev.py, `mark_superseded`: the same command line
+measured again at a newer commit, with other values) measured an older Megatron-LM: it is estimated
+and printed, and left out of the means and maxima.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def classes(exp) -> list[str]:
     return tags
 
 
-def _errors() -> list[tuple[str, float, float, list[str]]]:
+def _errors() -> list[tuple[str, float, float, list[str], str | None]]:
     rows = []
     for case in _cases():
         imported = import_megatron_args(line(case), world_size=case["world_size"], hardware=case["hardware"])
@@ -64,16 +68,24 @@ def _errors() -> list[tuple[str, float, float, list[str]]]:
         rows.append((case["name"],
                      last.steady_bytes / case["measured_static_bytes"] - 1,
                      last.total_bytes / case["measured_peak_bytes"] - 1,
-                     classes(imported.experiment)))
+                     classes(imported.experiment), case.get("superseded_by")))
     return rows
 
 
 @pytest.fixture(scope="module")
-def errors():
+def all_errors():
     rows = _errors()
     print(f"\n{'case':78s} {'static':>8s} {'peak':>8s}  classes")
-    for name, static, peak, tags in rows:
-        print(f"{name[:78]:78s} {static * 100:+7.1f}% {peak * 100:+7.1f}%  {', '.join(tags)}")
+    for name, static, peak, tags, superseded in rows:
+        print(f"{name[:78]:78s} {static * 100:+7.1f}% {peak * 100:+7.1f}%  {', '.join(tags)}"
+              + (f"  (superseded by {superseded}: not counted)" if superseded else ""))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def errors(all_errors):
+    """The counted cases: all but the superseded."""
+    rows = [row for row in all_errors if not row[4]]
     by_class: dict[str, list] = {}
     for row in rows:
         for tag in row[3]:
@@ -90,8 +102,9 @@ def _summary(values: list[float]) -> tuple[float, float]:
     return statistics.mean(absolute), max(absolute)
 
 
-def test_every_case_is_estimated(errors):
-    assert len(errors) == len(_cases()) >= 88
+def test_every_case_is_estimated(all_errors, errors):
+    assert len(all_errors) == len(_cases()) >= 88
+    assert len(errors) >= len(all_errors) - 1
 
 
 def test_static_error_does_not_regress(errors):
