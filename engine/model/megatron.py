@@ -274,7 +274,7 @@ def model_config_tokens(text: str) -> list[str] | None:
     (scalars as written, anchors expanded): `--flag: true` is the bare flag, `[a b c]` the words a, b
     and c, any other value one word (`"0:384 200B:768"`, `([0]*3+[1]*12)`); false or empty leave the
     flag out."""
-    if "MODEL_ARGS" not in text:
+    if not re.search(r"^MODEL_ARGS:", text, re.MULTILINE):   # a shell script's MODEL_ARGS=( ... ) is not one
         return None
     import yaml  # deferred: only a model_config.yaml needs it
 

@@ -678,6 +678,18 @@ def test_a_functional_test_model_config_imports():
         import_megatron_args("ENV_VARS: [1]\nMODEL_ARGS: {--num-layers: 2}\n", world_size=1)
 
 
+def test_a_launch_script_with_a_model_args_array_is_read_as_shell():
+    """NVIDIA's example scripts keep their flags in a bash array named MODEL_ARGS: that is a shell
+    script, not a model_config.yaml, so its words are read (and its variables named), never parsed as YAML."""
+    script = ("PRETRAIN_SCRIPT_PATH=pretrain_gpt.py\nNUM_LAYERS=2\nMASTER_ADDR=${MASTER_ADDR:-localhost}\n"
+              "MODEL_ARGS=(\n    --num-layers $NUM_LAYERS\n)\n[ -f $PRETRAIN_SCRIPT_PATH ] || echo 'Error: not found'\n"
+              "torchrun $PRETRAIN_SCRIPT_PATH ${MODEL_ARGS[@]}\n")
+    assert model_config_tokens(script) is None
+    with pytest.raises(UserError) as refused:
+        import_megatron_args(script, world_size=1)
+    assert "$NUM_LAYERS" in str(refused.value) and "YAML" not in str(refused.value)
+
+
 def test_plan_takes_the_world_size_from_the_launch_line(capsys):
     from infra_cli import one_error_line, run
 
