@@ -612,7 +612,7 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
     optimizer = np.where(present, opt, 0.0).max(axis=1)
     other = optimizer + FIXED_STEP_S
     step = pipeline + dp_exposed + other
-    bubble = pipeline - compute_s - comm_s
+    bubble = np.maximum(pipeline - compute_s - comm_s, 0.0)   # no bubble comes out a rounding error below 0
     return Times(step_s=step, compute_s=compute_s, communication_s=comm_s + dp_exposed, bubble_s=bubble,
                  other_s=other, matmul_s=matmul_s, stage_s=stage, params_stage=params[0] + params[1])
 
@@ -676,7 +676,7 @@ def utilization(np, times: Times):
     matmul = np.minimum(times.matmul_s, times.compute_s)
     memory_bound = times.compute_s - matmul + times.other_s
     busy = (ACTIVITY["matmul"] * matmul + ACTIVITY["memory"] * memory_bound
-            + ACTIVITY["communication"] * times.communication_s + ACTIVITY["idle"] * np.maximum(times.bubble_s, 0.0))
+            + ACTIVITY["communication"] * times.communication_s + ACTIVITY["idle"] * times.bubble_s)
     return np.clip(busy / times.step_s, 0.0, 1.0)
 
 
