@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from charllm.engine.model.flops import peak_tflops
 from charllm.engine.model.memory import estimate
 
 DATA = Path(__file__).parents[2] / "data" / "gpu_runs"
+TOOL = Path(__file__).parents[3] / "tools" / "import_gpu_runs.py"
 PEAK_EACH = 0.03          # measured: at most 2.6% (the fp32 run)
 STEP_EACH = 0.20          # measured: at most 14% (the fp32 run: attention at the flash kernels' share)
 STEP_MEAN_HALF = 0.08     # bf16/fp16 runs, mean |error|: measured 4.6%
@@ -83,3 +86,16 @@ def test_step_time_model():
     print(f"bf16/fp16: mean |error| {100 * statistics.mean(half):.1f}% over {len(half)} runs")
     assert all(abs(e) <= STEP_EACH for *_, e in rows)
     assert statistics.mean(half) <= STEP_MEAN_HALF
+
+
+REAL_RUN = DATA / "runs" / "20261126-045153-m1-llama1b-mbs1"    # one whole run of the set, as the H200 wrote it
+
+
+def test_the_import_tool_reads_a_run_directory_back(tmp_path):
+    out = tmp_path / "one.json"
+    done = subprocess.run([sys.executable, str(TOOL), str(REAL_RUN), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [record] = json.loads(out.read_text())
+    assert record == dict(RUNS)[f"h200-2026-11-26/{REAL_RUN.name}"]
+    assert not (REAL_RUN.parent / "one.json").exists() and out.with_suffix(".tmp").exists() is False
