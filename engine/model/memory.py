@@ -528,8 +528,11 @@ class _Shapes:
             attn_transient = 2 * (4 if self.upcast_softmax else ab) * scores   # softmax grad in + out
         else:
             core = 0.0 if core_recompute else 4 * a * s * b / tp     # fp32 log-sum-exp
-        if m.qk_layernorm:
-            saved += kept("qkv_linear", q + k)             # Q/K norm inputs
+        # Q/K norm inputs; MLA normalises its latents inside the up-projections instead (q_layernorm and
+        # kv_layernorm are IdentityOp, linear_q/kv_up_proj TE LayerNormColumnParallelLinear: gpt_layer_specs.py,
+        # core_v0.16.1 and core_v0.19.0), whose inputs q_ranks and kv_lora_rank count above
+        if m.qk_layernorm and not m.multi_latent_attention:
+            saved += kept("qkv_linear", q + k)
         # what core attention keeps: its inputs (unless recomputed from the MLA latents), the CP ring's
         # Q and exchanged K/V per step, and its own softmax or log-sum-exp
         inputs = 0.0 if up_recompute else q + k + v

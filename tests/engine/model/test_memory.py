@@ -566,3 +566,16 @@ def test_every_verdict_has_its_style_beside_it():
     from charllm.engine.model import memory
 
     assert tuple(memory.VERDICT_STYLE) == memory.VERDICTS
+
+
+def test_mla_normalises_its_latents_inside_the_up_projections():
+    """MLA's qk_layernorm normalises the Q and KV latents inside the up-projections (TE
+    LayerNormColumnParallelLinear, q_layernorm/kv_layernorm IdentityOp), whose inputs are counted
+    already: no per-head Q/K norm inputs as in standard attention."""
+    def saved(mla: bool, qk_layernorm: bool) -> float:
+        extra = dict(multi_latent_attention=True, q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64,
+                     qk_pos_emb_head_dim=32, v_head_dim=64) if mla else {}
+        return _Shapes(gpt(backend="flash", qk_layernorm=qk_layernorm, **extra)).layer(False).saved
+
+    assert saved(True, True) == saved(True, False)
+    assert saved(False, True) - saved(False, False) == pytest.approx(2 * 2 * S * B * H)
