@@ -45,6 +45,7 @@ CHANGES = {
     "recompute_num_layers": [2],
     "cpu_offloading_num_layers": [1],
     "wgrad_deferral_limit": [2],
+    "cuda_graph_warmup_steps": [0],              # only none against some changes what is held
     "data_path": ["/data/x"],
     "compute_capability": ["8.0"],
     "make_vocab_size_divisible_by": [100],
@@ -84,6 +85,7 @@ NEEDS = {
     "moe_flex_dispatcher_backend": {"moe_token_dispatcher_type": "flex"},
     "wgrad_deferral_limit": {"defer_embedding_wgrad_compute": True},
     "cuda_graph_scope": {"cuda_graph_impl": "transformer_engine"},
+    "cuda_graph_warmup_steps": {"cuda_graph_impl": "transformer_engine"},
 }
 
 

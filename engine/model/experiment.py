@@ -498,6 +498,11 @@ class Training:
         None, config=True, activations=True, renamed=("--cuda-graph-modules",),
         choices=("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration"),
         help="what the CUDA graphs capture of each layer; unset: whole layers")
+    # Megatron-LM captures Transformer Engine's graphs once this many steps have run eagerly (training.py,
+    # `iteration - start_iteration == args.cuda_graph_warmup_steps`, core_v0.16.1 and core_v0.19.0)
+    cuda_graph_warmup_steps: int = setting(3, config=True, activations=True, minimum=0,
+                                           only_with=("cuda_graph_impl", ("local", "transformer_engine")),
+                                           help="steps run eagerly before the CUDA graphs are captured")
     use_precision_aware_optimizer: bool = setting(
         False, help="Transformer Engine's optimizer, with the four optimizer dtypes below")
     main_grads_dtype: str = setting("fp32", choices=("fp32", "bf16"),

@@ -528,8 +528,11 @@ class _Shapes:
             attn_transient = 2 * (4 if self.upcast_softmax else ab) * scores   # softmax grad in + out
         else:
             core = 0.0 if core_recompute else 4 * a * s * b / tp     # fp32 log-sum-exp
-        if m.qk_layernorm:
-            saved += kept("qkv_linear", q + k)             # Q/K norm inputs
+        # Q/K norm inputs; MLA normalises its latents inside the up-projections instead (q_layernorm and
+        # kv_layernorm are IdentityOp, linear_q/kv_up_proj TE LayerNormColumnParallelLinear: gpt_layer_specs.py,
+        # core_v0.16.1 and core_v0.19.0), whose inputs q_ranks and kv_lora_rank count above
+        if m.qk_layernorm and not m.multi_latent_attention:
+            saved += kept("qkv_linear", q + k)
         # what core attention keeps: its inputs (unless recomputed from the MLA latents), the CP ring's
         # Q and exchanged K/V per step, and its own softmax or log-sum-exp
         inputs = 0.0 if up_recompute else q + k + v
@@ -630,6 +633,8 @@ class StageTerms:
     in_flight: int
     chunks: list[ChunkMemory]
     embedding_params: int = 0       # of dense_params: the embeddings and the output layer
+    graph_static: float = 0.0       # CUDA graphs' static buffers (kept between iterations)
+    capture: tuple | None = None    # (held_loss, held_max, backward, loss_extra) while the graphs are captured
 
 
 # The fields the activation terms read, as their metadata says (engine.model.experiment.setting's
@@ -653,7 +658,9 @@ def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool
             if with_chunks else []
         out.append(StageTerms(st.pp_rank, st.dense_params, st.expert_params, float(st.held_loss),
                               float(st.held_max), float(st.backward), float(st.loss_extra),
-                              st.fsdp_layer_params, int(st.in_flight), reports, st.embedding_params))
+                              st.fsdp_layer_params, int(st.in_flight), reports, st.embedding_params,
+                              float(st.graph_static),
+                              tuple(float(v) for v in st.capture) if st.capture is not None else None))
     return out
 
 
@@ -730,14 +737,23 @@ class ActTerms:
     # The allocator counts what a graph keeps only while the graphs are captured, in schedule order
     # (TE make_graphed_callables with _order); replays run in the graphs' private pool.
     capture: "ActTerms | None" = None
+    # ... the static input buffers each graphed layer keeps per micro-batch (saved: per layer kind, mtp),
+    # held by as many micro-batches as the schedule has in flight (`_graph_buffers`, `stage_arrays`)
+    graphs: "ActTerms | None" = None
+    graph_fixed: float = 0.0        # ... and the gradient buffers the graphs keep once for all
+    # ... the terms of the steps Megatron-LM runs eagerly before it captures the graphs (all parts)
+    eager: "ActTerms | None" = None
     # the numbers above, which `stack` turns into arrays (the recompute setting stays one for all)
     PER_SETTING: ClassVar[tuple[str, ...]] = ("checkpoint_input", "embedding", "final_norm", "mtp", "loss_extra",
-                                              "moe_excess", "mtp_excess", "deferred_wgrad", "deferral_limit")
+                                              "moe_excess", "mtp_excess", "deferred_wgrad", "deferral_limit",
+                                              "graph_fixed")
+    NESTED: ClassVar[tuple[str, ...]] = ("capture", "graphs", "eager")
 
     @property
     def recompute(self) -> tuple:
         """What `_layer_activations` branches on: settings with other values cannot share arrays."""
-        return self.full_recompute, self.group, self.offloaded_layers, self.capture is not None
+        return (self.full_recompute, self.group, self.offloaded_layers,
+                *(getattr(self, name) is not None for name in self.NESTED))
 
 
 def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
@@ -761,9 +777,26 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
         # appends the logits' gradient to grad_output_buffer, its forward the input (sequence-sharded
         # under SP) to embedding_activation_buffer, kept until the pipeline flush computes the wgrad.
         deferred = (lb + shapes.ab * shapes.sbh) if t.defer_embedding_wgrad_compute else 0.0
+        def terms(acts: dict, mtp_act: float, excess: float, **graph_terms) -> ActTerms:
+            return ActTerms(
+                saved={k: a.saved for k, a in acts.items()},
+                # layer offloading brings a layer's activations back ahead of its backward
+                backward={k: a.saved * (1 if block else group) if shapes.full_recompute
+                          else a.transient + (a.saved if offloaded else 0.0) for k, a in acts.items()},
+                checkpoint_input=shapes.checkpoint_input(), embedding=shapes.embedding(),
+                final_norm=shapes.finalnorm_params(), mtp=mtp_act, loss_extra=loss_extra,
+                full_recompute=shapes.full_recompute, group=group, offloaded_layers=offloaded,
+                moe_excess=excess, mtp_excess=excess if m.mtp_num_layers and pattern[-1] else 0.0,
+                deferred_wgrad=deferred, deferral_limit=t.wgrad_deferral_limit, **graph_terms)
+
         graphed = _graphed_parts(exp, impl)
-        capture = None
+        graph_terms: dict = {}
         if graphed:
+            # Megatron-LM runs cuda_graph_warmup_steps steps eagerly (every part in the allocator's count)
+            # before it captures the graphs (training.py, core_v0.16.1 and core_v0.19.0)
+            if t.cuda_graph_warmup_steps > 0:
+                graph_terms["eager"] = terms(acts, mtp_act, excess)
+
             def part(k: bool, in_graph: bool) -> tuple[float, float]:
                 chosen = [acts[k].parts[p] for p in acts[k].parts if (p in graphed[k]) == in_graph]
                 return sum((c[0] for c in chosen), 0.0), max((c[1] for c in chosen), default=0.0)
@@ -771,7 +804,7 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
             inside = {k: part(k, True) for k in acts}
             last = pattern[-1]
             captured_excess = excess if m.is_moe and "experts" in graphed[True] else 0.0
-            capture = ActTerms(
+            graph_terms["capture"] = capture = ActTerms(
                 saved={k: v[0] for k, v in inside.items()},
                 backward={k: v[1] for k, v in inside.items()},
                 checkpoint_input=0.0,
@@ -788,16 +821,13 @@ def activation_terms(exp: Experiment, cache: dict) -> ActTerms:
             acts = {k: _Act(outside[k][0], outside[k][1]) for k in acts}
             mtp_act -= capture.mtp
             excess -= captured_excess
-        entry = cache[akey] = ActTerms(
-            saved={k: a.saved for k, a in acts.items()},
-            # layer offloading brings a layer's activations back ahead of its backward
-            backward={k: a.saved * (1 if block else group) if shapes.full_recompute
-                      else a.transient + (a.saved if offloaded else 0.0) for k, a in acts.items()},
-            checkpoint_input=shapes.checkpoint_input(), embedding=shapes.embedding(),
-            final_norm=shapes.finalnorm_params(), mtp=mtp_act, loss_extra=loss_extra,
-            full_recompute=shapes.full_recompute, group=group, offloaded_layers=offloaded,
-            moe_excess=excess, mtp_excess=excess if m.mtp_num_layers and pattern[-1] else 0.0,
-            deferred_wgrad=deferred, deferral_limit=t.wgrad_deferral_limit, capture=capture)
+            inputs, fixed = _graph_buffers(exp, shapes, graphed)
+            graph_terms["graphs"] = ActTerms(
+                saved={k: inputs[k] for k in acts}, backward={k: 0.0 for k in acts}, checkpoint_input=0.0,
+                embedding=0.0, final_norm=0.0, mtp=inputs[last] if m.mtp_num_layers else 0.0, loss_extra=0.0,
+                full_recompute=False, group=group)
+            graph_terms["graph_fixed"] = fixed
+        entry = cache[akey] = terms(acts, mtp_act, excess, **graph_terms)
     return entry
 
 
@@ -832,6 +862,42 @@ def _graphed_parts(exp: Experiment, impl: "runtime.Implementation") -> dict[bool
             True: attn | routing | ({"experts"} if "moe" in scope else set())}
 
 
+def _graph_buffers(exp: Experiment, shapes: "_Shapes",
+                   graphed: dict[bool, set[str]]) -> tuple[dict[bool, float], float]:
+    """({MoE layer?: the static input buffers one graphed layer keeps per micro-batch}, the gradient
+    buffers all the graphs keep once), in bytes, for Transformer Engine's CUDA graphs (Megatron-LM's
+    TECudaGraphHelper; the same in core_v0.16.1 and core_v0.19.0, with Transformer Engine >= 2.7, which
+    Megatron-LM's pyproject.toml pinned at release_v2.11 when its CI measured the attn-graph case, 11debfa7b4).
+
+    Inputs: megatron-core makes each graphed layer's sample arguments per micro-batch
+    (transformer/cuda_graphs.py, _get_sample_arguments): the hidden states, always BF16, sequence-sharded
+    under SP (transformer/module.py, get_layer_static_inputs), and where the graph holds the attention a
+    boolean causal mask of micro batch x (sequence / CP) x sequence (transformer_layer.py,
+    get_layer_static_inputs). A layer's buffers are handed on to a later forward once its backward is
+    done, so the buffers are those of the micro-batches in flight in the pipeline schedule (counted per
+    stage, `stage_arrays`). Transformer Engine's make_graphed_callables with
+    _reuse_graph_input_output_buffers (transformer_engine/pytorch/graph.py, v2.11) frees each graph's
+    static outputs once its backward graph is captured, and each backward's input gradients once the next
+    backward has run, and keeps one static gradient-output buffer per output signature: what stays is
+    one buffer of the graphs' output gradients per signature and the last backward's input gradient."""
+    m = exp.model
+    scope = set(exp.training.cuda_graph_scope or [])
+    hidden = 2 * shapes.sbh                          # torch.bfloat16 in get_layer_static_inputs
+    mask = shapes.b * shapes.s * exp.seq_length if not scope or "attn" in scope else 0.0
+    inputs = {k: hidden + mask if graphed.get(k) else 0.0 for k in (False, True)}
+    # a graph's outputs: the hidden states, unless it stops at an MoE layer's router (moe_router without
+    # moe), where it also returns the residual and the shared experts' output (transformer_layer.py,
+    # _te_cuda_graph_replay); the routing probabilities and map are left out (a few bytes per token)
+    signatures = set()
+    for k, parts in graphed.items():
+        if parts and k and "router" in parts and "experts" not in parts:
+            signatures.add(2 + (1 if m.moe_shared_expert_intermediate_size else 0))
+        elif parts:
+            signatures.add(1)
+    fixed = sum(signatures) * shapes.ab * shapes.sbh + hidden if signatures else 0.0
+    return inputs, fixed
+
+
 def stack(acts: list[ActTerms]) -> ActTerms:
     """One ActTerms of arrays, entry i from `acts[i]`; the recompute setting must be the same for all."""
     import numpy as np
@@ -839,22 +905,25 @@ def stack(acts: list[ActTerms]) -> ActTerms:
     first = acts[0]
     assert all(a.recompute == first.recompute for a in acts)
     arrays = {name: np.array([getattr(a, name) for a in acts]) for name in ActTerms.PER_SETTING}
+    # (every one has a capture where the first has: the same recompute setting, asserted above)
+    nested: dict[str, Any] = {name: stack([getattr(a, name) for a in acts]) if getattr(first, name) is not None
+                              else None for name in ActTerms.NESTED}
     # the stacked terms hold arrays where one setting's hold floats (the class says so): mypy reads the fields' types
     return ActTerms(saved={k: np.array([a.saved[k] for a in acts]) for k in first.saved},
                     backward={k: np.array([a.backward[k] for a in acts]) for k in first.backward},
                     full_recompute=first.full_recompute, group=first.group,
                     offloaded_layers=first.offloaded_layers, **arrays,  # type: ignore[arg-type]
-                    # (every one has a capture where the first has: the same recompute setting, asserted above)
-                    capture=stack([a.capture for a in acts if a.capture is not None])
-                    if first.capture is not None else None)
+                    **nested)
 
 
 def take(acts: ActTerms, index) -> ActTerms:
     """The entries `index` (a numpy index array) of a stacked ActTerms."""
+    nested: dict[str, Any] = {name: take(getattr(acts, name), index) if getattr(acts, name) is not None else None
+                              for name in ActTerms.NESTED}
     return dataclasses.replace(acts, saved={k: v[index] for k, v in acts.saved.items()},
                                backward={k: v[index] for k, v in acts.backward.items()},
                                **{name: getattr(acts, name)[index] for name in ActTerms.PER_SETTING},
-                               capture=take(acts.capture, index) if acts.capture is not None else None)
+                               **nested)
 
 
 @dataclass
@@ -874,6 +943,8 @@ class StageArrays:
     loss_extra: Any
     in_flight: Any
     embedding_params: Any = 0
+    graph_static: Any = 0           # CUDA graphs' static buffers (kept between iterations)
+    capture: tuple | None = None    # (held_loss, held_max, backward, loss_extra) while the graphs are captured
 
 
 def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> list[StageArrays]:
@@ -892,18 +963,33 @@ def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> li
     for s, (r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags) in enumerate(plan):
         chunk_acts, units, *terms = _stage_activity(acts, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
                                                     loss_flags, num_mb, zero)
+        graph_static, captured = zero, None
         if acts.capture is not None:
-            # the peak is while the graphs are captured (their parts only) or while they replay (the rest)
+            # the peak is while the graphs are captured (their parts only), while they replay (the rest),
+            # or in the steps run eagerly before the capture (all parts, without the graphs' buffers);
+            # `combine` weighs the capture against the others (the optimizer state may not be there yet)
             captured_acts, _, *captured = _stage_activity(acts.capture, r, pp, kinds_r, distinct, index, stage_kinds,
                                                           has_loss, loss_flags, num_mb, zero)
             chunk_acts = [c + g for c, g in zip(chunk_acts, captured_acts)]
-            replayed = np.maximum(terms[0] + terms[3], terms[1] + terms[2])
-            later = np.asarray(captured[1] + captured[2] > replayed)
-            terms = [np.where(later, c, t) if batch else (c if later else t) for c, t in zip(captured, terms)]
+            # the graphs' static inputs of the micro-batches in flight at once (windows over the schedule,
+            # as for activations: TECudaGraphHelper hands a layer's buffers on in schedule order)
+            assert acts.graphs is not None                   # made with the capture (activation_terms)
+            graph_static = _stage_activity(acts.graphs, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
+                                           loss_flags, num_mb, zero)[3] + acts.graph_fixed
+            if acts.eager is not None:
+                eager = _stage_activity(acts.eager, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
+                                        loss_flags, num_mb, zero)[2:]
+                # eager steps hold no graph buffers: their held terms carry that back (the stage total adds it)
+                eager = [eager[0] - graph_static if has_loss else eager[0], eager[1] - graph_static, eager[2],
+                         eager[3]]
+                later = np.asarray(np.maximum(eager[0] + eager[3], eager[1] + eager[2])
+                                   > np.maximum(terms[0] + terms[3], terms[1] + terms[2]))
+                terms = [np.where(later, e, t) if batch else (e if later else t) for e, t in zip(eager, terms)]
         held_loss, held_max, backward, loss_extra = terms
         dense, expert, per_chunk, fsdp, embeddings = weights[s]
         out.append(StageArrays(r, dense, expert, fsdp, per_chunk, chunk_acts, held_loss, held_max,
-                               backward, loss_extra, units, embeddings))
+                               backward, loss_extra, units, embeddings, graph_static,
+                               tuple(captured) if captured is not None else None))
     return out
 
 
@@ -1028,6 +1114,8 @@ class Precision:
     shard_weights: bool
     embedding_optimizer: int = 0    # of the embeddings and output layer (Muon leaves them to Adam)
     weight_cache: int = 0           # the FP8 copies Transformer Engine keeps of its linear weights
+    master: int = 0                 # of optimizer / embedding_optimizer: the main (master) copy, made with the
+                                    # optimizer; the rest is state the optimizer creates at its first step
 
 
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -1063,8 +1151,9 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
     # optimizer/emerging_optimizers.py: _is_nonlinear_or_embedding, core_v0.19.0)
     optimizer = {"sgd": master + 4, "muon": master + 4}.get(t.optimizer, adam)
     embedding_optimizer = master + 4 if t.optimizer == "sgd" else adam
+    main_copy = master - (4 if t.fp16 and not t.use_precision_aware_optimizer else 0)
     if t.optimizer_cpu_offload:
-        optimizer = embedding_optimizer = 0
+        optimizer = embedding_optimizer = main_copy = 0
     return Precision(
         weight=2 if half else 4,
         grad=grad,
@@ -1074,6 +1163,10 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
         # (is_first_microbatch) and keeps the FP8 copy and its transpose for the other micro-batches and
         # the backward; with fp8_param_gather the weights themselves are FP8 (data + transpose: 2 bytes)
         weight_cache=2 if t.fp8 and not t.fp8_param_gather else 0,
+        # the distributed optimizer makes its FP32 main copies when it is built (shard_fp32_from_float16_groups);
+        # Transformer Engine's FusedAdam creates exp_avg and exp_avg_sq at its first step (fused_adam.py,
+        # step: `if len(state) == 0: self.initialize_state(...)`, v2.11), and the FP16 optimizer its grad copies
+        master=main_copy,
         dp_shard=max(1, exp.data_parallel_size * p.context_parallel_size // instances),
         edp_shard=max(1, exp.expert_data_parallel_size // instances),
         shard_optimizer=dist or (fsdp and strategy != "no_shard"),
@@ -1103,9 +1196,11 @@ def workspace_bytes(exp: Experiment, cache: dict | None = None, micro_batch_size
 
 
 def combine(dense, expert, embedding, held_loss, held_max, backward, loss_extra, fsdp_layer, workspace,
-            pr: Precision):
+            pr: Precision, graph_static=0.0, capture=None, before_first_step=False):
     """Bytes of one stage from its terms: (weights, grads, optimizer, activations, other); `embedding`
-    is the part of `dense` in the embeddings and output layer.
+    is the part of `dense` in the embeddings and output layer. With CUDA graphs, `graph_static` is their
+    static buffers (in `other`, kept between iterations) and `capture` the held terms while they are
+    captured, `before_first_step` where that is before the optimizer's first step (its state not there yet).
 
     Plain arithmetic, so it works on scalars (estimate) and on numpy arrays (the sweep) alike.
     """
@@ -1121,10 +1216,31 @@ def combine(dense, expert, embedding, held_loss, held_max, backward, loss_extra,
     # the peak is either while the loss runs (logits live) or during a backward
     loss_peak = (loss_extra > 0) & (held_loss + loss_extra >= held_max + backward)
     activations = held_max + loss_peak * (held_loss - held_max)
-    other = workspace + backward + loss_peak * (loss_extra - backward)
+    other = workspace + graph_static + backward + loss_peak * (loss_extra - backward)
+    if capture is not None:
+        c_loss, c_max, c_backward, c_extra = capture
+        c_peak = (c_extra > 0) & (c_loss + c_extra >= c_max + c_backward)
+        c_activations = c_max + c_peak * (c_loss - c_max)
+        c_other = workspace + graph_static + c_backward + c_peak * (c_extra - c_backward)
+        if before_first_step:
+            # what the optimizer creates at its first step is not there while the graphs are captured
+            c_other = c_other - ((matrices * (pr.optimizer - pr.master) + embedding * (pr.embedding_optimizer
+                                  - pr.master)) / (pr.dp_shard if pr.shard_optimizer else 1)
+                                 + expert * (pr.optimizer - pr.master) / (pr.edp_shard if pr.shard_optimizer else 1))
+        later = c_activations + c_other > activations + other
+        activations = activations + later * (c_activations - activations)
+        other = other + later * (c_other - other)
     if pr.shard_weights:
         other = other + 2 * fsdp_layer * (pr.weight + pr.grad)
     return weights, grads, optimizer, activations, other
+
+
+def captured_before_first_step(exp: Experiment) -> bool:
+    """Transformer Engine's CUDA graphs are captured before the optimizer's first step: Megatron-LM
+    captures them at the start of the step after cuda_graph_warmup_steps eager ones (training.py,
+    core_v0.16.1 and core_v0.19.0), so with none, before any step."""
+    t = exp.training
+    return t.cuda_graph_impl == "transformer_engine" and t.cuda_graph_warmup_steps == 0
 
 
 # DeepEP's communication buffers, for the flex MoE dispatcher (its default backend in megatron-core
@@ -1271,15 +1387,18 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
     pr = precision(exp)
     workspace = workspace_bytes(exp, cache)
     room = budget(exp)
+    first_step = captured_before_first_step(exp)
     stages = []
     for st in stage_terms(exp, cache):
         w, g, o, a, x = combine(st.dense_params, st.expert_params, st.embedding_params, st.held_loss, st.held_max,
-                                st.backward, st.loss_extra, st.fsdp_layer_params, workspace, pr)
+                                st.backward, st.loss_extra, st.fsdp_layer_params, workspace, pr, st.graph_static,
+                                st.capture, first_step)
         chunks = [ChunkMemory(c.virtual_rank, c.layers, c.has_embedding, c.has_loss, c.mtp_layers,
                               int(c.weights * pr.weight), c.activation_bytes) for c in st.chunks]
         stage = StageMemory(pp_rank=st.pp_rank, weights=int(w), gradients=int(g), optimizer=int(o),
                             activations=int(a), other=int(x), in_flight=st.in_flight,
-                            workspace=int(workspace), chunks=chunks, allocator_bytes=room.allocator_bytes)
+                            workspace=int(workspace + st.graph_static), chunks=chunks,
+                            allocator_bytes=room.allocator_bytes)
         stage.reserve_bytes = int(room.reserve(stage.churn_bytes))
         stages.append(stage)
     if not room.usable_bytes:
@@ -1297,8 +1416,10 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
                      "modelled")
     if t.cuda_graph_impl == "transformer_engine":
         notes.append("cuda_graph_impl = 'transformer_engine': what the graphed parts keep is planned while the "
-                     "graphs are captured (the allocator does not count it when they replay); the graphs' static "
-                     "input and output buffers are not modelled (measured up to +27% steady memory on a small MoE)")
+                     "graphs are captured (the allocator does not count it when they replay), with the graphs' "
+                     "static input buffers of the micro-batches in flight and their gradient buffers kept "
+                     "between iterations; the peak is the capture's (before the optimizer's first step where "
+                     "cuda_graph_warmup_steps = 0), the replay's or the eager warm-up steps'")
     elif t.cuda_graph_impl != "none":
         notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: megatron-core's own graphs and their static buffers "
                      "are not modelled")

@@ -450,13 +450,19 @@ class _Grid:
             terms = memory.take(memory.stack([acts[a] for a in used_acts]), act_at)
             for arrays in memory.stage_arrays(len(chunks), plan, weights, terms,
                                               self.columns["num_microbatches"][members]):
+                zero = np.zeros(len(members))
+                # CUDA graphs: their static buffers, and the held terms while they are captured
+                capture = arrays.capture if arrays.capture is not None else (zero,) * 4
                 stages.append((members, np.full(len(members), arrays.pp_rank), arrays.dense_params,
                                arrays.expert_params, arrays.embedding_params, arrays.held_loss, arrays.held_max,
-                               arrays.backward, arrays.loss_extra, arrays.fsdp_layer_params))
+                               arrays.backward, arrays.loss_extra, arrays.fsdp_layer_params,
+                               zero + arrays.graph_static, *(zero + c for c in capture)))
         columns = [np.concatenate(c) for c in zip(*stages)]
         by_row = np.argsort(columns[0], kind="stable")
         (self.stage_row, self.stage_rank, self.dense, self.expert, self.embedding, self.held_loss, self.held_max,
-         self.backward, self.loss_extra, self.fsdp) = (c[by_row] for c in columns)
+         self.backward, self.loss_extra, self.fsdp, self.graph_static, *capture_columns) = (c[by_row] for c in columns)
+        # every row has CUDA graphs or none (the base's setting)
+        self.capture = tuple(capture_columns) if acts[0].capture is not None else None
         dp_shard, edp_shard, dispatcher = (np.asarray(c)[s][self.stage_row] for c in zip(*sharding))
         self.dp_shard, self.edp_shard = dp_shard, edp_shard
         self.workspace = np.array(workspace)[s, b][self.stage_row]
@@ -524,10 +530,11 @@ class _Grid:
                                  dp_shard=self.dp_shard, edp_shard=self.edp_shard)
         parts = [np.trunc(v) for v in memory.combine(self.dense, self.expert, self.embedding, self.held_loss,
                                                      self.held_max, self.backward, self.loss_extra, self.fsdp,
-                                                     self.workspace, pr)]
+                                                     self.workspace, pr, self.graph_static, self.capture,
+                                                     memory.captured_before_first_step(self.base))]
         total = sum(parts)
         static = parts[0] + parts[1] + parts[2]
-        reserve = np.trunc(self.room.reserve(total - static - np.trunc(self.workspace)))
+        reserve = np.trunc(self.room.reserve(total - static - np.trunc(self.workspace + self.graph_static)))
         allocator = self.room.allocator_bytes
         return {"total": total, "static": static, "reserve": reserve, "headroom": allocator - total - reserve,
                 "severity": memory.severity(allocator, total, reserve)}

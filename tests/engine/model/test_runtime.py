@@ -166,6 +166,7 @@ ALTERNATIVES = {
     "attention_softmax_in_fp32": ([], ["attention_softmax_in_fp32=true"]),
     "cuda_graph_impl": ([], ["cuda_graph_impl=local"]),
     "cuda_graph_scope": ([], ["cuda_graph_scope=['attn']"]),
+    "cuda_graph_warmup_steps": ([], ["cuda_graph_warmup_steps=0"]),
     "use_precision_aware_optimizer": (["use_distributed_optimizer=true"], ["use_precision_aware_optimizer=true"]),
     "main_grads_dtype": (["use_distributed_optimizer=true", "use_precision_aware_optimizer=true"],
                          ["main_grads_dtype=bf16"]),

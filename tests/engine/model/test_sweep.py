@@ -79,6 +79,11 @@ def test_every_row_is_valid_and_its_peak_is_what_plan_says(llama):
             ("mixtral-8x7b", "h100-sxm-80gb", 4, 8, 64),  # DeepEP buffers per EP group
             {"moe_token_dispatcher_type": "flex"},
         ),
+        (
+            ("tiny-moe", "h100-sxm-80gb", 1, 8, 16),  # TE CUDA graphs captured before the optimizer's first step
+            {"cuda_graph_impl": "transformer_engine", "cuda_graph_warmup_steps": 0,
+             "cuda_graph_scope": ["attn", "moe_router"]},
+        ),
         # (FSDP2 needs untied embeddings, which tiny-moe does not have: Megatron-FSDP shards the same way)
         (
             ("tiny-moe", "cpu", 1, 4, 8),
