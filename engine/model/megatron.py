@@ -538,6 +538,11 @@ def megatron_version(version: str | None = None) -> tuple[str, str]:
     return SUPPORTED_VERSIONS[-1], "the newest supported; megatron-core is not installed here"
 
 
+def release_at_least(version: str, since: str) -> bool:
+    """Whether megatron-core `version` is release `since` or newer."""
+    return _release(version) >= _release(since)
+
+
 def versioned_default(flag: str, version: str) -> Any:
     """Megatron's default for `flag` in `version` (a flag of VERSIONED_DEFAULTS)."""
     release = _release(version)

@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from charllm.engine.model import calibration, runtime
+from charllm.engine.model import calibration, megatron, runtime
 from charllm.engine.model.experiment import SECTIONS, Experiment, declared, field_options, parse_pipeline_layout
 from charllm.engine.model.validate import ignored
 from charllm.probes.core.errors import UserError
@@ -1116,12 +1116,30 @@ class Precision:
     weight_cache: int = 0           # the FP8 copies Transformer Engine keeps of its linear weights
     master: int = 0                 # of optimizer / embedding_optimizer: the main (master) copy, made with the
                                     # optimizer; the rest is state the optimizer creates at its first step
+    resident_non_units: bool = False   # Megatron-FSDP keeps the gathered embeddings and output layer (below)
 
 
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
+# Megatron-FSDP with optim_grads_params makes only TransformerLayers FSDP units (fsdp_unit_modules in
+# megatron/core/distributed/fsdp/mcore_fsdp_adapter.py, core_v0.16.1 and core_v0.19.0); the parameters
+# outside them - the embeddings and the output layer (and the final norm, left out here) - share a bucket of
+# their own (megatron_fsdp/param_and_grad_buffer.py _get_parameter_groups), which the module hooks never
+# release (release_bucket: non-unit modules "should remain persistently allocated"). The all-gather
+# pipeline's reset at the end of each step (synchronize_param_gather: from finish_grad_sync, and with
+# --log-params-norm from calc_params_l2_norm's stop_communication before the step is logged) freed it in
+# core_v0.16.1 (AllGatherPipeline.reset); from Megatron-LM 378d81fbd3 on, first released in core_v0.18.0
+# and so in core_v0.19.0, it keeps it (reset(preserve_non_fsdp_units=True)): the gathered, unsharded copy
+# stays allocated between iterations beside the shards. (That commit raised the static memory of Megatron-LM's
+# CI case deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap by 94 MiB, not its peak; its untied embedding and output
+# layer are 98 MiB in bf16.)
+FSDP_RESIDENT_NON_UNITS_SINCE = "0.18.0"
 
-def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) -> Precision:
+
+def precision(exp: Experiment, use_distributed_optimizer: bool | None = None,
+              megatron_version: str | None = None) -> Precision:
+    """`megatron_version`: the megatron-core release planned for (default: the one installed here, else the
+    newest supported: engine.model.megatron.megatron_version)."""
     p, t = exp.parallel, exp.training
     half = t.bf16 or t.fp16
     instances = max(1, p.num_distributed_optimizer_instances)
@@ -1171,7 +1189,9 @@ def precision(exp: Experiment, use_distributed_optimizer: bool | None = None) ->
         edp_shard=max(1, exp.expert_data_parallel_size // instances),
         shard_optimizer=dist or (fsdp and strategy != "no_shard"),
         shard_grads=fsdp and strategy in ("optim_grads", "optim_grads_params"),
-        shard_weights=fsdp and strategy == "optim_grads_params")
+        shard_weights=fsdp and strategy == "optim_grads_params",
+        resident_non_units=p.use_megatron_fsdp and strategy == "optim_grads_params"
+        and megatron.release_at_least(megatron.megatron_version(megatron_version)[0], FSDP_RESIDENT_NON_UNITS_SINCE))
 
 
 def workspace_bytes(exp: Experiment, cache: dict | None = None, micro_batch_size=None) -> float:
@@ -1209,6 +1229,10 @@ def combine(dense, expert, embedding, held_loss, held_max, backward, loss_extra,
 
     matrices = dense - embedding                          # the linear layers, norms and biases
     weights = sharded(pr.shard_weights) * pr.weight + (matrices + expert) * pr.weight_cache
+    if pr.resident_non_units:
+        # Megatron-FSDP's gathered bucket of the embeddings and output layer, beside their shards
+        # (FSDP_RESIDENT_NON_UNITS_SINCE)
+        weights = weights + embedding * pr.weight
     grads = sharded(pr.shard_grads) * pr.grad
     optimizer = (matrices * pr.optimizer + embedding * pr.embedding_optimizer) / (
         pr.dp_shard if pr.shard_optimizer else 1
@@ -1377,14 +1401,16 @@ def budget(exp: Experiment) -> Budget:
 
 
 def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
-             warnings: list[str] | None = None, stack: "runtime.Stack | None" = None) -> MemoryReport:
+             warnings: list[str] | None = None, stack: "runtime.Stack | None" = None,
+             megatron_version: str | None = None) -> MemoryReport:
     """Peak allocator bytes per pipeline stage, with a fit verdict on `exp.hardware`, for what runs on
-    `stack` (default: the hardware's calibrated or assumed stack, `calibration.for_planning`)."""
+    `stack` (default: the hardware's calibrated or assumed stack, `calibration.for_planning`) with
+    megatron-core `megatron_version` (default: the installed one, else the newest supported)."""
     hw, t = exp.hardware, exp.training
     stack = stack or calibration.for_planning(hw)
     cache = {"stack": stack}
     notes = list(warnings or []) + ignored(exp)
-    pr = precision(exp)
+    pr = precision(exp, megatron_version=megatron_version)
     workspace = workspace_bytes(exp, cache)
     room = budget(exp)
     first_step = captured_before_first_step(exp)

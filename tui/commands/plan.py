@@ -116,7 +116,7 @@ def load(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     exp, ignored, warnings = load(args)
     check(exp)
-    report = estimate(exp, ignored_args=ignored, warnings=warnings)
+    report = estimate(exp, ignored_args=ignored, warnings=warnings, megatron_version=args.megatron_version)
     window = profiling.plan(exp)   # what a profiler window records and costs
     fast = speed.estimate(exp)
     if args.json:

@@ -490,6 +490,27 @@ def test_muon_keeps_one_momentum_for_matrices_and_adam_state_for_the_embeddings(
     assert saved == pytest.approx(4 * matrices, abs=1)
 
 
+@pytest.mark.parametrize("version, strategy, kept", [
+    ("0.19.0", "optim_grads_params", True),
+    ("0.18.0", "optim_grads_params", True),
+    ("0.16.1", "optim_grads_params", False),      # the step's reset freed every gathered bucket
+    ("0.19.0", "optim_grads", False),             # weights not sharded: nothing is gathered
+])
+def test_megatron_fsdp_keeps_the_gathered_embeddings_and_output_layer_between_iterations(version, strategy, kept):
+    """Megatron-FSDP's FSDP units are the transformer layers; the embeddings and the output layer
+    share a bucket of their own that, from core_v0.18.0 on, stays all-gathered (bf16, unsharded)
+    beside their shards between iterations (AllGatherPipeline.reset(preserve_non_fsdp_units=True))."""
+    from charllm.engine.model.memory import stage_terms
+
+    exp = gpt(dp=4, dist_opt=True, untie_embeddings_and_output_weights=True)
+    exp.parallel.use_megatron_fsdp, exp.parallel.data_parallel_sharding_strategy = True, strategy
+    st = stage_terms(exp)[0]
+    stage = estimate(exp, megatron_version=version).stages[0]
+    shards = 2 * st.dense_params / (4 if strategy == "optim_grads_params" else 1)
+    assert stage.weights == pytest.approx(shards + (2 * st.embedding_params if kept else 0), abs=1)
+    assert st.embedding_params == 2 * 50304 * H + S * H      # untied input and output embeddings + positions
+
+
 @pytest.mark.parametrize("param_gather, cached", [(False, 2), (True, 0)])
 def test_fp8_on_bf16_weights_keeps_an_fp8_copy_and_its_transpose(param_gather, cached):
     """FP8 compute on BF16 weights: Transformer Engine casts each linear weight once per step and keeps

@@ -23,21 +23,36 @@ from pathlib import Path
 
 import pytest
 
-from charllm.engine.model.megatron import import_megatron_args
+from charllm.engine.model.megatron import SUPPORTED_VERSIONS, import_megatron_args
 from charllm.engine.model.memory import estimate
 
 DATA = Path(os.environ.get("CHARLLM_MEMORY_DEV", Path(__file__).parents[2] / "data" / "memory_dev" / "memory_dev.json"))
 
-# Achieved on the 88 cases (mean / max absolute relative error, share within ±5%).
-STATIC_MEAN, STATIC_MAX = 0.021, 0.30
-PEAK_MEAN, PEAK_MAX = 0.015, 0.12
+# Achieved on the 87 counted cases (mean absolute relative error, share within ±5%), just above; and
+# the issue's target for every counted case (issue 26: each within 10%).
+STATIC_MEAN, PEAK_MEAN = 0.016, 0.016
 PEAK_WITHIN_5PCT = 0.96
+STATIC_MAX = PEAK_MAX = 0.10
 
 
 def _cases() -> list[dict]:
     if not DATA.is_file():
         pytest.skip(f"validation data not found at {DATA} (set CHARLLM_MEMORY_DEV)")
     return json.loads(DATA.read_text())
+
+
+# The cases ran Megatron-LM's main branch, not releases. Where the estimate depends on the megatron-core
+# release, a case runs as the release that first shipped the change once its golden commit has it, else as
+# the oldest supported one: (date of the change on main, release), oldest first.
+MAIN_CHANGES = (
+    ("2026-05-30", "0.18.0"),       # 378d81fbd3: memory.FSDP_RESIDENT_NON_UNITS_SINCE (Megatron-FSDP)
+)
+
+
+def release(case: dict) -> str:
+    """The megatron-core release whose memory behaviour the case's golden commit had."""
+    date = case["provenance"]["golden_date"]
+    return ([version for since, version in MAIN_CHANGES if date >= since] or [SUPPORTED_VERSIONS[0]])[-1]
 
 
 def line(case: dict) -> str:
@@ -64,7 +79,7 @@ def _errors() -> list[tuple[str, float, float, list[str], str | None]]:
     rows = []
     for case in _cases():
         imported = import_megatron_args(line(case), world_size=case["world_size"], hardware=case["hardware"])
-        last = estimate(imported.experiment).stages[-1]
+        last = estimate(imported.experiment, megatron_version=release(case)).stages[-1]
         rows.append((case["name"],
                      last.steady_bytes / case["measured_static_bytes"] - 1,
                      last.total_bytes / case["measured_peak_bytes"] - 1,
