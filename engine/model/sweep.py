@@ -449,7 +449,8 @@ class _Grid:
                 weights.append((dense, expert, self.entries[used_entries[0]][2][st][2], fsdp, embedding))
             terms = memory.take(memory.stack([acts[a] for a in used_acts]), act_at)
             for arrays in memory.stage_arrays(len(chunks), plan, weights, terms,
-                                              self.columns["num_microbatches"][members]):
+                                              self.columns["num_microbatches"][members],
+                                              base.parallel.microbatch_group_size_per_vp_stage):
                 stages.append((members, np.full(len(members), arrays.pp_rank), arrays.dense_params,
                                arrays.expert_params, arrays.embedding_params, arrays.held_loss, arrays.held_max,
                                arrays.backward, arrays.loss_extra, arrays.fsdp_layer_params))
