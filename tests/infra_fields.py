@@ -35,6 +35,7 @@ CHANGES = {
     "mtp_num_layers": [2],
     "seq_length": [16],
     "virtual_pipeline_model_parallel_size": [2],
+    "microbatch_group_size_per_vp_stage": [4],
     "expert_tensor_parallel_size": [1],
     "decoder_first_pipeline_num_layers": [1],
     "decoder_last_pipeline_num_layers": [1],

@@ -383,6 +383,13 @@ class Parallel:
     virtual_pipeline_model_parallel_size: int | None = setting(   # set by either of two flags: SPECIAL_FLAGS
         None, flag=None, minimum=1, label="VP  virtual", config=True,
         pipeline_split=True, layout=True, help="interleaved pipeline: model chunks per pipeline stage; unset: 1")
+    # megatron-core ModelParallelConfig.microbatch_group_size_per_vp_stage (core_v0.16.1, the same in core_v0.19.0;
+    # __post_init__ sets it to the pipeline size when unset). It sets the interleaved schedule's warm-up, and so the
+    # activations held at once: engine.model.memory passes it to the schedule (it is not an activation term's key)
+    microbatch_group_size_per_vp_stage: int | None = setting(
+        None, flag="--microbatch-group-size-per-virtual-pipeline-stage", minimum=1, config=True,
+        help="interleaved pipeline: micro-batches each model chunk runs in a row, PP to the micro-batch count; "
+             "unset: PP")
     context_parallel_size: int = setting(1, minimum=1, label="CP  context", config=True,
                                          activations=True, layout=True,
                                          help="context parallel: each sequence split over this many devices")

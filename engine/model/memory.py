@@ -652,7 +652,8 @@ def stage_terms(exp: Experiment, cache: dict | None = None, *, with_chunks: bool
     cache = {} if cache is None else cache
     chunks, plan, weights = layout_terms(exp, cache, peak_candidates)
     out = []
-    for st in stage_arrays(len(chunks), plan, weights, activation_terms(exp, cache), exp.num_microbatches):
+    for st in stage_arrays(len(chunks), plan, weights, activation_terms(exp, cache), exp.num_microbatches,
+                           exp.parallel.microbatch_group_size_per_vp_stage):
         reports = [ChunkMemory(v, list(c.layers), c.embedding, c.loss, c.mtp, st.chunk_weights[v],
                                int(st.chunk_acts[v])) for v, c in enumerate(chunks[st.pp_rank])] \
             if with_chunks else []
@@ -947,13 +948,15 @@ class StageArrays:
     capture: tuple | None = None    # (held_loss, held_max, backward, loss_extra) while the graphs are captured
 
 
-def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> list[StageArrays]:
+def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches,
+                 group: int | None = None) -> list[StageArrays]:
     """Per stage of `plan` (of a `pp`-stage split), its terms for a batch of settings: `weights[s]` is
     stage s's (dense, expert, per-chunk, FSDP layer, embedding) parameters from `layout_terms`, `acts` the
     activation terms (`activation_terms`, or `take(stack(...))` for a batch with one recompute setting)
     and `num_microbatches` the micro-batch counts, as numpy arrays with one entry per setting (the
-    per-chunk parameters: the first setting's). Given one setting's numbers instead, the terms are
-    numbers. Either way the arithmetic is the same, in the same order."""
+    per-chunk parameters: the first setting's); `group` is the interleaved schedule's micro-batches per
+    model chunk (microbatch_group_size_per_vp_stage; None: `pp`, Megatron's default). Given one setting's
+    numbers instead, the terms are numbers. Either way the arithmetic is the same, in the same order."""
     import numpy as np
 
     batch = np.ndim(num_microbatches) > 0
@@ -962,23 +965,23 @@ def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> li
     out = []
     for s, (r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags) in enumerate(plan):
         chunk_acts, units, *terms = _stage_activity(acts, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
-                                                    loss_flags, num_mb, zero)
+                                                    loss_flags, num_mb, zero, group)
         graph_static, captured = zero, None
         if acts.capture is not None:
             # the peak is while the graphs are captured (their parts only), while they replay (the rest),
             # or in the steps run eagerly before the capture (all parts, without the graphs' buffers);
             # `combine` weighs the capture against the others (the optimizer state may not be there yet)
             captured_acts, _, *captured = _stage_activity(acts.capture, r, pp, kinds_r, distinct, index, stage_kinds,
-                                                          has_loss, loss_flags, num_mb, zero)
+                                                          has_loss, loss_flags, num_mb, zero, group)
             chunk_acts = [c + g for c, g in zip(chunk_acts, captured_acts)]
             # the graphs' static inputs of the micro-batches in flight at once (windows over the schedule,
             # as for activations: TECudaGraphHelper hands a layer's buffers on in schedule order)
             assert acts.graphs is not None                   # made with the capture (activation_terms)
             graph_static = _stage_activity(acts.graphs, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
-                                           loss_flags, num_mb, zero)[3] + acts.graph_fixed
+                                           loss_flags, num_mb, zero, group)[3] + acts.graph_fixed
             if acts.eager is not None:
                 eager = _stage_activity(acts.eager, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
-                                        loss_flags, num_mb, zero)[2:]
+                                        loss_flags, num_mb, zero, group)[2:]
                 # eager steps hold no graph buffers: their held terms carry that back (the stage total adds it)
                 eager = [eager[0] - graph_static if has_loss else eager[0], eager[1] - graph_static, eager[2],
                          eager[3]]
@@ -993,7 +996,8 @@ def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches) -> li
     return out
 
 
-def _stage_activity(a: ActTerms, r, pp, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags, num_mb, zero):
+def _stage_activity(a: ActTerms, r, pp, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags, num_mb, zero,
+                    group=None):
     """(per-chunk activations, units held, held at a loss step, held at most, backward, loss) of one stage."""
     import numpy as np
 
@@ -1002,10 +1006,10 @@ def _stage_activity(a: ActTerms, r, pp, kinds_r, distinct, index, stage_kinds, h
     chunk_acts = [values[i] for i in index]
     backward = functools.reduce(np.maximum if batch else max, [a.backward[k] for k in stage_kinds], zero)
     # held at once: the busiest rank's routing excess averages over the micro-batches held
-    units = _in_flight_units(r, pp, len(kinds_r), num_mb)
+    units = _in_flight_units(r, pp, len(kinds_r), num_mb, group)
     averaged = 1 - 1 / np.sqrt(units)
     held = [values[i] - averaged * _chunk_excess(kind, a) for i, kind in enumerate(distinct)]
-    held_loss, held_max = _in_flight([held[i] for i in index], loss_flags, r, pp, len(kinds_r), num_mb, units)
+    held_loss, held_max = _in_flight([held[i] for i in index], loss_flags, r, pp, len(kinds_r), num_mb, units, group)
     if has_loss:
         # deferred output-layer wgrads: by the last micro-batch's loss, those of the ones before it
         minimum = np.minimum if batch else min
@@ -1453,30 +1457,38 @@ def estimate(exp: Experiment, *, ignored_args: list[str] | None = None,
                         runtime_problems=[str(p) for p in runtime.problems(exp, stack)], stack_source=stack.source)
 
 
-def _in_flight_units(r: int, pp: int, vp: int, m):
+def _in_flight_units(r: int, pp: int, vp: int, m, group: int | None = None):
     """Micro-batch chunks whose activations rank r holds at once, for arrays of micro-batch counts `m`.
 
     1F1B: min(PP - r, m) micro-batches. Interleaved: Megatron's warm-up of (PP - r - 1) * 2 +
-    (VP - 1) * PP forward chunk-steps plus the current one."""
+    (VP - 1) * group forward chunk-steps plus the current one, `group` the micro-batches each chunk runs
+    in a row (microbatch_group_size_per_vp_stage, default PP): get_pp_rank_microbatches in
+    megatron/core/pipeline_parallel/schedules.py, core_v0.16.1 (the same in core_v0.19.0)."""
     import numpy as np
 
     minimum = np.minimum if np.ndim(m) else min
     if vp == 1:
         return minimum(pp - r, m)
-    return minimum((pp - r - 1) * 2 + (vp - 1) * pp + 1, m * vp)
+    group = pp if group is None else group
+    return minimum((pp - r - 1) * 2 + (vp - 1) * group + 1, m * vp)
 
 
-def _in_flight(acts: list, loss: tuple[bool, ...], r: int, pp: int, vp: int, m, n):
+def _in_flight(acts: list, loss: tuple[bool, ...], r: int, pp: int, vp: int, m, n, group: int | None = None):
     """Held activations over the pipeline schedule on rank r, for arrays of settings: (at a loss
     step, max), given each chunk's activations `acts[v]`, the micro-batch counts `m` and the units
-    held at once `n` (`_in_flight_units`). Interleaved, chunk c of step k is (k mod PP*VP) // PP,
-    and the held set is a sliding window of n steps over the sequence.
+    held at once `n` (`_in_flight_units`). Interleaved, the forward steps run `group` micro-batches
+    (microbatch_group_size_per_vp_stage, default PP) on chunk 0, the same on chunk 1, ... then the
+    next group: chunk c of step k is (k mod group*VP) // group (get_schedule_table in
+    megatron/core/pipeline_parallel/schedules.py, core_v0.16.1 and core_v0.19.0; a shorter last group,
+    M mod group >= PP micro-batches, is taken as a whole one). The held set is a sliding window of n
+    steps over the sequence.
     """
     import numpy as np
 
     minimum = np.minimum if np.ndim(m) else min
     if vp == 1:
         return n * acts[0], n * acts[0]
+    group = pp if group is None else group
     total = m * vp
     held = n * acts[0]
     held_loss = held if any(loss) else 0.0 * held
@@ -1484,9 +1496,9 @@ def _in_flight(acts: list, loss: tuple[bool, ...], r: int, pp: int, vp: int, m, 
         return held_loss, held
     stacked = np.array(acts).reshape(vp, -1)               # chunks x settings
     uniform = (stacked == stacked[:1]).all(axis=0)
-    period = pp * vp
+    period = group * vp
     steps = minimum(total, n + period)                     # after one period past the warm-up the windows repeat
-    seq = (np.arange(np.max(steps)) % period) // pp
+    seq = (np.arange(np.max(steps)) % period) // group
     prefix = np.zeros((len(seq) + 1, stacked.shape[1]))
     np.cumsum(stacked[seq], axis=0, out=prefix[1:])        # running totals, added in step order
     ends = np.arange(len(seq))[:, None]                    # the window of n steps ending at each step

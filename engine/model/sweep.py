@@ -47,7 +47,7 @@ from charllm.engine.model.experiment import (
     microbatches,
     resolve_key,
 )
-from charllm.engine.model.validate import rule_problems, value_problems
+from charllm.engine.model.validate import interleaving_problem, rule_problems, value_problems
 from charllm.probes.core.errors import UserError
 
 RECOMPUTE: dict[str, dict[str, Any]] = {
@@ -164,11 +164,13 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
     construction, so only the rules are asked).
 
     The rules see each shape once, with its first micro batch (the micro batch only enters the batch
-    rule, applied here) and one recompute/optimizer choice. Which choices are valid is asked for
+    rules, applied here: it divides the global batch and, interleaved, its micro-batch count suits the
+    schedule's groups) and one recompute/optimizer choice. Which choices are valid is asked for
     every combination once per pipeline shape (PP, VP), the layout sizes the recompute rules read;
     tests/engine/model/test_sweep.py checks the result against `validate` on every combination."""
     m, world, gpn = base.model, base.world_size, base.cluster.gpus_per_node
     gbs, seq = base.training.global_batch_size, base.seq_length
+    group = base.parallel.microbatch_group_size_per_vp_stage
     probe = base.copy()
     settings = _recompute_settings(base)
     sp_runs, cp_runs = _node_runs(base)
@@ -189,8 +191,13 @@ def layouts(base: Experiment, micro_batch_sizes=MICRO_BATCH_SIZES, recompute=tup
                              if pp > 1 and m.num_layers % pp == 0 else [])
                 eps = [e for e in _divisors(m.num_moe_experts or 1) if (tp * cp * dp) % (e * tp) == 0] \
                     if m.is_moe else [1]
-                batches = [b for b in micro_batch_sizes if gbs % (b * dp) == 0]
-                for vp in vps if batches else ():
+                divide = [b for b in micro_batch_sizes if gbs % (b * dp) == 0]
+                for vp in vps if divide else ():
+                    # the batch rules, applied here: the micro batch divides the global batch and, interleaved,
+                    # gives micro-batch groups the schedule takes (validate.interleaving_problem)
+                    batches = [b for b in divide if interleaving_problem(pp, vp, group, gbs, b, dp) is None]
+                    if not batches:
+                        continue
                     for ep in eps:
                         shape = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                  "virtual_pipeline_model_parallel_size": vp, "context_parallel_size": cp,
@@ -449,7 +456,8 @@ class _Grid:
                 weights.append((dense, expert, self.entries[used_entries[0]][2][st][2], fsdp, embedding))
             terms = memory.take(memory.stack([acts[a] for a in used_acts]), act_at)
             for arrays in memory.stage_arrays(len(chunks), plan, weights, terms,
-                                              self.columns["num_microbatches"][members]):
+                                              self.columns["num_microbatches"][members],
+                                              base.parallel.microbatch_group_size_per_vp_stage):
                 zero = np.zeros(len(members))
                 # CUDA graphs: their static buffers, and the held terms while they are captured
                 capture = arrays.capture if arrays.capture is not None else (zero,) * 4

@@ -24,6 +24,7 @@ from charllm.engine.model.experiment import (
     facts,
     field_names,
     field_options,
+    microbatches,
     parse_pipeline_layout,
 )
 from charllm.engine.model.runtime import parse_capability
@@ -296,7 +297,7 @@ def _pipeline(exp: Experiment) -> list[Problem]:
 
 
 def _batch(exp: Experiment) -> list[Problem]:
-    t = exp.training
+    t, p = exp.training, exp.parallel
     dp = exp.data_parallel_size
     if t.global_batch_size % (t.micro_batch_size * dp):
         step = t.micro_batch_size * dp
@@ -304,7 +305,39 @@ def _batch(exp: Experiment) -> list[Problem]:
                         f"must be divisible by micro_batch_size x data-parallel size "
                         f"({t.micro_batch_size} x {dp} = {step})",
                         f"global_batch_size={max(step, t.global_batch_size // step * step)}")]
-    return []
+    problem = interleaving_problem(p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1,
+                                   p.microbatch_group_size_per_vp_stage, t.global_batch_size, t.micro_batch_size, dp)
+    return [problem] if problem else []
+
+
+def interleaving_problem(pp: int, vp: int, group: int | None, global_batch_size: int, micro_batch_size: int,
+                         data_parallel_size: int) -> Problem | None:
+    """What the interleaved schedule (VP > 1) refuses of its micro-batch groups, or None. Megatron's
+    forward_backward_pipelining_with_interleaving (megatron/core/pipeline_parallel/schedules.py, core_v0.16.1
+    and core_v0.19.0) raises unless PP <= group <= M (ValueError), and unless M mod group is 0 or at least PP
+    (RuntimeError), M the micro-batches per step and group microbatch_group_size_per_vp_stage (unset: PP, so
+    M must be a multiple of PP). The sweep asks this for each micro batch of a layout."""
+    if vp <= 1 or pp <= 1:
+        return None
+    m = microbatches(global_batch_size, micro_batch_size, data_parallel_size)
+    step = micro_batch_size * data_parallel_size
+    if group is None:        # the micro-batch count must be a positive multiple of PP
+        if m >= pp and m % pp == 0:
+            return None
+        return Problem("global_batch_size", global_batch_size,
+                       f"gives {m} micro-batches per step (over micro_batch_size x data-parallel size = {step}); "
+                       f"the interleaved pipeline with microbatch_group_size_per_vp_stage unset needs a multiple "
+                       f"of pipeline_model_parallel_size ({pp})", f"global_batch_size={-(-m // pp) * pp * step}")
+    if not pp <= group <= m:
+        return Problem("microbatch_group_size_per_vp_stage", group,
+                       f"with the interleaved pipeline must be from pipeline_model_parallel_size ({pp}) to the "
+                       f"micro-batches per step ({m})",
+                       f"microbatch_group_size_per_vp_stage={pp}" if m % pp == 0 and m >= pp else None)
+    if 0 < m % group < pp:
+        return Problem("microbatch_group_size_per_vp_stage", group,
+                       f"the last group of the {m} micro-batches per step has {m % group}: with the interleaved "
+                       f"pipeline it must have at least pipeline_model_parallel_size ({pp}), or none be left over")
+    return None
 
 
 def _experts(exp: Experiment) -> list[Problem]:

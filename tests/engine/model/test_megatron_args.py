@@ -159,6 +159,21 @@ def test_virtual_pipeline_flags(flag, vp):
     assert exp.parallel.virtual_pipeline_model_parallel_size == vp
 
 
+def test_the_micro_batch_group_of_the_interleaved_schedule_imports_and_exports():
+    """--microbatch-group-size-per-virtual-pipeline-stage (megatron-core ModelParallelConfig, core_v0.16.1 and
+    core_v0.19.0): read into its field, written back only where set (unset, Megatron takes PP)."""
+    line = BASE + "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
+    imported = import_megatron_args(line + "--microbatch-group-size-per-virtual-pipeline-stage 5",
+                                    world_size=4, hardware="cpu")
+    assert imported.experiment.parallel.microbatch_group_size_per_vp_stage == 5 and not imported.ignored
+    tokens = export_megatron_args(imported.experiment)
+    at = tokens.index("--microbatch-group-size-per-virtual-pipeline-stage")
+    assert tokens[at + 1] == "5"
+    plain = import_megatron_args(line, world_size=4, hardware="cpu").experiment
+    assert plain.parallel.microbatch_group_size_per_vp_stage is None
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" not in export_megatron_args(plain)
+
+
 def test_two_virtual_pipeline_flags_are_refused():
     with pytest.raises(UserError, match="cannot be combined"):
         import_megatron_args(BASE + "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
@@ -352,6 +367,7 @@ def experiments() -> st.SearchStrategy[Experiment]:
         m.mtp_num_layers = draw(st.none() | st.integers(1, 2))
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size = draw(small), draw(small)
         p.virtual_pipeline_model_parallel_size = draw(st.none() | small)
+        p.microbatch_group_size_per_vp_stage = draw(st.none() | small)
         p.context_parallel_size, p.expert_model_parallel_size = draw(small), draw(small)
         p.expert_tensor_parallel_size = draw(st.none() | small)
         p.sequence_parallel, p.use_distributed_optimizer = draw(st.booleans()), draw(st.booleans())

@@ -191,6 +191,57 @@ def test_interleaved_schedule_holds_the_warmup_chunks():
     assert first.activations == pytest.approx(11 * first.chunks[1].activation_bytes, rel=0.01)
 
 
+def test_interleaved_micro_batch_groups_set_the_warmup_and_the_chunk_order():
+    """microbatch_group_size_per_vp_stage (megatron-core schedules.py, core_v0.16.1): the warm-up is
+    (PP - r - 1) * 2 + (VP - 1) * group chunk steps (get_pp_rank_microbatches), and the forward steps
+    run `group` micro-batches on chunk 0, then on chunk 1, ... (get_schedule_table)."""
+    from charllm.engine.model.memory import stage_terms
+
+    exp = gpt(pp=4, vp=3, num_layers=12, gbs=8 * B)                 # 8 micro-batches, the group unset: PP
+    assert [s.in_flight for s in estimate(exp).stages] == [15, 13, 11, 9]
+    exp.parallel.microbatch_group_size_per_vp_stage = 8
+    assert [s.in_flight for s in estimate(exp).stages] == [23, 21, 19, 17]
+
+    # Megatron-LM's tunable_overlap test: PP 4, VP 3, 5 micro-batches in one group of 5. The last stage runs
+    # 5 steps of chunk 0, 5 of chunk 1, then 5 of chunk 2 (with the loss), and holds 11 at once (10 warm-up
+    # steps and the current one): the most at a step of chunk 2, 5 + 5 + 1 or 1 + 5 + 5 of them
+    exp = gpt(pp=4, vp=3, num_layers=12, gbs=5 * B)
+    exp.parallel.microbatch_group_size_per_vp_stage = 5
+    last = stage_terms(exp)[-1]
+    chunk = [c.activation_bytes for c in last.chunks]
+    assert chunk[2] > chunk[0] == chunk[1]                             # the last chunk holds the final norm
+    assert last.in_flight == 11
+    assert last.held_max == last.held_loss == pytest.approx(chunk[0] + 5 * chunk[1] + 5 * chunk[2], abs=3)
+    exp.parallel.microbatch_group_size_per_vp_stage = None             # Megatron's default: groups of PP (4)
+    assert stage_terms(exp)[-1].in_flight == 9
+
+
+def test_the_interleaved_warmup_and_chunk_order_are_megatron_cores_own():
+    """memory's schedule against the installed megatron-core's get_pp_rank_microbatches and get_schedule_table,
+    for every rank, VP, micro-batch count and group the interleaved schedule accepts (whole groups: a shorter
+    last group is planned as a whole one)."""
+    pytest.importorskip("torch")
+    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    from types import SimpleNamespace
+
+    from charllm.engine.model.memory import _in_flight_units
+
+    for pp in (2, 3, 4):
+        for vp in (2, 3):
+            for m in range(pp, 3 * pp + 1):
+                for group in range(pp, m + 1):
+                    if 0 < m % group < pp:
+                        continue                        # Megatron refuses it (engine.model.validate too)
+                    for r in range(pp):
+                        p2p = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: r),
+                                              virtual_pipeline_model_parallel_size=vp)
+                        total, _, warmup, _ = schedules.get_pp_rank_microbatches(m, vp, group, p2p_communicator=p2p)
+                        assert _in_flight_units(r, pp, vp, m, group) == min(warmup + 1, total), (pp, vp, m, group, r)
+                    if m % group == 0:
+                        chunks = [c for _, c in schedules.get_schedule_table(m, vp, group)]
+                        assert chunks == [(k % (group * vp)) // group for k in range(m * vp)], (pp, vp, m, group)
+
+
 def test_uneven_pipeline_split():
     exp = gpt(pp=4, num_layers=12)
     exp.parallel.decoder_first_pipeline_num_layers = 2

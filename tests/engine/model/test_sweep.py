@@ -115,6 +115,7 @@ def test_every_row_equals_estimate_exactly(args, training):
     ("cpu", {"overlap_grad_reduce": True, "overlap_param_gather": True}),        # only with the distributed optimizer
     ("cpu", {"cuda_graph_impl": "local"}),                                       # no full recompute
     ("h100-sxm-80gb", {"use_torch_fsdp2": True}),                                # PP = EP = 1, no distributed optimizer
+    ("cpu", {"microbatch_group_size_per_vp_stage": 4}),     # interleaved: 4 micro-batches or more, not 2
 ])
 @pytest.mark.timeout(120)
 def test_rows_are_exactly_what_validate_accepts(hardware, training):

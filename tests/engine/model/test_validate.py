@@ -89,6 +89,24 @@ RULES = {
         ["pipeline_model_parallel_size=1", "virtual_pipeline_model_parallel_size=2"],
         "virtual_pipeline_model_parallel_size = 2: needs pipeline_model_parallel_size > 1 (the interleaved schedule)",
     ),
+    # megatron-core forward_backward_pipelining_with_interleaving (core_v0.16.1, core_v0.19.0): PP <= group <= M
+    "micro-batch group within PP and the micro-batches": (
+        ["virtual_pipeline_model_parallel_size=2", "microbatch_group_size_per_vp_stage=8"],
+        "microbatch_group_size_per_vp_stage = 8: with the interleaved pipeline must be from "
+        "pipeline_model_parallel_size (2) to the micro-batches per step (4); microbatch_group_size_per_vp_stage=2 "
+        "works",
+    ),
+    "micro-batch group leaves no short last group": (   # 4 micro-batches in groups of 3: 1 left, PP is 2
+        ["virtual_pipeline_model_parallel_size=2", "microbatch_group_size_per_vp_stage=3"],
+        "microbatch_group_size_per_vp_stage = 3: the last group of the 4 micro-batches per step has 1: with the "
+        "interleaved pipeline it must have at least pipeline_model_parallel_size (2), or none be left over",
+    ),
+    "interleaved micro-batches a multiple of PP": (   # the group unset is PP
+        ["virtual_pipeline_model_parallel_size=2", "global_batch_size=24"],
+        "global_batch_size = 24: gives 3 micro-batches per step (over micro_batch_size x data-parallel size = 8); "
+        "the interleaved pipeline with microbatch_group_size_per_vp_stage unset needs a multiple of "
+        "pipeline_model_parallel_size (2); global_batch_size=32 works",
+    ),
     "layout decoder count": (
         ["pipeline_model_parallel_layout='Ett|ttL'"],
         "pipeline_model_parallel_layout = 'Ett|ttL': places 4 decoder layers (t) but num_layers = 8",
@@ -338,6 +356,16 @@ def test_rule(sets, message):
     exp = base().apply(sets)
     problems = [str(p) for p in validate(exp)]
     assert message in problems, problems
+
+
+def test_micro_batch_groups_are_checked_only_when_interleaved():
+    """Without VP Megatron runs the 1F1B schedule, which never reads the group; a group of 3 over 6
+    micro-batches at PP 2 (two whole groups) and a last group of PP or more (5 = 3 + 2) both run."""
+    assert validate(base().apply(["microbatch_group_size_per_vp_stage=8", "global_batch_size=24"])) == []
+    for gbs in (48, 40):
+        exp = base().apply(["virtual_pipeline_model_parallel_size=2", "microbatch_group_size_per_vp_stage=3",
+                            f"global_batch_size={gbs}"])
+        assert validate(exp) == [], gbs
 
 
 def test_problem_text_and_check():
