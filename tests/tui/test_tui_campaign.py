@@ -256,10 +256,12 @@ async def test_marked_sweep_layouts_become_a_campaign_of_the_preset(charllm_dirs
     async with run_app(app) as pilot:
         screen = await swept(pilot)
         frame = screen.table_frame
-        first = frame.row(0, named=True)
-        same = [i for i in range(frame.height) if frame.row(i, named=True)["micro_batch_size"] ==
-                first["micro_batch_size"] and frame.row(i, named=True)["recompute"] == first["recompute"]][:3]
-        assert len(same) == 3
+        # three layouts of one micro batch and recompute choice (a campaign's layouts share them), the first
+        # such group from the top
+        key = [(frame.row(i, named=True)["micro_batch_size"], frame.row(i, named=True)["recompute"])
+               for i in range(frame.height)]
+        same = next(members[:3] for members in ([j for j, k in enumerate(key) if k == key[i]]
+                                                 for i in range(frame.height)) if len(members) >= 3)
         await pilot.press(*mark_rows(screen, same))
         assert str(screen.query_one("#sweep-table").get_cell(str(same[1]), "rank")).startswith("●")
         assert "3 marked" in str(screen.query_one("#sweep-status").render())
