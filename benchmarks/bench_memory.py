@@ -2,7 +2,7 @@
 
 Targets (issues 2, 11, 26 and 30): one plan (`memory.estimate`) well under 1 ms, and its step time
 (`speed.estimate`) a few ms; the full sweep of Llama-3 70B on 64 H100s (every recompute and optimizer
-choice: 7,176 layouts, each with its memory and its step time) under 100 ms beyond start-up, and on
+choice: 6,834 layouts, each with its memory and its step time) under 100 ms beyond start-up, and on
 1,024 H100s under 1 s. Prints best and median wall and process CPU time; on a shared, loaded
 machine the best-of-N CPU figures are the meaningful ones. Nothing is cached between sweeps but the
 catalog and the pipeline split (`memory._split`). "first in a process" is the first sweep of a fresh
