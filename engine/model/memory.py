@@ -964,24 +964,25 @@ def stage_arrays(pp: int, plan, weights, acts: ActTerms, num_microbatches,
     num_mb = np.asarray(num_microbatches, dtype=np.int64) if batch else num_microbatches
     out = []
     for s, (r, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags) in enumerate(plan):
-        chunk_acts, units, *terms = _stage_activity(acts, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
-                                                    loss_flags, num_mb, zero, group)
+        def activity(terms: ActTerms):
+            """`_stage_activity` of `terms` on this stage (activations, the graphs' parts or buffers, eager steps)."""
+            return _stage_activity(terms, r, pp, kinds_r, distinct, index, stage_kinds, has_loss, loss_flags, num_mb,
+                                   zero, group)
+
+        chunk_acts, units, *terms = activity(acts)
         graph_static, captured = zero, None
         if acts.capture is not None:
             # the peak is while the graphs are captured (their parts only), while they replay (the rest),
             # or in the steps run eagerly before the capture (all parts, without the graphs' buffers);
             # `combine` weighs the capture against the others (the optimizer state may not be there yet)
-            captured_acts, _, *captured = _stage_activity(acts.capture, r, pp, kinds_r, distinct, index, stage_kinds,
-                                                          has_loss, loss_flags, num_mb, zero, group)
+            captured_acts, _, *captured = activity(acts.capture)
             chunk_acts = [c + g for c, g in zip(chunk_acts, captured_acts)]
             # the graphs' static inputs of the micro-batches in flight at once (windows over the schedule,
             # as for activations: TECudaGraphHelper hands a layer's buffers on in schedule order)
             assert acts.graphs is not None                   # made with the capture (activation_terms)
-            graph_static = _stage_activity(acts.graphs, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
-                                           loss_flags, num_mb, zero, group)[3] + acts.graph_fixed
+            graph_static = activity(acts.graphs)[3] + acts.graph_fixed
             if acts.eager is not None:
-                eager = _stage_activity(acts.eager, r, pp, kinds_r, distinct, index, stage_kinds, has_loss,
-                                        loss_flags, num_mb, zero, group)[2:]
+                eager = activity(acts.eager)[2:]
                 # eager steps hold no graph buffers: their held terms carry that back (the stage total adds it)
                 eager = [eager[0] - graph_static if has_loss else eager[0], eager[1] - graph_static, eager[2],
                          eager[3]]
@@ -1231,6 +1232,19 @@ def combine(dense, expert, embedding, held_loss, held_max, backward, loss_extra,
     def sharded(flag):
         return dense / pr.dp_shard + expert / pr.edp_shard if flag else dense + expert
 
+    def optimizer_state(per_param, per_embedding_param):
+        """Optimizer bytes at `per_param` bytes a parameter (`per_embedding_param` for the embeddings and
+        output layer), sharded as the optimizer is."""
+        return (matrices * per_param + embedding * per_embedding_param) / (
+            pr.dp_shard if pr.shard_optimizer else 1
+        ) + expert * per_param / (pr.edp_shard if pr.shard_optimizer else 1)
+
+    def at_peak(held_loss, held_max, backward, loss_extra):
+        """(activations, other) at the peak: either while the loss runs (logits live) or during a backward."""
+        loss_peak = (loss_extra > 0) & (held_loss + loss_extra >= held_max + backward)
+        return (held_max + loss_peak * (held_loss - held_max),
+                workspace + graph_static + backward + loss_peak * (loss_extra - backward))
+
     matrices = dense - embedding                          # the linear layers, norms and biases
     weights = sharded(pr.shard_weights) * pr.weight + (matrices + expert) * pr.weight_cache
     if pr.resident_non_units:
@@ -1238,23 +1252,13 @@ def combine(dense, expert, embedding, held_loss, held_max, backward, loss_extra,
         # (FSDP_RESIDENT_NON_UNITS_SINCE)
         weights = weights + embedding * pr.weight
     grads = sharded(pr.shard_grads) * pr.grad
-    optimizer = (matrices * pr.optimizer + embedding * pr.embedding_optimizer) / (
-        pr.dp_shard if pr.shard_optimizer else 1
-    ) + expert * pr.optimizer / (pr.edp_shard if pr.shard_optimizer else 1)
-    # the peak is either while the loss runs (logits live) or during a backward
-    loss_peak = (loss_extra > 0) & (held_loss + loss_extra >= held_max + backward)
-    activations = held_max + loss_peak * (held_loss - held_max)
-    other = workspace + graph_static + backward + loss_peak * (loss_extra - backward)
+    optimizer = optimizer_state(pr.optimizer, pr.embedding_optimizer)
+    activations, other = at_peak(held_loss, held_max, backward, loss_extra)
     if capture is not None:
-        c_loss, c_max, c_backward, c_extra = capture
-        c_peak = (c_extra > 0) & (c_loss + c_extra >= c_max + c_backward)
-        c_activations = c_max + c_peak * (c_loss - c_max)
-        c_other = workspace + graph_static + c_backward + c_peak * (c_extra - c_backward)
+        c_activations, c_other = at_peak(*capture)
         if before_first_step:
             # what the optimizer creates at its first step is not there while the graphs are captured
-            c_other = c_other - ((matrices * (pr.optimizer - pr.master) + embedding * (pr.embedding_optimizer
-                                  - pr.master)) / (pr.dp_shard if pr.shard_optimizer else 1)
-                                 + expert * (pr.optimizer - pr.master) / (pr.edp_shard if pr.shard_optimizer else 1))
+            c_other = c_other - optimizer_state(pr.optimizer - pr.master, pr.embedding_optimizer - pr.master)
         later = c_activations + c_other > activations + other
         activations = activations + later * (c_activations - activations)
         other = other + later * (c_other - other)

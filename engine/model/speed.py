@@ -108,9 +108,6 @@ FEATURES = 7
 @dataclass(frozen=True)
 class Rates:
     matmul_flops: float             # dense peak of the precision the linears run in (FLOP/s)
-    half_flops: float               # peak of what attention and the output layer run in: the linears'
-                                    # precision, but BF16/FP16 under FP8 (Transformer Engine's FP8 covers
-                                    # the layers' linears only)
     matmul: float                   # achieved share of matmul_flops for a large GEMM
     memory_bps: float               # memory bandwidth (B/s)
     node_bps: float                 # device-to-device link within a node, per direction (B/s)
@@ -126,7 +123,6 @@ def rates(exp: Experiment, precision: str, efficiency: float | None = None) -> R
     `efficiency`, given)."""
     hw = exp.hardware
     peak = getattr(hw, PEAK_FIELDS[precision]) or hw.bf16_tflops or 0.0
-    half = (hw.bf16_tflops or peak) if precision == "fp8" else peak
     share, source = hw.matmul_efficiency, "assumed"
     cal = calibration.load(hw.name)
     if efficiency is not None:
@@ -134,7 +130,7 @@ def rates(exp: Experiment, precision: str, efficiency: float | None = None) -> R
     elif cal is not None and cal.matmul_efficiency:
         share, source = cal.matmul_efficiency, cal.source
     share *= FP8_MATMUL_SHARE if precision == "fp8" else 1.0
-    return Rates(peak * 1e12, half * 1e12, share, hw.mem_bandwidth_gbs * 1e9, hw.node_link_gbs * 1e9,
+    return Rates(peak * 1e12, share, hw.mem_bandwidth_gbs * 1e9, hw.node_link_gbs * 1e9,
                  hw.network_gbs * 1e9, hw.host_link_gbs * 1e9, exp.cluster.gpus_per_node, source)
 
 
@@ -344,7 +340,7 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         # two batched GEMMs over the whole s x s square, and the softmax's traffic: scores written, read
         # and the probabilities written (forward); their gradients (backward)
         full = s * exp.seq_length
-        gem = lambda kdim: _gemm(np, b * local_heads * s, kdim, exp.seq_length, half.half_flops, half.matmul,  # noqa: E731
+        gem = lambda kdim: _gemm(np, b * local_heads * s, kdim, exp.seq_length, half.matmul_flops, half.matmul,  # noqa: E731
                                  half, ab, gemms=b * local_heads)
         elements = b * local_heads * full
         softmax_ab = 4 if t.attention_softmax_in_fp32 else ab
@@ -357,8 +353,8 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         # causal: each query sees half the keys on average (CP's load-balanced chunks keep it so)
         flops = 2.0 * b * local_heads * s * exp.seq_length / 2 * (qk_dim + v_dim)
         grow = exp.seq_length / (exp.seq_length + FLASH_HALF_SEQ)
-        core_fwd = flops / (half.half_flops * fwd_eff * grow) + KERNEL_S
-        core_bwd = FLASH_BACKWARD_FLOPS * flops / (half.half_flops * bwd_eff * grow) + KERNEL_S
+        core_fwd = flops / (half.matmul_flops * fwd_eff * grow) + KERNEL_S
+        core_bwd = FLASH_BACKWARD_FLOPS * flops / (half.matmul_flops * bwd_eff * grow) + KERNEL_S
 
     # -- element-wise traffic of the attention block: input norm, RoPE on Q and K, the residual
     # (bias-dropout-add), FP8 casts of the linears' inputs
@@ -389,7 +385,7 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         local_experts = E / ep
         effn = m.moe_ffn / etp
         experts = mm(routed, h, gate * effn, gemms=local_experts) + mm(routed, effn, h, gemms=local_experts)
-        router = _gemm(np, T_sp, h, E, half.half_flops, half.matmul, half, 4)
+        router = _gemm(np, T_sp, h, E, half.matmul_flops, half.matmul, half, 4)
         shared = 0.0
         if m.moe_shared_expert_intermediate_size:
             sffn = m.moe_shared_expert_intermediate_size / tp
@@ -479,7 +475,7 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
     embedding = unit(0.0 * T, 0.0, 0.0, 3 * T_sp * h * ab, emb_comm, 0.0 * T, np.where(tp > 1, 1, 0))
     # -- loss: final norm, output layer (BF16), cross-entropy over the local vocabulary shard (fp32)
     vocab = m.padded_vocab_size(1) / tp
-    logits = _gemm(np, T, h, vocab, half.half_flops, half.matmul, half, ab)
+    logits = _gemm(np, T, h, vocab, half.matmul_flops, half.matmul, half, ab)
     ce_bytes = T * vocab * (ab + 4 + 4 + ab) * (0.5 if t.cross_entropy_loss_fusion else 1.0)
     loss = unit(logits, 0.0, 0.0, norm_bytes + ce_bytes, np.where(sp, gather, 0.0), np.where(sp, gather, 0.0),
                 np.where(tp > 1, 5, 0))
@@ -535,6 +531,8 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
     m, t = exp.model, exp.training
     precision = linear_precision(exp)
     r = rates(exp, precision, efficiency)
+    # attention and the output layer run in the linears' precision, but in BF16/FP16 under FP8 (Transformer
+    # Engine's FP8 covers the layers' linears only)
     half = r if precision != "fp8" else rates(exp, "fp16" if t.fp16 else "bf16", efficiency)
     impl = impl or memory.implementation(exp)
     u = _unit_times(np, exp, L, r, half, impl)
