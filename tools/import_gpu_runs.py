@@ -19,21 +19,24 @@ from pathlib import Path
 
 import polars as pl
 
+from charllm.probes.core.errors import UserError
+from charllm.probes.store.rundir import RunDir
+
 STEADY = ("iter_time_p50_s", "tflops_per_gpu", "mfu_pct", "power_mean_w", "energy_per_token_j", "power_limit_w")
 
 
 def run_record(run_dir: Path) -> dict | None:
-    manifest = json.loads((run_dir / "manifest.json").read_text())
+    run = RunDir(run_dir)
+    manifest = run.read_manifest()
     if manifest.get("status") != "completed":
         print(f"{run_dir.name}: status {manifest.get('status')!r}, not completed: left out", file=sys.stderr)
         return None
-    rows = [json.loads(line) for line in (run_dir / "iterations.jsonl").read_text().splitlines() if line.strip()]
-    iterations = [r for r in rows if r.get("event", "iteration") == "iteration"]
+    iterations = [r for r in run.iteration_records() if isinstance(r, dict) and r.get("event") == "iteration"]
     steady = pl.read_parquet(run_dir / "summaries" / "run-steady.parquet").row(0, named=True)
     runtime = manifest["runtime"]
     return {
         "run": run_dir.name,
-        "experiment": tomllib.loads((run_dir / "experiment.toml").read_text()),
+        "experiment": tomllib.loads(run.experiment_path.read_text()),
         "device": runtime["devices"][0]["name"],
         "stack": runtime["stack"],
         "implementation": runtime["implementation"],
@@ -50,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     args = parser.parse_args(argv)
-    records = [r for r in (run_record(d) for d in args.runs) if r]
+    try:
+        records = [r for r in (run_record(d) for d in args.runs) if r]
+    except (UserError, OSError) as exc:  # a damaged manifest; no kept summary (summarize the run first)
+        print(f"import_gpu_runs: {exc}", file=sys.stderr)
+        return 2
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
     tmp.replace(args.out)
