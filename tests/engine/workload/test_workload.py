@@ -71,8 +71,16 @@ def workers_of(proc: subprocess.Popen) -> list[psutil.Process]:
     """The rank processes torchrun started."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        kids = psutil.Process(proc.pid).children(recursive=True)
-        ranks = [k for k in kids if TRAIN_MODULE in " ".join(k.cmdline())]
+        parents = {}
+        for kid in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if TRAIN_MODULE in " ".join(kid.cmdline()):
+                    parents[kid] = kid.ppid()
+            except psutil.Error:        # ended meanwhile
+                pass
+        # a process a rank forks (torch.compile's workers) inherits its command line and may end any time:
+        # the ranks are the matching processes whose parent is not one of them
+        ranks = [kid for kid, parent in parents.items() if parent not in {k.pid for k in parents}]
         if ranks:
             return ranks
         time.sleep(0.2)
