@@ -1,11 +1,13 @@
-"""Benchmark: `summarize --kernels` on large and hostile profiler traces (issue 35).
+"""Benchmark: `summarize --kernels` on large and hostile profiler traces, and `summarize --by rank`
+on the timers of 100,000 ranks (issue 35).
 
     python benchmarks/bench_kernels.py [--cache /tmp/charllm-bench-kernels] [--events 1000000]
-                                       [--spans 30000] [--only NAME ...] [--skip-bomb]
+                                       [--spans 30000] [--ranks 100000] [--steps 20]
+                                       [--only NAME ...] [--skip-bomb]
 
-Each case is a run directory with one Kineto JSON trace in traces/, generated once (cached), and
-summarized cold (`charllm-tui summarize RUN --kernels`, the kept summary removed first) in a fresh
-process, so that its wall time, CPU time and peak RSS are its own:
+Each case is a run directory with one Kineto JSON trace in traces/ (or an iteration log), generated
+once (cached), and summarized cold (`charllm-tui summarize RUN --kernels`, the kept summary removed
+first) in a fresh process, so that its wall time, CPU time and peak RSS are its own:
 
 - `gpu`: --events events of a GPU trace as torch.profiler writes it (nested aten ops, a runtime
   launch and its kernel per op, the flow events between them, NCCL kernels on a second stream, an
@@ -13,10 +15,13 @@ process, so that its wall time, CPU time and peak RSS are its own:
 - `cpu`: --events events of a CPU run's trace (nested ops on a main thread and gloo's thread);
 - `steps`: --spans ProfilerStep spans with a kernel each, and one kernel across all of them;
 - `optimizer`: --spans Optimizer.step spans on one thread with a launch and a kernel each;
-- `bomb`: a .json.gz of a few MB that holds 3 GiB of whitespace: refused in one line.
+- `bomb`: a .json.gz of a few MB that holds 3 GiB of whitespace: refused in one line;
+- `ranks`: `summarize RUN --by rank` on an iteration log whose rank-0 lines carry the step timers of
+  --ranks ranks, --steps steps (as the workload logs them).
 
 Targets (this 2-core machine): gpu and cpu (10^6 events) under 15 s and 1 GB; steps and optimizer
-(30k spans) each under 5 s; bomb refused with one line, in under 1 GB.
+(30k spans) each under 5 s; bomb refused with one line, in under 1 GB; ranks (100,000 x 20) under
+15 s and 1 GB.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from pathlib import Path
 
 T0_US = 1_763_700_000_000_000.0
+CASES = ("gpu", "cpu", "steps", "optimizer", "bomb", "ranks")
 
 
 def _write_trace(path: Path, events, meta: dict | None = None) -> int:
@@ -140,6 +146,26 @@ def optimizer_events(spans: int):
                "dur": 30.0, "args": {"correlation": i + 1}}
 
 
+def rank_log(path: Path, ranks: int, steps: int) -> int:
+    """An iteration log as the workload writes it: rank 0's start record placing every rank (8 a
+    node, 4 stages), and each step's line of rank 0 with every rank's timers and of the last rank."""
+    places = [{"rank": r, "node": f"n{r // 8}", "local_rank": r % 8, "pp_rank": r * 4 // ranks, "tp_rank": 0,
+               "cp_rank": 0, "dp_rank": r % (ranks // 4)} for r in range(ranks)]
+    with open(path, "w") as fh:
+        fh.write(json.dumps({"event": "start", "rank": 0, "world_size": ranks, "ranks": places}) + "\n")
+        for i in range(1, steps + 1):
+            start = int(T0_US * 1000) + i * 10**9
+            compute = [0.5 + 0.001 * (r % 7) for r in range(ranks)]
+            timers = {"forward_backward_s": [0.8] * ranks, "compute_s": compute,
+                      "pipeline_wait_s": [round(0.8 - c, 6) for c in compute], "grad_reduce_s": [0.05] * ranks,
+                      "optimizer_s": [0.1] * ranks, "step_s": [0.95] * ranks}
+            for rank in (0, ranks - 1):
+                fh.write(json.dumps({"event": "iteration", "iteration": i, "rank": rank, "start_ns": start,
+                                     "end_ns": start + 950_000_000, "warmup": i == 1, "profiled": False,
+                                     "timers": timers if rank == 0 else None}) + "\n")
+    return steps * ranks
+
+
 def whitespace_bomb(path: Path, gib: float = 3.0) -> None:
     """A .json.gz of a few MB that decompresses to `gib` GiB: a trace's opening, then whitespace."""
     block = b" " * (16 * 2**20)
@@ -158,7 +184,9 @@ def make_case(root: Path, name: str, a: argparse.Namespace) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     (staging / "traces").mkdir()
     trace = staging / "traces" / ("rank-0.json.gz" if name == "bomb" else "rank-0.json")
-    if name == "bomb":
+    if name == "ranks":
+        events = rank_log(staging / "iterations.jsonl", a.ranks, a.steps)
+    elif name == "bomb":
         whitespace_bomb(trace)
         events = 0
     else:
@@ -172,7 +200,7 @@ def make_case(root: Path, name: str, a: argparse.Namespace) -> Path:
     return run
 
 
-def child(run: str) -> None:
+def child(run: str, how: str) -> None:
     import contextlib
     import io
 
@@ -182,16 +210,17 @@ def child(run: str) -> None:
     cpu0, start = usage.ru_utime + usage.ru_stime, time.perf_counter()
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["summarize", run, "--kernels", "--format", "json"])
+        code = main(["summarize", run, *how.split(), "--format", "json"])
     usage = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({"seconds": time.perf_counter() - start, "cpu_s": usage.ru_utime + usage.ru_stime - cpu0,
                       "peak_rss_mb": usage.ru_maxrss / 1024, "exit": code, "stderr": err.getvalue().strip(),
                       "stdout_bytes": len(out.getvalue())}))
 
 
-def measure(run: Path) -> dict:
+def measure(run: Path, how: str) -> dict:
     shutil.rmtree(run / "summaries", ignore_errors=True)   # cold
-    code = f"import sys, runpy; sys.argv = ['x', {str(run)!r}]; runpy.run_path({__file__!r}, run_name='__child__')"
+    code = (f"import sys, runpy; sys.argv = ['x', {str(run)!r}, {how!r}]; "
+            f"runpy.run_path({__file__!r}, run_name='__child__')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{run.name}: the child failed:\n{done.stderr[-2000:]}")
@@ -203,22 +232,25 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path("/tmp/charllm-bench-kernels"))
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--spans", type=int, default=30_000)
-    ap.add_argument("--only", nargs="+", choices=("gpu", "cpu", "steps", "optimizer", "bomb"))
+    ap.add_argument("--ranks", type=int, default=100_000)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--only", nargs="+", choices=CASES)
     ap.add_argument("--skip-bomb", action="store_true", help="leave out the 3 GiB whitespace case")
     a = ap.parse_args()
-    root = a.cache / f"{a.events}ev-{a.spans}spans"
+    root = a.cache / f"{a.events}ev-{a.spans}spans-{a.ranks}x{a.steps}"
     root.mkdir(parents=True, exist_ok=True)
-    names = a.only or [n for n in ("gpu", "cpu", "steps", "optimizer", "bomb") if not (a.skip_bomb and n == "bomb")]
+    names = a.only or [n for n in CASES if not (a.skip_bomb and n == "bomb")]
     report: dict = {"load_average_1min": os.getloadavg()[0]}
     for name in names:
         run = make_case(root, name, a)
-        trace = next((run / "traces").iterdir())
-        r = measure(run)
+        data = run / "iterations.jsonl" if name == "ranks" else next((run / "traces").iterdir())
+        r = measure(run, "--by rank" if name == "ranks" else "--kernels")
         r["events"] = json.loads((run / "manifest.json").read_text())["bench_events"]
-        r["trace_mb"] = trace.stat().st_size / 1e6
+        r["trace_mb"] = data.stat().st_size / 1e6
         report[name] = r
         outcome = f"exit {r['exit']}" + (f": {r['stderr']}" if r["stderr"] else "")
-        print(f"{name:9s} {r['events']:>9,} events, {r['trace_mb']:7.1f} MB: {r['seconds']:6.2f} s wall, "
+        what = "(step, rank) timers" if name == "ranks" else "events"
+        print(f"{name:9s} {r['events']:>9,} {what}, {r['trace_mb']:7.1f} MB: {r['seconds']:6.2f} s wall, "
               f"{r['cpu_s']:6.2f} s CPU, peak RSS {r['peak_rss_mb']:6.0f} MB; {outcome[:200]}", flush=True)
     report["load_average_after"] = os.getloadavg()[0]
     print(json.dumps(report, indent=2))
@@ -227,4 +259,4 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 elif __name__ == "__child__":
-    child(sys.argv[1])
+    child(sys.argv[1], sys.argv[2])

@@ -34,12 +34,15 @@ GPU_FIGURES = ("power_mean_w", "temp_gpu_mean_c", "sm_clock_mean_mhz", "util_gpu
 
 
 def rank_steps(run: RunDir, window="steady") -> tuple[pl.DataFrame, str, list[str]]:
-    """The window's (rank, step) rows, its label, and notes."""
-    steps = run.rank_steps()
+    """The window's (rank, step) rows, its label, and notes (the damaged lines skipped first)."""
+    skipped: list[str] = []
+    steps = run.rank_steps(skipped)
     if steps.height == 0:
         raise UserError(f"run {run.id}: no per-rank step timers in its iteration log (the workload of this "
-                        "version logs them on rank 0's lines; an import or an older run has none)")
-    return choose_steps(steps, window, run.id)
+                        "version logs them on rank 0's lines; an import or an older run has none)"
+                        + "".join(f"; {line}" for line in skipped))
+    rows, label, notes = choose_steps(steps, window, run.id)
+    return rows, label, skipped + notes
 
 
 def choose_steps(steps: pl.DataFrame, window="steady", name: str = "run") -> tuple[pl.DataFrame, str, list[str]]:
