@@ -138,3 +138,19 @@ def test_timers_of_many_ranks_read_in_one_pass_and_bounded(tmp_path, monkeypatch
     monkeypatch.setattr(rundir, "MAX_RANK_ROWS", 40)
     with pytest.raises(UserError, match=r"timers for more than 40 \(step, rank\) pairs \(16 ranks on one line\)"):
         make_run(tmp_path, [], iterations=rows, run_id="b").rank_steps()
+
+
+def test_steps_without_times_are_left_out_and_counted(tmp_path):
+    rows = log([0.3, 0.3], pp=1, nodes=("n0",))
+    for row in rows:
+        if row.get("iteration") == 4:
+            row["start_ns"] = row["end_ns"] = "soon"
+    df = rank_summary(make_run(tmp_path, [], iterations=rows))
+    assert df["steps"].to_list() == [4, 4] and df["notes"][0] == "1 step without a start and end time left out"
+    for row in rows:
+        row["start_ns"] = None
+    with pytest.raises(UserError, match=r"no step to summarize \(6 steps without a start and end time left out\)"):
+        rank_summary(make_run(tmp_path, [], iterations=rows, run_id="b"))
+    every = log([0.3, 0.3], pp=1, nodes=("n0",), profiled=range(1, 7))
+    with pytest.raises(UserError, match=r"no step to summarize \(6 profiled steps left out"):
+        rank_summary(make_run(tmp_path, [], iterations=every, run_id="c"))
