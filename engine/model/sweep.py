@@ -9,8 +9,8 @@ stay as `base` has them unless the caller asks to vary them too (`recompute=`, `
 a varied recompute choice other than `base`'s own uses the plain settings in RECOMPUTE.
 
 Each row also carries what the step-time model (`engine.model.speed`) gives for the layout: the step
-time, tokens/s, MFU, the shares of the step in compute, exposed communication, pipeline bubble and the
-rest, the estimated power per device and energy per token, Megatron's FLOPs per iteration, and the
+time, tokens/s, MFU, the shares of the step in compute, exposed communication, pipeline bubble, host-bound
+time and the rest, the estimated power per device and energy per token, Megatron's FLOPs per iteration, and the
 parameters (all, and the most on one device); `speed.step_times` evaluates every row at once.
 
 Ranking (the `rank` column, 1 = most promising):
@@ -71,7 +71,7 @@ COLUMNS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
            "recompute", "use_distributed_optimizer", "sequence_parallel")
 
 # What the step-time model (engine.model.speed) adds per layout
-SPEED = ("step_s", "tokens_per_s", "mfu", "compute_share", "communication_share", "bubble_share", "other_share",
+SPEED = ("step_s", "tokens_per_s", "mfu", *(f"{part}_share" for part in speed.SHARES),
          "power_w", "energy_per_token_j", "flops_per_iteration", "params", "params_per_device")
 ORDER = ("rank", *COLUMNS, "num_microbatches", "bubble", *SPEED, "peak_bytes", "peak_stage", "static_bytes",
          "headroom_bytes", "verdict", "fits")

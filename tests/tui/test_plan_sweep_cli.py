@@ -271,7 +271,7 @@ def test_plan_shows_the_step_time_throughput_and_power_with_their_sources(capsys
     assert code == 0
     assert re.search(r"^step [\d.]+ s · [\d,]+ tokens/s · [\d.]+ samples/s · MFU [\d.]+% \(bf16\)$", out, re.M)
     assert re.search(r"^of the step: compute \d+% · exposed communication \d+% · pipeline bubble \d+% · "
-                     r"optimizer and fixed \d+%$", out, re.M)
+                     r"host-bound \d+% · optimizer and fixed \d+%$", out, re.M)
     assert "parameters 70.6B · per stage " in out and "PFLOP per iteration" in out
     assert re.search(r"^power \d+ W per device · [\d.]+ J/token", out, re.M)
     assert "speed: GEMMs at 72% of the bf16 peak (assumed) · power: idle 75 W to 700 W (assumed)" in out

@@ -40,7 +40,9 @@ what the numbers mean:
              pipeline sends Megatron waits on, the pipeline schedule (1F1B or interleaved), the
              data-parallel gradient sync, the optimizer step and fixed per-step costs; then
              tokens/s, MFU (Megatron's FLOPs over the dense peak of the matmul precision) and the
-             share of the step in compute, exposed communication, pipeline bubble and the rest.
+             share of the step in compute, exposed communication, pipeline bubble (fill, drain,
+             slower stages), host-bound (the GPUs waiting on the host to launch their work, at
+             any PP) and the rest.
              Large-GEMM efficiency, link and memory bandwidths come from the hardware preset
              ("assumed") or, for the GEMMs, from `charllm-tui doctor --train` ("calibrated on NODE")
   power      the average power per device over a step, from the hardware's idle power, its board
@@ -158,7 +160,8 @@ def speed_lines(fast) -> list[str]:
     lines = [f"step {fast.step_s:.3g} s · {fast.tokens_per_s:,.0f} tokens/s · {fast.samples_per_s:,.3g} samples/s · "
              f"{mfu}",
              f"of the step: compute {sh['compute']:.0%} · exposed communication {sh['communication']:.0%} · "
-             f"pipeline bubble {sh['bubble']:.0%} · optimizer and fixed {sh['other']:.0%}",
+             f"pipeline bubble {sh['bubble']:.0%} · host-bound {sh['host']:.0%} · optimizer and fixed "
+             f"{sh['other']:.0%}",
              f"parameters {count(fast.params_total)} · per stage {per_stage} · at most "
              f"{count(max(fast.params_per_device))} on one device · {si(fast.flops_per_iteration, 'FLOP')} per "
              "iteration"]

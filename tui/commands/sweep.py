@@ -37,9 +37,11 @@ ranking (rank 1 = most promising; --sort orders by another column):
 
 speed per layout: the step time (s), tokens/s, MFU (against the dense peak of the precision the
 matmuls run in) and estimated power per device (W); --json/--parquet add the shares of the step in
-compute, exposed communication, bubble and the rest, the energy per token, Megatron's FLOPs per
-iteration and the parameters (all, and the most on one device). The line under the table says where
-the rates come from: assumed, or a node calibrated with `charllm-tui doctor --train`.
+compute, exposed communication, pipeline bubble, host-bound time (the GPUs waiting on the host to
+launch their work) and the rest, the energy per token, Megatron's FLOPs per iteration and the
+parameters (all, and the most on one device). The table's bubble column is the schedule's own,
+(PP - 1) / (micro-batches x VP). The line under the table says where the rates come from: assumed,
+or a node calibrated with `charllm-tui doctor --train`.
 
 peak/headroom are per device, in GiB in the table and in bytes in --json/--parquet; headroom is
 usable memory minus memory outside the allocator, the peak and the allocator's reserve beyond it
