@@ -276,7 +276,7 @@ def test_readme_config_files_are_read_as_the_readme_says(session):
 
     files = {m.removeprefix("file <config>/"): b.text for b in readme_blocks(README.read_text()) for m in b.markers
              if m.startswith("file <config>/")}
-    assert set(files) == {"tui.toml", "targets.toml", "campaigns/my-sweep.toml"}
+    assert set(files) == {"tui.toml", "targets.toml", "campaigns/my-sweep.toml", "experiments/my-llama3-70b.toml"}
     tmp = session.cwd / "config-check"
     for name, body in files.items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
@@ -285,6 +285,11 @@ def test_readme_config_files_are_read_as_the_readme_says(session):
     assert settings["theme"] == "gruvbox" and settings["keymap"] == {"screen.live": "f12"}
     targets = load_file(tmp / "targets.toml")
     assert {t.kind for t in targets.values()} == {"slurm", "ssh"}
+    from charllm.engine.model.experiment import Experiment
+    from charllm.engine.model.validate import validate
+
+    mine = Experiment.load(tmp / "experiments/my-llama3-70b.toml")    # the minimal experiment: valid as it is
+    assert mine.hardware.name == "h100-sxm-80gb" and mine.world_size == 64 and validate(mine) == []
     from charllm.engine.campaign.spec import Campaign
 
     campaign = Campaign.load(tmp / "campaigns/my-sweep.toml")

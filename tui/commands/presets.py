@@ -9,7 +9,7 @@ import json
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec, _drop_none
 from charllm.engine.model.validate import validate, value_problems
-from charllm.probes.core.errors import UserError, did_you_mean, plural
+from charllm.probes.core.errors import UserError, did_you_mean_preset, plural
 from charllm.probes.core.formatting import GIB
 
 KINDS = ("models", "hardware", "experiments")
@@ -117,14 +117,14 @@ def _list(kind: str | None, as_json: bool) -> int:
 
 # --------------------------------------------------------------------------------------------
 def _find_kind(name: str) -> str:
-    kinds = [k for k in KINDS if name in catalog.entries(k)]
+    kinds = [k for k in KINDS if catalog.resolve(k, name) in catalog.entries(k)]
     if len(kinds) == 1:
         return kinds[0]
     if kinds:
         raise UserError(f"preset {name!r} is a {' and a '.join(SINGULAR[k] for k in kinds)} preset; "
                         f"pass --kind {'|'.join(kinds)}")
-    every = [n for k in KINDS for n in catalog.entries(k)]
-    hint = did_you_mean(name, every, "; see `charllm-tui presets list`", cutoff=0.5)
+    every = [n for k in KINDS for n in (*catalog.entries(k), *catalog.ALIASES.get(k, {}))]
+    hint = did_you_mean_preset(name, every, "; see `charllm-tui presets list`")
     raise UserError(f"preset {name!r}: no such model, hardware or experiment preset{hint}")
 
 
@@ -132,6 +132,7 @@ def _show(name: str, kind: str | None, as_json: bool) -> int:
     import tomli_w
 
     kind = kind or _find_kind(name)
+    name = catalog.resolve(kind, name)          # an alias shows its preset
     path = catalog.find(kind, name)
     obj = _load(kind, name)
     source = "user" if catalog.is_user(kind, name) else "shipped"

@@ -6,15 +6,26 @@ import argparse
 import json
 import sys
 
-from charllm.engine.model.experiment import Experiment, parse_value
+from charllm.engine.model.experiment import parse_value
 from charllm.engine.model.memory import VERDICT_STYLE, budget
-from charllm.engine.model.sweep import RECOMPUTE, SWEPT, base_experiment, layout_to_experiment, recompute_name, sweep
+from charllm.engine.model.sweep import RECOMPUTE, SWEPT, layout_to_experiment, recompute_name, sweep
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, did_you_mean, os_error_line, plural
 from charllm.probes.core.formatting import GIB
-from charllm.tui.commands.plan import percent, seconds, speed_basis, watts
+from charllm.tui.commands.plan import (
+    MODEL_FLAGS,
+    add_model_arguments,
+    check_sizes,
+    flag,
+    load_experiment,
+    model_experiment,
+    percent,
+    seconds,
+    speed_basis,
+    watts,
+)
 
 EPILOG = """\
 what is swept: the layout of an experiment (a preset or TOML file, as Compose and `plan` take it),
@@ -69,12 +80,7 @@ def register(sub) -> None:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", nargs="?", metavar="EXPERIMENT_OR_PRESET",
                    help="sweep this experiment's layout (else give --model ... --global-batch-size)")
-    p.add_argument("--model", metavar="M", help="model preset")
-    p.add_argument("--hardware", metavar="H", help="hardware preset")
-    p.add_argument("--nodes", type=int, metavar="N")
-    p.add_argument("--gpus-per-node", type=int, metavar="G")
-    p.add_argument("--global-batch-size", type=int, metavar="B")
-    p.add_argument("--seq-length", type=int, metavar="S", help="default: the model's")
+    add_model_arguments(p, "sweep")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="fix a training/parallel option of every layout, e.g. --set seq_length=4096 (repeatable; "
                         "charllm-tui fields lists them)")
@@ -97,16 +103,10 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-MODEL_FLAGS = ("model", "hardware", "nodes", "gpus_per_node", "global_batch_size")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.parquet is not None:  # before the work
         args.parquet = paths.output_file(args.parquet, "--parquet")
-    for flag in ("nodes", "gpus_per_node", "global_batch_size", "seq_length"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UserError(f"--{flag.replace('_', '-')} = {value!r}: must be a positive integer")
+    check_sizes(args)
     if args.top < 0:
         raise UserError(f"--top = {args.top!r}: must be 0 (all) or more")
     import polars as pl
@@ -154,24 +154,23 @@ def load(args: argparse.Namespace):
             raise UserError(f"--set {item!r}: expected key=value, e.g. seq_length=4096")
         options[key.strip()] = parse_value(raw.strip())
     if args.experiment:
-        given = [f"--{f.replace('_', '-')}" for f in (*MODEL_FLAGS, "seq_length") if getattr(args, f) is not None]
+        given = [flag(f) for f in (*MODEL_FLAGS, "seq_length") if getattr(args, f) is not None]
         if given:
             raise UserError(
                 f"sweep: {given[0]} goes with --model, not with an experiment (use --set on the experiment)"
             )
 
-        exp = Experiment.load(args.experiment)
+        exp = load_experiment(args.experiment, "sweep")
         for key, value in options.items():
             if key.rpartition(".")[2] in SWEPT:
                 raise UserError(
                     f"{key} = {value!r}: the sweep varies {key.rpartition('.')[2]} itself; it cannot be fixed"
                 )
         return exp.apply(args.sets), False
-    missing = [f"--{f.replace('_', '-')}" for f in MODEL_FLAGS if getattr(args, f) is None]
-    if missing:
+    if args.model is None:
+        missing = [flag(f) for f in MODEL_FLAGS if getattr(args, f) is None]
         raise UserError(f"sweep: give an EXPERIMENT_OR_PRESET, or {' '.join(missing)}")
-    return base_experiment(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch_size,
-                           args.seq_length, options), True
+    return model_experiment(args, "sweep", options), True
 
 
 # Columns where more is better: --sort puts the largest first
