@@ -313,6 +313,25 @@ def test_readme_sql_runs_in_duckdb_over_the_runs_the_readme_made(session):
     assert rows and all(row[3] > 0 for row in rows)  # one row per run, node and GPU, with samples
 
 
+def test_readme_sql_runs_on_a_runs_directory_of_cpu_runs_only(tmp_path):
+    """Host rows only: no file has power_w or temp_gpu_c, and the query still runs (no GPU rows)."""
+    duckdb = pytest.importorskip("duckdb", reason="DuckDB is not installed (pip install duckdb)")
+    from charllm.probes.store.recorder import ChunkWriter
+    from charllm.probes.store.synthetic import cpu_run
+
+    for name in ("20261121-100000-cpu-a", "20261121-110000-cpu-b"):
+        run = cpu_run(tmp_path, name, 1.0)
+        ChunkWriter(run.node_telemetry_dir("node0")).close()        # compacted into Parquet, as a run ends
+    assert list(tmp_path.glob("*/telemetry/*/*.parquet")) and not list(tmp_path.glob("*/telemetry/*/*.arrow"))
+    (block,) = [b for b in readme_blocks(README.read_text()) if b.lang == "sql"]
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert duckdb.sql(block.text).fetchall() == []
+    finally:
+        os.chdir(cwd)
+
+
 @pytest.mark.train           # the examples train (doctor --train, campaign run) and read the session's runs
 @pytest.mark.timeout(3 * TIMEOUT_S)
 @pytest.mark.parametrize("command", EPILOG_COMMANDS, ids=lambda c: c.id)

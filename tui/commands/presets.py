@@ -96,23 +96,34 @@ def _list(kind: str | None, as_json: bool) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    # Narrower than DESCRIBED_WIDTH (COLUMNS, or the terminal's) the descriptions (a few lines each)
+    # are left out, so that a list stays about two lines a preset.
     console = Console()
+    described = console.width >= DESCRIBED_WIDTH
     for k in [kind] if kind else KINDS:
         listed = [r for r in rows if r["kind"] == k]
         table = Table(title=k, title_justify="left", box=None, header_style="bold")
         # A name is what one types next: it never wraps; summary and description give way.
         table.add_column("name", no_wrap=True, min_width=max((len(r["name"]) for r in listed), default=4))
         table.add_column("source", no_wrap=True)
-        for column in ("summary", "description"):
+        for column in ("summary", "description") if described else ("summary",):
             table.add_column(column, overflow="fold")
         for row in listed:
             source = "[cyan]user[/]" if row["source"] == "user" else "shipped"
-            summary = f"[red]{row['summary']}[/]" if row["summary"].startswith("invalid:") else row["summary"]
-            table.add_row(row["name"], source, summary, row["description"])
+            summary = f"[red]{escape(row['summary'])}[/]" if row["summary"].startswith("invalid:") \
+                else escape(row["summary"])
+            table.add_row(row["name"], source, summary, *([escape(row["description"])] if described else []))
         console.print(table)
+    if not described:
+        console.print(f"[dim]descriptions: presets show NAME, --json, or {DESCRIBED_WIDTH}+ columns[/]",
+                      highlight=False)
     return 0
+
+
+DESCRIBED_WIDTH = 120
 
 
 # --------------------------------------------------------------------------------------------

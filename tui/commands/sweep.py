@@ -214,8 +214,31 @@ def _tokens(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
+# The table's columns: (heading, the sweep's column, its text)
+TABLE = (
+    ("rank", "rank", str), ("TP", "tensor_model_parallel_size", str), ("PP", "pipeline_model_parallel_size", str),
+    ("VP", "virtual_pipeline_model_parallel_size", str), ("CP", "context_parallel_size", str),
+    ("EP", "expert_model_parallel_size", str), ("DP", "data_parallel_size", str), ("mbs", "micro_batch_size", str),
+    ("recompute", "recompute", str), ("dist-opt", "use_distributed_optimizer", lambda on: "on" if on else "off"),
+    ("bubble", "bubble", lambda v: f"{v:.1%}"), ("step s", "step_s", seconds), ("tok/s", "tokens_per_s", _tokens),
+    ("MFU", "mfu", percent), ("W", "power_w", watts), ("peak", "peak_bytes", lambda v: f"{v / GIB:.1f}"),
+    ("stage", "peak_stage", str), ("headroom", "headroom_bytes", lambda v: f"{v / GIB:.1f}"),
+    ("verdict", "verdict", lambda v: f"[{VERDICT_STYLE[v]}]{v}[/]"),
+)
+
+
+def _value(value) -> str:
+    """A sweep value of a column the table does not show by itself (--sort by it)."""
+    if value is None or isinstance(value, float) and value != value:
+        return "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:,.4g}" if isinstance(value, float) else str(value)
+
+
 def render(df, args, base, counted: str) -> None:
-    """The ranked layouts as a table titled with how many were swept and how many fit (`counted`)."""
+    """The ranked layouts as a table titled with how many were swept and how many fit (`counted`); a
+    --sort column the table does not show comes second, beside the rank."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -224,17 +247,16 @@ def render(df, args, base, counted: str) -> None:
     table = Table(box=box.SIMPLE_HEAD, title_justify="left",
                   title=f"{base.model.name} on {base.cluster.nodes} x {base.cluster.gpus_per_node} "
                         f"{base.hardware.name}, global batch {base.training.global_batch_size}: {counted} (GiB)")
-    for column in ("rank", "TP", "PP", "VP", "CP", "EP", "DP", "mbs", "recompute", "dist-opt", "bubble",
-                   "step s", "tok/s", "MFU", "W", "peak", "stage", "headroom", "verdict"):
-        table.add_column(column, justify="left" if column in ("recompute", "verdict") else "right", no_wrap=True)
+    columns = list(TABLE)
+    sorted_by = (args.sort or "").removeprefix("-")
+    if sorted_by and sorted_by not in (name for _, name, _ in TABLE):
+        columns.insert(1, (sorted_by, sorted_by, _value))
+    for heading, _, _ in columns:
+        table.add_column(heading, justify="left" if heading in ("recompute", "verdict") else "right", no_wrap=True)
     for r in shown.iter_rows(named=True):
-        table.add_row(str(r["rank"]), str(r["tensor_model_parallel_size"]), str(r["pipeline_model_parallel_size"]),
-                      str(r["virtual_pipeline_model_parallel_size"]), str(r["context_parallel_size"]),
-                      str(r["expert_model_parallel_size"]), str(r["data_parallel_size"]),
-                      str(r["micro_batch_size"]), r["recompute"], "on" if r["use_distributed_optimizer"] else "off",
-                      f"{r['bubble']:.1%}", seconds(r["step_s"]), _tokens(r["tokens_per_s"]), percent(r["mfu"]),
-                      watts(r["power_w"]), f"{r['peak_bytes'] / GIB:.1f}", str(r["peak_stage"]),
-                      f"{r['headroom_bytes'] / GIB:.1f}", f"[{VERDICT_STYLE[r['verdict']]}]{r['verdict']}[/]")
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+        table.add_row(*(text(r[name]) for _, name, text in columns))
+    # pipes and files get the whole table (with a --sort column too), a terminal what fits it
+    wide = Console(width=10_000).measure(table).maximum
+    Console(width=None if sys.stdout.isatty() else max(160, wide)).print(table)
     if shown.height < df.height:
         print(f"({df.height - shown.height} more; --top 0 shows all, --json/--parquet give every column)")
