@@ -173,3 +173,20 @@ def test_an_unknown_metric_lists_the_metrics(imported_campaign, capsys):
     assert "not a campaign figure; did you mean 'tokens_per_s'? (the figures: " in one_error_line(err)
     code, _, err = run(capsys, "campaign", "report", imported_campaign, "--figure", "heatmap", "--metric", "xyz")
     assert code == 2 and "not a per-GPU figure (the figures: " in one_error_line(err) and "temp_gpu_peak_c" in err
+
+
+def test_a_campaign_and_summarize_give_one_step_error(imported_campaign, capsys):
+    """The campaign's planned step and power are compared with the figures `summarize` compares them
+    with (probes.analysis.predicted: the window's mean step, its mean power)."""
+    from charllm.engine.campaign.summary import PLANNED
+    from charllm.probes.analysis.predicted import METRICS, predicted_vs_measured
+
+    compared = {name: column for _, column, name, _ in METRICS}
+    assert {name: column for name, column, _, _ in PLANNED} == {"step_s": compared["step_s"],
+                                                               "power_w": compared["power_w"]}
+    assert compared["step_s"] == "iter_time_mean_s"
+    code, out, _ = run(capsys, "campaign", "summary", imported_campaign, "--format", "json")
+    for row in json.loads(out):
+        errors = {r["metric"]: r["error_pct"] for r in predicted_vs_measured(row["run"]).iter_rows(named=True)}
+        assert row["step_error_pct"] == pytest.approx(errors["step time"])
+        assert row["power_error_pct"] == pytest.approx(errors["power per GPU"])
