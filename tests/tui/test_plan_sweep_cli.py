@@ -110,6 +110,9 @@ def test_plan_a_model_on_a_cluster_as_sweep_takes_it(capsys):
     (["plan", "tiny-local", "--world-size", "4"], "plan tiny-local: --world-size goes with --model or --megatron-args; "
                                                   "for an experiment, --set nodes=2 (nodes of 2 devices"),
     (["plan", "tiny-local", "--hardware", "h100"], "for an experiment, --set hardware=h100"),
+    (["plan", "tiny-local", "--nodes", "2"], "plan tiny-local: --nodes goes with --model; for an experiment, "
+                                             "--set nodes=2"),
+    (["plan", "tiny-local", "--megatron-version", "0.16.1"], "--megatron-version goes with --megatron-args"),
     (["plan", "--megatron-args", "", "--world-size", "8", "--hardware", "h100-sxm-80gb"],
      "--megatron-args = '': no arguments in it"),
     (["plan", "--megatron-args", "# only a comment\n", "--hardware", "h100-sxm-80gb"], "no arguments in it"),

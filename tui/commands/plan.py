@@ -149,10 +149,10 @@ def load(args: argparse.Namespace):
                         f"not {' and '.join(forms)}")
     if args.megatron_args is not None:
         return from_megatron_args(args)
+    if args.megatron_version is not None:
+        raise UserError("plan: --megatron-version goes with --megatron-args (an experiment is planned for the "
+                        "installed megatron-core)")
     if args.model:
-        for name in ("megatron_version",):
-            if getattr(args, name) is not None:
-                raise UserError(f"plan --model: {flag(name)} goes with --megatron-args")
         nodes = gpus = None
         if args.world_size is not None:
             if args.nodes is not None:
@@ -164,20 +164,17 @@ def load(args: argparse.Namespace):
         raise UserError("plan: say what to plan: an EXPERIMENT_OR_PRESET, --model NAME (with --hardware, --nodes and "
                         "--gpus-per-node or --world-size, --global-batch-size), or --megatron-args FLAGS")
     exp = load_experiment(args.experiment, "plan")
-    for name in (*MODEL_FLAGS, "seq_length", "world_size", "megatron_version"):
+    for name in (*MODEL_FLAGS[1:], "seq_length", "world_size"):
         value = getattr(args, name)
         if value is not None:
-            raise UserError(f"plan {args.experiment}: {flag(name)} goes with --model or --megatron-args; for an "
-                            f"experiment, {instead_of(name, value, exp)}")
+            forms = "--model or --megatron-args" if name in ("hardware", "gpus_per_node", "world_size") else "--model"
+            raise UserError(f"plan {args.experiment}: {flag(name)} goes with {forms}; for an experiment, "
+                            f"{instead_of(name, value, exp)}")
     return exp.apply(args.sets), [], []
 
 
 def instead_of(name: str, value, exp: Experiment) -> str:
-    """What --set says for an experiment what flag `name` says for --model."""
-    if name == "megatron_version":
-        return "the installed megatron-core is assumed"
-    if name == "model":
-        return f"--set model={value}"
+    """The --set that says for an experiment what flag `name` says for --model."""
     if name == "world_size":
         gpn = exp.cluster.gpus_per_node
         if value % gpn:
