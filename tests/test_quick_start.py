@@ -15,7 +15,7 @@ import pytest
 
 from test_readme import README, readme_blocks, shell_commands
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.train]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBIAN_PYTHON = Path("/usr/bin/python3")
