@@ -505,34 +505,11 @@ class RunDir:
 
     def read_iterations(self):
         """The iteration log as a DataFrame (tolerates a half-written last line)."""
-        import polars as pl
-
-        from charllm.probes.store.schema import ITERATION_SCHEMA  # deferred: loads polars (start-up time)
-
-        rows = [r for r in self.iteration_records() if isinstance(r, dict)]
-        if not rows:
-            return pl.DataFrame(schema=ITERATION_SCHEMA)
-        clean = [{k: _typed(r.get(k), dtype) for k, dtype in ITERATION_SCHEMA.items()} for r in rows]
-        return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
+        return iteration_frame(self.iteration_records())
 
     def read_steps(self):
-        """One row per training step: the lines its ranks logged (rank 0 and the last rank both
-        log each step) merged, from the first start to the last end; a step without both times is
-        left out. `profiled` says a rank recorded a profiler trace of it."""
-        import polars as pl  # deferred: loads polars (start-up time)
-
-        log = self.read_iterations().filter(pl.col("event") == "iteration")
-        return (
-            log.group_by("iteration")
-            .agg(
-                pl.col("start_ns").min(), pl.col("end_ns").max(),
-                pl.col("samples").drop_nulls().first(), pl.col("tokens").drop_nulls().first(),
-                pl.col("tflops_per_gpu").drop_nulls().first(), pl.col("warmup").fill_null(False).any(),
-                pl.col("profiled").fill_null(False).any(),
-            )
-            .drop_nulls(["start_ns", "end_ns"])
-            .sort("iteration")
-        )
+        """One row per training step (`merged_steps`)."""
+        return merged_steps(self.read_iterations())
 
     def rank_steps(self):
         """Every rank's step timers, one row per step and rank (see `rank_rows`); empty for a run
@@ -629,6 +606,41 @@ def rank_rows(records):
               "warmup": pl.Boolean, "profiled": pl.Boolean, **{name: pl.Float64 for name in RANK_TIMERS}}
     clean = [{k: _typed(r.get(k), dtype) for k, dtype in schema.items()} for r in rows]
     return pl.DataFrame(clean, schema=schema, strict=False)
+
+
+def iteration_frame(records) -> typing.Any:
+    """Iteration-log lines (dicts, as read or as a follower hands them on) as a typed DataFrame; a
+    line that is not an object is left out, a field of the wrong type is null."""
+    import polars as pl
+
+    from charllm.probes.store.schema import ITERATION_SCHEMA  # deferred: loads polars (start-up time)
+
+    rows = [r for r in records if isinstance(r, dict)]
+    if not rows:
+        return pl.DataFrame(schema=ITERATION_SCHEMA)
+    clean = [{k: _typed(r.get(k), dtype) for k, dtype in ITERATION_SCHEMA.items()} for r in rows]
+    return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
+
+
+def merged_steps(log) -> typing.Any:
+    """One row per training step of an iteration log (`iteration_frame`): the lines its ranks logged
+    (rank 0 and the last rank both log each step) merged, from the first start to the last end; a
+    step without both times is left out. `profiled` says a rank recorded a profiler trace of it. Every
+    figure of a run's steps (summaries, Live) counts these."""
+    import polars as pl  # deferred: loads polars (start-up time)
+
+    return (
+        log.filter(pl.col("event") == "iteration")
+        .group_by("iteration")
+        .agg(
+            pl.col("start_ns").min(), pl.col("end_ns").max(),
+            pl.col("samples").drop_nulls().first(), pl.col("tokens").drop_nulls().first(),
+            pl.col("tflops_per_gpu").drop_nulls().first(), pl.col("warmup").fill_null(False).any(),
+            pl.col("profiled").fill_null(False).any(),
+        )
+        .drop_nulls(["start_ns", "end_ns"])
+        .sort("iteration")
+    )
 
 
 def one_per_step(events: list[dict]) -> list[dict]:

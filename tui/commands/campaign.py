@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import textwrap
 import time
 
 from charllm.engine.campaign import queue, spec, state
@@ -38,7 +40,9 @@ def register(sub) -> None:
                                    "`campaign keys` says what a file may hold.",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    actions.add_parser("list", help="every campaign, shipped and yours, and how far each has run")
+    listing = actions.add_parser("list", help="every campaign, shipped and yours, and how far each has run")
+    listing.add_argument("--json", action="store_true",
+                         help="one object per campaign: members, status, members by status, description")
     actions.add_parser("keys", help="the keys a campaign file takes")
     show = actions.add_parser("show", help="a campaign's file and its members' count")
     show.add_argument("name", metavar="NAME")
@@ -87,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
 def _console():
     from rich.console import Console
 
-    return Console(width=None if sys.stdout.isatty() else 160)
+    return Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)   # pipes: 160 unless said
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,21 +99,31 @@ def _list(args) -> int:
     from rich.table import Table
 
     files = spec.campaigns()
+    rows = []
+    for name in sorted(set(files) | set(state.recorded())):
+        row: dict = {"campaign": name, "members": None, "status": "not run", "by_status": {}, "progress": "not run"}
+        try:
+            campaign = spec.Campaign.load(name) if name in files else None
+            row["members"] = len(campaign.members()) if campaign else None
+            row["description"] = campaign.description if campaign else "(its file is gone)"
+        except UserError as exc:
+            row["description"] = f"invalid: {exc}"
+        try:
+            record = queue.refresh(state.Record.load(name))
+            row.update(status=record.data.get("status"), by_status=record.counts(),
+                       progress=record.progress().split(": ", 1)[1])
+        except UserError:
+            pass
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
     table = Table(box=None, header_style="bold")
     for column in ("campaign", "members", "progress", "description"):
         table.add_column(column, overflow="fold")
-    for name in sorted(set(files) | set(state.recorded())):
-        try:
-            campaign = spec.Campaign.load(name) if name in files else None
-            count = str(len(campaign.members())) if campaign else "-"
-            description = campaign.description if campaign else "(its file is gone)"
-        except UserError as exc:
-            count, description = "-", f"invalid: {exc}"
-        try:
-            progress = queue.refresh(state.Record.load(name)).progress().split(": ", 1)[1]
-        except UserError:
-            progress = "not run"
-        table.add_row(name, count, progress, description)
+    for row in rows:
+        table.add_row(row["campaign"], "-" if row["members"] is None else str(row["members"]), row["progress"],
+                      row["description"])
     _console().print(table)
     return 0
 
@@ -256,6 +270,8 @@ def _members_table(df, markdown: bool) -> None:
     """One row per member, figures with their units; a column the same for every member (or empty
     for all) is said once above the table instead."""
     from rich import box
+    from rich.markup import escape
+    from rich.padding import Padding
     from rich.table import Table
 
     from charllm.probes.analysis.render import format_figure, metric_label  # deferred: loads polars (start-up time)
@@ -266,13 +282,33 @@ def _members_table(df, markdown: bool) -> None:
         if value is not None:
             print(f"{metric_label(c)}: {format_figure(c, value)}")
     columns = [c for c in df.columns if c not in same and c not in ("run", "verdict")]
-    table = Table(box=box.MARKDOWN if markdown else None, header_style="bold", pad_edge=False)
-    for c in columns:
-        table.add_column("#" if c == "member" else c if c in ("name", "status", "layout", "why") else metric_label(c),
-                         overflow="fold")
-    for row in df.iter_rows(named=True):
-        table.add_row(*(format_figure(c, row[c]) if row[c] is not None else "-" for c in columns))
-    _console().print(table)
+    headings = ["#" if c == "member" else c if c in ("name", "status", "layout", "why") else metric_label(c)
+                for c in columns]
+    cells = [[format_figure(c, row[c]) if row[c] is not None else "-" for c in columns]
+             for row in df.iter_rows(named=True)]
+    # Names, layouts and figures are never cut: where the table is too wide for the terminal its
+    # headings wrap at spaces, and where it still is, each member is said in a block of its own.
+    console = _console()
+    def width(i: int, folded: bool) -> int:
+        """Column i's width: its longest cell (word, for `why`) and heading (word, when `folded`)."""
+        words = [w for row in cells for w in (row[i].split() if columns[i] == "why" else [row[i]])]
+        return max(map(len, [*words, *(headings[i].split() if folded else [headings[i]])]))
+
+    for folded in (False, True):
+        widths = [width(i, folded) for i in range(len(columns))]
+        if markdown or sum(widths) + 2 * (len(widths) - 1) <= console.width:
+            table = Table(box=box.MARKDOWN if markdown else None, header_style="bold", pad_edge=False)
+            for c, heading, w in zip(columns, headings, widths):
+                table.add_column("\n".join(textwrap.wrap(heading, w)), no_wrap=c != "why", min_width=w)
+            for row in cells:
+                table.add_row(*row)
+            console.print(table)
+            return
+    for row in cells:
+        named = {c: v for c, v in zip(columns, row)}
+        console.print(f"[b]{named.get('member', '')}  {escape(named.get('name', ''))}[/b]", highlight=False)
+        rest = [f"{h} {v}" for c, h, v in zip(columns, headings, row) if c not in ("member", "name")]
+        console.print(Padding(escape(" · ".join(rest)), (0, 0, 0, 3)), highlight=False)
 
 
 def _report(args) -> int:
