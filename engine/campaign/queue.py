@@ -67,10 +67,11 @@ def start(campaign: Campaign, target: Target, *, max_parallel: int | None = None
     if record.finished:
         raise UserError(f"campaign {campaign.name!r}: no member left to run ({record.progress()})")
     record.save()
+    token = procid.write_token(directory(campaign.name))   # the supervisor carries it: what cancel needs
     log = directory(campaign.name) / "supervisor.log"
     with open(log, "ab") as out:
         subprocess.Popen([sys.executable, "-m", MODULE, campaign.name], stdin=subprocess.DEVNULL, stdout=out,
-                         stderr=out, start_new_session=True, close_fds=True)
+                         stderr=out, start_new_session=True, close_fds=True, env=procid.run_environment(token))
     return record
 
 
@@ -92,9 +93,9 @@ def refresh(record: Record) -> Record:
     died here, the campaign finished as what it can still become (a scheduler's queue goes on).
     Written back only when the supervisor is gone (it writes the record while it lives)."""
     owner = record.data.get("supervisor") or {}
-    if record.data.get("status") in FINAL_STATUSES or procid.where(owner) == "elsewhere":
-        return record
-    if owner and procid.live(owner) is not None:
+    if record.data.get("status") in FINAL_STATUSES or procid.where(owner) == "elsewhere" or _trust_problem(record):
+        return record       # (a record someone else could have written is only read)
+    if owner and procid.live(owner, procid.read_token(record.path.parent)) is not None:
         return record
     if not owner and time.time_ns() - record.data.get("created_ns", 0) < 60 * 10**9:
         return record                                   # handed over moments ago
@@ -123,24 +124,33 @@ def cancel(name: str, wait: float = 120.0) -> Record:
     if record.data.get("status") in FINAL_STATUSES:
         raise UserError(f"campaign {name!r} is already {record.data['status']}")
     owner = record.data.get("supervisor") or {}
+    problem = _trust_problem(record)
+    if problem:
+        raise UserError(f"campaign {name!r}: {problem}; nothing its record names is acted on")
     if procid.where(owner) == "elsewhere":
         raise UserError(f"campaign {name!r} is run by {procid.described(owner)}, not visible from here; cancel it "
                         f"there (charllm-tui campaign cancel {name})")
-    supervisor = procid.live(owner)
-    if supervisor is not None:
-        supervisor.send_signal(signal.SIGTERM)    # it cancels its members and records the end
+    token = procid.read_token(record.path.parent)
+    if procid.signal(owner, signal.SIGTERM, token):    # only the supervisor proven its: it cancels its members
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and procid.live(owner, token) is not None:
             record = Record.load(name)
             if record.data.get("status") in FINAL_STATUSES:
                 return record
             time.sleep(0.5)
-        supervisor.kill()
+        procid.signal(owner, signal.SIGKILL, token)   # stuck (or gone already: then nothing is sent)
     record = Record.load(name)
+    if record.data.get("status") in FINAL_STATUSES:   # it recorded its end as it went
+        return record
     _cancel_members(record)
     record.data.update(status="cancelled", ended_ns=time.time_ns())
     record.save()
     return record
+
+
+def _trust_problem(record: Record) -> str | None:
+    """Why nothing the record names may be acted on (procid.trust_problem), or None."""
+    return procid.trust_problem(record.path.parent, record.path)
 
 
 def _cancel_members(record: Record) -> None:

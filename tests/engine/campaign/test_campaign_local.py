@@ -28,7 +28,7 @@ def supervisor(name: str) -> psutil.Process:
 def supervisor_alive(rec) -> bool:
     from charllm.probes.core import procid
 
-    return procid.live(rec.data.get("supervisor") or {}) is not None
+    return procid.live(rec.data.get("supervisor") or {}, None) is not None
 
 
 def nothing_left(rec) -> bool:
@@ -114,6 +114,35 @@ def test_campaign_cancel_stops_every_member_and_the_queue(charllm_dirs, capsys):
     assert nothing_left(rec) and not supervisor_alive(rec)
     code, _, err = run(capsys, "campaign", "cancel", name)
     assert code == 2 and "already cancelled" in err
+
+
+@pytest.mark.timeout(300)
+def test_campaign_cancel_settles_a_campaign_whose_supervisor_dies_without_a_word(charllm_dirs, capsys):
+    """The supervisor dies (SIGKILL) while cancel waits for it: cancel notices at once, stops the
+    members itself and records the campaign cancelled (it once waited 120 s, then raised NoSuchProcess)."""
+    import threading
+    import time
+
+    from charllm.engine.campaign import queue
+
+    name = tiny_campaign(charllm_dirs, iters=100_000)
+    assert run(capsys, "campaign", "run", name, "--detach")[0] == 0
+    wait_until(name, lambda r: sum(m["status"] == "running" for m in r.members) == 2, 240, "two members running")
+    sup = supervisor(name)
+    sup.send_signal(signal.SIGSTOP)          # it cannot answer the SIGTERM cancel sends ...
+    outcome: list = []
+    started = time.monotonic()
+    thread = threading.Thread(target=lambda: outcome.append(queue.cancel(name)))
+    thread.start()
+    time.sleep(2)
+    sup.kill()                               # ... and dies without recording anything
+    thread.join(timeout=90)
+    assert not thread.is_alive() and outcome, "cancel returned"
+    assert time.monotonic() - started < 60
+    rec = record(name)
+    assert rec.data["status"] == "cancelled", rec.data["status"]
+    assert not any(m["status"] in ("running", "pending", "queued") for m in rec.members), rec.progress()
+    assert nothing_left(rec)
 
 
 @pytest.mark.timeout(300)
