@@ -27,6 +27,7 @@ import dataclasses
 import fnmatch
 import itertools
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,13 +199,14 @@ class Campaign:
         return out
 
     def members(self) -> list[Member]:
-        """Every base x layout x combination of the axes' values, each a whole experiment."""
+        """Every base x layout x combination of the axes' values, each a whole experiment. The
+        count is checked against MAX_MEMBERS by arithmetic before any member is built."""
         bases = self.bases()
-        combos = list(itertools.product(*self.axes.values()))
-        count = len(bases) * max(1, len(self.layouts)) * len(combos)
+        count = len(bases) * max(1, len(self.layouts)) * math.prod(len(values) for values in self.axes.values())
         if count > MAX_MEMBERS:
-            raise UserError(f"campaign {self.name!r}: {count:,} members, more than the {MAX_MEMBERS:,} a campaign "
-                            "may have")
+            raise UserError(f"campaign {self.name!r} ({self.source}): {count:,} members, more than the "
+                            f"{MAX_MEMBERS:,} a campaign may have")
+        combos = list(itertools.product(*self.axes.values()))
         out: list[Member] = []
         for base in bases:
             experiment = Experiment.load(base)

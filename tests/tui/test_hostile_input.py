@@ -195,3 +195,36 @@ def test_an_env_line_that_would_swallow_the_rest_is_refused(line):
 def test_an_sbatch_line_that_is_not_shell_words_is_refused(line):
     with pytest.raises(UserError, match="sbatch_lines: .* is not shell words"):
         parse_target("cluster", dict(SLURM, sbatch_lines=[line]))
+
+
+# Issue 35: a ten-line campaign file of eight axes of ten values is 10^8 members. The cap is
+# checked by arithmetic before any member is built; before that, `campaign list` died of
+# MemoryError after 29 s, and keeping the file broke the listing.
+HUGE_CAMPAIGN = 'experiments = ["tiny-local"]\n[axes]\n' + "".join(
+    f"{key} = {[start + step * i for i in range(10)]}\n"
+    for key, start, step in (("num_layers", 1, 1), ("hidden_size", 64, 64), ("vocab_size", 1000, 1),
+                             ("rotary_base", 1, 1), ("micro_batch_size", 1, 1), ("train_iters", 1, 1),
+                             ("seed", 1, 1), ("lr", 0.001, 0.001)))
+
+
+@pytest.mark.parametrize("action", ["plan", "show", "run"])
+def test_a_campaign_of_too_many_members_is_refused_before_any_is_built(action, charllm_dirs):
+    folder = charllm_dirs["config"] / "campaigns"
+    folder.mkdir(parents=True)
+    (folder / "huge.toml").write_text(HUGE_CAMPAIGN)
+    outcome = call(["campaign", action, "huge"])     # a watchdog: past 2 s of CPU time it counts as a hang
+    assert not outcome.hung and not outcome.crash, str(outcome)
+    assert outcome.code == 2 and outcome.one_clear_line, str(outcome)
+    assert f"campaign 'huge' ({folder / 'huge.toml'}): 100,000,000 members, more than the 10,000" in outcome.err
+    assert not charllm_dirs["runs"].exists(), "nothing recorded, nothing started"
+
+
+def test_keeping_a_campaign_of_too_many_members_costs_only_its_row(charllm_dirs):
+    folder = charllm_dirs["config"] / "campaigns"
+    folder.mkdir(parents=True)
+    (folder / "huge.toml").write_text(HUGE_CAMPAIGN)
+    outcome = call(["campaign", "list"])
+    assert not outcome.hung and not outcome.crash and outcome.code == 0, str(outcome)
+    rows = {line.split()[0]: line for line in outcome.out.splitlines() if line.strip()}
+    assert "100,000,000 members" in " ".join(outcome.out.split())
+    assert rows["huge"].split()[1] == "-" and rows["tiny-local"].split()[1] == "6", outcome.out
