@@ -10,8 +10,9 @@ from charllm.engine.launch.targets import parse_target
 from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
+from infra_campaign import forged_run, plant_record
 from infra_cli import one_error_line, run
-from infra_fuzz import call
+from infra_fuzz import call, tree
 
 SLURM = {"kind": "slurm", "partition": "gpu", "account": "proj", "qos": "normal", "time": "01:00:00",
          "constraint": "H100", "env_setup": "module load cuda", "python": "python3", "description": "x"}
@@ -228,3 +229,109 @@ def test_keeping_a_campaign_of_too_many_members_costs_only_its_row(charllm_dirs)
     rows = {line.split()[0]: line for line in outcome.out.splitlines() if line.strip()}
     assert "100,000,000 members" in " ".join(outcome.out.split())
     assert rows["huge"].split()[1] == "-" and rows["tiny-local"].split()[1] == "6", outcome.out
+
+
+# Issue 35: every path a campaign record names stays inside the runs directory, by real path.
+# Before: a member's run of ../elsewhere/RUN was reconciled (its manifest rewritten, the process it
+# names killed), and `campaign delete` followed a linked .campaigns and deleted where it pointed.
+CAMPAIGN_COMMANDS = [["list"], ["status", "tiny-local"], ["summary", "tiny-local"], ["cancel", "tiny-local"],
+                     ["report", "tiny-local", "--figure", "microbatch"], ["run", "tiny-local", "--resume"],
+                     ["delete", "tiny-local"]]
+
+
+@pytest.mark.parametrize("argv", CAMPAIGN_COMMANDS, ids=lambda argv: argv[0])
+def test_a_member_run_out_of_the_runs_dir_is_named_and_never_acted_on(argv, charllm_dirs, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    with forged_run(elsewhere / "RUN") as victim:
+        plant_record(charllm_dirs["runs"], "tiny-local", [{"status": "running", "run": "../elsewhere/RUN"}])
+        before = tree(elsewhere)
+        outcome = call(["campaign", *argv])
+        assert not outcome.hung and not outcome.crash, str(outcome)
+        if argv[0] == "list":
+            row = next(line for line in outcome.out.splitlines() if line.split()[0] == "tiny-local")
+            assert outcome.code == 0 and row.split()[2] == "damaged:", outcome.out
+        elif argv[0] == "delete":     # a damaged record is deleted, and nothing but its folder
+            assert outcome.code == 0 and not (charllm_dirs["runs"] / ".campaigns" / "tiny-local").exists()
+        else:
+            assert outcome.code == 2 and outcome.one_clear_line, str(outcome)
+            assert "member 0 names run '../elsewhere/RUN', not a run of the runs directory" in outcome.err
+        assert tree(elsewhere) == before, "nothing outside the runs directory was written"
+        assert victim.poll() is None, "the process it names lives"
+
+
+@pytest.mark.parametrize("argv", [a for a in CAMPAIGN_COMMANDS if a[0] != "run"], ids=lambda argv: argv[0])
+def test_a_member_run_linked_out_of_the_runs_dir_is_missing_and_never_acted_on(argv, charllm_dirs, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    with forged_run(elsewhere / "RUN") as victim:
+        charllm_dirs["runs"].mkdir()
+        (charllm_dirs["runs"] / "20260101-000000-linked").symlink_to(elsewhere / "RUN")
+        plant_record(charllm_dirs["runs"], "tiny-local", [{"status": "running", "run": "20260101-000000-linked"}])
+        before = tree(elsewhere)
+        outcome = call(["campaign", *argv])
+        assert not outcome.hung and not outcome.crash, str(outcome)
+        assert outcome.code in (0, 2) and (outcome.code == 0 or outcome.one_clear_line), str(outcome)
+        assert tree(elsewhere) == before, "nothing outside the runs directory was written"
+        assert victim.poll() is None, "the process it names lives"
+    if argv[0] == "status":
+        assert "missing" in outcome.out and "1 missing" in outcome.out, outcome.out
+
+
+@pytest.mark.parametrize("argv", CAMPAIGN_COMMANDS, ids=lambda argv: argv[0])
+def test_a_linked_campaigns_folder_is_refused_never_followed(argv, charllm_dirs, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    plant_record(None, "tiny-local", [{"status": "completed"}], status="completed", folder=elsewhere / "tiny-local")
+    charllm_dirs["runs"].mkdir()
+    (charllm_dirs["runs"] / ".campaigns").symlink_to(elsewhere)
+    before = tree(elsewhere)
+    outcome = call(["campaign", *argv])
+    assert not outcome.hung and not outcome.crash, str(outcome)
+    assert outcome.code == 2 and outcome.one_clear_line, str(outcome)
+    assert f"{charllm_dirs['runs'] / '.campaigns'}: a symbolic link" in outcome.err
+    assert tree(elsewhere) == before, "nothing it points to was read as a record, written or deleted"
+    if argv[0] == "list":
+        assert "tiny-local" in outcome.out and "ppt-h100" in outcome.out, "the campaign files are still listed"
+
+
+def test_a_linked_campaign_record_folder_is_refused_never_followed(charllm_dirs, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    plant_record(None, "tiny-local", [{"status": "completed"}], status="completed", folder=elsewhere)
+    (charllm_dirs["runs"] / ".campaigns").mkdir(parents=True)
+    (charllm_dirs["runs"] / ".campaigns" / "tiny-local").symlink_to(elsewhere)
+    before = tree(elsewhere)
+    for argv in CAMPAIGN_COMMANDS[1:]:
+        outcome = call(["campaign", *argv])
+        assert outcome.code == 2 and outcome.one_clear_line and "a symbolic link" in outcome.err, str(outcome)
+    assert tree(elsewhere) == before
+
+
+def test_a_campaign_file_given_by_path_never_shares_the_record_of_the_campaign_it_copies(charllm_dirs, tmp_path):
+    from charllm.engine.campaign.spec import Campaign, campaigns
+
+    shipped = campaigns()["tiny-local"]
+    copy = tmp_path / "mine" / "tiny-local.toml"
+    copy.parent.mkdir()
+    copy.write_text(shipped.read_text())
+    plant_record(charllm_dirs["runs"], "tiny-local", [{"status": "completed"}], status="completed")
+    name = Campaign.load(copy).name
+    assert name.startswith("tiny-local-")
+    assert Campaign.load(tmp_path / "mine" / ".." / "mine" / "tiny-local.toml").name == name, "keyed by its real path"
+    assert Campaign.load(shipped).name == "tiny-local", "the catalog's own file is that campaign"
+    for argv in (["status", str(copy)], ["run", str(copy), "--resume"]):
+        outcome = call(["campaign", *argv])
+        assert outcome.code == 2 and outcome.one_clear_line and f"campaign {name!r} has not run" in outcome.err, \
+            str(outcome)
+    outcome = call(["campaign", "status", str(shipped)])
+    assert outcome.code == 0 and "tiny-local: 1 member (1 completed)" in outcome.out, str(outcome)
+
+
+def test_a_varied_value_or_description_is_shown_on_one_line_as_written(charllm_dirs):
+    folder = charllm_dirs["config"] / "campaigns"
+    folder.mkdir(parents=True)
+    (folder / "odd.toml").write_text('experiments = ["tiny-local"]\ndescription = "[/] x"\n[axes]\n'
+                                     '"model.description" = ["a\\nb [/]", "[bold]c"]\n')
+    outcome = call(["campaign", "plan", "odd"])
+    assert outcome.code == 0 and not outcome.crash, str(outcome)
+    rows = [line for line in outcome.out.splitlines() if "model.description=" in line]
+    assert len(rows) == 2 and "model.description=a\\nb [/]" in rows[0] and "model.description=[bold]c" in rows[1]
+    outcome = call(["campaign", "list"])
+    assert outcome.code == 0 and "[/] x" in outcome.out, str(outcome)

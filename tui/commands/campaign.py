@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -93,24 +94,34 @@ def _console():
 # --------------------------------------------------------------------------------------------
 def _list(args) -> int:
     from rich.table import Table
+    from rich.text import Text
 
     files = spec.campaigns()
+    try:
+        recorded, unreadable = state.recorded(), None
+    except UserError as exc:           # a damaged .campaigns costs only the records: the files are listed
+        recorded, unreadable = [], exc
     table = Table(box=None, header_style="bold")
     for column in ("campaign", "members", "progress", "description"):
         table.add_column(column, overflow="fold")
-    for name in sorted(set(files) | set(state.recorded())):
+    for name in sorted(set(files) | set(recorded)):
         try:
             campaign = spec.Campaign.load(name) if name in files else None
             count = str(len(campaign.members())) if campaign else "-"
             description = campaign.description if campaign else "(its file is gone)"
         except UserError as exc:
             count, description = "-", f"invalid: {exc}"
-        try:
-            progress = queue.refresh(state.Record.load(name)).progress().split(": ", 1)[1]
-        except UserError:
-            progress = "not run"
-        table.add_row(name, count, progress, description)
+        if name not in recorded:
+            progress = "not run" if unreadable is None else "-"
+        else:
+            try:
+                progress = queue.refresh(state.Record.load(name)).progress().split(": ", 1)[1]
+            except UserError as exc:
+                progress = f"damaged: {exc}"
+        table.add_row(*(Text(cell) for cell in (name, count, progress, description)))
     _console().print(table)
+    if unreadable is not None:
+        raise unreadable
     return 0
 
 
@@ -142,18 +153,26 @@ def _plan(args) -> int:
                            "allocator_bytes": p.allocator_bytes} for p in plans], indent=2))
         return 0
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(box=None, header_style="bold", title=f"{campaign.name}: {spec.describe(plans)}",
                   title_justify="left")
     for column in ("#", "member", "layout", "varied", "verdict", "why"):
         table.add_column(column, overflow="fold", no_wrap=column in ("#", "verdict"))
     for p in plans:
-        varied = " ".join(f"{k}={v}" for k, v in p.member.varied.items() if k in varying)
-        style = VERDICT_STYLE.get(p.verdict, "red")
-        table.add_row(str(p.member.index + 1), p.member.experiment.name, p.member.experiment.layout_label, varied,
-                      f"[{style}]{p.verdict}[/]", p.reason)
+        varied = " ".join(f"{k}={one_line(v)}" for k, v in p.member.varied.items() if k in varying)
+        table.add_row(*map(Text, (str(p.member.index + 1), p.member.experiment.name, p.member.experiment.layout_label,
+                                  varied)), Text(p.verdict, VERDICT_STYLE.get(p.verdict, "red")), Text(p.reason))
     _console().print(table)
     return 0
+
+
+def one_line(value) -> str:
+    """A value as one line: a string as written unless it holds a line break or another control
+    character (then escaped, as Python writes it), anything else as JSON."""
+    if isinstance(value, str):
+        return value if value.isprintable() else repr(value)[1:-1]
+    return json.dumps(value)
 
 
 def _start(args) -> int:
@@ -198,7 +217,7 @@ def _follow(name: str) -> int:
     except KeyboardInterrupt:
         print(f"\ncampaign {name}: still running (charllm-tui campaign status {name}; cancel: campaign cancel {name})")
         return 0
-    bad = [m for m in record.members if m["status"] in ("failed", "cancelled")]
+    bad = [m for m in record.members if m["status"] in ("failed", "cancelled", state.MISSING)]
     for m in bad:
         print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}")
     print(f"campaign {name}: {record.data['status']}")
@@ -206,11 +225,12 @@ def _follow(name: str) -> int:
 
 
 def _status(args) -> int:
-    record = queue.refresh(state.Record.load(args.name))
+    record = queue.refresh(state.Record.load(spec.record_name(args.name)))
     if args.json:
         print(json.dumps(record.data, indent=2))
         return 0
     from rich.table import Table
+    from rich.text import Text
 
     print(record.progress())
     table = Table(box=None, header_style="bold")
@@ -219,15 +239,17 @@ def _status(args) -> int:
     for m in record.members:
         status = state.member_status(record, m)
         note = m.get("failure") or (m.get("reason") if status in (state.SKIPPED, state.INVALID) else "")
-        table.add_row(str(m["index"] + 1), m["name"], m.get("layout") or "", status, m.get("run") or "-",
-                      local_time(m.get("started_ns")), note or "")
+        cells = (m["index"] + 1, m["name"], m.get("layout") or "", status, m.get("run") or "-",
+                 local_time(m.get("started_ns")), note or "")
+        table.add_row(*(Text(str(cell)) for cell in cells))
     _console().print(table)
     return 0
 
 
 def _cancel(args) -> int:
-    print(f"campaign {args.name}: cancelling...", flush=True)
-    record = queue.cancel(args.name)
+    name = spec.record_name(args.name)
+    print(f"campaign {name}: cancelling...", flush=True)
+    record = queue.cancel(name)
     print(record.progress())
     return 0
 
@@ -237,7 +259,7 @@ def _summary(args) -> int:
     from charllm.probes.analysis.render import render, write_summary  # deferred: loads polars (start-up time)
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None
-    df = campaign_summary(queue.refresh(state.Record.load(args.name)))
+    df = campaign_summary(queue.refresh(state.Record.load(spec.record_name(args.name))))
     if out is not None:
         write_summary(df, out, args.format)
         print(f"wrote {args.out}")
@@ -280,7 +302,8 @@ def _report(args) -> int:
     from charllm.tui import figures  # deferred: loads polars and plotext (start-up time)
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None
-    fig = figure(queue.refresh(state.Record.load(args.name)), args.figure, args.metric, args.normalize)
+    fig = figure(queue.refresh(state.Record.load(spec.record_name(args.name))), args.figure, args.metric,
+                 args.normalize)
     if out is not None:
         figures.write_image(fig, out)
         print(f"wrote {args.out}")
@@ -292,11 +315,22 @@ def _report(args) -> int:
 
 
 def _delete(args) -> int:
-    record = queue.refresh(state.Record.load(args.name))
-    if record.data.get("status") not in ("completed", "cancelled", "failed"):
-        raise UserError(f"campaign {args.name!r} is {record.data.get('status')}; cancel it first "
-                        f"(charllm-tui campaign cancel {args.name})")
-    shutil.rmtree(state.directory(args.name))
-    print(f"campaign {args.name}: record deleted (its {plural(sum(1 for m in record.members if m.get('run')), 'run')} "
-          "stay; charllm-tui runs delete removes a run)")
+    name = spec.record_name(args.name)
+    lock = state.take_lock(name) if os.path.lexists(state.directory(name)) else None   # no supervisor runs it
+    try:
+        try:
+            record: state.Record | None = queue.refresh(state.Record.load(name))
+        except UserError:
+            if not os.path.lexists(state.directory(name) / "campaign.json"):
+                raise
+            record = None                           # damaged: deleting it is how it goes
+        if record is not None and record.data.get("status") not in ("completed", "cancelled", "failed"):
+            raise UserError(f"campaign {name!r} is {record.data.get('status')}; cancel it first "
+                            f"(charllm-tui campaign cancel {name})")
+        state.delete(name)
+    finally:
+        if lock is not None:
+            os.close(lock)
+    runs = plural(sum(1 for m in record.members if m.get("run")), "run") if record else "runs"
+    print(f"campaign {name}: record deleted (its {runs} stay; charllm-tui runs delete removes a run)")
     return 0
