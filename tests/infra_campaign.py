@@ -14,14 +14,15 @@ from infra_runs import wait_for
 
 
 def tiny_campaign(charllm_dirs, name: str = "tiny", *, iters: int = 6, max_parallel: int = 2,
-                  target: str = "local", extra: str = "") -> str:
-    """2 layouts x 3 micro batches of tiny-local (6 members), `max_parallel` at once."""
+                  target: str = "local", extra: str = "", micro_batches=(1, 2, 4), layouts=(1, 2)) -> str:
+    """len(layouts) tensor-parallel sizes x len(micro_batches) micro batches of tiny-local (by default
+    2 x 3: 6 members), `max_parallel` at once."""
     folder = charllm_dirs["config"] / "campaigns"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}.toml").write_text(
-        'experiments = ["tiny-local"]\n[axes]\nmicro_batch_size = [1, 2, 4]\n'
-        f"train_iters = [{iters}]\n[[layouts]]\ntensor_model_parallel_size = 1\n[[layouts]]\n"
-        f'tensor_model_parallel_size = 2\n[target]\nname = "{target}"\nmax_parallel = {max_parallel}\n{extra}')
+        f'experiments = ["tiny-local"]\n[axes]\nmicro_batch_size = {list(micro_batches)}\ntrain_iters = [{iters}]\n'
+        + "".join(f"[[layouts]]\ntensor_model_parallel_size = {tp}\n" for tp in layouts)
+        + f'[target]\nname = "{target}"\nmax_parallel = {max_parallel}\n{extra}')
     return name
 
 

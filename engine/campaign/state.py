@@ -122,9 +122,11 @@ class Record:
         return RunDir(paths.runs_dir() / member["run"]) if member.get("run") else None
 
     def counts(self) -> dict[str, int]:
+        """How many members are in each status, as their runs say it now (member_status)."""
         out: dict[str, int] = {}
         for m in self.members:
-            out[m["status"]] = out.get(m["status"], 0) + 1
+            status = member_status(self, m)
+            out[status] = out.get(status, 0) + 1
         return out
 
     @property
@@ -243,8 +245,8 @@ def take_lock(name: str) -> int:
         except BlockingIOError:
             os.close(fd)
             if time.monotonic() > deadline:
-                raise UserError(f"campaign {name!r} is already run by {holder(name)}; wait for it, or cancel it "
-                                f"(charllm-tui campaign cancel {name})") from None
+                raise UserError(f"campaign {name!r} is already being run, by {holder(name)}, which holds its lock "
+                                f"{path}; wait for it, or cancel it (charllm-tui campaign cancel {name})") from None
             time.sleep(0.05)
         except FileNotFoundError:
             os.close(fd)
