@@ -32,6 +32,9 @@ examples:
       a figure of the paper's kind, drawn in the terminal"""
 
 
+RECORDED = "the campaign's name, or the campaign file it was run from"
+
+
 def register(sub) -> None:
     p = sub.add_parser("campaign", help="many experiments as one job: plan, run, follow, summarize and draw them",
                        description="A campaign is a TOML file (<config>/campaigns/NAME.toml, or shipped): base "
@@ -57,18 +60,18 @@ def register(sub) -> None:
     run.add_argument("--resume", action="store_true", help="run only the members without a completed run")
     run.add_argument("--detach", action="store_true", help="return once the queue is handed over")
     status = actions.add_parser("status", help="members by status, each member's run, and the time left")
-    status.add_argument("name", metavar="NAME")
+    status.add_argument("name", metavar="NAME", help=RECORDED)
     status.add_argument("--json", action="store_true", help="print the campaign's record as JSON")
     cancel = actions.add_parser("cancel", help="stop every member and the queue")
-    cancel.add_argument("name", metavar="NAME")
+    cancel.add_argument("name", metavar="NAME", help=RECORDED)
     summary = actions.add_parser("summary", help="one row per member, from each run's kept summary")
-    summary.add_argument("name", metavar="NAME")
+    summary.add_argument("name", metavar="NAME", help=RECORDED)
     summary.add_argument(
         "--format", choices=SUMMARY_FORMATS, default=None, help="default: table, or from --out's suffix"
     )
     summary.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     report = actions.add_parser("report", help="the paper's figures from the campaign's runs")
-    report.add_argument("name", metavar="NAME")
+    report.add_argument("name", metavar="NAME", help=RECORDED)
     report.add_argument(
         "--figure", required=True, metavar="KIND", help="parallelism | optimization | microbatch | heatmap | kernels"
     )
@@ -76,7 +79,7 @@ def register(sub) -> None:
     report.add_argument("--normalize", action="store_true", help="optimization: divide by each model's best")
     report.add_argument("--out", metavar="FILE", help="write an SVG or PNG image instead (needs the plot extra)")
     delete = actions.add_parser("delete", help="delete a campaign's record (its runs stay)")
-    delete.add_argument("name", metavar="NAME")
+    delete.add_argument("name", metavar="NAME", help=RECORDED)
     p.set_defaults(func=_run)
 
 
