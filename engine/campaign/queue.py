@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) not in (1, 3) or len(argv) == 3 and (argv[1] != "--lock-fd" or not argv[2].isdigit()):
         print(f"usage: python -m {MODULE} NAME [--lock-fd FD]", file=sys.stderr)
         return 2
-    try:   # the campaign's lock, held for this process's life (`start` hands over the one it took)
+    try:   # the campaign's lock, held until its record says how it ended (`start` hands over the one it took)
         lock = int(argv[2]) if len(argv) == 3 else state.take_lock(argv[0])
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)   # (a no-op on the lock it holds: the proof it does)
         os.set_inheritable(lock, False)          # (no member run holds it after this process is gone)
@@ -367,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         queue.record.save()
         raise
+    finally:
+        os.close(lock)       # its record says how it ended: the next `campaign run` may start now
     print(f"campaign {argv[0]}: {status}", flush=True)
     return 0
 

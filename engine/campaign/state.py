@@ -3,7 +3,7 @@
     <runs>/.campaigns/<name>/
         campaign.json     the record below (rewritten atomically)
         supervisor.log    the campaign supervisor's output
-        supervisor.lock   flock'ed by the campaign's supervisor for its life: one per campaign
+        supervisor.lock   flock'ed by the campaign's supervisor while it runs: one per campaign
 
 It lives beside the runs it names, so every login node sharing the runs directory sees it (a
 hidden name: run listings and the DuckDB glob pass it by). A member's own run is a run like any
@@ -223,7 +223,7 @@ def member_status(record: Record, member: dict) -> str:
 def take_lock(name: str) -> int:
     """Campaign `name`'s lock, taken for its new supervisor: an open descriptor holding an exclusive
     flock on its supervisor.lock. The lock lasts while any process holds a copy of the descriptor:
-    `campaign run` hands it to the supervisor it starts, which holds it for its life, so no second
+    `campaign run` hands it to the supervisor it starts, which holds it until it ends, so no second
     supervisor can start meanwhile. One held by another is one line saying who holds it."""
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:
