@@ -16,6 +16,7 @@ as a run of its own (engine.launch), which records itself in its run directory l
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import signal
@@ -75,7 +76,8 @@ def _supervisor_log(name: str):
     try:
         return open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "ab")
     except OSError as exc:
-        raise UserError(os_error_line(exc, path)) from None
+        raise UserError(f"{path}: a symbolic link; remove it" if exc.errno == errno.ELOOP else
+                        os_error_line(exc, path)) from None
 
 
 def _record_for_run(campaign: Campaign, plans: list[Plan], target: Target, parallel: int, include_oom: bool,

@@ -56,16 +56,28 @@ def test_campaign_run_and_delete_wait_for_no_supervisor(action, holder, charllm_
     assert (folder / "campaign.json").is_file()
 
 
-def test_a_damaged_record_can_be_deleted_and_only_its_folder_goes(charllm_dirs, capsys):
+def test_a_damaged_record_can_be_deleted_and_only_its_folder_goes(charllm_dirs, capsys, tmp_path):
+    from infra_fuzz import tree
+
     folder = plant_record(charllm_dirs["runs"], "tiny-local", [])
     (folder / "campaign.json").write_text("{not json")
     (charllm_dirs["runs"] / "20260101-000000-kept").mkdir()
     code, out, err = run(capsys, "campaign", "run", "tiny-local")
     assert code == 2 and "damaged campaign record" in one_error_line(err), "never overwritten by a new run"
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "inside").mkdir(parents=True)
+    (elsewhere / "inside" / "file").write_text("theirs")
+    (folder / "link").symlink_to(elsewhere)                 # a link in the record's folder is removed, not followed
+    (folder / "supervisor.log").unlink(missing_ok=True)
+    (folder / "supervisor.log").symlink_to(elsewhere / "inside" / "file")
+    before = tree(elsewhere)
+    code, out, err = run(capsys, "campaign", "run", "tiny-local")
+    assert code == 2 and "supervisor.log: a symbolic link" in one_error_line(err), "nothing written through it"
     code, out, err = run(capsys, "campaign", "delete", "tiny-local")
     assert code == 0 and "record deleted" in out, err
     assert sorted(p.name for p in charllm_dirs["runs"].iterdir()) == [".campaigns", "20260101-000000-kept"]
     assert list((charllm_dirs["runs"] / ".campaigns").iterdir()) == []
+    assert tree(elsewhere) == before
 
 
 def test_a_member_whose_run_vanished_or_is_damaged_is_missing(charllm_dirs):
