@@ -560,7 +560,9 @@ def _draw(wanted: Wanted, record) -> Drawn:
 
 def _sync(table: DataTable, rows: list[tuple[str, tuple]]) -> None:
     """Make `table` hold `rows` ((key, cells) in order), changing only the cells that differ when its
-    rows are the same ones (the cursor and scroll stay)."""
+    rows are the same ones (the cursor and scroll stay). A string is shown as written, never read as
+    markup (a campaign file's values and descriptions are the user's: `[/]` is text)."""
+    rows = [(key, tuple(Text(c) if isinstance(c, str) else c for c in cells)) for key, cells in rows]
     keys = [key for key, _ in rows]
     if [k.value for k in table.rows] == keys:
         columns = [c.value for c in table.columns]
