@@ -48,7 +48,7 @@ def start(campaign: Campaign, target: Target, *, max_parallel: int | None = None
           resume: bool = False) -> Record:
     """Plan every member, record the campaign and start its supervisor (detached); returns the record.
     `resume`: a campaign that ran before runs again only its members without a completed run.
-    The campaign's lock is taken first and handed to the supervisor, which holds it for its life: of
+    The campaign's lock is taken first and handed to the supervisor, which holds it until it ends: of
     two `campaign run` at once, one starts a supervisor and the other is refused, saying who runs it."""
     parallel = check_max_parallel(max_parallel if max_parallel is not None else campaign.max_parallel,
                                   "--max-parallel")

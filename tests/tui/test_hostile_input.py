@@ -335,3 +335,9 @@ def test_a_varied_value_or_description_is_shown_on_one_line_as_written(charllm_d
     assert len(rows) == 2 and "model.description=a\\nb [/]" in rows[0] and "model.description=[bold]c" in rows[1]
     outcome = call(["campaign", "list"])
     assert outcome.code == 0 and "[/] x" in outcome.out, str(outcome)
+    plant_record(charllm_dirs["runs"], "odd", [{"status": "invalid", "verdict": "invalid", "name": "x[/]",
+                                                "reason": "description = 'a\\nb [/]': must be one line"}],
+                 status="completed")
+    for argv in (["status", "odd"], ["summary", "odd"]):
+        outcome = call(["campaign", *argv])
+        assert outcome.code == 0 and "'a\\nb [/]'" in outcome.out and "x[/]" in outcome.out, str(outcome)

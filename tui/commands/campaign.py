@@ -282,6 +282,7 @@ def _members_table(df, markdown: bool) -> None:
     for all) is said once above the table instead."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     from charllm.probes.analysis.render import format_figure, metric_label  # deferred: loads polars (start-up time)
 
@@ -296,7 +297,7 @@ def _members_table(df, markdown: bool) -> None:
         table.add_column("#" if c == "member" else c if c in ("name", "status", "layout", "why") else metric_label(c),
                          overflow="fold")
     for row in df.iter_rows(named=True):
-        table.add_row(*(format_figure(c, row[c]) if row[c] is not None else "-" for c in columns))
+        table.add_row(*(Text(format_figure(c, row[c]) if row[c] is not None else "-") for c in columns))
     _console().print(table)
 
 
