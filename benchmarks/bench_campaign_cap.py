@@ -4,7 +4,8 @@
 
 Writes the ten-line campaign file of tests/tui/test_hostile_input.py (eight axes of ten values) into
 a private config directory, then runs `campaign list`, `plan`, `show` and `run` on it, each in a fresh
-process, and prints its wall time, peak RSS (from wait4) and what it said. Each is started by a bare
+process, and prints its wall time, CPU time (user + system: what counts on a loaded machine), peak
+RSS (both from wait4) and what it said. Each is started by a bare
 Python process: a child's peak RSS counts its parent's pages until its exec, and this one has
 imported the test module.
 
@@ -25,8 +26,9 @@ from pathlib import Path
 COMMANDS = (["list"], ["plan", "huge"], ["show", "huge"], ["run", "huge", "--detach"])
 
 
-def measure(argv: list[str]) -> tuple[float, float, int, str]:
-    """(seconds, peak RSS in MB, exit code, what it said of the campaign) of one fresh process."""
+def measure(argv: list[str]) -> tuple[float, float, float, int, str]:
+    """(wall seconds, CPU seconds, peak RSS in MB, exit code, what it said of the campaign) of one
+    fresh process."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "charllm.tui", "campaign", *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -34,7 +36,8 @@ def measure(argv: list[str]) -> tuple[float, float, int, str]:
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     said = " ".join(line for line in out.splitlines() if "huge" in line or "error" in line)
-    return seconds, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status), " ".join(said.split())
+    cpu = usage.ru_utime + usage.ru_stime
+    return seconds, cpu, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status), " ".join(said.split())
 
 
 def main() -> int:
@@ -55,8 +58,9 @@ def main() -> int:
         for argv in COMMANDS:
             done = subprocess.run([sys.executable, __file__, "--measure", *argv], env=env, capture_output=True,
                                   text=True, check=True)
-            seconds, rss, code, said = json.loads(done.stdout)
-            print(f"campaign {' '.join(argv):<22} {seconds:5.2f} s  {rss:5.0f} MB  exit {code}  {said[:110]}")
+            seconds, cpu, rss, code, said = json.loads(done.stdout)
+            print(f"campaign {' '.join(argv):<22} {seconds:5.2f} s ({cpu:4.2f} s CPU)  {rss:4.0f} MB  exit {code}  "
+                  f"{said[:100]}")
         assert not (Path(private) / "runs").exists(), "a refused campaign recorded nothing"
     return 0
 
