@@ -9,6 +9,7 @@ address); `--kill-on-bad-exit` stops every node when one fails.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
 import shutil
@@ -343,8 +344,6 @@ def _slurm_time(seconds: float) -> str:
 def not_the_runs(job: str, rd) -> str | None:
     """Why Slurm's job `job` is not the run's, or None: it must be this user's and work in the run's
     directory (sbatch --chdir). A job Slurm no longer knows is nobody's to cancel: None."""
-    import os
-
     info = job_info(job) if _JOB_ID.match(job) else {}
     if not info:   # (None: the controller did not answer, and scancel will not reach it either)
         return None
