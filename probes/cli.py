@@ -7,6 +7,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from charllm.probes.store.rundir import FINAL_STATUSES, Reserve, RunDir, check_n
 
 MAX_DURATION_S = 366 * 24 * 3600
 RESERVE_BYTES = 64 * 1024   # what a probe-only run holds on its disk to record its final status
+CANCEL_POLL_S = 0.5         # how often a probe-only run looks for a cancel request
 
 # %(prog)s: `charllm-tui probe` or `python -m charllm.probes`, whichever shows the help.
 USAGE_EXAMPLES = """\
@@ -102,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         slower = "".join(f"; {s}" for s in sampler.slower_backends())
         if owned is not None:
             owned.update_manifest(rates={b.name: sampler.backend_hz(b) for b in backends})
+            asked = _stop_when_asked(owned, sampler)
         if not view:
             err.print(
                 f"probe: {plural(devices, 'device')} at {args.hz:g} Hz{slower}{target} ({reason}); SIGTERM/Ctrl-C stops"
@@ -140,11 +143,29 @@ def run(args: argparse.Namespace) -> int:
         if owned is not None:
             if reserve is not None:
                 reserve.release()
-            owned.update_manifest(status="completed")
+            owned.update_manifest(status="cancelled" if asked.is_set() else "completed", ended_ns=time.time_ns())
         return 0
     finally:
         for backend in backends:
             backend.close()
+
+
+def _stop_when_asked(run: RunDir, sampler) -> threading.Event:
+    """Stop the sampler once `runs cancel` asks (RunDir.cancel_request_path): a probe started by
+    hand carries no run token, so nothing may signal it on a manifest's word. The event is set
+    when it was asked."""
+    asked = threading.Event()
+
+    def watch() -> None:
+        while not sampler.stopped:
+            if run.cancel_request_path.exists():
+                asked.set()
+                sampler.stop()
+                return
+            time.sleep(CANCEL_POLL_S)
+
+    threading.Thread(target=watch, name="cancel-request", daemon=True).start()
+    return asked
 
 
 def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):

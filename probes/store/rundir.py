@@ -107,6 +107,7 @@ class Manifest:
     exit_codes: dict = field(default_factory=dict)
     runtime: dict | None = None
     disk_full: str = ""
+    orphaned_ns: int | None = None       # when a reader found the owner dead and settled the run
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
@@ -188,7 +189,8 @@ def manifest_problem(data) -> str | None:
         items = data.get(name)
         if isinstance(items, list) and not all(isinstance(item, kind) for item in items):
             return f"field {name!r} holds something other than {_JSON_NAMES[kind].split(' ', 1)[1]}s"
-    for name in ("created_ns", "started_ns", "ended_ns", "world_size"):   # times and counts a calendar holds
+    # times and counts a calendar holds
+    for name in ("created_ns", "started_ns", "ended_ns", "orphaned_ns", "world_size"):
         value = data.get(name)
         if isinstance(value, int) and not 0 <= value < 2**63:
             return f"field {name!r} = {value}: out of range"
@@ -245,6 +247,7 @@ def run_id_name(run_id: str) -> str | None:
 # A file in every run directory charllm-tui makes, naming what made it: the proof, before anything
 # is deleted or written there, that the directory is a run of ours and not somebody's folder.
 MARKER = ".charllm-run"
+CANCEL_REQUEST = ".charllm-cancel"
 MADE_BY = ("launch", "probe", "import", "synthetic")
 
 
@@ -254,10 +257,14 @@ class RunDir:
 
     @classmethod
     def create(cls, path: Path, made_by: str) -> "RunDir":
-        """Make a new run directory (never an existing one: FileExistsError) and mark it as ours."""
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).mkdir()
-        run = cls(Path(path))
+        """Make a new run directory (never an existing one: FileExistsError) and mark it as ours.
+        Neither it nor the directory holding it is made writable by group or others, whatever the
+        umask (a manifest others could write is never acted on: procid.trust_problem)."""
+        path = Path(path)
+        path.parent.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o755, exist_ok=True)
+        path.mkdir(mode=0o755)
+        run = cls(path)
         if not run.claim(made_by):
             raise FileExistsError(f"{path}: claimed by another writer")
         return run
@@ -309,6 +316,23 @@ class RunDir:
     @property
     def id(self) -> str:
         return self.path.name
+
+    @property
+    def token(self) -> str | None:
+        """The run's token (probes.core.procid), which every process it starts carries: the proof
+        a signal needs. None for a run recorded before tokens, or a token file not to be trusted."""
+        return procid.read_token(self.path)
+
+    def trust_problem(self) -> str | None:
+        """Why nothing this run's manifest names may be acted on (procid.trust_problem: the
+        manifest and the directory must be the user's, and nobody else may write them), or None."""
+        return procid.trust_problem(self.path, self.manifest_path)
+
+    @property
+    def cancel_request_path(self) -> Path:
+        """Where `runs cancel` asks a probe-only run's sampler to stop (a process it did not start
+        carries no token of the run, so it is asked, never signalled)."""
+        return self.path / CANCEL_REQUEST
 
     @property
     def manifest_path(self) -> Path:
@@ -505,34 +529,11 @@ class RunDir:
 
     def read_iterations(self):
         """The iteration log as a DataFrame (tolerates a half-written last line)."""
-        import polars as pl
-
-        from charllm.probes.store.schema import ITERATION_SCHEMA  # deferred: loads polars (start-up time)
-
-        rows = [r for r in self.iteration_records() if isinstance(r, dict)]
-        if not rows:
-            return pl.DataFrame(schema=ITERATION_SCHEMA)
-        clean = [{k: _typed(r.get(k), dtype) for k, dtype in ITERATION_SCHEMA.items()} for r in rows]
-        return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
+        return iteration_frame(self.iteration_records())
 
     def read_steps(self):
-        """One row per training step: the lines its ranks logged (rank 0 and the last rank both
-        log each step) merged, from the first start to the last end; a step without both times is
-        left out. `profiled` says a rank recorded a profiler trace of it."""
-        import polars as pl  # deferred: loads polars (start-up time)
-
-        log = self.read_iterations().filter(pl.col("event") == "iteration")
-        return (
-            log.group_by("iteration")
-            .agg(
-                pl.col("start_ns").min(), pl.col("end_ns").max(),
-                pl.col("samples").drop_nulls().first(), pl.col("tokens").drop_nulls().first(),
-                pl.col("tflops_per_gpu").drop_nulls().first(), pl.col("warmup").fill_null(False).any(),
-                pl.col("profiled").fill_null(False).any(),
-            )
-            .drop_nulls(["start_ns", "end_ns"])
-            .sort("iteration")
-        )
+        """One row per training step (`merged_steps`)."""
+        return merged_steps(self.read_iterations())
 
     def rank_steps(self, skipped: list[str] | None = None):
         """Every rank's step timers, one row per step and rank (see `rank_rows`, and for `skipped`);
@@ -680,6 +681,41 @@ def _places(entries: list, placed: int):
             if isinstance(entry, dict)]
     return (pl.DataFrame([r for r in rows if r["rank"] is not None], schema=schema)
             .unique("rank", keep="last", maintain_order=True).with_columns(pl.lit(placed, pl.Int64).alias("placed")))
+
+
+def iteration_frame(records) -> typing.Any:
+    """Iteration-log lines (dicts, as read or as a follower hands them on) as a typed DataFrame; a
+    line that is not an object is left out, a field of the wrong type is null."""
+    import polars as pl
+
+    from charllm.probes.store.schema import ITERATION_SCHEMA  # deferred: loads polars (start-up time)
+
+    rows = [r for r in records if isinstance(r, dict)]
+    if not rows:
+        return pl.DataFrame(schema=ITERATION_SCHEMA)
+    clean = [{k: _typed(r.get(k), dtype) for k, dtype in ITERATION_SCHEMA.items()} for r in rows]
+    return pl.DataFrame(clean, schema=ITERATION_SCHEMA, strict=False)
+
+
+def merged_steps(log) -> typing.Any:
+    """One row per training step of an iteration log (`iteration_frame`): the lines its ranks logged
+    (rank 0 and the last rank both log each step) merged, from the first start to the last end; a
+    step without both times is left out. `profiled` says a rank recorded a profiler trace of it. Every
+    figure of a run's steps (summaries, Live) counts these."""
+    import polars as pl  # deferred: loads polars (start-up time)
+
+    return (
+        log.filter(pl.col("event") == "iteration")
+        .group_by("iteration")
+        .agg(
+            pl.col("start_ns").min(), pl.col("end_ns").max(),
+            pl.col("samples").drop_nulls().first(), pl.col("tokens").drop_nulls().first(),
+            pl.col("tflops_per_gpu").drop_nulls().first(), pl.col("warmup").fill_null(False).any(),
+            pl.col("profiled").fill_null(False).any(),
+        )
+        .drop_nulls(["start_ns", "end_ns"])
+        .sort("iteration")
+    )
 
 
 def one_per_step(events: list[dict]) -> list[dict]:

@@ -108,11 +108,12 @@ def test_a_failing_train_job_is_one_line_and_leaves_nothing(monkeypatch, tmp_pat
 
 
 def test_bad_input_is_one_line_and_exit_2(capsys, charllm_dirs):
-    for argv, says in ((["--hardware", "h100"], "hardware 'h100': no such preset"),
+    for argv, says in ((["--hardware", "h10"], "hardware 'h10': no such preset; did you mean 'h100'?"),
                        (["--target", "nowhere"], "--target 'nowhere': no such target"),
                        (["--iters", "0"], "--iters = 0"),
                        (["--nodes", "2"], "--nodes = 2: only for a target whose scheduler allocates its nodes"),
-                       (["--show", "h100-sxm-80gb"], "no calibration for this hardware")):
+                       (["--show", "h100-sxm-80gb"], "no calibration for this hardware"),
+                       (["--show", "h100"], "--show 'h100-sxm-80gb': no calibration for this hardware")):
         code, _, err = run(capsys, "doctor", *argv)
         assert code == 2 and says in one_error_line(err), (argv, err)
 

@@ -12,8 +12,9 @@ from charllm.engine.launch.targets import parse_target
 from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
+from infra_campaign import forged_run, plant_record
 from infra_cli import one_error_line, run
-from infra_fuzz import call
+from infra_fuzz import call, tree
 
 SLURM = {"kind": "slurm", "partition": "gpu", "account": "proj", "qos": "normal", "time": "01:00:00",
          "constraint": "H100", "env_setup": "module load cuda", "python": "python3", "description": "x"}
@@ -291,3 +292,148 @@ def test_timers_of_100000_ranks_are_read_in_linear_time(charllm_dirs):
     make_run(charllm_dirs["runs"], [], iterations=rows, run_id="wide")
     outcome = call(["summarize", "wide", "--by", "stage"], timeout=10.0)
     assert not outcome.hung and outcome.code == 0 and "stage 3" in outcome.out, str(outcome)
+
+
+# Issue 35: a ten-line campaign file of eight axes of ten values is 10^8 members. The cap is
+# checked by arithmetic before any member is built; before that, `campaign list` died of
+# MemoryError after 29 s, and keeping the file broke the listing.
+HUGE_CAMPAIGN = 'experiments = ["tiny-local"]\n[axes]\n' + "".join(
+    f"{key} = {[start + step * i for i in range(10)]}\n"
+    for key, start, step in (("num_layers", 1, 1), ("hidden_size", 64, 64), ("vocab_size", 1000, 1),
+                             ("rotary_base", 1, 1), ("micro_batch_size", 1, 1), ("train_iters", 1, 1),
+                             ("seed", 1, 1), ("lr", 0.001, 0.001)))
+
+
+@pytest.mark.parametrize("action", ["plan", "show", "run"])
+def test_a_campaign_of_too_many_members_is_refused_before_any_is_built(action, charllm_dirs):
+    folder = charllm_dirs["config"] / "campaigns"
+    folder.mkdir(parents=True)
+    (folder / "huge.toml").write_text(HUGE_CAMPAIGN)
+    outcome = call(["campaign", action, "huge"])     # a watchdog: past 2 s of CPU time it counts as a hang
+    assert not outcome.hung and not outcome.crash, str(outcome)
+    assert outcome.code == 2 and outcome.one_clear_line, str(outcome)
+    assert f"campaign 'huge' ({folder / 'huge.toml'}): 100,000,000 members, more than the 10,000" in outcome.err
+    assert not charllm_dirs["runs"].exists(), "nothing recorded, nothing started"
+
+
+def test_keeping_a_campaign_of_too_many_members_costs_only_its_row(charllm_dirs):
+    folder = charllm_dirs["config"] / "campaigns"
+    folder.mkdir(parents=True)
+    (folder / "huge.toml").write_text(HUGE_CAMPAIGN)
+    outcome = call(["campaign", "list"])
+    assert not outcome.hung and not outcome.crash and outcome.code == 0, str(outcome)
+    rows = {line.split()[0]: line for line in outcome.out.splitlines() if line.strip()}
+    assert "100,000,000 members" in " ".join(outcome.out.split())
+    assert rows["huge"].split()[1] == "-" and rows["tiny-local"].split()[1] == "6", outcome.out
+
+
+# Issue 35: every path a campaign record names stays inside the runs directory, by real path.
+# Before: a member's run of ../elsewhere/RUN was reconciled (its manifest rewritten, the process it
+# names killed), and `campaign delete` followed a linked .campaigns and deleted where it pointed.
+CAMPAIGN_COMMANDS = [["list"], ["status", "tiny-local"], ["summary", "tiny-local"], ["cancel", "tiny-local"],
+                     ["report", "tiny-local", "--figure", "microbatch"], ["run", "tiny-local", "--resume"],
+                     ["delete", "tiny-local"]]
+
+
+@pytest.mark.parametrize("argv", CAMPAIGN_COMMANDS, ids=lambda argv: argv[0])
+def test_a_member_run_out_of_the_runs_dir_is_named_and_never_acted_on(argv, charllm_dirs, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    with forged_run(elsewhere / "RUN") as victim:
+        plant_record(charllm_dirs["runs"], "tiny-local", [{"status": "running", "run": "../elsewhere/RUN"}])
+        before = tree(elsewhere)
+        outcome = call(["campaign", *argv])
+        assert not outcome.hung and not outcome.crash, str(outcome)
+        if argv[0] == "list":
+            row = next(line for line in outcome.out.splitlines() if line.split()[0] == "tiny-local")
+            assert outcome.code == 0 and row.split()[2] == "damaged:", outcome.out
+        elif argv[0] == "delete":     # a damaged record is deleted, and nothing but its folder
+            assert outcome.code == 0 and not (charllm_dirs["runs"] / ".campaigns" / "tiny-local").exists()
+        else:
+            assert outcome.code == 2 and outcome.one_clear_line, str(outcome)
+            assert "member 0 names run '../elsewhere/RUN', not a run of the runs directory" in outcome.err
+        assert tree(elsewhere) == before, "nothing outside the runs directory was written"
+        assert victim.poll() is None, "the process it names lives"
+
+
+@pytest.mark.parametrize("argv", [a for a in CAMPAIGN_COMMANDS if a[0] != "run"], ids=lambda argv: argv[0])
+def test_a_member_run_linked_out_of_the_runs_dir_is_missing_and_never_acted_on(argv, charllm_dirs, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    with forged_run(elsewhere / "RUN") as victim:
+        charllm_dirs["runs"].mkdir()
+        (charllm_dirs["runs"] / "20260101-000000-linked").symlink_to(elsewhere / "RUN")
+        plant_record(charllm_dirs["runs"], "tiny-local", [{"status": "running", "run": "20260101-000000-linked"}])
+        before = tree(elsewhere)
+        outcome = call(["campaign", *argv])
+        assert not outcome.hung and not outcome.crash, str(outcome)
+        assert outcome.code in (0, 2) and (outcome.code == 0 or outcome.one_clear_line), str(outcome)
+        assert tree(elsewhere) == before, "nothing outside the runs directory was written"
+        assert victim.poll() is None, "the process it names lives"
+    if argv[0] == "status":
+        assert "missing" in outcome.out and "1 missing" in outcome.out, outcome.out
+
+
+@pytest.mark.parametrize("argv", CAMPAIGN_COMMANDS, ids=lambda argv: argv[0])
+def test_a_linked_campaigns_folder_is_refused_never_followed(argv, charllm_dirs, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    plant_record(None, "tiny-local", [{"status": "completed"}], status="completed", folder=elsewhere / "tiny-local")
+    charllm_dirs["runs"].mkdir()
+    (charllm_dirs["runs"] / ".campaigns").symlink_to(elsewhere)
+    before = tree(elsewhere)
+    outcome = call(["campaign", *argv])
+    assert not outcome.hung and not outcome.crash, str(outcome)
+    assert outcome.code == 2 and outcome.one_clear_line, str(outcome)
+    assert f"{charllm_dirs['runs'] / '.campaigns'}: a symbolic link" in outcome.err
+    assert tree(elsewhere) == before, "nothing it points to was read as a record, written or deleted"
+    if argv[0] == "list":
+        assert "tiny-local" in outcome.out and "ppt-h100" in outcome.out, "the campaign files are still listed"
+
+
+def test_a_linked_campaign_record_folder_is_refused_never_followed(charllm_dirs, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    plant_record(None, "tiny-local", [{"status": "completed"}], status="completed", folder=elsewhere)
+    (charllm_dirs["runs"] / ".campaigns").mkdir(parents=True)
+    (charllm_dirs["runs"] / ".campaigns" / "tiny-local").symlink_to(elsewhere)
+    before = tree(elsewhere)
+    for argv in CAMPAIGN_COMMANDS[1:]:
+        outcome = call(["campaign", *argv])
+        assert outcome.code == 2 and outcome.one_clear_line and "a symbolic link" in outcome.err, str(outcome)
+    assert tree(elsewhere) == before
+
+
+def test_a_campaign_file_given_by_path_never_shares_the_record_of_the_campaign_it_copies(charllm_dirs, tmp_path):
+    from charllm.engine.campaign.spec import Campaign, campaigns
+
+    shipped = campaigns()["tiny-local"]
+    copy = tmp_path / "mine" / "tiny-local.toml"
+    copy.parent.mkdir()
+    copy.write_text(shipped.read_text())
+    plant_record(charllm_dirs["runs"], "tiny-local", [{"status": "completed"}], status="completed")
+    name = Campaign.load(copy).name
+    assert name.startswith("tiny-local-")
+    assert Campaign.load(tmp_path / "mine" / ".." / "mine" / "tiny-local.toml").name == name, "keyed by its real path"
+    assert Campaign.load(shipped).name == "tiny-local", "the catalog's own file is that campaign"
+    for argv in (["status", str(copy)], ["run", str(copy), "--resume"]):
+        outcome = call(["campaign", *argv])
+        assert outcome.code == 2 and outcome.one_clear_line and f"campaign {name!r} has not run" in outcome.err, \
+            str(outcome)
+    outcome = call(["campaign", "status", str(shipped)])
+    assert outcome.code == 0 and "tiny-local: 1 member (1 completed)" in outcome.out, str(outcome)
+
+
+def test_a_varied_value_or_description_is_shown_on_one_line_as_written(charllm_dirs):
+    folder = charllm_dirs["config"] / "campaigns"
+    folder.mkdir(parents=True)
+    (folder / "odd.toml").write_text('experiments = ["tiny-local"]\ndescription = "[/] x"\n[axes]\n'
+                                     '"model.description" = ["a\\nb [/]", "[bold]c"]\n')
+    outcome = call(["campaign", "plan", "odd"])
+    assert outcome.code == 0 and not outcome.crash, str(outcome)
+    rows = [line for line in outcome.out.splitlines() if "model.description=" in line]
+    assert len(rows) == 2 and "model.description=a\\nb [/]" in rows[0] and "model.description=[bold]c" in rows[1]
+    outcome = call(["campaign", "list"])
+    assert outcome.code == 0 and "[/] x" in outcome.out, str(outcome)
+    plant_record(charllm_dirs["runs"], "odd", [{"status": "invalid", "verdict": "invalid", "name": "x[/]",
+                                                "reason": "description = 'a\\nb [/]': must be one line"}],
+                 status="completed")
+    for argv in (["status", "odd"], ["summary", "odd"]):
+        outcome = call(["campaign", *argv])
+        assert outcome.code == 0 and "'a\\nb [/]'" in outcome.out and "x[/]" in outcome.out, str(outcome)
