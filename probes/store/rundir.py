@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from charllm.probes.core import paths, procid
@@ -168,8 +168,7 @@ class Manifest:
 
 
 # Each manifest field's JSON types, from Manifest's annotations (bool is never taken for int).
-_MANIFEST_TYPES = {f.name: typing.get_args(kind) or (kind,)
-                   for f in fields(Manifest) for kind in [typing.get_type_hints(Manifest)[f.name]]}
+_MANIFEST_TYPES = {name: typing.get_args(kind) or (kind,) for name, kind in typing.get_type_hints(Manifest).items()}
 # What each list field holds (a reader iterates them).
 _ITEM_TYPES = {"nodes": str, "steps": dict, "commands": str, "forced": str, "processes": dict, "telemetry_lost": dict}
 _JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", list: "a list",
