@@ -330,8 +330,14 @@ def _split_launcher(tokens: list[str]) -> tuple[list[str], list[str]]:
 
 def launcher_world_size(args: str | list[str]) -> int | None:
     """The world size a `torchrun --nnodes N --nproc-per-node G ... x.py` prefix gives, else None."""
+    return launcher_shape(args)[0]
+
+
+def launcher_shape(args: str | list[str]) -> tuple[int | None, int | None]:
+    """(world size, processes per node) a `torchrun --nnodes N --nproc-per-node G ... x.py` prefix gives;
+    (None, None) where it does not say both as numbers."""
     launcher, _ = _split_launcher(split_command_line(args))
-    return _launcher_world(launcher)[0]
+    return _launcher_world(launcher)
 
 
 def _launcher_world(head: list[str]) -> tuple[int | None, int | None]:
