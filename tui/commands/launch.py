@@ -34,7 +34,7 @@ def register(sub, name: str, help: str) -> None:
     p.add_argument("experiment", metavar="EXPERIMENT_OR_PRESET", nargs="?",
                    help="an experiment file or preset name (or give --command)")
     own = p.add_argument_group("your own command (instead of an experiment)")
-    own.add_argument("--command", metavar="CMD",
+    own.add_argument("--command", dest="command_line", metavar="CMD",   # (args.command names the subcommand)
                      help="a shell command run once per node under the supervisor and the probes, with MASTER_ADDR, "
                           "MASTER_PORT, NNODES, NODE_RANK (and torchrun's PET_* defaults) set; its Megatron flags and "
                           "torchrun prefix give the layout that is planned")
@@ -167,9 +167,9 @@ HEADLINE_S = 2.0
 
 def what_runs(args: argparse.Namespace, target):
     """(experiment, the user's Command or None, notes) from the command line: an experiment, or --command."""
-    own = {"--command": args.command, "--hardware": args.hardware, "--nodes": args.nodes, "--cwd": args.cwd,
+    own = {"--command": args.command_line, "--hardware": args.hardware, "--nodes": args.nodes, "--cwd": args.cwd,
            "--name": args.name}
-    if args.command is None:
+    if args.command_line is None:
         given = [flag for flag, value in own.items() if value is not None]
         if given:
             raise UserError(f"launch: {given[0]} goes with --command")
@@ -183,7 +183,7 @@ def what_runs(args: argparse.Namespace, target):
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc = {args.nproc}: must be at least 1")
     cwd = args.cwd or (os.getcwd() if target.shares_files else None)
-    exp, command, notes = plan_command(args.command, log_format=args.log_format, hardware=args.hardware,
+    exp, command, notes = plan_command(args.command_line, log_format=args.log_format, hardware=args.hardware,
                                        nodes=args.nodes, nproc=args.nproc, name=args.name, cwd=cwd,
                                        on_this_machine=target.on_this_machine)
     return exp.apply(args.assignments), command, notes
