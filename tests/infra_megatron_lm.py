@@ -83,10 +83,6 @@ def training_checkout_reason() -> str | None:
     return None
 
 
-needs_training_checkout = pytest.mark.skipif(training_checkout_reason() is not None,
-                                             reason=training_checkout_reason() or "")
-
-
 def training_checkout(release: str, root: Path) -> Path:
     """The files of tag core_v<release> that pretrain_gpt.py trains with, under `root` (once per
     directory), its dataset helpers compiled as Megatron's own Makefile builds them (which pretrain_gpt.py
@@ -106,7 +102,9 @@ def training_checkout(release: str, root: Path) -> Path:
 
 def logged_steps(text: str) -> dict[int, dict]:
     """Megatron's step lines in a log, read another way than probes.store.trainlogs does (split on '|',
-    then 'key: value'), by iteration: what a parsed record must agree with."""
+    then 'key: value'), by iteration: what a parsed record must agree with. Megatron-LM's first line
+    (iteration 1) leaves its sums unreset, so the next line's means start at iteration 1: they are taken
+    back out, as training.py's `should_reset = not is_first_iteration` implies."""
     steps = {}
     for line in text.splitlines():
         if "elapsed time per iteration (ms)" not in line or " iteration " not in line:
@@ -119,4 +117,31 @@ def logged_steps(text: str) -> dict[int, dict]:
         steps[iteration] = {"step_s": float(fields["elapsed time per iteration (ms)"]) / 1000,
                             "loss": float(fields["lm loss"]) if "lm loss" in fields else None,
                             "samples": int(fields["global batch size"])}
+    order = sorted(steps)
+    if len(order) > 1 and order[0] == 1:
+        first, second = steps[1], steps[order[1]]
+        n = order[1]
+        for key in ("step_s", "loss"):
+            if first[key] is not None and second[key] is not None:
+                second[key] = (n * second[key] - first[key]) / (n - 1)
     return steps
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_checkout(tmp_path_factory):
+    """Megatron-LM's training files at core_v0.16.1, extracted and built once per session (the tests that
+    train with Megatron-LM's own pretrain_gpt.py); skipped, with the reason, where they cannot."""
+    if reason := training_checkout_reason():
+        pytest.skip(reason)
+    return training_checkout("0.16.1", tmp_path_factory.mktemp("megatron-lm-training"))
+
+
+def pretrain_gpt_argv(checkout: Path, exp, extra: list[str] | None = None) -> list[str]:
+    """Megatron-LM's pretrain_gpt.py on `exp`'s layout under torchrun, through the CPU path of
+    charllm.engine.workload.megatron_lm (on a GPU it runs as is): `export megatron`'s flags and the
+    planned node's runtime switches, logging every step."""
+    from charllm.engine.model.megatron import export_megatron_args, runtime_flags
+
+    flags = export_megatron_args(exp, "0.16.1") + runtime_flags(exp) + ["--log-interval", "1", *(extra or [])]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={exp.cluster.gpus_per_node}",
+            "-m", "charllm.engine.workload.megatron_lm", str(checkout / "pretrain_gpt.py"), *flags]

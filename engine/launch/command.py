@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -122,6 +123,33 @@ def plan_command(line: str, *, log_format: str, hardware: str | None = None, nod
         notes.append(f"planned from the command's flags: {exp.layout_label} on {plural(nodes, 'node')} x {nproc}")
     exp.cluster.nodes, exp.cluster.gpus_per_node = nodes, nproc
     return exp, Command(line=line, log_format=log_format, cwd=cwd, planned=planned), notes
+
+
+def megatron_lm_command(exp, directory: str, *, python: str, check_here: bool) -> tuple[Command, list[str]]:
+    """Megatron-LM's own pretrain_gpt.py for `exp` (`launch EXP --runner megatron-lm`): the flags `export
+    megatron` writes for it and those that make Megatron run what the workload runs (megatron.runtime_flags),
+    every step logged, under torchrun on every node (its rendezvous from the runner's PET_* variables),
+    through engine.workload.megatron_lm (the checkout first on the path; the CPU path where there is no
+    CUDA), in DIR, with the environment export gives. `check_here`: DIR is on this machine's filesystem
+    (the target's nodes share it), so a missing script is said now."""
+    from charllm.engine.model.megatron import (  # deferred: the models (not on the node)
+        export_environment,
+        export_megatron_args,
+        runtime_flags,
+    )
+
+    script = Path(directory).expanduser() / "pretrain_gpt.py"
+    if check_here and not script.is_file():
+        raise UserError(f"--megatron-lm {directory!r}: no pretrain_gpt.py there (a Megatron-LM checkout is needed: "
+                        "git clone https://github.com/NVIDIA/Megatron-LM, or set MEGATRON_LM)")
+    flags = export_megatron_args(exp) + runtime_flags(exp) + ["--log-interval", "1"]
+    env = [f"{name}={shlex.quote(value)}" for name, value in export_environment(exp).items()]   # (assignments)
+    argv = [python, "-m", "torch.distributed.run", f"--nproc-per-node={exp.cluster.gpus_per_node}",
+            "-m", "charllm.engine.workload.megatron_lm", str(script.resolve() if check_here else script), *flags]
+    notes = [f"runner: Megatron-LM's pretrain_gpt.py in {directory}, with the flags export megatron writes for "
+             f"{exp.name} (and the workload's fusions, learning rate and split)"]
+    line = " ".join([*env, shlex.join(argv)])
+    return Command(line=line, log_format="megatron", cwd=str(script.parent), planned=True), notes
 
 
 # --------------------------------------------------------------------------------------------

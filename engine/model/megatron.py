@@ -800,11 +800,13 @@ FUSION_SWITCHES = (
 
 def runtime_flags(exp: Experiment) -> list[str]:
     """The flags that make Megatron-LM's pretrain_gpt.py run what charllm's workload runs for `exp` on its
-    planned node (calibration.for_planning): each fusion engine.model.runtime leaves off there, which
-    Megatron would turn on (a fused bias-GeLU is tanh's approximation, so the losses would differ too),
-    and, with megatron-core's local layers and no Apex, no persistent LayerNorm (megatron-core's
-    WrappedTorchNorm refuses it: core/transformer/torch_norm.py:30 at core_v0.16.1). What
-    `launch --runner megatron-lm` adds to `export_megatron_args`."""
+    planned node (calibration.for_planning), beyond `export_megatron_args`: each fusion engine.model.runtime
+    leaves off there, which Megatron would turn on (a fused bias-GeLU is tanh's approximation: other
+    losses); with megatron-core's local layers and no Apex, no persistent LayerNorm (megatron-core's
+    WrappedTorchNorm refuses it: core/transformer/torch_norm.py:30 at core_v0.16.1); the workload's
+    constant learning rate without weight decay (engine.workload.train.optimizer_settings; Megatron
+    decays it linearly and decays weights by 0.01 by default); and, with a dataset, its whole split for
+    training (Megatron's default is 969,30,1). What `launch --runner megatron-lm` adds."""
     stack = calibration.for_planning(exp.hardware)
     impl = runtime.resolve(exp, stack)
     m = exp.model
@@ -816,6 +818,9 @@ def runtime_flags(exp: Experiment) -> list[str]:
             out.append(flag)
     if impl.transformer == "local" and not stack.has("apex"):
         out.append("--no-persist-layer-norm")
+    out += ["--lr-decay-style", "constant", "--weight-decay", "0.0"]
+    if exp.training.data_path:
+        out += ["--split", "100,0,0"]
     return out
 
 

@@ -26,6 +26,13 @@ Megatron-LM it answers (tags core_v0.16.1 and core_v0.19.0); nothing else is cha
 - torch.compile is off (torch._dynamo disabled): `_warmup_jit_function` (initialize.py:460; :494) runs the
   torch.compile'd fusions whatever the flags say, and compiling them for the CPU under the device mode takes
   minutes; they run eagerly, the same arithmetic.
+- `_warmup_jit_function` (initialize.py:463; :497) draws its warm-up inputs with `torch.rand(...,
+  device="cuda")`: on a GPU from CUDA's generator, on the virtual device from the CPU's, which the model's
+  initialization and data order draw from next; the CPU generator's state is put back after it, so the
+  same seed gives the same model as on a GPU (and as charllm's workload).
+- `get_device_arch_version()` (arguments.py:928; :1414, with tensor or context parallelism) asks CUDA for
+  device 0's architecture: it answers 9 (Hopper), so the checks before Blackwell hold, the stricter ones
+  (CUDA_DEVICE_MAX_CONNECTIONS=1, which `export megatron --script` sets).
 Megatron's memory report reads torch's CUDA allocator, which holds nothing on a CPU: it prints zeros.
 """
 
@@ -102,6 +109,19 @@ def on_cpu(argv: list[str]) -> list[str]:
     import megatron.training.training as training  # deferred: as above
 
     training.initialize_megatron = initialize_megatron   # (bound by name at its import)
+    warmup = initialize._warmup_jit_function
+
+    def warmup_jit_function(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return warmup(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    initialize._warmup_jit_function = warmup_jit_function
+    import megatron.training.arguments as arguments  # deferred: as above
+
+    arguments.get_device_arch_version = lambda: 9      # (imported by name; see the module docstring)
     fused = getattr(initialize, "fused_kernels", None)
     if fused is not None:
         fused.load = lambda args: None

@@ -10,7 +10,11 @@ code that prints it:
   prints the same line (src/megatron/bridge/training/utils/train_utils.py `training_log`, v0.4.2):
   ` [DATE] iteration N/ TOTAL | consumed samples: S | elapsed time per iteration (ms): T | ...
   | lm loss: L | loss scale: X | grad norm: G | number of skipped iterations: K | number of nan
-  iterations: M |`. The elapsed time is the mean over the log interval. Their memory reports too:
+  iterations: M |`. Its figures are means over the log interval; Megatron-LM (core_v0.16.1 and
+  core_v0.19.0: `should_reset = not is_first_iteration`) logs the run's first iteration without resetting
+  them, so its next line averages from that first iteration on: a run read from its start (a first line
+  at iteration 1, stamped to the microsecond as Megatron-LM stamps it; Megatron-Bridge stamps to the
+  second and resets) has that line's loss and time taken back out of the next. Their memory reports too:
   Megatron-LM's `report_memory` (megatron/training/utils.py at core_v0.16.1,
   megatron/training/utils/common_utils.py at core_v0.19.0), `[Rank R] (after N iterations) memory (MB)
   | allocated: A | max allocated: B | reserved: C | max reserved: D` in MiB, and Megatron-Bridge's
@@ -49,6 +53,7 @@ _NUMBER = r"[-+]?(?:\d[\d,]*\.?\d*(?:[eE][-+]?\d+)?|nan|inf)"
 
 # Megatron-LM / Megatron-Bridge
 _MEGATRON_STEP = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*elapsed time per iteration \(ms\).*)$")
+_MICROSECOND_STAMP = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\]\s*$")   # Megatron-LM's, not Bridge's
 _MEGATRON_MEMORY = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \((MB|GB)\)\s*(\|.*)$")
 _MEGATRON_FIELDS = {   # the line's name -> (our field, type)
     "elapsed time per iteration (ms)": ("step_ms", float),
@@ -114,6 +119,8 @@ def _megatron(line: str) -> dict | None:
     step = _MEGATRON_STEP.search(line)
     if step:
         record: dict = {"event": "iteration", "iteration": int(step.group(1)), "train_iters": int(step.group(2))}
+        if _MICROSECOND_STAMP.search(line[:step.start()]):
+            record["unreset"] = True   # Megatron-LM's: its first line leaves the interval's sums as they are
         for name, value in _pairs(step.group(3)).items():
             if name in _MEGATRON_FIELDS:
                 key, kind = _MEGATRON_FIELDS[name]
@@ -243,6 +250,8 @@ class LogReader:
     records: int = 0                 # lines that gave a record
     _parse: object = field(init=False, repr=False)
     _last: tuple[int, int] | None = field(default=None, init=False, repr=False)    # (iteration, end_ns)
+    _first: dict | None = field(default=None, init=False, repr=False)   # Megatron-LM's first line, not reset
+    _steps: int = field(default=0, init=False, repr=False)
     _peaks: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -265,6 +274,14 @@ class LogReader:
 
     def _step(self, parsed: dict, end_ns: int) -> dict:
         iteration = parsed["iteration"]
+        self._steps += 1
+        if parsed.pop("unreset", False) and self._steps == 1 and iteration == 1:
+            self._first = {key: parsed.get(key) for key in ("loss", "step_s")}
+        elif self._first is not None and self._steps == 2 and iteration > 1:
+            # This line's means cover iterations 1..N: take the first line's out of them.
+            for key, first in self._first.items():
+                if isinstance(parsed.get(key), float) and isinstance(first, float):
+                    parsed[key] = (iteration * parsed[key] - first) / (iteration - 1)
         step_s = parsed.pop("step_s", None)
         start_ns = None
         if step_s is not None and step_s >= 0:

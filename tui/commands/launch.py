@@ -8,12 +8,13 @@ import os
 import time
 from pathlib import Path
 
-from charllm.engine.launch.command import plan_command
+from charllm.engine.launch.command import megatron_lm_command, plan_command
 from charllm.engine.launch.launcher import (
     PORT_AT_LAUNCH,
     SUPERVISOR_EXIT_S,
     cancel,
     launch,
+    problems,
     reconcile,
     wait_for_supervisor,
 )
@@ -33,6 +34,11 @@ def register(sub, name: str, help: str) -> None:
                                    "instead, its log read for iterations.")
     p.add_argument("experiment", metavar="EXPERIMENT_OR_PRESET", nargs="?",
                    help="an experiment file or preset name (or give --command)")
+    p.add_argument("--runner", choices=("workload", "megatron-lm"), default="workload",
+                   help="what trains the experiment: charllm's workload (default), or Megatron-LM's own "
+                        "pretrain_gpt.py with the flags `export megatron` writes (--megatron-lm DIR)")
+    p.add_argument("--megatron-lm", metavar="DIR", default=os.environ.get("MEGATRON_LM"),
+                   help="the Megatron-LM checkout --runner megatron-lm runs, on the nodes (default: $MEGATRON_LM)")
     own = p.add_argument_group("your own command (instead of an experiment)")
     own.add_argument("--command", dest="command_line", metavar="CMD",   # (args.command names the subcommand)
                      help="a shell command run once per node under the supervisor and the probes, with MASTER_ADDR, "
@@ -175,9 +181,23 @@ def what_runs(args: argparse.Namespace, target):
             raise UserError(f"launch: {given[0]} goes with --command")
         if args.experiment is None:
             raise UserError("launch: give an EXPERIMENT_OR_PRESET, or --command \"CMD\"")
-        return Experiment.load(args.experiment).apply(args.assignments), None, []
+        exp = Experiment.load(args.experiment).apply(args.assignments)
+        if args.runner == "workload":
+            return exp, None, []
+        if not args.megatron_lm:
+            raise UserError("--runner megatron-lm: give --megatron-lm DIR (a Megatron-LM checkout), or set MEGATRON_LM")
+        if args.nproc is not None:     # (the command says how many processes torchrun starts)
+            exp.cluster.gpus_per_node = args.nproc
+        found = [] if args.force else problems(exp)
+        if found:
+            raise UserError(f"{found[0]} (launch anyway with --force)")
+        command, notes = megatron_lm_command(exp, args.megatron_lm, python=target.python_path,
+                                             check_here=target.shares_files)
+        return exp, command, notes
     if args.experiment is not None:
         raise UserError(f"launch: give an experiment ({args.experiment!r}) or --command, not both")
+    if args.runner != "workload":
+        raise UserError(f"--runner {args.runner}: runs an experiment; --command runs your own line as it is")
     if args.nodes is not None and args.nodes < 1:
         raise UserError(f"--nodes = {args.nodes}: must be at least 1")
     if args.nproc is not None and args.nproc < 1:
@@ -211,7 +231,9 @@ def _iteration_line(row: dict) -> str:
             f"profiler trace of step {row.get('iteration')} by rank {row.get('rank')} (stage {row.get('pp_rank')}): "
             f"{row.get('file')}" + (f", {size(written)}" if isinstance(written, int) else "")
         )
-    parts = [f"iter {row.get('iteration', '?'):>5}", f"rank {row.get('rank', '?')}"]
+    parts = [f"iter {row.get('iteration', '?'):>5}"]
+    if row.get("rank") is not None:     # (a command's log names no rank)
+        parts.append(f"rank {row['rank']}")
     if row.get("loss") is not None:
         parts.append(f"loss {row['loss']:.4f}")
     start, end = row.get("start_ns"), row.get("end_ns")

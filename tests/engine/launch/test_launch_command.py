@@ -15,10 +15,9 @@ from charllm.engine.launch.command import plan_command
 from charllm.engine.launch.launcher import cancel, launch
 from charllm.engine.launch.targets import LOCAL, parse_target
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.megatron import export_megatron_args, runtime_flags
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import RunDir
-from infra_megatron_lm import logged_steps, needs_training_checkout, training_checkout
+from infra_megatron_lm import logged_steps, megatron_lm_checkout, pretrain_gpt_argv  # noqa: F401 - fixture
 from infra_runs import logs, run_processes, wait_final, wait_for
 from infra_slurm import slurm_cluster  # noqa: F401 - fixture
 
@@ -90,20 +89,38 @@ def test_the_cli_refuses_a_mix_of_experiment_and_command(capsys):
     assert "not both" in err and "--hardware goes with --command" in err
 
 
+def test_the_megatron_lm_runner_says_what_it_lacks_in_one_line_and_dry_runs_pretrain_gpt(
+        capsys, tmp_path, monkeypatch, charllm_dirs):
+    from charllm.tui.cli import main
+
+    monkeypatch.delenv("MEGATRON_LM", raising=False)
+    for argv, says in ((["launch", "tiny-local", "--runner", "megatron-lm"], "give --megatron-lm DIR"),
+                       (["launch", "tiny-local", "--runner", "megatron-lm", "--megatron-lm", str(tmp_path)],
+                        "no pretrain_gpt.py there"),
+                       (["launch", "--command", "echo", "--runner", "megatron-lm"], "--command runs your own line")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    (tmp_path / "pretrain_gpt.py").write_text("")      # (a dry run only names it)
+    assert main(["launch", "tiny-local", "--runner", "megatron-lm", "--megatron-lm", str(tmp_path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    line = next(word for word in out.splitlines() if "charllm.engine.workload.megatron_lm" in word)
+    flags = line.split(str(tmp_path / "pretrain_gpt.py"), 1)[1]
+    assert "--nproc-per-node=2" in line and "--tensor-model-parallel-size 1" in flags and "--log-interval 1" in flags
+    assert "--lr-decay-style constant" in flags     # (what the workload trains with: megatron.runtime_flags)
+    assert not charllm_dirs["runs"].exists() or not any(charllm_dirs["runs"].iterdir())
+
+
 # --------------------------------------------------------------------------------------------
 # Megatron-LM's own pretrain_gpt.py, a real training program charllm did not write
 # --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def checkout(tmp_path_factory):
-    return training_checkout("0.16.1", tmp_path_factory.mktemp("megatron-lm"))
+@pytest.fixture
+def checkout(megatron_lm_checkout):
+    return megatron_lm_checkout
 
 
 def pretrain_gpt(checkout, exp: Experiment) -> str:
-    """Megatron-LM's pretrain_gpt.py on `exp`'s layout under torchrun, through the CPU path of
-    engine.workload.megatron_lm (on a GPU it runs as is)."""
-    flags = export_megatron_args(exp, "0.16.1") + runtime_flags(exp) + ["--log-interval", "1"]
-    return shlex.join([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={exp.cluster.gpus_per_node}",
-                       "-m", "charllm.engine.workload.megatron_lm", str(checkout / "pretrain_gpt.py"), *flags])
+    return shlex.join(pretrain_gpt_argv(checkout, exp))
 
 
 def parse_rate(rd: RunDir) -> tuple[int, int, int]:
@@ -136,7 +153,6 @@ def check_real_run(rd: RunDir, exp: Experiment) -> None:
     assert tagged.height > 0, "the sampler tags rows with the parsed iteration in progress"
 
 
-@needs_training_checkout
 @pytest.mark.train
 @pytest.mark.timeout(600)
 def test_megatron_lms_pretrain_gpt_trains_under_launch_command_locally(checkout, monkeypatch):
@@ -149,7 +165,6 @@ def test_megatron_lms_pretrain_gpt_trains_under_launch_command_locally(checkout,
     check_real_run(RunDir(result.run_dir), exp)
 
 
-@needs_training_checkout
 @pytest.mark.train
 @pytest.mark.timeout(600)
 def test_megatron_lms_pretrain_gpt_trains_under_launch_command_on_slurm(checkout, slurm_cluster, monkeypatch):
