@@ -6,7 +6,8 @@ group, so cancelling the run stops it as it stops our workload, and it carries t
 every process of the run. It gives CMD the rendezvous a torchrun line needs: MASTER_ADDR, MASTER_PORT,
 NNODES, NODE_RANK, and torchrun's own defaults for them (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR,
 PET_MASTER_PORT, PET_NPROC_PER_NODE: torch/distributed/run.py reads an unset option from
-PET_<OPTION>), so a bare `torchrun --nproc-per-node 8 train.py` runs across the nodes. Python output is
+PET_<OPTION>), so a bare `torchrun --nproc-per-node 8 train.py` runs across the nodes; and
+CHARLLM_RUN_DIR, the run directory. Python output is
 unbuffered (PYTHONUNBUFFERED=1), so each line is read as it is printed.
 
 The runner copies CMD's output (stdout and stderr together) to its own stdout, the step's log, and reads
@@ -46,6 +47,8 @@ class Command:
     log_format: str = "megatron"
     cwd: str | None = None
     planned: bool = False     # the layout is known (from the command's flags): its sequence length counts tokens
+    attached: str | None = None   # what an attach follows (attach.py: "slurm job 12 (...)"), in words
+    samples_here: bool = True     # the target's own samplers record it (an attach to a Slurm job starts its own)
 
     def argv(self, python: str, exp, run_dir: str, *, node: str, node_rank, master_addr: str,
              master_port) -> list[str]:
@@ -63,7 +66,7 @@ class Command:
 
     def to_dict(self) -> dict:
         return {"line": self.line, "log_format": self.log_format, "planned": self.planned,
-                **({"cwd": self.cwd} if self.cwd else {})}
+                **({"cwd": self.cwd} if self.cwd else {}), **({"attached": self.attached} if self.attached else {})}
 
 
 def gpus_here() -> bool:
@@ -162,7 +165,8 @@ def environment(args: argparse.Namespace) -> dict[str, str]:
     torchrun = {"PET_NNODES": str(args.nnodes), "PET_NODE_RANK": str(args.node_rank),
                 "PET_MASTER_ADDR": args.master_addr, "PET_MASTER_PORT": str(args.master_port),
                 "PET_NPROC_PER_NODE": str(args.nproc_per_node)}
-    return {**os.environ, **rendezvous, **torchrun, "PYTHONUNBUFFERED": "1"}
+    run_dir = str(Path(args.run_dir).resolve())   # (where the command may keep files of the run's)
+    return {**os.environ, **rendezvous, **torchrun, "CHARLLM_RUN_DIR": run_dir, "PYTHONUNBUFFERED": "1"}
 
 
 def append_line(path: Path, record: dict) -> None:

@@ -41,9 +41,11 @@ class LocalTarget(Target):
 
     def plan(self, exp: Experiment, run_dir: Path, port, command: Command | None = None) -> tuple[list[Step], None]:
         node, python = socket.gethostname(), self.python_path
-        return [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node)),
-                Step(node, "train", train_argv(python, exp, str(run_dir), node=node, node_rank=0,
-                                               master_addr="127.0.0.1", master_port=port, command=command))], None
+        sampler = [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node))] \
+            if command is None or command.samples_here else []   # (an attach to a Slurm job samples its nodes)
+        train = train_argv(python, exp, str(run_dir), node=node, node_rank=0, master_addr="127.0.0.1",
+                           master_port=port, command=command)
+        return sampler + [Step(node, "train", train)], None
 
     def run_on_nodes(self, argv_for: ArgvFor, nodes: int | None, *, wait: float, say: Say) -> list[NodeOutput]:
         self.no_node_count(nodes)

@@ -902,8 +902,11 @@ def runtime_line(record: dict | None) -> str:
 
 
 def command_line(manifest: Manifest) -> str | None:
-    """The user's command a run ran in place of the workload (`launch --command`), on one line; None
-    for the workload's own runs."""
+    """The user's command a run ran in place of the workload (`launch --command`), on one line, or what an
+    attach followed ("attached to slurm job 12 ..."); None for the workload's own runs."""
+    attached = manifest.command.get("attached")
+    if isinstance(attached, str) and attached:
+        return f"attached to {attached}"
     line = manifest.command.get("line")
     return " ".join(line.split()) if isinstance(line, str) and line.strip() else None
 

@@ -28,6 +28,7 @@ code that prints it:
   `Training epoch E, iteration I/TOTAL | lr: ... | global_batch_size: B | global_step: S |
   reduced_train_loss: L | train_step_timing in s: T | consumed_samples: C`, where I counts from 0
   (it prints n-1 after step n) and each metric is the mean over the log interval.
+- `none`: no steps are read (the log is kept as it is).
 - a regular expression with named groups (the user's own format): `iteration` is required; `loss`,
   `grad_norm`, `step_s`, `step_ms`, `samples`, `tflops_per_gpu` and `tokens_per_s` are read where present.
 
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 
 from charllm.probes.core.errors import UserError, shown
 
-FORMATS = ("megatron", "torchtitan", "nemo")
+FORMATS = ("megatron", "torchtitan", "nemo", "none")   # none: the log is kept, no steps are read from it
 REGEX_GROUPS = ("iteration", "loss", "grad_norm", "step_s", "step_ms", "samples", "tflops_per_gpu",
                 "tokens_per_s")
 MIB, GB = 2**20, 10**9
@@ -221,7 +222,7 @@ def _regex(pattern: re.Pattern):
 def parser(log_format: str):
     """The line parser of a format (a name in FORMATS, or a regular expression): line -> a record
     ({"event": "iteration" | "memory", ...}) or None."""
-    known = {"megatron": _megatron, "torchtitan": _torchtitan, "nemo": _nemo}
+    known = {"megatron": _megatron, "torchtitan": _torchtitan, "nemo": _nemo, "none": lambda line: None}
     parse = known.get(log_format) or _regex(compile_regex(log_format))
 
     def clean(line: str) -> dict | None:

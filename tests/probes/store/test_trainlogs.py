@@ -183,3 +183,11 @@ def test_bad_formats_are_one_line(bad, says):
     with pytest.raises(UserError, match=re.escape(says)):
         check_format(bad)
     assert check_format("megatron") == "megatron"
+
+
+def test_format_none_keeps_the_log_and_reads_no_steps():
+    """`none` (an attach to a job whose format is not known): every line is kept as it is, none read."""
+    lines = (DATA / "megatron-lm-core_v0.16.1-cpu.log").read_text().splitlines()
+    reader = LogReader(check_format("none"), node="n1")
+    assert [reader.read(line, 10**12) for line in lines] == [None] * len(lines) and reader.records == 0
+    assert any(LogReader("megatron", node="n1").read(line, 10**12) for line in lines)   # (lines it would read)
