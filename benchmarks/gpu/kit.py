@@ -137,9 +137,9 @@ def do_counters(kit: Kit, item: Item) -> Outcome:
     """GPM and the violation counters, sampled during the profiled run, against the profiler where both
     measure the same thing: the share of the profiled step the GPU ran kernels (the trace's busy time)
     bounds the SMs' mean activity (GPM's sm_active_pct) over the same span."""
-    profiled = kit.record.item("profile")
-    if not profiled or profiled.get("status") != "completed":
-        return Outcome("skipped", "needs the profile item's run, which did not complete in this part")
+    profiled = kit.completed("profile")
+    if not profiled:
+        return Outcome("skipped", "needs the profile item's run, which did not complete here")
     run = profiled["runs"][0]
     kit.cli(item, ["summarize", run, "--format", "json"], out="summary.json")
     check = kit.python(item, COUNTERS_CHECK, str(kit.runs / run), out="check.json")
@@ -165,8 +165,7 @@ def do_runner(kit: Kit, item: Item) -> Outcome:
 
 
 def do_ours_beside_runner(kit: Kit, item: Item) -> Outcome:
-    other = kit.record.item("runner/megatron-lm")
-    if not other or other.get("status") != "completed":
+    if not kit.completed("runner/megatron-lm"):
         return Outcome("skipped", "nothing to compare with: runner/megatron-lm did not complete")
     return do_experiment(kit, item)
 
@@ -297,15 +296,19 @@ class Kit:
         self.dry_run, self.part = args.dry_run, args.part
         self.work = Path(args.work or (tempfile.mkdtemp(prefix="gpu-kit-") if self.dry_run else "/tmp/gpu-kit"))
         self.out = Path(args.out or os.environ.get("OUT") or ROOT / "gpu-results")
-        self.stage = self.work / "stage"         # what the archive holds besides the runs
-        self.runs = self.work / "runs"
+        self.stage = self.work / f"p{self.part}"   # what the archive holds besides the runs
+        self.runs = self.work / "runs"             # shared by the parts: a later one reads an earlier one's
         self.data_dir, self.config = self.work / "data", self.work / "config"
         for d in (self.stage / "items", self.runs, self.data_dir, self.config / "experiments", self.out):
             d.mkdir(parents=True, exist_ok=True)
         for f in EXPERIMENTS.glob("*.toml"):
             shutil.copy(f, self.config / "experiments" / f.name)
+        self.earlier_runs = set(os.listdir(self.runs))   # an earlier part's, packed there already
+        self.earlier: dict[str, dict] = {}               # what earlier parts completed, by item name
         self.sites: dict[str, list[str]] = {}     # megatron-core line -> PYTHONPATH entries
         self.hta_site: str | None = None
+        self.record = Record(self.stage / "results.json",
+                             {"kit": 1, "part": self.part, "dry_run": self.dry_run, "started": _now()})
         self.deadline = 0.0
         self.log = open(self.stage / "kit.log", "a")
 
@@ -464,6 +467,16 @@ class Kit:
             return {"status": "failed", "reason": _last_line(done)}
         return {"status": "completed", **(_json(done.stdout) or {})}
 
+    def completed(self, name: str) -> dict | None:
+        """The item's completed entry, of this part or an earlier one whose runs are still here."""
+        entry = self.record.item(name)
+        if entry and entry.get("status") == "completed":
+            return entry
+        entry = self.earlier.get(name)
+        if entry and all((self.runs / run).is_dir() for run in entry.get("runs", [])):
+            return entry
+        return None
+
     def megatron_lm(self, line: str) -> Path | None:
         path = self.work / "carry" / "megatron-lm" / MEGATRON_LM_TAGS[line]
         return path if path.is_dir() else None
@@ -477,7 +490,8 @@ class Kit:
         tmp = self.work / f".{name}"
         with tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
             tar.add(self.stage, arcname=ARCHIVE_TOP, filter=_no_hidden)
-            tar.add(self.runs, arcname=f"{ARCHIVE_TOP}/runs", filter=_no_hidden)
+            for run in sorted(set(os.listdir(self.runs)) - self.earlier_runs):
+                tar.add(self.runs / run, arcname=f"{ARCHIVE_TOP}/runs/{run}", filter=_no_hidden)
             calibrations = self.data_dir / "calibrations"
             if calibrations.is_dir():
                 tar.add(calibrations, arcname=f"{ARCHIVE_TOP}/calibrations", filter=_no_hidden)
@@ -593,19 +607,40 @@ def chosen(only: list[str], skip: list[str], done: set[str]) -> list[tuple[Item,
     return out
 
 
-def completed_before(resume: str) -> set[str]:
-    """The items an earlier part completed: its archive, or (no path) the record it left in --work."""
-    path = Path(resume)
-    if path.is_dir():
-        data = _json_file(path / "stage" / "results.json")
+def completed_before(resume: str, work: Path, part: int) -> dict[str, dict]:
+    """The items earlier parts completed, by name: from the archive named, else from the records the
+    earlier parts left in `work` (the same machine, still warm), else from their archives in the carry
+    (a fresh machine: copied there before the call)."""
+    if resume:
+        records = [_archived_record(Path(resume))]
     else:
-        data = None
-        with tarfile.open(path) as tar:
+        records = [_json_file(work / f"p{n}" / "results.json") for n in range(1, part)]
+        if not any(records):
+            names = {re.sub(r"\.\d{3}$", "", p.name) for p in CARRY.glob(f"{ARCHIVE_TOP}-p*.tar.gz*")}
+            records = [_archived_record(CARRY / name) for name in sorted(names) if _part_of(name) < part]
+    if not any(isinstance(r, dict) for r in records):
+        where = resume or f"{work}/p1..p{part - 1} or {CARRY}/{ARCHIVE_TOP}-pN.tar.gz"
+        raise SystemExit(f"kit: --resume: no record of an earlier part in {where}")
+    return {i["name"]: i for r in records if isinstance(r, dict) for i in r.get("items", [])
+            if isinstance(i, dict) and i.get("status") == "completed"}
+
+
+def _part_of(name: str) -> int:
+    match = re.search(r"-p(\d+)\.tar\.gz", name)
+    return int(match[1]) if match else 0
+
+
+def _archived_record(path: Path) -> dict | None:
+    """results.json of a kit archive: the file, or the numbered pieces of it beside the name."""
+    whole = path.with_name(re.sub(r"\.\d{3}$", "", path.name))
+    try:
+        pieces = [whole] if whole.exists() else sorted(whole.parent.glob(whole.name + ".[0-9][0-9][0-9]"))
+        data = archives(pieces)[whole.name]
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             member = tar.extractfile(f"{ARCHIVE_TOP}/results.json")
-            data = json.load(io.TextIOWrapper(member)) if member else None
-    if not isinstance(data, dict):
-        raise SystemExit(f"kit: --resume {resume}: no results.json of an earlier part there")
-    return {i["name"] for i in data.get("items", []) if i.get("status") == "completed"}
+            return json.load(member) if member else None
+    except (OSError, ValueError, KeyError, tarfile.TarError) as exc:
+        raise SystemExit(f"kit: --resume {path}: not a kit archive ({exc})") from None
 
 
 def table(items: list[dict]) -> str:
@@ -634,13 +669,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{item.name:<34} {item.group:<22} ~{item.estimate(args.dry_run):>4.0f} s  cap {item.cap_s:.0f} s")
         return 0
     budget = Budget(args.budget)
-    done_before: set[str] = set()
-    if args.resume is not None:
-        done_before = completed_before(args.resume or (args.work or "/tmp/gpu-kit"))
     kit = Kit(args)
-    header = {"kit": 1, "part": args.part, "dry_run": kit.dry_run, "started": _now(), "budget_s": args.budget,
-              "argv": sys.argv[1:] if argv is None else argv, "python": sys.version.split()[0]}
-    kit.record = Record(kit.stage / "results.json", header)
+    if args.resume is not None:
+        kit.earlier = completed_before(args.resume, kit.work, args.part)
+    kit.record.data.update(budget_s=args.budget, argv=sys.argv[1:] if argv is None else argv,
+                           python=sys.version.split()[0])
     kit.say(f"kit: part {args.part}, budget {args.budget:.0f} s, work {kit.work}, out {kit.out}"
             + (" (dry run on this CPU)" if kit.dry_run else ""))
     try:
@@ -652,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         kit.record.data["install_failed"] = str(exc)
         kit.say(f"kit: install failed: {exc}")
     kit.pack()
-    for item, why_not in chosen(_list(args.only), _list(args.skip), done_before):
+    for item, why_not in chosen(_list(args.only), _list(args.skip), set(kit.earlier)):
         started = time.monotonic()
         entry = {"name": item.name, "group": item.group, "estimate_s": item.estimate(kit.dry_run), "started": _now()}
         reason = why_not or kit.record.data.get("install_failed") and "the carry did not install"
