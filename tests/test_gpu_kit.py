@@ -366,3 +366,18 @@ def test_an_import_that_cannot_be_whole_writes_nothing(tmp_path, capsys):
     bad.write_bytes(b"not gzip")
     assert importer.main([str(bad), "--into", str(into)]) == 2
     assert "not a readable tar.gz" in capsys.readouterr().err and list(into.iterdir()) == []
+
+
+def test_a_step_past_its_items_end_is_interrupted_and_the_item_fails_saying_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(kit, "CLEANUP_STEP_S", 1)
+    k = _kit(tmp_path)
+    item = kit.ITEMS[0]
+    k.deadline, k.item_end = 2, time.monotonic() + 2
+    started = time.monotonic()
+    sleeper = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
+    done = k.command(item, sleeper, "sleep.txt", ok=None)
+    assert done.returncode is None and 1.5 < time.monotonic() - started < 10   # SIGINT ends it at once
+    assert (k.item_dir(item) / "sleep.txt").read_text() == "started\n"
+    assert "KeyboardInterrupt" in (k.item_dir(item) / "sleep.txt.stderr").read_text()
+    with pytest.raises(kit.Failed, match="stopped at its time limit"):
+        k.command(item, sleeper, "again.txt")                   # past the end: the least a step gets, 1 s

@@ -50,7 +50,10 @@ ARCHIVE_TOP = "gpu-kit"                  # every member of an archive lives unde
 PIECE_BYTES = 15 * 2**20
 MAX_PIECES = 7                           # and one file left for whatever else a session writes there
 PACK_RESERVE_S = 20.0                    # kept back from the budget for the last packing
-STOP_GRACE_S = 30                        # a launch stopped at its cap is cancelled and waited for this long
+# What an item stopped at its end still does (its launch's interrupt, cancel, final status, summary) takes at
+# most about 60 s beyond the budget: a command of --budget 540 ends within the device tool's 600.
+STOP_GRACE_S = 15
+CLEANUP_STEP_S = 10                      # the least a step of an item past its end is given
 CAMPAIGN = "tiny-local"
 
 
@@ -73,7 +76,7 @@ class Budget:
         return None
 
     def deadline_s(self, cap_s: float) -> float:
-        """How long an admitted item may run."""
+        """How many seconds an admitted item may run."""
         return max(1.0, min(cap_s, self.left()))
 
 
@@ -172,7 +175,7 @@ def do_ours_beside_runner(kit: Kit, item: Item) -> Outcome:
 
 def do_campaign(kit: Kit, item: Item) -> Outcome:
     deadline = kit.deadline
-    done = kit.cli(item, ["campaign", "run", CAMPAIGN], out="campaign-run.txt", timeout=deadline, ok=None)
+    done = kit.cli(item, ["campaign", "run", CAMPAIGN], out="campaign-run.txt", ok=None)
     if done.returncode is None:      # stopped at its cap: cancel it, and record how far it got
         kit.cli(item, ["campaign", "cancel", CAMPAIGN], out="campaign-cancel.txt", ok=None, timeout=STOP_GRACE_S)
     status = kit.cli(item, ["campaign", "status", CAMPAIGN], out="campaign-status.txt", ok=None, timeout=60)
@@ -237,10 +240,15 @@ else:
     tel = pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
     gpu = tel.filter((pl.col("device") != "host") & pl.col("ts_ns").is_between(start, end)) if tel.height else tel
     out["samples_in_step"] = gpu.height
-    for name in ("sm_active_pct", "sm_occupancy_pct", "tensor_active_pct", "dram_bw_util_pct",
-                 "violation_power_ns", "violation_thermal_ns", "power_w", "sm_clock_mhz"):
+    for name in ("sm_active_pct", "sm_occupancy_pct", "tensor_active_pct", "dram_bw_util_pct", "power_w",
+                 "sm_clock_mhz", "violation_power_ns", "violation_thermal_ns", "violation_sync_boost_ns"):
         values = gpu[name].drop_nulls() if name in gpu.columns else pl.Series([], dtype=pl.Float64)
-        out[name] = None if values.is_empty() else float(values.mean())
+        if values.is_empty():
+            out[name] = None
+        elif name.endswith("_ns"):   # counters since the driver loaded: what the step added
+            out[name.removesuffix("_ns") + "_in_step_ns"] = int(values.max() - values.min())
+        else:
+            out[name] = float(values.mean())
     if out["sm_active_pct"] is None:
         out["why"] = "the backend recorded no GPM sm_active_pct (no GPU, or GPM unsupported)"
     traces = sorted((run / "traces").glob(f"rank00000-step{step['iteration']:06d}*.json"))
@@ -309,7 +317,8 @@ class Kit:
         self.hta_site: str | None = None
         self.record = Record(self.stage / "results.json",
                              {"kit": 1, "part": self.part, "dry_run": self.dry_run, "started": _now()})
-        self.deadline = 0.0
+        self.deadline = 0.0                      # seconds the item running may take, from its start
+        self.item_end = 0.0                      # when it ends (time.monotonic())
         self.log = open(self.stage / "kit.log", "a")
 
     # -- output
@@ -379,15 +388,17 @@ class Kit:
     def command(self, item: Item, argv: list[str], out: str, *, timeout: float | None = None,
                 ok: tuple | None = (0,), env: dict | None = None) -> subprocess.CompletedProcess:
         """Run argv with its stdout into the item's folder as `out` (stderr beside it); a step that
-        outlives its time is stopped (SIGINT, then killed) and has returncode None."""
+        outlives its time (`timeout`, and at most until the item's end) is stopped (SIGINT, then killed)
+        and has returncode None."""
         folder = self.item_dir(item)
-        timeout = self.deadline if timeout is None else min(timeout, self.deadline)
+        left = self.item_end - time.monotonic()
+        timeout = max(CLEANUP_STEP_S, left if timeout is None else min(timeout, left))
         with open(folder / "commands.txt", "a") as log:
             log.write(" ".join(argv) + "\n")
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                 env=env or self.env(item.line), start_new_session=True)
         try:
-            stdout, stderr = proc.communicate(timeout=max(timeout, 1))
+            stdout, stderr = proc.communicate(timeout=timeout)
             code: int | None = proc.returncode
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 2)
@@ -440,7 +451,7 @@ class Kit:
     def run_row(self, item: Item, run: str, keep: bool) -> dict:
         """What results.json says of a run (the rest is in the run directory, which the archive holds)."""
         rd = self.runs / run
-        for _ in range(STOP_GRACE_S):   # the supervisor writes the final status last
+        for _ in range(2 * STOP_GRACE_S):   # the supervisor writes the final status last
             manifest = _json_file(rd / "manifest.json") or {}
             if manifest.get("status") not in (None, "created", "running", "launching"):
                 break
@@ -700,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
             outcome = Outcome("skipped", reason)
         else:
             kit.deadline = budget.deadline_s(item.cap_s)
+            kit.item_end = time.monotonic() + kit.deadline
             kit.say(f"kit: {item.name} (about {item.estimate(kit.dry_run):.0f} s, at most {kit.deadline:.0f} s)")
             try:
                 outcome = item.run(kit, item)
