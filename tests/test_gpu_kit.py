@@ -381,3 +381,11 @@ def test_a_step_past_its_items_end_is_interrupted_and_the_item_fails_saying_so(t
     assert "KeyboardInterrupt" in (k.item_dir(item) / "sleep.txt.stderr").read_text()
     with pytest.raises(kit.Failed, match="stopped at its time limit"):
         k.command(item, sleeper, "again.txt")                   # past the end: the least a step gets, 1 s
+
+
+def test_a_fresh_machine_is_told_what_to_skip_in_few_patterns():
+    names = {i.name for i in kit.ITEMS if i.name.startswith(("doctor", "experiments/0.16.1/"))}
+    names |= {"experiments/0.19.2/g-llama1b", "sweep/mbs1"}
+    patterns = kit.covering(names)
+    assert patterns == ["doctor", "doctor-train", "experiments/0.16.1", "experiments/0.19.2/g-llama1b", "sweep/mbs1"]
+    assert {i.name for i, why in kit.chosen([], patterns, set()) if why} == names   # the --skip it prints

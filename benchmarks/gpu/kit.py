@@ -476,7 +476,8 @@ class Kit:
                             timeout=120)
         if done.returncode != 0:
             return {"status": "failed", "reason": _last_line(done)}
-        return {"status": "completed", **(_json(done.stdout) or {})}
+        said = _json((done.stdout.strip().splitlines() or [""])[-1])   # (HTA logs to stderr; the JSON is last)
+        return {"status": "completed", **(said if isinstance(said, dict) else {"stdout": done.stdout[-500:]})}
 
     def completed(self, name: str) -> dict | None:
         """The item's completed entry, of this part or an earlier one whose runs are still here."""
@@ -736,8 +737,27 @@ def main(argv: list[str] | None = None) -> int:
     kit.say(f"kit: {len(files)} file(s): " + ", ".join(f"{f.name} ({f.stat().st_size:,} bytes)" for f in files))
     if left:
         kit.say(f"kit: not completed here: {', '.join(left)}")
-        kit.say(f"kit: next: bash benchmarks/gpu/run.sh --part {args.part + 1} --resume --budget SECONDS")
+        done = {i["name"] for i in kit.record.data["items"] if i["status"] == "completed"} | set(kit.earlier)
+        nxt = f"bash benchmarks/gpu/run.sh --part {args.part + 1}"
+        kit.say(f"kit: next, on this machine while it is warm: {nxt} --resume --budget SECONDS")
+        if done:
+            kit.say(f"kit: next, on a fresh machine: {nxt} --skip {','.join(covering(done))} --budget SECONDS")
     return 0
+
+
+def covering(names: set[str]) -> list[str]:
+    """`names` as few --skip patterns: a folder of items (experiments/0.16.1) where all of it is there."""
+    out: list[str] = []
+    for item in ITEMS:
+        if item.name not in names:
+            continue
+        parts = item.name.split("/")
+        folder = next((f for f in ("/".join(parts[:n]) for n in range(1, len(parts)))
+                       if all(i.name in names for i in ITEMS if i.name.startswith(f + "/"))), None)
+        pattern = folder or item.name
+        if pattern not in out:
+            out.append(pattern)
+    return out
 
 
 def _list(value: str) -> list[str]:
