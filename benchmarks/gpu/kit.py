@@ -250,7 +250,7 @@ else:
         else:
             out[name] = float(values.mean())
     if out["sm_active_pct"] is None:
-        out["why"] = "the backend recorded no GPM sm_active_pct (no GPU, or GPM unsupported)"
+        out["why"] = "the backend recorded no GPM sm_active_pct: no GPU, or GPM unsupported"
     traces = sorted((run / "traces").glob(f"rank00000-step{step['iteration']:06d}*.json"))
     if traces:
         from charllm.probes.analysis import kernels
