@@ -154,8 +154,8 @@ async def test_compose_edit_renames_the_experiment_and_save_refuses_a_shipped_or
     async with run_app(app) as pilot:
         screen = app.screen
         await wait_for(pilot, lambda: screen.last is not None)
-        screen.query_one("#f-training-seq_length").value = "64"
-        await wait_for(pilot, lambda: app.experiment.seq_length == 64)
+        screen.query_one("#f-training-seq_length").value = "16"
+        await wait_for(pilot, lambda: app.experiment.seq_length == 16)
         assert app.experiment.name == "tiny-local-edited"
         await wait_for(pilot, lambda: "tiny-local-edited" in str(screen.query_one("#summary").render()),
                        what="the title")
