@@ -135,6 +135,7 @@ def cell_text(column: str, value) -> str | Text:
 
 class SweepScreen(WorkbenchScreen):
     MODE = "sweep"
+    AUTO_FOCUS = "#sweep-table"         # Space marks a layout there (on a dropdown it would open it)
     BINDINGS = [
         Binding("r", "run_sweep", "Run sweep", id="sweep.run"),
         Binding("s", "sort", "Sort by column", id="sweep.sort"),
