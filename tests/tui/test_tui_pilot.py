@@ -515,7 +515,8 @@ async def test_runs_lists_headlines_and_compare_shows_both(charllm_dirs):
         screen = app.screen
         table = screen.query_one("#runs-table")
         await wait_for(pilot, lambda: table.row_count == 2)
-        await wait_for(pilot, lambda: table.get_cell(b.name, "peak W") != "…", what="headline numbers")
+        await wait_for(pilot, lambda: all(table.get_cell(r.name, "peak W") != "…" for r in (a, b)),
+                       what="headline numbers")      # each run's as it is summarized: b's first, then a's
         assert float(table.get_cell(b.name, "peak W")) <= 460     # capped at 450 W (+ sensor noise)
         assert float(table.get_cell(a.name, "peak W")) > float(table.get_cell(b.name, "peak W"))
         # one tokens/s per run: the Runs list shows the steady window, as summarize and compare do
@@ -787,7 +788,10 @@ async def test_runs_cancel_stops_a_running_run(charllm_dirs):
             await wait_for(pilot, lambda: table.row_count == 1)
             await wait_for(pilot, lambda: rd.status == "running", timeout=120, what="the run to start")
             table.focus()
-            await pilot.press("c")
+            await pilot.press("c")                  # asks first, naming the run
+            await wait_for(pilot, lambda: app.screen.__class__.__name__ == "Confirm", what="the question")
+            assert rd.id in str(app.screen.query_one("Label").render())
+            await pilot.press("y")
             await wait_for(pilot, lambda: rd.status == "cancelled", timeout=120, what="the cancel")
             await wait_for(pilot, lambda: str(table.get_cell(rd.id, "status")) == "cancelled", timeout=30)
     finally:
