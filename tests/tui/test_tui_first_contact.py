@@ -81,3 +81,65 @@ async def test_runs_put_the_cursor_on_a_run_launched_since_they_were_last_shown(
         make_demo_run(charllm_dirs["runs"], "20251121-070000-demo-new", seconds=4, gpus=2)   # an older stamp
         await pilot.press("f6")
         await wait_for(pilot, lambda: screen.current_run() == "20251121-070000-demo-new", what="the cursor on it")
+
+
+# -- Live -------------------------------------------------------------------------------------------------
+@pilot_test
+async def test_live_shows_a_cpu_runs_log_and_progress_before_its_first_iteration(charllm_dirs):
+    """A host (CPU) run that has not finished its first step: its log and iterations pane are there from
+    the first frame (they were hidden until the first iteration: 15 s without a word, or an error)."""
+    import numpy as np
+
+    from charllm.engine.model.experiment import Experiment
+    from charllm.probes.store.synthetic import gpu_frame, make_run
+
+    t = np.arange(0, 30) * 0.5                    # 15 s of host telemetry, no step finished yet
+    host = gpu_frame(t, node="node0", device="host", cpu_util_pct=90.0, host_mem_used_bytes=2.0**31)
+    run = make_run(charllm_dirs["runs"], [host], run_id="20251121-080000-tiny-local",
+                   manifest={"id": "20251121-080000-tiny-local", "status": "running", "kind": "train",
+                             "supervisor": procid.identify(os.getpid())},
+                   experiment=Experiment.load("tiny-local").to_toml(),
+                   logs={"rank0.log": "building the model\nAssertionError: no data path\n"})
+    for size in ((80, 24), (160, 48)):
+        app = CharllmApp(run=run.path)
+        async with app.run_test(size=size) as pilot:
+            screen = app.screen
+            log = screen.query_one("#log-tail")
+            await wait_for(pilot, lambda: log.line_count >= 2 and screen.last_frame.kind == "host",
+                           what="the log's lines and the host telemetry")
+            assert screen.query_one("#live-bottom").display and log.display
+            assert "AssertionError: no data path" in "\n".join(log.lines)
+            assert "iterations  none yet" in str(screen.query_one("#iterations").render())
+            assert screen.query_one("#iterations").region.height > 0
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+@pilot_test
+async def test_live_status_pane_ends_where_a_phrase_ends(charllm_dirs, size):
+    """The iterations pane names the straggler: whole where there is room, else cut where a phrase ends,
+    with an ellipsis (it was cut at "stragglers: rank 1 (node vm," at 80×24)."""
+    import numpy as np
+
+    from charllm.probes.store.synthetic import gpu_frame, make_run
+    from charllm.tui.screens.live import rows
+    from infra_traces import rank_log
+
+    t = np.arange(0, 61) * 0.1
+    frames = [gpu_frame(t, device=f"gpu{i}", power_w=300.0, temp_gpu_c=50.0, sm_clock_mhz=1800.0) for i in (0, 1)]
+    run = make_run(charllm_dirs["runs"], frames, run_id="20251121-080000-ranks",
+                   iterations=rank_log([0.1, 0.3], pp=1, nodes=("n0",)))   # rank 1 computes 3x its peer
+    app = CharllmApp(run=run.path)
+    async with app.run_test(size=size) as pilot:
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.stragglers)
+        await pilot.pause(0.3)
+        pane, bottom = screen.query_one("#iterations"), screen.query_one("#live-bottom")
+        text = str(pane.render())
+        last = text.splitlines()[-1]
+        whole = screen.last_frame.stragglers
+        assert whole.startswith("last 5 steps: stragglers: rank 1 (node n0, stage 0)")
+        assert last == whole or (last.endswith(" …") and whole.startswith(last[:-2])
+                                 and whole[len(last) - 2:][:2] in (", ", "; ", ": ", " (")
+                                 and last.count("(") == last.count(")")), last
+        assert rows(text, pane.content_size.width) <= bottom.content_size.height
+        assert (last == whole) == (size == (160, 48))
