@@ -143,3 +143,93 @@ async def test_live_status_pane_ends_where_a_phrase_ends(charllm_dirs, size):
                                  and last.count("(") == last.count(")")), last
         assert rows(text, pane.content_size.width) <= bottom.content_size.height
         assert (last == whole) == (size == (160, 48))
+
+
+# -- Compare ----------------------------------------------------------------------------------------------
+async def compare_shown(pilot, refs):
+    app = pilot.app
+    app.compare_refs = [str(r) for r in refs]
+    await pilot.press("f7")
+    screen = app.screen
+    await wait_for(pilot, lambda: screen.result is not None, timeout=60, what="the comparison")
+    await pilot.pause(0.5)
+    return screen
+
+
+def y_labels(chart) -> list[float]:
+    """The numbers on a drawn chart's y axis (left of its tick marks)."""
+    return [float(line.split("┤")[0].strip().replace(",", "")) for line in chart.render().plain.splitlines()
+            if "┤" in line and line.split("┤")[0].strip()]
+
+
+@pilot_test
+async def test_compare_at_80x24_gives_the_table_the_room_and_c_the_charts_without_overlap(charllm_dirs):
+    a = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-a", seconds=12, gpus=2)
+    b = make_demo_run(charllm_dirs["runs"], "20251121-090000-demo-b", seconds=12, gpus=2, power_limit_w=450.0,
+                      seed=3)
+    app = CharllmApp()
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await compare_shown(pilot, [a, b])
+        table, charts = screen.query_one("#compare-table"), screen.query_one("#compare-charts")
+        assert not charts.display and table.region.height >= 9      # 8 metrics or more, not one row
+        first, second = (screen.query_one(f"#cmp-chart-{i}") for i in (1, 2))
+        for shown in (first, second):                                 # c: each chart in the table's place
+            await pilot.press("c")
+            await pilot.pause(0.5)
+            assert charts.display and not table.display and shown.display
+            assert shown.region.height >= 12 and shown.region.width >= 76
+            assert not (first if shown is second else second).display
+        await pilot.press("c")
+        assert not charts.display and table.display
+
+
+@pilot_test
+async def test_compare_charts_tell_series_apart_by_glyph_and_mark_the_baseline(charllm_dirs):
+    from charllm.probes.analysis import baselines
+
+    a = make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-a", seconds=12, gpus=2)
+    b = make_demo_run(charllm_dirs["runs"], "20251121-090000-demo-b", seconds=12, gpus=2, power_limit_w=450.0,
+                      seed=3)
+    baselines.save(str(a), "demo-level")
+    app = CharllmApp()
+    async with app.run_test(size=(160, 48)) as pilot:
+        screen = await compare_shown(pilot, [a, b])
+        first, second = (screen.query_one(f"#cmp-chart-{i}") for i in (1, 2))
+        assert first.region.right < second.region.x                 # the axes do not touch
+        legend = [line for line in first.render().plain.splitlines() if "demo-" in line]
+        assert "demo-a (baseline)" in legend[0] and "demo-b" in legend[1]
+        glyphs = [line.strip(" │").split(" ")[0] for line in legend]
+        assert glyphs[0] != glyphs[1] and "xx" in glyphs[1]          # not colour alone
+        # A saved baseline has no curve: it is drawn as the level of its figure.
+        select = screen.query_one("#baseline")
+        select.value = "baseline:demo-level"
+        await wait_for(pilot, lambda: screen.result is not None and screen.result.baseline == "baseline:demo-level")
+        await pilot.pause(0.5)
+        level = screen.result.table.filter((screen.result.table["ref"] == "baseline:demo-level")
+                                           & (screen.result.table["metric"] == "power_mean_w"))["value"][0]
+        xs, ys = first._series["demo-level"]
+        assert len(xs) > 2 and set(ys) == {level} and first._baseline == "demo-level"
+        assert "demo-level (baseline)" in first.render().plain
+
+
+@pilot_test
+async def test_a_cpu_chart_axis_never_runs_past_100_percent():
+    from textual.app import App
+
+    from charllm.tui.widgets.charts import Chart
+
+    class One(App):
+        def compose(self):
+            yield Chart("host CPU utilization (%)", xlabel="time (s)")
+
+    for size in ((60, 14), (80, 24), (160, 48)):
+        app = One()
+        async with app.run_test(size=size) as pilot:
+            chart = app.query_one(Chart)
+            xs = [i * 0.5 for i in range(40)]
+            chart.show({"node0": (xs, [min(100.0, 60 + 3 * i) for i in range(40)]),
+                        "node1": (xs, [min(100.0, 40 + 2 * i) for i in range(40)])})
+            await pilot.pause(0.3)
+            labels = y_labels(chart)
+            assert len(labels) >= 2 and max(labels) <= 100, labels   # it ran to 102.22
+            assert all(label == round(label) for label in labels)    # round figures
