@@ -42,3 +42,13 @@ async def compose_settled(pilot):
     await wait_for(pilot, lambda: screen.last is not None and screen.last.serial == screen.edit_serial,
                    what="the estimate of the newest edit")
     return screen
+
+
+async def list_every_layout(pilot, sweep_screen) -> None:
+    """Set the Sweep screen's micro batch and recompute dropdowns to "any" (a sweep sets them to its
+    best layout's)."""
+    from textual.widgets import Select
+
+    for wid in ("mbs", "recompute"):
+        sweep_screen.query_one(f"#{wid}", Select).value = Select.NULL
+    await pilot.pause()

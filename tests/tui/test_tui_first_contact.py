@@ -14,7 +14,7 @@ from charllm.probes.core import procid
 from charllm.probes.store.rundir import RunDir
 from charllm.tui.app import CharllmApp
 from charllm.tui.demo import make_demo_run
-from infra_pilot import pilot_test, wait_for
+from infra_pilot import list_every_layout, pilot_test, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -233,3 +233,73 @@ async def test_a_cpu_chart_axis_never_runs_past_100_percent():
             labels = y_labels(chart)
             assert len(labels) >= 2 and max(labels) <= 100, labels   # it ran to 102.22
             assert all(label == round(label) for label in labels)    # round figures
+
+
+# -- Sweep and Campaign ---------------------------------------------------------------------------------
+@pilot_test
+async def test_sweep_keeps_the_chosen_order_and_its_first_two_rows_make_a_campaign(charllm_dirs):
+    """The dropdowns start at the best layout's micro batch and recompute choice, so the two top rows
+    marked make a campaign (a campaign's layouts share them; the first c used to fail); s sorts, and f or
+    a dropdown keeps that order (f dropped it)."""
+    from charllm.tui.screens.sweep import SORTS, sort_text
+
+    app = CharllmApp()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("f3")
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.frame is not None, timeout=120, what="the sweep")
+        best = screen.frame.row(0, named=True)
+        assert screen.query_one("#mbs").value == best["micro_batch_size"]
+        assert screen.query_one("#recompute").value == best["recompute"]
+        await pilot.press("s", "s", "s", "s")                    # ... to peak memory, least first
+        column, descending = SORTS[3]
+        assert column == "peak_bytes"
+        order = screen.table_frame[column].to_list()
+        assert order == sorted(order, reverse=descending)
+        await pilot.press("f")                                   # all layouts, in the same order
+        listed = screen.table_frame[column].to_list()
+        assert len(listed) >= len(order) and listed == sorted(listed, reverse=descending)
+        assert f"sorted by {sort_text(SORTS[3])}" in str(screen.query_one("#sweep-status").render())
+        await pilot.press("f")
+        await list_every_layout(pilot, screen)                    # a dropdown too
+        listed = screen.table_frame[column].to_list()
+        assert len(listed) > len(order) and listed == sorted(listed, reverse=descending)
+        screen.query_one("#mbs").value = best["micro_batch_size"]
+        screen.query_one("#recompute").value = best["recompute"]
+        screen.sort = None                                       # ranked again: the first two rows
+        screen.fill_table(screen.shown)
+        await pilot.press("home", "space", "down", "space", "c")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "AskName", what="the campaign's name")
+
+
+@pilot_test
+async def test_campaign_columns_widen_as_the_record_moves_on(charllm_dirs):
+    """Every member queued, then the record moves on: 'completed' shows whole (the column kept the
+    width of 'queued' and showed 'comple' until a restart)."""
+    import json
+
+    from charllm.engine.campaign import state
+    from charllm.tui.demo import DEMO_CAMPAIGN, make_demo_campaign
+
+    path = make_demo_campaign(charllm_dirs["runs"])
+    finished = json.loads(path.read_text())
+    queued = json.loads(path.read_text())
+    for member in queued["members"]:
+        member.update(status=state.QUEUED, run=None, runs=[], failure=None, started_ns=None, ended_ns=None)
+    queued.update(status="running", ended_ns=None, supervisor=procid.identify(os.getpid()))
+    path.write_text(json.dumps(queued))
+    app = CharllmApp(start_mode="campaign")
+    app.campaign_name = DEMO_CAMPAIGN
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = app.screen
+        members = screen.query_one("#campaign-members")
+        await wait_for(pilot, lambda: members.row_count == 9 and str(members.get_cell("1", "status")) == "queued")
+        path.write_text(json.dumps({**finished, "status": "running", "ended_ns": None,
+                                    "supervisor": procid.identify(os.getpid())}))
+        await wait_for(pilot, lambda: str(members.get_cell("1", "status")) == "completed", timeout=10)
+        await pilot.pause(0.3)
+        rendered = "\n".join(strip.text for strip in members.render_lines(members.region.reset_offset))
+        assert "completed" in rendered, rendered
+        listing = screen.query_one("#campaign-list")
+        progress = str(listing.get_cell(DEMO_CAMPAIGN, "progress"))
+        assert progress in "\n".join(s.text for s in listing.render_lines(listing.region.reset_offset))

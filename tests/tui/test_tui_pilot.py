@@ -17,6 +17,7 @@ from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec
 from charllm.probes.core.errors import UserError
 from charllm.tui.app import CharllmApp, load_settings
 from charllm.tui.demo import make_demo_run
+from infra_pilot import list_every_layout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -205,13 +206,14 @@ def llama3_8b_on_8_h100():
 
 
 async def swept(pilot):
-    """The Sweep screen once it shows a sweep: one made on its key, or the app's sweep ahead (which
-    a loaded machine may finish before the key)."""
+    """The Sweep screen once it shows a sweep (one made on its key, or the app's sweep ahead, which
+    a loaded machine may finish before the key), listing every micro batch and recompute choice."""
     from charllm.tui.screens.sweep import SweepScreen
 
     app = pilot.app
     await wait_for(pilot, lambda: isinstance(app.screen, SweepScreen) and app.screen.frame is not None,
                    timeout=120, what="the sweep")
+    await list_every_layout(pilot, app.screen)
     return app.screen
 
 

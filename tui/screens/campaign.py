@@ -559,14 +559,15 @@ def _draw(wanted: Wanted, record) -> Drawn:
 
 def _sync(table: DataTable, rows: list[tuple[str, tuple]]) -> None:
     """Make `table` hold `rows` ((key, cells) in order), changing only the cells that differ when its
-    rows are the same ones (the cursor and scroll stay)."""
+    rows are the same ones (the cursor and scroll stay); a column widens to a longer cell ("completed"
+    where "queued" was: it showed "comple")."""
     keys = [key for key, _ in rows]
     if [k.value for k in table.rows] == keys:
         columns = [c.value for c in table.columns]
         for key, cells in rows:
             for column, cell in zip(columns, cells):
                 if table.get_cell(key, column) != cell:
-                    table.update_cell(key, column, cell)
+                    table.update_cell(key, column, cell, update_width=True)
         return
     cursor = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value if table.row_count else None
     table.clear()
