@@ -303,3 +303,43 @@ async def test_campaign_columns_widen_as_the_record_moves_on(charllm_dirs):
         listing = screen.query_one("#campaign-list")
         progress = str(listing.get_cell(DEMO_CAMPAIGN, "progress"))
         assert progress in "\n".join(s.text for s in listing.render_lines(listing.region.reset_offset))
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+@pilot_test
+async def test_sweep_status_says_the_device_budget_whole(size):
+    """The note on the budget every verdict assumes and the rates every speed assumes, to its last word
+    (it was cut mid-parenthesis)."""
+    app = CharllmApp()
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("f3")
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.frame is not None, timeout=120, what="the sweep")
+        await pilot.pause(0.3)
+        status = screen.query_one("#sweep-status")
+        shown = " ".join(strip.text.strip() for strip in status.render_lines(status.region.reset_offset))
+        for line in screen.basis.splitlines():
+            assert " ".join(line.split()) in " ".join(shown.split()), (line, shown)
+        assert screen.query_one("#sweep-table").region.height >= 8
+
+
+# -- messages ---------------------------------------------------------------------------------------------
+@pilot_test
+async def test_launch_refusal_names_the_key_that_launches_anyway(charllm_dirs):
+    from charllm.engine.model.experiment import Experiment
+
+    exp = Experiment.load("tiny-local")
+    exp.parallel.tensor_model_parallel_size = 3                    # 2 devices: an invalid layout
+    app = CharllmApp(exp)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("f4")
+        screen = app.screen
+        text = screen.query_one("#dry-run-text")
+        await wait_for(pilot, lambda: "This layout has problems" in str(text.render()), what="the dry run")
+        assert "f launches anyway" in str(text.render())
+        await pilot.press("l")
+        log = screen.query_one("#launch-log")
+        await wait_for(pilot, lambda: any("refused" in line for line in log.lines), what="the refusal")
+        refusal = next(line for line in log.lines if "refused" in line)
+        assert refusal.startswith("refused: world_size = 2:") and refusal.endswith("(f launches anyway)")
+        assert "--force" not in refusal and notes_of(app)[-1] == refusal.removeprefix("refused: ")
