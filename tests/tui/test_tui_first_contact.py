@@ -343,3 +343,43 @@ async def test_launch_refusal_names_the_key_that_launches_anyway(charllm_dirs):
         refusal = next(line for line in log.lines if "refused" in line)
         assert refusal.startswith("refused: world_size = 2:") and refusal.endswith("(f launches anyway)")
         assert "--force" not in refusal and notes_of(app)[-1] == refusal.removeprefix("refused: ")
+
+
+@pilot_test
+async def test_quitting_with_work_in_flight_says_what_goes_on_and_how_to_stop_it(charllm_dirs):
+    import json
+
+    from charllm.tui.demo import DEMO_CAMPAIGN, make_demo_campaign
+
+    make_demo_run(charllm_dirs["runs"], "20251121-070000-demo-done", seconds=4, gpus=2)       # finished: not said
+    run = supervised_here(make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-a", seconds=4, gpus=2))
+    path = make_demo_campaign(charllm_dirs["runs"])
+    record = json.loads(path.read_text())
+    record.update(status="running", ended_ns=None, supervisor=procid.identify(os.getpid()))
+    path.write_text(json.dumps(record))
+    member_run = RunDir(charllm_dirs["runs"] / record["members"][0]["run"])
+    supervised_here(member_run.path)                  # a campaign's member: its campaign's cancel stops it
+    app = CharllmApp()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "Confirm", what="the question")
+        question = str(app.screen.query_one("Label").render())
+        assert f"run {run.id} (running, on local) · stop it: charllm-tui runs cancel {run.id}" in question
+        assert f"· stop it: charllm-tui campaign cancel {DEMO_CAMPAIGN}" in question
+        assert "demo-done" not in question and member_run.id not in question
+        await pilot.press("n")
+        assert app.is_running and app.screen.__class__.__name__ == "ComposeScreen"
+        await pilot.press("ctrl+q", "y")
+        await wait_for(pilot, lambda: not app.is_running, what="the quit")
+    left = app.return_value.splitlines()            # charllm-tui prints it in the terminal after the workbench
+    assert f"run {run.id} (running, on local) · stop it: charllm-tui runs cancel {run.id}" in left
+    assert run.manifest().status == "running"
+
+
+@pilot_test
+async def test_quitting_with_nothing_in_flight_asks_nothing(charllm_dirs):
+    make_demo_run(charllm_dirs["runs"], "20251121-070000-demo-done", seconds=4, gpus=2)
+    app = CharllmApp()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: not app.is_running, what="the quit")
