@@ -71,6 +71,7 @@ class SideBySide(Message):
 
 class CompareScreen(WorkbenchScreen):
     MODE = "compare"
+    AUTO_FOCUS = "#compare-table"      # the arrows move through the metrics (and scroll them sideways); b: baseline
     BINDINGS = [
         Binding("r", "reload", "Reload", id="compare.reload"),
         Binding("b", "pick_baseline", "Baseline", id="compare.baseline"),

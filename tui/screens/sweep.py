@@ -268,6 +268,8 @@ class SweepScreen(WorkbenchScreen):
         count = {} if counts is None else dict(counts.iter_rows())
         listed = self.table_frame.height if self.table_frame is not None else frame.height
         shown = "fitting only, f: all" if self.fitting_only else "all, f: fitting only"
+        if any(self.query_one(f"#{wid}", Select).value is not Select.NULL for wid, _ in FILTERS):
+            shown += "; of the micro batch and recompute above"
         same = f"\nin every layout: {escape(self.same_everywhere)}" if self.same_everywhere else ""
         marked = f" · {len(self.marked)} marked, c: a campaign of them" if self.marked else " · space marks"
         order = f"sorted by {sort_text(self.sort)}" if self.sort else "ranked"

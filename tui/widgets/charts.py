@@ -52,7 +52,9 @@ def nice_ticks(lo: float, hi: float, most: int = 5) -> list[float]:
         return [lo]
     power = 10 ** math.floor(math.log10((hi - lo) / max(1, most - 1)))
     steps = [m * power * scale for scale in (0.1, 1, 10) for m in (1, 2, 2.5, 5)]
-    step = next(s for s in steps if math.floor(hi / s + 1e-9) - math.ceil(lo / s - 1e-9) + 1 <= most)
+    counts = [math.floor(hi / s + 1e-9) - math.ceil(lo / s - 1e-9) + 1 for s in steps]
+    pick = next(i for i, n in enumerate(counts) if n <= most)
+    step = steps[pick - 1 if counts[pick] < 2 and pick else pick]        # two at least, where the range allows
     first = math.ceil(lo / step - 1e-9)
     return [(first + i) * step for i in range(math.floor(hi / step + 1e-9) - first + 1)]
 
@@ -138,7 +140,7 @@ class Chart(_KeptPlot):
             lo, hi = min(values), max(values)
             if legend:
                 plt.ylim(*self._with_legend_room(lo, hi, legend_rows=len(series)))
-            ticks = nice_ticks(lo, hi, most=max(2, min(8, (self.size.height - 4) // 3)))
+            ticks = nice_ticks(lo, hi, most=max(3, min(6, (self.size.height - 4) // 3)))
             plt.yticks(ticks, tick_labels(ticks))        # round figures, none beyond the data (no 102.22%)
         self.refresh()
 
