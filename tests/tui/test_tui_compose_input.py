@@ -198,6 +198,7 @@ def workbench():
     running.close()
 
 
+@pytest.mark.timeout(300 + 60 * SEQUENCES)
 @settings(max_examples=SEQUENCES, deadline=None, derandomize=SEQUENCES <= 100, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(sequence=edits)
