@@ -36,7 +36,7 @@ from charllm.probes.analysis.matrix import MATRICES, gpus_by_runs, render_matrix
 from charllm.probes.analysis.ranks import rank_summary, straggler_line
 from charllm.probes.analysis.render import metric_label
 from charllm.probes.analysis.summary import per_iteration
-from charllm.probes.core.errors import UserError
+from charllm.probes.core.errors import UserError, plural
 from charllm.probes.store.rundir import resolve_run, run_id_name
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import Chart
@@ -222,16 +222,17 @@ class CompareScreen(WorkbenchScreen):
                 select.value = result.baseline_ref
             self.loaded = (tuple(self.refs), result.baseline_ref)
 
-    @staticmethod
-    def _status_lines(result) -> list[str]:
+    def _status_lines(self, result) -> list[str]:
         lines = [f"baseline [b]{escape(result.baseline)}[/b] · {escape(result.window_text)} · "
                  f"[green]better[/] / [red]worse[/] beyond ±{result.threshold_pct:g}%"]
         diffs = result.experiment_diff.to_dicts()
-        for row in diffs[:MAX_DIFF_LINES]:
+        shown = 1 if self.size.height < self.CHARTS_BELOW_MIN_HEIGHT else MAX_DIFF_LINES   # the table's room
+        shown += len(diffs) == shown + 1          # the last one in the place of "… 1 more"
+        for row in diffs[:shown]:
             field = row.pop("field", "")
             lines.append(f"[dim]{escape(str(field))}:[/] " + " | ".join(escape(str(v)) for v in row.values()))
-        if len(diffs) > MAX_DIFF_LINES:
-            lines.append(f"[dim]… {len(diffs) - MAX_DIFF_LINES} more experiment differences "
+        if len(diffs) > shown:
+            lines.append(f"[dim]… {plural(len(diffs) - shown, 'more experiment difference')} "
                          f"(charllm-tui compare shows them all)[/]")
         return lines + [f"[yellow]note:[/] {escape(n)}" for n in result.notes]
 
@@ -396,10 +397,10 @@ def planned_text(planned: dict) -> str:
         by = {r["metric"]: r for r in table.iter_rows(named=True)}
         parts = [f"{short} {by[m]['predicted']:.3g}/{by[m]['measured']:.3g} {by[m]['unit']} "
                  f"({by[m]['error_pct']:+.0f}%)" for m, short in PLANNED if m in by]
-        if parts:
-            lines.append(f"[b]{escape(label)}[/b] planned/measured: " + " · ".join(parts))
+        if parts:      # a line each at 80 columns: what the figures are is said once, below
+            lines.append(f"[b]{escape(label)}[/b]: " + " · ".join(parts))
     source = next(iter(planned.values()))["source"][0] if planned else ""
-    return "\n".join(lines + ([f"[dim]{escape(source)}[/]"] if lines else []))
+    return "\n".join(lines + ([f"[dim]planned/measured (error) · {escape(source)}[/]"] if lines else []))
 
 
 def per_iteration_curves(refs: list[str]) -> dict:
