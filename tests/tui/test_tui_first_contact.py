@@ -131,9 +131,11 @@ async def test_live_status_pane_ends_where_a_phrase_ends(charllm_dirs, size):
     app = CharllmApp(run=run.path)
     async with app.run_test(size=size) as pilot:
         screen = app.screen
-        await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.stragglers)
-        await pilot.pause(0.3)
         pane, bottom = screen.query_one("#iterations"), screen.query_one("#live-bottom")
+        await wait_for(pilot, lambda: screen.last_frame is not None and screen.last_frame.stragglers
+                       and "stragglers" in str(pane.render()), what="the stragglers in the pane")
+        await wait_for(pilot, lambda: rows(str(pane.render()), pane.content_size.width)
+                       <= bottom.content_size.height, timeout=5, what="the pane's lines within it")
         text = str(pane.render())
         last = text.splitlines()[-1]
         whole = screen.last_frame.stragglers
@@ -232,9 +234,9 @@ async def test_a_cpu_chart_axis_never_runs_past_100_percent():
             xs = [i * 0.5 for i in range(40)]
             chart.show({"node0": (xs, [min(100.0, 60 + 3 * i) for i in range(40)]),
                         "node1": (xs, [min(100.0, 40 + 2 * i) for i in range(40)])})
-            await pilot.pause(0.3)
+            await wait_for(pilot, lambda: len(y_labels(chart)) >= 2, what="the chart drawn")
             labels = y_labels(chart)
-            assert len(labels) >= 2 and max(labels) <= 100, labels   # it ran to 102.22
+            assert max(labels) <= 100, labels                        # it ran to 102.22
             assert all(label == round(label) for label in labels)    # round figures
 
 
@@ -300,12 +302,13 @@ async def test_campaign_columns_widen_as_the_record_moves_on(charllm_dirs):
         path.write_text(json.dumps({**finished, "status": "running", "ended_ns": None,
                                     "supervisor": procid.identify(os.getpid())}))
         await wait_for(pilot, lambda: str(members.get_cell("1", "status")) == "completed", timeout=10)
-        await pilot.pause(0.3)
-        rendered = "\n".join(strip.text for strip in members.render_lines(members.region.reset_offset))
-        assert "completed" in rendered, rendered
+        def shown(table) -> str:
+            return "\n".join(strip.text for strip in table.render_lines(table.region.reset_offset))
+
+        await wait_for(pilot, lambda: "completed" in shown(members), timeout=5, what="'completed' whole")
         listing = screen.query_one("#campaign-list")
-        progress = str(listing.get_cell(DEMO_CAMPAIGN, "progress"))
-        assert progress in "\n".join(s.text for s in listing.render_lines(listing.region.reset_offset))
+        await wait_for(pilot, lambda: str(listing.get_cell(DEMO_CAMPAIGN, "progress")) in shown(listing), timeout=5,
+                       what="the campaign's progress whole")
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
@@ -318,7 +321,7 @@ async def test_sweep_status_says_the_device_budget_whole(size):
         await pilot.press("f3")
         screen = app.screen
         await wait_for(pilot, lambda: screen.frame is not None, timeout=120, what="the sweep")
-        await pilot.pause(0.3)
+        await pilot.pause(0.5)
         status = screen.query_one("#sweep-status")
         shown = " ".join(strip.text.strip() for strip in status.render_lines(status.region.reset_offset))
         for line in screen.basis.splitlines():

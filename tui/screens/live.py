@@ -494,9 +494,11 @@ class LiveScreen(WorkbenchScreen):
         if frame.stragglers:          # to the pane's last row, cut only where a phrase ends (80x24 gives it 5)
             width, height = self.query_one("#iterations").content_size.width, \
                 self.query_one("#live-bottom").content_size.height
-            stragglers = fit_phrases(frame.stragglers, width, height - rows(text, width)) if width and height \
-                else frame.stragglers
-            text += f"\n{escape(stragglers)}" if stragglers else ""
+            if width and height:
+                stragglers = fit_phrases(frame.stragglers, width, height - rows(text, width))
+                text += f"\n{escape(stragglers)}" if stragglers else ""
+            elif run and self.is_current:       # just shown: fitted once the layout gives the pane its size
+                self.call_after_refresh(lambda: self.last_frame is frame and self._draw_text(frame))
         self._update("#iterations", text)
 
     def _update(self, selector: str, content: str) -> None:
