@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Set up everything the test suite needs on a fresh Debian 12 machine, then lint (ruff), type-check
 # (mypy) and run all tests.
-# Python packages come from pyproject.toml ([train,test] extras); the integration tests also need
-# Debian packages (Slurm, munge, OpenSSH server, tmux), installed here when run as root.
+# Python packages come from pyproject.toml ([train,test] extras) and go into the project's virtualenv
+# (.venv, or CHARLLM_VENV), never into the system Python: Debian's is externally managed (PEP 668). The
+# venv is made with the python3 on PATH where it is missing (Debian's needs python3-venv for that), and
+# an existing one is used as it is. The integration tests also need Debian packages (Slurm, munge,
+# OpenSSH server, tmux), installed here when run as root.
 # Usage: bash tests/run.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debs=(slurm-wlm munge openssh-server tmux iproute2 procps)
+debs=(python3-venv slurm-wlm munge openssh-server tmux iproute2 procps)
 missing=()
 for d in "${debs[@]}"; do dpkg -s "$d" >/dev/null 2>&1 || missing+=("$d"); done
 if ((${#missing[@]})); then
@@ -21,7 +24,18 @@ if ((${#missing[@]})); then
     fi
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e '.[train,test]'
+venv=$(realpath -m -- "${CHARLLM_VENV:-.venv}")
+# (a venv whose pip does not run is one that `venv` could not finish: without ensurepip, say)
+if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+    echo "tests/run.sh: making the virtualenv $venv with $(command -v python3)"
+    python3 -m venv --clear "$venv" || {
+        echo "tests/run.sh: python3 -m venv failed; on Debian it needs python3-venv (as root: apt-get install python3-venv)"
+        exit 1
+    }
+fi
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[train,test]'
+# From here `python3`, `charllm-tui` and what the tests start are the venv's.
+export VIRTUAL_ENV=$venv PATH=$venv/bin:$PATH
 status=0
 # Lint and type check first (their configuration is in pyproject.toml): a finding fails the run, as a
 # failed test does, and the tests still run.

@@ -115,7 +115,7 @@ def epilog_commands() -> list[Command]:
     """The commands under `examples:` of every subcommand's help: a line that starts with
     `charllm-tui` (and its continuation lines), up to two or more spaces before what it does."""
     out = []
-    for prog, parser in subparsers(build_parser()):
+    for prog, parser in subparsers(build_parser(every=True)):
         help_text = parser.format_help()
         if "\nexamples:\n" not in help_text:
             continue
@@ -276,7 +276,7 @@ def test_readme_config_files_are_read_as_the_readme_says(session):
 
     files = {m.removeprefix("file <config>/"): b.text for b in readme_blocks(README.read_text()) for m in b.markers
              if m.startswith("file <config>/")}
-    assert set(files) == {"tui.toml", "targets.toml", "campaigns/my-sweep.toml"}
+    assert set(files) == {"tui.toml", "targets.toml", "campaigns/my-sweep.toml", "experiments/my-llama3-70b.toml"}
     tmp = session.cwd / "config-check"
     for name, body in files.items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
@@ -285,6 +285,11 @@ def test_readme_config_files_are_read_as_the_readme_says(session):
     assert settings["theme"] == "gruvbox" and settings["keymap"] == {"screen.live": "f12"}
     targets = load_file(tmp / "targets.toml")
     assert {t.kind for t in targets.values()} == {"slurm", "ssh"}
+    from charllm.engine.model.experiment import Experiment
+    from charllm.engine.model.validate import validate
+
+    mine = Experiment.load(tmp / "experiments/my-llama3-70b.toml")    # the minimal experiment: valid as it is
+    assert mine.hardware.name == "h100-sxm-80gb" and mine.world_size == 64 and validate(mine) == []
     from charllm.engine.campaign.spec import Campaign
 
     campaign = Campaign.load(tmp / "campaigns/my-sweep.toml")
@@ -306,6 +311,25 @@ def test_readme_sql_runs_in_duckdb_over_the_runs_the_readme_made(session):
     finally:
         os.chdir(cwd)
     assert rows and all(row[3] > 0 for row in rows)  # one row per run, node and GPU, with samples
+
+
+def test_readme_sql_runs_on_a_runs_directory_of_cpu_runs_only(tmp_path):
+    """Host rows only: no file has power_w or temp_gpu_c, and the query still runs (no GPU rows)."""
+    duckdb = pytest.importorskip("duckdb", reason="DuckDB is not installed (pip install duckdb)")
+    from charllm.probes.store.recorder import ChunkWriter
+    from charllm.probes.store.synthetic import cpu_run
+
+    for name in ("20261121-100000-cpu-a", "20261121-110000-cpu-b"):
+        run = cpu_run(tmp_path, name, 1.0)
+        ChunkWriter(run.node_telemetry_dir("node0")).close()        # compacted into Parquet, as a run ends
+    assert list(tmp_path.glob("*/telemetry/*/*.parquet")) and not list(tmp_path.glob("*/telemetry/*/*.arrow"))
+    (block,) = [b for b in readme_blocks(README.read_text()) if b.lang == "sql"]
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert duckdb.sql(block.text).fetchall() == []
+    finally:
+        os.chdir(cwd)
 
 
 @pytest.mark.train           # the examples train (doctor --train, campaign run) and read the session's runs

@@ -79,7 +79,9 @@ def figure(record: Record, kind: str, metric: str | None = None, normalize: bool
         raise UserError(f"--figure {kind!r}: expected one of {', '.join(KINDS)}{did_you_mean(kind, KINDS)}")
     summary = campaign_summary(record)
     if metric is not None and metric not in summary.columns and kind != "heatmap":
-        raise UserError(f"--metric {metric!r}: not a campaign figure{did_you_mean(metric, summary.columns)}")
+        valid = [c for c, kind in summary.schema.items() if kind.is_numeric() and c != "member"]
+        raise UserError(f"--metric {metric!r}: not a campaign figure{did_you_mean(metric, valid)} (the figures: "
+                        f"{', '.join(valid)})")
     window = f"steady window of each member (summaries' {WINDOW!r})"
     return {"parallelism": _parallelism, "optimization": _optimization, "microbatch": _microbatch,
             "heatmap": _heatmap, "kernels": _kernels}[kind](record, summary, metric, normalize, window)
@@ -177,7 +179,9 @@ def _heatmap(record, summary, metric, normalize, window) -> Figure:
         if df is None:
             continue
         if metric not in df.columns:
-            raise UserError(f"--metric {metric!r}: not a per-GPU figure{did_you_mean(metric, df.columns)}")
+            valid = [c for c, kind in df.schema.items() if kind.is_numeric()]
+            raise UserError(f"--metric {metric!r}: not a per-GPU figure{did_you_mean(metric, valid)} (the figures: "
+                            f"{', '.join(valid)})")
         per_member[m["index"]] = {f"{r['node']}/{r['device']}": r[metric] for r in df.iter_rows(named=True)}
     if not per_member:
         fig.notes.append("no member has a completed run with GPU telemetry yet")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import polars as pl
 
 from charllm.engine.campaign.state import Record, member_status
+from charllm.probes.analysis.predicted import METRICS
 from charllm.probes.analysis.summary import cached_summary, summarize
 from charllm.probes.core.errors import UserError
 
@@ -75,10 +76,12 @@ def campaign_summary(record: Record) -> pl.DataFrame:
     return frame.with_columns(pl.col(c).cast(pl.Float64) for c in numbers if frame[c].dtype != pl.Float64)
 
 
-# The plan beside the measurement (engine.model.speed at the campaign's start; errors as
-# probes.analysis.predicted gives them: planned / measured - 1, the median step against the plan's).
-PLANNED = (("step_s", "iter_time_p50_s", "planned_step_s", "step_error_pct"),
-           ("power_w", "power_mean_w", "planned_power_w", "power_error_pct"))
+# The plan beside the measurement (engine.model.speed at the campaign's start), each against the
+# figure probes.analysis.predicted compares it with, and its error as predicted gives it (planned /
+# measured - 1).
+_MEASURED = {name: column for _, column, name, _ in METRICS}
+PLANNED = (("step_s", _MEASURED["step_s"], "planned_step_s", "step_error_pct"),
+           ("power_w", _MEASURED["power_w"], "planned_power_w", "power_error_pct"))
 
 
 def _planned(planned: dict, measured: dict) -> dict:

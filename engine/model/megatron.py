@@ -687,13 +687,19 @@ def _resolve_cluster(exp: Experiment, launcher: list[str], special: dict, world_
         result.warnings.append(
             f"no world size given (--world-size N): assumed the smallest that fits the layout, {world_size} "
             f"(data parallel size {world_size // (p.pipeline_model_parallel_size * stage)})")
+    exp.cluster.nodes, exp.cluster.gpus_per_node = nodes_of(world_size, gpus_per_node)
+
+
+def nodes_of(world_size: int, gpus_per_node: int | None) -> tuple[int, int]:
+    """(nodes, devices per node) of `world_size` devices in nodes of `gpus_per_node` (default 8, at
+    most the world)."""
     if world_size < 1:
         raise UserError(f"world_size = {world_size}: must be at least 1")
     gpn = min(gpus_per_node or DEFAULT_GPUS_PER_NODE, world_size)
     if gpn < 1 or world_size % gpn:
         raise UserError(f"world_size = {world_size}: not a whole number of nodes of {gpn} devices "
                         "(pass gpus_per_node)")
-    exp.cluster.nodes, exp.cluster.gpus_per_node = world_size // gpn, gpn
+    return world_size // gpn, gpn
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Step time, throughput and power of a layout: what one training iteration takes on its hardware.
 
 `estimate(exp)` gives a `SpeedReport`: the step time, tokens/s, MFU, and the share of the step in
-compute, exposed communication, pipeline bubble and the rest (optimizer, fixed per-step costs),
+compute, exposed communication, pipeline bubble, waiting on the host (host-bound) and the rest
+(optimizer, fixed per-step costs),
 with the parameters (total and per stage), Megatron's FLOPs per iteration, the average power and
 the energy per token; each figure says where its rates come from ("assumed", or a node
 calibration). The sweep evaluates the same arithmetic for thousands of layouts at once
@@ -32,7 +33,8 @@ What it models, from what Megatron-LM (core_v0.16.1) does in one iteration on ea
   (embedding, decoder and MTP layers, loss), recompute included; the 1F1B and interleaved
   schedules take sum(stage) / VP + (micro-batches - 1 / VP) x the slowest stage.
 - the host: a Transformer Engine layer costs the host HOST_LAYER_S per micro-batch to launch;
-  where the GPU work is shorter, the host sets the pace (small models).
+  where the GPU work is shorter, the host sets the pace (small models): that wait is the step's
+  host-bound share, apart from the pipeline bubble.
 - the optimizer step (memory traffic of Adam per updated parameter), and FIXED_STEP_S per step.
 
 The hardware's peaks and bandwidths come from its preset (engine.model.experiment.Hardware); the
@@ -516,7 +518,8 @@ class Times:
     step_s: Any
     compute_s: Any                  # the busiest stage's compute, over all its micro-batches
     communication_s: Any            # exposed: the busiest stage's, and the data-parallel sync's
-    bubble_s: Any                   # waiting on the pipeline (fill, drain, slower stages, the host)
+    bubble_s: Any                   # waiting on the pipeline (fill, drain, slower stages)
+    host_s: Any                     # the GPUs waiting on the host to launch their work (host-bound)
     other_s: Any                    # optimizer step and fixed per-step costs
     matmul_s: Any                   # of compute_s: in GEMMs and attention (power)
     stage_s: Any                    # per distinct stage: one micro-batch's forward and backward
@@ -569,11 +572,16 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
     gpu = compute + comm
     stage = np.maximum(gpu, host)
     present = L.stage_count > 0
-    slowest = np.where(present, stage, 0.0).max(axis=1)
-    total = (stage * L.stage_count).sum(axis=1)
     vps = L.vp.astype(float)
     mb = L.microbatches.astype(float)
-    pipeline = total / vps + (mb - 1 / vps) * slowest
+
+    def schedule(per_stage):
+        """The pipeline's time with these stage times (per layout and stage)."""
+        slowest = np.where(present, per_stage, 0.0).max(axis=1)
+        return (per_stage * L.stage_count).sum(axis=1) / vps + (mb - 1 / vps) * slowest
+
+    pipeline = schedule(stage)
+    host_bound = pipeline - schedule(gpu)   # what the host adds where it is slower than the GPU work
     busiest = np.argmax(np.where(present, stage, -1.0), axis=1)
     pick = lambda a: np.take_along_axis(a, busiest[:, None], axis=1)[:, 0]  # noqa: E731
     compute_s, comm_s, matmul_s = mb * pick(compute), mb * pick(comm), mb * pick(matmul)
@@ -610,9 +618,10 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
     optimizer = np.where(present, opt, 0.0).max(axis=1)
     other = optimizer + FIXED_STEP_S
     step = pipeline + dp_exposed + other
-    bubble = np.maximum(pipeline - compute_s - comm_s, 0.0)   # no bubble comes out a rounding error below 0
+    # no bubble comes out a rounding error below 0
+    bubble = np.maximum(pipeline - host_bound - compute_s - comm_s, 0.0)
     return Times(step_s=step, compute_s=compute_s, communication_s=comm_s + dp_exposed, bubble_s=bubble,
-                 other_s=other, matmul_s=matmul_s, stage_s=stage, params_stage=params[0] + params[1])
+                 host_s=host_bound, other_s=other, matmul_s=matmul_s, stage_s=stage, params_stage=params[0] + params[1])
 
 
 def _stage_params(np, exp: Experiment, L: Layouts):
@@ -674,13 +683,19 @@ def utilization(np, times: Times):
     matmul = np.minimum(times.matmul_s, times.compute_s)
     memory_bound = times.compute_s - matmul + times.other_s
     busy = (ACTIVITY["matmul"] * matmul + ACTIVITY["memory"] * memory_bound
-            + ACTIVITY["communication"] * times.communication_s + ACTIVITY["idle"] * times.bubble_s)
+            + ACTIVITY["communication"] * times.communication_s + ACTIVITY["idle"] * (times.bubble_s + times.host_s))
     return np.clip(busy / times.step_s, 0.0, 1.0)
 
 
 # --------------------------------------------------------------------------------------------
 # One experiment
 # --------------------------------------------------------------------------------------------
+# The parts of a step, each a share of it (`Times`): compute, exposed communication, the pipeline's
+# bubble (fill, drain, slower stages), the GPUs waiting on the host to launch work (host-bound, at any
+# PP), and the optimizer step with the fixed per-step costs
+SHARES = ("compute", "communication", "bubble", "host", "other")
+
+
 @dataclass
 class SpeedReport:
     step_s: float
@@ -692,7 +707,7 @@ class SpeedReport:
     params_total: int
     params_per_stage: list[int]     # the whole stage (all its TP/EP ranks)
     params_per_device: list[int]    # one rank of each stage
-    shares: dict                    # compute, communication, bubble, other: shares of the step
+    shares: dict                    # SHARES: each part's share of the step
     power_w: float | None           # average per device
     energy_per_token_j: float | None
     samples_per_s_mj: float | None  # the paper's samples/(s·MJ): samples/s per MJ per iteration
@@ -752,8 +767,7 @@ def figures(exp: Experiment, L: Layouts, times: Times) -> dict:
     _, peak = peak_tflops(exp, None)
     out = {"step_s": step, "tokens_per_s": tokens / step,
            "mfu": flops / step / exp.world_size / (peak * 1e12) if peak else np.full(step.shape, np.nan),
-           **{f"{part}_share": getattr(times, f"{part}_s") / step
-              for part in ("compute", "communication", "bubble", "other")}}
+           **{f"{part}_share": getattr(times, f"{part}_s") / step for part in SHARES}}
     power = power_model(exp)
     if power is not None:
         watts = power.watts(utilization(np, times))
@@ -793,7 +807,7 @@ def estimate(exp: Experiment) -> SpeedReport | None:
                        precision=precision, params_total=int(got["params"]),
                        params_per_stage=_whole_stage_params(exp),
                        params_per_device=[int(times.params_stage[0][i]) for i in stage_features(exp, cache)[3]],
-                       shares={part: got[f"{part}_share"] for part in ("compute", "communication", "bubble", "other")},
+                       shares={part: got[f"{part}_share"] for part in SHARES},
                        power_w=watts, energy_per_token_j=got["energy_per_token_j"] if watts is not None else None,
                        samples_per_s_mj=samples / got["step_s"] / (energy_step / 1e6) if energy_step else None,
                        rates_source=rates(exp, linear_precision(exp)).source,

@@ -9,8 +9,8 @@ stay as `base` has them unless the caller asks to vary them too (`recompute=`, `
 a varied recompute choice other than `base`'s own uses the plain settings in RECOMPUTE.
 
 Each row also carries what the step-time model (`engine.model.speed`) gives for the layout: the step
-time, tokens/s, MFU, the shares of the step in compute, exposed communication, pipeline bubble and the
-rest, the estimated power per device and energy per token, Megatron's FLOPs per iteration, and the
+time, tokens/s, MFU, the shares of the step in compute, exposed communication, pipeline bubble, host-bound
+time and the rest, the estimated power per device and energy per token, Megatron's FLOPs per iteration, and the
 parameters (all, and the most on one device); `speed.step_times` evaluates every row at once.
 
 Ranking (the `rank` column, 1 = most promising):
@@ -71,7 +71,7 @@ COLUMNS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
            "recompute", "use_distributed_optimizer", "sequence_parallel")
 
 # What the step-time model (engine.model.speed) adds per layout
-SPEED = ("step_s", "tokens_per_s", "mfu", "compute_share", "communication_share", "bubble_share", "other_share",
+SPEED = ("step_s", "tokens_per_s", "mfu", *(f"{part}_share" for part in speed.SHARES),
          "power_w", "energy_per_token_j", "flops_per_iteration", "params", "params_per_device")
 ORDER = ("rank", *COLUMNS, "num_microbatches", "bubble", *SPEED, "peak_bytes", "peak_stage", "static_bytes",
          "headroom_bytes", "verdict", "fits")
@@ -79,22 +79,23 @@ ORDER = ("rank", *COLUMNS, "num_microbatches", "bubble", *SPEED, "peak_bytes", "
 
 def base_experiment(model: ModelSpec | str, hardware: Hardware | str, nodes: int, gpus_per_node: int,
                     global_batch_size: int, seq_length: int | None = None,
-                    training: dict[str, Any] | None = None) -> Experiment:
-    """The experiment every layout of a sweep starts from, when there is no composed one."""
+                    training: dict[str, Any] | None = None, name: str = "sweep") -> Experiment:
+    """The experiment every layout of a sweep starts from, when there is no composed one (`plan
+    --model` plans it as it is: no parallelism until set)."""
 
-    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node),
+    for size, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node),
                         ("global_batch_size", global_batch_size)):
         if not isinstance(value, int) or value < 1:
-            raise UserError(f"{name} = {value!r}: must be a positive integer")
-    exp = Experiment(name="sweep")
+            raise UserError(f"{size} = {value!r}: must be a positive integer")
+    exp = Experiment(name=name)
     exp.model = ModelSpec.load(model) if isinstance(model, str) else model
     exp.hardware = Hardware.load(hardware) if isinstance(hardware, str) else hardware
     exp.cluster = Cluster(nodes=nodes, gpus_per_node=gpus_per_node)
     exp.training = Training(global_batch_size=global_batch_size, seq_length=seq_length)
     for key, value in (training or {}).items():
-        section, name = resolve_key(key)
-        if name in SWEPT:
-            raise UserError(f"{key} = {value!r}: the sweep varies {name} itself; it cannot be fixed")
+        section, field = resolve_key(key)
+        if field in SWEPT:
+            raise UserError(f"{key} = {value!r}: the sweep varies {field} itself; it cannot be fixed")
         if section not in ("training", "parallel"):
             raise UserError(f"{key} = {value!r}: only training and parallel options apply to a sweep "
                             f"(this is a {section} field)")

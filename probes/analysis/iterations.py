@@ -91,6 +91,15 @@ def iteration_stats(iterations, start_ns, end_ns, exp_file: ExperimentFile | Non
     return out, notes
 
 
+def span_stats(steps: pl.DataFrame, part: pl.DataFrame, exp_file: ExperimentFile | None) -> dict:
+    """`iteration_stats` of the window from the first start to the last end of `part`, some of a run's
+    `steps` (`rundir.merged_steps`). With its non-warm-up steps that is the steady window `summarize`
+    resolves, so Live shows the figures Runs, Compare and `summarize` give; {} for no steps."""
+    if part.height == 0:
+        return {}
+    return iteration_stats(steps, part["start_ns"].min(), part["end_ns"].max(), exp_file, None)[0]
+
+
 def with_iteration_stats(table: pl.DataFrame, it: dict) -> pl.DataFrame:
     names = ["iterations", "iter_time_mean_s", "iter_time_p50_s", "iter_time_p99_s", "samples_total",
              "tokens_total", "samples_per_s", "tokens_per_s", "tflops_per_gpu", "mfu_pct"]

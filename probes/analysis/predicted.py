@@ -23,9 +23,11 @@ from charllm.probes.analysis.summary import summarize
 from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import RunDir, resolve_run
 
-# (metric, its summary column, the prediction's name, unit) in reading order
+# (metric, its summary column, the prediction's name, unit) in reading order. Each measured figure is
+# the window's mean, as the plan's are: the step is the mean step (the window's time over its steps),
+# so tokens/s and MFU (the window's tokens and FLOPs over that time) follow from it as the plan's do.
 METRICS = (
-    ("step time", "iter_time_p50_s", "step_s", "s"),
+    ("step time", "iter_time_mean_s", "step_s", "s"),
     ("tokens/s", "tokens_per_s", "tokens_per_s", "tokens/s"),
     ("MFU", "mfu_pct", "mfu_pct", "%"),
     ("power per GPU", "power_mean_w", "power_w", "W"),

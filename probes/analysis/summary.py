@@ -32,6 +32,7 @@ from charllm.probes.analysis.devices import (
 from charllm.probes.analysis.iterations import iteration_stats, read_experiment, with_iteration_stats
 from charllm.probes.analysis.windows import in_window, parse_window, resolve_window
 from charllm.probes.core.errors import UserError
+from charllm.probes.core.formatting import duration
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, past_damage, resolve_run
 from charllm.probes.store.schema import TELEMETRY_SCHEMA
 
@@ -216,7 +217,7 @@ def _summarize(run: RunDir, window, levels, thorough: bool = False) -> dict[str,
     if not gpu_parts and not host_parts:
         raise UserError(
             f"run {run.id}: window {label}: no telemetry samples in it (the run's samples span "
-            f"0 to {(last_ns - first_ns) / _NS:.1f} s)"
+            f"0 to {duration((last_ns - first_ns) / _NS)})"
         )
     host = pl.concat(host_parts).sort("node") if host_parts else None
     gpus = None

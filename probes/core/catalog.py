@@ -14,9 +14,20 @@ from importlib import resources
 from pathlib import Path
 
 from charllm.probes.core import paths
-from charllm.probes.core.errors import UserError, did_you_mean
+from charllm.probes.core.errors import UserError, did_you_mean_preset
 
 KINDS = ("models", "hardware", "experiments")
+SINGULAR = {"models": "model", "hardware": "hardware", "experiments": "experiment"}
+
+# Short names of the shipped hardware presets, as people say them: a bare chip is its SXM board (what
+# HGX/DGX nodes hold), its other boards add theirs. Every lookup takes them (--hardware, --set
+# hardware=..., `hardware = ...` in a file), and a preset of that very name (yours) comes first; the
+# resolved preset keeps its own name (calibrations are filed under it).
+ALIASES = {"hardware": {
+    "a100": "a100-80gb", "a100-sxm": "a100-80gb", "a100-pcie": "a100-pcie-80gb",
+    "h100": "h100-sxm-80gb", "h100-sxm": "h100-sxm-80gb", "h100-pcie": "h100-pcie-80gb", "h100-nvl": "h100-nvl-94gb",
+    "h200": "h200-141gb", "h200-sxm": "h200-141gb", "h200-nvl": "h200-nvl-141gb",
+}}
 
 
 def _shipped(kind: str) -> dict[str, Path]:
@@ -46,7 +57,7 @@ PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 def new_user_preset(kind: str, name: str) -> Path:
     """Where a preset of the user's named `name` goes: a plain file name that no shipped preset
     has (the user's file would hide the shipped one everywhere)."""
-    singular = {"models": "model", "hardware": "hardware", "experiments": "experiment"}[kind]
+    singular = SINGULAR[kind]
     if not PRESET_NAME.match(name or ""):
         raise UserError(f"{singular} preset name {name!r}: use letters, digits, '.', '_' and '-' "
                         "(at most 128, not starting with '.' or '-')")
@@ -60,17 +71,34 @@ def is_user(kind: str, name: str) -> bool:
     return name in _user(kind)
 
 
+def resolve(kind: str, name: str) -> str:
+    """The preset `name` stands for: itself, or what its alias names (ALIASES)."""
+    table = entries(kind)
+    return name if name in table else ALIASES.get(kind, {}).get(name, name)
+
+
 def find(kind: str, name: str) -> Path:
     table = entries(kind)
-    if name in table:
-        return table[name]
-    singular = {"models": "model", "hardware": "hardware", "experiments": "experiment"}[kind]
-    hint = did_you_mean(name, table, f"; see `charllm-tui presets list {kind}`", cutoff=0.5)
-    raise UserError(f"{singular} {name!r}: no such preset{hint}")
+    if (resolved := resolve(kind, name)) in table:
+        return table[resolved]
+    raise UserError(f"{SINGULAR[kind]} {name!r}: no such preset{suggestion(kind, name)}")
+
+
+def suggestion(kind: str, name: str) -> str:
+    """What to say after `no such preset`: the presets of this kind it is closest to (edit distance,
+    ALIASES included), or the other kind it names (a model where an experiment is wanted), and
+    where the list is."""
+    if hint := did_you_mean_preset(str(name), [*entries(kind), *ALIASES.get(kind, {})]):
+        return hint
+    for other in KINDS:
+        if other != kind and resolve(other, name) in entries(other):
+            return f"; {name!r} is a {SINGULAR[other]} preset (`charllm-tui presets list {kind}` lists the {kind})"
+    return f"; see `charllm-tui presets list {kind}`"
 
 
 def read(kind: str, name: str) -> dict:
-    """A preset's table, named `name` unless it says otherwise."""
-    data = paths.read_toml(find(kind, name), "preset")
-    data.setdefault("name", name)
+    """A preset's table, named as its file unless it says otherwise (an alias gives the preset's name)."""
+    resolved = resolve(kind, name)
+    data = paths.read_toml(find(kind, resolved), "preset")
+    data.setdefault("name", resolved)
     return data

@@ -39,6 +39,37 @@ def did_you_mean(name, choices, otherwise: str = "", cutoff: float = 0.6) -> str
     return f"; did you mean {close[0]!r}?" if close else otherwise
 
 
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein's: the fewest one-character insertions, deletions and substitutions from a to b."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        diagonal, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (ca != cb))
+    return row[-1]
+
+
+def closest_names(name: str, choices) -> list[str]:
+    """The names `name` most likely meant, for a preset name that matches none: those it begins
+    (`h100` -> the h100 parts, `llama3` -> the Llama 3 models), else the nearest by edit distance
+    within a third of its length (a typo: `mixtral-8x7` -> `mixtral-8x7b`)."""
+    word = name.lower()
+    family = [c for c in choices if c.lower().startswith(word) and c[len(word):][:1] in ("-", "_", ".")]
+    if family:
+        return sorted(family)[:5]
+    distance = {c: edit_distance(word, c.lower()) for c in choices}
+    best = min(distance.values(), default=None)
+    if best is None or best > max(1, len(word) // 3):
+        return []
+    return sorted(c for c, d in distance.items() if d == best)[:3]
+
+
+def did_you_mean_preset(name: str, choices, otherwise: str = "") -> str:
+    """`; did you mean 'x' or 'y'?` for a preset name (`closest_names`), else `otherwise`."""
+    close = closest_names(name, choices)
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else otherwise
+
+
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
     """`1 micro-batch`, `2 micro-batches`: a count with its noun in agreement (`nouns` where the
     plural is not `noun` + "s")."""

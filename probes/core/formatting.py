@@ -7,6 +7,7 @@ zone-free (nanoseconds since the epoch; run ids carry a UTC stamp).
 
 from __future__ import annotations
 
+import math
 import time
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -36,7 +37,10 @@ def number(value: float) -> str:
 
 
 def duration(seconds: float, digits: int = 1) -> str:
-    """A span of time in seconds: "12.5 s"."""
+    """A span of time in seconds, `digits` decimals, and below a second at least three significant
+    digits: "12.5 s", "0.0821 s" (never "0.1 s"); "about 10 s left" keeps the 0 decimals it asks for."""
+    if seconds and math.isfinite(seconds) and abs(seconds) < 1:
+        digits = max(digits, 2 - math.floor(math.log10(abs(seconds))))
     return f"{seconds:.{digits}f} s"
 
 

@@ -108,11 +108,12 @@ def test_a_failing_train_job_is_one_line_and_leaves_nothing(monkeypatch, tmp_pat
 
 
 def test_bad_input_is_one_line_and_exit_2(capsys, charllm_dirs):
-    for argv, says in ((["--hardware", "h100"], "hardware 'h100': no such preset"),
+    for argv, says in ((["--hardware", "h10"], "hardware 'h10': no such preset; did you mean 'h100'?"),
                        (["--target", "nowhere"], "--target 'nowhere': no such target"),
                        (["--iters", "0"], "--iters = 0"),
                        (["--nodes", "2"], "--nodes = 2: only for a target whose scheduler allocates its nodes"),
-                       (["--show", "h100-sxm-80gb"], "no calibration for this hardware")):
+                       (["--show", "h100-sxm-80gb"], "no calibration for this hardware"),
+                       (["--show", "h100"], "--show 'h100-sxm-80gb': no calibration for this hardware")):
         code, _, err = run(capsys, "doctor", *argv)
         assert code == 2 and says in one_error_line(err), (argv, err)
 
@@ -131,7 +132,7 @@ def test_every_epilog_example_runs_as_written(capsys):
                 if line.strip().startswith("charllm-tui doctor")]
     assert ["doctor", "--train"] in commands and ["doctor", "--show"] in commands
     for argv in commands:
-        build_parser().parse_args(argv)
+        build_parser(argv).parse_args(argv)
         if "--train" not in argv:   # the train check runs in its own test, with fewer iterations
             code, _, err = run(capsys, *argv, *([] if "--show" in argv else FAST))
             assert code == 0, (argv, err)

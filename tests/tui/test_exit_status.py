@@ -86,7 +86,7 @@ def test_a_read_only_run_whose_supervisor_died_costs_only_itself(read_only, caps
     assert "orphan-run" in err and "could not be recorded" in err and "Read-only file system" in err
     code, _, err = run(capsys, "runs", "show", "orphan-run")
     line = one_error_line(err)
-    assert code == 2 and "its processes were stopped, but its status (failed) could not be recorded" in line
+    assert code == 2 and "its status (failed) could not be recorded" in line and "Read-only file system" in line
 
 
 def test_a_probe_whose_directory_turns_read_only_stops_in_one_line(tmp_path):

@@ -408,8 +408,8 @@ def test_live_names_the_window_of_each_speed():
                        "start_ns": int(i * 1e9), "end_ns": int(i * 1e9 + secs * 1e9), "loss": 2.0})
     events[-1]["end_ns"] += int(0.9e9)               # the last step took 1 s
     lines = iterations_text(events).splitlines()
-    assert lines[1] == "last 10 steps: 190 ms/it · 5,263 tokens/s"
-    assert lines[2] == "steady window: 160 ms/it · 6,250 tokens/s"
+    assert lines[1] == "last 10 steps: 190.0 ms/it · 5,263 tokens/s"
+    assert lines[2] == "steady window: 160.0 ms/it · 6,250 tokens/s"
 
 
 # -- 14. GPU processes in Live ------------------------------------------------------------------------------

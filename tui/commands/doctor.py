@@ -14,6 +14,7 @@ from pathlib import Path
 
 from charllm.engine import doctor
 from charllm.engine.launch.targets import KINDS, get_target
+from charllm.engine.model import catalog
 from charllm.probes.core.errors import UserError, did_you_mean, plural
 from charllm.probes.core.formatting import size
 
@@ -61,8 +62,8 @@ examples:
 """.format(kinds="\n".join(f"  {kind:<14} {cls.nodes_help}" for kind, cls in KINDS.items()))
 
 
-def register(sub) -> None:
-    p = sub.add_parser("doctor", help="check this node (or a target's nodes) and save its calibration",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="Check a node: versions, devices, telemetry and the sampling rate it achieves; "
                                    "with --train a short training job measures memory and speed. Saves a node "
                                    "calibration that plan, sweep and Compose use for that hardware.",
@@ -180,6 +181,7 @@ def show(hardware: str, as_json: bool) -> int:
 
     records = doctor.saved_calibrations()
     if hardware:
+        hardware = catalog.resolve("hardware", hardware)    # a short name (h100) is its preset's
         names = [r["hardware"] for r in records]
         if hardware not in names:
             saved = f"; saved: {', '.join(names)}" if names else "; none is saved (run `charllm-tui doctor`)"

@@ -21,10 +21,11 @@ from charllm.probes.core.formatting import GIB, size
 from charllm.probes.store.rundir import RunDir
 
 
-def register(sub) -> None:
-    p = sub.add_parser("launch", help=f"launch an experiment on a target ({', '.join(KINDS)}) with probes",
-                       description="Check the layout, create a run directory, start a telemetry sampler on "
-                                   "every node and train with torchrun. Runs detached; see `charllm-tui runs`.")
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
+                       description=f"Check the layout, create a run directory on a target ({', '.join(KINDS)}), "
+                                   "start a telemetry sampler on every node and train with torchrun. Runs detached; "
+                                   "see `charllm-tui runs`.")
     p.add_argument("experiment", metavar="EXPERIMENT_OR_PRESET", help="an experiment file or preset name")
     p.add_argument("--target", default="local", help="target name: local (default) or one from targets.toml")
     p.add_argument("--target-file", type=Path, help="targets TOML file (default: <config>/targets.toml)")
@@ -83,14 +84,28 @@ def follow(run_dir) -> int:
         follow as follow_run,  # deferred: loads polars (start-up time)
     )
 
-    # Rank 0 and the last rank both log each step; the last rank's line carries the loss.
+    # Rank 0 and the last rank both log each step; the last rank's line carries the loss. Every rank
+    # logs the end too, rank 0 often before the last rank's last step: the end is said with the last
+    # rank's, or, where that rank logs none, after the last pass's steps; the final status after it
+    # (a pass reads the status before the data it is followed by).
     last_rank = RunDir(run_dir).manifest().world_size - 1
     seen = set()
+    ended: dict | None = None
+    final = None
     pending, last_headline = [], 0.0
+
+    def say(key: tuple, row: dict) -> None:
+        if key not in seen:
+            seen.add(key)
+            print(_iteration_line(row), flush=True)
+
     try:
         for event in follow_run(run_dir, settle=reconcile):
             if isinstance(event, StatusChanged):
-                print(f"status: {event.status}", flush=True)
+                if event.manifest.final:
+                    final = event.status
+                else:
+                    print(f"status: {event.status}", flush=True)
             elif isinstance(event, NewIterations):
                 for row in event.events:
                     key = (
@@ -98,9 +113,10 @@ def follow(run_dir) -> int:
                         row.get("iteration"),
                         row.get("rank") if row.get("event") == "profile" else None,
                     )
-                    if key not in seen and (key[0] != "iteration" or row.get("rank") == last_rank):
-                        seen.add(key)
-                        print(_iteration_line(row), flush=True)
+                    if key[0] == "end" and row.get("rank") != last_rank:
+                        ended = ended or row
+                    elif key[0] != "iteration" or row.get("rank") == last_rank:
+                        say(key, row)
             elif isinstance(event, NewTelemetry):  # one headline every HEADLINE_S, over the rows since the last
                 pending.append(event.rows)
                 if time.monotonic() - last_headline >= HEADLINE_S:
@@ -109,6 +125,10 @@ def follow(run_dir) -> int:
     except KeyboardInterrupt:
         print("cancelling...", flush=True)
         cancel(run_dir)
+    if ended is not None:
+        say(("end", ended.get("iteration"), None), ended)
+    if final:
+        print(f"status: {final}", flush=True)
     rd = RunDir(run_dir)
     if not wait_for_supervisor(rd):   # so that nothing of the run outlives this command
         print(f"the supervisor is still finishing after {SUPERVISOR_EXIT_S:g} s (see logs/supervisor.log)")

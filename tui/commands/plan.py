@@ -7,10 +7,17 @@ import argparse
 import json
 import sys
 
-from charllm.engine.model import profiling, speed
+from charllm.engine.model import catalog, profiling, speed
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.megatron import import_megatron_args, launcher_world_size, split_command_line
+from charllm.engine.model.megatron import (
+    DEFAULT_GPUS_PER_NODE,
+    import_megatron_args,
+    launcher_world_size,
+    nodes_of,
+    split_command_line,
+)
 from charllm.engine.model.memory import DOES_NOT_FIT, FITS, TIGHT, VERDICT_STYLE, estimate
+from charllm.engine.model.sweep import base_experiment
 from charllm.engine.model.validate import check
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.formatting import count, gib, si
@@ -40,7 +47,9 @@ what the numbers mean:
              pipeline sends Megatron waits on, the pipeline schedule (1F1B or interleaved), the
              data-parallel gradient sync, the optimizer step and fixed per-step costs; then
              tokens/s, MFU (Megatron's FLOPs over the dense peak of the matmul precision) and the
-             share of the step in compute, exposed communication, pipeline bubble and the rest.
+             share of the step in compute, exposed communication, pipeline bubble (fill, drain,
+             slower stages), host-bound (the GPUs waiting on the host to launch their work, at
+             any PP) and the rest.
              Large-GEMM efficiency, link and memory bandwidths come from the hardware preset
              ("assumed") or, for the GEMMs, from `charllm-tui doctor --train` ("calibrated on NODE")
   power      the average power per device over a step, from the hardware's idle power, its board
@@ -51,6 +60,8 @@ exit status: 0 every stage fits, 1 some stage does not fit, 3 tight, 2 bad input
 
 examples:
   charllm-tui plan ppt-h100-llama3-70b-1-00000 --set micro_batch_size=2 --json
+  charllm-tui plan --model llama3-70b --hardware h200 --nodes 8 --gpus-per-node 8 --global-batch-size 128 \\
+      --set tensor_model_parallel_size=8 --set pipeline_model_parallel_size=4 --set micro_batch_size=1
   charllm-tui plan --megatron-args "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \\
       --num-attention-heads 32 --group-query-attention --num-query-groups 8 --swiglu --seq-length 8192 \\
       --max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 128 \\
@@ -60,21 +71,22 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = sub.add_parser("plan", help="per-stage peak memory, fit verdict and step time of an experiment",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="Estimate the peak GPU memory of every pipeline stage and whether it fits, "
-                                   "and the step time, throughput and power of the layout.",
+                                   "and the step time, throughput and power of the layout: of an experiment, of a "
+                                   "model on a cluster (--model), or of a Megatron-LM command line (--megatron-args).",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", nargs="?", metavar="EXPERIMENT_OR_PRESET",
                    help="an experiment TOML file or preset name")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set tensor_model_parallel_size=4, or the model or hardware "
                         "preset, e.g. --set model=llama3-8b (repeatable; charllm-tui fields lists the fields)")
+    add_model_arguments(p, "plan")
     p.add_argument("--megatron-args", metavar="FLAGS", help="a pretrain_gpt.py command line instead of an experiment")
     p.add_argument("--world-size", type=int, metavar="N",
-                   help="number of GPUs (with --megatron-args; default: what a torchrun prefix in the line says)")
-    p.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs per node (with --megatron-args; default 8)")
-    p.add_argument("--hardware", metavar="NAME", help="hardware preset (with --megatron-args)")
+                   help="number of GPUs, in nodes of --gpus-per-node (default 8), with --model instead of --nodes, "
+                        "or with --megatron-args (default: what a torchrun prefix in the line says)")
     p.add_argument("--megatron-version", metavar="V",
                    help="the megatron-core release the line is for, for defaults that changed between releases "
                         "(with --megatron-args; default: the installed one)")
@@ -82,35 +94,125 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+# --------------------------------------------------------------------------------------------
+# A model on a cluster instead of an experiment: plan and sweep take it the same way
+# --------------------------------------------------------------------------------------------
+MODEL_FLAGS = ("model", "hardware", "nodes", "gpus_per_node", "global_batch_size")
+SIZE_FLAGS = ("nodes", "gpus_per_node", "global_batch_size", "seq_length", "world_size")
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
+    """--model, --hardware, --nodes, --gpus-per-node, --global-batch-size and --seq-length."""
+    p.add_argument("--model", metavar="NAME",
+                   help=f"model preset: {command} it on --hardware, --nodes x --gpus-per-node, with "
+                        "--global-batch-size (instead of an experiment)")
+    p.add_argument("--hardware", metavar="NAME",
+                   help=f"hardware preset, or its short name ({', '.join(sorted(catalog.ALIASES['hardware']))}); "
+                        "`charllm-tui presets list hardware` lists them")
+    p.add_argument("--nodes", type=int, metavar="N", help="nodes (with --model)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs per node (with --model or --megatron-args)")
+    p.add_argument("--global-batch-size", type=int, metavar="B", help="sequences per step (with --model)")
+    p.add_argument("--seq-length", type=int, metavar="S", help="sequence length (with --model; default: the model's)")
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    for name in SIZE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UserError(f"{flag(name)} = {value!r}: must be a positive integer")
+
+
+def model_experiment(args: argparse.Namespace, command: str, training: dict | None = None,
+                     nodes: int | None = None, gpus_per_node: int | None = None) -> Experiment:
+    """The experiment of --model on its cluster (`nodes` and `gpus_per_node` where the command worked
+    them out otherwise); `training`: the options every layout of a sweep keeps."""
+    nodes, gpus_per_node = nodes or args.nodes, gpus_per_node or args.gpus_per_node
+    given = {"nodes": nodes, "gpus_per_node": gpus_per_node}
+    missing = [flag(f) for f in MODEL_FLAGS if given.get(f, getattr(args, f)) is None]
+    if missing:
+        raise UserError(f"{command} --model: give {' '.join(missing)} too")
+    return base_experiment(args.model, args.hardware, nodes, gpus_per_node, args.global_batch_size,
+                           args.seq_length, training, name=command)
+
+
 def load(args: argparse.Namespace):
-    """(experiment, ignored Megatron flags, warnings) from either form of the command line."""
+    """(experiment, ignored Megatron flags, warnings) from any form of the command line."""
+    check_sizes(args)
+    forms = [name for name, given in (("EXPERIMENT_OR_PRESET", args.experiment), ("--model", args.model),
+                                      ("--megatron-args", args.megatron_args is not None)) if given]
+    if len(forms) > 1:
+        raise UserError(f"plan: give one of EXPERIMENT_OR_PRESET, --model or --megatron-args, "
+                        f"not {' and '.join(forms)}")
     if args.megatron_args is not None:
-        if not split_command_line(args.megatron_args):     # "" or only comments: an empty $(cat FILE)?
-            raise UserError(f"--megatron-args = {args.megatron_args!r}: no arguments in it; give Megatron-LM's "
-                            "flags, a launch script's text or a model_config.yaml's")
-        if args.experiment:
-            raise UserError("plan: give either EXPERIMENT_OR_PRESET or --megatron-args, not both")
-        if args.hardware is None:
-            raise UserError("plan --megatron-args: --hardware is required")
-        if args.world_size is not None and args.world_size < 1:
-            raise UserError(f"--world-size = {args.world_size!r}: must be a positive integer")
-
-        if args.world_size is None and launcher_world_size(args.megatron_args) is None:
-            raise UserError("plan --megatron-args: --world-size is required unless the line starts with "
-                            "torchrun --nnodes N --nproc-per-node G")
-        imported = import_megatron_args(args.megatron_args, world_size=args.world_size,
-                                        gpus_per_node=args.gpus_per_node, hardware=args.hardware,
-                                        version=args.megatron_version)
-        notes = [f"no memory effect: {line}" for line in imported.no_effect]
-        return imported.experiment.apply(args.sets), imported.ignored, imported.warnings + notes
+        return from_megatron_args(args)
+    if args.megatron_version is not None:
+        raise UserError("plan: --megatron-version goes with --megatron-args (an experiment is planned for the "
+                        "installed megatron-core)")
+    if args.model:
+        nodes = gpus = None
+        if args.world_size is not None:
+            if args.nodes is not None:
+                raise UserError(f"plan --model: give --nodes or --world-size, not both (--world-size {args.world_size} "
+                                f"is nodes of --gpus-per-node, default {DEFAULT_GPUS_PER_NODE})")
+            nodes, gpus = nodes_of(args.world_size, args.gpus_per_node)
+        return model_experiment(args, "plan", nodes=nodes, gpus_per_node=gpus).apply(args.sets), [], []
     if not args.experiment:
-        raise UserError("plan: an EXPERIMENT_OR_PRESET or --megatron-args is required")
-    for flag in ("world_size", "gpus_per_node", "hardware", "megatron_version"):
-        if getattr(args, flag) is not None:
-            raise UserError(f"plan: --{flag.replace('_', '-')} only goes with --megatron-args "
-                            f"(use --set for an experiment)")
+        raise UserError("plan: say what to plan: an EXPERIMENT_OR_PRESET, --model NAME (with --hardware, --nodes and "
+                        "--gpus-per-node or --world-size, --global-batch-size), or --megatron-args FLAGS")
+    exp = load_experiment(args.experiment, "plan")
+    for name in (*MODEL_FLAGS[1:], "seq_length", "world_size"):
+        value = getattr(args, name)
+        if value is not None:
+            forms = "--model or --megatron-args" if name in ("hardware", "gpus_per_node", "world_size") else "--model"
+            raise UserError(f"plan {args.experiment}: {flag(name)} goes with {forms}; for an experiment, "
+                            f"{instead_of(name, value, exp)}")
+    return exp.apply(args.sets), [], []
 
-    return Experiment.load(args.experiment).apply(args.sets), [], []
+
+def instead_of(name: str, value, exp: Experiment) -> str:
+    """The --set that says for an experiment what flag `name` says for --model."""
+    if name == "world_size":
+        gpn = exp.cluster.gpus_per_node
+        if value % gpn:
+            return (f"--world-size {value} is not a whole number of its nodes of {gpn}: --set nodes=N "
+                    "--set gpus_per_node=G")
+        return f"--set nodes={value // gpn} (nodes of {gpn} devices; --set gpus_per_node=G for others)"
+    return f"--set {name}={value}"
+
+
+def load_experiment(ref: str, command: str) -> Experiment:
+    """The experiment `ref` names; a model preset's name says how to plan the model instead."""
+    try:
+        return Experiment.load(ref)
+    except UserError:
+        if catalog.resolve("models", ref) not in catalog.entries("models"):
+            raise
+    raise UserError(f"{command} {ref!r}: a model preset, not an experiment; {command} it on a cluster with "
+                    f"--model {ref} --hardware NAME --nodes N --gpus-per-node G --global-batch-size B")
+
+
+def from_megatron_args(args: argparse.Namespace):
+    if not split_command_line(args.megatron_args):     # "" or only comments: an empty $(cat FILE)?
+        raise UserError(f"--megatron-args = {args.megatron_args!r}: no arguments in it; give Megatron-LM's "
+                        "flags, a launch script's text or a model_config.yaml's")
+    for name in ("nodes", "global_batch_size", "seq_length"):
+        if getattr(args, name) is not None:
+            raise UserError(f"plan --megatron-args: {flag(name)} goes with --model (the line gives the "
+                            f"{'world size with --world-size' if name == 'nodes' else 'batch and sequence'})")
+    if args.hardware is None:
+        raise UserError("plan --megatron-args: --hardware is required")
+    if args.world_size is None and launcher_world_size(args.megatron_args) is None:
+        raise UserError("plan --megatron-args: --world-size is required unless the line starts with "
+                        "torchrun --nnodes N --nproc-per-node G")
+    imported = import_megatron_args(args.megatron_args, world_size=args.world_size,
+                                    gpus_per_node=args.gpus_per_node, hardware=args.hardware,
+                                    version=args.megatron_version)
+    notes = [f"no memory effect: {line}" for line in imported.no_effect]
+    return imported.experiment.apply(args.sets), imported.ignored, imported.warnings + notes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,7 +260,8 @@ def speed_lines(fast) -> list[str]:
     lines = [f"step {fast.step_s:.3g} s · {fast.tokens_per_s:,.0f} tokens/s · {fast.samples_per_s:,.3g} samples/s · "
              f"{mfu}",
              f"of the step: compute {sh['compute']:.0%} · exposed communication {sh['communication']:.0%} · "
-             f"pipeline bubble {sh['bubble']:.0%} · optimizer and fixed {sh['other']:.0%}",
+             f"pipeline bubble {sh['bubble']:.0%} · host-bound {sh['host']:.0%} · optimizer and fixed "
+             f"{sh['other']:.0%}",
              f"parameters {count(fast.params_total)} · per stage {per_stage} · at most "
              f"{count(max(fast.params_per_device))} on one device · {si(fast.flops_per_iteration, 'FLOP')} per "
              "iteration"]

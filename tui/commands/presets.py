@@ -9,7 +9,7 @@ import json
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec, _drop_none
 from charllm.engine.model.validate import validate, value_problems
-from charllm.probes.core.errors import UserError, did_you_mean, plural
+from charllm.probes.core.errors import UserError, did_you_mean_preset, plural
 from charllm.probes.core.formatting import GIB
 
 KINDS = ("models", "hardware", "experiments")
@@ -17,8 +17,8 @@ SINGULAR = {"models": "model", "hardware": "hardware", "experiments": "experimen
 KIND_ALIASES = {"model": "models", "experiment": "experiments"}
 
 
-def register(sub) -> None:
-    p = sub.add_parser("presets", help="list and show model, hardware and experiment presets",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="Presets ship with charllm-tui (presets/) or live in your config dir "
                                    "(<config>/{models,hardware,experiments}/*.toml); a user preset with a "
                                    "shipped preset's name takes its place.")
@@ -96,35 +96,46 @@ def _list(kind: str | None, as_json: bool) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    # Narrower than DESCRIBED_WIDTH (COLUMNS, or the terminal's) the descriptions (a few lines each)
+    # are left out, so that a list stays about two lines a preset.
     console = Console()
+    described = console.width >= DESCRIBED_WIDTH
     for k in [kind] if kind else KINDS:
         listed = [r for r in rows if r["kind"] == k]
         table = Table(title=k, title_justify="left", box=None, header_style="bold")
         # A name is what one types next: it never wraps; summary and description give way.
         table.add_column("name", no_wrap=True, min_width=max((len(r["name"]) for r in listed), default=4))
         table.add_column("source", no_wrap=True)
-        for column in ("summary", "description"):
+        for column in ("summary", "description") if described else ("summary",):
             table.add_column(column, overflow="fold")
         for row in listed:
             source = "[cyan]user[/]" if row["source"] == "user" else "shipped"
-            summary = f"[red]{row['summary']}[/]" if row["summary"].startswith("invalid:") else row["summary"]
-            table.add_row(row["name"], source, summary, row["description"])
+            summary = f"[red]{escape(row['summary'])}[/]" if row["summary"].startswith("invalid:") \
+                else escape(row["summary"])
+            table.add_row(row["name"], source, summary, *([escape(row["description"])] if described else []))
         console.print(table)
+    if not described:
+        console.print(f"[dim]descriptions: presets show NAME, --json, or {DESCRIBED_WIDTH}+ columns[/]",
+                      highlight=False)
     return 0
+
+
+DESCRIBED_WIDTH = 120
 
 
 # --------------------------------------------------------------------------------------------
 def _find_kind(name: str) -> str:
-    kinds = [k for k in KINDS if name in catalog.entries(k)]
+    kinds = [k for k in KINDS if catalog.resolve(k, name) in catalog.entries(k)]
     if len(kinds) == 1:
         return kinds[0]
     if kinds:
         raise UserError(f"preset {name!r} is a {' and a '.join(SINGULAR[k] for k in kinds)} preset; "
                         f"pass --kind {'|'.join(kinds)}")
-    every = [n for k in KINDS for n in catalog.entries(k)]
-    hint = did_you_mean(name, every, "; see `charllm-tui presets list`", cutoff=0.5)
+    every = [n for k in KINDS for n in (*catalog.entries(k), *catalog.ALIASES.get(k, {}))]
+    hint = did_you_mean_preset(name, every, "; see `charllm-tui presets list`")
     raise UserError(f"preset {name!r}: no such model, hardware or experiment preset{hint}")
 
 
@@ -132,6 +143,7 @@ def _show(name: str, kind: str | None, as_json: bool) -> int:
     import tomli_w
 
     kind = kind or _find_kind(name)
+    name = catalog.resolve(kind, name)          # an alias shows its preset
     path = catalog.find(kind, name)
     obj = _load(kind, name)
     source = "user" if catalog.is_user(kind, name) else "shipped"

@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from charllm.engine.model.experiment import Experiment, parse_value
+from charllm.engine.model.experiment import parse_value
 from charllm.engine.model.memory import VERDICT_STYLE, budget
-from charllm.engine.model.sweep import RECOMPUTE, SWEPT, base_experiment, layout_to_experiment, recompute_name, sweep
+from charllm.engine.model.sweep import RECOMPUTE, SWEPT, layout_to_experiment, recompute_name, sweep
 from charllm.engine.model.validate import validate
 from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, did_you_mean, os_error_line, plural
 from charllm.probes.core.formatting import GIB
-from charllm.tui.commands.plan import percent, seconds, speed_basis, watts
+from charllm.tui.commands.plan import (
+    MODEL_FLAGS,
+    add_model_arguments,
+    check_sizes,
+    flag,
+    load_experiment,
+    model_experiment,
+    percent,
+    seconds,
+    speed_basis,
+    watts,
+)
 
 EPILOG = """\
 what is swept: the layout of an experiment (a preset or TOML file, as Compose and `plan` take it),
@@ -37,9 +47,11 @@ ranking (rank 1 = most promising; --sort orders by another column):
 
 speed per layout: the step time (s), tokens/s, MFU (against the dense peak of the precision the
 matmuls run in) and estimated power per device (W); --json/--parquet add the shares of the step in
-compute, exposed communication, bubble and the rest, the energy per token, Megatron's FLOPs per
-iteration and the parameters (all, and the most on one device). The line under the table says where
-the rates come from: assumed, or a node calibrated with `charllm-tui doctor --train`.
+compute, exposed communication, pipeline bubble, host-bound time (the GPUs waiting on the host to
+launch their work) and the rest, the energy per token, Megatron's FLOPs per iteration and the
+parameters (all, and the most on one device). The table's bubble column is the schedule's own,
+(PP - 1) / (micro-batches x VP). The line under the table says where the rates come from: assumed,
+or a node calibrated with `charllm-tui doctor --train`.
 
 peak/headroom are per device, in GiB in the table and in bytes in --json/--parquet; headroom is
 usable memory minus memory outside the allocator, the peak and the allocator's reserve beyond it
@@ -60,19 +72,14 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = sub.add_parser("sweep", help="every valid parallel layout with its peak memory, ranked",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="Enumerate the valid parallel layouts of a model on a cluster and estimate "
                                    "the peak memory of each.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", nargs="?", metavar="EXPERIMENT_OR_PRESET",
                    help="sweep this experiment's layout (else give --model ... --global-batch-size)")
-    p.add_argument("--model", metavar="M", help="model preset")
-    p.add_argument("--hardware", metavar="H", help="hardware preset")
-    p.add_argument("--nodes", type=int, metavar="N")
-    p.add_argument("--gpus-per-node", type=int, metavar="G")
-    p.add_argument("--global-batch-size", type=int, metavar="B")
-    p.add_argument("--seq-length", type=int, metavar="S", help="default: the model's")
+    add_model_arguments(p, "sweep")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="fix a training/parallel option of every layout, e.g. --set seq_length=4096 (repeatable; "
                         "charllm-tui fields lists them)")
@@ -95,16 +102,10 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-MODEL_FLAGS = ("model", "hardware", "nodes", "gpus_per_node", "global_batch_size")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.parquet is not None:  # before the work
         args.parquet = paths.output_file(args.parquet, "--parquet")
-    for flag in ("nodes", "gpus_per_node", "global_batch_size", "seq_length"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UserError(f"--{flag.replace('_', '-')} = {value!r}: must be a positive integer")
+    check_sizes(args)
     if args.top < 0:
         raise UserError(f"--top = {args.top!r}: must be 0 (all) or more")
     import polars as pl
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         df = sort_by(df, args.sort)
         counted += f", by {args.sort}"
     if args.json:
-        print(json.dumps(df.to_dicts()))
+        print(df.write_json())   # (polars writes the records 8x as fast as json.dumps of its dicts)
     elif args.parquet is not None:
         try:
             write_atomic(args.parquet, df.write_parquet)
@@ -152,24 +153,23 @@ def load(args: argparse.Namespace):
             raise UserError(f"--set {item!r}: expected key=value, e.g. seq_length=4096")
         options[key.strip()] = parse_value(raw.strip())
     if args.experiment:
-        given = [f"--{f.replace('_', '-')}" for f in (*MODEL_FLAGS, "seq_length") if getattr(args, f) is not None]
+        given = [flag(f) for f in (*MODEL_FLAGS, "seq_length") if getattr(args, f) is not None]
         if given:
             raise UserError(
                 f"sweep: {given[0]} goes with --model, not with an experiment (use --set on the experiment)"
             )
 
-        exp = Experiment.load(args.experiment)
+        exp = load_experiment(args.experiment, "sweep")
         for key, value in options.items():
             if key.rpartition(".")[2] in SWEPT:
                 raise UserError(
                     f"{key} = {value!r}: the sweep varies {key.rpartition('.')[2]} itself; it cannot be fixed"
                 )
         return exp.apply(args.sets), False
-    missing = [f"--{f.replace('_', '-')}" for f in MODEL_FLAGS if getattr(args, f) is None]
-    if missing:
+    if args.model is None:
+        missing = [flag(f) for f in MODEL_FLAGS if getattr(args, f) is None]
         raise UserError(f"sweep: give an EXPERIMENT_OR_PRESET, or {' '.join(missing)}")
-    return base_experiment(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch_size,
-                           args.seq_length, options), True
+    return model_experiment(args, "sweep", options), True
 
 
 # Columns where more is better: --sort puts the largest first
@@ -213,8 +213,31 @@ def _tokens(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
+# The table's columns: (heading, the sweep's column, its text)
+TABLE = (
+    ("rank", "rank", str), ("TP", "tensor_model_parallel_size", str), ("PP", "pipeline_model_parallel_size", str),
+    ("VP", "virtual_pipeline_model_parallel_size", str), ("CP", "context_parallel_size", str),
+    ("EP", "expert_model_parallel_size", str), ("DP", "data_parallel_size", str), ("mbs", "micro_batch_size", str),
+    ("recompute", "recompute", str), ("dist-opt", "use_distributed_optimizer", lambda on: "on" if on else "off"),
+    ("bubble", "bubble", lambda v: f"{v:.1%}"), ("step s", "step_s", seconds), ("tok/s", "tokens_per_s", _tokens),
+    ("MFU", "mfu", percent), ("W", "power_w", watts), ("peak", "peak_bytes", lambda v: f"{v / GIB:.1f}"),
+    ("stage", "peak_stage", str), ("headroom", "headroom_bytes", lambda v: f"{v / GIB:.1f}"),
+    ("verdict", "verdict", lambda v: f"[{VERDICT_STYLE[v]}]{v}[/]"),
+)
+
+
+def _value(value) -> str:
+    """A sweep value of a column the table does not show by itself (--sort by it)."""
+    if value is None or isinstance(value, float) and value != value:
+        return "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:,.4g}" if isinstance(value, float) else str(value)
+
+
 def render(df, args, base, counted: str) -> None:
-    """The ranked layouts as a table titled with how many were swept and how many fit (`counted`)."""
+    """The ranked layouts as a table titled with how many were swept and how many fit (`counted`); a
+    --sort column the table does not show comes second, beside the rank."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -223,17 +246,16 @@ def render(df, args, base, counted: str) -> None:
     table = Table(box=box.SIMPLE_HEAD, title_justify="left",
                   title=f"{base.model.name} on {base.cluster.nodes} x {base.cluster.gpus_per_node} "
                         f"{base.hardware.name}, global batch {base.training.global_batch_size}: {counted} (GiB)")
-    for column in ("rank", "TP", "PP", "VP", "CP", "EP", "DP", "mbs", "recompute", "dist-opt", "bubble",
-                   "step s", "tok/s", "MFU", "W", "peak", "stage", "headroom", "verdict"):
-        table.add_column(column, justify="left" if column in ("recompute", "verdict") else "right", no_wrap=True)
+    columns = list(TABLE)
+    sorted_by = (args.sort or "").removeprefix("-")
+    if sorted_by and sorted_by not in (name for _, name, _ in TABLE):
+        columns.insert(1, (sorted_by, sorted_by, _value))
+    for heading, _, _ in columns:
+        table.add_column(heading, justify="left" if heading in ("recompute", "verdict") else "right", no_wrap=True)
     for r in shown.iter_rows(named=True):
-        table.add_row(str(r["rank"]), str(r["tensor_model_parallel_size"]), str(r["pipeline_model_parallel_size"]),
-                      str(r["virtual_pipeline_model_parallel_size"]), str(r["context_parallel_size"]),
-                      str(r["expert_model_parallel_size"]), str(r["data_parallel_size"]),
-                      str(r["micro_batch_size"]), r["recompute"], "on" if r["use_distributed_optimizer"] else "off",
-                      f"{r['bubble']:.1%}", seconds(r["step_s"]), _tokens(r["tokens_per_s"]), percent(r["mfu"]),
-                      watts(r["power_w"]), f"{r['peak_bytes'] / GIB:.1f}", str(r["peak_stage"]),
-                      f"{r['headroom_bytes'] / GIB:.1f}", f"[{VERDICT_STYLE[r['verdict']]}]{r['verdict']}[/]")
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+        table.add_row(*(text(r[name]) for _, name, text in columns))
+    # pipes and files get the whole table (with a --sort column too), a terminal what fits it
+    wide = Console(width=10_000).measure(table).maximum
+    Console(width=None if sys.stdout.isatty() else max(160, wide)).print(table)
     if shown.height < df.height:
         print(f"({df.height - shown.height} more; --top 0 shows all, --json/--parquet give every column)")

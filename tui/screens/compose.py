@@ -170,7 +170,7 @@ def speed_text(fast: dict) -> str:
     return (
         f"[b]step {fast['step_s']:.3g} s[/b] · {fast['tokens_per_s']:,.0f} tok/s · {mfu} ({fast['mfu_precision']})\n"
         f"compute {sh['compute']:.0%} · comm {sh['communication']:.0%} · bubble {sh['bubble']:.0%} · "
-        f"other {sh['other']:.0%}\n"
+        f"host-bound {sh['host']:.0%} · other {sh['other']:.0%}\n"
         f"params {count(fast['params_total'])}, {per_stage} · {si(fast['flops_per_iteration'], 'FLOP')}/iter\n"
         f"{power}[dim]{escape(fast['basis'])}[/]"
     )

@@ -37,10 +37,12 @@ from textual.worker import get_current_worker
 from charllm.engine.launch import targets
 from charllm.engine.model.experiment import Experiment
 from charllm.probes import backends, sampler
+from charllm.probes.analysis.iterations import read_experiment, span_stats
 from charllm.probes.analysis.ranks import recent_line
+from charllm.probes.analysis.render import format_figure
 from charllm.probes.backends.base import GpuProcess, hostname
 from charllm.probes.core.errors import UserError
-from charllm.probes.core.formatting import GIB, size
+from charllm.probes.core.formatting import GIB, seconds, size
 from charllm.probes.store import rundir
 from charllm.probes.store.follow import NewIterations, NewLogLines, NewTelemetry, RunFollower
 from charllm.probes.store.schema import conform
@@ -101,6 +103,7 @@ class Frame(Message):
     heat: list[tuple[str, list[float | None]]] = field(default_factory=list)   # the strip's values, unless throttle
     strip: str = "throttle"                                   # what the strip shows (STRIPS)
     iterations: list[dict] = field(default_factory=list)     # every "iteration" event so far
+    progress: str = ""                                        # iterations_text of them
     ranks: str = ""
     stragglers: str | None = None                             # the slowest ranks of the last steps
     log_lines: list[str] = field(default_factory=list)       # new since the previous frame
@@ -122,6 +125,10 @@ class RunSource:
         self.follower = RunFollower(run_dir)
         self.name = self.follower.run.id
         self.expects = _expected_kind(self.follower.run)
+        try:    # its figures count tokens as summarize does (the batch where a step logged none)
+            self.experiment = read_experiment(self.follower.run.experiment_path)
+        except (UserError, OSError):
+            self.experiment = None
 
     def status(self) -> str:
         m = self.follower.manifest or self.follower.run.manifest()
@@ -332,6 +339,8 @@ class LiveScreen(WorkbenchScreen):
 
         history = None
         iterations: list[dict] = []
+        log = None             # the iteration lines as a typed frame (rundir.iteration_frame), grown as they come
+        progress = ""
         starts: dict = {}
         t0 = None
         drawn_with = None      # (rows seen, view settings) of the last chart data sent
@@ -404,6 +413,11 @@ class LiveScreen(WorkbenchScreen):
                 last_kind = frame.kind
                 frame.source, frame.status = source.name, status
                 frame.iterations = iterations
+                if events or not progress:    # the log's new lines typed once; the figures over all of it
+                    new = [e for e in events if e.get("event") == "iteration"]
+                    log = rundir.iteration_frame(new) if log is None else pl.concat([log, rundir.iteration_frame(new)])
+                    progress = iterations_text(log, getattr(source, "experiment", None))
+                frame.progress = progress
                 frame.log_lines = log_lines
                 frame.ranks = ranks_text(iterations, starts)
                 if events:   # rank 0's lines carry every rank's timers: the last steps' slowest ranks
@@ -437,6 +451,7 @@ class LiveScreen(WorkbenchScreen):
                 # the paused data in a new view (zoom): redrawn, with the figures as they were
                 last = self.last_frame
                 frame.source, frame.status, frame.iterations = last.source, last.status, last.iterations
+                frame.progress = last.progress
                 frame.ranks, frame.runtime = last.ranks, last.runtime
                 self._draw(frame, charts=True)
             else:
@@ -490,7 +505,7 @@ class LiveScreen(WorkbenchScreen):
         self.query_one("#live-bottom").display = processes or run     # a run's log and steps from its first second
         if processes:
             self._update("#gpu-processes", processes_text(self.processes, frame.processes_note, frame.processes_listed))
-        text = iterations_text(frame.iterations) + "\n" + frame.ranks
+        text = (frame.progress or iterations_text([])) + "\n" + frame.ranks
         if frame.stragglers:          # to the pane's last row, cut only where a phrase ends (80x24 gives it 5)
             width, height = self.query_one("#iterations").content_size.width, \
                 self.query_one("#live-bottom").content_size.height
@@ -619,7 +634,7 @@ def build_frame(history, t0, window_s, group_nodes, strip_width, chart_points: i
     averaged = data.height > buckets * labels     # else each point is one sample
     return Frame(source="", status="", kind=kind, charts=charts, throttle=throttle, heat=heat,
                  strip=strip if heat_metric and kind == "gpu" else "throttle", panes=panes,
-                 window=f"{(hi - lo) / buckets:.2g} s means · {span}" if averaged else f"samples · {span}",
+                 window=f"{seconds((hi - lo) / buckets)} means · {span}" if averaged else f"samples · {span}",
                  simulated=bool(data["simulated"].any()), grouped=grouped, devices=devices)
 
 
@@ -728,29 +743,32 @@ def processes_text(processes: list[GpuProcess], note: str, listed: bool) -> Text
     return text
 
 
-def iterations_text(events: list[dict]) -> str:
+def iterations_text(log, experiment=None) -> str:
     """The latest iteration, then iteration time and tokens/s over the last 10 steady steps and over
-    the whole steady window so far (all steps after warm-up): the figure Runs, Compare and `summarize`
-    give. Each line names its window."""
-    steps = rundir.one_per_step(events)   # rank 0 and the last rank both write one
-    if not steps:
+    the whole steady window so far (all steps after warm-up), each line naming its window. Steps and
+    figures are summarize's own (`rundir.merged_steps`, `iterations.span_stats`, printed by
+    `render.format_figure`): the steady window's are what Runs, Compare and `summarize` give.
+    `log`: the iteration lines (dicts, or `rundir.iteration_frame` of them); `experiment`: the run's
+    ExperimentFile (the tokens of steps that logged none)."""
+    import polars as pl  # deferred: as feed's (the module's own imports name no data library)
+
+    log = rundir.iteration_frame(log) if isinstance(log, list) else log
+    its = log.filter(pl.col("event") == "iteration")
+    if its.height == 0:
         return "[b]iterations[/]  none yet"
-    loss = next((e["loss"] for e in reversed(steps) if e.get("loss") is not None), None)
-    lines = [f"[b]iteration {steps[-1].get('iteration')}[/]" + (f" · loss {loss:.3f}" if loss is not None else "")]
-    recent = [e for e in steps[-10:] if not e.get("warmup")] or steps[-10:]
-    steady = [e for e in steps if not e.get("warmup")]
-    for window, part in ((f"last {len(recent)} steps", recent), ("steady window", steady)):
-        if part:
-            secs, tps = _speed(part)
-            lines.append(f"{window}: {secs * 1000:.0f} ms/it · {tps:,.0f} tokens/s")
+    losses = its.filter(pl.col("loss").is_not_null()).sort("iteration", maintain_order=True)["loss"]
+    loss = f" · loss {losses[-1]:.3f}" if losses.len() else ""
+    lines = [f"[b]iteration {its['iteration'].max()}[/]{loss}"]
+    steps = rundir.merged_steps(its)
+    steady = steps.filter(~pl.col("warmup"))
+    recent = steady.tail(10) if steady.height else steps.tail(10)
+    for window, part in ((f"last {recent.height} steps", recent), ("steady window", steady)):
+        stats = span_stats(steps, part, experiment)
+        if stats.get("iter_time_mean_s") is not None:
+            speed = f" · {format_figure('tokens_per_s', stats['tokens_per_s'])}" \
+                if stats.get("tokens_per_s") is not None else ""
+            lines.append(f"{window}: {format_figure('iter_time_mean_s', stats['iter_time_mean_s'])}/it{speed}")
     return "\n".join(lines)
-
-
-def _speed(steps: list[dict]) -> tuple[float, float]:
-    """Mean iteration time (s) and tokens/s (all tokens over all time) of `steps`."""
-    secs = [(e["end_ns"] - e["start_ns"]) / 1e9 for e in steps if e.get("end_ns") and e.get("start_ns")]
-    tokens = sum(e.get("tokens") or 0 for e in steps)
-    return (sum(secs) / len(secs) if secs else 0.0), (tokens / sum(secs) if secs and sum(secs) else 0.0)
 
 
 def rows(text: str, width: int) -> int:

@@ -4,11 +4,12 @@ presets take precedence over shipped ones."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from charllm.engine.model import catalog
-from charllm.engine.model.experiment import Hardware, ModelSpec
+from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec
 from charllm.probes.core.errors import UserError
 
 GIB = 2**30
@@ -142,6 +143,43 @@ def test_user_presets_take_precedence(charllm_dirs):
 def test_unknown_preset_suggests_a_name():
     with pytest.raises(UserError, match="model 'mixtral-8x7': no such preset; did you mean 'mixtral-8x7b'"):
         ModelSpec.load("mixtral-8x7")
+
+
+@pytest.mark.parametrize("kind, name, said", [
+    # the issue's cases: a model where an experiment is wanted, a chip's short name
+    ("experiments", "llama3-70b", "experiment 'llama3-70b': no such preset; 'llama3-70b' is a model preset"),
+    ("models", "h100-sxm-80gb", "model 'h100-sxm-80gb': no such preset; 'h100-sxm-80gb' is a hardware preset"),
+    ("hardware", "h10", "hardware 'h10': no such preset; did you mean 'h100'?"),
+    ("hardware", "h100-sxn", "did you mean 'h100-sxm'?"),
+    ("hardware", "b100", "did you mean 'a100' or 'b200' or 'h100'?"),   # one substitution from each
+    ("models", "llama3", "did you mean 'llama3-70b' or 'llama3-8b' or 'llama3.1-405b'?"),   # the family it begins
+    ("models", "mixtral-8x7", "did you mean 'mixtral-8x7b'?"),
+    ("experiments", "ppt-h100-llama3-70b-1-0100", "did you mean 'ppt-h100-llama3-70b-1-01000'?"),
+    ("models", "zzzz", "model 'zzzz': no such preset; see `charllm-tui presets list models`"),
+])
+def test_an_unknown_name_suggests_names_of_its_own_kind(kind, name, said):
+    with pytest.raises(UserError) as exc:
+        catalog.find(kind, name)
+    assert said in str(exc.value)
+    suggested = re.findall(r"'([^']+)'", str(exc.value).partition("did you mean")[2])
+    assert all(catalog.resolve(kind, s) in catalog.entries(kind) for s in suggested)   # never another kind's
+
+
+def test_hardware_short_names_are_the_shipped_presets(charllm_dirs):
+    aliases = catalog.ALIASES["hardware"]
+    assert {"h100", "h200", "a100"} <= set(aliases)
+    for alias, name in aliases.items():
+        assert name in catalog.entries("hardware") and alias not in catalog.entries("hardware")
+        assert Hardware.load(alias).name == name          # calibrations and runs name the preset itself
+    for name in ("b200", "mi250x", "mi300x"):             # already short
+        assert Hardware.load(name).name == name
+    exp = Experiment.load("tiny-local").apply(["hardware=h200"])
+    assert exp.hardware.name == "h200-141gb"
+    # a preset of the user's with that very name comes first
+    user = charllm_dirs["config"] / "hardware"
+    user.mkdir(parents=True)
+    (user / "h100.toml").write_text('description = "my h100"\nvendor = "nvidia"\n')
+    assert Hardware.load("h100").description == "my h100"
 
 
 def test_swiglu_ffn_of_presets_is_explicit():

@@ -61,6 +61,18 @@ def test_the_pipeline_bubble_shrinks_with_micro_batches_and_interleaving():
     assert interleaved.shares["bubble"] < few.shares["bubble"]
 
 
+def test_host_bound_time_is_not_a_pipeline_bubble():
+    """A small model at PP 1 waits on the host that launches its kernels: that is the host-bound share;
+    a pipeline without stages has no bubble. A large pipelined model has a bubble and no host wait."""
+    small = speed.estimate(Experiment.load("tiny-local"))
+    assert small.shares["bubble"] == 0 and small.shares["host"] > 0.1
+    large = speed.estimate(llama8b(global_batch_size=16))
+    assert large.shares["bubble"] > 0.01 and large.shares["host"] == 0
+    for got in (small, large):
+        assert sum(got.shares.values()) == pytest.approx(1)
+        assert set(got.shares) == set(speed.SHARES)
+
+
 def test_tensor_parallelism_across_nodes_is_slower_than_within_one():
     within = llama8b(tensor_model_parallel_size=4)
     across = llama8b(tensor_model_parallel_size=4)

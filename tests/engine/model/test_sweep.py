@@ -160,7 +160,7 @@ def test_speed_columns_follow_from_the_step_time(llama):
     base = base_experiment(model, hardware, nodes, gpus, batch)
     tokens = batch * base.seq_length
     assert (df["tokens_per_s"] - tokens / df["step_s"]).abs().max() < 1e-6 * df["tokens_per_s"].max()
-    shares = df["compute_share"] + df["communication_share"] + df["bubble_share"] + df["other_share"]
+    shares = sum(df[f"{part}_share"] for part in ("compute", "communication", "bubble", "host", "other"))
     assert (shares - 1).abs().max() < 1e-9
     assert df["mfu"].is_between(0, 1).all() and df["power_w"].is_between(0, base.hardware.tdp_w).all()
     assert (df["params"] == df["params"][0]).all() and (df["params_per_device"] <= df["params"]).all()

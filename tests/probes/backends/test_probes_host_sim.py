@@ -231,5 +231,6 @@ def test_sim_hardware_limits_are_the_presets(tmp_path, monkeypatch):
     hw = SimBackend(gpus=1).hw
     assert (hw.tdp_w, hw.max_sm_clock_mhz, hw.temp_limit_c, hw.memory_bytes, hw.nvlink_bytes_s) == \
         (500.0, 1500.0, 80.0, 1024, 100e9)
-    with pytest.raises(UserError, match="sim hardware 'h100-sxm': no such preset; did you mean"):
-        SimHardware.from_preset("h100-sxm")
+    assert SimHardware.from_preset("h100").tdp_w == 500.0      # its short name: the same preset, the user's
+    with pytest.raises(UserError, match="sim hardware 'h100-sxn': no such preset; did you mean 'h100-sxm'"):
+        SimHardware.from_preset("h100-sxn")
