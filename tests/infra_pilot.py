@@ -36,11 +36,11 @@ def send_at_once(app, *keys: str) -> None:
         app._driver.send_message(event)
 
 
-async def compose_settled(pilot):
+async def compose_settled(pilot, timeout: float = 30.0):
     """The Compose screen once the estimate of its newest edit is shown."""
     screen = pilot.app.screen
     await wait_for(pilot, lambda: screen.last is not None and screen.last.serial == screen.edit_serial,
-                   what="the estimate of the newest edit")
+                   timeout=timeout, what="the estimate of the newest edit")
     return screen
 
 
