@@ -219,7 +219,6 @@ async def swept(pilot):
 
 @pilot_test
 async def test_sweep_runs_and_a_pick_loads_into_compose():
-    pytest.importorskip("charllm.engine.model.sweep", reason="engine.model.sweep is not in this build")
     from charllm.tui.screens.sweep import TABLE_PAGE
 
     exp = llama3_8b_on_8_h100()

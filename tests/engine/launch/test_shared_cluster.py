@@ -19,6 +19,7 @@ import time
 import psutil
 import pytest
 
+import infra_daemons as daemons
 from charllm.engine.launch.launcher import launch
 from charllm.engine.launch.targets import LOCAL, parse_target
 from charllm.engine.model.experiment import Experiment
@@ -300,7 +301,7 @@ def _namespaces_reason() -> str | None:
 def test_another_login_node_sees_a_live_run_as_running_elsewhere(charllm_dirs):
     reason = _namespaces_reason()
     if reason:
-        pytest.skip(reason)
+        daemons.missing(reason)
     exp = Experiment.load("tiny-local")
     exp.training.train_iters = 100_000
     rd = RunDir(launch(exp, LOCAL).run_dir)
