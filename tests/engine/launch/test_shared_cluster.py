@@ -19,7 +19,6 @@ import time
 import psutil
 import pytest
 
-import infra_daemons as daemons
 from charllm.engine.launch.launcher import launch
 from charllm.engine.launch.targets import LOCAL, parse_target
 from charllm.engine.model.experiment import Experiment
@@ -300,8 +299,8 @@ def _namespaces_reason() -> str | None:
 @pytest.mark.timeout(600)
 def test_another_login_node_sees_a_live_run_as_running_elsewhere(charllm_dirs):
     reason = _namespaces_reason()
-    if reason:
-        daemons.missing(reason)
+    if reason:   # a kernel feature, not a daemon tests/run.sh installs: skipped even where daemons are required
+        pytest.skip(reason)
     exp = Experiment.load("tiny-local")
     exp.training.train_iters = 100_000
     rd = RunDir(launch(exp, LOCAL).run_dir)
