@@ -36,6 +36,8 @@ from charllm.probes.core import lifeline
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.store.trainlogs import check_format
 
+# What `attach KIND IDENT` attaches to, and what IDENT is for it (the CLI's words).
+ATTACH_KINDS = {"slurm": "a running Slurm job's id", "pid": "a process on this machine"}
 FOLLOW_MODULE = "charllm.engine.launch.attach"
 POLL_S = 0.2          # how often the job's log is read
 STATE_S = 1.0         # how often the job's state is asked
@@ -230,7 +232,7 @@ def _ended(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {FOLLOW_MODULE}", description="follow a job charllm attached to")
-    p.add_argument("kind", choices=("slurm", "pid"))
+    p.add_argument("kind", choices=tuple(ATTACH_KINDS))
     p.add_argument("ident")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--started", default="0")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from charllm.engine.launch.attach import attach
+from charllm.engine.launch.attach import ATTACH_KINDS, attach
 from charllm.probes.store.trainlogs import FORMATS, REGEX_GROUPS
 from charllm.tui.commands.launch import follow
 
@@ -16,7 +16,8 @@ def register(sub, name: str, help: str) -> None:
                                    "--overlap), or on this machine for a process here; its log followed for "
                                    "iterations when its format is known. The attach ends when the job does; "
                                    "`charllm-tui runs cancel RUN` stops the attach only, never the job.")
-    p.add_argument("kind", choices=("slurm", "pid"), help="slurm: a Slurm job id; pid: a process on this machine")
+    p.add_argument("kind", choices=tuple(ATTACH_KINDS),
+                   help="; ".join(f"{kind}: {what}" for kind, what in ATTACH_KINDS.items()))
     p.add_argument("ident", metavar="JOBID_OR_PID")
     p.add_argument("--log-format", default="none", metavar="FORMAT",
                    help=f"how its log reports steps: {', '.join(FORMATS)}, or a regular expression with named "

@@ -12,6 +12,7 @@ from charllm.engine.launch.command import megatron_lm_command, plan_command
 from charllm.engine.launch.launcher import (
     PORT_AT_LAUNCH,
     SUPERVISOR_EXIT_S,
+    LayoutRefused,
     cancel,
     launch,
     problems,
@@ -190,7 +191,7 @@ def what_runs(args: argparse.Namespace, target):
             exp.cluster.gpus_per_node = args.nproc
         found = [] if args.force else problems(exp)
         if found:
-            raise UserError(f"{found[0]} (launch anyway with --force)")
+            raise LayoutRefused(found[0])
         command, notes = megatron_lm_command(exp, args.megatron_lm, python=target.python_path,
                                              check_here=target.shares_files)
         return exp, command, notes
