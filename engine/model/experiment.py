@@ -351,6 +351,8 @@ class Hardware:
     devices_per_package: int = setting(1, flag=None, minimum=1, maximum=64,
                                        help="devices one package shows the software (MI250X: 2 GCDs)")
     max_sm_clock_mhz: float = setting(0.0, flag=None, minimum=0, help="highest SM clock (MHz); 0: unknown")
+    sm_count: int = setting(0, flag=None, minimum=0, help="streaming multiprocessors (compute units): the waves "
+                                                          "of a GEMM's tiles the step time counts; 0: unknown")
     compute_capability: str | None = setting(None, flag=None, help="NVIDIA compute capability, major.minor "
                                                                    "(9.0: Hopper): which kernels it can run")
     device_names: list[str] = setting([], flag=None,

@@ -60,9 +60,16 @@ from charllm.engine.model.flops import PEAK_FIELDS, num_floating_point_operation
 # bf16 GEMM on an H100 reaches half that rate at about 4 GFLOP (132 SMs' worth of 128x256 output tiles
 # and a long K keep it busy), i.e. 4 GFLOP / (0.72 x 989 TFLOP/s).
 MATMUL_FILL_S = 5.5e-6
-# FP8 GEMMs reach a smaller share of their (twice as high) peak than BF16's: H100 cuBLASLt FP8
-# GEMMs run at 1.3-1.45 of 1.98 PFLOP/s against BF16's 0.75-0.8 of 0.99.
-FP8_MATMUL_SHARE = 0.85
+# GEMM output tiles of the cuBLAS/CUTLASS kernels for large GEMMs on Hopper (one tile per SM at a time): 128x256
+# and 256x128 warp-specialized tiles, 128x128 where those leave more of the last wave idle (CUTLASS 3's sm90
+# GEMM configurations; cuBLAS's heuristics pick among them). A GEMM runs ceil(tiles / SMs) waves, and a wave's
+# idle SMs and a tile's padding past the matrix edge are lost (Hardware.sm_count; 0: not counted).
+GEMM_TILES = ((128, 256), (256, 128), (128, 128))
+# FP8 GEMMs reach a smaller share of their (twice as high) peak than BF16's, by Transformer Engine recipe (the
+# scaling of the operands): per-tensor (delayed, tensorwise) and MXFP8 scale in the GEMM's epilogue; blockwise
+# (1x128 activations, 128x128 weights) rescales each K block in the main loop. Relative to the large-GEMM
+# efficiency of BF16 (Hardware.matmul_efficiency or its calibration).
+FP8_MATMUL_SHARE = {"delayed": 0.70, "tensorwise": 0.70, "mxfp8": 0.70, "custom": 0.70, "blockwise": 0.70}
 # Flash-class attention (FlashAttention-3, cuDNN's fused attention in Transformer Engine) on the
 # causal half of the scores, share of the BF16 peak (forward, backward): FA3's published H100
 # figures reach about 0.33 of it at 1k tokens and 0.6 at 8k-16k, head dim 128.
@@ -116,6 +123,7 @@ class Rates:
     network_bps: float              # network per device between nodes, per direction (B/s)
     host_bps: float                 # device-host link, per direction (B/s)
     gpus_per_node: int
+    sms: int                        # streaming multiprocessors: the GEMM's waves (0: unknown, not counted)
     source: str                     # "assumed" | "calibrated on NODE, DATE"
 
 
@@ -131,9 +139,9 @@ def rates(exp: Experiment, precision: str, efficiency: float | None = None) -> R
         share, source = efficiency, "given"
     elif cal is not None and cal.matmul_efficiency:
         share, source = cal.matmul_efficiency, cal.source
-    share *= FP8_MATMUL_SHARE if precision == "fp8" else 1.0
+    share *= FP8_MATMUL_SHARE[exp.training.fp8_recipe] if precision == "fp8" else 1.0
     return Rates(peak * 1e12, share, hw.mem_bandwidth_gbs * 1e9, hw.node_link_gbs * 1e9,
-                 hw.network_gbs * 1e9, hw.host_link_gbs * 1e9, exp.cluster.gpus_per_node, source)
+                 hw.network_gbs * 1e9, hw.host_link_gbs * 1e9, exp.cluster.gpus_per_node, hw.sm_count, source)
 
 
 def missing(exp: Experiment) -> list[str]:
@@ -258,13 +266,26 @@ def layouts_of(exp: Experiment, cache: dict | None = None) -> Layouts:
 # --------------------------------------------------------------------------------------------
 # The arithmetic, on arrays
 # --------------------------------------------------------------------------------------------
+def _waves(np, m, n, gemms, sms):
+    """The share of the SMs' tile slots a launch of `gemms` GEMMs of m x n outputs each fills: whole waves of
+    `sms` tiles, of the tile shape (GEMM_TILES) that fills the most; 1 where the SM count is unknown."""
+    if not sms:
+        return 1.0
+    best = 0.0
+    for tile_m, tile_n in GEMM_TILES:
+        tiles = np.ceil(np.maximum(m, 1.0) / tile_m) * np.ceil(np.maximum(n, 1.0) / tile_n) * gemms
+        best = np.maximum(best, m * n * gemms / (np.ceil(tiles / sms) * sms * tile_m * tile_n))
+    return best
+
+
 def _gemm(np, m, k, n, peak, share, r: Rates, ab, gemms=1):
-    """Seconds of `gemms` GEMMs together (m x k) @ (k x n) at `peak` FLOP/s: the FLOPs at the
-    large-GEMM share of it plus each GEMM's fill and drain (MATMUL_FILL_S), never faster than the
-    operands stream from memory."""
+    """Seconds of `gemms` GEMMs together, each (m / gemms x k) @ (k x n), at `peak` FLOP/s: the FLOPs at the
+    large-GEMM share of it over the tile slots their waves fill (`_waves`), plus each GEMM's fill and drain
+    (MATMUL_FILL_S), never faster than the operands stream from memory."""
     flops = 2.0 * m * k * n
     streamed = (m * k + k * n + m * n) * ab / (r.memory_bps * MEMORY_EFFICIENCY)
-    return np.maximum(flops / max(peak * share, 1.0) + gemms * MATMUL_FILL_S, streamed + gemms * KERNEL_S)
+    filled = _waves(np, m / gemms, n, gemms, r.sms)
+    return np.maximum(flops / max(peak * share, 1.0) / filled + gemms * MATMUL_FILL_S, streamed + gemms * KERNEL_S)
 
 
 def _stream(nbytes, r: Rates):
