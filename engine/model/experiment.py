@@ -557,6 +557,17 @@ class Training:
     moe_aux_loss_coeff: float = setting(0.0, minimum=0, config=True,
                                         help="weight of the router's load-balancing loss; 0: off")
     moe_grouped_gemm: bool = setting(False, config=True, help="one grouped GEMM for a rank's local experts")
+    # benchmarks route evenly (Megatron-Bridge's performance recipes: "force-balance the token distribution")
+    moe_router_force_load_balancing: bool = setting(
+        False, config=True, activations=True,
+        help="route tokens evenly over the experts (benchmarking): no expert rank gets more than the mean")
+    # megatron-core ModelParallelConfig (core_v0.16.1+): the 1F1B A2A overlap of pipeline_parallel/combined_1f1b.py
+    overlap_moe_expert_parallel_comm: bool = setting(
+        False, config=True, help="each micro-batch's expert-parallel all-to-alls beside another's compute "
+                                 "(1F1B A2A overlap)")
+    delay_wgrad_compute: bool = setting(
+        False, config=True, help="weight gradients after the input gradients, beside the backward's all-to-all "
+                                 "(A2A overlap)")
     moe_router_dtype: str | None = setting(None, choices=(None, "fp32", "fp64"), config=True,
                                            help="dtype of routing and the weighted expert sum; unset: the "
                                                 "training dtype")

@@ -69,7 +69,7 @@ GEMM_TILES = ((128, 256), (256, 128), (128, 128))
 # scaling of the operands): per-tensor (delayed, tensorwise) and MXFP8 scale in the GEMM's epilogue; blockwise
 # (1x128 activations, 128x128 weights) rescales each K block in the main loop. Relative to the large-GEMM
 # efficiency of BF16 (Hardware.matmul_efficiency or its calibration).
-FP8_MATMUL_SHARE = {"delayed": 0.70, "tensorwise": 0.70, "mxfp8": 0.70, "custom": 0.70, "blockwise": 0.70}
+FP8_MATMUL_SHARE = {"delayed": 0.72, "tensorwise": 0.72, "mxfp8": 0.72, "custom": 0.72, "blockwise": 0.72}
 # Flash-class attention (FlashAttention-3, cuDNN's fused attention in Transformer Engine) on the
 # causal half of the scores, share of the BF16 peak (forward, backward): FA3's published H100
 # figures reach about 0.33 of it at 1k tokens and 0.6 at 8k-16k, head dim 128.
@@ -85,6 +85,13 @@ MEMORY_EFFICIENCY = 0.75
 # all-to-all's lower share, and the latency each adds (within a node, across nodes).
 LINK_EFFICIENCY = 0.8
 ALL_TO_ALL_EFFICIENCY = 0.6
+# MoE tokens travel in BF16: none of the dispatchers of megatron-core 0.16-0.19 sends FP8 (fused_a2a.py:
+# "Currently, we do not support fp8 dispatch"; main's moe_dispatch_fwd_dtype came after 0.19).
+DISPATCH_BYTES = 2
+# SMs a communication kernel holds while it runs beside compute, which the compute then lacks: DeepEP's 20
+# (TransformerConfig.moe_deepep_num_sms, core_v0.16.1; HybridEP's 16), NCCL's collectives one block per
+# channel, 16-32 channels on an NVLink node
+COMM_SMS = 20
 LATENCY_NODE_S = 20e-6
 LATENCY_NETWORK_S = 40e-6
 KERNEL_S = 4e-6                 # the least a kernel takes on the GPU
@@ -309,14 +316,33 @@ def _collective(np, factor, nbytes, size, stride, r: Rates, efficiency=LINK_EFFI
     return np.where(size > 1, latency + factor * nbytes / np.maximum(bw, 1.0), 0.0)
 
 
-def _all_to_all(np, nbytes, size, stride, r: Rates):
-    """Seconds of an all-to-all of `nbytes` per rank: what stays in the node over its link, the rest
-    over each device's network share."""
+def _all_to_all(np, token_bytes, topk, size, stride, r: Rates, per_rank: bool = False):
+    """Seconds of an expert-parallel token exchange over a group of `size` ranks `stride` apart, each rank
+    sending its tokens (`token_bytes`) to the ranks of their `topk` experts: what stays in the node over its
+    device link, the rest over each device's network share (a rail-optimized node: one NIC per device),
+    whichever takes longer. The all-to-all dispatcher sends every (token, expert) pair; with `per_rank` (the
+    flex dispatcher's DeepEP and HybridEP) a token goes once to each rank holding one of its experts, and
+    once over the network to each other node, which forwards it over its own links (experts spread evenly)."""
     local = _members_per_node(np, size, stride, r.gpus_per_node)
-    inside = nbytes * (local - 1) / size / max(r.node_bps * ALL_TO_ALL_EFFICIENCY, 1.0)
-    outside = nbytes * (size - local) / size / max(r.network_bps * LINK_EFFICIENCY, 1.0)
+    nodes = size / local
+    if per_rank:
+        inside = token_bytes * (local - 1) * (1 - (1 - 1 / size) ** topk)
+        outside = token_bytes * (nodes - 1) * (1 - (1 - 1 / nodes) ** topk)
+    else:
+        inside = token_bytes * topk * (local - 1) / size
+        outside = token_bytes * topk * (size - local) / size
     latency = np.where(local < size, LATENCY_NETWORK_S, LATENCY_NODE_S)
-    return np.where(size > 1, latency + np.maximum(inside, outside), 0.0)
+    seconds = np.maximum(inside / max(r.node_bps * ALL_TO_ALL_EFFICIENCY, 1.0),
+                         outside / max(r.network_bps * ALL_TO_ALL_EFFICIENCY, 1.0))
+    return np.where(size > 1, latency + seconds, 0.0)
+
+
+def _beside(np, comm, compute, r: Rates):
+    """Seconds a collective of `comm` seconds adds when it runs beside `compute` seconds of kernels: what the
+    compute does not cover, and the compute it covers slowed by the SMs the communication kernels hold
+    (COMM_SMS of the device's)."""
+    covered = np.minimum(comm, compute)
+    return comm - covered + covered * (COMM_SMS / r.sms if r.sms else 0.0)
 
 
 def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) -> dict:
@@ -402,8 +428,9 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         ep = L.ep.astype(float)
         routed = T * topk * etp / tp                          # token-expert pairs on this rank (mean)
         cf = t.moe_expert_capacity_factor
-        busiest = np.where(ep > 1, memory.MOE_DROPLESS_IMBALANCE, 1.0) if not cf else \
-            (cf if t.moe_pad_expert_input_to_capacity else min(cf, memory.MOE_DROPLESS_IMBALANCE))
+        imbalance = 1.0 if t.moe_router_force_load_balancing else memory.MOE_DROPLESS_IMBALANCE
+        busiest = np.where(ep > 1, imbalance, 1.0) if not cf else \
+            (cf if t.moe_pad_expert_input_to_capacity else min(cf, imbalance))
         routed = routed * busiest
         local_experts = E / ep
         effn = m.moe_ffn / etp
@@ -417,15 +444,18 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         permute = 4 * routed * h * ab                          # permute and unpermute: read and write
         moe_mem = norm_bytes + permute + (gate + 1) * routed * effn * ab + (3 + drop) * T_sp * h * ab \
             + (3 * routed * effn if t.fp8 else 0.0)
-        # token exchange per direction: all-to-all of the routed tokens over EP (and TP's all-gather
-        # and reduce-scatter around it with expert TP), or the all-gather dispatcher over TP x EP
-        tokens = T_sp * topk * h * ab
+        # token exchange per direction (tokens travel in BF16: DISPATCH_BYTES): all-to-all of the routed
+        # tokens over EP (and TP's all-gather and reduce-scatter around it with expert TP), or the all-gather
+        # dispatcher over TP x EP
         if t.moe_token_dispatcher_type == "allgather":
             group = tp * ep
-            dispatch = _collective(np, (group - 1) / group, T_sp * group * h * ab, group, 1, r)
+            dispatch = _collective(np, (group - 1) / group, T_sp * group * h * DISPATCH_BYTES, group, 1, r)
         else:
-            dispatch = _all_to_all(np, tokens, ep, etp, r)
-            dispatch = dispatch + np.where(etp > 1, _collective(np, (etp - 1) / etp, routed * h * ab, etp, 1, r), 0.0)
+            # the busiest rank receives (and sends back) `busiest` times the mean, and sets the exchange's pace
+            dispatch = _all_to_all(np, T_sp * h * DISPATCH_BYTES * busiest, topk, ep, etp, r,
+                                   per_rank=t.moe_token_dispatcher_type == "flex")
+            dispatch = dispatch + np.where(etp > 1, _collective(np, (etp - 1) / etp, routed * h * DISPATCH_BYTES,
+                                                                etp, 1, r), 0.0)
         moe_comm = 2 * dispatch                               # dispatch and combine
     else:
         moe_gemm = moe_mem = moe_comm = 0.0 * T
@@ -444,12 +474,12 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         output gradient before the row linear's. Without: an all-reduce after the row linear, and
         in the backward one of the input gradient beside the column linear's weight gradient."""
         if overlap:     # userbuffers pipeline each collective with its GEMM
-            hide = lambda c, g: np.maximum(c - g, 0.0)  # noqa: E731
+            hide = lambda c, g: _beside(np, c, g, r)  # noqa: E731
             fwd = hide(gather, col_gemm) + hide(gather, row_gemm)
             bwd = 2 * hide(gather, col_gemm) + hide(gather, row_gemm)
             return np.where(sp, fwd, 0.0), np.where(sp, bwd, 0.0)
         fwd = np.where(sp, 2 * gather, reduce)
-        bwd = np.where(sp, gather + 2 * np.maximum(gather - col_gemm, 0.0), np.maximum(reduce - col_gemm, 0.0))
+        bwd = np.where(sp, gather + 2 * _beside(np, gather, col_gemm, r), _beside(np, reduce, col_gemm, r))
         return fwd, bwd
 
     attn_col = attn_gemm - (mm(T, heads * v_dim / tp, h) if not m.multi_latent_attention else out_proj)
@@ -468,8 +498,8 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
     # (backward), cp - 1 times per layer, each step beside one block of the attention
     kv_bytes = 2 * T * kv_heads * (qk_dim + v_dim) / 2 / tp * ab
     step = _collective(np, 1.0, kv_bytes, cp, tp, r)
-    cp_fwd = (cp - 1) * np.maximum(step - core_fwd / cp, 0.0) + np.where(cp > 1, LATENCY_NODE_S, 0.0)
-    cp_bwd = (cp - 1) * np.maximum(2 * step - core_bwd / cp, 0.0)
+    cp_fwd = (cp - 1) * _beside(np, step, core_fwd / cp, r) + np.where(cp > 1, LATENCY_NODE_S, 0.0)
+    cp_bwd = (cp - 1) * _beside(np, 2 * step, core_bwd / cp, r)
 
     # collectives the host launches per layer and micro-batch (each costs it HOST_COLLECTIVE_S)
     tp_calls = np.where(tp > 1, np.where(sp, 10, 4), 0)
@@ -489,9 +519,14 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
     offload = L.host_bytes if L.host_bytes is not None else np.zeros(T.shape + (2,))
     dense = unit(attn_gemm + dense_mlp_gemm, core_fwd, core_bwd, attn_mem + dense_mlp_mem,
                  a_fwd + d_fwd + cp_fwd, a_bwd + d_bwd + cp_bwd, tp_calls + cp_calls, offload[:, 0])
-    moe = unit(attn_gemm + moe_gemm, core_fwd, core_bwd, attn_mem + moe_mem,
-               a_fwd + m_fwd + cp_fwd + moe_comm, a_bwd + m_bwd + cp_bwd + moe_comm,
-               tp_calls + cp_calls + ep_calls, offload[:, 1])
+    moe = unit(attn_gemm + moe_gemm, core_fwd, core_bwd, attn_mem + moe_mem, a_fwd + m_fwd + cp_fwd,
+               a_bwd + m_bwd + cp_bwd, tp_calls + cp_calls + ep_calls, offload[:, 1])
+    exposed = 2 * moe_comm
+    if t.overlap_moe_expert_parallel_comm and m.is_moe:
+        # 1F1B A2A overlap: one micro-batch's forward runs beside another's backward, layer by layer, each one's
+        # all-to-alls beside the other's compute
+        exposed = _beside(np, exposed, moe[0] + moe[1], r)
+    moe = (moe[0], moe[1], moe[2] + exposed / 2, moe[3] + exposed / 2, *moe[4:])
 
     # -- embedding: the lookup, and its TP reduction (reduce-scatter with SP, else all-reduce)
     emb_comm = np.where(sp, gather, reduce)
@@ -624,10 +659,10 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
                        + _collective(np, (expert_group - 1) / expert_group, params[1] * pr.weight, expert_group,
                                      expert_stride, r), 0.0)
     last_bwd, first_fwd = bwd + comm_b, fwd + comm_f
-    if t.overlap_grad_reduce or fsdp:
-        grads = np.maximum(grads - last_bwd, grads * 0.1)   # the last bucket waits for the last layer
+    if t.overlap_grad_reduce or fsdp:    # the last bucket waits for the last layer
+        grads = np.maximum(_beside(np, grads, last_bwd, r), grads * 0.1)
     if t.overlap_param_gather or fsdp:
-        gathers = np.maximum(gathers - first_fwd, gathers * 0.1)
+        gathers = np.maximum(_beside(np, gathers, first_fwd, r), gathers * 0.1)
     # a later stage ends its backward earlier than stage 0 (by its rank's backward steps)
     slack = L.stage_rank * w(pipeline / np.maximum(mb * vps + L.pp - 1, 1)) * 0.5
     dp_exposed = np.where(present, np.maximum(grads + gathers - slack, 0.0), 0.0).max(axis=1)

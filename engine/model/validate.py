@@ -367,7 +367,23 @@ def _experts(exp: Experiment) -> list[Problem]:
                            "tensor_model_parallel_size > 1 needs sequence_parallel = true", "sequence_parallel=true"))
     if exp.training.fp16 and ep > 1:
         out.append(Problem("fp16", True, "expert parallelism does not support fp16 training"))
+    out += _a2a_overlap(exp)
     return out
+
+
+def _a2a_overlap(exp: Experiment) -> list[Problem]:
+    """Megatron's rules for the 1F1B A2A overlap (TransformerConfig.__post_init__, core_v0.16.1)."""
+    p, t = exp.parallel, exp.training
+    if not t.overlap_moe_expert_parallel_comm:
+        return []
+    rule = "overlap_moe_expert_parallel_comm"
+    needs = [(p.expert_model_parallel_size > 1, "needs expert parallelism (expert_model_parallel_size > 1)"),
+             (t.moe_token_dispatcher_type in ("alltoall", "flex"), "needs the alltoall or flex token dispatcher"),
+             (t.recompute_granularity != "full", "does not run with full recompute"),
+             (t.bf16 or t.fp16, "needs bf16 or fp16 training"),
+             (p.pipeline_model_parallel_size == 1 or exp.virtual_stages > 1,
+              "needs virtual pipeline stages when pipeline_model_parallel_size > 1")]
+    return [Problem(rule, True, why) for ok, why in needs if not ok]
 
 
 def _sequence(exp: Experiment) -> list[Problem]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from charllm.engine.model import calibration, speed
@@ -148,3 +149,56 @@ def test_hardware_without_a_figure_the_model_needs_gets_no_step_time():
 
     df = sweep(exp)
     assert df.height > 0 and df["tokens_per_s"].null_count() == df.height and df["step_s"].null_count() == df.height
+
+
+def mixtral(**settings) -> Experiment:
+    """Mixtral 8x7B with 16 experts on 2 x 8 H100s, EP 16 (across both nodes), the all-to-all dispatcher."""
+    exp = base_experiment("mixtral-8x7b", "h100-sxm-80gb", 2, 8, 64)
+    exp.model.num_moe_experts = 16          # EP 16 spans both nodes
+    exp.parallel.expert_model_parallel_size = 16
+    exp.training.moe_token_dispatcher_type = "alltoall"
+    exp.training.recompute_granularity = "full"
+    exp.training.recompute_method, exp.training.recompute_num_layers = "uniform", 1
+    for key, value in settings.items():
+        exp.set(key, value)
+    return exp
+
+
+def test_the_flex_dispatcher_sends_a_token_once_per_rank_and_node():
+    """DeepEP and HybridEP send a token once to each rank (and node) its experts are on; the all-to-all
+    dispatcher once per (token, expert) pair, so across two nodes its exchange is the longer one."""
+    alltoall, flex = speed.estimate(mixtral()), speed.estimate(mixtral(moe_token_dispatcher_type="flex"))
+    assert flex.step_s < alltoall.step_s
+    assert flex.shares["communication"] < alltoall.shares["communication"]
+    one = dict(token_bytes=1e8, topk=8, size=16, stride=1, r=speed.rates(mixtral(), "bf16"))
+    assert float(speed._all_to_all(np, **one, per_rank=True)) < float(speed._all_to_all(np, **one)) / 3
+
+
+def test_the_a2a_overlap_hides_expert_parallel_exchanges_behind_the_other_micro_batch():
+    plain = speed.estimate(mixtral(recompute_granularity=None, recompute_method=None, recompute_num_layers=None))
+    overlapped = speed.estimate(mixtral(recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                                        overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    assert overlapped.step_s < plain.step_s
+    assert overlapped.shares["communication"] < plain.shares["communication"]
+
+
+def test_forced_load_balancing_plans_the_experts_of_the_mean_rank():
+    free, balanced = speed.estimate(mixtral()), speed.estimate(mixtral(moe_router_force_load_balancing=True))
+    assert balanced.step_s < free.step_s
+
+
+def test_a_gemm_that_leaves_a_wave_half_empty_runs_slower_per_flop():
+    r = speed.rates(llama8b(), "bf16")
+    assert r.sms == 132
+    full = float(speed._gemm(np, 128.0 * 132, 8192, 256, r.matmul_flops, r.matmul, r, 2))   # one whole wave
+    past = float(speed._gemm(np, 128.0 * 133, 8192, 256, r.matmul_flops, r.matmul, r, 2))   # one tile more
+    assert past / full > 1.25                  # the extra tile costs a wave of its own (a third of one)
+    assert float(speed._waves(np, 128.0 * 132, 256, 1, 132)) == 1.0
+    assert float(speed._waves(np, 128.0 * 132, 256, 1, 0)) == 1.0       # SM count unknown: not counted
+
+
+def test_fp8_gemms_run_at_their_recipes_share_of_the_bf16_efficiency():
+    exp = llama8b(fp8="hybrid")
+    fp8, bf16 = speed.rates(exp, "fp8"), speed.rates(exp, "bf16")
+    assert fp8.matmul == pytest.approx(bf16.matmul * speed.FP8_MATMUL_SHARE[exp.training.fp8_recipe])
+    assert fp8.matmul * fp8.matmul_flops == pytest.approx(0.52 * 1978.9e12, rel=0.01)   # about half the FP8 peak

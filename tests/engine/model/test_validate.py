@@ -6,6 +6,7 @@ import pytest
 
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment, Problem
+from charllm.engine.model.sweep import base_experiment
 from charllm.engine.model.validate import check, validate
 from charllm.probes.core.errors import UserError
 
@@ -441,3 +442,15 @@ def test_offload_modules_without_fine_grained_offloading_are_listed_as_ignored()
     assert validate(exp) == []
     assert ignored(exp) == ["offload_modules = ['core_attn']: ignored without fine_grained_activation_offloading "
                             "(as Megatron does)"]
+
+
+def test_the_a2a_overlap_needs_what_megatron_requires():
+    exp = base_experiment("mixtral-8x7b", "h100-sxm-80gb", 1, 8, 64)
+    exp.training.overlap_moe_expert_parallel_comm = True
+    exp.training.moe_token_dispatcher_type = "allgather"
+    rules = [p.rule for p in validate(exp) if p.field == "overlap_moe_expert_parallel_comm"]
+    assert rules == ["needs expert parallelism (expert_model_parallel_size > 1)",
+                     "needs the alltoall or flex token dispatcher"]
+    exp.parallel.expert_model_parallel_size = 8
+    exp.training.moe_token_dispatcher_type = "alltoall"
+    assert not [p for p in validate(exp) if p.field == "overlap_moe_expert_parallel_comm"]
