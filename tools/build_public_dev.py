@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -116,10 +115,20 @@ MODELS = {
 # NeMo 24.07 (NeMo-Framework-Launcher, Megatron-core GPT with Apex's distributed fused Adam, which
 # shards the optimizer like Megatron's distributed optimizer and overlaps its gradient reduce-scatter
 # and parameter all-gather: overlap_grad_sync / overlap_param_sync). FP8: fp8 hybrid, delayed scaling.
+# Its optimizer state, as NeMo sets it up (nemo/collections/nlp/models/language_modeling/megatron_base_model.py,
+# NVIDIA/NeMo v2.0.0, setup_optimization): with fp32 state and a bf16 model, store_params=False and
+# store_param_remainders=True: the master weight is the bf16 weight plus a 16-bit remainder, 2 bytes per
+# parameter (sharded) where Megatron's distributed optimizer keeps 4, planned as Megatron's precision-aware
+# optimizer with 2-byte main parameters (in _NEMO1). Nemotron-4 340B's config sets `dtype: bf16`: bf16
+# moments and no master copy (the bf16 weights are the master), planned with bf16 moments and the 2-byte main
+# parameters, 2 bytes per parameter (sharded) more than Apex holds (_NEMO1_ADAM_BF16). Gradients are reduced
+# in fp32 unless `grad_sync_dtype=bf16` (Apex's default is the state's dtype).
 _LAUNCHER_YAML = "launcher_scripts/conf/training/{}.yaml"
 _LAUNCHER_FP8 = "examples/training/{}.sh"
 _NEMO1 = "--bf16 --fp8-format hybrid --fp8-recipe delayed --use-distributed-optimizer --overlap-grad-reduce " \
-         "--overlap-param-gather"
+         "--overlap-param-gather --use-precision-aware-optimizer --main-params-dtype fp16"
+_BF16_GRADS = "--grad-reduce-in-bf16 --main-grads-dtype bf16"
+_NEMO1_ADAM_BF16 = f"{_BF16_GRADS} --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
 # Megatron-Bridge performance recipes: bf16_with_fp8_current_scaling_mixed (fp8 hybrid, tensorwise, FP8
 # parameter gather; the performance scripts switch its BF16 first and last layers off), the distributed
 # optimizer with overlapped gradient reduce and parameter gather, gradients reduced in BF16
@@ -151,14 +160,14 @@ ROWS = [
     # ---- NeMo 24.07, DGX-H100, FP8 (docs/source/performance/performance_summary.md)
     dict(name="nemo-24.07-gpt3-5b", table="nemo-24.07", release="24.07", model="GPT3-5B", shape="gpt3-5b",
          layout=dict(gpus=64, gbs=2048, mbs=4, seq=2048, tp=1, pp=1, cp=1, vp=1),
-         flags=f"{_NEMO1} --grad-reduce-in-bf16 --fp8-amax-history-len 1024 --fp8-amax-compute-algo max",
+         flags=f"{_NEMO1} {_BF16_GRADS} --fp8-amax-history-len 1024 --fp8-amax-compute-algo max",
          recipe=launcher("gpt3/5b", "gpt/h100/5b_fp8_8node",
                          ["sequence_parallel: False", "ub_tp_comm_overlap: False", "name: distributed_fused_adam",
                           "overlap_grad_sync: True", "fp8_amax_history_len: 1024"],
                          ["+training.model.optim.grad_sync_dtype=bf16"])),
     dict(name="nemo-24.07-gpt3-20b", table="nemo-24.07", release="24.07", model="GPT3-20B", shape="gpt3-20b",
          layout=dict(gpus=64, gbs=256, mbs=2, seq=2048, tp=2, pp=1, cp=1, vp=1),
-         flags=f"{_NEMO1} --grad-reduce-in-bf16 --sequence-parallel --tp-comm-overlap --fp8-amax-history-len 1024 "
+         flags=f"{_NEMO1} {_BF16_GRADS} --sequence-parallel --tp-comm-overlap --fp8-amax-history-len 1024 "
                "--fp8-amax-compute-algo max",
          recipe=launcher("gpt3/20b", "gpt/h100/20b_fp8_8node",
                          ["sequence_parallel: True", "ub_tp_comm_overlap: True", "overlap_param_sync: true"],
@@ -166,7 +175,7 @@ ROWS = [
     dict(name="nemo-24.07-gpt3-175b-128", table="nemo-24.07", release="24.07", model="GPT3-175B",
          pick={"#-GPUs": 128}, shape="gpt3-175b",
          layout=dict(gpus=128, gbs=256, mbs=1, seq=2048, tp=4, pp=8, cp=1, vp=6),
-         flags=f"{_NEMO1} --grad-reduce-in-bf16 --sequence-parallel --fp8-amax-history-len 1024 "
+         flags=f"{_NEMO1} {_BF16_GRADS} --sequence-parallel --fp8-amax-history-len 1024 "
                "--fp8-amax-compute-algo max",
          recipe=launcher("gpt3/175b", "gpt/h100/175b_fp8_16node",
                          ["sequence_parallel: True", "ub_tp_comm_overlap: False", "overlap_p2p_comm: True"],
@@ -174,27 +183,27 @@ ROWS = [
     dict(name="nemo-24.07-gpt3-175b-512", table="nemo-24.07", release="24.07", model="GPT3-175B",
          pick={"#-GPUs": 512}, shape="gpt3-175b",
          layout=dict(gpus=512, gbs=2048, mbs=2, seq=2048, tp=4, pp=8, cp=1, vp=6),
-         flags=f"{_NEMO1} --grad-reduce-in-bf16 --sequence-parallel --fp8-amax-history-len 1024 "
+         flags=f"{_NEMO1} {_BF16_GRADS} --sequence-parallel --fp8-amax-history-len 1024 "
                "--fp8-amax-compute-algo max",
          recipe=launcher("gpt3/175b", "gpt/h100/175b_fp8_16node",
                          ["sequence_parallel: True", "ub_tp_comm_overlap: False", "overlap_p2p_comm: True"],
                          ["+training.model.optim.grad_sync_dtype=bf16"])),
     dict(name="nemo-24.07-llama2-7b", table="nemo-24.07", release="24.07", model="LLAMA2-7B", shape="llama2-7b",
          layout=dict(gpus=8, gbs=128, mbs=1, seq=4096, tp=1, pp=1, cp=1, vp=1),
-         flags=f"{_NEMO1} --grad-reduce-in-bf16 --fp8-amax-history-len 1024 --fp8-amax-compute-algo max",
+         flags=f"{_NEMO1} {_BF16_GRADS} --fp8-amax-history-len 1024 --fp8-amax-compute-algo max",
          recipe=launcher("llama/llama2_7b", "llama/h100/llama2_7b_fp8",
                          ["sequence_parallel: false", "use_flash_attention: true", "fp8_amax_history_len: 1024"],
                          ["+training.model.optim.grad_sync_dtype=bf16"])),
     dict(name="nemo-24.07-llama2-13b", table="nemo-24.07", release="24.07", model="LLAMA2-13B",
          shape="llama2-13b", layout=dict(gpus=16, gbs=128, mbs=1, seq=4096, tp=1, pp=4, cp=1, vp=10),
-         flags=f"{_NEMO1} --grad-reduce-in-bf16 --fp8-amax-history-len 1 --fp8-amax-compute-algo most_recent",
+         flags=f"{_NEMO1} {_BF16_GRADS} --fp8-amax-history-len 1 --fp8-amax-compute-algo most_recent",
          recipe=launcher("llama/llama2_13b", "llama/h100/llama2_13b_fp8",
                          ["virtual_pipeline_model_parallel_size: 10", "overlap_p2p_comm: true",
                           "fp8_amax_compute_algo: most_recent"],
                          ["+training.model.optim.grad_sync_dtype=bf16"])),
     dict(name="nemo-24.07-llama2-70b", table="nemo-24.07", release="24.07", model="LLAMA2-70B",
          shape="llama2-70b", layout=dict(gpus=64, gbs=128, mbs=1, seq=4096, tp=4, pp=4, cp=1, vp=20),
-         flags=f"{_NEMO1} --grad-reduce-in-bf16 --sequence-parallel --tp-comm-overlap --fp8-amax-history-len 1 "
+         flags=f"{_NEMO1} {_BF16_GRADS} --sequence-parallel --tp-comm-overlap --fp8-amax-history-len 1 "
                "--fp8-amax-compute-algo most_recent",
          recipe=launcher("llama/llama2_70b", "llama/h100/llama2_70b_fp8",
                          ["sequence_parallel: true", "ub_tp_comm_overlap: true",
@@ -215,21 +224,21 @@ ROWS = [
                          ["ub_tp_comm_overlap: True", "overlap_p2p_comm: True", "cross_entropy_loss_fusion: true"])),
     dict(name="nemo-24.07-nemotron4-340b", table="nemo-24.07", release="24.07", model="Nemotron-340B",
          shape="nemotron4-340b", layout=dict(gpus=128, gbs=32, mbs=1, seq=4096, tp=8, pp=8, cp=1, vp=12),
-         flags=f"{_NEMO1} --grad-reduce-in-bf16 --sequence-parallel --recompute-granularity selective "
+         flags=f"{_NEMO1} {_NEMO1_ADAM_BF16} --sequence-parallel --recompute-granularity selective "
                "--fp8-amax-history-len 1024 --fp8-amax-compute-algo max",
          recipe=launcher("nemotron/nemotron_340b", None,
-                         ["activations_checkpoint_granularity: selective", "grad_sync_dtype: bf16",
+                         ["activations_checkpoint_granularity: selective", "grad_sync_dtype: bf16", "dtype: bf16",
                           "ub_tp_comm_overlap: False", "num_query_groups: 8"])),
     dict(name="nemo-24.07-llama3-8b", table="nemo-24.07", release="24.07", model="LLAMA3-8B", shape="llama3-8b",
          layout=dict(gpus=8, gbs=128, mbs=1, seq=8192, tp=1, pp=1, cp=2, vp=1),
-         flags=f"{_NEMO1} --grad-reduce-in-bf16 --cross-entropy-loss-fusion --fp8-amax-history-len 1024 "
+         flags=f"{_NEMO1} {_BF16_GRADS} --cross-entropy-loss-fusion --fp8-amax-history-len 1024 "
                "--fp8-amax-compute-algo max",
          recipe=launcher("llama/llama3_8b", "llama/h100/llama3_8b_fp8",
                          ["context_parallel_size: 2", "cross_entropy_loss_fusion: true", "sequence_parallel: false"],
                          ["+training.model.optim.grad_sync_dtype=bf16"])),
     dict(name="nemo-24.07-llama3-70b", table="nemo-24.07", release="24.07", model="LLAMA3-70B",
          shape="llama3-70b", layout=dict(gpus=64, gbs=128, mbs=1, seq=8192, tp=4, pp=4, cp=2, vp=5),
-         flags=f"{_NEMO1} --grad-reduce-in-bf16 --sequence-parallel --tp-comm-overlap --cross-entropy-loss-fusion "
+         flags=f"{_NEMO1} {_BF16_GRADS} --sequence-parallel --tp-comm-overlap --cross-entropy-loss-fusion "
                "--fp8-amax-history-len 1024 --fp8-amax-compute-algo max",
          recipe=launcher("llama/llama3_70b", "llama/h100/llama3_70b_fp8",
                          ["sequence_parallel: true", "ub_tp_comm_overlap: true", "overlap_p2p_comm: true"],
@@ -538,7 +547,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(items)} rows -> {args.out}")
     for label, why in left_out:
         print(f"  left out: {label}: {why}")
-    print("flags of the first row:", shlex.quote(items[0]["megatron_args"])[:80], "...")
     return 0
 
 
