@@ -51,7 +51,7 @@ from typing import Any
 
 from charllm.engine.model import calibration, memory
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.flops import PEAK_FIELDS, num_floating_point_operations, peak_tflops
+from charllm.engine.model.flops import PEAK_FIELDS, flops_per_iteration, num_floating_point_operations, peak_tflops
 
 # --------------------------------------------------------------------------------------------
 # Assumed rates (docs/speed-model.md gives each source)
@@ -757,7 +757,8 @@ class SpeedReport:
     step_s: float
     tokens_per_s: float
     samples_per_s: float
-    flops_per_iteration: float
+    flops_per_iteration: float     # Megatron's count (causal attention: half the score matrix)
+    flops_full_attention: float     # the same with the whole attention square, as NeMo's tables up to 24.07
     mfu: float | None               # of the dense peak in the precision the matmuls run in
     precision: str
     params_total: int
@@ -773,7 +774,8 @@ class SpeedReport:
 
     def to_dict(self) -> dict:
         return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "samples_per_s": self.samples_per_s,
-                "flops_per_iteration": self.flops_per_iteration, "mfu": self.mfu, "mfu_precision": self.precision,
+                "flops_per_iteration": self.flops_per_iteration, "flops_full_attention": self.flops_full_attention,
+                "mfu": self.mfu, "mfu_precision": self.precision,
                 "params_total": self.params_total, "params_per_stage": self.params_per_stage,
                 "params_per_device": self.params_per_device, "shares": self.shares, "power_w": self.power_w,
                 "energy_per_token_j": self.energy_per_token_j, "samples_per_s_mj": self.samples_per_s_mj,
@@ -859,7 +861,8 @@ def estimate(exp: Experiment) -> SpeedReport | None:
                      "captured parts")
     precision, peak = peak_tflops(exp, None)
     return SpeedReport(step_s=got["step_s"], tokens_per_s=got["tokens_per_s"], samples_per_s=samples / got["step_s"],
-                       flops_per_iteration=got["flops_per_iteration"], mfu=got["mfu"] if peak else None,
+                       flops_per_iteration=got["flops_per_iteration"],
+                       flops_full_attention=flops_per_iteration(exp, causal=False), mfu=got["mfu"] if peak else None,
                        precision=precision, params_total=int(got["params"]),
                        params_per_stage=_whole_stage_params(exp),
                        params_per_device=[int(times.params_stage[0][i]) for i in stage_features(exp, cache)[3]],

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from charllm.engine.model import memory
+from charllm.engine.model.flops import flops_per_iteration
 from charllm.engine.model.megatron import import_megatron_args
 from charllm.engine.model.speed import estimate
 
@@ -124,3 +125,17 @@ def test_the_tool_refuses_a_row_whose_layout_is_not_the_tables():
     tool._check_layout(spec, table_row)
     with pytest.raises(ValueError, match="vp = 10"):
         tool._check_layout(spec, {**table_row, "vp": 10})
+
+
+def test_nvidias_model_flops_are_megatrons_count_or_the_whole_attention_square():
+    """The FLOPs per token each table implies (its TFLOP/s over its tokens/s): Megatron-Bridge's are
+    Megatron's count (causal attention), NeMo 24.07's count attention's whole square."""
+    for row in _rows():
+        if not row["measured_tflops_per_gpu"]:
+            continue
+        exp = planned(row)
+        tokens = exp.training.global_batch_size * exp.seq_length
+        theirs = row["measured_tflops_per_gpu"] * 1e12 / row["measured_tokens_per_s_per_gpu"]
+        nemo = row["source"]["table"]["repository"] == "NVIDIA/NeMo"
+        ours = flops_per_iteration(exp, causal=not nemo) / tokens
+        assert ours == pytest.approx(theirs, rel=0.025), row["name"]     # the tables round to 3-4 digits

@@ -31,6 +31,7 @@ def test_figures_follow_from_the_step_time():
     tokens = exp.training.global_batch_size * exp.seq_length
     assert got.tokens_per_s == pytest.approx(tokens / got.step_s)
     assert got.flops_per_iteration == flops_per_iteration(exp)
+    assert got.flops_full_attention == flops_per_iteration(exp, causal=False) > got.flops_per_iteration
     assert got.mfu == pytest.approx(got.flops_per_iteration / got.step_s / exp.world_size / 989.4e12)
     assert sum(got.shares.values()) == pytest.approx(1.0)
     assert all(0 <= share <= 1 for share in got.shares.values())
