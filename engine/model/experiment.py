@@ -522,6 +522,10 @@ class Training:
                                  help="precision-aware optimizer: dtype of Adam's first moment")
     exp_avg_sq_dtype: str = setting("fp32", choices=("fp32", "fp16", "bf16", "fp8"),
                                     help="precision-aware optimizer: dtype of Adam's second moment")
+    # Megatron-LM's --deterministic-mode (validate_args): torch's deterministic algorithms, a fixed NCCL algorithm
+    # and Transformer Engine's deterministic attention; Megatron's CI runs most of its cases so
+    deterministic_mode: bool = setting(False, config=True,
+                                       help="bitwise-reproducible steps: deterministic kernels and NCCL algorithm")
     optimizer_cpu_offload: bool = setting(False, help="keep the optimizer state in host memory")
     optimizer: str = setting("adam", choices=("adam", "sgd", "muon"), help="the optimizer")
     cross_entropy_loss_fusion: bool = setting(False, activations=True, help="a fused cross-entropy kernel for the loss")

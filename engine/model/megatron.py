@@ -568,7 +568,17 @@ def export_environment(exp: Experiment) -> dict[str, str]:
         env["NVTE_CPU_OFFLOAD_V1"] = "1"              # Megatron asks for it with TE >= 2.10 (validate_args)
     if exp.training.expandable_segments:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"   # what the memory plan assumes
+    env.update(deterministic_environment(exp))
     return env
+
+
+def deterministic_environment(exp: Experiment) -> dict[str, str]:
+    """What --deterministic-mode needs in the environment: Megatron-LM asserts an NCCL_ALGO of its list
+    (validate_args), Transformer Engine's attention NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, and torch's
+    deterministic cuBLAS a fixed workspace."""
+    if not exp.training.deterministic_mode:
+        return {}
+    return {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def _read_flags(groups, exp: Experiment, result: MegatronImport) -> dict[str, list[str]]:

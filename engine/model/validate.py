@@ -102,7 +102,7 @@ def rule_problems(exp: Experiment) -> list[Problem]:
     """The rules alone, for an experiment whose values `value_problems` found good (the sweep checks
     its base's values once, then the rules for each layout)."""
     problems = []
-    for rules in (_layout, _model, _pipeline, _batch, _experts, _sequence, _precision, _recompute,
+    for rules in (_layout, _model, _pipeline, _batch, _experts, _sequence, _precision, _deterministic, _recompute,
                   _offloading, _optimizer, _profiling):
         problems.extend(rules(exp))
     return problems
@@ -395,6 +395,14 @@ def _sequence(exp: Experiment) -> list[Problem]:
     if seq > max_pos:
         out.append(Problem("seq_length", seq, f"must not exceed max_position_embeddings ({max_pos})"))
     return out
+
+
+def _deterministic(exp: Experiment) -> list[Problem]:
+    """Megatron-LM's validate_args for --deterministic-mode (core_v0.16.1)."""
+    if exp.training.deterministic_mode and exp.training.cross_entropy_loss_fusion:
+        return [Problem("cross_entropy_loss_fusion", True, "is not deterministic: Megatron refuses it with "
+                        "deterministic_mode", "cross_entropy_loss_fusion=false")]
+    return []
 
 
 def _precision(exp: Experiment) -> list[Problem]:

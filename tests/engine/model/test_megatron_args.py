@@ -494,6 +494,8 @@ def test_a_megatron_lm_checkout_on_the_path_is_the_release_that_counts(tmp_path)
     (["tensor_model_parallel_size=2"], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
     (["tensor_model_parallel_size=2", "use_torch_fsdp2=true"], {}),        # FSDP refuses a single connection
     (["fine_grained_activation_offloading=true", "offload_modules=['core_attn']"], {"NVTE_CPU_OFFLOAD_V1": "1"}),
+    (["deterministic_mode=true"], {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                                   "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
 ])
 def test_the_exported_environment_is_what_megatron_asks_for(sets, env):
     exp = Experiment.load("tiny-local").apply(["expandable_segments=false", *sets])

@@ -203,3 +203,29 @@ def test_fp8_gemms_run_at_their_recipes_share_of_the_bf16_efficiency():
     fp8, bf16 = speed.rates(exp, "fp8"), speed.rates(exp, "bf16")
     assert fp8.matmul == pytest.approx(bf16.matmul * speed.FP8_MATMUL_SHARE[exp.training.fp8_recipe])
     assert fp8.matmul * fp8.matmul_flops == pytest.approx(0.52 * 1978.9e12, rel=0.01)   # about half the FP8 peak
+
+
+def test_deterministic_mode_costs_a_transformer_engine_layer_more_host_time():
+    tiny = base_experiment("tiny-dense", "h100-sxm-80gb", 1, 1, 8)
+    tiny.training.transformer_impl = "transformer_engine"
+    plain, deterministic = speed.estimate(tiny), speed.estimate(dataclasses.replace(
+        tiny, training=dataclasses.replace(tiny.training, deterministic_mode=True)))
+    assert plain.shares["host"] > 0.5                       # a tiny model's step is the host's
+    assert deterministic.step_s > plain.step_s
+
+
+def test_a_large_model_at_tp8_pp1_is_not_host_bound():
+    exp = base_experiment("llama3-70b", "h100-sxm-80gb", 8, 8, 128)
+    exp.parallel.tensor_model_parallel_size = 8
+    exp.parallel.sequence_parallel = True
+    exp.training.recompute_granularity, exp.training.recompute_method = "full", "uniform"
+    exp.training.recompute_num_layers = 1
+    assert speed.estimate(exp).shares["host"] == 0.0
+
+
+def test_tp_communication_overlap_shortens_the_step_of_gpt3_at_tp8_pp4():
+    """The CharLLM-PPT GPT-3 175B presets on 4 x 8 H200s: with TP overlap (11000) Megatron hides the TP
+    collectives that the recompute-only variant (01000) waits for."""
+    overlapped, plain = (speed.estimate(Experiment.load(f"ppt-h200-gpt3-175b-3-{v}")) for v in ("11000", "01000"))
+    assert overlapped.step_s < 0.95 * plain.step_s
+    assert overlapped.shares["communication"] < plain.shares["communication"]

@@ -454,3 +454,9 @@ def test_the_a2a_overlap_needs_what_megatron_requires():
     exp.parallel.expert_model_parallel_size = 8
     exp.training.moe_token_dispatcher_type = "alltoall"
     assert not [p for p in validate(exp) if p.field == "overlap_moe_expert_parallel_comm"]
+
+
+def test_deterministic_mode_refuses_the_fused_cross_entropy():
+    exp = Experiment.load("tiny-local").apply(["deterministic_mode=true", "cross_entropy_loss_fusion=true"])
+    assert [(p.field, p.fix) for p in validate(exp)] == [
+        ("cross_entropy_loss_fusion", "cross_entropy_loss_fusion=false")]
