@@ -441,6 +441,11 @@ class Training:
                                      activations=True,
                                      help="training sequence length (tokens); unset: the model's seq_length")
     train_iters: int = setting(20, minimum=1, help="optimizer steps (iterations) to run")
+    # Megatron-LM's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START by INCREMENT,
+    # one increment per SAMPLES / increments consumed samples (core num_microbatches_calculator.py,
+    # RampupBatchsizeNumMicroBatchesCalculator); Experiment.batch_ramp gives its steps
+    rampup_batch_size: list[int] | None = setting(
+        None, help="global batch ramp-up: start, increment, samples; unset: the global batch from the first step")
     warmup_iters: int = setting(2, flag=None, minimum=0, help="first iterations marked warm-up in the "
                                                               "iteration log (not learning-rate warm-up)")
     bf16: bool = setting(True, config=True, activations=True, megatron_default=False, help="BF16 mixed precision")
@@ -687,6 +692,29 @@ class Experiment:
     def num_microbatches(self) -> int:
         t = self.training
         return microbatches(t.global_batch_size, t.micro_batch_size, self.data_parallel_size)
+
+    def batch_ramp(self) -> list[tuple[int, int]]:
+        """(global batch, steps) of the batch ramp-up before the global batch, in order; [] without one.
+        As Megatron-LM counts them (training.py update_train_iters, core_v0.16.1): the batch of each step is
+        START + INCREMENT x (samples consumed before it / samples per increment) until SAMPLES are consumed."""
+        t = self.training
+        if not t.rampup_batch_size or len(t.rampup_batch_size) != 3:
+            return []
+        start, increment, samples = t.rampup_batch_size
+        increments = (t.global_batch_size - start) // increment if increment > 0 else 0
+        if increments <= 0 or start <= 0:
+            return []
+        per_increment = samples / increments
+        steps: list[tuple[int, int]] = []
+        consumed = 0
+        while consumed <= samples:
+            batch = min(start + int(consumed / per_increment) * increment, t.global_batch_size)
+            if batch == t.global_batch_size:
+                break
+            steps = steps[:-1] + [(batch, steps[-1][1] + 1)] if steps and steps[-1][0] == batch else \
+                steps + [(batch, 1)]
+            consumed += batch
+        return steps
 
     @property
     def virtual_stages(self) -> int:

@@ -214,7 +214,7 @@ def _parser(kind: type, name: str, facts) -> Switch | Value | Many:
     if options == [bool]:
         return Switch(facts["switch"])
     if facts["join"] or get_origin(options[0]) is list:
-        return Many(str, join=facts["join"])
+        return Many(_int if options[0] == list[int] else str, join=facts["join"])
     parsers: dict[Any, Callable[[str], Any]] = {int: _int, float: _float, str: str}
     return Value(parsers[options[0]])
 
@@ -454,7 +454,7 @@ def _resolve_tokenizer(m: ModelSpec, special: dict, given: set[str], release: st
 
 def _resolve_train_samples(exp: Experiment, special: dict, given: set[str], result: MegatronImport) -> None:
     """--train-samples instead of --train-iters: Megatron runs train_samples // global_batch_size
-    iterations (megatron/training/training.py, without a batch-size ramp-up)."""
+    iterations after the batch ramp-up's (megatron/training/training.py update_train_iters)."""
     if "--train-samples" not in special:
         return
     if "--train-iters" in given:
@@ -463,9 +463,12 @@ def _resolve_train_samples(exp: Experiment, special: dict, given: set[str], resu
     t = exp.training
     if samples < t.global_batch_size:
         raise UserError(f"--train-samples = {samples}: fewer than one global batch ({t.global_batch_size})")
-    t.train_iters = samples // t.global_batch_size
-    result.warnings.append(f"--train-samples {samples} / global batch {t.global_batch_size} = {t.train_iters} "
-                           "iterations")
+    ramp = exp.batch_ramp()
+    ramped = sum(batch * steps for batch, steps in ramp)
+    t.train_iters = sum(steps for _, steps in ramp) + max(samples - ramped, 0) // t.global_batch_size
+    result.warnings.append(f"--train-samples {samples} / global batch {t.global_batch_size}"
+                           + (f" after {ramped} samples of batch ramp-up" if ramp else "")
+                           + f" = {t.train_iters} iterations")
 
 
 # Environment variables before the script that charllm models, with what they set.
@@ -763,7 +766,14 @@ def export_megatron_args(exp: Experiment, version: str | None = None) -> list[st
 
     add("--micro-batch-size", t.micro_batch_size)
     add("--global-batch-size", t.global_batch_size)
-    add("--train-iters", t.train_iters)
+    ramp = exp.batch_ramp()
+    if t.rampup_batch_size:
+        # validate_args: "expected no batch-size rampup for iteration-based training": the same steps in samples
+        ramp_steps = sum(steps for _, steps in ramp)
+        add("--train-samples", sum(batch * steps for batch, steps in ramp)
+            + max(t.train_iters - ramp_steps, 0) * t.global_batch_size)
+    else:
+        add("--train-iters", t.train_iters)
     add("--lr", t.lr)
     if t.data_path:
         add("--data-path", *t.data_path.split())

@@ -46,6 +46,7 @@ step times (tests/data/memory_dev/); docs/speed-model.md lists every assumption.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -782,6 +783,8 @@ class SpeedReport:
     rates_source: str               # where the GEMM efficiency comes from
     power_source: str | None
     notes: list[str] = field(default_factory=list)
+    # the batch ramp-up's steps before the steady ones above: (global batch, steps, step seconds) in order
+    ramp: list[tuple[int, int, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "samples_per_s": self.samples_per_s,
@@ -790,7 +793,8 @@ class SpeedReport:
                 "params_total": self.params_total, "params_per_stage": self.params_per_stage,
                 "params_per_device": self.params_per_device, "shares": self.shares, "power_w": self.power_w,
                 "energy_per_token_j": self.energy_per_token_j, "samples_per_s_mj": self.samples_per_s_mj,
-                "source": {"step_time": self.rates_source, "power": self.power_source}, "notes": list(self.notes)}
+                "source": {"step_time": self.rates_source, "power": self.power_source}, "notes": list(self.notes),
+                "ramp": [{"global_batch_size": b, "steps": n, "step_s": s} for b, n, s in self.ramp]}
 
 
 def describe(exp: Experiment) -> str:
@@ -857,7 +861,8 @@ def estimate(exp: Experiment) -> SpeedReport | None:
         return None
     cache: dict = {}
     L = layouts_of(exp, cache)
-    times = step_times(exp, L, impl=memory.implementation(exp, cache))
+    impl = memory.implementation(exp, cache)
+    times = step_times(exp, L, impl=impl)
     got = {name: float(value[0]) for name, value in figures(exp, L, times).items()}
     power = power_model(exp)
     watts = got["power_w"] if power is not None else None
@@ -870,6 +875,15 @@ def estimate(exp: Experiment) -> SpeedReport | None:
     if t.cuda_graph_impl != "none":
         notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the host's launch time is not reduced for the "
                      "captured parts")
+    ramp = []
+    for batch, steps in exp.batch_ramp():     # the steps before the global batch, each at its own batch
+        early = dataclasses.replace(exp, training=dataclasses.replace(t, global_batch_size=batch,
+                                                                      rampup_batch_size=None))
+        ramp.append((batch, steps, float(step_times(early, layouts_of(early, cache), impl=impl).step_s[0])))
+    if ramp:
+        notes.append(f"batch ramp-up: the step above is the steady one (global batch {t.global_batch_size}), after "
+                     f"{sum(n for _, n, _ in ramp):,} ramp-up steps of batch {ramp[0][0]} to {ramp[-1][0]} "
+                     f"({sum(n * s for _, n, s in ramp):,.0f} s)")
     precision, peak = peak_tflops(exp, None)
     return SpeedReport(step_s=got["step_s"], tokens_per_s=got["tokens_per_s"], samples_per_s=samples / got["step_s"],
                        flops_per_iteration=got["flops_per_iteration"],
@@ -881,7 +895,7 @@ def estimate(exp: Experiment) -> SpeedReport | None:
                        power_w=watts, energy_per_token_j=got["energy_per_token_j"] if watts is not None else None,
                        samples_per_s_mj=samples / got["step_s"] / (energy_step / 1e6) if energy_step else None,
                        rates_source=rates(exp, linear_precision(exp)).source,
-                       power_source=power.source if power else None, notes=notes)
+                       power_source=power.source if power else None, notes=notes, ramp=ramp)
 
 
 def _whole_stage_params(exp: Experiment) -> list[int]:

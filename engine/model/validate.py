@@ -102,8 +102,8 @@ def rule_problems(exp: Experiment) -> list[Problem]:
     """The rules alone, for an experiment whose values `value_problems` found good (the sweep checks
     its base's values once, then the rules for each layout)."""
     problems = []
-    for rules in (_layout, _model, _pipeline, _batch, _experts, _sequence, _precision, _deterministic, _recompute,
-                  _offloading, _optimizer, _profiling):
+    for rules in (_layout, _model, _pipeline, _batch, _rampup, _experts, _sequence, _precision, _deterministic,
+                  _recompute, _offloading, _optimizer, _profiling):
         problems.extend(rules(exp))
     return problems
 
@@ -403,6 +403,29 @@ def _deterministic(exp: Experiment) -> list[Problem]:
         return [Problem("cross_entropy_loss_fusion", True, "is not deterministic: Megatron refuses it with "
                         "deterministic_mode", "cross_entropy_loss_fusion=false")]
     return []
+
+
+def _rampup(exp: Experiment) -> list[Problem]:
+    """Megatron-LM's rules for --rampup-batch-size (core num_microbatches_calculator.py, core_v0.16.1)."""
+    t = exp.training
+    ramp = t.rampup_batch_size
+    if ramp is None:
+        return []
+    if len(ramp) != 3 or ramp[0] < 1 or ramp[1] < 1 or ramp[2] < 0:
+        return [Problem("rampup_batch_size", ramp, "takes start and increment (each at least 1), then the ramp's "
+                                                   "samples (0 or more)")]
+    start, increment, _ = ramp
+    unit = t.micro_batch_size * exp.data_parallel_size
+    out = []
+    if start > t.global_batch_size:
+        out.append(Problem("rampup_batch_size", ramp, f"starts above global_batch_size ({t.global_batch_size})"))
+    elif (t.global_batch_size - start) % increment:
+        out.append(Problem("rampup_batch_size", ramp, f"its increment ({increment}) must divide global_batch_size "
+                                                      f"- start ({t.global_batch_size - start})"))
+    if start % unit or increment % unit:
+        out.append(Problem("rampup_batch_size", ramp, f"each of its batches must be a multiple of micro batch x "
+                                                      f"data parallel ({unit}): start and increment are not"))
+    return out
 
 
 def _precision(exp: Experiment) -> list[Problem]:

@@ -229,3 +229,13 @@ def test_tp_communication_overlap_shortens_the_step_of_gpt3_at_tp8_pp4():
     overlapped, plain = (speed.estimate(Experiment.load(f"ppt-h200-gpt3-175b-3-{v}")) for v in ("11000", "01000"))
     assert overlapped.step_s < 0.95 * plain.step_s
     assert overlapped.shares["communication"] < plain.shares["communication"]
+
+
+def test_a_batch_ramp_up_plans_its_early_steps_and_leaves_the_steady_one():
+    steady = speed.estimate(llama8b(global_batch_size=128))
+    ramped = speed.estimate(llama8b(global_batch_size=128, rampup_batch_size=[32, 32, 3000]))
+    assert ramped.step_s == steady.step_s
+    assert [batch for batch, _, _ in ramped.ramp] == [32, 64, 96]
+    times = [seconds for _, _, seconds in ramped.ramp]
+    assert times == sorted(times) and times[-1] < steady.step_s
+    assert any("batch ramp-up" in note for note in ramped.notes)

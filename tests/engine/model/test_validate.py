@@ -460,3 +460,10 @@ def test_deterministic_mode_refuses_the_fused_cross_entropy():
     exp = Experiment.load("tiny-local").apply(["deterministic_mode=true", "cross_entropy_loss_fusion=true"])
     assert [(p.field, p.fix) for p in validate(exp)] == [
         ("cross_entropy_loss_fusion", "cross_entropy_loss_fusion=false")]
+
+
+def test_a_batch_ramp_up_follows_megatrons_rules():
+    exp = Experiment.load("tiny-local").apply(["global_batch_size=64", "rampup_batch_size=[16, 32, 100]"])
+    assert [p.rule for p in validate(exp)] == ["its increment (32) must divide global_batch_size - start (48)"]
+    exp = exp.apply(["rampup_batch_size=[16, 16, 100]"])
+    assert validate(exp) == []
