@@ -139,6 +139,10 @@ class Sampler:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def join(self, timeout: float | None = None) -> None:
         if self._thread:
             self._thread.join(timeout)

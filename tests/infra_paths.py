@@ -15,8 +15,6 @@ MEGATRON_LM = Path(os.environ.get("CHARLLM_MEGATRON_LM")
 # Git mirrors of NVIDIA's other public repositories, each at OWNER+NAME/repo under this directory (the public
 # throughput dev set's sources: NVIDIA/NeMo, NVIDIA/NeMo-Framework-Launcher, NVIDIA-NeMo/Megatron-Bridge).
 MIRRORS = Path(os.environ.get("CHARLLM_MIRRORS") or "/work/.mirror")
-# The memory development set: memory_dev.json and its README table of measured Megatron-LM runs.
-VALIDATION = Path(os.environ.get("CHARLLM_VALIDATION_DIR") or "/work/shared/validation")
 
 
 def megatron_lm_missing() -> str | None:
@@ -24,13 +22,6 @@ def megatron_lm_missing() -> str | None:
     if (MEGATRON_LM / "HEAD").exists() or (MEGATRON_LM / ".git").exists():
         return None
     return f"needs a Megatron-LM git mirror: set CHARLLM_MEGATRON_LM ({MEGATRON_LM} is missing)"
-
-
-def validation_missing() -> str | None:
-    """Why there is no memory development set here, or None."""
-    if (VALIDATION / "memory_dev.json").is_file():
-        return None
-    return f"needs the memory development set: set CHARLLM_VALIDATION_DIR ({VALIDATION} is missing)"
 
 
 def mirror(name: str) -> Path:

@@ -4,6 +4,7 @@ processes, stopping test daemons."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -15,11 +16,13 @@ from charllm.probes.store.rundir import FINAL_STATUSES, RunDir
 
 
 def run_processes(marker: str) -> list[psutil.Process]:
-    """Live processes whose command line contains `marker` (a run id or run directory)."""
+    """Live processes whose command line contains `marker` (a run id or run directory) as a whole
+    name: run `X`'s marker does not match run `X-2`'s processes (two runs launched in one second)."""
+    whole = re.compile(re.escape(marker) + r"(?![A-Za-z0-9._-])")
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if marker in " ".join(proc.info["cmdline"] or []) and proc.status() != psutil.STATUS_ZOMBIE:
+            if whole.search(" ".join(proc.info["cmdline"] or [])) and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except psutil.Error:
             pass

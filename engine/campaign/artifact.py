@@ -11,11 +11,13 @@ shipped preset `ppt-<gpu>-<model>-<layout>-<variant>` (tools/generate_ppt_experi
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
 
-from charllm.engine.campaign.spec import VARIANTS, Member, check_name, plan_member, variant
+from charllm.engine.campaign import state
+from charllm.engine.campaign.spec import VARIANTS, Member, campaigns, check_name, plan_member, variant
 from charllm.engine.campaign.state import Record, directory
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment
@@ -67,8 +69,13 @@ def attach(run: RunDir, folder: Path) -> str | None:
 
 
 def record_tree(name: str, root: Path, imported: list[tuple[Path, RunDir]]) -> Record:
-    """An imported results tree as a finished campaign: one member per imported run."""
-    check_name(name)
+    """An imported results tree as a finished campaign: one member per imported run. Its record
+    folder is made here, never one that exists (campaign_name chose a free name)."""
+    state.root().mkdir(parents=True, exist_ok=True)
+    try:
+        directory(name).mkdir()
+    except FileExistsError:
+        raise UserError(f"campaign {name!r}: its record was made meanwhile by another; import again") from None
     members = []
     for index, (folder, run) in enumerate(imported):
         found = experiment_for(folder)
@@ -102,11 +109,26 @@ def _varied(folder: Path) -> dict:
     return {"variant": VARIANTS[int(code[0]) + 2 * int(code[1])]}
 
 
-def campaign_name(root: Path, name: str | None) -> str:
-    """The campaign an imported tree becomes: --name, else the tree's folder name, made a valid name."""
+def campaign_name(root: Path, name: str | None) -> tuple[str, str]:
+    """The campaign an imported tree becomes, and a note when it is not the name asked for: --name,
+    else the tree's folder name, made a valid name. A name a campaign has (a record, or a campaign
+    file) is never taken over: --name's is refused, and the folder's becomes the first free NAME-2,
+    NAME-3, ..."""
     text = name or Path(root).expanduser().resolve().name
     text = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip(".-")[:64] or "imported"
     try:
-        return check_name(text)
+        text = check_name(text)
     except UserError:
-        return "imported"
+        text = "imported"
+    files = campaigns()
+
+    def taken(candidate: str) -> bool:
+        return candidate in files or os.path.lexists(directory(candidate))
+    if not taken(text):
+        return text, ""
+    if name is not None:
+        raise UserError(f"--name {name}: campaign {text!r} exists already; choose another name")
+    n = 2
+    while taken(f"{text[:60]}-{n}"):
+        n += 1
+    return f"{text[:60]}-{n}", f" (campaign {text!r} exists already)"

@@ -16,6 +16,8 @@ as a run of its own (engine.launch), which records itself in its run directory l
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import signal
 import subprocess
@@ -23,8 +25,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from charllm.engine.campaign.spec import Campaign, check_max_parallel
-from charllm.engine.campaign.state import DONE, QUEUED, Record, directory
+from charllm.engine.campaign import state
+from charllm.engine.campaign.spec import Campaign, Plan, check_max_parallel
+from charllm.engine.campaign.state import DONE, MISSING, QUEUED, Record, directory
 from charllm.engine.launch.launcher import cancel as cancel_run, launch, reconcile
 from charllm.engine.launch.target import Target
 from charllm.engine.launch.targets import from_record
@@ -44,12 +47,49 @@ MODULE = "charllm.engine.campaign.queue"
 def start(campaign: Campaign, target: Target, *, max_parallel: int | None = None, include_oom: bool = False,
           resume: bool = False) -> Record:
     """Plan every member, record the campaign and start its supervisor (detached); returns the record.
-    `resume`: a campaign that ran before runs again only its members without a completed run."""
+    `resume`: a campaign that ran before runs again only its members without a completed run.
+    The campaign's lock is taken first and handed to the supervisor, which holds it until it ends: of
+    two `campaign run` at once, one starts a supervisor and the other is refused, saying who runs it."""
     parallel = check_max_parallel(max_parallel if max_parallel is not None else campaign.max_parallel,
                                   "--max-parallel")
+    plans = campaign.plan()
+    lock = state.take_lock(campaign.name)
+    try:
+        with _supervisor_log(campaign.name) as out:   # first: a log it cannot write leaves no record
+            record = _record_for_run(campaign, plans, target, parallel, include_oom, resume)
+            token = procid.write_token(directory(campaign.name))   # the supervisor carries it: what cancel needs
+            supervisor = subprocess.Popen([sys.executable, "-m", MODULE, campaign.name, "--lock-fd", str(lock)],
+                                          stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                          close_fds=True, pass_fds=(lock,), env=procid.run_environment(token))
+        state.note_holder(lock, supervisor.pid)
+    except UserError:
+        if not os.path.lexists(directory(campaign.name) / "campaign.json"):
+            state.delete(campaign.name)           # the folder the lock made, and nothing else
+        raise
+    finally:
+        os.close(lock)                            # (the supervisor holds its own copy)
+    return record
+
+
+def _supervisor_log(name: str):
+    """The campaign supervisor's log, opened to append (never through a link)."""
+    path = directory(name) / "supervisor.log"
+    try:
+        return open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "ab")
+    except OSError as exc:
+        raise UserError(f"{path}: a symbolic link; remove it" if exc.errno == errno.ELOOP else
+                        os_error_line(exc, path)) from None
+
+
+def _record_for_run(campaign: Campaign, plans: list[Plan], target: Target, parallel: int, include_oom: bool,
+                    resume: bool) -> Record:
+    """The campaign's new record, written: every member planned, and with `resume` those that
+    completed before kept. Refused while the previous record has not ended, or without `resume`."""
     try:
         previous = Record.load(campaign.name)
     except UserError:
+        if os.path.lexists(directory(campaign.name) / "campaign.json"):
+            raise                                 # damaged: kept for the user to read or delete
         previous = None
     if previous is not None:
         refresh(previous)
@@ -61,27 +101,24 @@ def start(campaign: Campaign, target: Target, *, max_parallel: int | None = None
                             f"completed run (or delete its record: charllm-tui campaign delete {campaign.name})")
     elif resume:
         raise UserError(f"campaign {campaign.name!r} has not run: nothing to resume (run it without --resume)")
-    record = Record.new(campaign, campaign.plan(), target.to_dict(), include_oom=include_oom, max_parallel=parallel)
+    record = Record.new(campaign, plans, target.to_dict(), include_oom=include_oom, max_parallel=parallel)
     if previous is not None:
         _keep_completed(record, previous)
     if record.finished:
         raise UserError(f"campaign {campaign.name!r}: no member left to run ({record.progress()})")
     record.save()
-    log = directory(campaign.name) / "supervisor.log"
-    with open(log, "ab") as out:
-        subprocess.Popen([sys.executable, "-m", MODULE, campaign.name], stdin=subprocess.DEVNULL, stdout=out,
-                         stderr=out, start_new_session=True, close_fds=True)
     return record
 
 
 def _keep_completed(record: Record, previous: Record) -> None:
-    """Members that completed before keep their runs; the others' earlier runs are remembered."""
+    """Members that completed before keep their runs (where they still are); the others' earlier runs
+    are remembered."""
     before = {m["key"]: m for m in previous.members}
     for m in record.members:
         old = before.get(m["key"])
         if old is None:
             continue
-        if old["status"] == "completed":
+        if state.member_status(previous, old) == "completed":
             m.update({k: old[k] for k in ("status", "run", "runs", "failure", "started_ns", "ended_ns")})
         elif m["status"] == QUEUED:
             m["runs"] = old.get("runs", []) + ([old["run"]] if old.get("run") else [])
@@ -92,16 +129,16 @@ def refresh(record: Record) -> Record:
     died here, the campaign finished as what it can still become (a scheduler's queue goes on).
     Written back only when the supervisor is gone (it writes the record while it lives)."""
     owner = record.data.get("supervisor") or {}
-    if record.data.get("status") in FINAL_STATUSES or procid.where(owner) == "elsewhere":
-        return record
-    if owner and procid.live(owner) is not None:
+    if record.data.get("status") in FINAL_STATUSES or procid.where(owner) == "elsewhere" or _trust_problem(record):
+        return record       # (a record someone else could have written is only read)
+    if owner and procid.live(owner, procid.read_token(record.path.parent)) is not None:
         return record
     if not owner and time.time_ns() - record.data.get("created_ns", 0) < 60 * 10**9:
         return record                                   # handed over moments ago
     for m in record.members:
         rd = record.run_dir(m)
         if rd is not None and m["status"] not in DONE:
-            _settle(m, rd, reconcile(rd) if rd.ours() else rd.status)
+            _settle(m, rd, _observed(rd))
     ending = any(m["status"] in ("pending", "running") for m in record.members)
     scheduled = from_record(record.data["target"]).queued([], None) is not None
     if not scheduled and not ending:   # nothing goes on without the supervisor: what never started stays queued
@@ -123,38 +160,48 @@ def cancel(name: str, wait: float = 120.0) -> Record:
     if record.data.get("status") in FINAL_STATUSES:
         raise UserError(f"campaign {name!r} is already {record.data['status']}")
     owner = record.data.get("supervisor") or {}
+    problem = _trust_problem(record)
+    if problem:
+        raise UserError(f"campaign {name!r}: {problem}; nothing its record names is acted on")
     if procid.where(owner) == "elsewhere":
         raise UserError(f"campaign {name!r} is run by {procid.described(owner)}, not visible from here; cancel it "
                         f"there (charllm-tui campaign cancel {name})")
-    supervisor = procid.live(owner)
-    if supervisor is not None:
-        supervisor.send_signal(signal.SIGTERM)    # it cancels its members and records the end
+    token = procid.read_token(record.path.parent)
+    if procid.signal(owner, signal.SIGTERM, token):    # only the supervisor proven its: it cancels its members
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and procid.live(owner, token) is not None:
             record = Record.load(name)
             if record.data.get("status") in FINAL_STATUSES:
                 return record
             time.sleep(0.5)
-        supervisor.kill()
+        procid.signal(owner, signal.SIGKILL, token)   # stuck (or gone already: then nothing is sent)
     record = Record.load(name)
+    if record.data.get("status") in FINAL_STATUSES:   # it recorded its end as it went
+        return record
     _cancel_members(record)
     record.data.update(status="cancelled", ended_ns=time.time_ns())
     record.save()
     return record
 
 
+def _trust_problem(record: Record) -> str | None:
+    """Why nothing the record names may be acted on (procid.trust_problem), or None."""
+    return procid.trust_problem(record.path.parent, record.path)
+
+
 def _cancel_members(record: Record) -> None:
     """Cancel every member's run that has not ended (side by side: each waits for its run), and
-    what is still queued."""
+    what is still queued; a member whose run vanished is settled as missing, never acted on."""
     live = [(m, record.run_dir(m)) for m in record.members if m["status"] not in DONE and m.get("run")]
 
     def stop(pair):
         m, rd = pair
-        try:
-            cancel_run(rd)
-        except UserError:
-            pass                                     # it ended first
-        _settle(m, rd, rd.status)
+        if state.run_status(rd) != MISSING:
+            try:
+                cancel_run(rd)
+            except UserError:
+                pass                                 # it ended first
+        _settle(m, rd, state.run_status(rd))
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(stop, live))
     for m in record.members:
@@ -162,8 +209,24 @@ def _cancel_members(record: Record) -> None:
             m["status"] = "cancelled"
 
 
+def _observed(rd: RunDir) -> str:
+    """A member run's status now: MISSING where its directory or manifest is gone or damaged (and
+    nothing in it is acted on), else its status once reconciled (launcher.reconcile)."""
+    status = state.run_status(rd)
+    if status == MISSING or status in FINAL_STATUSES:
+        return status
+    try:
+        return reconcile(rd)
+    except (UserError, FileNotFoundError):           # damaged or deleted just now
+        return MISSING
+
+
 def _settle(member: dict, rd: RunDir, status: str) -> None:
-    """Copy a finished run's outcome into its member."""
+    """Copy a finished run's outcome into its member (MISSING: its run is gone; the queue goes on)."""
+    if status == MISSING:
+        member.update(status=MISSING, ended_ns=time.time_ns(),
+                      failure=f"its run {rd.id} is gone or damaged; --resume runs it again")
+        return
     if status not in FINAL_STATUSES:
         member["status"] = status if status in ("pending", "running") else member["status"]
         return
@@ -273,7 +336,7 @@ class Queue:
             rd = self.record.run_dir(m)
             if rd is None:                       # a pending member always names its run
                 continue
-            status = reconcile(rd)
+            status = _observed(rd)
             if status != m["status"]:
                 _settle(m, rd, status)
                 changed = True
@@ -295,8 +358,16 @@ class Queue:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(f"usage: python -m {MODULE} NAME", file=sys.stderr)
+    if len(argv) not in (1, 3) or len(argv) == 3 and (argv[1] != "--lock-fd" or not argv[2].isdigit()):
+        print(f"usage: python -m {MODULE} NAME [--lock-fd FD]", file=sys.stderr)
+        return 2
+    try:   # the campaign's lock, held until its record says how it ended (`start` hands over the one it took)
+        lock = int(argv[2]) if len(argv) == 3 else state.take_lock(argv[0])
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)   # (a no-op on the lock it holds: the proof it does)
+        os.set_inheritable(lock, False)          # (no member run holds it after this process is gone)
+        state.note_holder(lock, os.getpid())
+    except (UserError, OSError) as exc:
+        print(f"campaign supervisor: not started: {exc}", file=sys.stderr)
         return 2
     queue = Queue(argv[0])
     try:
@@ -308,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         queue.record.save()
         raise
+    finally:
+        os.close(lock)       # its record says how it ended: the next `campaign run` may start now
     print(f"campaign {argv[0]}: {status}", flush=True)
     return 0
 

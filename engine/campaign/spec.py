@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import hashlib
 import itertools
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,10 +118,11 @@ class Campaign:
     # -- reading ---------------------------------------------------------------------------
     @classmethod
     def load(cls, ref: str | Path) -> "Campaign":
-        """The campaign named `ref` (the user's, else shipped), or a campaign TOML file."""
+        """The campaign named `ref` (the user's, else shipped), or a campaign TOML file (named by
+        record_name)."""
         path = Path(ref).expanduser()
-        if path.suffix == ".toml" or path.is_file():
-            return cls.from_dict(path.stem, paths.read_toml(path, "campaign file"), str(path))
+        if is_file_ref(ref):
+            return cls.from_dict(record_name(ref), paths.read_toml(path, "campaign file"), str(path.resolve()))
         table = catalog.entries(KIND)
         if str(ref) not in table:
             hint = did_you_mean(ref, table, "; see `charllm-tui campaign list`", cutoff=0.5)
@@ -198,13 +201,14 @@ class Campaign:
         return out
 
     def members(self) -> list[Member]:
-        """Every base x layout x combination of the axes' values, each a whole experiment."""
+        """Every base x layout x combination of the axes' values, each a whole experiment. The
+        count is checked against MAX_MEMBERS by arithmetic before any member is built."""
         bases = self.bases()
-        combos = list(itertools.product(*self.axes.values()))
-        count = len(bases) * max(1, len(self.layouts)) * len(combos)
+        count = len(bases) * max(1, len(self.layouts)) * math.prod(len(values) for values in self.axes.values())
         if count > MAX_MEMBERS:
-            raise UserError(f"campaign {self.name!r}: {count:,} members, more than the {MAX_MEMBERS:,} a campaign "
-                            "may have")
+            raise UserError(f"campaign {self.name!r} ({self.source}): {count:,} members, more than the "
+                            f"{MAX_MEMBERS:,} a campaign may have")
+        combos = list(itertools.product(*self.axes.values()))
         out: list[Member] = []
         for base in bases:
             experiment = Experiment.load(base)
@@ -297,6 +301,26 @@ def _field(where: str, label: str, key: str) -> str:
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def is_file_ref(ref: str | Path) -> bool:
+    """Whether `ref` names a campaign file rather than a campaign (its name)."""
+    path = Path(ref).expanduser()
+    return path.suffix == ".toml" or path.is_file()
+
+
+def record_name(ref: str | Path) -> str:
+    """The name campaign `ref` runs and is recorded under (<runs>/.campaigns/NAME): a campaign's name
+    as given; a campaign file's, its name with a digest of its real path ("tiny-local-1f2e3d4c"), so
+    that a copy elsewhere never shares the record of the campaign it copies. A catalog's own file
+    keeps its catalog name."""
+    if not is_file_ref(ref):
+        return str(ref)
+    path = Path(ref).expanduser().resolve()
+    stem = check_name(path.stem)
+    if (mine := campaigns().get(stem)) is not None and mine.resolve() == path:
+        return stem
+    return f"{stem[:55]}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
 
 
 def check_name(name: str) -> str:

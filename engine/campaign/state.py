@@ -3,35 +3,53 @@
     <runs>/.campaigns/<name>/
         campaign.json     the record below (rewritten atomically)
         supervisor.log    the campaign supervisor's output
+        supervisor.lock   flock'ed by the campaign's supervisor while it runs: one per campaign
 
 It lives beside the runs it names, so every login node sharing the runs directory sees it (a
 hidden name: run listings and the DuckDB glob pass it by). A member's own run is a run like any
 other, whose manifest says which campaign and member it is; the record holds the member's planned
 verdict and final status, so a summary of a campaign never depends on reading every run's files.
+
+Every path a record names stays in the runs directory: `.campaigns` and a campaign's folder are
+real folders (a link is refused, never followed), and a member's run is a run id, an entry of the
+runs directory itself (a record naming `../elsewhere` is damaged, and nothing in it is acted on).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
+import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from charllm.engine.campaign.spec import Campaign, Plan, check_name, variant
 from charllm.probes.core import paths
-from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.errors import UserError, plural, shown
 from charllm.probes.core.files import read_bounded
 from charllm.probes.core.formatting import clock, duration
-from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, write_json_atomic
+from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, check_run_id, write_json_atomic
 
-# A member's statuses: waiting in the queue, its run's own statuses, or never run.
+# A member's statuses: waiting in the queue, its run's own statuses, never run, or its run gone.
 QUEUED, SKIPPED, INVALID = "queued", "skipped", "invalid"
-DONE = (*FINAL_STATUSES, SKIPPED, INVALID)          # a member in one of these needs nothing more
+MISSING = "missing"         # its run's directory vanished or is damaged: --resume runs it again
+DONE = (*FINAL_STATUSES, SKIPPED, INVALID, MISSING)     # a member in one of these needs nothing more
 MAX_RECORD_BYTES = 64 * 2**20
+LOCK = "supervisor.lock"
+LOCK_WAIT_S = 1.0           # how long `campaign run` waits for a lock a reader's probe holds for a moment
 
 
 def root() -> Path:
-    return paths.runs_dir() / ".campaigns"
+    """<runs>/.campaigns, a real folder of the runs directory: a link there is refused, never followed."""
+    base = paths.runs_dir() / ".campaigns"
+    if base.is_symlink():
+        raise UserError(f"{base}: a symbolic link; campaign records live in a real folder of the runs directory "
+                        "(remove the link)")
+    return base
 
 
 @dataclass
@@ -78,11 +96,18 @@ class Record:
         if not isinstance(data, dict) or not isinstance(data.get("members"), list) or \
                 not all(isinstance(m, dict) for m in data["members"]):
             raise UserError(f"{path}: damaged campaign record, not a campaign's")
+        for m in data["members"]:
+            runs = m.get("runs") if isinstance(m.get("runs"), list) else [m.get("runs")]
+            for run in (m.get("run"), *runs):
+                if run is not None and not _names_a_run(run):
+                    raise UserError(f"{path}: damaged campaign record: member {shown(m.get('index'))} names run "
+                                    f"{shown(run)}, not a run of the runs directory")
         return cls(path, data)
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, self.data)
+        folder = directory(self.path.parent.name)     # (checked again: no link was put there meanwhile)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(folder / self.path.name, self.data)
 
     # -- reading -----------------------------------------------------------------------------
     @property
@@ -97,9 +122,11 @@ class Record:
         return RunDir(paths.runs_dir() / member["run"]) if member.get("run") else None
 
     def counts(self) -> dict[str, int]:
+        """How many members are in each status, as their runs say it now (member_status)."""
         out: dict[str, int] = {}
         for m in self.members:
-            out[m["status"]] = out.get(m["status"], 0) + 1
+            status = member_status(self, m)
+            out[status] = out.get(status, 0) + 1
         return out
 
     @property
@@ -110,7 +137,7 @@ class Record:
         """One line: members by status, and the time left at the current pace."""
         counts = self.counts()
         done = sum(counts.get(s, 0) for s in FINAL_STATUSES)
-        order = ("completed", "running", QUEUED, "failed", "cancelled", SKIPPED, INVALID)
+        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", MISSING, SKIPPED, INVALID)
         parts = [f"{counts[s]:,} {s}" for s in order if counts.get(s)]
         line = f"{self.name}: {plural(len(self.members), 'member')} ({', '.join(parts)})"
         left = self.time_left(now_ns)
@@ -122,7 +149,9 @@ class Record:
 
     def time_left(self, now_ns: int | None = None) -> float | None:
         """Seconds until the queue is through at the pace of the members finished so far (None
-        before one has finished, or when nothing is left)."""
+        before one has finished, when nothing is left, or once the campaign has ended)."""
+        if self.data.get("status") in FINAL_STATUSES:
+            return None
         took = [(m["ended_ns"] - m["started_ns"]) / 1e9 for m in self.members
                 if m["status"] in FINAL_STATUSES and m.get("started_ns") and m.get("ended_ns")]
         left = [m for m in self.members if m["status"] not in DONE]
@@ -137,22 +166,141 @@ class Record:
 
 
 def directory(name: str) -> Path:
-    return root() / check_name(name)
+    """Campaign `name`'s record folder, a real folder of root() (a link is refused, never followed)."""
+    folder = root() / check_name(name)
+    if folder.is_symlink():
+        raise UserError(f"{folder}: a symbolic link; a campaign's record lives in a real folder (remove the link)")
+    return folder
 
 
 def recorded() -> list[str]:
-    """The names of the campaigns that have a record here."""
+    """The names of the campaigns that have a record here (a link among them is passed by)."""
     base = root()
-    return sorted(d.name for d in base.iterdir() if (d / "campaign.json").is_file()) if base.is_dir() else []
+    if not base.is_dir():
+        return []
+    return sorted(d.name for d in base.iterdir()
+                  if not d.is_symlink() and d.is_dir() and (d / "campaign.json").is_file())
+
+
+def _names_a_run(value) -> bool:
+    """Whether a record's `run` is a run id: an entry of the runs directory itself, never a path."""
+    try:
+        return isinstance(value, str) and bool(check_run_id(value))
+    except UserError:
+        return False
+
+
+def _gone(rd: RunDir) -> bool:
+    """Whether a member's run directory (an entry of the runs directory, Record.load saw to that)
+    is no longer a real folder there: deleted, or swapped for a link."""
+    return rd.path.is_symlink() or not rd.path.is_dir()
+
+
+def run_status(rd: RunDir) -> str:
+    """A member run's status as its manifest says it, read only; MISSING when its directory is gone
+    or holds no readable manifest."""
+    if _gone(rd):
+        return MISSING
+    try:
+        status = rd.manifest().status
+    except UserError:
+        return MISSING
+    return MISSING if status == "unknown" else status
 
 
 def member_status(record: Record, member: dict) -> str:
-    """A member's status as its run says it now (a running member's run may have ended since the
-    record was written)."""
-    rd = record.run_dir(member)
-    if rd is None or member["status"] in DONE:
-        return member["status"]
+    """A member's status as its run says it now: a running member's run may have ended since the
+    record was written, and a completed member's run may have been deleted since."""
+    rd, status = record.run_dir(member), member["status"]
+    if rd is None or status in DONE and status != "completed":
+        return status
+    if status == "completed":
+        return MISSING if _gone(rd) else status
+    return run_status(rd)
+
+
+# -- one supervisor per campaign --------------------------------------------------------------------
+def take_lock(name: str) -> int:
+    """Campaign `name`'s lock, taken for its new supervisor: an open descriptor holding an exclusive
+    flock on its supervisor.lock. The lock lasts while any process holds a copy of the descriptor:
+    `campaign run` hands it to the supervisor it starts, which holds it until it ends, so no second
+    supervisor can start meanwhile. One held by another is one line saying who holds it."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        folder = directory(name)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = directory(name) / LOCK                 # (checked again: no link was put there meanwhile)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise UserError(f"{path}: cannot open the campaign's lock ({exc.strerror})") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UserError(f"{path}: not a regular file; remove it")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
+                note_holder(fd, os.getpid())
+                return fd
+            os.close(fd)                              # deleted (campaign delete) between open and lock
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() > deadline:
+                raise UserError(f"campaign {name!r} is already being run, by {holder(name)}, which holds its lock "
+                                f"{path}; wait for it, or cancel it (charllm-tui campaign cancel {name})") from None
+            time.sleep(0.05)
+        except FileNotFoundError:
+            os.close(fd)
+        except UserError:
+            os.close(fd)
+            raise
+        except OSError as exc:
+            os.close(fd)
+            raise UserError(f"{path}: cannot lock it ({exc.strerror}): the runs directory's file system must "
+                            "support flock") from None
+
+
+def note_holder(fd: int, pid: int) -> None:
+    """Write who holds the lock into its file (what a refused `campaign run` names)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": pid, "host": socket.gethostname()}).encode(), 0)
+
+
+def holder(name: str) -> str:
+    """Who holds campaign `name`'s lock, as its file says."""
     try:
-        return rd.manifest().status
-    except UserError:
-        return member["status"]
+        said = json.loads(read_bounded(directory(name) / LOCK, 4096, "campaign lock"))
+        return f"process {int(said['pid'])} on {str(said['host'])[:64]}"
+    except (OSError, ValueError, TypeError, KeyError, UserError):
+        return "another process"
+
+
+def supervisor_alive(name: str) -> bool:
+    """Whether a `campaign run` or the supervisor it started holds campaign `name`'s lock now (a
+    non-blocking probe, held for a moment: no pid is trusted)."""
+    try:
+        fd = os.open(directory(name) / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, UserError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)                                  # (which lets go of the probe's own lock)
+    return False
+
+
+def delete(name: str) -> None:
+    """Remove campaign `name`'s record folder, through <runs>/.campaigns opened without following a
+    link: nothing outside it is ever removed. The caller holds its lock (take_lock)."""
+    runs = os.open(paths.runs_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        base = os.open(".campaigns", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=runs)
+    finally:
+        os.close(runs)
+    try:
+        shutil.rmtree(check_name(name), dir_fd=base)
+    finally:
+        os.close(base)

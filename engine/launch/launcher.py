@@ -19,11 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from charllm.engine.launch.target import Step, Target
+from charllm.engine.launch.target import Step, Target, recorded_line
 from charllm.engine.launch.targets import LOCAL, from_record
-from charllm.engine.model import profiling
-from charllm.engine.model.memory import DOES_NOT_FIT, estimate
-from charllm.engine.model.validate import validate
 from charllm.probes.core import lifeline, paths, procid
 from charllm.probes.core.errors import UserError, mount_point, os_error_line
 from charllm.probes.core.formatting import clock, size
@@ -62,6 +59,9 @@ def problems(exp) -> list[str]:
     """Why this layout should not run: validation problems, else what the node it is planned for
     cannot run (engine.model.runtime) and a memory overflow. The workload checks the first two again
     on the node itself, against the software it finds there."""
+    from charllm.engine.model.memory import DOES_NOT_FIT, estimate  # deferred: the models (runs commands' start-up)
+    from charllm.engine.model.validate import validate  # deferred: the models (runs commands' start-up)
+
     found = [str(p) for p in validate(exp)]
     if found:
         return found  # the memory model assumes a valid layout
@@ -108,6 +108,14 @@ def display_commands(steps: list[Step], target: Target) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # Launch
 # --------------------------------------------------------------------------------------------
+class LayoutRefused(UserError):
+    """A launch refused for a problem of the layout (`problems`), which `force` launches anyway."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"{problem} (launch anyway with --force)")
+        self.problem = problem
+
+
 def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, nproc: int | None = None,
            on_progress: Callable[[str], None] | None = None, record: dict | None = None,
            tied: bool = False) -> LaunchResult:
@@ -119,11 +127,13 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     say("checking the layout")
     found = problems(exp)
     if found and not force:
-        raise UserError(f"{found[0]} (launch anyway with --force)")
+        raise LayoutRefused(found[0])
     run_id = new_run_id(exp.name)
     run_dir = unique_run_dir(paths.runs_dir() / run_id)
     steps, script = plan(exp, target, run_dir, dry_run=dry_run)
     commands = display_commands(steps, target)
+    from charllm.engine.model import profiling  # deferred: the models (runs commands' start-up)
+
     window = profiling.plan(exp)
     result = LaunchResult(run_id=run_dir.name, run_dir=None, commands=commands, job_script=script,
                           job_script_label=target.job_script_label,
@@ -159,6 +169,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         manifest["profile"] = {**window.to_dict(), "cost": window.describe()}
     try:
         rd.logs_dir.mkdir()
+        token = procid.write_token(rd.path)   # every process of the run carries it: the proof a signal needs
         exp.save(rd.experiment_path)
         rd.write_manifest(manifest)
         manifest.update(target.prepare(rd, steps, script, say))
@@ -168,10 +179,11 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         with open(rd.logs_dir / "supervisor.log", "ab") as log:
             subprocess.Popen([sys.executable, "-m", "charllm.engine.launch.supervise", str(rd.path)],
                              stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                             close_fds=True, preexec_fn=lifeline.terminated_with_parent if tied else None)
+                             close_fds=True, preexec_fn=lifeline.terminated_with_parent if tied else None,
+                             env=procid.run_environment(token, rd.id))
     except BaseException:
         # A launch that did not start leaves nothing behind.
-        target.cancel_job(Manifest.from_dict(manifest))
+        target.cancel_job(rd, Manifest.from_dict(manifest))
         shutil.rmtree(rd.path, ignore_errors=True)
         raise
     result.run_dir = rd.path
@@ -182,67 +194,69 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
 # Cancel
 # --------------------------------------------------------------------------------------------
 def reconcile(rd: RunDir) -> str:
-    """The run's status, after finishing it if whoever owned it died without saying so.
+    """The run's status, after recording it as ended if whoever owned it died without saying so.
 
-    A launched run is owned by its supervisor, a probe-only run by its sampler. When that
-    process is gone but the status is not final, stop what it recorded (the ranks die with
-    torchrun, see probes.core.lifeline; under Slurm, cancel the job) and record what happened:
-    completed if every node's workload said so, else failed, naming the lost owner.
+    A reader: it never signals anything, whatever the manifest says (a manifest is a file anyone
+    with the user's rights may have edited, and a copied identity is no proof: probes.core.procid).
+    A launched run is owned by its supervisor, a probe-only run by its sampler. When that process
+    is gone but the status is not final, the target says what the run became (Target.settle_orphan:
+    from the nodes' own end records, or the scheduler's job) and it is recorded, naming what the run
+    recorded; `cancel`, which the user asks for, stops anything left.
 
-    Only the host, boot and PID namespace the owner was recorded in can tell whether it lives
-    (probes.core.procid): a reader elsewhere (another login node sharing the runs directory, a
-    container) leaves the run alone, and its status line says where it runs. After a reboot the
-    owner is gone for sure, and nothing it recorded is signalled: those pids mean nothing now."""
+    Only the host, boot and PID namespace the owner was recorded in can tell whether it lives: a
+    reader elsewhere (another login node sharing the runs directory, a container) leaves the run
+    alone, and its status line says where it runs. A run whose manifest or directory someone else
+    could have written (RunDir.trust_problem) is only read."""
     manifest = rd.manifest()
     status = manifest.status
-    if manifest.final or status == "unknown" or not rd.ours():
-        return status       # (a directory charllm-tui did not make is only read)
-    probe_only = manifest.kind == "probe"
+    if manifest.final or status == "unknown" or not rd.ours() or rd.trust_problem():
+        return status       # (a directory charllm-tui did not make, or one not to be trusted, is only read)
     owner = manifest.owner
     if procid.where(owner) == "elsewhere":
         return status       # its own host judges it
-    if not manifest.supervisor and not probe_only and _supervisor_never_started(rd, manifest):
-        _target(manifest).cancel_job(manifest)
-        return _record(rd, status="failed", ended_ns=time.time_ns(),
-                       failure="the supervisor died before it started the run (see logs/supervisor.log)")
-    if not manifest.supervisor and not probe_only or not owner or procid.live(owner) is not None:
-        return status       # not started yet (launch records it within moments), or alive
+    token = None if manifest.kind == "probe" else rd.token   # (a probe started by hand carries no token)
+    if not manifest.supervisor and manifest.kind != "probe":
+        if not _supervisor_never_started(rd, manifest, token):
+            return status   # not started yet: launch records it within moments
+        lost = "the supervisor died before it started the run (see logs/supervisor.log)"
+    elif not owner or procid.live(owner, token) is not None:
+        return status       # alive
+    elif manifest.kind == "probe":
+        lost = f"the sampler died (found at {clock()}); telemetry up to then is kept"
+    else:
+        lost = f"the supervisor died (found at {clock()})"
     manifest = rd.manifest()
-    if manifest.final:  # it wrote its last word just now
+    if manifest.final:      # it wrote its last word just now
         return manifest.status
-    found = clock()
-    if probe_only:
-        return _record(rd, status="failed", ended_ns=time.time_ns(),
-                       failure=f"the sampler died (found at {found}); telemetry up to then is kept{disk_note(rd.path)}")
-    _target(manifest).stop_processes(manifest, grace=2.0)
-    ended = [r.get("status") for r in rd.end_events()]
-    done = bool(ended) and all(s == "completed" for s in ended)
-    disk = disk_note(rd.path)
-    return _record(rd, status="completed" if done else "failed", ended_ns=time.time_ns(),
-                   failure=manifest.failure or (None if done else f"the supervisor died (found at {found}); "
-                                                                  f"its processes were stopped{disk}"),
-                   note=f"the supervisor died (found at {found}){disk}")
+    lost += disk_note(rd.path)
+    if manifest.kind == "probe":
+        return _record(rd, status="failed", ended_ns=time.time_ns(), failure=lost)
+    fields = _target(manifest).settle_orphan(rd, manifest, lost)
+    if fields is None:
+        return status       # it goes on without its supervisor (a scheduler's job)
+    return _record(rd, orphaned_ns=time.time_ns(), ended_ns=time.time_ns(), **fields)
 
 
 SUPERVISOR_START_S = 60  # launch hands a run to its supervisor within seconds (ssh checks included)
 
 
-def _supervisor_never_started(rd: RunDir, manifest: Manifest) -> bool:
+def _supervisor_never_started(rd: RunDir, manifest: Manifest, token: str | None) -> bool:
     """Whether a run launched here a while ago has no supervisor: none recorded itself, none is running."""
     if procid.where(manifest.launched_from) not in ("here", "unknown"):
         return False
     if not manifest.created_ns or time.time_ns() - manifest.created_ns < SUPERVISOR_START_S * 1_000_000_000:
         return False
-    return not _supervisor_processes(rd) and not rd.manifest().supervisor  # (recorded meanwhile)
+    return not _supervisor_processes(rd, token) and not rd.manifest().supervisor  # (recorded meanwhile)
 
 
-def _supervisor_processes(rd: RunDir) -> list:
-    """The run's supervisor processes found by command line (before it recorded itself)."""
+def _supervisor_processes(rd: RunDir, token: str | None) -> list:
+    """The run's supervisor processes found by command line (before it recorded itself); with the
+    run's token, only those that carry it."""
     import psutil
 
     return [proc for proc in psutil.process_iter(["cmdline"])
             if (proc.info["cmdline"] or [])[-3:] == ["-m", "charllm.engine.launch.supervise", str(rd.path)]
-            and _alive(proc)]
+            and _alive(proc) and (token is None or procid.carries(proc.pid, token))]
 
 
 def _target(manifest: Manifest) -> Target:
@@ -273,23 +287,37 @@ def _record(rd: RunDir, **fields) -> str:
     try:
         return rd.update_manifest(**fields)["status"]
     except OSError as exc:
-        raise UserError(f"run {rd.id!r}: its processes were stopped, but its status ({fields['status']}) "
-                        f"could not be recorded: {os_error_line(exc, rd.path)}") from None
+        raise UserError(f"run {rd.id!r}: its status ({fields['status']}) could not be recorded: "
+                        f"{os_error_line(exc, rd.path)}") from None
 
 
 def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str:
-    """Stop every process of the run on every node; returns the final status."""
+    """Stop every process of the run on every node; returns the final status. Only what is proven
+    the run's is signalled (probes.core.procid: this user's, carrying the run's token). A run that
+    ended because its supervisor died may have left processes: they are stopped, and the run keeps
+    its status (a UserError says what it ended as when nothing was left)."""
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    problem = rd.trust_problem()
+    if problem:
+        raise UserError(f"run {rd.id!r}: {problem}; nothing its manifest names is acted on")
     reconcile(rd)
     manifest = rd.manifest()
-    if manifest.final:
-        raise UserError(f"run {rd.id!r} is already {manifest.status_line}")
-    if manifest.kind == "probe":
+    token = rd.token
+    if manifest.kind == "probe" and not manifest.final:
         return _cancel_probe(rd, manifest.sampler, grace)
     target = _target(manifest)
-    sup = None
     elsewhere = procid.where(manifest.owner) == "elsewhere"
-    scheduled = target.cancel_job(manifest)  # under a scheduler, the supervisor sees the job end and records it
+    if manifest.orphaned_ns and not elsewhere and token and target.stop_processes(manifest, grace, token):
+        rd.update_manifest(note=f"{manifest.note + '; ' if manifest.note else ''}what it left running was "
+                                f"stopped at {clock()} (runs cancel)")
+        return manifest.status
+    if manifest.final:
+        raise UserError(f"run {rd.id!r} is already {manifest.status_line}")
+    sup = None
+    scheduled = target.cancel_job(rd, manifest)  # under a scheduler, the supervisor sees the job end and records it
+    if token is None and not elsewhere and not scheduled:
+        raise UserError(f"run {rd.id!r} was recorded without a run token (before charllm-tui kept one), so its "
+                        f"processes cannot be proven its own; stop them yourself ({recorded_line(manifest) or '-'})")
     if elsewhere and not scheduled:
         raise UserError(f"run {rd.id!r} runs on {procid.described(manifest.owner)}, not visible from here; "
                         f"cancel it there (charllm-tui runs cancel {rd.id})")
@@ -300,7 +328,7 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
             manifest = rd.manifest()
         # One still starting (a loaded machine) has not recorded itself yet: found by its command
         # line, a SIGTERM ends it before it starts a step (it handles SIGTERM before it records itself).
-        sup = procid.live(manifest.supervisor) or next(iter(_supervisor_processes(rd)), None)
+        sup = procid.live(manifest.supervisor, token) or next(iter(_supervisor_processes(rd, token)), None)
         if sup is not None:
             sup.send_signal(signal.SIGTERM)  # it stops its steps (TERM, grace, KILL) and records the status
     status = _wait_final(rd, wait if scheduled or sup else 0, sup)
@@ -308,28 +336,26 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
         return status   # (a scheduler's job cancelled from another host: its supervisor records it there)
     # The supervisor is gone or stuck: stop what it recorded ourselves.
     manifest = rd.manifest()
-    sup = procid.live(manifest.supervisor)
-    if sup is not None:
-        sup.kill()
-    target.stop_processes(manifest, grace)
+    procid.signal(manifest.supervisor, signal.SIGKILL, token)
+    target.stop_processes(manifest, grace, token)
     return _record(rd, status="cancelled", ended_ns=time.time_ns(), note="cancelled without its supervisor")
 
 
 def _cancel_probe(rd: RunDir, owner: dict, grace: float) -> str:
-    """A probe-only run: its sampler stops on SIGTERM (closing its last chunk), KILL after `grace`."""
+    """A probe-only run: its sampler is a command the user started, with no run token to prove it, so
+    it is asked to stop (RunDir.cancel_request_path, which it watches; it closes its last chunk), never
+    signalled."""
     if procid.where(owner) == "elsewhere":
         raise UserError(f"run {rd.id!r}: its sampler runs on {procid.described(owner)}, not visible from here; "
-                        f"stop it there (kill -TERM {owner.get('pid')})")
-    sampler = procid.live(owner)
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        if sampler is None or not _alive(sampler):
-            break
-        try:
-            sampler.send_signal(sig)
-        except Exception:  # noqa: BLE001 - psutil.Error: it ended just now
-            break
-        _wait_gone(sampler, wait)
-    return _record(rd, status="cancelled", ended_ns=time.time_ns())
+                        f"stop it there (charllm-tui runs cancel {rd.id})")
+    rd.cancel_request_path.touch()
+    status = _wait_final(rd, grace + 5.0, procid.live(owner, None))
+    if status in FINAL_STATUSES:
+        return status
+    if procid.live(owner, None) is None:   # it died without a word: the request settles it
+        return _record(rd, status="cancelled", ended_ns=time.time_ns())
+    raise UserError(f"run {rd.id!r}: its sampler (pid {owner.get('pid')}) did not stop within {grace + 5.0:.0f} s "
+                    f"of the request; if it is stuck, stop it yourself (kill {owner.get('pid')})")
 
 
 def _alive(proc) -> bool:
@@ -350,7 +376,7 @@ def wait_for_supervisor(rd: RunDir, timeout: float = SUPERVISOR_EXIT_S) -> bool:
     """Wait until the run's supervisor has exited, at most `timeout` seconds; True once it has (or
     the run has none). After the final status it keeps the run's summaries, and only when it exits
     is every process of the run gone."""
-    supervisor = procid.live(rd.manifest().supervisor)
+    supervisor = procid.live(rd.manifest().supervisor, rd.token)
     return supervisor is None or _wait_gone(supervisor, timeout)
 
 
@@ -365,10 +391,11 @@ def _wait_gone(proc, timeout: float) -> bool:
 
 
 def _wait_final(rd: RunDir, timeout: float, supervisor=None) -> str:
-    """The run's final status, or its current one once `timeout` passed or its supervisor died."""
+    """The run's final status, or its current one once `timeout` passed or its supervisor died
+    (settled as a reader does: a job that ends without its supervisor is recorded from Slurm)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = rd.status
+        status = reconcile(rd)
         if status in FINAL_STATUSES or (supervisor is not None and not _alive(supervisor)):
             return rd.status
         time.sleep(0.2)

@@ -29,6 +29,7 @@ class Proc:
         self.log_path = rd.logs_dir / f"{step.role}-{step.node}.log"
         self.reader: threading.Thread | None = None   # a thread reading the process's output, if any
         self.popen: subprocess.Popen | None = None
+        self.token = rd.token   # the run's, which the step carries (the supervisor's environment holds it)
 
     def with_parent(self):
         """What ties the step to the supervisor's life: the sampler is asked to stop (it closes

@@ -9,6 +9,7 @@ address); `--kill-on-bad-exit` stops every node when one fails.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
 import shutil
@@ -30,7 +31,7 @@ from charllm.engine.launch.process import (
     training_ended,
 )
 from charllm.engine.launch.target import Say, Step, Target, sampler_argv, train_argv
-from charllm.probes.core import lifeline
+from charllm.probes.core import lifeline, procid
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.store.rundir import Manifest
 
@@ -95,7 +96,7 @@ class SlurmTarget(Target):
         script_path = rd.path / "job.sbatch"
         script_path.write_text(script)
         say("submitting to Slurm")
-        job = submit(str(script_path))
+        job = submit(str(script_path), procid.run_environment(rd.token or "", rd.id))   # the job's processes carry it
         recorded = {"target": {**self.to_dict(), "run": {"job_id": job}}}
         try:
             rd.update_manifest(**recorded)
@@ -113,10 +114,33 @@ class SlurmTarget(Target):
         return dataclasses.replace(self, sbatch_lines=lines,
                                    time=_slurm_time(time_limit_s) if time_limit_s else self.time)
 
-    def cancel_job(self, manifest: Manifest) -> bool:
-        if job_id(manifest):
-            cancel(job_id(manifest), manifest.id)
+    def cancel_job(self, rd, manifest: Manifest) -> bool:
+        """scancel the run's job, once Slurm says it is this run's: named after the run (scancel
+        matches the name with the id), this user's, and working in this run's directory (a copied
+        or planted manifest can name a job, never own one)."""
+        job = job_id(manifest)
+        if job:
+            problem = not_the_runs(job, rd)
+            if problem:
+                raise UserError(f"run {rd.id!r}: slurm job {job} {problem}; it is left alone")
+            cancel(job, manifest.id)
         return True
+
+    def settle_orphan(self, rd, manifest: Manifest, lost: str) -> dict | None:
+        """Slurm runs the job whether or not its supervisor lives: while the job is known and not
+        ended, the run goes on (None: the next reader asks again); once it ended, its final state
+        decides, or, purged from the controller, the job's own exit record. Nothing is cancelled."""
+        job = job_id(manifest)
+        if not _JOB_ID.match(job):   # never submitted (or not a job id at all)
+            return {"status": "failed", "note": lost, "failure": f"{lost}; no slurm job was recorded"}
+        info = job_info(job)
+        state = info.get("JobState") if info else None
+        if info is None or state and state not in FINAL_STATES:
+            return None      # Slurm runs it (or did not answer): the next reader asks again
+        # ({}: purged from the controller, its exit record decides)
+        fields = final_fields(rd, state or exit_state(rd), info, cancelled=False)
+        run = {**Target.run_record(manifest.target), "state": state or "UNKNOWN"}
+        return {**fields, "note": lost, "target": {**manifest.target, "run": run}}
 
     @classmethod
     def describe_job(cls, record: dict) -> str:
@@ -126,8 +150,8 @@ class SlurmTarget(Target):
             return ""
         return f"slurm job {job}" + (f", {state}" if isinstance(state, str) and state else "")
 
-    def stop_processes(self, manifest: Manifest, grace: float) -> None:
-        self.cancel_job(manifest)   # the processes are Slurm's
+    def stop_processes(self, manifest: Manifest, grace: float, token: str | None) -> int:
+        return 0   # the processes are Slurm's: cancel_job ended the job, and Slurm reaps what it ran
 
     def run_on_nodes(self, argv_for: ArgvFor, nodes: int | None, *, wait: float, say: Say) -> list[NodeOutput]:
         """One srun step, one task on each of `nodes` nodes (default 1); each task's output is told
@@ -277,10 +301,11 @@ def _sampler_line(argv: list[str]) -> str:
     return f'trap : TERM USR1; {_words(argv)} > {log} 2>&1; echo "$? $(date +%s%N)" > {record}'
 
 
-def submit(script_path: str) -> str:
+def submit(script_path: str, env: dict | None = None) -> str:
+    """sbatch the script with `env` as the job's environment (--export=ALL); the job's id."""
     try:
         done = subprocess.run(["sbatch", "--parsable", "--export=ALL", script_path],
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True, timeout=60, env=env)
     except FileNotFoundError:
         raise UserError("slurm target: `sbatch` is not on PATH (run from a login node)") from None
     if done.returncode != 0:
@@ -289,11 +314,18 @@ def submit(script_path: str) -> str:
     return done.stdout.strip().split(";")[0]
 
 
-def job_info(job_id: str) -> dict[str, str]:
-    """scontrol's fields for the job (JobState, ExitCode, Reason, NodeList...); {} once forgotten."""
-    done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                          timeout=30)
-    return dict(re.findall(r"(\w+)=(\S*)", done.stdout)) if done.returncode == 0 else {}
+def job_info(job_id: str) -> dict[str, str] | None:
+    """scontrol's fields for the job (JobState, ExitCode, Reason, NodeList...); {} once Slurm has
+    forgotten it (it says the id is invalid); None when the controller did not answer (a timeout,
+    an error): nothing is known then, and the caller asks again later."""
+    try:
+        done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode == 0:
+        return dict(re.findall(r"(\w+)=(\S*)", done.stdout))
+    return {} if "invalid job id" in done.stderr.lower() else None
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -307,6 +339,20 @@ def _slurm_time(seconds: float) -> str:
     minutes = -(-int(seconds) // 60)
     days, minutes = divmod(minutes, 1440)
     return f"{days}-{minutes // 60:02d}:{minutes % 60:02d}:00"
+
+
+def not_the_runs(job: str, rd) -> str | None:
+    """Why Slurm's job `job` is not the run's, or None: it must be this user's and work in the run's
+    directory (sbatch --chdir). A job Slurm no longer knows is nobody's to cancel: None."""
+    info = job_info(job) if _JOB_ID.match(job) else {}
+    if not info:   # (None: the controller did not answer, and scancel will not reach it either)
+        return None
+    uid = re.search(r"\((\d+)\)", info.get("UserId", ""))
+    if not uid or int(uid.group(1)) != os.geteuid():
+        return f"belongs to {info.get('UserId', 'someone else')}, not to you"
+    if os.path.realpath(info.get("WorkDir", "")) != os.path.realpath(rd.path):
+        return f"works in {info.get('WorkDir', '?')}, not in this run's directory {rd.path}"
+    return None
 
 
 def cancel(job_id: str, run_id: str) -> None:
@@ -324,7 +370,12 @@ def follow(supervisor) -> str:
     rd, job = supervisor.rd, job_id(supervisor.manifest)
     running = False
     while True:
-        info = job_info(job)
+        answer = job_info(job)
+        if answer is None:      # the controller did not answer: nothing is known, ask again
+            watch_samplers(supervisor)
+            time.sleep(0.5)
+            continue
+        info = answer
         state = info.get("JobState", "UNKNOWN")
         if state == "RUNNING" and not running:
             running = True
@@ -335,22 +386,29 @@ def follow(supervisor) -> str:
             break
         time.sleep(0.5)
     if state == "UNKNOWN":  # purged from the controller: the job's own exit record decides
-        exit_file = rd.logs_dir / "train.exit"
-        state = "COMPLETED" if exit_file.is_file() and exit_file.read_text().strip() == "0" else "FAILED"
-    failure = None
-    if state == "COMPLETED" and not training_ended(rd):
-        status, failure = "failed", NO_END
-    elif state == "COMPLETED":
-        status = "completed"
-    elif state == "CANCELLED" or supervisor.cancel_requested:
-        status = "cancelled"
-    else:
-        status = "failed"
-        failure = _failure(rd, state, info)
+        state = exit_state(rd)
+    fields = final_fields(rd, state, info, cancelled=supervisor.cancel_requested)
     record = supervisor.manifest.target
-    supervisor.record_final(status=status, failure=failure, ended_ns=time.time_ns(), runtime=rd.runtime(),
+    supervisor.record_final(**fields, ended_ns=time.time_ns(), runtime=rd.runtime(),
                             target={**record, "run": {**Target.run_record(record), "state": state}})
-    return status
+    return fields["status"]
+
+
+def exit_state(rd) -> str:
+    """The state of a job the controller no longer knows, from its own exit record (train.exit)."""
+    exit_file = rd.logs_dir / "train.exit"
+    return "COMPLETED" if exit_file.is_file() and exit_file.read_text().strip() == "0" else "FAILED"
+
+
+def final_fields(rd, state: str, info: dict, *, cancelled: bool) -> dict:
+    """The run's final status and failure from its job's final state (and the nodes' logs)."""
+    if state == "COMPLETED" and not training_ended(rd):
+        return {"status": "failed", "failure": NO_END}
+    if state == "COMPLETED":
+        return {"status": "completed", "failure": None}
+    if state == "CANCELLED" or cancelled:
+        return {"status": "cancelled", "failure": None}
+    return {"status": "failed", "failure": _failure(rd, state, info)}
 
 
 def _failure(rd, state: str, info: dict) -> str:

@@ -149,11 +149,12 @@ class SshTarget(Target):
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True, text=True,   # its end stops the remote group
                                     preexec_fn=lifeline.killed_with_parent)
+            give_token(proc, token)
             reader, err, out = read_streams(proc, say)
             running[host] = (proc, out)
 
             def stop() -> None:
-                self._stop_remote(host, proc, out)
+                self._stop_remote(host, proc, out, token)
                 running.pop(host, None)
 
             failure = wait_then_stop(proc, wait, stop, reader, out)
@@ -164,31 +165,32 @@ class SshTarget(Target):
             return NodeOutput(host, rest if procid.parse_remote_identity(first) else "", err, proc.returncode,
                               failure)
 
+        token = procid.new_token()   # what proves the commands' groups ours when they are stopped
         pool = ThreadPoolExecutor(max_workers=min(16, len(self.hosts)))
         try:
             return list(pool.map(one, self.hosts))
         except BaseException:   # Ctrl-C or SIGTERM here: stop every node's command, then leave
             for host, (proc, out) in list(running.items()):
-                self._stop_remote(host, proc, out)
+                self._stop_remote(host, proc, out, token)
             raise
         finally:
             pool.shutdown(wait=True)
 
-    def _stop_remote(self, host: str, proc: subprocess.Popen, out: Collect) -> None:
+    def _stop_remote(self, host: str, proc: subprocess.Popen, out: Collect, token: str | None) -> None:
         """Stop a command run_on_nodes started: its remote process group (closing the channel does not
         stop it; the group's identity is the first line it printed), then the ssh client."""
         if proc.poll() is not None:
             return
         group = procid.parse_remote_identity(out.first_line(timeout=1))
         if group:
-            self.kill_group(host, group)
+            self.kill_group(host, group, token)
         proc.kill()
         proc.wait()
 
-    def signal_recorded(self, proc: dict, sig: str) -> None:
-        if proc.get("remote_host") in self.hosts:   # one of this target's nodes, never another host
-            self.kill_group(proc["remote_host"], proc, sig)
-        super().signal_recorded(proc, sig)   # the local ssh client
+    def signal_recorded(self, proc: dict, sig: str, token: str | None) -> bool:
+        remote = proc.get("remote_host") in self.hosts and \
+            self.kill_group(proc["remote_host"], proc, token, sig)   # one of this target's nodes, never another
+        return super().signal_recorded(proc, sig, token) or remote   # (and the local ssh client)
 
     # -- the OpenSSH client --------------------------------------------------------------------
     def ssh_argv(self, host: str) -> list[str]:
@@ -214,13 +216,15 @@ class SshTarget(Target):
     def in_process_group(self, argv: list[str]) -> str:
         """Run `argv` in a new session (pgid = its leader shell's pid), printing first that pgid, the
         node's boot id and the leader's start (procid.REMOTE_IDENTITY: what a later signal checks).
-        The group lives as long as the connection's stdin stays open: callers keep it open as a pipe.
+        The first line of the connection's stdin is the run's token (give_token), which the leader
+        carries in its environment (procid.TOKEN_FROM_STDIN); the group lives as long as the rest of
+        stdin stays open: callers keep it open as a pipe.
 
         The leader shell waits for `argv` (on SIGTERM too: a trap runs only once it ended) and exits
         with its status, 128+N when signal N killed it; `setsid -w` would report a killed leader as N."""
         line = self.shell_line(argv, replace_shell=False)
-        return "setsid -w bash -c " + shlex.quote(procid.REMOTE_IDENTITY + "; " + _STOP_WITH_CONNECTION
-                                                  + "trap : TERM\n" + line + "\nexit $?")
+        script = procid.REMOTE_IDENTITY + "; " + _STOP_WITH_CONNECTION + "trap : TERM\n" + line + "\nexit $?"
+        return f"setsid -w bash -c {shlex.quote(procid.TOKEN_FROM_STDIN)} {shlex.quote(script)}"
 
     def offered_fingerprints(self, host: str) -> list[str]:
         """The fingerprints of the host keys `host` offers now ("SHA256:... (ED25519)"): shown, never trusted."""
@@ -269,16 +273,31 @@ class SshTarget(Target):
             raise UserError(f"target {self.name!r}: on {host!r}, {remote!r} failed: {last}")
         return done.stdout.decode(errors="replace")
 
-    def kill_group(self, host: str, record: dict, signal: str = "TERM") -> None:
+    def kill_group(self, host: str, record: dict, token: str | None, signal: str = "TERM") -> bool:
         """Signal a remote process group over a fresh connection, if it is still the one `record`
-        names there (procid.remote_signal_line; best effort: the node may be gone)."""
+        names there and carries the run's `token` (procid.remote_signal_line, the token on its stdin;
+        best effort: the node may be gone); True if the node says it sent it."""
         remote = procid.remote_signal_line(record, signal)
-        if remote is None:
-            return
+        if remote is None or not procid.is_token(token):
+            return False
         try:
-            subprocess.run(self.ssh_argv(host) + [remote], capture_output=True, timeout=self.connect_timeout + 10)
+            done = subprocess.run(self.ssh_argv(host) + [remote], input=f"{token}\n".encode(), capture_output=True,
+                                  timeout=self.connect_timeout + 10)
         except subprocess.TimeoutExpired:
-            pass
+            return False
+        return procid.SIGNALLED in done.stdout.decode(errors="replace").split()
+
+
+def give_token(proc: subprocess.Popen, token: str | None) -> None:
+    """Write the first line of a remote step's stdin: the token its group's leader will carry
+    (SshTarget.in_process_group); the rest of its stdin stays open as its lifeline."""
+    assert proc.stdin is not None, "a remote step's stdin is a pipe"
+    line = f"{token or ''}\n"
+    try:
+        proc.stdin.write(line if isinstance(proc.stdin, io.TextIOBase) else line.encode())
+        proc.stdin.flush()
+    except BrokenPipeError:
+        pass   # the client ended at once: the step fails on its own (its log says why)
 
 
 class SshProc(Proc):
@@ -297,6 +316,7 @@ class SshProc(Proc):
         self.popen = subprocess.Popen(self.target.remote_argv(self.step), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=log, start_new_session=True,
                                       preexec_fn=lifeline.killed_with_parent)
+        give_token(self.popen, self.token)
         self.reader = threading.Thread(target=self._read, args=(log,), daemon=True)
         self.reader.start()
 
@@ -350,7 +370,7 @@ class SshProc(Proc):
     def signal(self, sig: signal.Signals) -> None:
         """Signal the remote group over a second connection; a KILL also ends the local client."""
         if self.remote:
-            self.target.kill_group(self.step.host, self.remote, sig.name.removeprefix("SIG"))
+            self.target.kill_group(self.step.host, self.remote, self.token, sig.name.removeprefix("SIG"))
         if sig == signal.SIGKILL:
             super().signal(sig)
 

@@ -200,21 +200,43 @@ class Target(ABC):
         return None
 
     # -- stopping ------------------------------------------------------------------------------
-    def cancel_job(self, manifest: Manifest) -> bool:
+    def cancel_job(self, rd, manifest: Manifest) -> bool:
         """Ask the scheduler that runs the run's job to end it (the supervisor then records the
         end); False where there is no scheduler: the supervisor owns the processes."""
         return False
 
-    def stop_processes(self, manifest: Manifest, grace: float) -> None:
-        """Stop what the manifest recorded, without the supervisor: TERM, `grace`, KILL."""
-        recorded = manifest.processes
-        for sig in ("TERM", "KILL"):
-            for proc in recorded:
-                self.signal_recorded(proc, sig)
-            if sig == "TERM" and recorded:
-                time.sleep(grace)
+    def settle_orphan(self, rd, manifest: Manifest, lost: str) -> dict | None:
+        """The final fields of a run whose supervisor died (`lost` says how that was found), decided
+        from what the run directory holds: completed if every node's workload logged its end, else
+        failed, naming what the run recorded. Nothing is signalled here (a reader calls this): the
+        processes die with their supervisor (probes.core.lifeline), and `runs cancel` stops any left.
+        None where the run goes on without its supervisor (a scheduler's job)."""
+        ended = [r.get("status") for r in rd.end_events()]
+        done = bool(ended) and all(s == "completed" for s in ended)
+        left = f"; it recorded {recorded_line(manifest)}: charllm-tui runs cancel {rd.id} stops any still running" \
+            if manifest.processes else ""
+        return {"status": "completed" if done else "failed", "note": lost,
+                "failure": manifest.failure or (None if done else lost + left)}
 
-    def signal_recorded(self, proc: dict, sig: str) -> None:
+    def stop_processes(self, manifest: Manifest, grace: float, token: str | None) -> int:
+        """Stop what the manifest recorded, without the supervisor: TERM, `grace`, KILL, to each
+        process group proven the run's (it carries `token`); how many took the TERM."""
+        recorded = manifest.processes
+        sent = sum(self.signal_recorded(proc, "TERM", token) for proc in recorded)
+        if sent:
+            time.sleep(grace)
+            for proc in recorded:
+                self.signal_recorded(proc, "KILL", token)
+        return sent
+
+    def signal_recorded(self, proc: dict, sig: str, token: str | None) -> bool:
         """Signal one recorded process group (TERM or KILL) on this machine, if it is still the
-        run's (probes.core.procid: the same host, boot, PID namespace and group leader)."""
-        procid.signal_group(proc, getattr(signal, f"SIG{sig}"))
+        run's (probes.core.procid: the same host, boot, PID namespace and group leader, which is
+        this user's and carries the run's token); True if sent."""
+        return procid.signal_group(proc, getattr(signal, f"SIG{sig}"), token)
+
+
+def recorded_line(manifest: Manifest) -> str:
+    """The processes a manifest recorded, for a status line: "sampler@n1 (pid 12), train@n1 (pid 13)"."""
+    return ", ".join(f"{p.get('role', '?')}@{p.get('node', '?')} (pid {p.get('pid', '?')})"
+                     for p in manifest.processes)

@@ -20,6 +20,7 @@ from charllm.probes.core import paths, procid
 from charllm.tui.app import CharllmApp
 from charllm.tui.demo import DEMO_CAMPAIGN, make_demo_campaign
 from charllm.tui.figures import heatmap_text
+from infra_pilot import list_every_layout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -214,6 +215,24 @@ async def test_figures_draw_the_values_of_the_report(charllm_dirs):
 
 
 @pilot_test
+async def test_a_campaign_files_own_words_are_shown_as_written_never_read_as_markup(charllm_dirs):
+    """Issue 35: a `[/]` in a campaign's value or error was a rich MarkupError that ended the app."""
+    folder = charllm_dirs["config"] / "campaigns"
+    folder.mkdir(parents=True)
+    (folder / "odd.toml").write_text('experiments = ["tiny-local"]\ndescription = "[/] x"\n[axes]\n'
+                                     '"model.description" = ["a\\nb [/]", "[bold]c"]\n')
+    (folder / "broken.toml").write_text('experiments = ["tiny-local"]\n[axes]\n"[/]" = [1]\n')
+    app = campaign_app("odd")
+    async with run_app(app) as pilot:
+        await wait_for(pilot, shown(app, "odd"), what="the odd campaign's plan")
+        assert "description = 'a\\nb [/]'" in cell(app, 1, "note")
+        listing = app.screen.query_one("#campaign-list")
+        await wait_for(pilot, lambda: "invalid" in str(listing.get_cell("broken", "progress")),
+                       what="the broken file's row")
+        assert "axes.[/]" in str(listing.get_cell("broken", "progress"))
+
+
+@pilot_test
 async def test_a_campaign_that_has_not_run_asks_before_it_runs_and_has_no_figure_yet(charllm_dirs):
     app = campaign_app("tiny-local")
     async with run_app(app) as pilot:
@@ -232,13 +251,17 @@ async def test_a_campaign_that_has_not_run_asks_before_it_runs_and_has_no_figure
 
 # -- Sweep: marked layouts become a campaign -------------------------------------------------------
 async def swept(pilot):
+    """The Sweep screen once swept, listing every micro batch and recompute choice (it opens on the best
+    layout's)."""
     from charllm.tui.screens.sweep import SweepScreen
 
     await pilot.press("f3")
     await wait_for(pilot, lambda: isinstance(pilot.app.screen, SweepScreen) and pilot.app.screen.frame is not None,
                    timeout=60, what="the sweep")
-    pilot.app.screen.query_one("#sweep-table").focus()
-    return pilot.app.screen
+    screen = pilot.app.screen
+    await list_every_layout(pilot, screen)
+    screen.query_one("#sweep-table").focus()
+    return screen
 
 
 def mark_rows(screen, rows: list[int]) -> list[str]:

@@ -33,8 +33,11 @@ examples:
       a figure of the paper's kind, drawn in the terminal"""
 
 
-def register(sub) -> None:
-    p = sub.add_parser("campaign", help="many experiments as one job: plan, run, follow, summarize and draw them",
+RECORDED = "the campaign's name, or the campaign file it was run from"
+
+
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="A campaign is a TOML file (<config>/campaigns/NAME.toml, or shipped): base "
                                    "experiments, axes that vary any field, layouts, and a target with its limits. "
                                    "`campaign keys` says what a file may hold.",
@@ -60,18 +63,18 @@ def register(sub) -> None:
     run.add_argument("--resume", action="store_true", help="run only the members without a completed run")
     run.add_argument("--detach", action="store_true", help="return once the queue is handed over")
     status = actions.add_parser("status", help="members by status, each member's run, and the time left")
-    status.add_argument("name", metavar="NAME")
+    status.add_argument("name", metavar="NAME", help=RECORDED)
     status.add_argument("--json", action="store_true", help="print the campaign's record as JSON")
     cancel = actions.add_parser("cancel", help="stop every member and the queue")
-    cancel.add_argument("name", metavar="NAME")
+    cancel.add_argument("name", metavar="NAME", help=RECORDED)
     summary = actions.add_parser("summary", help="one row per member, from each run's kept summary")
-    summary.add_argument("name", metavar="NAME")
+    summary.add_argument("name", metavar="NAME", help=RECORDED)
     summary.add_argument(
         "--format", choices=SUMMARY_FORMATS, default=None, help="default: table, or from --out's suffix"
     )
     summary.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     report = actions.add_parser("report", help="the paper's figures from the campaign's runs")
-    report.add_argument("name", metavar="NAME")
+    report.add_argument("name", metavar="NAME", help=RECORDED)
     report.add_argument(
         "--figure", required=True, metavar="KIND", help="parallelism | optimization | microbatch | heatmap | kernels"
     )
@@ -79,7 +82,7 @@ def register(sub) -> None:
     report.add_argument("--normalize", action="store_true", help="optimization: divide by each model's best")
     report.add_argument("--out", metavar="FILE", help="write an SVG or PNG image instead (needs the plot extra)")
     delete = actions.add_parser("delete", help="delete a campaign's record (its runs stay)")
-    delete.add_argument("name", metavar="NAME")
+    delete.add_argument("name", metavar="NAME", help=RECORDED)
     p.set_defaults(func=_run)
 
 
@@ -97,34 +100,46 @@ def _console():
 # --------------------------------------------------------------------------------------------
 def _list(args) -> int:
     from rich.table import Table
+    from rich.text import Text
 
     files = spec.campaigns()
+    try:
+        recorded, unreadable = state.recorded(), None
+    except UserError as exc:           # a damaged .campaigns costs only the records: the files are listed
+        recorded, unreadable = [], exc
     rows = []
-    for name in sorted(set(files) | set(state.recorded())):
-        row: dict = {"campaign": name, "members": None, "status": "not run", "by_status": {}, "progress": "not run"}
+    for name in sorted(set(files) | set(recorded)):
+        row: dict = {"campaign": name, "members": None, "status": "not run", "by_status": {},
+                     "progress": "not run" if unreadable is None else "-"}
         try:
             campaign = spec.Campaign.load(name) if name in files else None
             row["members"] = len(campaign.members()) if campaign else None
             row["description"] = campaign.description if campaign else "(its file is gone)"
         except UserError as exc:
             row["description"] = f"invalid: {exc}"
-        try:
-            record = queue.refresh(state.Record.load(name))
-            row.update(status=record.data.get("status"), by_status=record.counts(),
-                       progress=record.progress().split(": ", 1)[1])
-        except UserError:
-            pass
+        if name in recorded:
+            try:
+                record = queue.refresh(state.Record.load(name))
+                row.update(status=record.data.get("status"), by_status=record.counts(),
+                           progress=record.progress().split(": ", 1)[1])
+            except UserError as exc:
+                row.update(status="damaged", progress=f"damaged: {exc}")
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
+        if unreadable is not None:
+            raise unreadable
         return 0
     table = Table(box=None, header_style="bold")
     for column in ("campaign", "members", "progress", "description"):
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(row["campaign"], "-" if row["members"] is None else str(row["members"]), row["progress"],
-                      row["description"])
+        cells = (row["campaign"], "-" if row["members"] is None else str(row["members"]), row["progress"],
+                 row["description"])
+        table.add_row(*map(Text, cells))   # plain text, never markup (a '[/]' in a file is no markup error)
     _console().print(table)
+    if unreadable is not None:
+        raise unreadable
     return 0
 
 
@@ -156,18 +171,26 @@ def _plan(args) -> int:
                            "allocator_bytes": p.allocator_bytes} for p in plans], indent=2))
         return 0
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(box=None, header_style="bold", title=f"{campaign.name}: {spec.describe(plans)}",
                   title_justify="left")
     for column in ("#", "member", "layout", "varied", "verdict", "why"):
         table.add_column(column, overflow="fold", no_wrap=column in ("#", "verdict"))
     for p in plans:
-        varied = " ".join(f"{k}={v}" for k, v in p.member.varied.items() if k in varying)
-        style = VERDICT_STYLE.get(p.verdict, "red")
-        table.add_row(str(p.member.index + 1), p.member.experiment.name, p.member.experiment.layout_label, varied,
-                      f"[{style}]{p.verdict}[/]", p.reason)
+        varied = " ".join(f"{k}={one_line(v)}" for k, v in p.member.varied.items() if k in varying)
+        table.add_row(*map(Text, (str(p.member.index + 1), p.member.experiment.name, p.member.experiment.layout_label,
+                                  varied)), Text(p.verdict, VERDICT_STYLE.get(p.verdict, "red")), Text(p.reason))
     _console().print(table)
     return 0
+
+
+def one_line(value) -> str:
+    """A value as one line: a string as written unless it holds a line break or another control
+    character (then escaped, as Python writes it), anything else as JSON."""
+    if isinstance(value, str):
+        return value if value.isprintable() else repr(value)[1:-1]
+    return json.dumps(value)
 
 
 def _start(args) -> int:
@@ -212,7 +235,7 @@ def _follow(name: str) -> int:
     except KeyboardInterrupt:
         print(f"\ncampaign {name}: still running (charllm-tui campaign status {name}; cancel: campaign cancel {name})")
         return 0
-    bad = [m for m in record.members if m["status"] in ("failed", "cancelled")]
+    bad = [m for m in record.members if m["status"] in ("failed", "cancelled", state.MISSING)]
     for m in bad:
         print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}")
     print(f"campaign {name}: {record.data['status']}")
@@ -220,11 +243,12 @@ def _follow(name: str) -> int:
 
 
 def _status(args) -> int:
-    record = queue.refresh(state.Record.load(args.name))
+    record = queue.refresh(state.Record.load(spec.record_name(args.name)))
     if args.json:
         print(json.dumps(record.data, indent=2))
         return 0
     from rich.table import Table
+    from rich.text import Text
 
     print(record.progress())
     table = Table(box=None, header_style="bold")
@@ -233,15 +257,17 @@ def _status(args) -> int:
     for m in record.members:
         status = state.member_status(record, m)
         note = m.get("failure") or (m.get("reason") if status in (state.SKIPPED, state.INVALID) else "")
-        table.add_row(str(m["index"] + 1), m["name"], m.get("layout") or "", status, m.get("run") or "-",
-                      local_time(m.get("started_ns")), note or "")
+        cells = (m["index"] + 1, m["name"], m.get("layout") or "", status, m.get("run") or "-",
+                 local_time(m.get("started_ns")), note or "")
+        table.add_row(*(Text(str(cell)) for cell in cells))
     _console().print(table)
     return 0
 
 
 def _cancel(args) -> int:
-    print(f"campaign {args.name}: cancelling...", flush=True)
-    record = queue.cancel(args.name)
+    name = spec.record_name(args.name)
+    print(f"campaign {name}: cancelling...", flush=True)
+    record = queue.cancel(name)
     print(record.progress())
     return 0
 
@@ -251,7 +277,7 @@ def _summary(args) -> int:
     from charllm.probes.analysis.render import render, write_summary  # deferred: loads polars (start-up time)
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None
-    df = campaign_summary(queue.refresh(state.Record.load(args.name)))
+    df = campaign_summary(queue.refresh(state.Record.load(spec.record_name(args.name))))
     if out is not None:
         write_summary(df, out, args.format)
         print(f"wrote {args.out}")
@@ -273,6 +299,7 @@ def _members_table(df, markdown: bool) -> None:
     from rich.markup import escape
     from rich.padding import Padding
     from rich.table import Table
+    from rich.text import Text
 
     from charllm.probes.analysis.render import format_figure, metric_label  # deferred: loads polars (start-up time)
 
@@ -301,7 +328,7 @@ def _members_table(df, markdown: bool) -> None:
             for c, heading, w in zip(columns, headings, widths):
                 table.add_column("\n".join(textwrap.wrap(heading, w)), no_wrap=c != "why", min_width=w)
             for row in cells:
-                table.add_row(*row)
+                table.add_row(*map(Text, row))   # plain text, never markup
             console.print(table)
             return
     for row in cells:
@@ -316,7 +343,8 @@ def _report(args) -> int:
     from charllm.tui import figures  # deferred: loads polars and plotext (start-up time)
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None
-    fig = figure(queue.refresh(state.Record.load(args.name)), args.figure, args.metric, args.normalize)
+    fig = figure(queue.refresh(state.Record.load(spec.record_name(args.name))), args.figure, args.metric,
+                 args.normalize)
     if out is not None:
         figures.write_image(fig, out)
         print(f"wrote {args.out}")
@@ -328,11 +356,22 @@ def _report(args) -> int:
 
 
 def _delete(args) -> int:
-    record = queue.refresh(state.Record.load(args.name))
-    if record.data.get("status") not in ("completed", "cancelled", "failed"):
-        raise UserError(f"campaign {args.name!r} is {record.data.get('status')}; cancel it first "
-                        f"(charllm-tui campaign cancel {args.name})")
-    shutil.rmtree(state.directory(args.name))
-    print(f"campaign {args.name}: record deleted (its {plural(sum(1 for m in record.members if m.get('run')), 'run')} "
-          "stay; charllm-tui runs delete removes a run)")
+    name = spec.record_name(args.name)
+    lock = state.take_lock(name) if os.path.lexists(state.directory(name)) else None   # no supervisor runs it
+    try:
+        try:
+            record: state.Record | None = queue.refresh(state.Record.load(name))
+        except UserError:
+            if not os.path.lexists(state.directory(name) / "campaign.json"):
+                raise
+            record = None                           # damaged: deleting it is how it goes
+        if record is not None and record.data.get("status") not in ("completed", "cancelled", "failed"):
+            raise UserError(f"campaign {name!r} is {record.data.get('status')}; cancel it first "
+                            f"(charllm-tui campaign cancel {name})")
+        state.delete(name)
+    finally:
+        if lock is not None:
+            os.close(lock)
+    runs = plural(sum(1 for m in record.members if m.get("run")), "run") if record else "runs"
+    print(f"campaign {name}: record deleted (its {runs} stay; charllm-tui runs delete removes a run)")
     return 0

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("import", help="import other tools' results as runs (CharLLM-PPT / Zeus CSVs)",
+def register(subparsers, name: str, help: str) -> None:
+    p = subparsers.add_parser(name, help=help,
                               description="Import results recorded by other tools into a new run directory, "
                                           "so they can be summarized and compared with new runs.")
     sub = p.add_subparsers(dest="import_format", metavar="FORMAT", required=True)
@@ -53,6 +53,7 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
         print(run.id)
         _warn(run)
         return 0
+    campaign, renamed = artifact.campaign_name(src, args.name)   # before anything is imported: never one taken
     with Progress(transient=True) as progress:
         task = progress.add_task("importing run folders", total=None)
         results = import_charllm_ppt_tree(
@@ -74,8 +75,8 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
                 imported.append((folder, outcome))
             progress.advance(task)
     if imported:   # the tree reads as one campaign (campaign summary / report NAME)
-        record = artifact.record_tree(artifact.campaign_name(src, args.name), src.resolve(), imported)
-        print(f"charllm-tui: the imported runs are campaign {record.name!r} (charllm-tui campaign summary "
+        record = artifact.record_tree(campaign, src.resolve(), imported)
+        print(f"charllm-tui: the imported runs are campaign {record.name!r}{renamed} (charllm-tui campaign summary "
               f"{record.name})", file=sys.stderr)
     if failed:
         print(f"charllm-tui: {failed} of {len(results)} folders not imported (above)", file=sys.stderr)

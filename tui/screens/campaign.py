@@ -47,7 +47,8 @@ from charllm.tui.widgets.charts import FigurePanel
 
 POLL_S = 1.0
 MIN_PANEL_ROWS = 12            # a figure panel shorter than this scrolls instead
-STYLE = {**STATUS_STYLE, **VERDICT_STYLE, state.QUEUED: "dim", state.SKIPPED: "yellow", state.INVALID: "red"}
+STYLE = {**STATUS_STYLE, **VERDICT_STYLE, state.QUEUED: "dim", state.SKIPPED: "yellow", state.INVALID: "red",
+         state.MISSING: "bold red"}
 # `m` steps through these: the paper's six at once (parallelism only), then each figure of a summary row.
 METRICS = tuple(m for m in FIGURES if m not in ("gpus", "simulated"))
 LIST_COLUMNS = {"campaign": "campaign", "members": "members", "progress": "progress"}
@@ -401,6 +402,9 @@ class CampaignScreen(WorkbenchScreen):
         self.query_one("#campaign-figure").set_class(not panels.display, "-text-only")
         text.update(Text("\n".join(below)))
         self._layout_panels()
+        # Again once the layout has given the panels their height: a pane shown just now has none
+        # yet, and the rows guessed from the screen's height can overflow it (a scrollbar).
+        self.call_after_refresh(self._layout_panels)
 
     def on_resize(self) -> None:
         self._layout_panels()
@@ -559,14 +563,17 @@ def _draw(wanted: Wanted, record) -> Drawn:
 
 def _sync(table: DataTable, rows: list[tuple[str, tuple]]) -> None:
     """Make `table` hold `rows` ((key, cells) in order), changing only the cells that differ when its
-    rows are the same ones (the cursor and scroll stay)."""
+    rows are the same ones (the cursor and scroll stay); a column widens to a longer cell ("completed"
+    where "queued" was: it showed "comple"). A string is shown as written, never read as markup (a
+    campaign file's values and descriptions are the user's: `[/]` is text)."""
+    rows = [(key, tuple(Text(c) if isinstance(c, str) else c for c in cells)) for key, cells in rows]
     keys = [key for key, _ in rows]
     if [k.value for k in table.rows] == keys:
         columns = [c.value for c in table.columns]
         for key, cells in rows:
             for column, cell in zip(columns, cells):
                 if table.get_cell(key, column) != cell:
-                    table.update_cell(key, column, cell)
+                    table.update_cell(key, column, cell, update_width=True)
         return
     cursor = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value if table.row_count else None
     table.clear()

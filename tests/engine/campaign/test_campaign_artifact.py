@@ -108,3 +108,24 @@ def test_the_kernels_figure_shows_each_layouts_profiled_step_by_category(tmp_pat
     assert (
         "matmul, share of the step" in out and "no value: mixtral-8x7b TP2 PP1 EP4 DP16 variant=base: no traces" in out
     )
+
+
+def test_an_import_never_takes_over_a_campaign_record_it_did_not_make(tmp_path, charllm_dirs, capsys):
+    """Issue 35: importing a tree named like a campaign that has a record replaced that record."""
+    from infra_campaign import plant_record
+    from infra_fuzz import tree
+
+    root = tmp_path / "results"
+    make_results(root / "optimization-sweep-h200/mixtral-8x7b/mixtral-8x7b_1_00000", ranks=8, gpus_per_node=8)
+    theirs = plant_record(charllm_dirs["runs"], "results", [{"status": "completed"}], status="completed")
+    before = tree(theirs)
+    runs_before = sorted(charllm_dirs["runs"].iterdir())
+    code, _, err = run(capsys, "import", "charllm-ppt", str(root), "--name", "results")
+    assert code == 2 and "--name results: campaign 'results' exists already" in err.strip().splitlines()[-1]
+    assert sorted(charllm_dirs["runs"].iterdir()) == runs_before, "nothing imported"
+    code, _, err = run(capsys, "import", "charllm-ppt", str(root))
+    assert code == 0 and "campaign 'results-2' (campaign 'results' exists already)" in err, err
+    assert Record.load("results-2").members[0]["status"] == "completed"
+    assert tree(theirs) == before, "the record it did not make is untouched"
+    code, _, err = run(capsys, "import", "charllm-ppt", str(root))
+    assert code == 0 and "campaign 'results-3'" in err, "its own earlier import is not replaced either"

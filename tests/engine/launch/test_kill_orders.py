@@ -126,7 +126,7 @@ def test_runs_cancel_stops_a_probe_only_run(tmp_path, capsys):
     proc, rd = probe_here(out_dir)
     code, out, err = run(capsys, "runs", "cancel", str(out_dir))
     assert code == 0 and "cancelled" in out, out + err
-    assert proc.wait(timeout=15) == 0, "the sampler stopped cleanly on SIGTERM"
+    assert proc.wait(timeout=15) == 0, "the sampler stopped cleanly when asked"
     assert left_after(str(out_dir)) == 0
     assert rd.read_manifest()["status"] == "cancelled"
     assert rd.scan_telemetry().collect().height > 0, "its last chunk was closed"
@@ -207,17 +207,23 @@ def test_cancel_stops_a_supervisor_that_has_not_recorded_itself_yet(charllm_dirs
     import sys
     import time
 
+    from charllm.probes.core import procid
+
     rd = RunDir.create(charllm_dirs["runs"] / "20260101-000000-tiny-local", "launch")
+    token = procid.write_token(rd.path)
     rd.write_manifest({"id": rd.id, "kind": "train", "status": "pending", "target": LOCAL.to_dict(),
                        "created_ns": time.time_ns()})
-    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(100)",
-                             "-m", "charllm.engine.launch.supervise", str(rd.path)])
+    argv = [sys.executable, "-c", "import time; time.sleep(100)", "-m", "charllm.engine.launch.supervise", str(rd.path)]
+    slow = subprocess.Popen(argv, env=procid.run_environment(token, rd.id))   # as launch starts it
+    namesake = subprocess.Popen(argv)   # the same command line without the run's token: not the run's
     try:
         assert cancel(rd) == "cancelled"
         assert slow.wait(timeout=10) == -signal.SIGTERM, "the supervisor was stopped before it started anything"
+        assert namesake.poll() is None, "a process with the supervisor's command line but not its token lives on"
     finally:
-        slow.kill()
-        slow.wait()
+        for proc in (slow, namesake):
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.timeout(300)

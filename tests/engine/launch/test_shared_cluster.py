@@ -1,11 +1,15 @@
-"""A runs directory shared by login nodes, kept across reboots: a reader never signals what is not
-the run's (issue 24). Each case plants a manifest naming processes that are not the run's (victims
-the test started) and runs every command that reads runs; the victims must all live. A positive
-control, a record that does name a victim exactly, shows the same commands do stop what is the
-run's. Another login node is a PID namespace (and a UTS namespace with another host name)."""
+"""A runs directory shared by login nodes, kept across reboots: nothing is signalled that is not
+the run's (issues 24 and 35). Each case plants a manifest naming processes that are not the run's
+(victims the test started), with made-up identities or with the victims' true ones copied from /proc
+(a forged identity), and runs every command that reads runs, and cancel; the victims must all
+live. Readers never signal at all; `runs cancel` signals only what carries the run's token. A
+positive control, a process that does carry the run's token, shows that cancel does stop what is
+the run's, and readers still do not. Another login node is a PID namespace (and a UTS namespace
+with another host name)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -25,18 +29,23 @@ from infra_runs import iterations_logged, left_after, logs, run_processes, wait_
 from infra_slurm import slurm_cluster  # noqa: F401 - fixture
 from infra_ssh import ssh_nodes  # noqa: F401 - fixture
 
-READERS = (("runs", "list"), ("runs", "show", "{run}"), ("runs", "cancel", "{run}"), ("runs", "delete", "{run}"))
+READERS = (("runs", "list"), ("runs", "show", "{run}"), ("runs", "logs", "{run}"), ("runs", "cancel", "{run}"),
+           ("runs", "delete", "{run}"))
+CAMPAIGN_READERS = (("campaign", "list"), ("campaign", "status", "{name}"), ("campaign", "summary", "{name}"),
+                    ("campaign", "report", "{name}"), ("campaign", "cancel", "{name}"))
 SIGNALLED: list[str] = []   # victims found dead, by case: the figure the issue asks for (must stay empty)
 
 
 @pytest.fixture
 def victims():
-    """Start `sleep` processes, each leading a session of its own (as a run's step does)."""
+    """Start `sleep` processes, each leading a session of its own (as a run's step does); with
+    `token`, carrying that run token in their environment (as the run's own processes do)."""
     started = []
 
-    def make(n: int = 1) -> list[psutil.Process]:
+    def make(n: int = 1, token: str | None = None) -> list[psutil.Process]:
+        env = procid.run_environment(token) if token else None
         for _ in range(n):
-            started.append(subprocess.Popen(["sleep", "600"], start_new_session=True))
+            started.append(subprocess.Popen(["sleep", "600"], start_new_session=True, env=env))
         return [psutil.Process(p.pid) for p in started[-n:]]
 
     yield make
@@ -61,14 +70,17 @@ def plant(runs, run_id: str, **manifest) -> RunDir:
     return rd
 
 
-def read_everything(rd: RunDir) -> list[tuple[int, str, str]]:
-    """Every reader, each in a session of its own: a reader that signalled its own group would
-    end only itself, and the victims' check below would still tell."""
+def read_everything(rd: RunDir, ref: str | None = None, readers=READERS) -> list[tuple[int, str, str]]:
+    """Every reader (and cancel), each in a session of its own: a reader that signalled its own
+    group would end only itself, and the victims' check below would still tell. `ref`: how the
+    commands name the run (its id, or a path)."""
     outcomes = []
-    for argv in READERS:
-        done = subprocess.run([sys.executable, "-m", "charllm.tui", *(w.format(run=rd.id) for w in argv)],
-                              capture_output=True, text=True, timeout=120, start_new_session=True)
+    for argv in readers:
+        words = [w.format(run=ref or rd.id, name=ref) for w in argv]
+        done = subprocess.run([sys.executable, "-m", "charllm.tui", *words], capture_output=True, text=True,
+                              timeout=180, start_new_session=True)
         outcomes.append((done.returncode, done.stdout, done.stderr))
+        assert "Traceback" not in done.stdout + done.stderr, (words, done.stderr)
     return outcomes
 
 
@@ -114,29 +126,144 @@ def test_groups_that_stand_for_everyone_are_never_signalled(monkeypatch):
     sent = []
     monkeypatch.setattr(os, "killpg", lambda pgid, sig: sent.append(pgid))
     here = {**procid.identify(os.getpid())}
+    token = procid.new_token()
     for pgid in (1, 0, -1, -os.getpid(), True, "7", None):
         record = {**here, "pid": pgid, "pgid": pgid}
-        assert procid.group_leader(record) is None and not procid.signal_group(record, 15)
+        assert procid.group_leader(record, token) is None and not procid.signal_group(record, 15, token)
     assert sent == []
     assert procid.remote_signal_line({"remote_pgid": 1, "remote_boot_id": procid.boot_id() or "0" * 8,
                                       "remote_start": 1}, "TERM") is None
-    leader = subprocess.Popen(["sleep", "60"], start_new_session=True)   # the control: a group that is vouched for
+    # the control: a group that is vouched for, once its leader carries the token
+    leader = subprocess.Popen(["sleep", "60"], start_new_session=True, env=procid.run_environment(token))
     try:
-        assert procid.group_leader({**procid.identify(leader.pid), "pgid": leader.pid}).pid == leader.pid
+        record = {**procid.identify(leader.pid), "pgid": leader.pid}
+        assert procid.group_leader(record, token).pid == leader.pid
+        assert procid.group_leader(record, procid.new_token()) is None, "another run's token proves nothing"
+        assert procid.group_leader(record, None) is None, "no token, no proof"
     finally:
         leader.kill()
         leader.wait()
 
 
-def test_a_record_that_does_name_the_process_is_stopped(victims, charllm_dirs, capsys):
-    """The positive control: the same readers stop what the run recorded exactly, so the test
-    above would see a signal."""
+def _forged(victim: psutil.Process) -> dict[str, dict]:
+    """Manifests that name the victim by its true identity, as anyone can read it from /proc."""
+    real = {**procid.identify(victim.pid), "pgid": victim.pid, "node": "n1", "role": "train"}
+    dead = {**procid.identify(os.getpid()), "pid": 999_999, "create_time": 1.0}
+    return {
+        # the issue's reproduction: running, a dead supervisor, the victim among its processes
+        "a process of a dead supervisor": {"supervisor": dead, "processes": [real]},
+        # the victim named as the supervisor itself (cancel would SIGTERM it)
+        "the supervisor": {"supervisor": real, "processes": [real]},
+        # a supervisor that never recorded itself, launched long ago from here
+        "no supervisor yet": {"launched_from": procid.place(), "created_ns": 1, "processes": [real]},
+        # a probe-only run whose sampler is the victim
+        "a probe's sampler": {"kind": "probe", "sampler": real},
+    }
+
+
+FORGED = ["a process of a dead supervisor", "the supervisor", "no supervisor yet", "a probe's sampler"]
+
+
+@pytest.mark.parametrize("token_file", [False, True], ids=["no token file", "a token file of its own"])
+@pytest.mark.parametrize("case", FORGED)
+def test_a_forged_identity_is_never_signalled(case, token_file, victims, charllm_dirs):
+    """The victim's true identity (host, boot, namespace, start time: all readable by anyone) in a
+    manifest of the user's own, with or without a token file the forger made: neither the readers
+    nor `runs cancel` signal it (the victim carries no token of the run)."""
     victim, = victims(1)
-    rd = plant(charllm_dirs["runs"], "20260101-000000-control",
-               processes=[{**procid.identify(victim.pid), "pgid": victim.pid}])
+    rd = plant(charllm_dirs["runs"], f"20260101-000000-forged-{int(token_file)}", **_forged(victim)[case])
+    if token_file:
+        procid.write_token(rd.path)
+    outcomes = read_everything(rd)
+    time.sleep(0.5)   # (a signal is delivered asynchronously)
+    assert count_dead(f"forged: {case}, {'with' if token_file else 'without'} a token file", [victim]) == 0, outcomes
+
+
+@pytest.mark.parametrize("place", ["outside the runs directory", "in the runs directory, without a marker"])
+def test_a_forged_run_found_by_path_is_never_signalled(place, victims, charllm_dirs, tmp_path):
+    """`runs show /any/path` of a directory holding a marker, and a run in the runs directory with
+    no marker at all (as runs made before the marker are): read, never acted on against a victim."""
+    victim, = victims(1)
+    fields = _forged(victim)["a process of a dead supervisor"]
+    if place == "outside the runs directory":
+        rd = RunDir.create(tmp_path / "elsewhere" / "20260101-000000-forged", "launch")
+        ref = str(rd.path)
+    else:
+        rd = RunDir(charllm_dirs["runs"] / "20260101-000000-forged")
+        rd.path.mkdir(parents=True)
+        ref = rd.id
+    rd.write_manifest({"id": rd.id, "kind": "train", "status": "running", "created_ns": time.time_ns(),
+                       "target": LOCAL.to_dict(), **fields})
+    procid.write_token(rd.path)
+    outcomes = read_everything(rd, ref)
+    time.sleep(0.5)
+    assert count_dead(f"forged, found by path: {place}", [victim]) == 0, outcomes
+
+
+def test_a_forged_campaign_record_is_never_acted_on(victims, charllm_dirs):
+    """A planted campaign record: its supervisor the victim's true identity, its member's run a
+    planted run naming another victim. Every campaign reader, and cancel, leave both alive."""
+    from charllm.engine.campaign.state import directory
+
+    supervisor, member = victims(2)
+    rd = plant(charllm_dirs["runs"], "20260101-000000-member", **_forged(member)["a process of a dead supervisor"])
+    procid.write_token(rd.path)
+    folder = directory("forged")
+    folder.mkdir(parents=True)
+    procid.write_token(folder)
+    real = {**procid.identify(supervisor.pid), "pgid": supervisor.pid}
+    record = {"name": "forged", "source": "forged", "description": "", "target": LOCAL.to_dict(), "max_parallel": 1,
+              "time_limit_s": None, "include_oom": False, "status": "running", "created_ns": 1, "started_ns": 1,
+              "ended_ns": None, "supervisor": real,
+              "members": [{"index": 0, "key": "k", "name": "tiny-local", "base": "tiny-local", "model": "tiny",
+                           "hardware": "cpu", "layout": "TP1 PP1 DP2", "variant": "base", "micro_batch_size": 1,
+                           "varied": {}, "verdict": "fits", "reason": "", "planned": None, "status": "running",
+                           "run": rd.id, "runs": [], "failure": None, "started_ns": 1, "ended_ns": None}]}
+    (folder / "campaign.json").write_text(json.dumps(record))
+    outcomes = read_everything(rd, "forged", CAMPAIGN_READERS)
+    time.sleep(0.5)
+    assert count_dead("forged campaign: supervisor and member", [supervisor, member]) == 0, outcomes
+
+
+def test_what_carries_the_run_token_is_stopped_by_cancel_only(victims, charllm_dirs, capsys):
+    """The positive control: a process that is the run's (it carries the run's token), left by a
+    supervisor that died. The readers record the run failed and name it, and signal nothing;
+    `runs cancel` then stops it, and the run keeps its status."""
+    rd = plant(charllm_dirs["runs"], "20260101-000000-control")
+    token = procid.write_token(rd.path)
+    own, = victims(1, token)
+    rd.update_manifest(processes=[{**procid.identify(own.pid), "pgid": own.pid, "node": "n1", "role": "train"}])
     code, out, err = run(capsys, "runs", "show", rd.id)
-    assert code == 0 and "failed" in out, out + err
-    wait_for(lambda: not alive(victim), 15, "the recorded process to be stopped")
+    assert code == 0 and "status    failed" in out and f"train@n1 (pid {own.pid})" in out, out + err
+    assert "runs cancel" in out, "the status says how to stop what was left"
+    for argv in READERS[:3]:
+        run(capsys, *(w.format(run=rd.id) for w in argv))
+    time.sleep(0.5)
+    assert alive(own), "a reader never signals, not even the run's own process"
+    code, out, err = run(capsys, "runs", "cancel", rd.id)
+    assert code == 1 and "failed" in out, out + err
+    wait_for(lambda: not alive(own), 15, "the run's own process to be stopped by cancel")
+    manifest = rd.read_manifest()
+    assert manifest["status"] == "failed" and "stopped" in manifest["note"], manifest
+
+
+def test_a_manifest_someone_else_could_write_is_only_read(victims, charllm_dirs, capsys):
+    """A runs directory writable by its group: a manifest there may be anyone's, so nothing in it is
+    acted on, not even what carries a token, and cancel says why in one line."""
+    rd = plant(charllm_dirs["runs"], "20260101-000000-shared")
+    token = procid.write_token(rd.path)
+    own, = victims(1, token)
+    rd.update_manifest(processes=[{**procid.identify(own.pid), "pgid": own.pid}])
+    os.chmod(charllm_dirs["runs"], 0o775)
+    try:
+        code, out, err = run(capsys, "runs", "show", rd.id)
+        assert code == 0 and "status    running" in out, "an untrusted manifest is not settled either"
+        code, out, err = run(capsys, "runs", "cancel", rd.id)
+        assert code == 2 and "may be written by its group" in one_error_line(err) and "chmod go-w" in err
+        time.sleep(0.5)
+        assert alive(own)
+    finally:
+        os.chmod(charllm_dirs["runs"], 0o755)
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +299,7 @@ def _namespaces_reason() -> str | None:
 @pytest.mark.timeout(600)
 def test_another_login_node_sees_a_live_run_as_running_elsewhere(charllm_dirs):
     reason = _namespaces_reason()
-    if reason:
+    if reason:   # a kernel feature, not a daemon tests/run.sh installs: skipped even where daemons are required
         pytest.skip(reason)
     exp = Experiment.load("tiny-local")
     exp.training.train_iters = 100_000
@@ -210,44 +337,67 @@ def test_another_login_node_sees_a_live_run_as_running_elsewhere(charllm_dirs):
 # --------------------------------------------------------------------------------------------
 # SSH: a planted remote group is never signalled on the node
 # --------------------------------------------------------------------------------------------
+def _remote_group(target, host: str, token: str):
+    """A group on the node started as a run's step is (it carries `token`); (its ssh client, its
+    identity there as it printed it, whether it still lives)."""
+    from charllm.engine.launch.ssh import give_token
+
+    client = subprocess.Popen(target.ssh_argv(host) + [target.in_process_group(["sleep", "600"])],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    give_token(client, token)
+    real = procid.parse_remote_identity(client.stdout.readline())
+    assert real, "the remote step printed its identity"
+
+    def remote_alive() -> bool:
+        done = subprocess.run(target.ssh_argv(host) + [f"kill -0 -{real['remote_pgid']}"], capture_output=True)
+        return done.returncode == 0
+    return client, real, remote_alive
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_reader_never_signals_a_planted_remote_group(ssh_nodes, charllm_dirs, capsys):
     table = ssh_nodes.target_table()
     target = parse_target("nodes", table)
     host = ssh_nodes.hosts[0]
-    # A victim on the node, started as a run's step is: it prints its group's identity first.
-    client = subprocess.Popen(target.ssh_argv(host) + [target.in_process_group(["sleep", "600"])],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    clients = []
     try:
-        real = procid.parse_remote_identity(client.stdout.readline())
-        assert real, "the remote step printed its identity"
-
-        def remote_alive() -> bool:
-            done = subprocess.run(target.ssh_argv(host) + [f"kill -0 -- -{real['remote_pgid']}"], capture_output=True)
-            return done.returncode == 0
-
+        # A victim on the node: another run's step (it carries that run's token, not this one's).
+        client, real, remote_alive = _remote_group(target, host, procid.new_token())
+        clients.append(client)
         planted = [
             {"host": host, "remote_pgid": 1},                                     # the issue's reproduction
             {"remote_host": host, "remote_pgid": 1, "remote_boot_id": real["remote_boot_id"], "remote_start": 1},
             {"remote_host": host, **real, "remote_start": real["remote_start"] - 100},   # pid reused there
             {"remote_host": host, **real, "remote_boot_id": "00000000-0000-0000-0000-000000000000"},  # rebooted
             {"remote_host": "not-a-node-of-the-target", **real},
+            {"remote_host": host, **real, "node": host, "role": "train"},      # its true identity: forged
         ]
         rd = plant(charllm_dirs["runs"], "20260101-000000-ssh", target=target.to_dict(), processes=planted)
+        procid.write_token(rd.path)
         outcomes = read_everything(rd)
         time.sleep(1)
         if not remote_alive():
             SIGNALLED.append("ssh: remote victim")
         assert remote_alive(), f"the node's victim was signalled: {outcomes}"
-        # the positive control: the exact record is stopped
-        control = plant(charllm_dirs["runs"], "20260101-000001-ssh", target=target.to_dict(),
-                        processes=[{"remote_host": host, **real}])
-        run(capsys, "runs", "show", control.id)
-        wait_for(lambda: not remote_alive(), 30, "the recorded remote group to be stopped")
+        # the positive control: the run's own group (it carries the run's token) is left alone by the
+        # readers, and stopped by cancel
+        control = plant(charllm_dirs["runs"], "20260101-000001-ssh", target=target.to_dict())
+        own_client, own, own_alive = _remote_group(target, host, procid.write_token(control.path))
+        clients.append(own_client)
+        control.update_manifest(processes=[{"remote_host": host, **own, "node": host, "role": "train"}])
+        code, out, _ = run(capsys, "runs", "show", control.id)
+        assert code == 0 and "status    failed" in out, out
+        time.sleep(1)
+        assert own_alive(), "a reader never signals"
+        code, out, err = run(capsys, "runs", "cancel", control.id)
+        assert code == 1, out + err
+        wait_for(lambda: not own_alive(), 30, "the run's own remote group to be stopped by cancel")
+        assert remote_alive(), "the other run's group still runs"
     finally:
-        client.kill()
-        client.wait()
+        for client in clients:
+            client.kill()
+            client.wait()
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,10 +405,10 @@ def test_a_reader_never_signals_a_planted_remote_group(ssh_nodes, charllm_dirs, 
 # --------------------------------------------------------------------------------------------
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_a_reader_never_cancels_a_planted_slurm_job(slurm_cluster, charllm_dirs, capsys):
-    def submit(name: str) -> str:
-        done = subprocess.run(["sbatch", "--parsable", f"--job-name={name}", "--output=/dev/null", "--wrap",
-                               "sleep 600"], capture_output=True, text=True, env=slurm_cluster.env)
+def test_a_reader_never_cancels_a_planted_slurm_job(slurm_cluster, charllm_dirs, tmp_path, capsys):
+    def submit(name: str, workdir=tmp_path) -> str:
+        done = subprocess.run(["sbatch", "--parsable", f"--job-name={name}", f"--chdir={workdir}", "--output=/dev/null",
+                               "--wrap", "sleep 600"], capture_output=True, text=True, env=slurm_cluster.env)
         assert done.returncode == 0, done.stderr
         return done.stdout.strip().split(";")[0]
 
@@ -267,7 +417,10 @@ def test_a_reader_never_cancels_a_planted_slurm_job(slurm_cluster, charllm_dirs,
 
     victim = submit("someone-elses-job")
     other_run = submit("charllm-20260101-000009-another-run")
-    wait_for(lambda: state(victim) == "RUNNING" and state(other_run) == "RUNNING", 60, "the jobs to run")
+    # named after a run planted below, but working elsewhere: a copy of that run's manifest cannot own it
+    namesake = submit("charllm-20260101-000020-slurm")
+    jobs = (victim, other_run, namesake)
+    wait_for(lambda: all(state(job) == "RUNNING" for job in jobs), 60, "the jobs to run")
     slurm = {"name": "cluster", "kind": "slurm"}
 
     def job_of(job: str, old: bool) -> dict:
@@ -282,16 +435,25 @@ def test_a_reader_never_cancels_a_planted_slurm_job(slurm_cluster, charllm_dirs,
         for bad in ("--user=root", "-1", "1 2"):
             rd = plant(charllm_dirs["runs"], f"20260101-00001{len(bad)}-slurm{'-old' * old}", **job_of(bad, old))
             read_everything(rd)
+    rd = plant(charllm_dirs["runs"], "20260101-000020-slurm", **job_of(namesake, False))
+    procid.write_token(rd.path)
+    outcomes = read_everything(rd)
+    assert any("not in this run's directory" in err for _, _, err in outcomes), outcomes
     time.sleep(1)
-    SIGNALLED.extend(f"slurm: job {job}" for job in (victim, other_run) if state(job) != "RUNNING")
-    assert state(victim) == "RUNNING" and state(other_run) == "RUNNING"
-    # the positive control: the run's own job (named after it) is cancelled, in either manifest
+    SIGNALLED.extend(f"slurm: job {job}" for job in jobs if state(job) != "RUNNING")
+    assert all(state(job) == "RUNNING" for job in jobs)
+    # the positive control: the run's own job (named after it, working in its directory) is left
+    # alone by the readers, and cancelled by cancel, in either manifest
     for run_id, old in (("20260101-000002-slurm", False), ("20260101-000003-slurm-old", True)):
-        own = submit(f"charllm-{run_id}")
+        rd = plant(charllm_dirs["runs"], run_id)
+        own = submit(f"charllm-{run_id}", rd.path)
+        rd.update_manifest(**job_of(own, old))
         wait_for(lambda: state(own) == "RUNNING", 60, "the job to run")
-        rd = plant(charllm_dirs["runs"], run_id, **job_of(own, old))
         code, out, _ = run(capsys, "runs", "show", rd.id)
-        assert f"target    cluster (slurm job {own}" in out, out
+        assert f"target    cluster (slurm job {own}" in out and "status    running" in out, out
+        time.sleep(1)
+        assert state(own) == "RUNNING", "a reader never cancels: Slurm runs the job without its supervisor"
+        run(capsys, "runs", "cancel", rd.id)
         wait_for(lambda: state(own) in ("CANCELLED", "COMPLETING"), 30, "the run's own job to be cancelled")
 
 

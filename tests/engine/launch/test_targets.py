@@ -119,10 +119,11 @@ def test_ssh_remote_commands_cannot_inject_shell(tmp_path):
     assert script is None
     for step in steps:
         line = target.in_process_group(step.argv)
-        # The remote shell sees: setsid -w bash -c '<inner>'; the inner line runs exactly argv.
+        # The remote shell sees: setsid -w bash -c '<read the token, exec $0>' '<inner>'; the inner
+        # line runs exactly argv.
         outer = shlex.split(line)
-        assert outer[:3] == ["setsid", "-w", "bash"] and outer[3] == "-c"
-        inner = outer[4]
+        assert outer[:5] == ["setsid", "-w", "bash", "-c", procid.TOKEN_FROM_STDIN] and len(outer) == 6
+        inner = outer[5]
         # its identity first, then the env line as written (a line of its own), then argv, quoted
         setup = (procid.REMOTE_IDENTITY + "; " + ssh._STOP_WITH_CONNECTION
                  + "trap : TERM\nmodule load cuda; conda activate train\n")
