@@ -12,6 +12,9 @@ from pathlib import Path
 MEGATRON_LM = Path(os.environ.get("CHARLLM_MEGATRON_LM")
                    or os.environ.get("MEGATRON_LM_MIRROR")      # the name used before
                    or "/work/.mirror/NVIDIA+Megatron-LM/repo")
+# Git mirrors of NVIDIA's other public repositories, each at OWNER+NAME/repo under this directory (the public
+# throughput dev set's sources: NVIDIA/NeMo, NVIDIA/NeMo-Framework-Launcher, NVIDIA-NeMo/Megatron-Bridge).
+MIRRORS = Path(os.environ.get("CHARLLM_MIRRORS") or "/work/.mirror")
 
 
 def megatron_lm_missing() -> str | None:
@@ -19,3 +22,16 @@ def megatron_lm_missing() -> str | None:
     if (MEGATRON_LM / "HEAD").exists() or (MEGATRON_LM / ".git").exists():
         return None
     return f"needs a Megatron-LM git mirror: set CHARLLM_MEGATRON_LM ({MEGATRON_LM} is missing)"
+
+
+def mirror(name: str) -> Path:
+    """The git directory of the mirror of `name` (owner/name) under MIRRORS."""
+    return MIRRORS / name.replace("/", "+") / "repo"
+
+
+def mirrors_missing(*names: str) -> str | None:
+    """Why one of these repositories has no mirror here, or None."""
+    lacking = [name for name in names if not (mirror(name) / "HEAD").exists()]
+    if not lacking:
+        return None
+    return f"needs git mirrors of {', '.join(lacking)}: set CHARLLM_MIRRORS (a directory of OWNER+NAME/repo)"

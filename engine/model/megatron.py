@@ -214,7 +214,7 @@ def _parser(kind: type, name: str, facts) -> Switch | Value | Many:
     if options == [bool]:
         return Switch(facts["switch"])
     if facts["join"] or get_origin(options[0]) is list:
-        return Many(str, join=facts["join"])
+        return Many(_int if options[0] == list[int] else str, join=facts["join"])
     parsers: dict[Any, Callable[[str], Any]] = {int: _int, float: _float, str: str}
     return Value(parsers[options[0]])
 
@@ -462,7 +462,7 @@ def _resolve_tokenizer(m: ModelSpec, special: dict, given: set[str], release: st
 
 def _resolve_train_samples(exp: Experiment, special: dict, given: set[str], result: MegatronImport) -> None:
     """--train-samples instead of --train-iters: Megatron runs train_samples // global_batch_size
-    iterations (megatron/training/training.py, without a batch-size ramp-up)."""
+    iterations after the batch ramp-up's (megatron/training/training.py update_train_iters)."""
     if "--train-samples" not in special:
         return
     if "--train-iters" in given:
@@ -471,9 +471,12 @@ def _resolve_train_samples(exp: Experiment, special: dict, given: set[str], resu
     t = exp.training
     if samples < t.global_batch_size:
         raise UserError(f"--train-samples = {samples}: fewer than one global batch ({t.global_batch_size})")
-    t.train_iters = samples // t.global_batch_size
-    result.warnings.append(f"--train-samples {samples} / global batch {t.global_batch_size} = {t.train_iters} "
-                           "iterations")
+    ramp = exp.batch_ramp()
+    ramped = sum(batch * steps for batch, steps in ramp)
+    t.train_iters = sum(steps for _, steps in ramp) + max(samples - ramped, 0) // t.global_batch_size
+    result.warnings.append(f"--train-samples {samples} / global batch {t.global_batch_size}"
+                           + (f" after {ramped} samples of batch ramp-up" if ramp else "")
+                           + f" = {t.train_iters} iterations")
 
 
 # Environment variables before the script that charllm models, with what they set.
@@ -576,7 +579,17 @@ def export_environment(exp: Experiment) -> dict[str, str]:
         env["NVTE_CPU_OFFLOAD_V1"] = "1"              # Megatron asks for it with TE >= 2.10 (validate_args)
     if exp.training.expandable_segments:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"   # what the memory plan assumes
+    env.update(deterministic_environment(exp))
     return env
+
+
+def deterministic_environment(exp: Experiment) -> dict[str, str]:
+    """What --deterministic-mode needs in the environment: Megatron-LM asserts an NCCL_ALGO of its list
+    (validate_args), Transformer Engine's attention NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, and torch's
+    deterministic cuBLAS a fixed workspace."""
+    if not exp.training.deterministic_mode:
+        return {}
+    return {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def _read_flags(groups, exp: Experiment, result: MegatronImport) -> dict[str, list[str]]:
@@ -761,7 +774,14 @@ def export_megatron_args(exp: Experiment, version: str | None = None) -> list[st
 
     add("--micro-batch-size", t.micro_batch_size)
     add("--global-batch-size", t.global_batch_size)
-    add("--train-iters", t.train_iters)
+    ramp = exp.batch_ramp()
+    if t.rampup_batch_size:
+        # validate_args: "expected no batch-size rampup for iteration-based training": the same steps in samples
+        ramp_steps = sum(steps for _, steps in ramp)
+        add("--train-samples", sum(batch * steps for batch, steps in ramp)
+            + max(t.train_iters - ramp_steps, 0) * t.global_batch_size)
+    else:
+        add("--train-iters", t.train_iters)
     # charllm's workload never evaluates. Megatron evaluates 100 steps by default, and pretrain_gpt.py
     # cannot start without an interval: get_train_valid_test_num_samples divides by eval_interval, whose
     # default is None (megatron/training/training.py:3307 at core_v0.16.1, :4481 at core_v0.19.0).

@@ -488,6 +488,8 @@ def test_a_megatron_lm_checkout_on_the_path_is_the_release_that_counts(tmp_path)
     (["tensor_model_parallel_size=2"], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
     (["tensor_model_parallel_size=2", "use_torch_fsdp2=true"], {}),        # FSDP refuses a single connection
     (["fine_grained_activation_offloading=true", "offload_modules=['core_attn']"], {"NVTE_CPU_OFFLOAD_V1": "1"}),
+    (["deterministic_mode=true"], {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                                   "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
 ])
 def test_the_exported_environment_is_what_megatron_asks_for(sets, env):
     exp = Experiment.load("tiny-local").apply(["expandable_segments=false", *sets])
@@ -747,3 +749,18 @@ def test_the_model_section_follows_the_fields_metadata():
     flags = export_megatron_args(exp.apply(["position_embedding_type=rope", "multi_latent_attention=true"]))
     assert flags[flags.index("--rotary-base") + 1] == "500000"
     assert flags[flags.index("--kv-lora-rank") + 1] == str(exp.model.kv_lora_rank)   # said with MLA
+
+
+def test_a_batch_ramp_up_is_read_counted_as_megatron_counts_it_and_written_back():
+    line = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+            "--vocab-size 100 --micro-batch-size 1 --global-batch-size 64 --rampup-batch-size 16 16 1000 "
+            "--train-samples 5000")
+    exp = import_megatron_args(line, world_size=8).experiment
+    assert exp.training.rampup_batch_size == [16, 16, 1000]
+    # update_train_iters: a third of the 1000 samples per increment; 21 steps of 16 pass 333, 11 of 32 pass 667,
+    # 7 of 48 pass 1000 (1024 consumed), then (5000 - 1024) // 64 steps of the global batch
+    assert exp.batch_ramp() == [(16, 21), (32, 11), (48, 7)]
+    assert exp.training.train_iters == 39 + (5000 - 1024) // 64
+    words = export_megatron_args(exp)
+    assert "--train-iters" not in words and words[words.index("--train-samples") + 1] == "4992"
+    assert import_megatron_args(words, world_size=8).experiment.training == exp.training
