@@ -179,7 +179,6 @@ def test_which_sampler_exit_records_are_a_loss(tmp_path):
     import time
 
     from charllm.engine.launch import slurm
-    from charllm.engine.launch.supervise import Supervisor
 
     rd = RunDir.create(tmp_path / "run", "launch")
     rd.write_manifest({"id": "run", "kind": "train", "status": "running", "target": target().to_dict()})
@@ -192,7 +191,7 @@ def test_which_sampler_exit_records_are_a_loss(tmp_path):
         (rd.logs_dir / f"sampler-{node}.exit").write_text(f"{code} {at}\n")
     (rd.logs_dir / "sampler-n4.log").write_text("charllm-probes: error: hz = 1000: must be > 0 and at most 200\n")
     (rd.logs_dir / "sampler-n5.exit").write_text("13")  # being written
-    slurm.watch_samplers(Supervisor(rd))
+    slurm.watch_samplers(rd)
     lost = {entry["node"]: entry for entry in rd.read_manifest()["telemetry_lost"]}
     assert sorted(lost) == ["n1", "n2", "n4"]
     assert "killed by SIGKILL" in lost["n1"]["reason"] and lost["n1"]["at_ns"] == now - 10**9
