@@ -235,8 +235,8 @@ def reconcile(rd: RunDir) -> str:
     fields = _target(manifest).settle_orphan(rd, manifest, lost)
     if fields is None:
         return status       # it goes on without its supervisor (a scheduler's job)
-    if fields["status"] not in FINAL_STATUSES:
-        return _record(rd, **fields)   # (a scheduler's job started, or ran on other nodes: said as it goes)
+    if fields.get("status", status) not in FINAL_STATUSES:
+        return _record(rd, **fields)   # (a scheduler's job started, or its nodes are known now: said as it goes)
     return _record(rd, orphaned_ns=time.time_ns(), ended_ns=time.time_ns(), **fields)
 
 
@@ -290,7 +290,7 @@ def _record(rd: RunDir, **fields) -> str:
     try:
         return rd.update_manifest(**fields)["status"]
     except OSError as exc:
-        raise UserError(f"run {rd.id!r}: its status ({fields['status']}) could not be recorded: "
+        raise UserError(f"run {rd.id!r}: its status ({fields.get('status', rd.status)}) could not be recorded: "
                         f"{os_error_line(exc, rd.path)}") from None
 
 

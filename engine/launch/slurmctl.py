@@ -298,19 +298,21 @@ class Watch:
         return show_jobs(ids, timeout=self.timeout)
 
 
-_SHARED: Watch | None = None
+_SHARED: dict[tuple, Watch] = {}
 _SHARED_LOCK = threading.Lock()
 READER_TIMEOUT_S = 15.0   # a reader (runs list, the workbench) waits this long for an answer, at most
 
 
 def shared() -> Watch:
     """The process's watch for readers (reconcile: runs list, show, the workbench): every run they
-    settle is answered by one call per interval, whatever the number of runs."""
-    global _SHARED
+    settle is answered by one call per interval, whatever the number of runs. One per cluster the
+    clients reach ($SLURM_CONF: job ids are a cluster's own) and pace."""
+    pace = Pace.current()
+    key = (os.environ.get("SLURM_CONF"), pace)
     with _SHARED_LOCK:
-        if _SHARED is None:
-            _SHARED = Watch(timeout=min(READER_TIMEOUT_S, Pace.current().timeout_s))
-        return _SHARED
+        if key not in _SHARED:
+            _SHARED[key] = Watch(pace=pace, timeout=min(READER_TIMEOUT_S, pace.timeout_s))
+        return _SHARED[key]
 
 
 # -- submitting, cancelling, the partition ----------------------------------------------------------
@@ -320,8 +322,9 @@ SUBMIT_TRIES = 3
 def submit(script_path: str, *, env: dict, name: str, workdir: str) -> str:
     """sbatch the script (the job's environment: `env`, --export=ALL); the job's id. A call with
     no answer (a timeout: the controller may have taken the job and lost the reply) is followed by
-    a look for a job of this user's named `name` in `workdir` before sbatch is asked again, so a job
-    is never submitted twice. A refusal (a bad partition, a policy) is one UserError line."""
+    a look for a job of this user's named `name` in `workdir`, and sbatch is asked again only once
+    Slurm said there is none: a job is never submitted twice. A refusal (a bad partition, a policy)
+    is one UserError line."""
     pace = Pace.current()
     said = "no answer"
     for attempt in range(SUBMIT_TRIES):
@@ -333,17 +336,23 @@ def submit(script_path: str, *, env: dict, name: str, workdir: str) -> str:
         elif done is not None and not no_answer(done):
             raise UserError(f"sbatch refused the job: {done.said or f'exit status {done.returncode}'}")
         said = done.said if done is not None and done.said else f"no answer within {pace.timeout_s:g} s"
-        found = find_job(name, workdir)
+        for look in range(SUBMIT_TRIES):
+            time.sleep(min(pace.min_s * 2 ** look, pace.max_s) / 4)
+            jobs = show_jobs()
+            if jobs is not None:
+                break
+        else:
+            raise UserError(f"sbatch: Slurm did not answer ({said}), nor say whether it took the job; look for a job "
+                            f"named {name} (squeue --me --name={name}) before launching again")
+        found = _named(jobs, name, workdir)
         if found:
             return found
-        time.sleep(min(pace.min_s * 2 ** attempt, pace.max_s) / 4)
     raise UserError(f"sbatch: Slurm did not answer ({said}), {SUBMIT_TRIES} times; no job was submitted")
 
 
-def find_job(name: str, workdir: str) -> str | None:
-    """The id of this user's job named `name` working in `workdir`, where Slurm says there is one."""
-    jobs = show_jobs()
-    for job in (jobs or {}).values():
+def _named(jobs: dict[str, Job], name: str, workdir: str) -> str | None:
+    """The id of this user's job named `name` working in `workdir` among `jobs`, if there is one."""
+    for job in jobs.values():
         if job.fields.get("JobName") == name and job.uid == os.geteuid() and \
                 os.path.realpath(job.fields.get("WorkDir", "")) == os.path.realpath(workdir):
             return job.id
