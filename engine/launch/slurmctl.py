@@ -235,15 +235,29 @@ class Watch:
 
     def current(self, job: str) -> Job | None:
         """Slurm's record of one job now, to act on it (a cancel): the latest answer's where it is
-        no older than the shortest interval, else one call about the job alone. A FORGOTTEN job:
-        Slurm says it does not know it; None: no answer."""
+        no older than the shortest interval, else a new one (about every job: the next job asked
+        about is answered too); a job missing from it is asked about alone. A FORGOTTEN job: Slurm
+        says it does not know it; None: no answer."""
         with self._lock:
             if job in self.settled:
                 return self.settled[job]
-            if job in self.latest and time.time_ns() - self.asked_ns < self.pace.min_s * 1e9:
+            if time.time_ns() - self.asked_ns >= self.pace.min_s * 1e9:
+                asked_ns = time.time_ns()
+                answer = self._call([job] if self.single else [])
+                if answer is None:
+                    return None
+                self._take(answer, asked_ns)
+            if job in self.latest:
                 return self.latest[job]
-            answer = self._call([job])
-            return None if answer is None else answer.get(job) or Job(job, FORGOTTEN)
+            alone = {} if self.single else self._call([job])
+            return None if alone is None else alone.get(job) or Job(job, FORGOTTEN)
+
+    def _take(self, answer: dict[str, Job], asked_ns: int) -> dict[str, Job]:
+        """Keep an answer as the latest (this user's jobs, and those followed); the one before it."""
+        before, me = self.latest, os.geteuid()
+        self.asked_ns = asked_ns
+        self.latest = {job: seen for job, seen in answer.items() if job in self.followed or seen.uid == me}
+        return before
 
     def _ask(self) -> None:
         self.tried_ns = asked_ns = time.time_ns()
@@ -255,10 +269,7 @@ class Watch:
             self.next_at = now + self.interval
             return
         self.silent_since_ns = None
-        me = os.geteuid()
-        before = self.latest
-        self.asked_ns = asked_ns
-        self.latest = {job: seen for job, seen in answer.items() if job in self.followed or seen.uid == me}
+        before = self._take(answer, asked_ns)
         waiting, checks = False, self.CHECKS_PER_LOOK
         for job, submitted_ns in list(self.followed.items()):
             seen = self.latest.get(job)

@@ -51,6 +51,8 @@ def test_submitted_job_runs_and_completes(slurm_cluster, tmp_path, monkeypatch):
     assert manifest["target"]["run"] == {"job_id": result.job_id, "state": "COMPLETED"}
     assert "slurm_job_id" not in manifest and "slurm_state" not in manifest
     assert describe(manifest["target"]) == f"testcluster (slurm job {result.job_id}, COMPLETED)"
+    assert f" JobName={rd.id} " in slurm_cluster.scontrol("show", "job", "-o", result.job_id), "named after the run"
+    assert manifest["nodes"] == ["n1", "n2"] and manifest["exit_codes"] == {"train@n1": 0, "train@n2": 0}
     steps = rd.read_iterations()
     steps = steps.filter(steps["event"] == "iteration")
     assert set(steps["rank"].to_list()) == {0, 1} and steps["iteration"].max() == 4
@@ -71,6 +73,19 @@ def test_a_job_that_never_ran_the_workload_is_no_completed_run(slurm_cluster):
     rd = RunDir(launch(two_nodes(4), target(env_setup="exit 0")).run_dir)
     manifest = wait_final(rd, 150)
     assert manifest["status"] == "failed" and "never logged its end" in manifest["failure"], manifest
+
+
+@pytest.mark.timeout(200)
+def test_a_failing_env_setup_command_stops_the_job_and_is_named(slurm_cluster):
+    """Before: "module: command not found" showed only in logs/slurm-N.out, and the run said completed."""
+    rd = RunDir(launch(two_nodes(4), target(env_setup="export A=1; module load cuda/12.4; echo not reached")).run_dir)
+    manifest = wait_final(rd, 150)
+    assert manifest["status"] == "failed", manifest
+    assert manifest["failure"].startswith("env_setup stopped the job: `module load cuda/12.4` exited with status 127 "
+                                          "(command not found)"), manifest["failure"]
+    assert manifest["target"]["run"]["state"] == "FAILED"
+    out = next(rd.logs_dir.glob("slurm-*.out")).read_text()
+    assert "not reached" not in out and not (rd.logs_dir / "train.exit").exists(), out
 
 
 @pytest.mark.timeout(400)
