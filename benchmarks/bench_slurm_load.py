@@ -18,6 +18,7 @@ a 6-member campaign made 228 REQUEST_JOB_INFO_SINGLE and 228 REQUEST_FED_INFO in
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -90,6 +91,10 @@ def main() -> int:
         print(f"campaign after {args.minutes:g} min: {progress[0] if progress else '?'}")
         print(f"calls that follow jobs: {sum(following)} in {len(samples) * 10} s = "
               f"{sum(following) / len(samples):.2f} per 10 s (most in one 10 s: {max(following)}; target: at most 1)")
+        record = json.loads((private / "runs" / ".campaigns" / "load" / "campaign.json").read_text())
+        for member in record["members"]:
+            if member["status"] in ("failed", "unknown", "missing"):
+                print(f"member {member['name']}: {member['status']}: {member.get('failure')} (run {member.get('run')})")
         for name in sorted(totals, key=lambda k: -totals[k]):
             if name != "REQUEST_STATS_INFO":
                 whose = "(following)" if name in FOLLOWING else "(the jobs' own)"

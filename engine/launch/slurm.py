@@ -225,10 +225,11 @@ class SlurmTarget(Target):
         records = JobRecords.read(rd)
         seen = slurmctl.shared().look({job: manifest.created_ns})[job]
         fields = decide(rd, records, seen, end_wait=0)
-        run = _run_record(manifest, seen, None)
         if fields is None:
             started = _started(manifest, records, seen)
+            run = _run_record(manifest, seen, None)
             return {**started, "target": {**manifest.target, "run": run}} if started else None
+        run = _final_run_record(manifest, slurmctl.shared().said(job))
         return {**fields, "note": lost, "exit_codes": node_exits(rd), "target": {**manifest.target, "run": run}}
 
     @classmethod
@@ -573,6 +574,15 @@ def _run_record(manifest: Manifest, job: Job | None, silent_since_ns: int | None
     return run
 
 
+def _final_run_record(manifest: Manifest, said: Job | None) -> dict:
+    """The target's record of an ended run: Slurm's final state where it said one, else none (a state
+    the job ran in is no end, and a run may end on its own record before Slurm says so)."""
+    run = _run_record(manifest, said, None)
+    if not (said and said.final and said.state != FORGOTTEN):
+        run.pop("state", None)
+    return run
+
+
 class Follower:
     """Follows the Slurm jobs of runs, one `step` a pass: each run's own records (a file read, no
     call to Slurm), then one look through the watch for all of them (at most one call per
@@ -609,15 +619,17 @@ class Follower:
     def _advance(self, rd: RunDir, manifest: Manifest, records: JobRecords, job: Job | None) -> None:
         silent = self.watch.silent_since_ns
         said_silent = silent if silent and time.time_ns() - silent > 2e9 * self.watch.pace.min_s else None
-        run = _run_record(manifest, job, said_silent)
         watch_samplers(rd)
         fields = decide(rd, records, job)
-        if fields is not None and (records.exit is not None or records.env_failure) and not (job and job.final):
-            # Through by its own record: Slurm's final state follows within moments, recorded with it.
+        said = self.watch.said(job_id(manifest)) or job
+        if fields is not None and (records.exit is not None or records.env_failure) and not (said and said.final):
+            # Through by its own record: Slurm's final state follows within moments, recorded with it
+            # (its word, not yet said twice, names the state; the job's own record decided).
             first = self._through_at.setdefault(rd.path, time.monotonic())
-            if time.monotonic() - first < 3 * self.watch.pace.min_s:
+            if time.monotonic() - first < 4 * self.watch.pace.min_s:
                 self.watch.hurry()
                 fields = None
+        run = _run_record(manifest, job, said_silent) if fields is None else _final_run_record(manifest, said)
         started = _started(manifest, records, job)
         if fields is not None:
             self.record_end(rd, {**started, **fields, "ended_ns": time.time_ns(), "runtime": rd.runtime(),

@@ -5,9 +5,8 @@ jobs with one call per interval.
 A busy controller times out, answers late or not at all, and restarts. None of that is an answer
 about a job: each function here returns None for "no answer" (an error, a timeout, output that is
 not what the client prints), never a guess. A job is final only on Slurm's own final state, said
-twice (the second time by a call about that job alone); a job the controller no longer knows is
-asked of accounting (sacct) where the cluster keeps it, else it is FORGOTTEN and its run directory's
-own end record decides (slurm.py).
+twice; a job the controller no longer knows is asked of accounting (sacct) where the cluster keeps
+it, else it is FORGOTTEN and its run directory's own end record decides (slurm.py).
 
 `Watch` is the one way a process asks about jobs: every run and campaign member it follows is
 answered by one `scontrol show job` per interval (one RPC, REQUEST_JOB_INFO; a watch of a single
@@ -190,15 +189,18 @@ class Watch:
     """Slurm's word on the jobs a process follows, asked with one call per interval for all of them
     (`look`). Thread-safe: the workbench's workers share the process's watch (`shared()`).
 
-    A final state is taken once Slurm said it twice, the second time by a call about that job
-    alone; a job missing from an answer is asked about alone, then of accounting. Both happen once
-    in a job's life (at most CHECKS_PER_LOOK a call), so the calls stay about one per interval."""
+    A job's final state is taken once two answers said it, and a job missing from two answers (taken
+    after it was submitted) is asked of accounting: a follower's next answer comes at the shortest
+    interval, so that costs no call. A reader, which may not ask again (`confirm_alone`), asks about
+    that job alone at once instead: once in a job's life, at most CHECKS_PER_LOOK a look."""
 
     CHECKS_PER_LOOK = 64
 
-    def __init__(self, *, single: bool = False, pace: Pace | None = None, timeout: float | None = None):
+    def __init__(self, *, single: bool = False, confirm_alone: bool = False, pace: Pace | None = None,
+                 timeout: float | None = None):
         self.pace = pace or Pace.current()
         self.single = single                  # follows one job: asks for it alone
+        self.confirm_alone = confirm_alone
         self.timeout = timeout if timeout is not None else self.pace.timeout_s
         self.interval = self.pace.min_s
         self.next_at = 0.0                    # monotonic: when the next call is due
@@ -206,6 +208,7 @@ class Watch:
         self.asked_ns = 0                     # when the latest answer was asked for
         self.followed: dict[str, int] = {}    # job -> when it was submitted (ns): every job looked at, not settled
         self.latest: dict[str, Job] = {}      # the latest answer: this user's jobs (and those followed)
+        self.missing: set[str] = set()        # followed jobs the latest answer lacked
         self.settled: dict[str, Job] = {}     # confirmed final (or FORGOTTEN): never asked again
         self.silent_since_ns: int | None = None   # the first call of the current run of no answers
         self.calls = 0
@@ -232,6 +235,12 @@ class Watch:
                 seen = self.settled.get(job) or self.latest.get(job)
                 out[job] = seen if seen is None or not seen.final or job in self.settled else None
             return out
+
+    def said(self, job: str) -> Job | None:
+        """The latest answer's record of a job, final or not, confirmed or not (to name a state the
+        job's own records decided); None where it had none."""
+        with self._lock:
+            return self.settled.get(job) or self.latest.get(job)
 
     def current(self, job: str) -> Job | None:
         """Slurm's record of one job now, to act on it (a cancel): the latest answer's where it is
@@ -269,15 +278,22 @@ class Watch:
             self.next_at = now + self.interval
             return
         self.silent_since_ns = None
-        before = self._take(answer, asked_ns)
+        before, missing_before = self._take(answer, asked_ns), self.missing
+        self.missing = set()
         waiting, checks = False, self.CHECKS_PER_LOOK
         for job, submitted_ns in list(self.followed.items()):
-            seen = self.latest.get(job)
+            seen, was = self.latest.get(job), before.get(job)
             if seen is None and submitted_ns >= asked_ns or seen is not None and not seen.final:
                 continue
-            if checks:
+            if seen is None and job in missing_before:
+                self._accounted(job)                      # missing from two answers: Slurm does not know it
+            elif seen is not None and was is not None and was.state == seen.state:
+                self.settled[job] = seen                  # said twice
+            elif self.confirm_alone and checks:
                 checks -= 1
                 self._confirm(job, seen)
+            if seen is None and job not in self.settled:
+                self.missing.add(job)
             waiting = waiting or job not in self.settled
         changed = any((before[job].state if job in before else None) != (seen.state if seen else None)
                       for job in self.followed for seen in [self.latest.get(job)])
@@ -287,18 +303,20 @@ class Watch:
             self.followed.pop(job, None)
 
     def _confirm(self, job: str, seen: Job | None) -> None:
-        """A final state, or a job missing from the answer, asked about again alone (where the
-        answer was about it alone already and it is missing, that is Slurm's word); settled when
-        Slurm says it again, or says it does not know the job and accounting answers."""
-        alone = {} if self.single and seen is None else self._call([job])
+        """A final state, or a job missing from the answer, asked about again alone: settled when
+        Slurm says the state again, or says it does not know the job and accounting answers."""
+        alone = self._call([job])
         if alone is None:
             return
         again = alone.get(job)
-        if again is not None:
-            self.latest[job] = again
-            if again.final and seen is not None and seen.final:
-                self.settled[job] = again
+        if again is None:
+            self._accounted(job)
             return
+        self.latest[job] = again
+        if again.final and seen is not None and seen.state == again.state:
+            self.settled[job] = again
+
+    def _accounted(self, job: str) -> None:
         self.calls += 1
         kept = accounted(job, timeout=self.timeout)
         if kept is not None:
@@ -322,7 +340,7 @@ def shared() -> Watch:
     key = (os.environ.get("SLURM_CONF"), pace)
     with _SHARED_LOCK:
         if key not in _SHARED:
-            _SHARED[key] = Watch(pace=pace, timeout=min(READER_TIMEOUT_S, pace.timeout_s))
+            _SHARED[key] = Watch(confirm_alone=True, pace=pace, timeout=min(READER_TIMEOUT_S, pace.timeout_s))
         return _SHARED[key]
 
 
