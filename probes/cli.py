@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from charllm.probes.backends import BACKEND_NAMES, inventory, not_supported, open_backends
-from charllm.probes.backends.base import DEFAULT_HZ, MAX_HZ, check_hz
+from charllm.probes.backends.base import DEFAULT_HZ, MAX_HZ, check_hz, hostname
 from charllm.probes.core import paths, procid
 from charllm.probes.core.errors import UserError, disk_full_on, plural
 from charllm.probes.core.formatting import GIB
-from charllm.probes.store.rundir import Reserve, RunDir, check_node_name
+from charllm.probes.store.rundir import FINAL_STATUSES, Reserve, RunDir, check_node_name, node_chunks
 
 MAX_DURATION_S = 366 * 24 * 3600
 RESERVE_BYTES = 64 * 1024   # what a probe-only run holds on its disk to record its final status
@@ -171,8 +171,10 @@ def _stop_when_asked(run: RunDir, sampler) -> threading.Event:
 def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
     """(RunDir, whether we own its manifest). A new directory (or an empty one) becomes a probe-only
     run with a {"kind": "probe"} manifest; an existing one only if it is a launched run's, prepared
-    for its samplers. Anything else (a folder with files in it, another probe's run, a link) is
-    refused: of several probes given the same --out, one records and the others say so."""
+    for its samplers, that has not ended and that no sampler of this node records into yet.
+    Anything else (a folder with files in it, another probe's run, an ended run, a link) is refused
+    before anything is written: of several probes given the same --out, one records and the others
+    say so."""
     path = Path(out).expanduser().absolute()
     if path.is_symlink():
         raise UserError(f"--out {out!r}: a symbolic link; give the run directory itself")
@@ -180,8 +182,16 @@ def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
         run = RunDir.create(path, "probe")
     except FileExistsError:
         run = RunDir(path)
-        if run.made_by == "launch":
-            return run, False   # a launched run's sampler (the launcher wrote its manifest)
+        if run.made_by == "launch":   # a launched run's sampler (the launcher wrote its manifest)
+            status = run.manifest().status   # (a node's copy over ssh has none: "unknown")
+            if status in FINAL_STATUSES:
+                raise UserError(f"--out {out!r}: the directory of a launched run that has ended ({status}); "
+                                "a probe records into a new directory") from None
+            node = args.node or hostname()
+            if node_chunks(run.node_telemetry_dir(node)):
+                raise UserError(f"--out {out!r}: node {node!r} already records telemetry into this launched run; "
+                                "a probe records into a new directory (or give another --node)") from None
+            return run, False
         if run.made_by is not None:
             raise UserError(f"--out {out!r}: already the run directory of a {run.made_by}; give a new directory")
         if any(path.iterdir()) or not run.claim("probe"):

@@ -115,7 +115,7 @@ def epilog_commands() -> list[Command]:
     """The commands under `examples:` of every subcommand's help: a line that starts with
     `charllm-tui` (and its continuation lines), up to two or more spaces before what it does."""
     out = []
-    for prog, parser in subparsers(build_parser()):
+    for prog, parser in subparsers(build_parser(every=True)):
         help_text = parser.format_help()
         if "\nexamples:\n" not in help_text:
             continue

@@ -1,8 +1,9 @@
 """`charllm-tui`: with no arguments the workbench (TUI); with a subcommand, the headless tool.
 
-Every subcommand lives in `charllm.tui.commands.<module>` and exposes `register(subparsers)`,
-which adds its parser and sets `func`. Command modules import heavy libraries (polars, torch)
-lazily, inside their handlers, so `--help` and the TUI start fast.
+Every subcommand lives in `charllm.tui.commands.<module>` (COMMANDS) and exposes
+`register(subparsers, name, help)`, which adds its parser and sets `func`. Only the module of the
+command being run is imported, and command modules import heavy libraries (polars, torch) inside
+their handlers, so `--help`, quick commands and the TUI start fast.
 """
 
 from __future__ import annotations
@@ -11,26 +12,26 @@ import argparse
 import sys
 
 from charllm.probes.core.errors import UserError, one_line, os_error_line
-from charllm.tui.commands import (
-    baseline,
-    campaign,
-    compare,
-    doctor,
-    export,
-    fields,
-    import_results,
-    launch,
-    plan,
-    presets,
-    probe,
-    runs,
-    summarize,
-    sweep,
-)
 
-# In the order `--help` lists them.
-COMMANDS = (plan, sweep, presets, fields, export, probe, summarize, compare, baseline, import_results, launch, runs,
-            campaign, doctor)
+# Every subcommand, in the order `--help` lists it: its module in charllm.tui.commands and its one-line
+# help. A command's module (and what it imports: the engine, numpy, polars) is loaded only when that
+# command runs, so `--help` and quick commands start in a fraction of a second.
+COMMANDS = {
+    "plan": ("plan", "per-stage peak memory, fit verdict and step time of an experiment"),
+    "sweep": ("sweep", "every valid parallel layout with its peak memory, ranked"),
+    "presets": ("presets", "list and show model, hardware and experiment presets"),
+    "fields": ("fields", "every experiment field --set takes, with what it means"),
+    "export": ("export", "write an experiment as Megatron-LM flags or as resolved TOML"),
+    "probe": ("probe", "list GPUs/host sensors, or sample and record telemetry"),
+    "summarize": ("summarize", "summarize a run: power, energy, thermals, throttling, MFU, ranks, kernels"),
+    "compare": ("compare", "compare runs and baselines side by side"),
+    "baseline": ("baseline", "save, list, show and delete baselines"),
+    "import": ("import_results", "import other tools' results as runs (CharLLM-PPT / Zeus CSVs)"),
+    "launch": ("launch", "launch an experiment on a target with a telemetry probe on every node"),
+    "runs": ("runs", "list, inspect, follow, cancel and delete runs"),
+    "campaign": ("campaign", "many experiments as one job: plan, run, follow, summarize and draw them"),
+    "doctor": ("doctor", "check this node (or a target's nodes) and save its calibration"),
+}
 
 DESCRIPTION = """\
 A terminal workbench for the power, performance and thermal characterization of distributed
@@ -57,18 +58,39 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None, *, every: bool = False) -> argparse.ArgumentParser:
+    """The command line's parser. Only the command `argv` names gets its whole parser (its module is
+    imported); the others are listed by name and help. `every`: all of them whole (the tests that
+    read every command's options)."""
     parser = _Parser(prog="charllm-tui", description=DESCRIPTION, epilog=EXIT_STATUS,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for command in COMMANDS:
-        command.register(sub)
+    chosen = next((word for word in argv or [] if not word.startswith("-")), None)
+    for name, (module, help_line) in COMMANDS.items():
+        if every or name == chosen:
+            command_module(name).register(sub, name, help_line)
+        else:
+            sub.add_parser(name, help=help_line, add_help=False)
     return parser
 
 
+def command_module(name: str):
+    """The module of command `name` (COMMANDS), imported now."""
+    import importlib  # deferred: only a command that runs needs it
+
+    return importlib.import_module(f"charllm.tui.commands.{COMMANDS[name][0]}")
+
+
+class _Version(argparse.Action):
+    """--version, whose text is looked up only when asked for (the package metadata costs start-up time)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(message=_version() + "\n")
+
+
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version  # deferred: ~17 ms at start-up (--help)
+    from importlib.metadata import PackageNotFoundError, version  # deferred: ~17 ms at start-up
 
     try:
         return f"charllm-tui {version('charllm-tui')}"
@@ -77,8 +99,8 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         if args.command is None:
             return run_tui()

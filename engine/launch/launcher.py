@@ -21,9 +21,6 @@ from typing import Callable
 
 from charllm.engine.launch.target import Step, Target, recorded_line
 from charllm.engine.launch.targets import LOCAL, from_record
-from charllm.engine.model import profiling
-from charllm.engine.model.memory import DOES_NOT_FIT, estimate
-from charllm.engine.model.validate import validate
 from charllm.probes.core import lifeline, paths, procid
 from charllm.probes.core.errors import UserError, mount_point, os_error_line
 from charllm.probes.core.formatting import clock, size
@@ -65,6 +62,9 @@ def problems(exp) -> list[str]:
     """Why this layout should not run: validation problems, else what the node it is planned for
     cannot run (engine.model.runtime) and a memory overflow. The workload checks the first two again
     on the node itself, against the software it finds there."""
+    from charllm.engine.model.memory import DOES_NOT_FIT, estimate  # deferred: the models (runs commands' start-up)
+    from charllm.engine.model.validate import validate  # deferred: the models (runs commands' start-up)
+
     found = [str(p) for p in validate(exp)]
     if found:
         return found  # the memory model assumes a valid layout
@@ -129,6 +129,8 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     run_dir = unique_run_dir(paths.runs_dir() / run_id)
     steps, script = plan(exp, target, run_dir, dry_run=dry_run)
     commands = display_commands(steps, target)
+    from charllm.engine.model import profiling  # deferred: the models (runs commands' start-up)
+
     window = profiling.plan(exp)
     result = LaunchResult(run_id=run_dir.name, run_dir=None, commands=commands, job_script=script,
                           job_script_label=target.job_script_label,

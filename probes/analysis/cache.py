@@ -5,15 +5,18 @@ directory changes."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
-
-import polars as pl
+from typing import TYPE_CHECKING
 
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.files import open_regular, read_bounded
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, write_json_atomic
+
+if TYPE_CHECKING:
+    import polars as pl
 
 # Bump when a statistic changes meaning, so cached summaries of finished runs are recomputed.
 SUMMARY_VERSION = 1
@@ -25,15 +28,36 @@ MAX_KEY_BYTES = 4 * 2**20   # a key lists a run's telemetry directories: a few K
 def read_kept(cache: Path, meta: Path, key: dict) -> pl.DataFrame | None:
     """The kept result if its key file says it is current and it has the columns that file
     recorded; None otherwise (a damaged or foreign file is recomputed, never an error)."""
+    import polars as pl  # deferred: loads polars (a listing reads kept_row, without it)
+
     try:
-        kept = json.loads(read_bounded(meta, MAX_KEY_BYTES, "kept summary key"))
-        if not isinstance(kept, dict) or {k: v for k, v in kept.items() if k != "schema"} != key:
+        kept = _current_key(meta, key)
+        if kept is None:
             return None
         with open_regular(cache, "kept summary") as fh:
             df = pl.read_parquet(fh)
         return df if _schema(df) == kept.get("schema") else None
     except (OSError, ValueError, RecursionError, UserError, pl.exceptions.PolarsError, pl.exceptions.PanicException):
         return None
+
+
+def _current_key(meta: Path, key: dict) -> dict | None:
+    """The key file's contents if it says the kept result is the one `key` describes, else None."""
+    kept = json.loads(read_bounded(meta, MAX_KEY_BYTES, "kept summary key"))
+    if not isinstance(kept, dict) or {k: v for k, v in kept.items() if k not in ("schema", "row")} != key:
+        return None
+    return kept
+
+
+def kept_row(cache: Path, meta: Path, key: dict) -> dict | None:
+    """A kept one-row result (a run-level summary) as its key file also holds it, when current:
+    what a listing shows, read without polars; None where there is none (then read_kept)."""
+    try:
+        kept = _current_key(meta, key)
+    except (OSError, ValueError, RecursionError, UserError):
+        return None
+    row = kept.get("row") if kept else None
+    return row if isinstance(row, dict) else None
 
 
 def _schema(df: pl.DataFrame) -> dict[str, str]:
@@ -81,6 +105,14 @@ def keep(df: pl.DataFrame, cache: Path, meta: Path, key: dict) -> None:
     try:
         cache.parent.mkdir(exist_ok=True)
         write_atomic(cache, df.write_parquet)
-        write_json_atomic(meta, {**key, "schema": _schema(df)})
+        row = {"row": {k: _json_value(v) for k, v in df.row(0, named=True).items()}} if df.height == 1 else {}
+        write_json_atomic(meta, {**key, "schema": _schema(df), **row})
     except OSError:
         pass
+
+
+def _json_value(value):
+    """A summary value as JSON holds it (NaN and infinities as null, as a listing shows them: "-")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)

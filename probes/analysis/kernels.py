@@ -31,16 +31,27 @@ its kernels' (ops') own durations as the artifact's figure scripts add them (ove
 twice). Besides: `step_s`, `idle_s` (step - busy), `compute_s`, `comm_s` (the time any compute,
 any communication ran), `overlap_s` (both at once) and `overlap_frac` (overlap_s / comm_s: how
 much of the communication was hidden behind compute). A trace of several steps gives per-step
-means.
+means (overlapping step spans count once).
+
+A trace is read as it streams by, in bounds whatever its file holds: its JSON decompressed
+(MAX_TRACE_BYTES), its events (MAX_TRACE_EVENTS, each kept as a few numbers), one value's text, and
+each time's range; the breakdown sorts once and sweeps, so its time grows with the events, not with
+events times steps. A trace beyond a bound, or damaged, is one line naming it; in a run's summary it
+is left out and a note says so, and the run's other traces are summarized.
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
+import math
 import os
 import re
+import zlib
+from array import array
 from dataclasses import dataclass, field
+from json.scanner import make_scanner
 from pathlib import Path
 
 import numpy as np
@@ -48,15 +59,28 @@ import polars as pl
 
 from charllm.probes.analysis.cache import keep, kept_place, read_kept
 from charllm.probes.analysis.render import format_figure
-from charllm.probes.core.errors import UserError
+from charllm.probes.core.errors import UserError, plural, shown
 from charllm.probes.core.files import open_regular
+from charllm.probes.core.formatting import size
 from charllm.probes.store.rundir import RunDir, resolve_run
 
 COMPUTE = ("matmul", "attention", "norm", "elementwise", "optimizer", "other")
 MEMORY = ("memcpy",)
 COMMUNICATION = ("SendRecv", "AllGather", "ReduceScatter", "AllReduce", "AllToAll", "OtherComm")
 CATEGORIES = COMPUTE + MEMORY + COMMUNICATION     # precedence: first wins an instant
-MAX_TRACE_BYTES = 8 * 2**30    # the artifact's GPU traces run to a few GiB
+# A trace is read as it streams by, within bounds whatever its file holds (a few MB of .json.gz can
+# hold GiBs of text): its JSON decompressed, its events, one event's text, each time's range.
+MAX_TRACE_BYTES = 2 * 2**30         # a rank's trace of a few profiled steps is tens to hundreds of MiB
+MAX_TRACE_EVENTS = 10_000_000       # about 40 bytes each once read
+MAX_VALUE_CHARS = 64 * 2**20        # one event, or any other value of the trace's top level
+MAX_TIME_US = 2**53                 # |ts| and dur in µs: 285 years, each exact in a float
+MAX_STEP_DIGITS = 18                # ProfilerStep#N: N fits 64 bits
+_READ_BYTES = 4 * 2**20
+_SPACE = re.compile(r"[ \t\n\r]*")
+_AFTER_ELEMENT = re.compile(r"[ \t\n\r]*([,\]])[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+# raw_decode's scanner, called directly (CPython's make_scanner takes the decoder; typeshed says otherwise)
+_SCAN = make_scanner(_DECODER)  # type: ignore[arg-type]
 
 # -- names ---------------------------------------------------------------------------------------
 _COLLECTIVES = (   # (pattern in a name or a `Collective name`, category); first match wins
@@ -81,10 +105,11 @@ _ELEMENTWISE_OP = re.compile(r"^aten::(add|sub|mul|div|neg|abs|exp|log|sqrt|rsqr
                              r"^(Add|Sub|Mul|Div|Neg|Gelu|Silu|Relu|Pow|Sum|Mean|Dropout|NativeDropout|Where)"
                              r"\w*Backward|AccumulateGrad", re.I)
 _MEMCPY_OP = re.compile(r"^aten::(copy_|_to_copy|to|clone|contiguous|cat|_copy_from)$", re.I)
-_STEP = re.compile(r"^ProfilerStep#(\d+)$")
-_OPTIMIZER_SPAN = re.compile(r"^Optimizer\.step#")
+_STEP = re.compile(r"ProfilerStep#(\d+)")   # (fullmatch)
 _LAUNCHES = ("cuda_runtime", "cuda_driver")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_OPTIMIZER_CODE, _OTHER_CODE = CATEGORIES.index("optimizer"), CATEGORIES.index("other")
+_FIRST_COMM_CODE = len(COMPUTE) + len(MEMORY)
 
 
 def collective(text: str) -> str:
@@ -111,7 +136,7 @@ def classify_op(name: str) -> str | None:
     allocations, autograd's wrappers): it takes the category of the op around it."""
     if name.startswith(("gloo:", "c10d::", "nccl:")) or name == "record_param_comms":
         return collective(name.partition(":")[2] if ":" in name else name)
-    if _OPTIMIZER_SPAN.match(name) or name.startswith("Optimizer.zero_grad#") or "_fused_adam" in name:
+    if name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")) or "_fused_adam" in name:
         return "optimizer"
     if name.startswith("autograd::engine::evaluate_function: "):
         return classify_op(name.removeprefix("autograd::engine::evaluate_function: "))
@@ -126,212 +151,475 @@ def classify_op(name: str) -> str | None:
 
 
 # -- reading -------------------------------------------------------------------------------------
+class _Damaged(Exception):
+    """What is wrong with a trace (read_trace names the file)."""
+
+
+def _out_of_range(value) -> str:
+    """A number as a message quotes it: a hostile int of thousands of digits by its size."""
+    if isinstance(value, int) and abs(value) > 10**30:
+        return f"a number of about {int(value.bit_length() * 0.30103) + 1:,} digits"
+    return shown(value)
+
+
+class _Text:
+    """A trace's JSON text, decoded a piece at a time as it is parsed: at most MAX_TRACE_BYTES are
+    read (decompressed), and only the value being parsed is held, never the whole text."""
+
+    def __init__(self, raw, compressed: bool):
+        self.raw, self.compressed = raw, compressed
+        self.decoder = codecs.getincrementaldecoder("utf-8-sig")()
+        self.buf, self.pos, self.before = "", 0, 0   # the text held, the cursor in it, characters dropped
+        self.read_bytes, self.eof = 0, False
+
+    def _more(self) -> bool:
+        """Read the next piece (dropping what was parsed); False at the end."""
+        if self.eof:
+            return False
+        chunk = self.raw.read(_READ_BYTES)
+        self.read_bytes += len(chunk)
+        if self.read_bytes > MAX_TRACE_BYTES:
+            raise _Damaged(f"more than {size(MAX_TRACE_BYTES)} of JSON{' once decompressed' * self.compressed}, "
+                           "the most a trace may hold (profile fewer steps: telemetry.profile_steps)")
+        self.eof = not chunk
+        self.before += self.pos
+        if self.pos == len(self.buf) and self.read_bytes > len(chunk) and not self.decoder.getstate()[0] \
+                and not chunk.translate(None, b" \t\n\r"):
+            self.before += len(chunk)   # a piece of white space between values, dropped undecoded (faster)
+            chunk = b""
+        self.buf = self.buf[self.pos:] + self.decoder.decode(chunk, final=self.eof)
+        self.pos = 0
+        return True
+
+    def at(self) -> str:
+        return f"at character {self.before + self.pos:,}"
+
+    def peek(self) -> str:
+        """The next character that is not white space ("" at the end of the text)."""
+        while True:
+            space = _SPACE.match(self.buf, self.pos)
+            self.pos = space.end() if space else self.pos
+            if self.pos < len(self.buf) or not self._more():
+                return self.buf[self.pos: self.pos + 1]
+
+    def expect(self, chars: str) -> str:
+        """The next character, one of `chars`."""
+        found = self.peek()
+        if not found or found not in chars:
+            raise _Damaged(f"not a readable Kineto JSON trace (expecting {' or '.join(map(repr, chars))} {self.at()})")
+        self.pos += 1
+        return found
+
+    def value(self):
+        """The next JSON value (a value cut by the end of a piece is read again with the next)."""
+        self.peek()
+        while True:
+            try:
+                value, end = _DECODER.raw_decode(self.buf, self.pos)
+                if end < len(self.buf) or self.eof:   # (a number at the end of a piece may go on)
+                    self.pos = end
+                    return value
+            except json.JSONDecodeError as exc:   # damaged, or cut by the piece's end: then read on
+                if self.eof or (exc.pos < len(self.buf) - 16 and not exc.msg.startswith("Unterminated string")):
+                    raise _Damaged(f"not a readable Kineto JSON trace ({exc.msg.removesuffix(' at')} at character "
+                                   f"{self.before + exc.pos:,})") from None
+            if len(self.buf) - self.pos > MAX_VALUE_CHARS:
+                raise _Damaged(f"a value of more than {MAX_VALUE_CHARS:,} characters {self.at()}")
+            self._more()
+
+
+def _parse(text: _Text, events: "_Events") -> dict:
+    """A Kineto JSON object, its traceEvents streamed into `events`; the other top-level values
+    read_trace needs (`charllm`, `distributedInfo`)."""
+    if text.peek() != "{":
+        text.value()   # not JSON says so; JSON of another shape is not a trace
+        raise _Damaged("not a Kineto JSON trace (no traceEvents list)")
+    text.pos += 1
+    meta: dict = {}
+    found = False
+    while text.peek() != "}":
+        key = text.value()
+        if not isinstance(key, str):
+            raise _Damaged(f"not a readable Kineto JSON trace (a key that is not a string {text.at()})")
+        text.expect(":")
+        if key == "traceEvents" and text.peek() == "[" and not found:
+            found = True
+            text.pos += 1
+            _elements(text, events)
+        elif key in ("charllm", "distributedInfo"):
+            meta[key] = text.value()
+        else:
+            text.value()
+        if text.peek() != "}":
+            text.expect(",")
+    text.pos += 1
+    if text.peek():
+        raise _Damaged(f"not a readable Kineto JSON trace (extra data {text.at()})")
+    if not found:
+        raise _Damaged("not a Kineto JSON trace (no traceEvents list)")
+    return meta
+
+
+def _elements(text: _Text, events: "_Events") -> None:
+    """The elements of the array the cursor is in, each given to `events`, up to its closing "]".
+    Those whole in the piece held are scanned in a tight loop; one cut by its end goes the slow way."""
+    if text.peek() == "]":
+        text.pos += 1
+        return
+    add, scan, after = events.add, _SCAN, _AFTER_ELEMENT.match
+    while True:
+        buf, pos = text.buf, text.pos
+        try:
+            while True:
+                value, end = scan(buf, pos)
+                found = after(buf, end)
+                if found is None or found.end() >= len(buf):
+                    break                    # at the piece's end, or damaged: the slow way says which
+                add(value)
+                if found[1] == "]":
+                    text.pos = found.end()
+                    return
+                pos = found.end()
+        except (StopIteration, json.JSONDecodeError):
+            pass
+        text.pos = pos
+        add(text.value())
+        if text.expect(",]") == "]":
+            return
+
+
+class _Events:
+    """What the breakdown needs of a trace's events, kept as they stream by: a few numbers each
+    (times in µs, a category, a thread, a correlation id), never the events themselves."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.device = False                   # it has device events: a GPU trace
+        self.step_numbers: set[int] = set()
+        self.steps = _Columns(start="d", end="d")                         # ProfilerStep#N spans
+        self.first, self.last = math.inf, -math.inf                       # the whole trace's span
+        self.kernels = _Columns(start="d", end="d", code="b", correlation="q")
+        self.optimizer = _Columns(thread="q", start="d", end="d")        # Optimizer.step# spans
+        self.launches = _Columns(thread="q", ts="d", correlation="q")
+        self.ops = _Columns(thread="q", start="d", end="d", code="b")   # host ops and annotations
+        self._threads: dict = {}
+        self._kernel_codes: dict = {}   # each distinct kernel classified once
+        self._op_codes: dict = {}
+
+    def _out_of_range(self, key: str, value) -> _Damaged:
+        return _Damaged(f"event {self.count:,}: {key} = {_out_of_range(value)}: out of range "
+                        f"(a time in µs of at most {MAX_TIME_US:,})")
+
+    def _thread(self, event: dict) -> int:
+        key = (event.get("pid"), event.get("tid"))
+        try:
+            return self._threads.setdefault(key, len(self._threads))
+        except TypeError:   # a list or an object: no thread of ours
+            plain = tuple(v if isinstance(v, (str, int, float)) else None for v in key)
+            return self._threads.setdefault(plain, len(self._threads))
+
+    def add(self, event) -> None:
+        """Keep what the breakdown needs of one event (most are looked at and dropped)."""
+        self.count += 1
+        if self.count > MAX_TRACE_EVENTS:
+            raise _Damaged(f"more than {MAX_TRACE_EVENTS:,} events, the most a trace may hold "
+                           "(profile fewer steps: telemetry.profile_steps)")
+        if type(event) is not dict:
+            return
+        get = event.get
+        ts, dur = get("ts"), get("dur", 0)   # a time that is not a number leaves the event untimed
+        ts = ts if type(ts) is float or type(ts) is int else None
+        dur = dur if type(dur) is float or type(dur) is int else None
+        if ts is not None and not -MAX_TIME_US <= ts <= MAX_TIME_US:   # (NaN too)
+            raise self._out_of_range("ts", ts)
+        if dur is not None and not -MAX_TIME_US <= dur <= MAX_TIME_US:
+            raise self._out_of_range("dur", dur)
+        cat, ph, name = get("cat"), get("ph"), get("name")
+        cat = cat if type(cat) is str else None
+        name = name if type(name) is str else ""
+        if cat in _DEVICE_CATS:
+            self.device = True
+        step = _STEP.fullmatch(name) if ph == "X" and name.startswith("ProfilerStep#") else None
+        if step:
+            if len(step[1]) > MAX_STEP_DIGITS:
+                raise _Damaged(f"event {self.count:,}: name {shown(name, 40)}: a step number of "
+                               f"{len(step[1]):,} digits (at most {MAX_STEP_DIGITS})")
+            self.step_numbers.add(int(step[1]))
+        if ts is None or dur is None or dur < 0:
+            return
+        ts = float(ts)
+        end = ts + dur
+        if cat in _LAUNCHES and (correlation := _correlation(event)) >= 0:
+            self.launches.add(self._thread(event), ts, correlation)
+        if ph != "X":
+            return
+        if cat != "Trace":
+            if ts < self.first:
+                self.first = ts
+            if end > self.last:
+                self.last = end
+        if step:
+            self.steps.add(ts, end)
+        if name.startswith("Optimizer.step#"):
+            self.optimizer.add(self._thread(event), ts, end)
+        if cat in _DEVICE_CATS:
+            args = get("args")
+            named = args.get("Collective name") if type(args) is dict else None
+            key = (cat, name, named if type(named) is str else None)
+            code = self._kernel_codes.get(key)
+            if code is None:
+                code = self._kernel_codes[key] = CATEGORIES.index(classify_kernel(name, {"Collective name": key[2]},
+                                                                                  cat))
+            self.kernels.add(ts, end, code, _correlation(event))
+        elif (cat == "cpu_op" or cat == "user_annotation") and not step:
+            code = self._op_codes.get(name)
+            if code is None:
+                own = classify_op(name)
+                code = self._op_codes[name] = CATEGORIES.index(own) if own else -1
+            self.ops.add(self._thread(event), ts, end, code)
+
+
+def _correlation(event: dict) -> int:
+    """The event's correlation id (a launch's, and its kernel's), or -1."""
+    args = event.get("args")
+    value = args.get("correlation") if type(args) is dict else None
+    return value if type(value) is int and 0 <= value < 2**63 else -1
+
+
+class _Columns:
+    """Numbers kept per event, one compact array per field (typecodes of `array`)."""
+
+    def __init__(self, **fields: str):
+        self.fields = {name: array(code) for name, code in fields.items()}
+        self.appends = [a.append for a in self.fields.values()]
+
+    def add(self, *values) -> None:
+        for append, value in zip(self.appends, values):
+            append(value)
+
+    def __len__(self) -> int:
+        return len(next(iter(self.fields.values())))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(self.fields[name])
+
+
 @dataclass
 class Trace:
-    """One Kineto JSON trace of one rank: its events and who recorded it."""
+    """One Kineto JSON trace of one rank: what the breakdown needs of its events, and who recorded it."""
 
     path: Path
-    events: list[dict]
+    events: _Events
     rank: int | None = None
     pp_rank: int | None = None
     node: str | None = None
     steps: list[int] = field(default_factory=list)
 
 
+def _rank(value) -> int | None:
+    return value if type(value) is int and 0 <= value < 2**31 else None
+
+
 def read_trace(path: str | os.PathLike) -> Trace:
-    """A trace file (.json or .json.gz). Its rank and stage come from the `charllm` entry the
-    workload writes, else `distributedInfo` (Kineto's) and a `rank-R.json` / `rankR-...` name."""
+    """A trace file (.json or .json.gz), read as it streams by: at most MAX_TRACE_BYTES of JSON
+    (decompressed) and MAX_TRACE_EVENTS events, each time checked for range. Its rank and stage come
+    from the `charllm` entry the workload writes, else `distributedInfo` (Kineto's) and a
+    `rank-R.json` / `rankR-...` name. A damaged trace is one UserError naming it."""
     path = Path(path)
+    events = _Events()
     try:
         with open_regular(path, "trace") as fh:
-            if os.fstat(fh.fileno()).st_size > MAX_TRACE_BYTES:
-                raise UserError(f"trace {str(path)!r}: larger than {MAX_TRACE_BYTES // 2**30} GiB")
-            raw = gzip.decompress(fh.read()) if path.suffix == ".gz" else fh.read()
-        data = json.loads(raw)
-    except (ValueError, EOFError, OSError, RecursionError) as exc:
+            compressed = path.suffix == ".gz"
+            meta = _parse(_Text(gzip.GzipFile(fileobj=fh) if compressed else fh, compressed), events)
+    except _Damaged as exc:
+        raise UserError(f"trace {str(path)!r}: {exc}") from None
+    except (ValueError, EOFError, OSError, RecursionError, zlib.error) as exc:   # not UTF-8, not gzip, deep
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0][:120]
         raise UserError(f"trace {str(path)!r}: not a readable Kineto JSON trace ({why})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise UserError(f"trace {str(path)!r}: not a Kineto JSON trace (no traceEvents list)")
-    ours: dict = data["charllm"] if isinstance(data.get("charllm"), dict) else {}
-    dist: dict = data["distributedInfo"] if isinstance(data.get("distributedInfo"), dict) else {}
-    named = re.search(r"rank-?(\d+)", path.name)
-    rank = next((v for v in (ours.get("rank"), dist.get("rank"), int(named[1]) if named else None)
-                 if isinstance(v, int) and not isinstance(v, bool)), None)
-    pp = ours.get("pp_rank")
-    events = [e for e in data["traceEvents"] if isinstance(e, dict)]
-    steps = sorted({int(m[1]) for e in events if e.get("ph") == "X" and (m := _STEP.match(str(e.get("name"))))})
-    return Trace(path, events, rank, pp if isinstance(pp, int) else None,
-                 ours.get("node") if isinstance(ours.get("node"), str) else None, steps)
+    ours: dict = meta["charllm"] if isinstance(meta.get("charllm"), dict) else {}
+    dist: dict = meta["distributedInfo"] if isinstance(meta.get("distributedInfo"), dict) else {}
+    named = re.search(r"rank-?(\d{1,9})(?!\d)", path.name)
+    rank = next((r for v in (ours.get("rank"), dist.get("rank"), int(named[1]) if named else None)
+                 if (r := _rank(v)) is not None), None)
+    node = ours.get("node")
+    return Trace(path, events, rank, _rank(ours.get("pp_rank")), node if isinstance(node, str) else None,
+                 sorted(events.step_numbers))
 
 
 # -- intervals -----------------------------------------------------------------------------------
-def _measure(starts: np.ndarray, ends: np.ndarray) -> float:
-    """The length of the union of intervals [start, end)."""
+def _runs(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of intervals [start, end) given in order of start, as disjoint runs in order."""
     if starts.size == 0:
-        return 0.0
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    reach = np.maximum.accumulate(e)
-    new = np.r_[True, s[1:] > reach[:-1]]           # a new merged run starts here
-    run = np.cumsum(new) - 1
-    run_start = s[new]
-    run_end = np.zeros(run_start.size)
-    np.maximum.at(run_end, run, e)
-    return float((run_end - run_start).sum())
+        return starts, ends
+    reach = np.maximum.accumulate(ends)
+    first = np.flatnonzero(np.r_[True, starts[1:] > reach[:-1]])   # where a new run starts
+    return starts[first], reach[np.r_[first[1:] - 1, starts.size - 1]]
+
+
+class _Window:
+    """The time a breakdown covers (the step spans, as disjoint runs), and how much of it lies
+    before any instant: the time of any interval inside it is then two look-ups, whatever the
+    number of steps."""
+
+    def __init__(self, starts: np.ndarray, ends: np.ndarray):
+        order = np.argsort(starts, kind="stable")
+        self.starts, self.ends = _runs(starts[order], ends[order])
+        self.before = np.r_[0.0, np.cumsum(self.ends - self.starts)]
+        self.length = float(self.before[-1])
+
+    def _upto(self, t: np.ndarray) -> np.ndarray:
+        """The window's time before each instant."""
+        if self.starts.size == 0:
+            return np.zeros(t.shape)
+        i = np.searchsorted(self.starts, t, side="right") - 1      # the last run starting by t
+        j = np.maximum(i, 0)
+        inside = np.clip(t - self.starts[j], 0.0, self.ends[j] - self.starts[j])
+        return np.where(i >= 0, self.before[j] + inside, 0.0)
+
+    def within(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Each interval's time inside the window."""
+        return self._upto(ends) - self._upto(starts)
+
+    def measure(self, starts: np.ndarray, ends: np.ndarray) -> float:
+        """The time inside the window of the union of intervals given in order of start."""
+        run_starts, run_ends = _runs(starts, ends)
+        return float(self.within(run_starts, run_ends).sum())
+
+
+def _window(events: _Events) -> _Window:
+    """The ProfilerStep#N spans (µs), or the whole trace's span when it marks none."""
+    if len(events.steps):
+        return _Window(events.steps["start"], events.steps["end"])
+    if events.first <= events.last:
+        return _Window(np.array([events.first]), np.array([events.last]))
+    return _Window(np.empty(0), np.empty(0))
 
 
 @dataclass
-class _Segments:
-    """Time segments, each with a category, clipped to the step window (µs)."""
+class _Work:
+    """A trace's work as time segments with a category code (non-overlapping per thread on the
+    host), and the items counted (kernels, or ops) with theirs."""
 
-    start: list[float] = field(default_factory=list)
-    end: list[float] = field(default_factory=list)
-    category: list[str] = field(default_factory=list)
-    durations: dict[str, float] = field(default_factory=dict)   # the artifact's sum of durations
-    counts: dict[str, int] = field(default_factory=dict)
-
-    def add(self, start: float, end: float, category: str) -> None:
-        if end > start:
-            self.start.append(start)
-            self.end.append(end)
-            self.category.append(category)
+    start: np.ndarray
+    end: np.ndarray
+    code: np.ndarray
+    item_start: np.ndarray
+    item_end: np.ndarray
+    item_code: np.ndarray
 
 
-def _window(events: list[dict]) -> list[tuple[float, float]]:
-    """The ProfilerStep#N spans (µs), or the whole trace's span when it marks none."""
-    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-             if e.get("ph") == "X" and _STEP.match(str(e.get("name"))) and _timed(e)]
-    if spans:
-        return spans
-    timed = [e for e in events if e.get("ph") == "X" and _timed(e) and e.get("cat") not in ("Trace",)]
-    if not timed:
-        return []
-    return [(min(float(e["ts"]) for e in timed), max(float(e["ts"]) + float(e["dur"]) for e in timed))]
+def _device_work(events: _Events) -> _Work:
+    """The device's kernels, one launched from inside an optimizer step counted as optimizer."""
+    k = events.kernels
+    code = k["code"].astype(np.int64)
+    launched = _optimizer_launches(events)
+    if launched.size:
+        code = np.where((code < len(COMPUTE)) & np.isin(k["correlation"], launched), _OPTIMIZER_CODE, code)
+    return _Work(k["start"], k["end"], code, k["start"], k["end"], code)
 
 
-def _timed(e: dict) -> bool:
-    ts, dur = e.get("ts"), e.get("dur", 0)
-    return isinstance(ts, (int, float)) and isinstance(dur, (int, float)) and not isinstance(dur, bool) and dur >= 0
+def _optimizer_launches(events: _Events) -> np.ndarray:
+    """Correlation ids of the kernel launches made inside an optimizer step (on the step's host
+    thread): one sort of spans and launches by thread and time, and the reach of the spans so far."""
+    if not len(events.optimizer) or not len(events.launches):
+        return np.empty(0, np.int64)
+    spans, launches = events.optimizer, events.launches
+    both = pl.concat([
+        pl.DataFrame({"thread": spans["thread"], "t": spans["start"], "launch": False, "reach": spans["end"],
+                      "correlation": np.full(len(spans), -1, np.int64)}),
+        pl.DataFrame({"thread": launches["thread"], "t": launches["ts"], "launch": True,
+                      "reach": np.full(len(launches), -np.inf), "correlation": launches["correlation"]}),
+    ])
+    inside = (both.sort("thread", "t", "launch")     # a span that starts as a launch does holds it
+              .filter(pl.col("launch") & (pl.col("reach").cum_max().over("thread") >= pl.col("t"))))
+    return inside["correlation"].to_numpy()
 
 
-def _clip(start: float, end: float, window: list[tuple[float, float]]):
-    for lo, hi in window:
-        s, e = max(start, lo), min(end, hi)
-        if e > s:
-            yield s, e
-
-
-def _device_segments(events: list[dict], window) -> _Segments:
-    optimizer = _optimizer_launches(events)
-    out = _Segments()
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in _DEVICE_CATS or not _timed(e):
-            continue
-        args: dict = e["args"] if isinstance(e.get("args"), dict) else {}
-        category = classify_kernel(str(e.get("name", "")), args, e["cat"])
-        if category in COMPUTE and args.get("correlation") in optimizer:
-            category = "optimizer"
-        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-        inside = list(_clip(start, end, window))
-        for s, t in inside:
-            out.add(s, t, category)
-        if inside:
-            out.durations[category] = out.durations.get(category, 0.0) + sum(t - s for s, t in inside)
-            out.counts[category] = out.counts.get(category, 0) + 1
-    return out
-
-
-def _optimizer_launches(events: list[dict]) -> set:
-    """Correlation ids of the kernel launches made inside an optimizer step (per host thread)."""
-    spans: dict = {}
-    for e in events:
-        if e.get("ph") == "X" and _OPTIMIZER_SPAN.match(str(e.get("name"))) and _timed(e):
-            spans.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e["dur"]))
-    if not spans:
-        return set()
-    found = set()
-    for e in events:
-        if e.get("cat") in _LAUNCHES and _timed(e) and isinstance(e.get("args"), dict):
-            for lo, hi in spans.get((e.get("pid"), e.get("tid")), ()):
-                if lo <= e["ts"] <= hi:
-                    found.add(e["args"].get("correlation"))
-    return found
-
-
-def _host_segments(events: list[dict], window) -> _Segments:
+def _host_work(events: _Events) -> _Work:
     """Every host thread's ops and annotations as non-overlapping self-time segments, each with
     the category of the innermost op that has one (communication always itself; everything in an
-    optimizer step optimizer)."""
-    threads: dict = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and _timed(e) \
-                and not _STEP.match(str(e.get("name"))):
-            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    out = _Segments()
-    for thread in threads.values():
-        thread.sort(key=lambda e: (e["ts"], -e["dur"]))   # a parent before the children it starts with
-        stack: list[list] = []                               # [end, category, optimizer?, cursor]
+    optimizer step optimizer). One pass per thread in order of start, with a stack of open ops."""
+    ops = events.ops
+    starts, ends = ops["start"], ops["end"]
+    order = np.lexsort((starts - ends, starts, ops["thread"]))   # a parent before the children it starts with
+    threads, own_codes = ops["thread"].tolist(), ops["code"].tolist()
+    start_list, end_list = starts.tolist(), ends.tolist()
+    seg_start: list[float] = []
+    seg_end: list[float] = []
+    seg_code: list[int] = []
+    codes = [0] * len(own_codes)
+    stack: list[list] = []          # [end, code, in an optimizer step, cursor]
+    thread = None
 
-        def close(until: float) -> None:
-            """Pop the ops that end by `until`, giving each its time after its last child."""
-            while stack and stack[-1][0] <= until:
-                end, category, _, cursor = stack.pop()
-                for s, t in _clip(cursor, end, window):
-                    out.add(s, t, category)
-                if stack:
-                    stack[-1][3] = max(stack[-1][3], end)
+    def segment(start: float, end: float, code: int) -> None:
+        seg_start.append(start)
+        seg_end.append(end)
+        seg_code.append(code)
 
-        for e in thread:
-            start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-            close(start)
-            if stack:   # the parent's time up to this child is its own
-                parent = stack[-1]
-                for s, t in _clip(parent[3], start, window):
-                    out.add(s, t, parent[1])
-                parent[3] = max(parent[3], start)   # (gloo's annotations may outlast the op that began them)
-            own = classify_op(str(e.get("name", "")))
-            in_optimizer = bool(stack and stack[-1][2]) or own == "optimizer"
-            inherited = stack[-1][1] if stack else None
-            if own in COMMUNICATION:
-                category = own
-            elif in_optimizer:
-                category = "optimizer"
-            else:
-                category = own or inherited or "other"
-            if any(True for _ in _clip(start, end, window)):
-                out.counts[category] = out.counts.get(category, 0) + 1
-            stack.append([end, category, in_optimizer, start])
-        close(float("inf"))
-    for s, t, category in zip(out.start, out.end, out.category):   # self times, threads added up
-        out.durations[category] = out.durations.get(category, 0.0) + (t - s)
-    return out
+    def close(until: float) -> None:
+        """Pop the ops that end by `until`, giving each its time after its last child."""
+        while stack and stack[-1][0] <= until:
+            end, code, _, cursor = stack.pop()
+            if end > cursor:
+                segment(cursor, end, code)
+            if stack and stack[-1][3] < end:
+                stack[-1][3] = end
+
+    for i in order.tolist():
+        if threads[i] != thread:
+            close(math.inf)
+            thread = threads[i]
+        start, end, own = start_list[i], end_list[i], own_codes[i]
+        close(start)
+        if stack:   # the parent's time up to this child is its own
+            parent = stack[-1]
+            if start > parent[3]:
+                segment(parent[3], start, parent[1])
+                parent[3] = start   # (gloo's annotations may outlast the op that began them)
+        in_optimizer = bool(stack and stack[-1][2]) or own == _OPTIMIZER_CODE
+        if own >= _FIRST_COMM_CODE:
+            code = own
+        elif in_optimizer:
+            code = _OPTIMIZER_CODE
+        else:
+            code = own if own >= 0 else stack[-1][1] if stack else _OTHER_CODE
+        codes[i] = code
+        stack.append([end, code, in_optimizer, start])
+    close(math.inf)
+    return _Work(np.asarray(seg_start, float), np.asarray(seg_end, float), np.asarray(seg_code, np.int64),
+                 starts, ends, np.asarray(codes, np.int64))
 
 
 def breakdown(trace: Trace) -> dict:
-    """One trace's step split into categories (see the module's docstring); times in seconds."""
-    window = _window(trace.events)
-    device = any(e.get("cat") in _DEVICE_CATS for e in trace.events)
-    segments = _device_segments(trace.events, window) if device else _host_segments(trace.events, window)
+    """One trace's step split into categories (see the module's docstring); times in seconds.
+    Linear in the trace's events but for sorting them once: each interval's time inside the steps
+    is two look-ups (_Window), and each category's union is a sweep over the time-ordered segments."""
+    events = trace.events
+    window = _window(events)
+    work = _device_work(events) if events.device else _host_work(events)
+    n = len(CATEGORIES)
+    kernel_s = np.bincount(work.code, weights=window.within(work.start, work.end), minlength=n)
+    counts = np.bincount(work.item_code, weights=window.within(work.item_start, work.item_end) > 0, minlength=n)
+    order = np.argsort(work.start, kind="stable")
+    starts, ends, codes = work.start[order], work.end[order], work.code[order]
+
+    def measure(mask: np.ndarray) -> float:
+        return window.measure(starts[mask], ends[mask])
+
     steps = max(1, len(trace.steps))
-    starts, ends = np.asarray(segments.start, float), np.asarray(segments.end, float)
-    cats = np.asarray(segments.category, dtype=object)
-    out: dict = {"source": "device" if device else "host", "steps": steps}
+    out: dict = {"source": "device" if events.device else "host", "steps": steps}
     covered = 0.0
     for i, category in enumerate(CATEGORIES):
-        upto = np.isin(cats, CATEGORIES[: i + 1])
-        through = _measure(starts[upto], ends[upto])
+        through = measure(codes <= i)
         out[f"{category}_s"] = (through - covered) / 1e6 / steps
-        out[f"{category}_kernel_s"] = segments.durations.get(category, 0.0) / 1e6 / steps
-        out[f"{category}_count"] = segments.counts.get(category, 0) / steps
+        out[f"{category}_kernel_s"] = float(kernel_s[i]) / 1e6 / steps
+        out[f"{category}_count"] = float(counts[i]) / steps
         covered = through
-    compute, comm = np.isin(cats, COMPUTE), np.isin(cats, COMMUNICATION)
-    compute_s, comm_s = _measure(starts[compute], ends[compute]), _measure(starts[comm], ends[comm])
-    both = _measure(starts[compute | comm], ends[compute | comm])
-    step_s = sum(hi - lo for lo, hi in window)
-    out.update(step_s=step_s / 1e6 / steps, busy_s=covered / 1e6 / steps, idle_s=(step_s - covered) / 1e6 / steps,
-               compute_s=compute_s / 1e6 / steps, comm_s=comm_s / 1e6 / steps,
-               overlap_s=(compute_s + comm_s - both) / 1e6 / steps)
+    compute, comm = codes < len(COMPUTE), codes >= _FIRST_COMM_CODE
+    compute_s, comm_s, both = measure(compute), measure(comm), measure(compute | comm)
+    out.update(step_s=window.length / 1e6 / steps, busy_s=covered / 1e6 / steps,
+               idle_s=(window.length - covered) / 1e6 / steps, compute_s=compute_s / 1e6 / steps,
+               comm_s=comm_s / 1e6 / steps, overlap_s=(compute_s + comm_s - both) / 1e6 / steps)
     out["overlap_frac"] = out["overlap_s"] / out["comm_s"] if out["comm_s"] > 0 else None
     return out
 
@@ -348,12 +636,20 @@ def trace_files(folder: Path) -> list[Path]:
 BY = ("stage", "rank")
 
 
-def breakdowns(files: list[Path]) -> pl.DataFrame:
+def breakdowns(files: list[Path], skipped: list[str] | None = None) -> pl.DataFrame:
     """One row per trace: rank, pipeline stage, node, step(s) and its breakdown. A trace that names
     no stage (an imported one) takes its place among the ranks: one trace per stage, whose first
-    ranks grow with the stage (Megatron's rank order)."""
+    ranks grow with the stage (Megatron's rank order). A damaged trace raises its UserError, or,
+    when `skipped` is given, is left out and its line appended there: it costs only itself."""
     rows = []
-    traces = [read_trace(f) for f in files]
+    traces = []
+    for f in files:
+        try:
+            traces.append(read_trace(f))
+        except UserError as exc:
+            if skipped is None:
+                raise
+            skipped.append(str(exc))
     unstaged = sorted({t.rank for t in traces if t.pp_rank is None and t.rank is not None})
     for trace in traces:
         pp = trace.pp_rank if trace.pp_rank is not None else \
@@ -388,8 +684,9 @@ def run_traces(run) -> list[Path]:
 
 
 def kernel_summary(run, by: str = "stage") -> pl.DataFrame:
-    """The run's traces split into categories per pipeline stage (or rank): see by_group. A finished
-    run's result is kept in RUN_DIR/summaries/ (remade when its traces change)."""
+    """The run's traces split into categories per pipeline stage (or rank): see by_group; a damaged
+    trace is left out, and `notes` names it. A finished run's result is kept in RUN_DIR/summaries/
+    (remade when its traces change)."""
     run = run if isinstance(run, RunDir) else resolve_run(run)
     if by not in BY:
         raise UserError(f"--by {by!r}: the kernel summary is per stage or per rank (stage, rank)")
@@ -401,10 +698,24 @@ def kernel_summary(run, by: str = "stage") -> pl.DataFrame:
     place = kept_place(run, f"kernels-by-{by}", traces=traces)
     if place is not None and (df := read_kept(*place)) is not None:
         return df
-    df = by_group(breakdowns(files), by).with_columns(pl.lit(run.id).alias("run"), pl.lit(by).alias("level"))
+    skipped: list[str] = []
+    per_trace = breakdowns(files, skipped)
+    if per_trace.height == 0:
+        raise UserError(f"run {run.id}: no readable profiler trace ({skipped_note(skipped, len(files))})")
+    df = by_group(per_trace, by).with_columns(pl.lit(run.id).alias("run"), pl.lit(by).alias("level"),
+                                              pl.lit(skipped_note(skipped, len(files)) or None, pl.String)
+                                              .alias("notes"))
     if place is not None:
         keep(df, *place)
     return df
+
+
+def skipped_note(skipped: list[str], total: int) -> str:
+    """One line naming the traces left out and why (the first three); "" when none was."""
+    if not skipped:
+        return ""
+    more = f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+    return f"{len(skipped)} of {plural(total, 'trace')} skipped: {'; '.join(skipped[:3])}{more}"
 
 
 def kernel_table(summary: pl.DataFrame) -> pl.DataFrame:

@@ -34,21 +34,26 @@ GPU_FIGURES = ("power_mean_w", "temp_gpu_mean_c", "sm_clock_mean_mhz", "util_gpu
 
 
 def rank_steps(run: RunDir, window="steady") -> tuple[pl.DataFrame, str, list[str]]:
-    """The window's (rank, step) rows, its label, and notes."""
-    steps = run.rank_steps()
+    """The window's (rank, step) rows, its label, and notes (the damaged lines skipped first)."""
+    skipped: list[str] = []
+    steps = run.rank_steps(skipped)
     if steps.height == 0:
         raise UserError(f"run {run.id}: no per-rank step timers in its iteration log (the workload of this "
-                        "version logs them on rank 0's lines; an import or an older run has none)")
-    return choose_steps(steps, window, run.id)
+                        "version logs them on rank 0's lines; an import or an older run has none)"
+                        + "".join(f"; {line}" for line in skipped))
+    rows, label, notes = choose_steps(steps, window, run.id)
+    return rows, label, skipped + notes
 
 
 def choose_steps(steps: pl.DataFrame, window="steady", name: str = "run") -> tuple[pl.DataFrame, str, list[str]]:
     """The (rank, step) rows (RunDir.rank_steps) inside `window`, its label and notes: "steady"
     leaves out warm-up and profiled steps."""
-    iterations = steps.group_by("iteration").agg(pl.col("start_ns").min(), pl.col("end_ns").max(),
-                                                 pl.col("warmup").fill_null(False).any(),
-                                                 pl.col("profiled").fill_null(False).any())
-    notes = []
+    every = steps.group_by("iteration").agg(pl.col("start_ns").min(), pl.col("end_ns").max(),
+                                            pl.col("warmup").fill_null(False).any(),
+                                            pl.col("profiled").fill_null(False).any())
+    iterations = every.drop_nulls(["start_ns", "end_ns"])
+    notes = [f"{plural(every.height - iterations.height, 'step')} without a start and end time left out"] \
+        if iterations.height < every.height else []
     if window == "steady":
         clean = iterations.filter(~pl.col("profiled"))
         if clean.height < iterations.height:
@@ -56,6 +61,8 @@ def choose_steps(steps: pl.DataFrame, window="steady", name: str = "run") -> tup
                 f"{plural(iterations.height - clean.height, 'profiled step')} left out (the profiler slows them)"
             )
         iterations = clean
+    if iterations.height == 0:
+        raise UserError(f"{name}: no step to summarize ({'; '.join(notes) or 'none logged'})")
     start_ns, end_ns, label, more = resolve_window(window, iterations, cast(int, iterations["start_ns"].min()))
     notes += more
     chosen = iterations.filter((pl.col("start_ns") >= start_ns) & (pl.col("end_ns") <= (end_ns or 2**63 - 1)))

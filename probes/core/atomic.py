@@ -15,18 +15,22 @@ def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[Path]
     """Write `content` to `path` through a hidden sibling (`.NAME.PID.tmp`: one per process, so
     two writers never share it), fsynced, then renamed over `path`; `sync_dir` also fsyncs the
     directory, so the rename itself survives a crash. `content` is text, bytes, or a function that
-    writes the file at the path it is given (polars' writers); `mode` sets its permissions.
+    writes the file at the path it is given (polars' writers); `mode` sets its permissions. The
+    hidden file is made anew, never followed: whatever has its name (a leftover, a planted link) is
+    removed first, so nothing is written through it.
 
     A failure (a full disk) removes the hidden file, leaves the old one, and raises; an OSError
     with an errno that names no file is made to name `path`, since the user needs to know which."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
     try:
-        if callable(content):
-            content(tmp)
-        else:
-            with open(tmp, "wb" if isinstance(content, bytes) else "w") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        with open(fd, "w" if isinstance(content, str) else "wb") as fh:
+            if not callable(content):
                 fh.write(content)
+        if callable(content):
+            content(tmp)   # (it opens the file just made)
         if mode is not None:
             tmp.chmod(mode)
         _fsync(tmp)

@@ -37,9 +37,9 @@ def number(value: float) -> str:
 
 
 def duration(seconds: float, digits: int = 1) -> str:
-    """A span of time in seconds, `digits` decimals but at least three significant digits: "12.5 s",
-    "0.0821 s" (never "0.1 s")."""
-    if seconds and math.isfinite(seconds):
+    """A span of time in seconds, `digits` decimals, and below a second at least three significant
+    digits: "12.5 s", "0.0821 s" (never "0.1 s"); "about 10 s left" keeps the 0 decimals it asks for."""
+    if seconds and math.isfinite(seconds) and abs(seconds) < 1:
         digits = max(digits, 2 - math.floor(math.log10(abs(seconds))))
     return f"{seconds:.{digits}f} s"
 

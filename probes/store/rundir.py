@@ -27,12 +27,12 @@ import statistics
 import threading
 import time
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from charllm.probes.core import paths, procid
 from charllm.probes.core.atomic import write_atomic
-from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.errors import UserError, plural, shown
 from charllm.probes.core.files import is_regular, open_regular, read_bounded
 from charllm.probes.core.formatting import clock
 
@@ -170,8 +170,7 @@ class Manifest:
 
 
 # Each manifest field's JSON types, from Manifest's annotations (bool is never taken for int).
-_MANIFEST_TYPES = {f.name: typing.get_args(kind) or (kind,)
-                   for f in fields(Manifest) for kind in [typing.get_type_hints(Manifest)[f.name]]}
+_MANIFEST_TYPES = {name: typing.get_args(kind) or (kind,) for name, kind in typing.get_type_hints(Manifest).items()}
 # What each list field holds (a reader iterates them).
 _ITEM_TYPES = {"nodes": str, "steps": dict, "commands": str, "forced": str, "processes": dict, "telemetry_lost": dict}
 _JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", list: "a list",
@@ -537,10 +536,10 @@ class RunDir:
         """One row per training step (`merged_steps`)."""
         return merged_steps(self.read_iterations())
 
-    def rank_steps(self):
-        """Every rank's step timers, one row per step and rank (see `rank_rows`); empty for a run
-        whose workload logged no timers."""
-        return rank_rows(self.iteration_records())
+    def rank_steps(self, skipped: list[str] | None = None):
+        """Every rank's step timers, one row per step and rank (see `rank_rows`, and for `skipped`);
+        empty for a run whose workload logged no timers."""
+        return rank_rows(self.iteration_records(), skipped)
 
     def profile_account(self) -> dict:
         """What the profiler window recorded and cost, from the iteration log: the traces written
@@ -600,38 +599,89 @@ class Reserve:
         self.path.unlink(missing_ok=True)
 
 
-def rank_rows(records):
+# The (step, rank) rows of timers a summary reads at most: 100,000 ranks for 100 steps, or 1,000 for
+# 10,000; each row is about 130 bytes once read.
+MAX_RANK_ROWS = 10_000_000
+_RANK_BATCH = 2**18   # rows gathered as Python values before they become a compact frame
+_FLOAT_MAX = 2.0**1023   # a float constant: 2**1023 would be an int built anew at each use
+
+
+def rank_rows(records, skipped: list[str] | None = None):
     """Every rank's step timers from iteration-log records (a run's file, or the lines a follower
     has seen), one row per step and rank: rank 0's `timers` (schema.RANK_TIMERS), with the step's
     start and end, warm-up and profiled marks, and where the rank ran (its node and coordinates,
-    from rank 0's start record; null where unknown). A damaged value costs only itself."""
+    from rank 0's latest start record; null where unknown). A damaged value costs only itself; a
+    line whose iteration is not a whole number is skipped (counted in one line appended to
+    `skipped`, when given). Linear in the timers, gathered a batch at a time into compact frames;
+    more than MAX_RANK_ROWS rows is one UserError."""
     import polars as pl
 
     from charllm.probes.store.schema import RANK_TIMERS  # deferred: loads polars (start-up time)
 
-    rows, places = [], {}
+    schema = {"iteration": pl.Int64, "rank": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64,
+              "warmup": pl.Boolean, "profiled": pl.Boolean, "placed": pl.Int64, **{t: pl.Float64 for t in RANK_TIMERS}}
+    batch: dict[str, list] = {name: [] for name in schema}
+    frames: list = []
+    places: list = []     # each start record's places, numbered in order ("placed")
+    bad, example, total = 0, None, 0
+
+    def flush() -> None:
+        located = pl.concat(places) if places else _places([], 0)
+        frames.append(pl.DataFrame(batch, schema=schema)
+                      .join(located, on=["placed", "rank"], how="left", maintain_order="left")
+                      .select("iteration", "rank", "node", "local_rank", "pp_rank", "tp_rank", "dp_rank", "start_ns",
+                              "end_ns", "warmup", "profiled", *RANK_TIMERS))
+        for values in batch.values():
+            values.clear()
+
     for record in records:
         if not isinstance(record, dict):
             continue
         if record.get("event") == "start" and isinstance(record.get("ranks"), list):
-            places = {p["rank"]: p for p in record["ranks"] if isinstance(p, dict) and isinstance(p.get("rank"), int)}
+            places.append(_places(record["ranks"], len(places)))
         timers = record.get("timers")
         if record.get("event") != "iteration" or not isinstance(timers, dict):
             continue
-        columns: dict[str, list] = {name: timers[name] if isinstance(timers.get(name), list) else []
-                                    for name in RANK_TIMERS}
-        for rank in range(max(len(v) for v in columns.values())):
-            place = places.get(rank, {})
-            rows.append({"iteration": record.get("iteration"), "rank": rank,
-                         **{k: place.get(k) for k in ("node", "local_rank", "pp_rank", "tp_rank", "dp_rank")},
-                         "start_ns": record.get("start_ns"), "end_ns": record.get("end_ns"),
-                         "warmup": record.get("warmup"), "profiled": record.get("profiled"),
-                         **{name: values[rank] if rank < len(values) else None for name, values in columns.items()}})
-    schema = {"iteration": pl.Int64, "rank": pl.Int64, "node": pl.String, "local_rank": pl.Int64, "pp_rank": pl.Int64,
-              "tp_rank": pl.Int64, "dp_rank": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64,
-              "warmup": pl.Boolean, "profiled": pl.Boolean, **{name: pl.Float64 for name in RANK_TIMERS}}
-    clean = [{k: _typed(r.get(k), dtype) for k, dtype in schema.items()} for r in rows]
-    return pl.DataFrame(clean, schema=schema, strict=False)
+        iteration = _typed(record.get("iteration"), pl.Int64)
+        if iteration is None:
+            bad += 1
+            example = example or shown(record.get("iteration"), 40)
+            continue
+        columns = {name: timers[name] if isinstance(timers.get(name), list) else [] for name in RANK_TIMERS}
+        ranks = max(len(values) for values in columns.values())
+        total += ranks
+        if total > MAX_RANK_ROWS:
+            raise UserError(f"iteration log: timers for more than {MAX_RANK_ROWS:,} (step, rank) pairs ({ranks:,} "
+                            "ranks on one line), the most a summary reads")
+        step = {"iteration": iteration, "start_ns": _typed(record.get("start_ns"), pl.Int64),
+                "end_ns": _typed(record.get("end_ns"), pl.Int64), "warmup": _typed(record.get("warmup"), pl.Boolean),
+                "profiled": _typed(record.get("profiled"), pl.Boolean), "placed": len(places) - 1 if places else None}
+        for key, value in step.items():
+            batch[key].extend(itertools.repeat(value, ranks))
+        batch["rank"].extend(range(ranks))
+        for name, values in columns.items():
+            batch[name].extend([v if type(v) is float and -_FLOAT_MAX < v < _FLOAT_MAX else _typed(v, pl.Float64)
+                                for v in values])
+            batch[name].extend(itertools.repeat(None, ranks - len(values)))
+        if len(batch["rank"]) >= _RANK_BATCH:
+            flush()
+    flush()
+    if bad and skipped is not None:
+        skipped.append(f"{plural(bad, 'iteration-log line')} with timers skipped: 'iteration' is not a whole number "
+                       f"(e.g. {example})")
+    return pl.concat(frames, rechunk=False)
+
+
+def _places(entries: list, placed: int):
+    """Where each rank ran, from a start record's `ranks` (one row per rank: the last entry naming it)."""
+    import polars as pl
+
+    schema = {"rank": pl.Int64, "node": pl.String, "local_rank": pl.Int64, "pp_rank": pl.Int64, "tp_rank": pl.Int64,
+              "dp_rank": pl.Int64}
+    rows = [{k: _typed(entry.get(k), dtype) for k, dtype in schema.items()} for entry in entries
+            if isinstance(entry, dict)]
+    return (pl.DataFrame([r for r in rows if r["rank"] is not None], schema=schema)
+            .unique("rank", keep="last", maintain_order=True).with_columns(pl.lit(placed, pl.Int64).alias("placed")))
 
 
 def iteration_frame(records) -> typing.Any:
@@ -695,7 +745,7 @@ def _typed(value, dtype):
     if dtype.is_integer():
         return value if isinstance(value, int) and -2**63 <= value < 2**63 else None
     if dtype.is_float():
-        return float(value) if isinstance(value, (int, float)) and abs(value) < 2**1023 else None
+        return float(value) if isinstance(value, (int, float)) and abs(value) < _FLOAT_MAX else None
     if dtype == pl.String:
         return value if isinstance(value, str) else None
     return value

@@ -132,7 +132,7 @@ def test_every_epilog_example_runs_as_written(capsys):
                 if line.strip().startswith("charllm-tui doctor")]
     assert ["doctor", "--train"] in commands and ["doctor", "--show"] in commands
     for argv in commands:
-        build_parser().parse_args(argv)
+        build_parser(argv).parse_args(argv)
         if "--train" not in argv:   # the train check runs in its own test, with fewer iterations
             code, _, err = run(capsys, *argv, *([] if "--show" in argv else FAST))
             assert code == 0, (argv, err)

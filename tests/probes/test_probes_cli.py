@@ -85,6 +85,40 @@ def test_existing_manifest_is_left_to_its_owner(tmp_path):
     assert run.read_manifest() == {"id": "run", "status": "running", "target": {"name": "local", "kind": "local"}}
 
 
+@pytest.mark.parametrize("status", ["completed", "failed", "cancelled", "damaged"])
+def test_a_launched_run_that_has_ended_is_refused_untouched(tmp_path, capsys, status):
+    """Issue 35: `probe --out` onto a completed launch run exited 0 and wrote telemetry into it long
+    after it ended. A launched run takes samplers only while it runs, one per node."""
+    from charllm.probes.store.synthetic import gpu_frame, write_telemetry
+    from infra_fuzz import tree
+
+    run = RunDir.create(tmp_path / "run", "launch")
+    if status == "damaged":
+        run.manifest_path.write_text('{"status": ')
+    else:
+        run.write_manifest({"id": "run", "status": status, "target": {"name": "local", "kind": "local"}})
+    write_telemetry(run, [gpu_frame([0.0, 0.1, 0.2], node="n0")])
+    before = tree(tmp_path)
+    code = main(["probe", "--backend", "sim", "--sim-gpus", "1", "--duration", "0.2", "--out", str(run.path),
+                 "--node", "n1"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("charllm-tui: error: ")
+    assert ("damaged manifest" if status == "damaged" else f"a launched run that has ended ({status})") in err
+    assert tree(tmp_path) == before
+
+
+def test_a_running_launch_takes_one_sampler_per_node(tmp_path, capsys):
+    run = RunDir.create(tmp_path / "run", "launch")
+    run.write_manifest({"id": "run", "status": "running", "target": {"name": "local", "kind": "local"}})
+    probe = ["probe", "--backend", "sim", "--sim-gpus", "1", "--duration", "0.2", "--out", str(run.path)]
+    assert main([*probe, "--node", "n0"]) == 0
+    capsys.readouterr()
+    assert main([*probe, "--node", "n0"]) == 2
+    assert "node 'n0' already records telemetry into this launched run" in capsys.readouterr().err
+    assert main([*probe, "--node", "n1"]) == 0
+    assert sorted(p.name for p in run.telemetry_dir.iterdir()) == ["n0", "n1"]
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_sigint_flushes_and_exits_0(tmp_path):

@@ -2,7 +2,9 @@
 non-zero exit, or a clean success; never a traceback, never a hang past 2 s of CPU time, never a write
 outside the intended place. The inputs are generated lists (deterministic: a fixed seed), run
 in-process; the suite prints its counts. Telemetry files are fuzzed with the storage format
-(tests/test_summary*.py); manifests and iteration logs also in tests/probes/store/test_damaged_runs.py."""
+(tests/test_summary*.py); manifests and iteration logs also in tests/probes/store/test_damaged_runs.py.
+Profiler traces, iteration logs with every rank's timers and campaign files: FUZZ_EXAMPLES mutations
+of each in CI, more with CHARLLM_FUZZ_EXAMPLES=N (350 gives over 3,000 inputs in that test alone)."""
 
 from __future__ import annotations
 
@@ -234,21 +236,32 @@ def test_every_command_on_hostile_values(sandbox):
 # --------------------------------------------------------------------------------------------
 # Every file the product reads, mutated
 # --------------------------------------------------------------------------------------------
-def mutations(valid: bytes, rng: random.Random, n: int) -> list[bytes]:
-    """Truncations, flipped bytes, hostile values swapped in, binary, huge and deep content."""
+HOSTILE_VALUES = [v.encode() for v in ('"x"', "-1", "0", "1e400", "nan", "inf", "[]", "{}", "true", '"a\\nb"',
+                                         "99999999999999999999", '"' + "x" * 300 + '"', '"../../x"', "1.5")]
+# JSON's own (traces, iteration logs): what json.loads takes that no field should hold.
+JSON_VALUES = HOSTILE_VALUES + [v.encode() for v in (
+    "null", "NaN", "Infinity", "-Infinity", "1" + "0" * 400, "1e308", "-5e-324", "2.5", "[1, \"x\"]",
+    '"ProfilerStep#' + "9" * 5000 + '"', '"ProfilerStep#3"', '"Optimizer.step#Adam.step"', '"kernel"',
+    '"cpu_op"', '"X"', "[" * 3000 + "]" * 3000, '{"rank": 100000000000000000000}')]
+
+
+def mutations(valid: bytes, rng: random.Random, n: int, json: bool = False) -> list[bytes]:
+    """Truncations, flipped bytes, hostile values swapped in, binary, huge and deep content: of a
+    TOML file (`key = value` lines), or of JSON (`json`: `"key": value`, a value ending at , } ] or
+    the line's end)."""
     out = [b"", b"\x00\xff\xfe" * 50, valid[: len(valid) // 2], valid + b"\n[[[[", b"[" * 5000,
            b"a = " + b"[" * 3000 + b"]" * 3000, valid.replace(b"\n", b"\r"), valid * 2,
            b"x = " + b"9" * 5000, b"\xef\xbb\xbf" + valid]
-    values = [v.encode() for v in ('"x"', "-1", "0", "1e400", "nan", "inf", "[]", "{}", "true", '"a\\nb"',
-                                   "99999999999999999999", '"' + "x" * 300 + '"', '"../../x"', "1.5")]
-    assignments = [m.start(1) for m in re.finditer(rb"= *(\S)", valid)]
+    values = JSON_VALUES if json else HOSTILE_VALUES
+    assignments = [m.start(1) for m in re.finditer(rb'": *(\S)' if json else rb"= *(\S)", valid)]
+    value_end = re.compile(rb"[,}\]\n]" if json else rb"\n")
     while len(out) < n:
         kind = rng.randrange(4)
         data = bytearray(valid)
         if kind == 0 and assignments:  # one value replaced by a hostile one
             start = rng.choice(assignments)
-            end = valid.find(b"\n", start)
-            end = len(valid) if end < 0 else end
+            found = value_end.search(valid, start + 1)
+            end = found.start() if found else len(valid)
             data[start:end] = rng.choice(values)
         elif kind == 1:  # bytes flipped
             for _ in range(rng.randint(1, 4)):
@@ -332,6 +345,134 @@ def test_every_file_the_product_reads_mutated(sandbox):
     (dirs["config"] / "tui.toml").unlink()
     assert cli_main is not None
     tally.report()
+
+
+# Issue 35: profiler traces, iteration logs with every rank's timers, and campaign files. CI runs a
+# deterministic subset (FUZZ_EXAMPLES mutations of each); CHARLLM_FUZZ_EXAMPLES=350 runs over 3,000.
+FUZZ_EXAMPLES = int(os.environ.get("CHARLLM_FUZZ_EXAMPLES") or 40)
+ARTIFACT_TRACES = Path(__file__).resolve().parents[1] / "data" / "kineto" / "charllm_ppt_run" / "4242_kineto"
+SHIPPED_CAMPAIGN = Path(__file__).resolve().parents[2] / "presets" / "campaigns" / "tiny-local.toml"
+
+
+def host_trace() -> bytes:
+    """A CPU run's trace, one event a line: nested ops, gloo's thread, an optimizer step."""
+    events = [{"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": float(ts), "dur": float(dur)}
+              for cat, name, tid, ts, dur in (
+                  ("user_annotation", "ProfilerStep#3", 1, 0, 1000), ("cpu_op", "aten::linear", 1, 0, 100),
+                  ("cpu_op", "aten::mm", 1, 10, 80), ("cpu_op", "aten::layer_norm", 1, 100, 50),
+                  ("user_annotation", "gloo:all_reduce", 2, 50, 200),
+                  ("user_annotation", "Optimizer.step#AdamW.step", 1, 700, 100),
+                  ("cpu_op", "aten::_fused_adamw_", 1, 740, 50))]
+    return ("{\n\"charllm\": {\"rank\": 1, \"pp_rank\": 1},\n\"traceEvents\": [\n"
+            + ",\n".join(json.dumps(e) for e in events) + "\n]\n}\n").encode()
+
+
+DEEP = "@deep@"   # stands for 3,000 nested lists (json.dumps would recurse past Python's limit)
+FIELD_VALUES = ["x", None, -1, 0, 10**30, 10**400, float("nan"), float("inf"), -1e308, 1.5, True, [], {}, [1, "x"],
+                {"a": [None]}, "ProfilerStep#" + "9" * 5000, "ProfilerStep#7", "Optimizer.step#Adam.step", "9" * 5000,
+                "x" * 100_000, "a\nb", "../../x", "kernel", "cpu_op", "cuda_runtime", "X", DEEP]
+
+
+def record_mutations(records: list[dict], rng: random.Random, n: int) -> list[list]:
+    """Records (trace events, iteration-log lines) with hostile fields: one field of one record, the
+    same field of every record, a nested field (args, timers, ranks), a record dropped, doubled or
+    made a hostile value itself."""
+    out = []
+    while len(out) < n:
+        mutated = json.loads(json.dumps(records))
+        target = rng.choice(mutated)
+        key = rng.choice(sorted(target))
+        value = rng.choice(FIELD_VALUES)
+        kind = rng.randrange(5)
+        if kind == 0:
+            target[key] = value
+        elif kind == 1:
+            for record in mutated:
+                if key in record:
+                    record[key] = value
+        elif kind == 2 and any(isinstance(v, (dict, list)) and v for v in target.values()):
+            nested = rng.choice([v for v in target.values() if isinstance(v, (dict, list)) and v])
+            if isinstance(nested, dict):
+                nested[rng.choice(sorted(nested))] = value
+            else:
+                nested[rng.randrange(len(nested))] = value
+        elif kind == 3:
+            mutated.insert(rng.randrange(len(mutated) + 1), rng.choice([value, dict(target)]))
+        else:
+            mutated.remove(target)
+        out.append(mutated)
+    return out
+
+
+def dumped(value) -> bytes:
+    return json.dumps(value).replace(json.dumps(DEEP), "[" * 3000 + "]" * 3000).encode()
+
+
+def test_traces_iteration_logs_and_campaign_files_mutated(sandbox):
+    """Each mutation of a GPU trace (summarize --kernels, by stage and by rank), a CPU run's gzipped
+    trace, an iteration log carrying every rank's timers (summarize, by rank and by stage, runs show)
+    and a campaign file (in <config>/campaigns: by path and by name, and the listing): one clear
+    line or a clean result, never a traceback or a hang, never a write outside its place."""
+    import gzip
+
+    from infra_traces import rank_log
+
+    root, dirs = sandbox
+    rng = random.Random(SEED + 35)
+    traced = make_run(dirs["runs"], [], run_id="traced")
+    shutil.copytree(ARTIFACT_TRACES, traced.traces_dir)
+    t = np.arange(0, 8, 0.05)
+    timed = make_run(dirs["runs"], [gpu_frame(t, node=f"n{n}", device=f"gpu{g}") for n in (0, 1) for g in (0, 1)],
+                     experiment=(dirs["inputs"] / "experiment.toml").read_text(),
+                     iterations=rank_log([0.2, 0.2, 0.6, 0.4]), run_id="timed")
+    campaign = dirs["config"] / "campaigns" / "fuzzed.toml"
+    campaign.parent.mkdir(parents=True, exist_ok=True)
+    places = {"trace": traced.traces_dir / "rank-0.json", "gz": traced.traces_dir / "rank-5.json.gz",
+              "log": timed.iterations_path, "campaign": campaign}
+    originals = {which: path.read_bytes() for which, path in places.items() if path.exists()}
+
+    half = FUZZ_EXAMPLES // 2     # of the bytes, and of the records they hold
+    trace = json.loads(originals["trace"])
+    traces = mutations(originals["trace"], rng, half, json=True) + [
+        dumped({**trace, "traceEvents": events}) for events in record_mutations(trace["traceEvents"], rng, half)]
+    host = json.loads(host_trace())
+    host_traces = mutations(host_trace(), rng, half // 2, json=True) + [
+        dumped({**host, "traceEvents": events}) for events in record_mutations(host["traceEvents"], rng, half // 2)]
+    log = [json.loads(line) for line in originals["log"].splitlines()]
+    logs = mutations(originals["log"], rng, half, json=True) + [
+        b"".join(dumped(line) + b"\n" for line in lines) for lines in record_mutations(log, rng, half)]
+
+    cases: list[tuple[list[str], str, bytes]] = []
+    for data in traces:
+        cases += [(["summarize", "traced", "--kernels"], "trace", data),
+                  (["summarize", "traced", "--kernels", "--by", "rank", "--format", "json"], "trace", data)]
+    for data in host_traces:
+        cases.append((["summarize", "traced", "--kernels"], "gz", gzip.compress(data)))
+    for data in logs:
+        cases += [(["summarize", "timed"], "log", data), (["summarize", "timed", "--by", "rank"], "log", data),
+                  (["summarize", "timed", "--by", "stage", "--format", "csv"], "log", data),
+                  (["runs", "show", "timed"], "log", data)]
+    for data in mutations(SHIPPED_CAMPAIGN.read_bytes(), rng, FUZZ_EXAMPLES):
+        cases += [(["campaign", "plan", str(campaign)], "campaign", data),
+                  (["campaign", "show", str(campaign)], "campaign", data),
+                  (["campaign", "plan", "fuzzed", "--json"], "campaign", data),
+                  (["campaign", "list"], "campaign", data)]
+
+    tally = Tally("traces, iteration logs, campaign files")
+    allowed = (dirs["out"], dirs["data"], dirs["runs"])
+    for argv, which, data in cases:
+        places[which].write_bytes(data)
+        before = tree(root.parent)
+        outcome = call(argv)
+        if argv == ["campaign", "list"] and outcome.code == 0:
+            assert "tiny-local" in outcome.out, "a damaged campaign file costs only itself"
+        tally.check(outcome, root.parent, before, allowed)
+        for kind, path in places.items():   # as it was for the next input
+            path.write_bytes(originals[kind]) if kind in originals else path.unlink(missing_ok=True)
+        for run in (traced, timed):
+            shutil.rmtree(run.path / "summaries", ignore_errors=True)
+    tally.report()
+    assert tally.counts["inputs"] == len(cases) >= 10 * FUZZ_EXAMPLES
 
 
 def call_settings(path: Path) -> Outcome:

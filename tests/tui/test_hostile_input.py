@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -196,6 +198,100 @@ def test_an_env_line_that_would_swallow_the_rest_is_refused(line):
 def test_an_sbatch_line_that_is_not_shell_words_is_refused(line):
     with pytest.raises(UserError, match="sbatch_lines: .* is not shell words"):
         parse_target("cluster", dict(SLURM, sbatch_lines=[line]))
+
+
+# Issue 35: traces and iteration logs made to cost their reader, through the command line with the
+# watchdog (a hang is more than 2 s of CPU time).
+def _trace(events: list[dict]) -> str:
+    return json.dumps({"charllm": {"rank": 1, "pp_rank": 1}, "traceEvents": events})
+
+
+def _kernel(ts, dur=1.0, name="gemm", **extra) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur, **extra}
+
+
+def _host(name: str, ts, dur, cat="user_annotation", **extra) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur, **extra}
+
+
+def _many_steps(n: int) -> list[dict]:
+    """n ProfilerStep spans with a kernel each, and one kernel across all of them."""
+    return [e for i in range(n) for e in (_host(f"ProfilerStep#{i}", i * 100, 90), _kernel(i * 100 + 10, 50))] \
+        + [_kernel(0, n * 100, "ncclDevKernel_AllGather")]
+
+
+def _many_optimizer_steps(n: int) -> list[dict]:
+    """n Optimizer.step spans on one thread, each launching a kernel."""
+    return [_host("ProfilerStep#1", 0, n * 100)] + [e for i in range(n) for e in (
+        _host("Optimizer.step#Adam.step", i * 100, 50),
+        _host("cudaLaunchKernel", i * 100 + 10, 5, "cuda_runtime", args={"correlation": i + 1}),
+        _kernel(i * 100 + 20, 30, "multi_tensor_apply_kernel", args={"correlation": i + 1}))]
+
+
+HOSTILE_TRACES = {   # each made when its case runs
+    "ts 10**400": lambda: _trace([_kernel(0)]).replace('"ts": 0', '"ts": 1' + "0" * 400),
+    "ProfilerStep# and 5,000 digits": lambda: _trace([_host("ProfilerStep#" + "7" * 5000, 0, 5)]),
+    "30k steps, 30k kernels": lambda: _trace(_many_steps(30_000)),
+    "30k optimizer steps": lambda: _trace(_many_optimizer_steps(30_000)),
+    "unhashable pid, tid and correlation": lambda: _trace([
+        {**_kernel(0, 10), "pid": [1], "tid": {"a": 1}, "args": {"correlation": [2]}},
+        {**_host("cudaLaunchKernel", 0, 1, "cuda_runtime"), "pid": {}, "tid": [], "args": {"correlation": {}}}]),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_TRACES))
+def test_a_hostile_trace_costs_only_itself_on_the_command_line(case, charllm_dirs):
+    from pathlib import Path
+
+    run = make_run(charllm_dirs["runs"], [], run_id="traced")
+    artifact = Path(__file__).resolve().parents[1] / "data" / "kineto" / "charllm_ppt_run" / "4242_kineto"
+    run.traces_dir.mkdir()
+    (run.traces_dir / "rank-0.json").write_bytes((artifact / "rank-0.json").read_bytes())
+    (run.traces_dir / "rank-1.json").write_text(HOSTILE_TRACES[case]())
+    outcome = call(["summarize", "traced", "--kernels"])
+    assert not outcome.hung and not outcome.crash and outcome.code == 0, str(outcome)
+    damaged = case in ("ts 10**400", "ProfilerStep# and 5,000 digits")
+    assert ("note: 1 of 2 traces skipped: trace " in outcome.out) == damaged and "stage 0" in outcome.out
+
+
+def test_a_gzip_bomb_is_one_line(charllm_dirs, monkeypatch):
+    """A few KB of .json.gz holding MiBs of white space: the cap counts decompressed bytes (2 GiB;
+    1 MiB here: the 3 GiB case is benchmarks/bench_kernels.py's)."""
+    import gzip
+
+    from charllm.probes.analysis import kernels
+
+    monkeypatch.setattr(kernels, "MAX_TRACE_BYTES", 2**20)
+    run = make_run(charllm_dirs["runs"], [], run_id="bomb")
+    run.traces_dir.mkdir()
+    (run.traces_dir / "rank-0.json.gz").write_bytes(gzip.compress(b'{"traceEvents": [' + b" " * 2**22 + b"]}"))
+    outcome = call(["summarize", "bomb", "--kernels"])
+    assert outcome.code == 2 and outcome.one_clear_line and "once decompressed" in outcome.err, str(outcome)
+
+
+@pytest.mark.parametrize("iteration", ["x", None, 10**30])
+def test_timer_lines_without_a_step_are_one_line(iteration, charllm_dirs):
+    from infra_traces import rank_log
+
+    rows = rank_log([0.2, 0.2, 0.6, 0.4])
+    for row in rows:
+        if row.get("timers"):
+            row["iteration"] = iteration
+    make_run(charllm_dirs["runs"], [], iterations=rows, run_id="timers")
+    for by in ("rank", "stage"):
+        outcome = call(["summarize", "timers", "--by", by])
+        assert outcome.code == 2 and outcome.one_clear_line and "6 iteration-log lines" in outcome.err, str(outcome)
+
+
+def test_timers_of_100000_ranks_are_read_in_linear_time(charllm_dirs):
+    """Issue 35: still running at 60 s. Ten steps of 100,000 ranks' timers (10 s of CPU is the
+    watchdog here: a Python row per (step, rank) took about 20)."""
+    from infra_traces import rank_log
+
+    rows = rank_log([0.5] * 100_000, steps=10, nodes=tuple(f"n{i}" for i in range(12_500)), pp=4)
+    make_run(charllm_dirs["runs"], [], iterations=rows, run_id="wide")
+    outcome = call(["summarize", "wide", "--by", "stage"], timeout=10.0)
+    assert not outcome.hung and outcome.code == 0 and "stage 3" in outcome.out, str(outcome)
 
 
 # Issue 35: a ten-line campaign file of eight axes of ten values is 10^8 members. The cap is

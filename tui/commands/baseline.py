@@ -7,8 +7,8 @@ import argparse
 from charllm.probes.analysis import COMPARE_FORMATS
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("baseline", help="save, list, show and delete baselines",
+def register(subparsers, name: str, help: str) -> None:
+    p = subparsers.add_parser(name, help=help,
                               description="Baselines keep a run's summary and experiment under a name "
                                           "(in the user's data dir; shipped ones come with charllm-tui).")
     sub = p.add_subparsers(dest="baseline_command", metavar="ACTION", required=True)

@@ -37,8 +37,8 @@ examples:
 RECORDED = "the campaign's name, or the campaign file it was run from"
 
 
-def register(sub) -> None:
-    p = sub.add_parser("campaign", help="many experiments as one job: plan, run, follow, summarize and draw them",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="A campaign is a TOML file (<config>/campaigns/NAME.toml, or shipped): base "
                                    "experiments, axes that vary any field, layouts, and a target with its limits. "
                                    "`campaign keys` says what a file may hold.",

@@ -7,9 +7,9 @@ import argparse
 from charllm.probes.analysis import COMPARE_FORMATS
 
 
-def register(subparsers) -> None:
+def register(subparsers, name: str, help: str) -> None:
     p = subparsers.add_parser(
-        "compare", help="compare runs and baselines side by side",
+        name, help=help,
         description="Compare runs and/or baselines (run-level summaries). Each metric shows its % change "
                     "from the baseline (the first ref unless --baseline); changes beyond --threshold are "
                     "flagged better/worse by direction (lower energy is better, higher throughput is "

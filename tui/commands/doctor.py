@@ -62,8 +62,8 @@ examples:
 """.format(kinds="\n".join(f"  {kind:<14} {cls.nodes_help}" for kind, cls in KINDS.items()))
 
 
-def register(sub) -> None:
-    p = sub.add_parser("doctor", help="check this node (or a target's nodes) and save its calibration",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="Check a node: versions, devices, telemetry and the sampling rate it achieves; "
                                    "with --train a short training job measures memory and speed. Saves a node "
                                    "calibration that plan, sweep and Compose use for that hardware.",

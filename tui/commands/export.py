@@ -15,8 +15,8 @@ from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, plural
 
 
-def register(sub) -> None:
-    p = sub.add_parser("export", help="write an experiment as Megatron-LM flags or as resolved TOML",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="EXPERIMENT_OR_PRESET is an experiment TOML file or a preset name. "
                                    "Invalid experiments are refused unless --no-validate.")
     formats = p.add_subparsers(dest="format", metavar="FORMAT", required=True)

@@ -21,8 +21,8 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = sub.add_parser("fields", help="every experiment field --set takes, with what it means",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="The fields of an experiment (what a TOML file and --set KEY=VALUE take),\n"
                                    "each with its default, the values it takes, the pretrain_gpt.py flag that\n"
                                    "sets it and what it means.",

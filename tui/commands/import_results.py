@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("import", help="import other tools' results as runs (CharLLM-PPT / Zeus CSVs)",
+def register(subparsers, name: str, help: str) -> None:
+    p = subparsers.add_parser(name, help=help,
                               description="Import results recorded by other tools into a new run directory, "
                                           "so they can be summarized and compared with new runs.")
     sub = p.add_subparsers(dest="import_format", metavar="FORMAT", required=True)

@@ -21,10 +21,11 @@ from charllm.probes.core.formatting import GIB, size
 from charllm.probes.store.rundir import RunDir
 
 
-def register(sub) -> None:
-    p = sub.add_parser("launch", help=f"launch an experiment on a target ({', '.join(KINDS)}) with probes",
-                       description="Check the layout, create a run directory, start a telemetry sampler on "
-                                   "every node and train with torchrun. Runs detached; see `charllm-tui runs`.")
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
+                       description=f"Check the layout, create a run directory on a target ({', '.join(KINDS)}), "
+                                   "start a telemetry sampler on every node and train with torchrun. Runs detached; "
+                                   "see `charllm-tui runs`.")
     p.add_argument("experiment", metavar="EXPERIMENT_OR_PRESET", help="an experiment file or preset name")
     p.add_argument("--target", default="local", help="target name: local (default) or one from targets.toml")
     p.add_argument("--target-file", type=Path, help="targets TOML file (default: <config>/targets.toml)")

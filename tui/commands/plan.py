@@ -71,8 +71,8 @@ examples:
 """
 
 
-def register(sub) -> None:
-    p = sub.add_parser("plan", help="per-stage peak memory, fit verdict and step time of an experiment",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="Estimate the peak GPU memory of every pipeline stage and whether it fits, "
                                    "and the step time, throughput and power of the layout: of an experiment, of a "
                                    "model on a cluster (--model), or of a Megatron-LM command line (--megatron-args).",

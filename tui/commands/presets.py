@@ -17,8 +17,8 @@ SINGULAR = {"models": "model", "hardware": "hardware", "experiments": "experimen
 KIND_ALIASES = {"model": "models", "experiment": "experiments"}
 
 
-def register(sub) -> None:
-    p = sub.add_parser("presets", help="list and show model, hardware and experiment presets",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="Presets ship with charllm-tui (presets/) or live in your config dir "
                                    "(<config>/{models,hardware,experiments}/*.toml); a user preset with a "
                                    "shipped preset's name takes its place.")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from charllm.probes.cli import add_arguments, run
 
 
-def register(subparsers) -> None:
+def register(subparsers, name: str, help: str) -> None:
     parser = subparsers.add_parser(
-        "probe", help="list GPUs/host sensors, or sample and record telemetry",
+        name, help=help,
         description="Sample GPU and host telemetry on this node (NVML, AMD SMI, host, sim, replay) "
                     "into a run directory, a live table or an Arrow stream on stdout.")
     add_arguments(parser)

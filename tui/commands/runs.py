@@ -9,11 +9,11 @@ import time
 
 from charllm.engine.launch import targets
 from charllm.engine.launch.launcher import cancel, reconcile
+from charllm.probes.analysis.cache import kept_places, kept_row
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.files import open_regular
 from charllm.probes.core.formatting import duration, local_time, size
 from charllm.probes.store.rundir import Manifest, list_runs, resolve_run, runtime_line
-from charllm.tui.commands.launch import follow
 
 # summary column -> (Runs table heading, format): a run's headline figures, over its steady window
 # (non-warm-up iterations), as `summarize` and `compare` give them, so one run shows one tokens/s everywhere.
@@ -32,8 +32,8 @@ WINDOW_TEXT = "figures over each run's steady window (non-warm-up iterations), a
 LIST_FIGURES = {column: HEADLINE[column][0] for column in ("tokens_per_s", "power_peak_w", "energy_per_token_j")}
 
 
-def register(sub) -> None:
-    p = sub.add_parser("runs", help="list, inspect, follow, cancel and delete runs",
+def register(sub, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help,
                        description="Runs live in the runs directory (CHARLLM_RUNS_DIR); RUN is an id, a unique "
                                    "prefix or suffix of one, or a path.")
     actions = p.add_subparsers(dest="action", metavar="ACTION")
@@ -75,8 +75,6 @@ def _list(as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from charllm.probes.analysis.windows import window_phrase  # deferred: loads polars (start-up time)
-
     rows = [_listed(rd) for rd in reversed(list_runs())]     # newest first, as the Runs screen lists them
     if as_json:
         print(json.dumps(rows, indent=2))
@@ -84,9 +82,12 @@ def _list(as_json: bool) -> int:
     if not rows:
         print("no runs yet (start one with `charllm-tui launch tiny-local --target local`)")
         return 0
+    caption = WINDOW_TEXT
     others = sorted({r["window"] for r in rows if r.get("window") not in (None, WINDOW)})
-    caption = WINDOW_TEXT + "".join(f"; {OTHER_WINDOW} over {window_phrase(w)} (no steady iterations)"
-                                    for w in others)
+    if others:
+        from charllm.probes.analysis.windows import window_phrase  # deferred: loads polars (start-up time)
+
+        caption += "".join(f"; {OTHER_WINDOW} over {window_phrase(w)} (no steady iterations)" for w in others)
     table = Table(box=None, header_style="bold", caption=caption, caption_justify="left")
     table.add_column("run", no_wrap=True, overflow="fold")
     for column in ("status", *LIST_FIGURES.values(), "target", "nodes", "started", "duration"):
@@ -124,11 +125,16 @@ def _listed(rd) -> dict:
 
 
 def _figures(rd, m: Manifest) -> dict:
-    """A finished run's kept summary over WINDOW, by run ({} where it has none)."""
-    from charllm.probes.analysis import summary  # deferred: loads polars (start-up time)
-
+    """A finished run's kept summary over WINDOW, by run ({} where it has none): the row its key file
+    holds (no polars to load), else the kept table, else the summary pass that keeps it."""
     if not m.final:
         return {}
+    places = kept_places(rd, WINDOW, ("run",))
+    row = kept_row(*places["run"]) if places else None
+    if row is not None:
+        return row
+    from charllm.probes.analysis import summary  # deferred: loads polars (start-up time)
+
     try:    # the kept summary; once only, the summary pass that keeps it
         kept = summary.cached_summary(rd, window=WINDOW, by="run")
         return (kept if kept is not None else summary.summarize(rd, WINDOW, by="run")).row(0, named=True)
@@ -188,6 +194,8 @@ def _show(rd, args) -> int:
 
 def _logs(rd, args) -> int:
     if args.follow:
+        from charllm.tui.commands.launch import follow  # deferred: the launch command's imports (start-up time)
+
         return follow(rd.path)
     files = sorted(rd.logs_dir.glob("*.log")) if rd.logs_dir.is_dir() else []
     if not files:

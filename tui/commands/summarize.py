@@ -11,9 +11,9 @@ from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
 
 
-def register(subparsers) -> None:
+def register(subparsers, name: str, help: str) -> None:
     p = subparsers.add_parser(
-        "summarize", help="summarize a run: power, energy, thermals, throttling, MFU, ranks, kernels",
+        name, help=help,
         description="Summarize a run per GPU, node or the whole run over a window. Units are in the "
                     "metric names; simulated telemetry is labelled in the 'simulated' column. --by rank "
                     "(or stage) gives every rank's step timers (forward-backward, compute, pipeline wait, "

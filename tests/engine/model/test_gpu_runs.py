@@ -9,6 +9,8 @@ path (no TE, no Apex) that a machine without NVIDIA's container takes. Run with 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -99,3 +101,101 @@ def test_the_import_tool_reads_a_run_directory_back(tmp_path):
     [record] = json.loads(out.read_text())
     assert record == dict(RUNS)[f"h200-2026-11-26/{REAL_RUN.name}"]
     assert not (REAL_RUN.parent / "one.json").exists() and out.with_suffix(".tmp").exists() is False
+
+
+# -- issue 35: the import tool meets the command line's standard ------------------------------------
+def _tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_gpu_runs", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _damage(run: Path, how: str) -> None:
+    import polars as pl
+
+    manifest = json.loads((run / "manifest.json").read_text())
+    steady = run / "summaries" / "run-steady.parquet"
+    if how == "cpu run":
+        manifest["runtime"] = {**manifest["runtime"], "devices": [],
+                               "implementation": {**manifest["runtime"]["implementation"], "device": "cpu"}}
+    elif how == "failed run":
+        manifest["status"] = "failed"
+    elif how == "no runtime":
+        del manifest["runtime"]
+    elif how == "damaged TOML":
+        (run / "experiment.toml").write_text("[model\nnum_layers = ")
+    elif how == "empty log":
+        (run / "iterations.jsonl").write_text("")
+    elif how == "corrupt Parquet":
+        steady.write_bytes(b"PAR1" + os.urandom(200) + b"PAR1")
+    elif how == "missing column":
+        pl.read_parquet(steady).drop("power_limit_w").write_parquet(steady)
+    elif how == "missing run":
+        shutil.rmtree(run)
+    elif how.startswith("FIFO "):
+        where = run / how.removeprefix("FIFO ")
+        where.unlink()
+        os.mkfifo(where)
+    if run.exists() and not how.startswith("FIFO manifest"):
+        (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+LEFT_OUT = {"cpu run": "ran on the CPU, not a GPU: left out", "failed run": "status 'failed', not completed: left out"}
+UNREADABLE = {"no runtime": "manifest.json: no runtime record", "damaged TOML": "experiment.toml': invalid TOML",
+              "empty log": "iterations.jsonl: no iteration logged",
+              "corrupt Parquet": "run-steady.parquet: not a readable Parquet file",
+              "missing column": "run-steady.parquet: no column power_limit_w",
+              "missing run": "no such run directory"}
+
+
+@pytest.mark.parametrize("how", [*LEFT_OUT, *UNREADABLE])
+def test_the_import_tool_says_what_it_leaves_out_in_one_line(tmp_path, capsys, how):
+    """A run left out is named, the rest written; a run that cannot be read is one line, exit 2, and
+    --out keeps what it held (a missing run used to overwrite it with [])."""
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    shutil.copytree(REAL_RUN, good)
+    shutil.copytree(REAL_RUN, bad)
+    _damage(bad, how)
+    out = tmp_path / "set.json"
+    out.write_text("the set as it was\n")
+    code = _tool().main([str(good), str(bad), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    if how in LEFT_OUT:
+        assert code == 0 and err.strip().endswith(LEFT_OUT[how])
+        assert [r["run"] for r in json.loads(out.read_text())] == ["good"]
+        assert _tool().main([str(bad), "--out", str(out)]) == 2   # nothing left: nothing written
+        assert "no completed GPU run among the 1 given; nothing written" in capsys.readouterr().err
+    else:
+        assert code == 2 and err.startswith("import_gpu_runs: error: ") and UNREADABLE[how] in err, err
+        assert err.strip().endswith("; nothing written") and out.read_text() == "the set as it was\n"
+
+
+@pytest.mark.parametrize("where", ["manifest.json", "experiment.toml", "iterations.jsonl",
+                                   "summaries/run-steady.parquet", "--out"])
+def test_the_import_tool_never_waits_on_a_pipe(tmp_path, where):
+    run = tmp_path / "run"
+    shutil.copytree(REAL_RUN, run)
+    out = tmp_path / "set.json"
+    if where == "--out":
+        os.mkfifo(out)
+    else:
+        _damage(run, f"FIFO {where}")
+    done = subprocess.run([sys.executable, str(TOOL), str(run), "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+    assert "not a regular file" in done.stderr, done.stderr
+
+
+def test_the_import_tool_writes_out_whole_never_through_a_planted_link(tmp_path, capsys):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    out = tmp_path / "set.json"
+    (tmp_path / f".set.json.{os.getpid()}.tmp").symlink_to(victim)
+    assert _tool().main([str(REAL_RUN), "--out", str(out)]) == 0
+    assert victim.read_text() == "keep me\n" and not out.is_symlink()
+    assert [r["run"] for r in json.loads(out.read_text())] == [REAL_RUN.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["set.json", "victim"]

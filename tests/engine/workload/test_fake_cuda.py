@@ -130,6 +130,24 @@ def test_moe_goes_as_far_as_routing_lets_it(tmp_path):
             f"{result['error']}\n{result['traceback']}"
 
 
+KIT_EXPERIMENTS = sorted((TESTS.parent / "benchmarks" / "gpu" / "experiments").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", KIT_EXPERIMENTS, ids=[p.stem for p in KIT_EXPERIMENTS])
+def test_the_gpu_kits_experiments_build_and_step_on_the_gpu_path(tmp_path, path):
+    """The files the GPU acceptance kit launches first on a lent GPU (benchmarks/gpu/), as they are:
+    each starts on the CUDA path here, or the kit would spend its GPU time finding out. MoE goes as
+    far as routing lets it (above)."""
+    exp = Experiment.load(str(path))
+    result = fake_run(tmp_path, exp)
+    assert result["not_on_cuda"] == [], result["not_on_cuda"][:5]
+    if exp.model.num_moe_experts and not result["ok"]:
+        assert result["error"].startswith(("DynamicOutputShapeException", "DataDependentOutputException")), \
+            f"{result['error']}\n{result['traceback']}"
+    else:
+        assert_ran_on_cuda(result)
+
+
 # --------------------------------------------------------------------------------------------
 # The two defects the lane exists to catch, re-introduced
 # --------------------------------------------------------------------------------------------

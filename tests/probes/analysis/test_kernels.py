@@ -67,7 +67,7 @@ def test_real_kernel_names_classify_as_expected():
     """As Holistic Trace Analysis tells them apart (NCCL: communication, Memcpy/Memset: memory), the
     collective from the name or the profiler's `Collective name`, compute by library and op."""
     trace = read_trace(DATA / "nccl_kernels.json")
-    kernels_ = [e for e in trace.events if e["cat"] == "kernel"]
+    kernels_ = [e for e in json.loads((DATA / "nccl_kernels.json").read_text())["traceEvents"] if e["cat"] == "kernel"]
     assert [classify_kernel(e["name"], e["args"]) for e in kernels_] == NCCL_EXPECTED
     b = breakdown(trace)
     for category in CATEGORIES:   # the i-th kernel lasts 10·i µs, one after another
@@ -188,3 +188,120 @@ def test_a_damaged_trace_is_one_line(tmp_path, content, why):
     path.write_bytes(content)
     with pytest.raises(UserError, match=why):
         read_trace(path)
+
+
+# -- issue 35: a trace is read within bounds, and a damaged one costs only itself ------------------
+def _trace_text(events: list[dict], **top) -> str:
+    return json.dumps({"charllm": {"rank": 0, "pp_rank": 0}, **top, "traceEvents": events})
+
+
+HOSTILE_TRACES = {
+    "ts = a number of about 401 digits: out of range": '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", '
+                                                       '"ts": 1' + "0" * 400 + ', "dur": 1}]}',
+    "dur = inf: out of range": '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": Infinity}]}',
+    "ts = nan: out of range": '{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "k", "ts": NaN, "dur": 1}]}',
+    "a step number of 5,000 digits": _trace_text([{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#"
+                                                   + "9" * 5000, "ts": 0, "dur": 10}]),
+    "not a readable Kineto JSON trace (Expecting": '{"traceEvents": [{"ph": "X"}, {"ph": ]}',
+    "extra data": '{"traceEvents": []} {}',
+    "nested too deeply|maximum recursion": '{"traceEvents": [' + "[" * 100_000 + "]" * 100_000 + "]}",
+    "expecting ',' or ']'": '{"traceEvents": [{"ph": "X"} {"ph": "X"}]}',
+}
+
+
+@pytest.mark.parametrize("why", list(HOSTILE_TRACES))
+def test_a_hostile_trace_is_one_line_naming_it(tmp_path, why):
+    path = tmp_path / "rank-1.json"
+    path.write_text(HOSTILE_TRACES[why])
+    with pytest.raises(UserError, match=f"^trace '{path}': .*({why.replace('(', '[(]')})") as caught:
+        read_trace(path)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_damaged_trace_costs_only_itself(tmp_path, capsys):
+    """The run's other traces are still summarized, and a note names the one left out; when none is
+    left, the summary is one line."""
+    from infra_cli import one_error_line, run
+
+    runs = tmp_path / "runs"
+    good = make_run(runs, [], run_id="good")
+    shutil.copytree(ARTIFACT, good.traces_dir)
+    (good.traces_dir / "rank-3.json").write_text(HOSTILE_TRACES["a step number of 5,000 digits"])
+    df = kernel_summary(good, "stage")
+    assert df["pp_rank"].to_list() == [0, 1] and us(df["busy_s"][0]) == 790
+    assert df["notes"][0].startswith("1 of 3 traces skipped: trace ") and "rank-3.json" in df["notes"][0]
+    code, out, err = run(capsys, "summarize", str(good.path), "--kernels")
+    assert code == 0 and not err and "note: 1 of 3 traces skipped" in out and "stage 1" in out
+    bad = make_run(runs, [], run_id="bad")
+    bad.traces_dir.mkdir()
+    (bad.traces_dir / "rank-0.json").write_text(HOSTILE_TRACES["ts = a number of about 401 digits: out of range"])
+    code, _, err = run(capsys, "summarize", str(bad.path), "--kernels")
+    assert code == 2 and "no readable profiler trace (1 of 1 trace skipped: trace " in one_error_line(err)
+
+
+def test_decompressed_bytes_events_and_one_value_are_bounded(tmp_path, monkeypatch):
+    """The caps count what the JSON holds once decompressed (a few KB of gzip can hold GiBs of white
+    space), its events, and the text of one event; each is one line. (The real caps, 2 GiB and
+    10 million events, are the benchmark's: benchmarks/bench_kernels.py.)"""
+    import gzip
+
+    monkeypatch.setattr(kernels, "MAX_TRACE_BYTES", 2**20)
+    monkeypatch.setattr(kernels, "_READ_BYTES", 2**16)
+    bomb = tmp_path / "rank-0.json.gz"
+    bomb.write_bytes(gzip.compress(b'{"traceEvents": [' + b" " * (3 * 2**20) + b"]}"))
+    assert bomb.stat().st_size < 2**14
+    with pytest.raises(UserError, match=r"rank-0.json.gz': more than 1.0 MiB of JSON once decompressed"):
+        read_trace(bomb)
+    spaced = tmp_path / "rank-1.json.gz"          # white space within the cap is read through, and skipped
+    spaced.write_bytes(gzip.compress(b'{"traceEvents": [' + b" \n" * 2**18 + b'{"ph": "X", "cat": "kernel", '
+                                     b'"name": "gemm", "ts": 0, "dur": 5}]}'))
+    assert breakdown(read_trace(spaced))["matmul_s"] == pytest.approx(5e-6)
+    monkeypatch.setattr(kernels, "MAX_TRACE_EVENTS", 100)
+    many = tmp_path / "many.json"
+    many.write_text(_trace_text([{"ph": "X", "cat": "kernel", "name": "k", "ts": i, "dur": 1} for i in range(101)]))
+    with pytest.raises(UserError, match="more than 100 events"):
+        read_trace(many)
+    monkeypatch.setattr(kernels, "MAX_VALUE_CHARS", 1000)
+    monkeypatch.setattr(kernels, "_READ_BYTES", 100)
+    big = tmp_path / "big.json"
+    big.write_text(_trace_text([{"ph": "X", "cat": "kernel", "name": "k" * 5000, "ts": 0, "dur": 1}]))
+    with pytest.raises(UserError, match="a value of more than 1,000 characters at character 55$"):
+        read_trace(big)
+    corrupt = tmp_path / "corrupt.json.gz"
+    packed = gzip.compress(b'{"traceEvents": []}' * 100)
+    corrupt.write_bytes(packed[:20] + bytes(b ^ 0x5A for b in packed[20:40]) + packed[40:])
+    with pytest.raises(UserError, match="not a readable Kineto JSON trace"):
+        read_trace(corrupt)
+
+
+def test_pieces_cut_anywhere_read_the_same(monkeypatch):
+    """The text is read a piece at a time: a value cut by a piece's end (a number, a string, an
+    event) reads as it would whole."""
+    whole = breakdown(read_trace(ARTIFACT / "rank-0.json"))
+    for size in (1, 7, 100):
+        monkeypatch.setattr(kernels, "_READ_BYTES", size)
+        assert breakdown(read_trace(ARTIFACT / "rank-0.json")) == whole
+
+
+def test_many_steps_and_optimizer_spans_give_the_plain_answer(tmp_path):
+    """Thousands of ProfilerStep spans (each kernel inside one, one kernel across all) and of
+    optimizer steps (each launching a kernel): each interval's time in the steps is looked up, not
+    scanned for (issue 35: 30k of each took minutes); overlapping steps count once."""
+    n = 3000
+    events = [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 0, "dur": n * 100}]
+    for i in range(n):
+        events += [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "pid": 1, "tid": 1,
+                    "ts": i * 100, "dur": 90},
+                   {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#Adam.step", "pid": 1, "tid": 1,
+                    "ts": i * 100 + 50, "dur": 20},
+                   {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                    "ts": i * 100 + 60, "dur": 2, "args": {"correlation": i + 1}},
+                   {"ph": "X", "cat": "kernel", "name": "gemm" if i % 2 else "multi_tensor_apply_kernel",
+                    "ts": i * 100 + 10, "dur": 40, "args": {"correlation": i + 1}}]
+    events.append({"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#0", "ts": 5, "dur": 10})   # inside #0
+    path = tmp_path / "many.json"
+    path.write_text(_trace_text(events))
+    b = breakdown(read_trace(path))
+    assert b["steps"] == n and us(b["step_s"]) == 90
+    assert us(b["optimizer_s"]) == 40 and b["matmul_s"] == 0 and us(b["optimizer_count"]) == 1e6
+    assert us(b["AllGather_s"]) == 50 and us(b["AllGather_kernel_s"]) == 90 and us(b["overlap_s"]) == 40

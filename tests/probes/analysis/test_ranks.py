@@ -96,3 +96,61 @@ def test_one_line_per_step_prefers_the_loss_and_the_timers(tmp_path):
     [merged] = one_per_step([first, second])
     assert merged["loss"] == 2.5 and merged["timers"] == {"compute_s": [1.0]}
     json.dumps(merged)
+
+
+@pytest.mark.parametrize("iteration", ["x", None, 10**30, 1.5, True, [1]])
+@pytest.mark.parametrize("by", ["rank", "stage"])
+def test_a_line_whose_iteration_is_not_a_step_is_skipped_and_counted(tmp_path, capsys, iteration, by):
+    """Issue 35: rank 0's line with `"iteration": "x"`, null or 10**30 raised IndexError in summarize.
+    Such a line is skipped, and one line counts them; with none left, one error line says why."""
+    from infra_cli import one_error_line, run
+
+    rows = log([0.2, 0.2, 0.6, 0.4])
+    timed = [row for row in rows if row.get("timers")]
+    timed[2]["iteration"] = iteration
+    some = make_run(tmp_path, [], iterations=rows, run_id="some")
+    code, out, err = run(capsys, "summarize", str(some.path), "--by", by)
+    assert code == 0 and not err
+    assert "note: 1 iteration-log line with timers skipped: 'iteration' is not a whole number (e.g. " in out
+    for row in timed:
+        row["iteration"] = iteration
+    every = make_run(tmp_path, [], iterations=rows, run_id="every")
+    code, _, err = run(capsys, "summarize", str(every.path), "--by", by)
+    assert code == 2 and "no per-rank step timers" in one_error_line(err) and "6 iteration-log lines" in err
+
+
+def test_timers_of_many_ranks_read_in_one_pass_and_bounded(tmp_path, monkeypatch):
+    """Issue 35: 100,000 ranks' timers took minutes, a Python row per (step, rank). They are read a
+    batch at a time into frames (benchmarks/bench_kernels.py times it), each rank placed by the
+    start record logged last before its line; past MAX_RANK_ROWS, one line."""
+    from charllm.probes.store import rundir
+
+    monkeypatch.setattr(rundir, "_RANK_BATCH", 7)      # batches cut through steps
+    rows = log([0.25] * 16, steps=3, pp=4, nodes=("n0", "n1"))
+    moved = {**rows[0], "ranks": [{**place, "node": "n9"} for place in rows[0]["ranks"]]}
+    rows.insert(3, moved)                               # a restart's start record: steps 2 and 3 ran on n9
+    rows.insert(4, {"event": "start", "ranks": [{"rank": 10**30}, {"rank": "x"}, "junk"]})   # nothing placed
+    rows.insert(5, moved)
+    steps = make_run(tmp_path, [], iterations=rows).rank_steps()
+    assert steps.height == 3 * 16 and steps["rank"].to_list() == list(range(16)) * 3
+    assert steps["node"].to_list() == ["n0"] * 8 + ["n1"] * 8 + ["n9"] * 32
+    assert steps["pp_rank"].to_list()[:16] == [r * 4 // 16 for r in range(16)]
+    monkeypatch.setattr(rundir, "MAX_RANK_ROWS", 40)
+    with pytest.raises(UserError, match=r"timers for more than 40 \(step, rank\) pairs \(16 ranks on one line\)"):
+        make_run(tmp_path, [], iterations=rows, run_id="b").rank_steps()
+
+
+def test_steps_without_times_are_left_out_and_counted(tmp_path):
+    rows = log([0.3, 0.3], pp=1, nodes=("n0",))
+    for row in rows:
+        if row.get("iteration") == 4:
+            row["start_ns"] = row["end_ns"] = "soon"
+    df = rank_summary(make_run(tmp_path, [], iterations=rows))
+    assert df["steps"].to_list() == [4, 4] and df["notes"][0] == "1 step without a start and end time left out"
+    for row in rows:
+        row["start_ns"] = None
+    with pytest.raises(UserError, match=r"no step to summarize \(6 steps without a start and end time left out\)"):
+        rank_summary(make_run(tmp_path, [], iterations=rows, run_id="b"))
+    every = log([0.3, 0.3], pp=1, nodes=("n0",), profiled=range(1, 7))
+    with pytest.raises(UserError, match=r"no step to summarize \(6 profiled steps left out"):
+        rank_summary(make_run(tmp_path, [], iterations=every, run_id="c"))

@@ -58,3 +58,18 @@ def test_an_atomic_write_is_whole_or_absent(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # no hidden leftover
     write_atomic(target, lambda path: path.write_text("by a writer\n"), sync_dir=True)
     assert target.read_text() == "by a writer\n"
+
+
+@pytest.mark.parametrize("content", ["text\n", b"bytes\n", "writer"])
+def test_an_atomic_write_never_follows_a_planted_hidden_file(tmp_path, content):
+    """Issue 35: the hidden sibling's name is known (`.NAME.PID.tmp`); a link planted there is removed,
+    not written through, and the file lands whole where it was asked."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    target = tmp_path / "out.json"
+    (tmp_path / f".out.json.{os.getpid()}.tmp").symlink_to(victim)
+    write_atomic(target, (lambda path: path.write_text("by a writer\n")) if content == "writer" else content)
+    assert victim.read_text() == "keep me\n" and not target.is_symlink()
+    assert target.read_text() == ("by a writer\n" if content == "writer" else
+                                  content.decode() if isinstance(content, bytes) else content)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "victim"]

@@ -253,3 +253,28 @@ def test_import_brings_the_newest_kineto_traces_and_summarizes_their_kernels(tmp
     assert main(["summarize", run.id, "--kernels", "--format", "csv"]) == 0
     plain = import_charllm_ppt(make_results(tmp_path / "plain"), name="plain", gpus_per_node=1)
     assert plain.read_manifest()["imported_from"]["traces"] == [] and not plain.traces_dir.exists()
+
+
+@pytest.mark.parametrize("hostile", [
+    '{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#' + "9" * 5000 + '", "ts": 0, "dur": 1}',
+    '{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 1' + "0" * 400 + ', "dur": 1}'])
+def test_an_imported_hostile_trace_costs_only_itself(tmp_path, capsys, hostile):
+    """Issue 35: a trace the artifact's folder holds is copied as it is; `summarize --kernels` leaves
+    a damaged one out with a note naming it, and says so in one line when none is left."""
+    import shutil
+    from pathlib import Path
+
+    artifact = Path(__file__).resolve().parents[2] / "data" / "kineto" / "charllm_ppt_run" / "4242_kineto"
+    results = make_results(tmp_path / "res")
+    shutil.copytree(artifact, results / "4242_kineto")
+    (results / "4242_kineto" / "rank-8.json").write_text('{"traceEvents": [' + hostile + "]}")
+    capsys.readouterr()
+    assert main(["import", "charllm-ppt", str(results), "--name", "ppt"]) == 0
+    run_id = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main(["summarize", run_id, "--kernels"]) == 0
+    out, err = capsys.readouterr()
+    assert not err and "note: 1 of 2 traces skipped: trace " in out and "rank-8.json" in out and "stage 0" in out
+    (resolve_run(run_id).traces_dir / "rank-0.json").write_text('{"traceEvents": [' + hostile + "]}")
+    assert main(["summarize", run_id, "--kernels"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("charllm-tui: error: run ") and "no readable profiler trace" in err
