@@ -31,7 +31,7 @@ from charllm.engine.campaign.spec import Campaign, Plan, check_name, variant
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, plural, shown
 from charllm.probes.core.files import read_bounded
-from charllm.probes.core.formatting import clock
+from charllm.probes.core.formatting import clock, duration
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, check_run_id, write_json_atomic
 
 # A member's statuses: waiting in the queue, its run's own statuses, never run, or its run gone.
@@ -142,7 +142,7 @@ class Record:
         line = f"{self.name}: {plural(len(self.members), 'member')} ({', '.join(parts)})"
         left = self.time_left(now_ns)
         if left is not None and left >= 1:
-            line += f"; about {left:,.0f} s left at the current pace"   # (an estimate: whole seconds)
+            line += f"; about {duration(left, 0)} left at the current pace"
         elif left is not None:
             line += "; the members left run past the current pace"
         elif self.data.get("status") in FINAL_STATUSES and done:
