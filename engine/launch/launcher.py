@@ -183,8 +183,12 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
                              close_fds=True, preexec_fn=lifeline.terminated_with_parent if tied else None,
                              env=procid.run_environment(token, rd.id))
     except BaseException:
-        # A launch that did not start leaves nothing behind.
-        target.cancel_job(rd, Manifest.from_dict(manifest))
+        # A launch that did not start leaves nothing behind. A job the scheduler took but cannot be
+        # asked to end now fails at once without its directory; the launch's own cause is what is said.
+        try:
+            target.cancel_job(rd, Manifest.from_dict(manifest))
+        except UserError:
+            pass
         shutil.rmtree(rd.path, ignore_errors=True)
         raise
     result.run_dir = rd.path
