@@ -12,8 +12,6 @@ from pathlib import Path
 MEGATRON_LM = Path(os.environ.get("CHARLLM_MEGATRON_LM")
                    or os.environ.get("MEGATRON_LM_MIRROR")      # the name used before
                    or "/work/.mirror/NVIDIA+Megatron-LM/repo")
-# The memory development set: memory_dev.json and its README table of measured Megatron-LM runs.
-VALIDATION = Path(os.environ.get("CHARLLM_VALIDATION_DIR") or "/work/shared/validation")
 
 
 def megatron_lm_missing() -> str | None:
@@ -21,10 +19,3 @@ def megatron_lm_missing() -> str | None:
     if (MEGATRON_LM / "HEAD").exists() or (MEGATRON_LM / ".git").exists():
         return None
     return f"needs a Megatron-LM git mirror: set CHARLLM_MEGATRON_LM ({MEGATRON_LM} is missing)"
-
-
-def validation_missing() -> str | None:
-    """Why there is no memory development set here, or None."""
-    if (VALIDATION / "memory_dev.json").is_file():
-        return None
-    return f"needs the memory development set: set CHARLLM_VALIDATION_DIR ({VALIDATION} is missing)"

@@ -15,6 +15,7 @@ User settings come from `<config_dir>/tui.toml`:
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +26,7 @@ from textual.screen import Screen
 from charllm.engine.model.experiment import Experiment
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, did_you_mean
+from charllm.probes.store.rundir import list_runs
 from charllm.tui.providers import ActionsProvider, PresetsProvider, RunsProvider, ScreensProvider
 from charllm.tui.screens import SCREENS, screen_class
 from charllm.tui.screens.dialogs import AskName, Confirm
@@ -79,8 +81,8 @@ def binding_ids() -> set[str]:
     return {b.id for cls in classes for b in cls.BINDINGS if isinstance(b, Binding) and b.id}
 
 
-class CharllmApp(App[None]):
-    """The charllm workbench."""
+class CharllmApp(App[str | None]):
+    """The charllm workbench. What it returns is left in the terminal after it (what goes on)."""
 
     TITLE = "charllm-tui"
     CSS_PATH = "app.tcss"
@@ -192,10 +194,54 @@ class CharllmApp(App[None]):
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 
+    async def action_quit(self) -> None:
+        """Quit; when runs or campaigns are going, say first that they go on, and how to stop each (the
+        same lines are left in the terminal: what the app returns)."""
+        going = in_flight()
+        if not going:
+            self.exit()
+            return
+        shown = going[:MAX_SAID] + ([f"… and {len(going) - MAX_SAID} more (charllm-tui runs list, campaign list)"]
+                                   if len(going) > MAX_SAID else [])
+        said = "These keep running after the workbench quits:\n" + "\n".join(shown)
+        if isinstance(self.screen, Confirm) and self.screen.question.startswith(said):
+            return                      # asked already
+        self.push_screen(Confirm(f"{said}\n\nQuit?"), lambda yes: yes and self.exit(said))
+
+
+MAX_SAID = 6         # runs and campaigns named when quitting; the rest are counted
+
+
+def in_flight() -> list[str]:
+    """What goes on after the workbench quits: each campaign and each run (not a campaign's member: its
+    campaign stops it) that is pending or running, with the command that stops it."""
+    from charllm.engine.campaign import state  # deferred: only quitting reads the campaigns
+
+    going, members = [], set()
+    for name in state.recorded():
+        try:
+            record = state.Record.load(name)
+        except UserError:
+            continue
+        if record.data.get("status") in ("pending", "running"):
+            members.update(m["run"] for m in record.members if m.get("run"))
+            going.append(f"campaign {record.progress()} · stop it: charllm-tui campaign cancel {name}")
+    for rd in reversed(list_runs()):
+        try:
+            m = rd.manifest()
+        except UserError:
+            continue
+        if m.status in ("pending", "running") and rd.id not in members:
+            going.append(f"run {rd.id} ({m.status_line}, on {m.target_name}) · stop it: "
+                         f"charllm-tui runs cancel {rd.id}")
+    return going
+
 
 def main(argv: list[str] | None = None) -> int:
     """Open the workbench (called by `charllm-tui` without a command)."""
-    CharllmApp(settings=load_settings()).run()
+    said = CharllmApp(settings=load_settings()).run()
+    if said:
+        print(said, file=sys.stderr)        # plain: a terminal wraps it, a command stays whole to copy
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Command-palette providers: screens, experiment presets, runs, and actions."""
+"""Command-palette providers: screens, presets (experiments, models, hardware), runs, and actions."""
 
 from __future__ import annotations
 
@@ -47,13 +47,30 @@ class ScreensProvider(_ListProvider):
 
 
 class PresetsProvider(_ListProvider):
+    """Experiment presets replace the composed experiment; a model or hardware preset goes into it, as
+    Compose's pickers put one in."""
+
     def items(self):
-        return [(f"Load experiment {name}", "compose this experiment preset", partial(self._load, name))
-                for name in catalog.entries("experiments")]
+        return [
+            *((f"Load experiment {name}", "compose this experiment preset", partial(self._load, name))
+              for name in catalog.entries("experiments")),
+            *((f"Use model {name}", "compose this model on the layout and hardware composed",
+               partial(self._use, "model", name)) for name in catalog.entries("models")),
+            *((f"Use hardware {name}", "compose the layout on this hardware", partial(self._use, "hardware", name))
+              for name in catalog.entries("hardware")),
+        ]
 
     def _load(self, name: str) -> None:
         try:
             self.app.use_experiment(Experiment.load(name))
+        except UserError as exc:
+            self.app.notify(str(exc), severity="error")
+
+    def _use(self, kind: str, name: str) -> None:
+        from charllm.tui.screens.compose import with_preset  # deferred: a screen's module loads when it shows
+
+        try:
+            self.app.use_experiment(with_preset(self.app.experiment, kind, name))
         except UserError as exc:
             self.app.notify(str(exc), severity="error")
 

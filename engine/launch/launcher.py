@@ -111,6 +111,14 @@ def display_commands(steps: list[Step], target: Target) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # Launch
 # --------------------------------------------------------------------------------------------
+class LayoutRefused(UserError):
+    """A launch refused for a problem of the layout (`problems`), which `force` launches anyway."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"{problem} (launch anyway with --force)")
+        self.problem = problem
+
+
 def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, nproc: int | None = None,
            on_progress: Callable[[str], None] | None = None, record: dict | None = None,
            tied: bool = False, supervised: bool = True) -> LaunchResult:
@@ -124,7 +132,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     say("checking the layout")
     found = problems(exp)
     if found and not force:
-        raise UserError(f"{found[0]} (launch anyway with --force)")
+        raise LayoutRefused(found[0])
     run_id = new_run_id(exp.name)
     run_dir = unique_run_dir(paths.runs_dir() / run_id)
     steps, script = plan(exp, target, run_dir, dry_run=dry_run)

@@ -598,11 +598,18 @@ SECTIONS: dict[str, type] = {
 # --------------------------------------------------------------------------------------------
 # The experiment
 # --------------------------------------------------------------------------------------------
+def _quotient(size: int, parts: int) -> int:
+    """`size` // `parts`, at least 1: a derived size of any layout, even an invalid one (`validate` names
+    a part below 1) rather than a division by zero."""
+    return max(1, size // parts) if parts > 0 else 1
+
+
 def microbatches(global_batch_size, micro_batch_size, data_parallel_size):
     """Micro-batches per data-parallel rank in one step, at least 1: numbers, or numpy arrays (the sweep)."""
-    count = global_batch_size // (micro_batch_size * data_parallel_size)
-    if isinstance(count, int):
-        return max(1, count)
+    step = micro_batch_size * data_parallel_size
+    if isinstance(step, int):
+        return _quotient(global_batch_size, step)
+    count = global_batch_size // step
     import numpy as np  # deferred: only the sweep passes arrays
 
     return np.maximum(count, 1)
@@ -647,8 +654,9 @@ class Experiment:
 
     @property
     def data_parallel_size(self) -> int:
-        """World / (TP*PP*CP), rounded down; `engine.model.validate` checks that it divides."""
-        return max(1, self.world_size // self.model_parallel_size)
+        """World / (TP*PP*CP), rounded down, at least 1; `engine.model.validate` checks that it divides, and
+        names a size below 1 (for which this is 1: the form shows the sizes while such a value is typed)."""
+        return _quotient(self.world_size, self.model_parallel_size)
 
     @property
     def expert_tensor_parallel_size(self) -> int:
@@ -659,8 +667,8 @@ class Experiment:
     def expert_data_parallel_size(self) -> int:
         """Ranks of one pipeline stage (TP*CP*DP) / (ETP*EP)."""
         p = self.parallel
-        stage = self.world_size // p.pipeline_model_parallel_size
-        return max(1, stage // (self.expert_tensor_parallel_size * p.expert_model_parallel_size))
+        stage = _quotient(self.world_size, p.pipeline_model_parallel_size)
+        return _quotient(stage, self.expert_tensor_parallel_size * p.expert_model_parallel_size)
 
     @property
     def seq_length(self) -> int:

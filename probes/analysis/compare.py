@@ -241,9 +241,16 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
 
 
 def _experiment_diff(labels: list[str], experiments: list[dict]) -> pl.DataFrame:
+    """The fields whose values differ. A field one experiment lacks (an older run's) and another holds
+    empty reads the same in both, and is no difference: `hardware.device_names` absent and []."""
     flat = [_flatten(e) for e in experiments]
     fields = sorted({k for f in flat for k in f} - {"name", "description"})
-    differing = [k for k in fields if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
+
+    def value(f: dict, k: str) -> str:
+        v = f.get(k)
+        return json.dumps(None if v in ([], {}, "") else v, sort_keys=True)
+
+    differing = [k for k in fields if len({value(f, k) for f in flat}) > 1]
     data = {"field": differing}
     for label, f in zip(labels, flat):
         data[label] = ["" if f.get(k) is None else str(f.get(k)) for k in differing]

@@ -20,6 +20,7 @@ from charllm.probes.core import paths, procid
 from charllm.tui.app import CharllmApp
 from charllm.tui.demo import DEMO_CAMPAIGN, make_demo_campaign
 from charllm.tui.figures import heatmap_text
+from infra_pilot import list_every_layout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -250,13 +251,17 @@ async def test_a_campaign_that_has_not_run_asks_before_it_runs_and_has_no_figure
 
 # -- Sweep: marked layouts become a campaign -------------------------------------------------------
 async def swept(pilot):
+    """The Sweep screen once swept, listing every micro batch and recompute choice (it opens on the best
+    layout's)."""
     from charllm.tui.screens.sweep import SweepScreen
 
     await pilot.press("f3")
     await wait_for(pilot, lambda: isinstance(pilot.app.screen, SweepScreen) and pilot.app.screen.frame is not None,
                    timeout=60, what="the sweep")
-    pilot.app.screen.query_one("#sweep-table").focus()
-    return pilot.app.screen
+    screen = pilot.app.screen
+    await list_every_layout(pilot, screen)
+    screen.query_one("#sweep-table").focus()
+    return screen
 
 
 def mark_rows(screen, rows: list[int]) -> list[str]:

@@ -14,13 +14,14 @@ import time
 import psutil
 import pytest
 
+import infra_daemons as daemons
 from charllm.probes.store.rundir import FINAL_STATUSES, list_runs
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.timeout(420),
-    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
+    pytest.mark.skipif(shutil.which("tmux") is None and not daemons.REQUIRED, reason="tmux is not installed"),
     pytest.mark.skipif(shutil.which("charllm-tui") is None, reason="charllm-tui is not on PATH (pip install -e .)"),
 ]
 
@@ -119,3 +120,41 @@ def test_compose_launch_watch_and_quit(tmp_path, charllm_dirs):
         if server.is_running():
             server.kill()
         assert not os.path.exists(tmp_path / "tmux.sock") or not server.is_running()
+
+
+def test_at_80x24_a_zero_a_dropdown_and_quitting_with_a_run_going(tmp_path, charllm_dirs):
+    """In a real 80x24 terminal: 0 in TP is said beside it and the workbench stays; the hardware dropdown
+    opens with Space, moves with Down and chooses with Enter; ctrl+q with a run going asks first, and the
+    command that stops the run is left in the terminal (issue 36, items 7, 8 and 13)."""
+    from charllm.probes.core import procid
+    from charllm.probes.store.rundir import RunDir
+    from charllm.tui.demo import make_demo_run
+
+    run = RunDir(make_demo_run(charllm_dirs["runs"], "20251121-080000-demo-going", seconds=4, gpus=2))
+    run.update_manifest(status="running", ended_ns=None, supervisor=procid.identify(os.getpid()))  # ours: not ended
+    tmux = Tmux(tmp_path / "tmux.sock")
+    start(tmux, charllm_dirs, 80, 24)
+    tmux("set-option", "-t", "tui", "remain-on-exit", "on")        # the terminal after the workbench, to read
+    server = psutil.Process(int(tmux("display-message", "-p", "-t", "tui", "#{pid}").strip()))
+    try:
+        tmux.wait_for(r"Compose F2", timeout=60)
+        tmux.keys("Tab", "Tab", "Tab", "Tab", "Tab")                 # preset, model, hardware, nodes, GPUs: TP
+        tmux.wait_for(r"tensor parallel: each layer", timeout=10)
+        tmux("send-keys", "-t", "tui", "C-a", "C-k", "0")
+        tmux.wait_for(r"tensor_model_parallel_size = 0:.*\n\s+must be at least 1", timeout=30)   # under TP
+        tmux.keys("BTab", "BTab", "BTab")                            # back to hardware
+        tmux.wait_for(r"the hardware preset", timeout=10)
+        before = re.search(r"hardware\s+(\S+)", tmux.screen()).group(1)
+        tmux.keys("Space", "Down", "Enter")
+        after = re.search(r"hardware\s+(\S+)", tmux.wait_for(r"hardware\s+(?!" + re.escape(before) + r"\s)\S+",
+                                                              timeout=10)).group(1)
+        assert after != before
+        tmux.keys("C-q")
+        tmux.wait_for(r"These keep running", timeout=10)
+        tmux.keys("y")
+        tmux.wait_for(r"Pane is dead", timeout=20)
+        left = tmux("capture-pane", "-p", "-J", "-t", "tui")       # -J: the lines the terminal wrapped, whole
+        assert f"run {run.id} (running, on local) · stop it: charllm-tui runs cancel {run.id}" in left, left
+        assert run.manifest().status == "running"
+    finally:
+        server.kill()

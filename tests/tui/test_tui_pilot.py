@@ -17,6 +17,7 @@ from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec
 from charllm.probes.core.errors import UserError
 from charllm.tui.app import CharllmApp, load_settings
 from charllm.tui.demo import make_demo_run
+from infra_pilot import list_every_layout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -154,8 +155,8 @@ async def test_compose_edit_renames_the_experiment_and_save_refuses_a_shipped_or
     async with run_app(app) as pilot:
         screen = app.screen
         await wait_for(pilot, lambda: screen.last is not None)
-        screen.query_one("#f-training-seq_length").value = "64"
-        await wait_for(pilot, lambda: app.experiment.seq_length == 64)
+        screen.query_one("#f-training-seq_length").value = "16"
+        await wait_for(pilot, lambda: app.experiment.seq_length == 16)
         assert app.experiment.name == "tiny-local-edited"
         await wait_for(pilot, lambda: "tiny-local-edited" in str(screen.query_one("#summary").render()),
                        what="the title")
@@ -205,19 +206,19 @@ def llama3_8b_on_8_h100():
 
 
 async def swept(pilot):
-    """The Sweep screen once it shows a sweep: one made on its key, or the app's sweep ahead (which
-    a loaded machine may finish before the key)."""
+    """The Sweep screen once it shows a sweep (one made on its key, or the app's sweep ahead, which
+    a loaded machine may finish before the key), listing every micro batch and recompute choice."""
     from charllm.tui.screens.sweep import SweepScreen
 
     app = pilot.app
     await wait_for(pilot, lambda: isinstance(app.screen, SweepScreen) and app.screen.frame is not None,
                    timeout=120, what="the sweep")
+    await list_every_layout(pilot, app.screen)
     return app.screen
 
 
 @pilot_test
 async def test_sweep_runs_and_a_pick_loads_into_compose():
-    pytest.importorskip("charllm.engine.model.sweep", reason="engine.model.sweep is not in this build")
     from charllm.tui.screens.sweep import TABLE_PAGE
 
     exp = llama3_8b_on_8_h100()
@@ -515,7 +516,8 @@ async def test_runs_lists_headlines_and_compare_shows_both(charllm_dirs):
         screen = app.screen
         table = screen.query_one("#runs-table")
         await wait_for(pilot, lambda: table.row_count == 2)
-        await wait_for(pilot, lambda: table.get_cell(b.name, "peak W") != "…", what="headline numbers")
+        await wait_for(pilot, lambda: all(table.get_cell(r.name, "peak W") != "…" for r in (a, b)),
+                       what="headline numbers")      # each run's as it is summarized: b's first, then a's
         assert float(table.get_cell(b.name, "peak W")) <= 460     # capped at 450 W (+ sensor noise)
         assert float(table.get_cell(a.name, "peak W")) > float(table.get_cell(b.name, "peak W"))
         # one tokens/s per run: the Runs list shows the steady window, as summarize and compare do
@@ -787,7 +789,10 @@ async def test_runs_cancel_stops_a_running_run(charllm_dirs):
             await wait_for(pilot, lambda: table.row_count == 1)
             await wait_for(pilot, lambda: rd.status == "running", timeout=120, what="the run to start")
             table.focus()
-            await pilot.press("c")
+            await pilot.press("c")                  # asks first, naming the run
+            await wait_for(pilot, lambda: app.screen.__class__.__name__ == "Confirm", what="the question")
+            assert rd.id in str(app.screen.query_one("Label").render())
+            await pilot.press("y")
             await wait_for(pilot, lambda: rd.status == "cancelled", timeout=120, what="the cancel")
             await wait_for(pilot, lambda: str(table.get_cell(rd.id, "status")) == "cancelled", timeout=30)
     finally:

@@ -213,7 +213,9 @@ def _logs(rd, args) -> int:
 
 def _cancel(rd, args) -> int:
     m = rd.manifest()
-    if m.final:      # nothing to stop: said before anything else is
+    # Nothing to stop, said before anything else; a run orphaned by its supervisor's death may have
+    # left processes, which cancel stops.
+    if m.final and not m.orphaned_ns:
         raise UserError(f"run {rd.id!r} is already {m.status}: nothing to cancel")
     print(f"run {rd.id}: cancelling...", flush=True)
     status = cancel(rd)

@@ -402,6 +402,9 @@ class CampaignScreen(WorkbenchScreen):
         self.query_one("#campaign-figure").set_class(not panels.display, "-text-only")
         text.update(Text("\n".join(below)))
         self._layout_panels()
+        # Again once the layout has given the panels their height: a pane shown just now has none
+        # yet, and the rows guessed from the screen's height can overflow it (a scrollbar).
+        self.call_after_refresh(self._layout_panels)
 
     def on_resize(self) -> None:
         self._layout_panels()
@@ -560,8 +563,9 @@ def _draw(wanted: Wanted, record) -> Drawn:
 
 def _sync(table: DataTable, rows: list[tuple[str, tuple]]) -> None:
     """Make `table` hold `rows` ((key, cells) in order), changing only the cells that differ when its
-    rows are the same ones (the cursor and scroll stay). A string is shown as written, never read as
-    markup (a campaign file's values and descriptions are the user's: `[/]` is text)."""
+    rows are the same ones (the cursor and scroll stay); a column widens to a longer cell ("completed"
+    where "queued" was: it showed "comple"). A string is shown as written, never read as markup (a
+    campaign file's values and descriptions are the user's: `[/]` is text)."""
     rows = [(key, tuple(Text(c) if isinstance(c, str) else c for c in cells)) for key, cells in rows]
     keys = [key for key, _ in rows]
     if [k.value for k in table.rows] == keys:
@@ -569,7 +573,7 @@ def _sync(table: DataTable, rows: list[tuple[str, tuple]]) -> None:
         for key, cells in rows:
             for column, cell in zip(columns, cells):
                 if table.get_cell(key, column) != cell:
-                    table.update_cell(key, column, cell)
+                    table.update_cell(key, column, cell, update_width=True)
         return
     cursor = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value if table.row_count else None
     table.clear()

@@ -7,7 +7,9 @@ show each run per training iteration (from its telemetry's `iteration` column): 
 and temperature, or, when no run recorded an accelerator (a CPU run), its iteration time and
 mean CPU utilization. Under the status, each run's plan (`probes.analysis.predicted`: the step
 time and power the speed model gives its layout) stands beside what it measured, with the error.
-Runs come from the Runs screen (Space marks, m compares) or the palette.
+Runs come from the Runs screen (Space marks, m compares) or the palette. Each series is told apart by
+glyph as well as colour, and the baseline is marked (a saved one is drawn as the level of its figure).
+Below 36 rows the table has the room and `c` shows each chart in its place in turn.
 
 `k` shows instead each run's profiled step by kernel category (probes.analysis.kernels), `g` a
 GPUs x runs matrix (probes.analysis.matrix: temperature, then power, clock, throttling and link
@@ -34,7 +36,7 @@ from charllm.probes.analysis.matrix import MATRICES, gpus_by_runs, render_matrix
 from charllm.probes.analysis.ranks import rank_summary, straggler_line
 from charllm.probes.analysis.render import metric_label
 from charllm.probes.analysis.summary import per_iteration
-from charllm.probes.core.errors import UserError
+from charllm.probes.core.errors import UserError, plural
 from charllm.probes.store.rundir import resolve_run, run_id_name
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import Chart
@@ -57,6 +59,7 @@ class Compared(Message):
     error: str | None = None
     stragglers: list[str] = None   # "run: stragglers ..." for each run that logged its ranks' timers
     planned: dict | None = None    # run label -> predicted.predicted_vs_measured(run), runs with an experiment
+    baseline: str | None = None    # the baseline's series in `curves` (a saved baseline's: its level)
 
 
 @dataclass
@@ -68,12 +71,16 @@ class SideBySide(Message):
 
 class CompareScreen(WorkbenchScreen):
     MODE = "compare"
+    AUTO_FOCUS = "#compare-table"      # the arrows move through the metrics (and scroll them sideways); b: baseline
     BINDINGS = [
         Binding("r", "reload", "Reload", id="compare.reload"),
         Binding("b", "pick_baseline", "Baseline", id="compare.baseline"),
         Binding("k", "kernels", "Kernels", id="compare.kernels"),
         Binding("g", "gpu_matrix", "GPU matrix", id="compare.gpu_matrix"),
+        Binding("c", "charts", "Charts", id="compare.charts"),
     ]
+    # Below this height the charts take the table's place in turn on `c` (under it, neither would be legible).
+    CHARTS_BELOW_MIN_HEIGHT = 36
     MATRIX_ORDER = tuple(MATRICES)
 
     def __init__(self):
@@ -84,6 +91,8 @@ class CompareScreen(WorkbenchScreen):
         self.result = None
         self.view = "metrics"          # the table shows: metrics | kernels | a matrix name
         self.straggler_lines: list[str] = []
+        self.charts_pressed = 0        # c steps through the views of table and charts (_layout)
+        self.has_charts = False        # the runs have per-iteration curves to chart
 
     def compose_body(self) -> ComposeResult:
         with Vertical(id="compare"):
@@ -154,8 +163,9 @@ class CompareScreen(WorkbenchScreen):
             result, error = None, f"compare failed: {exc!r}"
         else:
             error = None
-        self.post_message(Compared(result, per_iteration_curves(refs), error, straggler_lines(refs),
-                                   planned_figures(refs)))
+        curves = per_iteration_curves(refs)
+        baseline = baseline_series(result, refs, curves) if result is not None else None
+        self.post_message(Compared(result, curves, error, straggler_lines(refs), planned_figures(refs), baseline))
 
     def on_compared(self, message: Compared) -> None:
         status = self.query_one("#compare-status", Static)
@@ -176,10 +186,33 @@ class CompareScreen(WorkbenchScreen):
         planned = self.query_one("#compare-predicted", Static)
         planned.display = bool(message.planned) and not message.error
         planned.update(planned_text(message.planned or {}))
-        self.query_one("#compare-charts").display = bool(charts)
+        self.has_charts = bool(charts)
         for (curve, title), chart in zip(charts, self.query(Chart)):
             chart.title = title
-            chart.show(message.curves.get(curve, {}))
+            chart.show(message.curves.get(curve, {}), baseline=message.baseline)
+        self._layout()
+
+    # -- layout ------------------------------------------------------------------------------------
+    def on_resize(self) -> None:
+        self._layout()
+
+    def _layout(self) -> None:
+        """The table above the charts, side by side, where the screen is tall enough, and `c` hides
+        them; on a short one (80x24) the table alone, and `c` puts each chart in its place in turn."""
+        short = self.size.height < self.CHARTS_BELOW_MIN_HEIGHT
+        view = self.charts_pressed % (3 if short else 2)       # short: table, chart 1, chart 2; else: all, table
+        shown = self.has_charts and (view > 0 if short else view == 0)
+        self.query_one("#compare-charts").display = shown
+        self.query_one("#compare-table").display = not (shown and short)
+        for i, chart in enumerate(self.query(Chart), start=1):
+            chart.display = not short or view == i
+
+    def action_charts(self) -> None:
+        if not self.has_charts:
+            self.notify(NO_CHARTS, severity="warning")
+            return
+        self.charts_pressed += 1
+        self._layout()
 
     def _show_baseline(self, result) -> None:
         """Point the selector at the baseline the figures are measured against."""
@@ -189,16 +222,17 @@ class CompareScreen(WorkbenchScreen):
                 select.value = result.baseline_ref
             self.loaded = (tuple(self.refs), result.baseline_ref)
 
-    @staticmethod
-    def _status_lines(result) -> list[str]:
+    def _status_lines(self, result) -> list[str]:
         lines = [f"baseline [b]{escape(result.baseline)}[/b] · {escape(result.window_text)} · "
                  f"[green]better[/] / [red]worse[/] beyond ±{result.threshold_pct:g}%"]
         diffs = result.experiment_diff.to_dicts()
-        for row in diffs[:MAX_DIFF_LINES]:
+        shown = 1 if self.size.height < self.CHARTS_BELOW_MIN_HEIGHT else MAX_DIFF_LINES   # the table's room
+        shown += len(diffs) == shown + 1          # the last one in the place of "… 1 more"
+        for row in diffs[:shown]:
             field = row.pop("field", "")
             lines.append(f"[dim]{escape(str(field))}:[/] " + " | ".join(escape(str(v)) for v in row.values()))
-        if len(diffs) > MAX_DIFF_LINES:
-            lines.append(f"[dim]… {len(diffs) - MAX_DIFF_LINES} more experiment differences "
+        if len(diffs) > shown:
+            lines.append(f"[dim]… {plural(len(diffs) - shown, 'more experiment difference')} "
                          f"(charllm-tui compare shows them all)[/]")
         return lines + [f"[yellow]note:[/] {escape(n)}" for n in result.notes]
 
@@ -291,6 +325,27 @@ class CompareScreen(WorkbenchScreen):
             table.add_row(*cells)
 
 
+# The summary metric of each chart's curve: a saved baseline has no curve, and is drawn as the level
+# of that figure over its window.
+CURVE_METRICS = {"power_w": "power_mean_w", "temp_gpu_c": "temp_gpu_mean_c", "iter_time_s": "iter_time_mean_s",
+                 "cpu_util_pct": "cpu_util_mean_pct"}
+
+
+def baseline_series(result, refs: list[str], curves: dict) -> str | None:
+    """The label, in `curves`, of the series the charts mark as the baseline: a run's own; for a saved
+    baseline, a level line of its figure added to each curve that has runs (None: not drawable)."""
+    if not result.baseline.startswith("baseline:"):
+        return run_labels([rd.id for rd in resolved_runs(refs)]).get(result.baseline)
+    name = result.baseline.removeprefix("baseline:")
+    figures = {r["metric"]: r["value"] for r in result.table.iter_rows(named=True) if r["ref"] == result.baseline}
+    for curve, series in curves.items():
+        level = figures.get(CURVE_METRICS[curve])
+        if series and level is not None:
+            xs = sorted({x for xs, _ in series.values() for x in xs})
+            series[name] = (xs, [level] * len(xs))
+    return name
+
+
 def resolved_runs(refs: list[str]):
     """The run directories of the refs that name a run (a baseline or a run gone since is left out)."""
     runs = []
@@ -342,10 +397,10 @@ def planned_text(planned: dict) -> str:
         by = {r["metric"]: r for r in table.iter_rows(named=True)}
         parts = [f"{short} {by[m]['predicted']:.3g}/{by[m]['measured']:.3g} {by[m]['unit']} "
                  f"({by[m]['error_pct']:+.0f}%)" for m, short in PLANNED if m in by]
-        if parts:
-            lines.append(f"[b]{escape(label)}[/b] planned/measured: " + " · ".join(parts))
+        if parts:      # a line each at 80 columns: what the figures are is said once, below
+            lines.append(f"[b]{escape(label)}[/b]: " + " · ".join(parts))
     source = next(iter(planned.values()))["source"][0] if planned else ""
-    return "\n".join(lines + ([f"[dim]{escape(source)}[/]"] if lines else []))
+    return "\n".join(lines + ([f"[dim]planned/measured (error) · {escape(source)}[/]"] if lines else []))
 
 
 def per_iteration_curves(refs: list[str]) -> dict:

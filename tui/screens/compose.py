@@ -80,6 +80,11 @@ GROUPS: tuple[tuple[str, tuple[Field, ...]], ...] = tuple(
                                        "mixed precision: BF16, FP16, FP8 (e4m3 or hybrid, over BF16), or plain FP32"))),
     ))
 FIELDS = {f.wid: f for _, group in GROUPS for f in group}
+# The form fields that make up a size a problem may be about, which is no field of the form itself.
+MADE_OF = {"world_size": ("nodes", "gpus_per_node", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                          "context_parallel_size"),
+           "cluster": ("nodes", "gpus_per_node"),
+           "num_layers": ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")}
 # The hint line of each control: the pickers' own, the fields' from their metadata.
 HELP = {"preset": "load an experiment preset (shipped, or saved with ^s)",
         "model": "the model preset: architecture and sizes",
@@ -117,6 +122,25 @@ def set_value(exp: Experiment, field: Field, raw) -> None:
     else:
         value = bool(raw)
     exp.set(field.key, value)
+
+
+def with_preset(exp: Experiment, kind: str, name: str) -> Experiment:
+    """A copy of `exp` with the model or hardware preset `name` in it, as Compose's pickers (and the
+    command palette) put one in: a model makes a new experiment of it (`switch_model`); hardware is an edit."""
+    exp = exp.copy()
+    if kind == "model":
+        switch_model(exp, ModelSpec.load(name))
+    else:
+        exp.hardware = Hardware.load(name)
+        exp.name = edited_name(exp.name)
+    return exp
+
+
+def unset_text(exp: Experiment, field: Field) -> str:
+    """What an optional field left blank means for `exp`: the value the experiment resolves it to where it
+    does (the sequence length: the model's; expert TP: TP), else just unset (Megatron's default)."""
+    resolved = isinstance(getattr(type(exp), field.name, None), property)
+    return f"unset: {getattr(exp, field.name)}" if resolved else "unset"
 
 
 def switch_model(exp: Experiment, model: ModelSpec) -> None:
@@ -184,6 +208,7 @@ class ComposeScreen(WorkbenchScreen):
         self.edit_serial = 0
         self.seen_app_serial = -1
         self.last_edited: str | None = None
+        self.placed: dict[str, str] = {}    # problem field -> the form field it was shown beside
         self.typing_errors: set[str] = set()
         self.last: ComposeScreen.Estimated | None = None
 
@@ -234,8 +259,9 @@ class ComposeScreen(WorkbenchScreen):
             return FormCheckbox(id=field.wid, compact=True)
         if field.kind == "choice":
             return FormSelect([(c, c) for c in field.choices], id=field.wid, compact=True, allow_blank=False)
-        return FormInput(id=field.wid, type="integer" if field.kind == "int" else "text", compact=True,
-                     placeholder="unset" if field.kind == "int?" else "")
+        # Any text is taken (not only digits, which Textual's integer type would silently drop): what is not
+        # a number is said beside the field.
+        return FormInput(id=field.wid, compact=True)
 
     # -- state <-> widgets -----------------------------------------------------------------
     def on_screen_resume(self) -> None:
@@ -297,10 +323,8 @@ class ComposeScreen(WorkbenchScreen):
             return
         exp = self.app.experiment.copy()
         try:
-            if wid == "model":
-                switch_model(exp, ModelSpec.load(event.value))
-            elif wid == "hardware":
-                exp.hardware = Hardware.load(event.value)
+            if wid in ("model", "hardware"):
+                exp = with_preset(exp, wid, event.value)
             elif wid in FIELDS:
                 set_value(exp, FIELDS[wid], event.value)
             else:
@@ -340,22 +364,29 @@ class ComposeScreen(WorkbenchScreen):
             err.set_class(bool(message), "shown")
 
     def _field_for(self, problem) -> str | None:
-        """The form field a problem belongs beside: its own field, else one its rule names, else the
-        field just edited (e.g. world_size is not a field here, but the edit of TP made it wrong)."""
+        """The form field a problem belongs beside: its own field; else, of the fields it concerns (those
+        its rule names, or that make up the size it is about: world_size is nodes x GPUs = TP x PP x CP x
+        DP), the one just edited, else the one it was beside, else the first; None (the list under the
+        verdict) for a problem of no form field (a model's num_attention_heads for another TP is beside
+        TP: its rule names TP)."""
         name = problem.field.rpartition(".")[2]
         by_name = {f.name: wid for wid, f in FIELDS.items()}
         if name in by_name:
             return by_name[name]
         rule = str(problem)
-        if self.last_edited in FIELDS and FIELDS[self.last_edited].name in rule:
-            return self.last_edited
-        named = [wid for n, wid in by_name.items() if n in rule]
-        return named[0] if named else self.last_edited if self.last_edited in FIELDS else None
+        concerned = [wid for n, wid in by_name.items() if n in rule] + [by_name[n] for n in MADE_OF.get(name, ())]
+        for wid in (self.last_edited, self.placed.get(problem.field)):
+            if wid in concerned:
+                return wid
+        return concerned[0] if concerned else None
 
     # -- validation and estimate ---------------------------------------------------------
     def refresh_plan(self) -> None:
         self.edit_serial += 1
         exp = self.app.experiment
+        for field in FIELDS.values():
+            if field.kind == "int?":
+                self.query_one(f"#{field.wid}", Input).placeholder = unset_text(exp, field)
         self.query_one("#summary", Static).update(
             f"[b]{exp.name}[/b]  {exp.model.name} on {exp.cluster.nodes}×{exp.cluster.gpus_per_node} "
             f"{exp.hardware.name}\nworld {exp.world_size} · DP {exp.data_parallel_size} · "
@@ -368,22 +399,24 @@ class ComposeScreen(WorkbenchScreen):
         time.sleep(DEBOUNCE_S)        # typing "128" re-estimates once, not three times
         if get_current_worker().is_cancelled:
             return
-        problems, report, error, fast = [], None, None, None
-        problems = validate.validate(exp)
-        if not problems:
-            try:
+        problems, report, error, fast, flags = [], None, None, None, None
+        # Whatever was typed, the workbench stays up: an engine bug is shown, and editing goes on.
+        try:
+            problems = validate.validate(exp)
+            if not problems:
                 report = memory.estimate(exp).to_dict()
                 found = speed.estimate(exp)
                 fast = {**found.to_dict(), "basis": speed.describe(exp)} if found else {"unknown": speed.unknown(exp)}
-            except UserError as exc:
-                error = str(exc)
-            except Exception as exc:  # noqa: BLE001 - an estimator bug is shown, editing goes on
-                error = f"estimate failed: {exc!r}"
-        flags = None
+        except UserError as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - see above
+            error = f"estimate failed: {exc!r}"
         try:
             flags = megatron.export_megatron_args(exp)
         except UserError:
-            pass
+            pass        # flags Megatron cannot take: the problems say why
+        except Exception as exc:  # noqa: BLE001 - see above
+            error = error or f"Megatron flags failed: {exc!r}"
         self.post_message(self.Estimated(serial, problems, report, error, flags, fast))
 
     def on_compose_screen_estimated(self, message: Estimated) -> None:
@@ -392,9 +425,13 @@ class ComposeScreen(WorkbenchScreen):
         self.last = message
         by_field: dict[str, list[str]] = {}
         other = []
+        placed = {}
         for problem in message.problems:
             wid = self._field_for(problem)
             (by_field.setdefault(wid, []) if wid else other).append(str(problem))
+            if wid:
+                placed[problem.field] = wid
+        self.placed = placed
         for wid in FIELDS:
             self._field_error(wid, "\n".join(by_field.get(wid, [])), keep_typing_error=True)
             self.query_one(f"#{wid}").set_class(wid in by_field, "invalid")
@@ -404,9 +441,9 @@ class ComposeScreen(WorkbenchScreen):
         shown.display = message.speed is not None
         shown.update(speed_text(message.speed) if message.speed else "")
         if message.flags:
+            how = "^g exports them once the layout is valid" if message.problems else "^g copies and writes them"
             self.query_one("#flags", Static).update(
-                "[b]Megatron-LM arguments[/b] [dim](^g copies and writes them)[/]\n" + escape(shlex.join(message.flags))
-            )
+                f"[b]Megatron-LM arguments[/b] [dim]({how})[/]\n" + escape(shlex.join(message.flags)))
         verdict = self.query_one("#verdict", Static)
         if message.problems:
             more = len(message.problems) - 1
@@ -464,6 +501,11 @@ class ComposeScreen(WorkbenchScreen):
                                      check), save)
 
     def action_export(self) -> None:
+        problems = validate.validate(self.app.experiment)
+        if problems:        # flags Megatron would refuse, or train what was not meant
+            more = f" (+{len(problems) - 1} more, each beside its field)" if len(problems) > 1 else ""
+            self.notify(f"no flags exported: the layout is invalid: {problems[0]}{more}", severity="error")
+            return
         try:
             args = megatron.export_megatron_args(self.app.experiment)
         except UserError as exc:

@@ -19,16 +19,18 @@ validated and its memory estimated per pipeline stage. **Sweep** maps every layo
 Enter on a row loads it into Compose, Space marks rows and `c` makes a campaign of them. **Launch**
 shows the dry run and starts the run (local, SSH or Slurm). **Live** shows power, temperatures, SM
 clock and throttling per GPU, iteration speed and the log (or, `p`, the processes on this machine's
-GPUs); with no run it shows this machine's host telemetry. **Runs** lists runs (search, one status,
-sort; open, cancel, delete, mark for compare). **Compare** puts runs and a baseline side by side.
+GPUs); with no run it shows this machine's host telemetry. **Runs** lists runs, kept up to date
+(search, one status, sort; open, cancel, delete, mark for compare). **Compare** puts runs and a
+baseline side by side.
 **Doctor** checks this node (versions, devices, telemetry, sampling rate) and, with a short
 training job, saves the calibration that Compose, Sweep and plan use for its hardware.
 **Campaign** lists campaigns (many experiments as one job) with their progress, the chosen one's
 members live (Enter opens a member's run on Live, `o` on Runs), and its figures (`g`); `r` runs it,
 `c` cancels it.
 
-Ctrl+P opens the command palette (screens, presets, runs, actions). Keys can be changed in
-`<config>/tui.toml` under `[keymap]` by binding id; `theme = "..."` picks a theme.
+A dropdown opens with Space or Enter, moves with the arrows and chooses with Enter. Ctrl+P opens
+the command palette (screens, experiment, model and hardware presets, runs, actions). Keys can be
+changed in `<config>/tui.toml` under `[keymap]` by binding id; `theme = "..."` picks a theme.
 """
 
 

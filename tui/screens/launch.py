@@ -21,7 +21,7 @@ from textual.widgets import Button, Label, Log, ProgressBar, Select, Static
 from charllm.engine.launch import launcher, targets
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, plural
-from charllm.tui.screens.base import WorkbenchScreen
+from charllm.tui.screens.base import WorkbenchScreen, shortest_key
 
 if TYPE_CHECKING:
     from charllm.engine.model.experiment import Experiment
@@ -128,16 +128,22 @@ class LaunchScreen(WorkbenchScreen):
             text = text.replace(str(paths.runs_dir()), "$RUNS").replace(result.run_id, "<run-id>")
             return escape(text.replace(sys.executable, "python"))
 
-        parts = ["[b]Dry run[/b] — nothing starts until you press [b]l[/b] ($RUNS: the runs directory; "
-                 f"<run-id> and {launcher.PORT_AT_LAUNCH}, torchrun's rendezvous port, are picked at launch)"]
+        parts = [f"[b]Dry run[/b] — nothing starts until you press [b]{self.key('launch.go')}[/b] ($RUNS: the "
+                 f"runs directory; <run-id> and {launcher.PORT_AT_LAUNCH}, torchrun's rendezvous port, are picked "
+                 "at launch)"]
         if result.forced:
-            parts.append("\n[b red]This layout has problems[/] (launch refuses it; [b]f[/b] launches anyway):")
+            parts.append(f"\n[b red]This layout has problems[/] (launch refuses it; [b]{self.key('launch.force')}[/b] "
+                         "launches anyway):")
             parts += [f"  [red]✗[/] {escape(p)}" for p in result.forced]
         parts.append("\n[b]Commands[/b]")
         parts += [f"  {short(c)}" for c in result.commands]
         if result.job_script:
             parts += [f"\n[b]{result.job_script_label}[/b]", short(result.job_script)]
         self.query_one("#dry-run-text", Static).update("\n".join(parts))
+
+    def key(self, binding_id: str) -> str:
+        """The key of one of this screen's bindings, as the footer writes it (tui.toml may move it)."""
+        return shortest_key(self.app, next(b for b in self.BINDINGS if b.id == binding_id))
 
     # -- launch --------------------------------------------------------------------------------
     def on_button_pressed(self, event: Button.Pressed) -> None:
@@ -162,6 +168,8 @@ class LaunchScreen(WorkbenchScreen):
             result = launcher.launch(
                 exp, target, force=force, on_progress=lambda text: self.post_message(LaunchProgress(text)))
             self.post_message(LaunchDone(result))
+        except launcher.LayoutRefused as exc:     # the key that launches anyway, not the command line's flag
+            self.post_message(LaunchDone(None, f"{exc.problem} ({self.key('launch.force')} launches anyway)"))
         except UserError as exc:
             self.post_message(LaunchDone(None, str(exc)))
         except Exception as exc:  # noqa: BLE001 - reported on screen, the app stays up

@@ -16,6 +16,7 @@ the GPU backend's `processes()`, NVML's running processes), `p` in place of the 
 from __future__ import annotations
 
 import queue
+import textwrap
 import time
 from dataclasses import dataclass, field
 from functools import reduce
@@ -285,6 +286,8 @@ class LiveScreen(WorkbenchScreen):
         self.set_class(self.compact, "-compact")
         self.strip_width = max(10, self.size.width - 16)
         self._show_charts()
+        if self.last_frame is not None:         # the iterations pane's lines fit its new size
+            self.call_after_refresh(self._draw_text, self.last_frame)
 
     def _show_charts(self) -> None:
         one = 0 if self.compact and self.chart_index is None else self.chart_index
@@ -499,11 +502,19 @@ class LiveScreen(WorkbenchScreen):
         self.query_one("#iterations").display = run
         self.query_one("#gpu-processes").display = processes
         self.query_one("#log-tail").display = run and not processes
-        self.query_one("#live-bottom").display = processes or (run and (frame.kind != "host" or bool(frame.iterations)))
+        self.query_one("#live-bottom").display = processes or run     # a run's log and steps from its first second
         if processes:
             self._update("#gpu-processes", processes_text(self.processes, frame.processes_note, frame.processes_listed))
-        stragglers = f"\n{escape(frame.stragglers)}" if frame.stragglers else ""
-        self._update("#iterations", (frame.progress or iterations_text([])) + "\n" + frame.ranks + stragglers)
+        text = (frame.progress or iterations_text([])) + "\n" + frame.ranks
+        if frame.stragglers:          # to the pane's last row, cut only where a phrase ends (80x24 gives it 5)
+            width, height = self.query_one("#iterations").content_size.width, \
+                self.query_one("#live-bottom").content_size.height
+            if width and height:
+                stragglers = fit_phrases(frame.stragglers, width, height - rows(text, width))
+                text += f"\n{escape(stragglers)}" if stragglers else ""
+            elif run and self.is_current:       # just shown: fitted once the layout gives the pane its size
+                self.call_after_refresh(lambda: self.last_frame is frame and self._draw_text(frame))
+        self._update("#iterations", text)
 
     def _update(self, selector: str, content: str) -> None:
         """Update a Static only when its text changes (each update costs a repaint)."""
@@ -758,6 +769,25 @@ def iterations_text(log, experiment=None) -> str:
                 if stats.get("tokens_per_s") is not None else ""
             lines.append(f"{window}: {format_figure('iter_time_mean_s', stats['iter_time_mean_s'])}/it{speed}")
     return "\n".join(lines)
+
+
+def rows(text: str, width: int) -> int:
+    """The rows `text` (console markup) takes in a pane `width` columns wide."""
+    return sum(max(1, len(textwrap.wrap(line, width))) for line in Text.from_markup(text).plain.split("\n"))
+
+
+def fit_phrases(text: str, width: int, room: int) -> str:
+    """`text` (plain) in at most `room` rows of `width`: whole, or cut where a phrase ends (before ", ", "; ",
+    ": " or " (", never inside parentheses) with an ellipsis; "" when not even its first phrase fits."""
+    if len(textwrap.wrap(text, width)) <= room:
+        return text
+    ends = sorted({i for sep in (", ", "; ", ": ", " (") for i in range(len(text)) if text.startswith(sep, i)},
+                  reverse=True)
+    for end in ends:
+        cut = text[:end] + " …"
+        if cut.count("(") == cut.count(")") and len(textwrap.wrap(cut, width)) <= room:
+            return cut
+    return ""
 
 
 def ranks_text(events: list[dict], start: dict) -> str:

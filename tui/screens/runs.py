@@ -3,12 +3,16 @@
 The list comes from `probes.store.rundir.list_runs`; the headline numbers from `probes.analysis.summary.summarize`
 (by="run"), in a thread worker: first every summary kept in the run directories (a Parquet read
 each), then the others, top row first; each row is filled in as its numbers arrive, and keeps
-them across refreshes. `/` searches the rows' text, `f` shows one status only, `s` (or a click on
-a heading) sorts by another column; newest first until then.
+them across refreshes. While the screen is shown the runs are read again every few seconds
+(`RunsScreen.watch_runs`): a new run, or one that finished, shows without a key. `/` searches the rows'
+text, `f` shows one status only, `s` (or a click on a heading) sorts by another column; newest first
+until then. `c` cancels the run meant (the one under the cursor when it runs, else the only one
+running), once asked.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from charllm.tui.commands.runs import HEADLINE, WINDOW, WINDOW_TEXT
 from charllm.tui.screens.base import WorkbenchScreen, shortest_key
 from charllm.tui.screens.dialogs import AskName, Confirm, free_name
 
+WATCH_S = 2.0          # how often the runs are read again while the screen is shown
 STATUS_STYLE = {"running": "bold green", "pending": "yellow", "completed": "", "failed": "bold red",
                 "cancelled": "magenta", "unknown": "yellow"}
 COLUMNS = ("run", "status", *(h for h, _ in HEADLINE.values()), "target", "experiment", "started")
@@ -52,6 +57,42 @@ class Headline(Message):
     run_id: str
     values: dict            # summary column -> value; empty when there is nothing to summarize
     note: str = ""
+
+
+@dataclass
+class Relisted(Message):
+    """The runs as the watcher read them, when any was added, deleted or changed status."""
+
+    runs: dict[str, Path]
+    manifests: dict[str, Manifest]
+
+
+def read_runs(known: dict[str, Manifest] | None = None) -> tuple[dict[str, Path], dict[str, Manifest]]:
+    """Every run directory, newest first, and its manifest (a run whose supervisor died is finished
+    first); a finished run's manifest in `known` is taken as it is."""
+    runs, manifests = {}, {}
+    for rd in reversed(list_runs()):        # newest first
+        if known and rd.id in known and known[rd.id].final:
+            m = known[rd.id]
+        else:
+            try:
+                launcher.reconcile(rd)   # a run whose supervisor died is finished now
+                m = rd.manifest()
+            except UserError:                       # a damaged manifest costs only its own row
+                m = Manifest(status="damaged")
+        runs[rd.id] = rd.path
+        manifests[rd.id] = m
+    return runs, manifests
+
+
+def headline(run_id: str, path: Path) -> Headline:
+    """A run's headline figures, summarized now (`charllm-tui runs list`'s), or why there are none."""
+    try:
+        return Headline(run_id, summary.summarize(path, window=WINDOW, by="run").row(0, named=True))
+    except UserError as exc:
+        return Headline(run_id, {}, str(exc))
+    except Exception as exc:  # noqa: BLE001 - one unreadable run must not hide the others
+        return Headline(run_id, {}, f"summary failed: {exc!r}")
 
 
 class RunsScreen(WorkbenchScreen):
@@ -105,28 +146,54 @@ class RunsScreen(WorkbenchScreen):
                           for group in KEYS_LINE)
 
     def on_screen_resume(self) -> None:
-        self.action_refresh()
+        self.action_refresh(newest_first=True)
+        self.watch_runs()
+
+    def on_screen_suspend(self) -> None:
+        self.workers.cancel_group(self, "runs-watch")
 
     # -- listing -----------------------------------------------------------------------------
-    def action_refresh(self) -> None:
-        """Read every run's manifest again, then show them (searched, filtered and sorted)."""
-        self.runs, self.manifests = {}, {}
-        for rd in reversed(list_runs()):        # newest first
-            try:
-                launcher.reconcile(rd)   # a run whose supervisor died is finished now
-                m = rd.manifest()
-            except UserError:                       # a damaged manifest costs only its own row
-                m = Manifest(status="damaged")
-            self.runs[rd.id] = rd.path
-            self.manifests[rd.id] = m
+    def action_refresh(self, newest_first: bool = False) -> None:
+        """Read every run's manifest again, then show them (searched, filtered and sorted); with
+        `newest_first`, a run new since the list was last read gets the cursor (the one just launched)."""
+        before = set(self.runs)
+        self.runs, self.manifests = read_runs()
+        new = [run_id for run_id in self.runs if run_id not in before] if before and newest_first else []
         self._fill()
-        self._focus_asked_for()
+        self._focus_asked_for(new[0] if new else None)
         self.headlines(list(self.runs.items()))
 
-    def _focus_asked_for(self) -> None:
+    @work(thread=True, exclusive=True, group="runs-watch")
+    def watch_runs(self) -> None:
+        """While the screen is shown, read the runs again every WATCH_S: a new or deleted run, or one whose
+        status changed (a run that finished), is shown within seconds, and a finished run's figures are
+        summarized again. Finished runs' manifests are not read again (their status is final)."""
+        worker = get_current_worker()
+        known = dict(self.manifests)
+        while True:
+            waited = time.monotonic() + WATCH_S
+            while time.monotonic() < waited:
+                if worker.is_cancelled:
+                    return
+                time.sleep(0.1)
+            runs, manifests = read_runs(known)
+            changed = [run_id for run_id, m in manifests.items()
+                       if run_id not in known or m.status_line != known[run_id].status_line]
+            if changed or set(manifests) != set(known):
+                self.post_message(Relisted(runs, manifests))
+                for run_id in changed:          # a new run's figures so far; a finished run's, whole
+                    if (run_id not in known or manifests[run_id].final) and not worker.is_cancelled:
+                        self.post_message(headline(run_id, runs[run_id]))
+            known = manifests
+
+    def on_relisted(self, message: Relisted) -> None:
+        self.runs, self.manifests = message.runs, message.manifests
+        self._fill()
+
+    def _focus_asked_for(self, new_run: str | None = None) -> None:
         """Put the cursor on the run another screen asked to show (app.runs_focus: a campaign's
-        member), clearing the search and the status filter if they hide it."""
-        run_id, self.app.runs_focus = self.app.runs_focus, None
+        member), else on `new_run`, clearing the search and the status filter if they hide it."""
+        run_id, self.app.runs_focus = self.app.runs_focus or new_run, None
         if run_id not in self.runs:
             return
         table = self.query_one(DataTable)
@@ -261,13 +328,7 @@ class RunsScreen(WorkbenchScreen):
         for run_id, path in to_compute:
             if worker.is_cancelled:
                 return
-            try:
-                row = summary.summarize(path, window=WINDOW, by="run").row(0, named=True)
-                self.post_message(Headline(run_id, row))
-            except UserError as exc:
-                self.post_message(Headline(run_id, {}, str(exc)))
-            except Exception as exc:  # noqa: BLE001 - one unreadable run must not hide the others
-                self.post_message(Headline(run_id, {}, f"summary failed: {exc!r}"))
+            self.post_message(headline(run_id, path))
 
     def on_headline(self, message: Headline) -> None:
         table = self.query_one(DataTable)
@@ -329,10 +390,28 @@ class RunsScreen(WorkbenchScreen):
         self.app.compare_runs([str(self.runs[r]) for r in refs])
 
     def action_cancel_run(self) -> None:
-        run_id = self.current_run()
-        if run_id:
-            self.notify(f"cancelling {run_id}…")
-            self.cancel_run(self.runs[run_id])
+        """Cancel the run meant, once the user says yes to its name: the one under the cursor when it is
+        running, else the only one running (the cursor may have stayed on an older run)."""
+        running = [run_id for run_id, m in self.manifests.items() if m.status in ("running", "pending")]
+        cursor = self.current_run()
+        if cursor in running:
+            run_id = cursor
+        elif len(running) == 1:
+            run_id = running[0]
+        else:
+            status = self.manifests[cursor].status if cursor else ""
+            self.notify(f"no run is running{f' ({cursor} is {status})' if cursor else ''}" if not running else
+                        f"{len(running)} runs are running: put the cursor on the one to cancel", severity="warning")
+            return
+        m = self.manifests[run_id]
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self.notify(f"cancelling {run_id}…")
+                self.cancel_run(self.runs[run_id])
+
+        self.app.push_screen(Confirm(f"Cancel run {run_id} ({m.status_line}, on {m.target_name}): stop every "
+                                     f"process it runs, on every node?"), answer)
 
     @work(thread=True, group="cancel")
     def cancel_run(self, path: Path) -> None:

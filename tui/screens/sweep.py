@@ -7,10 +7,12 @@ F3 finds the table ready (the first sweep of a process also pays for importing p
 The result (a polars DataFrame, one row per valid
 layout, with its memory and its speed as `engine.model.speed` estimates it) feeds a TP × PP
 feasibility map (per micro batch and recompute choice, coloured by the best headroom in that cell)
-and a table, fitting layouts ranked by tokens/s, sortable by any column. Enter on a map cell or a table row loads
-that layout
-into Compose through `engine.model.sweep.layout_to_experiment`. Space marks table rows, and `c`
-writes the marked layouts as a new campaign of the composed experiment
+and a table, fitting layouts ranked by tokens/s, sortable by any column (the order chosen stays when
+`f` or a dropdown changes what is listed). The micro batch and recompute dropdowns start at the best
+layout's: the layouts listed share them, as the layouts of one campaign must ("any" lists all). Enter
+on a map cell or a table row loads that layout into Compose through
+`engine.model.sweep.layout_to_experiment`. Space marks table rows (the screen opens on the table),
+and `c` writes the marked layouts as a new campaign of the composed experiment
 (`engine.campaign.spec.from_layouts`), which the Campaign screen then shows.
 """
 
@@ -58,6 +60,9 @@ ALWAYS_SHOWN = ("rank", "tensor_model_parallel_size", "pipeline_model_parallel_s
 # the end: a DataTable formats and measures every cell it is given, which for thousands of rows
 # takes longer than the sweep itself.
 TABLE_PAGE = 100
+# The dropdowns over the table: (widget id, column). A sweep sets them to its best layout's values: the
+# layouts listed then share them, as the layouts of one campaign must (`c`); "any" lists all.
+FILTERS = (("mbs", "micro_batch_size"), ("recompute", "recompute"))
 # what `s` cycles through: (column, descending)
 SORTS = (("tokens_per_s", True), ("energy_per_token_j", False), ("headroom_bytes", True), ("peak_bytes", False),
          ("data_parallel_size", True), ("tensor_model_parallel_size", False), ("pipeline_model_parallel_size", False),
@@ -135,6 +140,7 @@ def cell_text(column: str, value) -> str | Text:
 
 class SweepScreen(WorkbenchScreen):
     MODE = "sweep"
+    AUTO_FOCUS = "#sweep-table"         # Space marks a layout there (on a dropdown it would open it)
     BINDINGS = [
         Binding("r", "run_sweep", "Run sweep", id="sweep.run"),
         Binding("s", "sort", "Sort by column", id="sweep.sort"),
@@ -150,8 +156,8 @@ class SweepScreen(WorkbenchScreen):
         super().__init__()
         self.frame = None               # the sweep's DataFrame
         self.fitting_only = True
-        self.sort_reverse = False
-        self.sort_index = -1
+        self.sort_index = -1            # the entry of SORTS `s` chose last
+        self.sort: tuple[str, bool] | None = None   # (column, descending) the table is sorted by; None: ranked
         self.swept_serial = None
         self.basis = ""
         self.table_frame = None         # what the table lists (after the fitting-only filter), in order
@@ -245,11 +251,14 @@ class SweepScreen(WorkbenchScreen):
         if self.marked_for != self.swept_serial:    # marks are layouts of the experiment swept before
             self.marked, self.marked_for = {}, self.swept_serial
         self.show_status()
+        best = self.frame.row(0, named=True) if self.frame.height else {}
         with self.prevent(Select.Changed):
-            for wid, column in (("mbs", "micro_batch_size"), ("recompute", "recompute")):
+            for wid, column in FILTERS:
                 values = sorted(self.frame[column].unique().to_list(), key=str) if self.frame.height else []
                 select = self.query_one(f"#{wid}", Select)
                 select.set_options([(str(v), v) for v in values])
+                if column in best:      # the best layout's: layouts listed together can make a campaign
+                    select.value = best[column]
         self.set_columns()
         self.redraw()
 
@@ -259,12 +268,15 @@ class SweepScreen(WorkbenchScreen):
         count = {} if counts is None else dict(counts.iter_rows())
         listed = self.table_frame.height if self.table_frame is not None else frame.height
         shown = "fitting only, f: all" if self.fitting_only else "all, f: fitting only"
+        if any(self.query_one(f"#{wid}", Select).value is not Select.NULL for wid, _ in FILTERS):
+            shown += "; of the micro batch and recompute above"
         same = f"\nin every layout: {escape(self.same_everywhere)}" if self.same_everywhere else ""
         marked = f" · {len(self.marked)} marked, c: a campaign of them" if self.marked else " · space marks"
+        order = f"sorted by {sort_text(self.sort)}" if self.sort else "ranked"
         self.query_one("#sweep-status", Static).update(
             f"{frame.height} valid layouts: [{VERDICT_STYLE[FITS]}]{count.get(FITS, 0)} fit[/], "
             f"[{VERDICT_STYLE[TIGHT]}]{count.get(TIGHT, 0)} tight[/] · "
-            f"listing {listed} ({shown}) · Enter loads one into "
+            f"listing {listed} ({shown}), {order} · Enter loads one into "
             f"Compose · s sorts{marked}{same}\n[dim]{escape(self.basis)}[/]")
 
     @on(Select.Changed)
@@ -274,7 +286,7 @@ class SweepScreen(WorkbenchScreen):
         if self.frame is None:
             return
         frame = self.frame
-        for wid, column in (("mbs", "micro_batch_size"), ("recompute", "recompute")):
+        for wid, column in FILTERS:
             value = self.query_one(f"#{wid}", Select).value
             if value is not Select.NULL:
                 frame = frame.filter(pl.col(column) == value)
@@ -300,11 +312,14 @@ class SweepScreen(WorkbenchScreen):
         self.fill_table(frame)
 
     def fill_table(self, frame) -> None:
+        """List `frame`'s layouts (the fitting ones only, unless `f` said all) in the order chosen."""
         import polars as pl
 
         self.query_one("#sweep-table", DataTable).clear()
         if self.fitting_only:
             frame = frame.filter(pl.col("fits"))
+        if self.sort is not None:
+            frame = frame.sort(self.sort[0], descending=self.sort[1], nulls_last=True)
         self.table_frame, self.loaded = frame, 0
         self.load_rows()
         self.show_status()
@@ -368,14 +383,16 @@ class SweepScreen(WorkbenchScreen):
         if self.frame is None:
             return
         self.sort_index = (self.sort_index + 1) % len(SORTS)
-        column, descending = SORTS[self.sort_index]
-        self.fill_table(self.shown.sort(column, descending=descending, nulls_last=True))
-        self.notify(f"sorted by {TABLE_COLUMNS[column]}{' (descending)' if descending else ''}", timeout=2)
+        self.sort = SORTS[self.sort_index]
+        self.fill_table(self.shown)
+        self.notify(f"sorted by {sort_text(self.sort)}", timeout=2)
 
     def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        """A heading sorts by its column; again, the other way round."""
         if event.data_table.id == "sweep-table":
-            self.sort_reverse = not self.sort_reverse
-            self.fill_table(self.shown.sort(event.column_key.value, descending=self.sort_reverse, nulls_last=True))
+            column = event.column_key.value
+            self.sort = (column, not self.sort[1] if self.sort and self.sort[0] == column else True)
+            self.fill_table(self.shown)
 
     def action_toggle_fitting(self) -> None:
         self.fitting_only = not self.fitting_only
@@ -449,6 +466,11 @@ class SweepScreen(WorkbenchScreen):
             return
         self.notify(f"wrote campaign {name} to {path}" + (f" and experiment preset {name} to {saved}" if saved else ""))
         self.app.show_campaign(name)
+
+
+def sort_text(sort: tuple[str, bool]) -> str:
+    column, descending = sort
+    return f"{TABLE_COLUMNS[column]}{' (descending)' if descending else ''}"
 
 
 def _layout_key(row: dict) -> tuple:

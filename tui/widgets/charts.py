@@ -10,13 +10,18 @@ A FigurePanel draws what `campaign report` draws in the terminal (tui/figures.dr
 
 from __future__ import annotations
 
+import math
 import time
+from itertools import cycle, repeat
 from typing import Sequence
 
 from textual_plotext import PlotextPlot
 
 MAX_FPS = 4.0
 MAX_LEGEND = 4
+# The series of a chart with a legend are told apart by glyph as well as by colour (the legend shows each);
+# without one (more series than MAX_LEGEND), all are braille points.
+MARKERS = ("braille", "x", "+", "o")
 SPARSE_POINTS = 400
 MAX_POINTS = 400           # per chart: plotext's build time grows with points; many series share them
 Series = dict[str, tuple[Sequence[float], Sequence[float]]]
@@ -38,6 +43,27 @@ def downsample(xs: Sequence[float], ys: Sequence[float], buckets: int) -> tuple[
         acc[2] += 1
     cols = sorted(sums.values())
     return [c[0] / c[2] for c in cols], [c[1] / c[2] for c in cols]
+
+
+def nice_ticks(lo: float, hi: float, most: int = 5) -> list[float]:
+    """As many round values from `lo` to `hi` as fit in `most` (1, 2, 2.5 or 5 times a power of ten
+    apart); a lone value when the range is a point."""
+    if not hi > lo:
+        return [lo]
+    power = 10 ** math.floor(math.log10((hi - lo) / max(1, most - 1)))
+    steps = [m * power * scale for scale in (0.1, 1, 10) for m in (1, 2, 2.5, 5)]
+    counts = [math.floor(hi / s + 1e-9) - math.ceil(lo / s - 1e-9) + 1 for s in steps]
+    pick = next(i for i, n in enumerate(counts) if n <= most)
+    step = steps[pick - 1 if counts[pick] < 2 and pick else pick]        # two at least, where the range allows
+    first = math.ceil(lo / step - 1e-9)
+    return [(first + i) * step for i in range(math.floor(hi / step + 1e-9) - first + 1)]
+
+
+def tick_labels(ticks: list[float]) -> list[str]:
+    """Ticks written with the decimals their spacing needs (0.05 apart: two; 2.5: one; 50: none)."""
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else abs(ticks[0]) or 1.0
+    decimals = next(d for d in range(12) if abs(round(step, d) - step) <= abs(step) * 1e-6 or d == 11)
+    return [f"{t:,.{decimals}f}" for t in ticks]
 
 
 class _KeptPlot(PlotextPlot):
@@ -70,10 +96,14 @@ class Chart(_KeptPlot):
         self._pending = False
         self._stale = False
         self._note = ""
+        self._baseline: str | None = None
 
-    def show(self, series: Series, *, note: str = "") -> None:
+    def show(self, series: Series, *, note: str = "", baseline: str | None = None) -> None:
+        """Plot `series` (label -> points); `baseline` names the one the others are measured against
+        (drawn first, "(baseline)" in the legend)."""
         self._series = series
         self._note = note
+        self._baseline = baseline
         if not self.display:
             self._stale = True
             return
@@ -97,15 +127,21 @@ class Chart(_KeptPlot):
         per_cell = max(10, (self.size.width - 8) * 2)
         buckets = max(10, min(per_cell, MAX_POINTS // max(1, len(self._series))))
         legend = len(self._series) <= MAX_LEGEND       # more labels than that would cover the plot
-        series = {label: downsample(xs, ys, buckets) for label, (xs, ys) in self._series.items()}
+        first = sorted(self._series, key=lambda label: label != self._baseline)    # the baseline first
+        series = {label: downsample(*self._series[label], buckets) for label in first}
         sparse = sum(len(dx) for dx, _ in series.values()) <= SPARSE_POINTS
         draw = plt.plot if sparse else plt.scatter      # few points: join them; many: they join by density
-        for label, (dx, dy) in series.items():
+        for marker, (label, (dx, dy)) in zip(cycle(MARKERS) if legend else repeat("braille"), series.items()):
             if dx:
-                draw(dx, dy, label=label if legend else None, marker="braille")
-        values = [y for _, dy in series.values() for y in dy]
-        if legend and values:
-            plt.ylim(*self._with_legend_room(min(values), max(values), legend_rows=len(series)))
+                name = f"{label} (baseline)" if label == self._baseline else label
+                draw(dx, dy, label=name if legend else None, marker=marker)
+        values = [y for _, dy in series.values() for y in dy if math.isfinite(y)]
+        if values:
+            lo, hi = min(values), max(values)
+            if legend:
+                plt.ylim(*self._with_legend_room(lo, hi, legend_rows=len(series)))
+            ticks = nice_ticks(lo, hi, most=max(3, min(6, (self.size.height - 4) // 3)))
+            plt.yticks(ticks, tick_labels(ticks))        # round figures, none beyond the data (no 102.22%)
         self.refresh()
 
     def _with_legend_room(self, lo: float, hi: float, legend_rows: int) -> tuple[float, float]:

@@ -24,9 +24,13 @@ FOCUS_KEYS = [
 
 
 class InOrderKeys:
-    """Runs the control's own key bindings as its keys arrive, in order with typed characters."""
+    """Runs the control's own key bindings as its keys arrive, in order with typed characters.
+    Only its own keys: those bubbling up from a part of it that has the focus (a Select's open list) are
+    that part's (Down and Enter move and choose there)."""
 
     async def _on_key(self, event: events.Key) -> None:
+        if not self.has_focus:
+            return
         for binding in self._bindings.key_to_bindings.get(event.key, ()):
             if not binding.priority:
                 event.stop()

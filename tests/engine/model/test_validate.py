@@ -384,6 +384,18 @@ def test_bad_sizes_stop_before_division_rules():
         "pipeline_model_parallel_size = 0: must be at least 1", "micro_batch_size = 0: must be at least 1"]
 
 
+@pytest.mark.parametrize("name", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                  "context_parallel_size", "expert_model_parallel_size", "micro_batch_size",
+                                  "cluster.nodes", "cluster.gpus_per_node"])
+@pytest.mark.parametrize("size", [0, -3])
+def test_a_size_below_one_is_named_and_the_derived_sizes_stay_defined(name, size):
+    """Compose shows world, DP and micro-batches while the user types: a 0 there was a ZeroDivisionError."""
+    exp = base().apply([f"{name}={size}"])
+    assert exp.data_parallel_size >= 1 and exp.expert_data_parallel_size >= 1 and exp.num_microbatches >= 1
+    assert exp.layout_record()["data_parallel_size"] >= 1
+    assert [str(p) for p in validate(exp)] == [f"{name.rpartition('.')[2]} = {size}: must be at least 1"]
+
+
 @pytest.mark.parametrize("name", list(catalog.entries("experiments")))
 def test_shipped_experiments_are_valid(name):
     assert validate(Experiment.load(name)) == []

@@ -173,3 +173,16 @@ def test_figures_against_a_runs_own_mean_are_changes_not_better_or_worse(charllm
         assert row["better"] is None and row["flag"] in ("changed", None), (metric, row)
     assert _row(r, "spikes_over_mean_count", bursty.id)["delta"] != 0, "the figures do differ"
     assert direction("spikes_over_mean_count") is None and direction("time_over_limit_s") == "lower"
+
+
+def test_experiment_diff_leaves_out_a_field_one_lacks_and_another_holds_empty(charllm_dirs):
+    """An older run's experiment without hardware.device_names against two with []: no difference
+    (Compare listed `hardware.device_names: | [] | []`); a real difference still is one."""
+    root = charllm_dirs["runs"]
+    runs = [_run(root, "20261121-000001-a", 200.0, 60.0, 1.0), _run(root, "20261121-000002-b", 200.0, 60.0, 1.0),
+            _run(root, "20261121-000003-c", 200.0, 60.0, 1.0, mbs=2)]
+    for newer in runs[1:]:
+        newer.experiment_path.write_text(newer.experiment_path.read_text().replace(
+            "[hardware]\n", "[hardware]\ndevice_names = []\n"))
+    diff = compare([r.id for r in runs]).experiment_diff
+    assert diff["field"].to_list() == ["training.micro_batch_size"]
