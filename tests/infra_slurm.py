@@ -164,7 +164,7 @@ def start_cluster(root: Path, cleanups: list) -> SlurmCluster:
     cleanups.append(lambda: stop_process(ctld))
     cluster = SlurmCluster(root=root, conf=conf, env=env, controller=ctld)
     cleanups.append(lambda: cluster.controller and stop_process(cluster.controller))   # (a restarted one)
-    wait_for(lambda: "n1" in cluster.scontrol("show", "nodes"), 20, "slurmctld")
+    wait_for(lambda: "n1" in cluster.scontrol("show", "nodes"), 60, "slurmctld")   # (over 20 s once at load 10)
     for node in NODES:
         slurmd = subprocess.Popen([_binary("slurmd"), "-D", "-N", node, "-f", str(conf)], env=env,
                                   stdout=log, stderr=log)

@@ -20,7 +20,16 @@ from charllm.engine.model.experiment import Experiment
 from charllm.probes.core import procid
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir
 from infra_cli import run
-from infra_runs import iterations_logged, kill_and_wait, left_after, logs, run_processes, supervisor_process, wait_for
+from infra_runs import (
+    iterations_logged,
+    kill_and_wait,
+    left_after,
+    logs,
+    run_processes,
+    supervisor_process,
+    wait_final,
+    wait_for,
+)
 from infra_slurm import fault_wrappers, slurm_cluster  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.integration]
@@ -105,6 +114,23 @@ def test_hiccups_a_controller_restart_and_a_killed_follower_never_fail_a_healthy
     assert [left_after(rd.id) for rd in rds] == [0, 0], [p.cmdline() for rd in rds for p in run_processes(rd.id)]
 
 
+
+@pytest.mark.train
+@pytest.mark.timeout(400)
+def test_an_sbatch_without_an_answer_never_submits_a_run_twice(slurm_cluster, faults):
+    """sbatch meets the controller's timeout, hangs past its time limit, loses its answer after the
+    job was taken, prints garbage, finds no controller: before asking again, each launch looks for
+    its job by name, so each run has exactly one job, and both complete."""
+    faults.plan("sbatch", ["fail", "hang", "lost", "garbage", "unreachable"])
+    rds = [RunDir(launch(two_nodes(4), target()).run_dir) for _ in range(2)]
+    assert [line.split()[1] for line in faults.injected()] == ["fail", "hang", "lost", "garbage", "unreachable"]
+    names = [word.split("=", 1)[1] for line in slurm_cluster.scontrol("show", "job", "-o").splitlines()
+             for word in line.split() if word.startswith("JobName=")]
+    assert [names.count(rd.id) for rd in rds] == [1, 1], names
+    manifests = [wait_final(rd, 300) for rd in rds]
+    assert [m["status"] for m in manifests] == ["completed"] * 2, [(m.get("failure"), logs(rd)) for m, rd in
+                                                                   zip(manifests, rds)]
+
 def _described(rd: RunDir) -> str:
     from charllm.engine.launch.targets import describe
 
@@ -148,11 +174,11 @@ def test_a_job_slurm_no_longer_knows_is_decided_by_its_own_end_record_else_said_
 
 def test_accounting_s_word_decides_a_purged_job(slurm_cluster, charllm_dirs, capsys, faults):
     """Where accounting keeps the job, sacct's state decides (here sacct answers as an accounting
-    cluster's does, --parsable2; the loopback keeps none), after a sacct that did not answer."""
+    cluster's does, --parsable2; the loopback keeps none), after sacct's timeout, garbage and a hang."""
     script = faults.folder / "bin" / "sacct"
     script.write_text(script.read_text().replace(
         '*) exec "$REAL" "$@" ;;', '*) echo "424243|TIMEOUT|0:15|n[1-2]"; exit 0 ;;'))
-    faults.plan("sacct", ["fail"])
+    faults.plan("sacct", ["fail", "garbage", "hang"])
     rd = _orphan(charllm_dirs["runs"], "20260101-000000-accounted", "424243")
 
     def settled():
@@ -163,4 +189,5 @@ def test_accounting_s_word_decides_a_purged_job(slurm_cluster, charllm_dirs, cap
     manifest = rd.read_manifest()
     assert manifest["status"] == "failed" and manifest["failure"] == "slurm job timeout (exit code 0:15, reason -) " \
                                                                        "on n[1-2]", manifest
-    assert [line.split()[:2] for line in faults.injected()] == [["sacct", "fail"]]
+    assert [line.split()[:2] for line in faults.injected()] == [["sacct", "fail"], ["sacct", "garbage"],
+                                                                 ["sacct", "hang"]]
