@@ -364,6 +364,7 @@ def script(*, target: SlurmTarget, run_dir: str, run_id: str, nodes: int, nproc:
         "set -u",
         'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "for try in 1 2 3 4 5 6; do   # the controller may be restarting: ask again",
+        '    [ -n "$FIRST_NODE" ] || break   # no job\'s node (the script run by hand): nothing to ask',
         '    MASTER_ADDR=$(scontrol show node "$FIRST_NODE" | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")',
         '    [ -n "$MASTER_ADDR" ] && break',
         "    sleep 10",
