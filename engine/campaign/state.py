@@ -137,12 +137,14 @@ class Record:
         """One line: members by status, and the time left at the current pace."""
         counts = self.counts()
         done = sum(counts.get(s, 0) for s in FINAL_STATUSES)
-        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", MISSING, SKIPPED, INVALID)
+        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", "unknown", MISSING, SKIPPED, INVALID)
         parts = [f"{counts[s]:,} {s}" for s in order if counts.get(s)]
         line = f"{self.name}: {plural(len(self.members), 'member')} ({', '.join(parts)})"
         left = self.time_left(now_ns)
-        if left is not None:
+        if left is not None and left >= 1:
             line += f"; about {duration(left, 0)} left at the current pace"
+        elif left is not None:
+            line += "; the members left run past the current pace"
         elif self.data.get("status") in FINAL_STATUSES and done:
             line += f"; {self.data['status']} at {clock(self.data.get('ended_ns'))}"
         return line
@@ -158,7 +160,8 @@ class Record:
         if not took or not left:
             return None
         now = now_ns or time.time_ns()
-        running = [(now - m["started_ns"]) / 1e9 for m in left if m.get("started_ns")]
+        # (a pending member waits its turn: under a scheduler it was submitted long before it starts)
+        running = [(now - m["started_ns"]) / 1e9 for m in left if m["status"] == "running" and m.get("started_ns")]
         mean = sum(took) / len(took)
         queued = len(left) - len(running)
         lanes = max(1, int(self.data.get("max_parallel") or 1))
@@ -199,13 +202,12 @@ def _gone(rd: RunDir) -> bool:
 def run_status(rd: RunDir) -> str:
     """A member run's status as its manifest says it, read only; MISSING when its directory is gone
     or holds no readable manifest."""
-    if _gone(rd):
+    if _gone(rd) or not rd.manifest_path.is_file():
         return MISSING
     try:
-        status = rd.manifest().status
+        return rd.manifest().status
     except UserError:
         return MISSING
-    return MISSING if status == "unknown" else status
 
 
 def member_status(record: Record, member: dict) -> str:

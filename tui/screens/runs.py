@@ -36,7 +36,7 @@ from charllm.tui.screens.dialogs import AskName, Confirm, free_name
 
 WATCH_S = 2.0          # how often the runs are read again while the screen is shown
 STATUS_STYLE = {"running": "bold green", "pending": "yellow", "completed": "", "failed": "bold red",
-                "cancelled": "magenta"}
+                "cancelled": "magenta", "unknown": "yellow"}
 COLUMNS = ("run", "status", *(h for h, _ in HEADLINE.values()), "target", "experiment", "started")
 # The keys the footer has no room for at 80 columns first; this line stays under the run's details.
 # Groups of (binding id, what it does), shown with the keys the user's [keymap] gives them.
