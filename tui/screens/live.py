@@ -429,7 +429,7 @@ class LiveScreen(WorkbenchScreen):
                     stragglers = recent_line([starts, *iterations[-STRAGGLER_STEPS * 2:]], STRAGGLER_STEPS) \
                         if any(e.get("timers") for e in iterations[-2:]) else None
                 frame.stragglers = stragglers
-                if getattr(source, "command", None):
+                if isinstance(source, RunSource) and source.command:     # (host telemetry has no command)
                     frame.runtime = f"ran: {source.command}"
                 elif starts.get("runtime"):
                     frame.runtime = f"ran as {rundir.runtime_line(starts['runtime'])}"
