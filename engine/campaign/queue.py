@@ -28,12 +28,19 @@ from concurrent.futures import ThreadPoolExecutor
 from charllm.engine.campaign import state
 from charllm.engine.campaign.spec import Campaign, Plan, check_max_parallel
 from charllm.engine.campaign.state import DONE, MISSING, QUEUED, Record, directory
-from charllm.engine.launch.launcher import cancel as cancel_run, launch, reconcile
+from charllm.engine.launch.launcher import (
+    LayoutRefused,
+    cancel as cancel_run,
+    checked,
+    launch,
+    plan as plan_steps,
+    reconcile,
+)
 from charllm.engine.launch.target import Target
 from charllm.engine.launch.targets import from_record
 from charllm.engine.model.memory import FITS, TIGHT
-from charllm.probes.core import procid
-from charllm.probes.core.errors import UserError, os_error_line
+from charllm.probes.core import paths, procid
+from charllm.probes.core.errors import UserError, os_error_line, plural
 from charllm.probes.core.formatting import clock
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir
 
@@ -106,8 +113,55 @@ def _record_for_run(campaign: Campaign, plans: list[Plan], target: Target, paral
         _keep_completed(record, previous)
     if record.finished:
         raise UserError(f"campaign {campaign.name!r}: no member left to run ({record.progress()})")
+    check_target(record, {p.member.key: p.member.experiment for p in plans}, target)
     record.save()
     return record
+
+
+class Refused(UserError):
+    """A campaign refused before anything started: `reasons`, one line each (the CLI prints them so)."""
+
+    def __init__(self, head: str, reasons: list[str]):
+        super().__init__(f"{head}: {'; '.join(reasons)}")
+        self.head, self.reasons = head, reasons
+
+
+def forced(member: dict) -> bool:
+    """Whether a member is launched past its layout's problems: one planned not to fit (--include-oom)."""
+    return member["verdict"] not in (FITS, TIGHT)
+
+
+def check_target(record: Record, experiments: dict, target: Target) -> None:
+    """Refuse the campaign (Refused, one line per reason) unless every member it would run can start
+    on `target`, as `launch` checks each (launcher.checked: node count, GPUs per node, the layout),
+    and the target is ready for them all (Target.check_ready: a scheduler's commands, reachable hosts)."""
+    why: dict[str, list[str]] = {}                 # reason -> the members it refuses
+    steps = []
+    for m in record.members:
+        if m["status"] != QUEUED:
+            continue
+        try:
+            exp, _ = checked(experiments[m["key"]], target, force=forced(m))
+            steps += plan_steps(exp, target, paths.runs_dir() / f"{record.name}-check", dry_run=True)[0]
+        except LayoutRefused as exc:               # (its "--force" is launch's, no campaign's)
+            why.setdefault(exc.problem, []).append(m["name"])
+        except UserError as exc:
+            why.setdefault(str(exc), []).append(m["name"])
+    try:
+        target.check_ready(steps, lambda message: None)
+    except UserError as exc:
+        why.setdefault(str(exc), []).append("every member")
+    if why:
+        lines = [f"{reason} ({_members_named(names)})" for reason, names in why.items()]
+        raise Refused(f"campaign {record.name!r} cannot run on target {target.name!r}; nothing was started "
+                      f"({plural(len(lines), 'reason')})", lines)
+
+
+def _members_named(names: list[str]) -> str:
+    if names == ["every member"]:
+        return "every member"
+    shown_names = ", ".join(names[:3]) + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
+    return f"{plural(len(names), 'member')}: {shown_names}"
 
 
 def _keep_completed(record: Record, previous: Record) -> None:
@@ -146,7 +200,7 @@ def refresh(record: Record) -> Record:
                            failure=f"the campaign supervisor died (found at {clock()}); "
                                    f"--resume runs the members left")
     elif scheduled and record.finished:
-        record.data.update(status="completed", ended_ns=time.time_ns())
+        record.data.update(ended_ns=time.time_ns(), **state.outcome(record))
     try:
         record.save()
     except OSError:
@@ -196,12 +250,17 @@ def _cancel_members(record: Record) -> None:
 
     def stop(pair):
         m, rd = pair
-        if state.run_status(rd) != MISSING:
+        status = state.run_status(rd)
+        if status != MISSING and status not in FINAL_STATUSES:
             try:
                 cancel_run(rd)
             except UserError:
                 pass                                 # it ended first
-        _settle(m, rd, state.run_status(rd))
+            status = state.run_status(rd)
+            # Cancelled, whatever its run is recorded as later (a scheduler's job may end "failed"):
+            # what cancel reports is what status shows from then on.
+            status = status if status in ("completed", MISSING) else "cancelled"
+        _settle(m, rd, status)
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(stop, live))
     for m in record.members:
@@ -272,12 +331,11 @@ class Queue:
             time.sleep(POLL_S)
         if self.cancel_requested:
             _cancel_members(self.record)
-            status = "cancelled"
+            self.record.data.update(status="cancelled", ended_ns=time.time_ns())
         else:
-            status = "completed"
-        self.record.data.update(status=status, ended_ns=time.time_ns())
+            self.record.data.update(ended_ns=time.time_ns(), **state.outcome(self.record))
         self.record.save()
-        return status
+        return self.record.data["status"]
 
     # -- launching ---------------------------------------------------------------------------
     def members(self, *statuses) -> list[dict]:
@@ -314,7 +372,7 @@ class Queue:
             self.record.save()
             return None
         try:
-            result = launch(exp, target, force=m["verdict"] not in (FITS, TIGHT), tied=tied,
+            result = launch(exp, target, force=forced(m), tied=tied,
                             record={"campaign": {"name": self.record.name, "member": m["index"]}})
         except (UserError, OSError) as exc:
             why = str(exc) if isinstance(exc, UserError) else os_error_line(exc)
@@ -381,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         os.close(lock)       # its record says how it ended: the next `campaign run` may start now
-    print(f"campaign {argv[0]}: {status}", flush=True)
+    print(f"campaign {argv[0]}: {status} ({queue.record.tally()})", flush=True)
     return 0
 
 

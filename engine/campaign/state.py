@@ -133,13 +133,17 @@ class Record:
     def finished(self) -> bool:
         return all(m["status"] in DONE for m in self.members)
 
+    def tally(self, counts: dict[str, int] | None = None) -> str:
+        """Members by status, as their runs say it now: "3 completed, 12 failed"."""
+        counts = self.counts() if counts is None else counts
+        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", MISSING, SKIPPED, INVALID)
+        return ", ".join(f"{counts[s]:,} {s}" for s in (*order, *sorted(set(counts) - set(order))) if counts.get(s))
+
     def progress(self, now_ns: int | None = None) -> str:
         """One line: members by status, and the time left at the current pace."""
         counts = self.counts()
         done = sum(counts.get(s, 0) for s in FINAL_STATUSES)
-        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", MISSING, SKIPPED, INVALID)
-        parts = [f"{counts[s]:,} {s}" for s in order if counts.get(s)]
-        line = f"{self.name}: {plural(len(self.members), 'member')} ({', '.join(parts)})"
+        line = f"{self.name}: {plural(len(self.members), 'member')} ({self.tally(counts)})"
         left = self.time_left(now_ns)
         if left is not None:
             line += f"; about {duration(left, 0)} left at the current pace"
@@ -163,6 +167,17 @@ class Record:
         queued = len(left) - len(running)
         lanes = max(1, int(self.data.get("max_parallel") or 1))
         return max(0.0, sum(max(0.0, mean - r) for r in running) / lanes + queued * mean / lanes)
+
+
+def outcome(record: Record) -> dict:
+    """How a campaign whose queue is through ended: completed only where every member it was to run
+    completed (members planned not to run never were), else failed, saying how many did not."""
+    counts = record.counts()
+    short = {s: n for s, n in counts.items() if s not in ("completed", SKIPPED, INVALID)}
+    if not short:
+        return {"status": "completed"}
+    return {"status": "failed", "failure": f"{sum(short.values()):,} of {plural(len(record.members), 'member')} "
+                                           f"did not complete ({record.tally(short)})"}
 
 
 def directory(name: str) -> Path:

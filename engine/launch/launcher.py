@@ -88,6 +88,19 @@ def _fit_to_target(exp, target: Target, nproc: int | None):
     return exp
 
 
+def checked(exp, target: Target, *, force: bool = False, nproc: int | None = None,
+            say: Callable[[str], None] = lambda message: None) -> tuple:
+    """What `launch` checks of `exp` on `target` before it creates anything (campaign run checks every
+    member with it): returns the experiment fitted to the target and its layout's problems (those
+    `force` launches anyway); a UserError for what refuses it (LayoutRefused: a layout problem)."""
+    exp = _fit_to_target(exp, target, nproc)
+    say("checking the layout")
+    found = problems(exp)
+    if found and not force:
+        raise LayoutRefused(found[0])
+    return exp, found
+
+
 # --------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------
@@ -123,11 +136,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     manifest also holds (a campaign's member). `tied`: the supervisor is asked to stop (and stops
     the run) when the process that launched it dies, as a campaign's members do."""
     say = on_progress or (lambda message: None)
-    exp = _fit_to_target(exp, target, nproc)
-    say("checking the layout")
-    found = problems(exp)
-    if found and not force:
-        raise LayoutRefused(found[0])
+    exp, found = checked(exp, target, force=force, nproc=nproc, say=say)
     run_id = new_run_id(exp.name)
     run_dir = unique_run_dir(paths.runs_dir() / run_id)
     steps, script = plan(exp, target, run_dir, dry_run=dry_run)

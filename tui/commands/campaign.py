@@ -16,7 +16,7 @@ from charllm.engine.launch.targets import get_target
 from charllm.engine.model.memory import VERDICT_STYLE
 from charllm.probes.analysis import SUMMARY_FORMATS
 from charllm.probes.core import paths
-from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.errors import UserError, one_line as one_error_line, plural
 from charllm.probes.core.formatting import local_time
 
 EXAMPLES = """\
@@ -196,8 +196,14 @@ def one_line(value) -> str:
 def _start(args) -> int:
     campaign = spec.Campaign.load(args.name)
     target = get_target(args.target or campaign.target or "local", args.target_file)
-    record = queue.start(campaign, target, max_parallel=args.max_parallel, include_oom=args.include_oom,
-                         resume=args.resume)
+    try:
+        record = queue.start(campaign, target, max_parallel=args.max_parallel, include_oom=args.include_oom,
+                             resume=args.resume)
+    except queue.Refused as exc:                   # one line per reason
+        print(f"charllm-tui: error: {one_error_line(exc.head)}", file=sys.stderr)
+        for reason in exc.reasons:
+            print(f"  {one_error_line(reason)}", file=sys.stderr)
+        return 2
     print(f"{queued_line(record, target.name)}; its supervisor runs the queue "
           f"(log: {state.directory(campaign.name) / 'supervisor.log'})", flush=True)
     for m in record.members:
@@ -238,7 +244,7 @@ def _follow(name: str) -> int:
     bad = [m for m in record.members if m["status"] in ("failed", "cancelled", state.MISSING)]
     for m in bad:
         print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}")
-    print(f"campaign {name}: {record.data['status']}")
+    print(f"campaign {name}: {record.data['status']} ({record.tally()})")
     return 1 if bad or record.data["status"] != "completed" else 0
 
 

@@ -128,6 +128,9 @@ def test_campaign_cancel_stops_every_member_and_the_queue(charllm_dirs, capsys):
     assert code == 0, err
     rec = record(name)
     assert rec.data["status"] == "cancelled" and {m["status"] for m in rec.members} == {"cancelled"}
+    said = out.splitlines()[-1]
+    assert said.startswith(f"{name}: 6 members (6 cancelled)"), out
+    assert run(capsys, "campaign", "status", name)[1].splitlines()[0] == said, "status then says what cancel said"
     assert nothing_left(rec) and not supervisor_alive(rec)
     code, _, err = run(capsys, "campaign", "cancel", name)
     assert code == 2 and "already cancelled" in err
@@ -169,6 +172,8 @@ def test_a_member_past_its_time_limit_is_stopped_and_recorded_with_its_cause(cha
     rec = record(name)
     assert code == 1 and [m["status"] for m in rec.members] == ["failed", "failed"], out + err
     assert all("time limit (20 s) reached" in m["failure"] for m in rec.members)
+    assert rec.data["status"] == "failed" and rec.data["failure"] == "2 of 2 members did not complete (2 failed)"
+    assert out.splitlines()[-1] == f"campaign {name}: failed (2 failed)", "never 'completed' over failed members"
     assert nothing_left(rec)
     wait_for(lambda: not supervisor_alive(rec), 30, "the supervisor to exit")
 
