@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from charllm.engine.campaign import state
 from charllm.engine.campaign.spec import Campaign, Plan, check_max_parallel
-from charllm.engine.campaign.state import DONE, MISSING, QUEUED, Record, directory
+from charllm.engine.campaign.state import DONE, LOST, MISSING, QUEUED, Record, directory
 from charllm.engine.launch.launcher import (
     LayoutRefused,
     cancel as cancel_run,
@@ -251,7 +251,7 @@ def _cancel_members(record: Record) -> None:
     def stop(pair):
         m, rd = pair
         status = state.run_status(rd)
-        if status != MISSING and status not in FINAL_STATUSES:
+        if status not in LOST and status not in FINAL_STATUSES:
             try:
                 cancel_run(rd)
             except UserError:
@@ -259,7 +259,7 @@ def _cancel_members(record: Record) -> None:
             status = state.run_status(rd)
             # Cancelled, whatever its run is recorded as later (a scheduler's job may end "failed"):
             # what cancel reports is what status shows from then on.
-            status = status if status in ("completed", MISSING) else "cancelled"
+            status = status if status in ("completed", *LOST) else "cancelled"
         _settle(m, rd, status)
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(stop, live))
@@ -269,22 +269,26 @@ def _cancel_members(record: Record) -> None:
 
 
 def _observed(rd: RunDir) -> str:
-    """A member run's status now: MISSING where its directory or manifest is gone or damaged (and
-    nothing in it is acted on), else its status once reconciled (launcher.reconcile)."""
+    """A member run's status now: MISSING or DAMAGED where its directory or manifest is gone or
+    damaged (and nothing in it is acted on), else its status once reconciled (launcher.reconcile)."""
     status = state.run_status(rd)
-    if status == MISSING or status in FINAL_STATUSES:
+    if status in LOST or status in FINAL_STATUSES:
         return status
     try:
         return reconcile(rd)
-    except (UserError, FileNotFoundError):           # damaged or deleted just now
+    except UserError:                                # damaged just now
+        return state.DAMAGED
+    except FileNotFoundError:                        # deleted just now
         return MISSING
 
 
 def _settle(member: dict, rd: RunDir, status: str) -> None:
-    """Copy a finished run's outcome into its member (MISSING: its run is gone; the queue goes on)."""
-    if status == MISSING:
-        member.update(status=MISSING, ended_ns=time.time_ns(),
-                      failure=f"its run {rd.id} is gone or damaged; --resume runs it again")
+    """Copy a finished run's outcome into its member (MISSING, DAMAGED: its run is lost; the queue
+    goes on)."""
+    if status in LOST:
+        member.update(status=status, ended_ns=time.time_ns(),
+                      failure=f"its run {rd.id} is {'gone' if status == MISSING else 'damaged'}; "
+                              f"--resume runs it again")
         return
     if status not in FINAL_STATUSES:
         member["status"] = status if status in ("pending", "running") else member["status"]

@@ -36,8 +36,10 @@ from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, check_run_id, wr
 
 # A member's statuses: waiting in the queue, its run's own statuses, never run, or its run gone.
 QUEUED, SKIPPED, INVALID = "queued", "skipped", "invalid"
-MISSING = "missing"         # its run's directory vanished or is damaged: --resume runs it again
-DONE = (*FINAL_STATUSES, SKIPPED, INVALID, MISSING)     # a member in one of these needs nothing more
+MISSING = "missing"         # its run's directory vanished (deleted): --resume runs it again
+DAMAGED = "damaged"         # its run's directory holds no readable manifest: --resume runs it again
+LOST = (MISSING, DAMAGED)   # its run is no longer one to read
+DONE = (*FINAL_STATUSES, SKIPPED, INVALID, *LOST)       # a member in one of these needs nothing more
 MAX_RECORD_BYTES = 64 * 2**20
 LOCK = "supervisor.lock"
 LOCK_WAIT_S = 1.0           # how long `campaign run` waits for a lock a reader's probe holds for a moment
@@ -136,7 +138,7 @@ class Record:
     def tally(self, counts: dict[str, int] | None = None) -> str:
         """Members by status, as their runs say it now: "3 completed, 12 failed"."""
         counts = self.counts() if counts is None else counts
-        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", MISSING, SKIPPED, INVALID)
+        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", MISSING, DAMAGED, SKIPPED, INVALID)
         return ", ".join(f"{counts[s]:,} {s}" for s in (*order, *sorted(set(counts) - set(order))) if counts.get(s))
 
     def progress(self, now_ns: int | None = None) -> str:
@@ -212,26 +214,35 @@ def _gone(rd: RunDir) -> bool:
 
 
 def run_status(rd: RunDir) -> str:
-    """A member run's status as its manifest says it, read only; MISSING when its directory is gone
-    or holds no readable manifest."""
+    """A member run's status as its manifest says it, read only; MISSING when its directory is gone,
+    DAMAGED when it holds no readable manifest."""
     if _gone(rd):
         return MISSING
     try:
         status = rd.manifest().status
     except UserError:
-        return MISSING
-    return MISSING if status == "unknown" else status
+        return DAMAGED
+    return DAMAGED if status == "unknown" else status
 
 
 def member_status(record: Record, member: dict) -> str:
     """A member's status as its run says it now: a running member's run may have ended since the
-    record was written, and a completed member's run may have been deleted since."""
+    record was written, and a completed member's run may have been deleted or damaged since."""
     rd, status = record.run_dir(member), member["status"]
     if rd is None or status in DONE and status != "completed":
         return status
     if status == "completed":
-        return MISSING if _gone(rd) else status
+        now = run_status(rd)
+        return now if now in LOST else status
     return run_status(rd)
+
+
+def member_note(member: dict, status: str) -> str:
+    """What a member in `status` (member_status) says beside it: why its completed run is lost, how it
+    failed, or why it was never run; "" for none."""
+    if status in LOST and member["status"] == "completed":
+        return f"its run was {'deleted' if status == MISSING else 'damaged'}; --resume runs it again"
+    return member.get("failure") or (member.get("reason") if status in (SKIPPED, INVALID) else "") or ""
 
 
 # -- one supervisor per campaign --------------------------------------------------------------------
