@@ -26,6 +26,7 @@ from charllm.engine.campaign.summary import WINDOW, campaign_summary, member_sum
 from charllm.probes.analysis.kernels import CATEGORIES, compare_kernels
 from charllm.probes.analysis.render import metric_label, metric_unit
 from charllm.probes.core.errors import UserError, did_you_mean
+from charllm.probes.store.importers import CRASHED
 
 KINDS = ("parallelism", "optimization", "microbatch", "heatmap", "kernels")
 PARALLELISM_METRICS = ("temp_gpu_mean_c", "temp_gpu_peak_c", "power_mean_w", "power_peak_w", "sm_clock_mean_mhz",
@@ -88,9 +89,12 @@ def figure(record: Record, kind: str, metric: str | None = None, normalize: bool
 
 
 def _mark(row: dict) -> str:
-    """Why a member has no value: its plan did not fit (OOM, as the paper marks it), or its run did not complete."""
+    """Why a member has no value: its plan did not fit (OOM, as the paper marks it), its run crashed
+    (an imported folder without its sampled step), or its run did not complete."""
     if row["status"] == "skipped":
         return "OOM"
+    if (row.get("why") or "").startswith(CRASHED):
+        return CRASHED
     return row["status"] if row["status"] != "completed" else "no data"
 
 

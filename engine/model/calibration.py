@@ -147,6 +147,13 @@ def save_power(hardware: str, record: dict) -> Path:
     return target
 
 
+def saved_power() -> list[dict]:
+    """Every saved power calibration ({hardware, idle_w, max_w, runs, points, ...}), by hardware."""
+    suffix = ".power.json"
+    names = sorted(p.name[: -len(suffix)] for p in directory().glob(f"*{suffix}")) if directory().is_dir() else []
+    return [{"hardware": name, **fit} for name in names if (fit := load_power(name)) is not None]
+
+
 def load_power(hardware: str) -> dict | None:
     """{idle_w, max_w, runs, ...} fitted to `hardware`'s recorded runs, or None (none, or damaged)."""
     target = power_path(hardware)
