@@ -241,7 +241,7 @@ def _follow(name: str) -> int:
     except KeyboardInterrupt:
         print(f"\ncampaign {name}: still running (charllm-tui campaign status {name}; cancel: campaign cancel {name})")
         return 0
-    bad = [m for m in record.members if m["status"] in ("failed", "cancelled", state.MISSING)]
+    bad = [m for m in record.members if m["status"] in ("failed", "cancelled", *state.LOST)]
     for m in bad:
         print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}")
     print(f"campaign {name}: {record.data['status']} ({record.tally()})")
@@ -262,7 +262,7 @@ def _status(args) -> int:
         table.add_column(column, overflow="fold")
     for m in record.members:
         status = state.member_status(record, m)
-        note = m.get("failure") or (m.get("reason") if status in (state.SKIPPED, state.INVALID) else "")
+        note = state.member_note(m, status)
         cells = (m["index"] + 1, m["name"], m.get("layout") or "", status, m.get("run") or "-",
                  local_time(m.get("started_ns")), note or "")
         table.add_row(*(Text(str(cell)) for cell in cells))
