@@ -81,6 +81,11 @@ def register(sub, name: str, help: str) -> None:
     report.add_argument("--metric", metavar="M", help="the summary figure to plot (a column of `campaign summary`)")
     report.add_argument("--normalize", action="store_true", help="optimization: divide by each model's best")
     report.add_argument("--out", metavar="FILE", help="write an SVG or PNG image instead (needs the plot extra)")
+    report.add_argument("--predicted", action="store_true",
+                        help="draw it from the plans (the speed model), before any run: parallelism, optimization, "
+                             "microbatch")
+    report.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json: one entry per member, its keys and the figure's values (default: text)")
     delete = actions.add_parser("delete", help="delete a campaign's record (its runs stay)")
     delete.add_argument("name", metavar="NAME", help=RECORDED)
     p.set_defaults(func=_run)
@@ -345,12 +350,21 @@ def _members_table(df, markdown: bool) -> None:
 
 
 def _report(args) -> int:
-    from charllm.engine.campaign.report import figure  # deferred: loads polars (start-up time)
+    from charllm.engine.campaign.report import entries, figure, predicted_figure  # deferred: loads polars
     from charllm.tui import figures  # deferred: loads polars and plotext (start-up time)
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None
-    fig = figure(queue.refresh(state.Record.load(spec.record_name(args.name))), args.figure, args.metric,
-                 args.normalize)
+    if args.predicted:
+        fig, record = predicted_figure(spec.Campaign.load(args.name), args.figure, args.metric, args.normalize)
+    else:
+        record = queue.refresh(state.Record.load(spec.record_name(args.name)))
+        fig = figure(record, args.figure, args.metric, args.normalize)
+    if args.format == "json":
+        if fig.kind == "heatmap":
+            raise UserError("--format json: for the figures per member (parallelism, optimization, microbatch, "
+                            "kernels); the heatmap is per GPU")
+        print(json.dumps(entries(record, fig), indent=2))
+        return 0
     if out is not None:
         figures.write_image(fig, out)
         print(f"wrote {args.out}")
