@@ -147,6 +147,16 @@ def save_power(hardware: str, record: dict) -> Path:
     return target
 
 
+def drop_power(hardware: str) -> bool:
+    """Forget `hardware`'s power calibration; False where none is saved."""
+    try:
+        power_path(hardware).unlink()
+    except FileNotFoundError:
+        return False
+    _power.cache_clear()
+    return True
+
+
 def saved_power() -> list[dict]:
     """Every saved power calibration ({hardware, idle_w, max_w, runs, points, ...}), by hardware."""
     suffix = ".power.json"

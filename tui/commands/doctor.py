@@ -82,6 +82,9 @@ def register(sub, name: str, help: str) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--show", nargs="?", const="", metavar="HARDWARE",
                    help="show the saved calibration(s) (of HARDWARE) and exit")
+    p.add_argument("--drop-power", metavar="HARDWARE",
+                   help="forget HARDWARE's power model fitted to recorded runs (plans use the preset's idle power "
+                        "and board limit until a finished run refits it) and exit")
     p.add_argument("--iters", type=int, default=10, metavar="N", help="train check iterations (default: 10)")
     p.add_argument("--sample-seconds", type=float, default=2.0, metavar="S",
                    help="seconds of sampling at each rate (default: 2)")
@@ -93,6 +96,12 @@ def register(sub, name: str, help: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.show is not None:
         return show(args.show, args.json)
+    if args.drop_power is not None:
+        hardware = catalog.resolve("hardware", args.drop_power)    # a short name (h100) is its preset's
+        if not calibration.drop_power(hardware):
+            raise UserError(f"--drop-power {args.drop_power}: no power model is fitted for {hardware}")
+        print(f"power model of {hardware} dropped: plans use its preset's idle power and board limit again")
+        return 0
 
     def interrupted(signum, frame):
         raise KeyboardInterrupt   # unwinds through the train check, which stops its job

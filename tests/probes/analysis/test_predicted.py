@@ -127,6 +127,11 @@ def test_a_refit_takes_only_completed_plausible_runs_and_doctor_show_lists_it(ch
     assert ("power model of h100-sxm-80gb: idle 90 W, full load 680 W (idle and full load fitted), fitted from 2 "
             "recorded runs: 20261121-000000-light, 20261121-010000-heavy") in out, out
     assert "left out: 20261121-020000-hot (800.0 W, above 110% of the 700 W limit)" in out
+    assert main(["doctor", "--drop-power", "h100"]) == 0 and "power model of h100-sxm-80gb dropped" in \
+        capsys.readouterr().out
+    assert calibration.load_power("h100-sxm-80gb") is None and speed.estimate(heavy).power_source == "assumed"
+    assert main(["doctor", "--drop-power", "h100"]) == 2
+    assert "no power model is fitted for h100-sxm-80gb" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("idle, full, fits", [(90.0, 680.0, True), (30.0, 680.0, False), (450.0, 680.0, False),
