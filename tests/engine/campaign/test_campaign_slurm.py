@@ -67,6 +67,9 @@ def test_campaign_cancel_empties_the_slurm_queue(slurm_cluster, charllm_dirs, ca
     assert code == 0, err
     rec = record(name)
     assert rec.data["status"] == "cancelled" and {m["status"] for m in rec.members} == {"cancelled"}, rec.members
+    said = out.splitlines()[-1]                  # issue 39: cancel said "58 cancelled", status then "58 failed"
+    assert said.startswith(f"{name}: 6 members (6 cancelled)"), out
+    assert run(capsys, "campaign", "status", name)[1].splitlines()[0] == said
     assert slurm_cluster.jobs() == "" or all(" RUNNING" not in j and " PENDING" not in j
                                              for j in slurm_cluster.jobs().splitlines())
     assert all(left_after(rd.id) == 0 for rd in runs_of(rec))
