@@ -380,7 +380,8 @@ class Queue:
                             record={"campaign": {"name": self.record.name, "member": m["index"]}})
         except (UserError, OSError) as exc:
             why = str(exc) if isinstance(exc, UserError) else os_error_line(exc)
-            m.update(status="failed", failure=f"not started: {why}", started_ns=time.time_ns(), ended_ns=time.time_ns())
+            m.update(status=state.REFUSED, failure=f"not started: {why}", started_ns=time.time_ns(),
+                     ended_ns=time.time_ns())
             self.record.save()
             return None
         m.update(status="pending", run=result.run_id, started_ns=time.time_ns(), failure=None)

@@ -36,10 +36,11 @@ from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, check_run_id, wr
 
 # A member's statuses: waiting in the queue, its run's own statuses, never run, or its run gone.
 QUEUED, SKIPPED, INVALID = "queued", "skipped", "invalid"
+REFUSED = "refused"         # its launch was refused (the target could not start it): --resume tries again
 MISSING = "missing"         # its run's directory vanished (deleted): --resume runs it again
 DAMAGED = "damaged"         # its run's directory holds no readable manifest: --resume runs it again
 LOST = (MISSING, DAMAGED)   # its run is no longer one to read
-DONE = (*FINAL_STATUSES, SKIPPED, INVALID, *LOST)       # a member in one of these needs nothing more
+DONE = (*FINAL_STATUSES, SKIPPED, INVALID, REFUSED, *LOST)   # a member in one of these needs nothing more
 MAX_RECORD_BYTES = 64 * 2**20
 LOCK = "supervisor.lock"
 LOCK_WAIT_S = 1.0           # how long `campaign run` waits for a lock a reader's probe holds for a moment
@@ -138,7 +139,8 @@ class Record:
     def tally(self, counts: dict[str, int] | None = None) -> str:
         """Members by status, as their runs say it now: "3 completed, 12 failed"."""
         counts = self.counts() if counts is None else counts
-        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", MISSING, DAMAGED, SKIPPED, INVALID)
+        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", MISSING, DAMAGED, REFUSED, SKIPPED,
+                 INVALID)
         return ", ".join(f"{counts[s]:,} {s}" for s in (*order, *sorted(set(counts) - set(order))) if counts.get(s))
 
     def progress(self, now_ns: int | None = None) -> str:

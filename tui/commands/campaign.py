@@ -246,7 +246,7 @@ def _follow(name: str) -> int:
     except KeyboardInterrupt:
         print(f"\ncampaign {name}: still running (charllm-tui campaign status {name}; cancel: campaign cancel {name})")
         return 0
-    bad = [m for m in record.members if m["status"] in ("failed", "cancelled", *state.LOST)]
+    bad = [m for m in record.members if m["status"] in ("failed", "cancelled", state.REFUSED, *state.LOST)]
     for m in bad:
         print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}")
     print(f"campaign {name}: {record.data['status']} ({record.tally()})")

@@ -48,7 +48,7 @@ from charllm.tui.widgets.charts import FigurePanel
 POLL_S = 1.0
 MIN_PANEL_ROWS = 12            # a figure panel shorter than this scrolls instead
 STYLE = {**STATUS_STYLE, **VERDICT_STYLE, state.QUEUED: "dim", state.SKIPPED: "yellow", state.INVALID: "red",
-         state.MISSING: "bold red", state.DAMAGED: "bold red"}
+         state.MISSING: "bold red", state.DAMAGED: "bold red", state.REFUSED: "red"}
 # `m` steps through these: the paper's six at once (parallelism only), then each figure of a summary row.
 METRICS = tuple(m for m in FIGURES if m not in ("gpus", "simulated"))
 LIST_COLUMNS = {"campaign": "campaign", "members": "members", "progress": "progress"}

@@ -81,3 +81,29 @@ def test_a_campaign_through_its_queue_ends_as_its_members_did(statuses, ended, f
     plant_record(charllm_dirs["runs"], "c", [{"status": s} for s in statuses])
     outcome = state.outcome(state.Record.load("c"))
     assert outcome["status"] == ended and outcome.get("failure") == failure
+
+
+def test_a_member_whose_launch_is_refused_after_the_check_counts_as_refused(charllm_dirs, monkeypatch, tmp_path):
+    """The target changed between the check and the member's turn (here: sbatch gone): the member is
+    refused, with launch's reason, the queue goes on, and the campaign cannot end completed."""
+    from charllm.engine.campaign.queue import Queue
+    from charllm.engine.campaign.spec import Campaign
+    from charllm.engine.launch.targets import get_target
+
+    charllm_dirs["config"].mkdir(parents=True, exist_ok=True)
+    (charllm_dirs["config"] / "targets.toml").write_text('[cluster]\nkind = "slurm"\npartition = "debug"\n')
+    name = tiny_campaign(charllm_dirs, target="cluster")
+    campaign = Campaign.load(name)
+    state.Record.new(campaign, campaign.plan(), get_target("cluster").to_dict(), include_oom=False,
+                     max_parallel=2).save()
+    queue = Queue(name)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    member = queue.record.members[0]
+    assert queue.start_member(member, queue.target, tied=False) is None
+    assert member["status"] == "refused" and member["failure"] == (
+        "not started: target 'cluster': `sbatch` is not on PATH (run from a Slurm login node)")
+    record = state.Record.load(name)
+    assert "(5 queued, 1 refused)" in record.progress()
+    for m in record.members[1:]:
+        m["status"] = "completed"
+    assert state.outcome(record) == {"status": "failed", "failure": "1 of 6 members did not complete (1 refused)"}
