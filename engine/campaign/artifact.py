@@ -96,6 +96,7 @@ def record_tree(name: str, root: Path, imported: list[tuple[Path, RunDir]]) -> R
         "name": name, "source": f"import:{root}", "description": f"imported from {root}", "target": {},
         "max_parallel": 1, "time_limit_s": None, "include_oom": False, "status": "completed", "created_ns": now,
         "started_ns": now, "ended_ns": now, "supervisor": {}, "members": members})
+    record.data.update(state.outcome(record))     # failed where a folder was a crash
     record.save()
     return record
 

@@ -150,6 +150,7 @@ def test_an_imported_crash_is_a_failed_member_left_out_of_the_figures_and_marked
     assert code == 0, err
     record = Record.load("results")
     assert [m["status"] for m in record.members] == ["completed", "failed"]
+    assert record.data["status"] == "failed" and record.data["failure"] == "1 of 2 members did not complete (1 failed)"
     why = ("crashed or OOM: 3 power samples on its best rank, under the 10 a sampled step holds (the artifact's "
            "own scripts drop such runs as OOM)")
     assert record.members[1]["failure"] == why and f"warning: {record.members[1]['run']}: {why}" in err
