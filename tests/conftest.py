@@ -56,16 +56,6 @@ def megatron_lm_mirror():
     return MEGATRON_LM
 
 
-@pytest.fixture(scope="session")
-def validation_dir():
-    """The memory development set (CHARLLM_VALIDATION_DIR, tests/infra_paths.py); skipped without it."""
-    from infra_paths import VALIDATION, validation_missing
-
-    if missing := validation_missing():
-        pytest.skip(missing)
-    return VALIDATION
-
-
 @pytest.fixture
 def _pristine_environ():
     """Restore os.environ after each test. Megatron-Core writes NVTE_* variables into os.environ

@@ -47,6 +47,7 @@ CHANGES = {
     "cpu_offloading_num_layers": [1],
     "wgrad_deferral_limit": [2],
     "cuda_graph_warmup_steps": [0],              # only none against some changes what is held
+    "rampup_batch_size": [[4, 4, 100]],          # the tiny presets' global batch 8, micro batch x DP 4
     "data_path": ["/data/x"],
     "compute_capability": ["8.0"],
     "make_vocab_size_divisible_by": [100],
@@ -84,6 +85,7 @@ NEEDS = {
     "moe_pad_expert_input_to_capacity": {"moe_expert_capacity_factor": 1.5},
     "fp8_recipe": {"fp8": "e4m3"},
     "moe_flex_dispatcher_backend": {"moe_token_dispatcher_type": "flex"},
+    "overlap_moe_expert_parallel_comm": {"moe_token_dispatcher_type": "alltoall", "bf16": True},
     "wgrad_deferral_limit": {"defer_embedding_wgrad_compute": True},
     "cuda_graph_scope": {"cuda_graph_impl": "transformer_engine"},
     "cuda_graph_warmup_steps": {"cuda_graph_impl": "transformer_engine"},

@@ -12,8 +12,9 @@ from pathlib import Path
 MEGATRON_LM = Path(os.environ.get("CHARLLM_MEGATRON_LM")
                    or os.environ.get("MEGATRON_LM_MIRROR")      # the name used before
                    or "/work/.mirror/NVIDIA+Megatron-LM/repo")
-# The memory development set: memory_dev.json and its README table of measured Megatron-LM runs.
-VALIDATION = Path(os.environ.get("CHARLLM_VALIDATION_DIR") or "/work/shared/validation")
+# Git mirrors of NVIDIA's other public repositories, each at OWNER+NAME/repo under this directory (the public
+# throughput dev set's sources: NVIDIA/NeMo, NVIDIA/NeMo-Framework-Launcher, NVIDIA-NeMo/Megatron-Bridge).
+MIRRORS = Path(os.environ.get("CHARLLM_MIRRORS") or "/work/.mirror")
 
 
 def megatron_lm_missing() -> str | None:
@@ -23,8 +24,14 @@ def megatron_lm_missing() -> str | None:
     return f"needs a Megatron-LM git mirror: set CHARLLM_MEGATRON_LM ({MEGATRON_LM} is missing)"
 
 
-def validation_missing() -> str | None:
-    """Why there is no memory development set here, or None."""
-    if (VALIDATION / "memory_dev.json").is_file():
+def mirror(name: str) -> Path:
+    """The git directory of the mirror of `name` (owner/name) under MIRRORS."""
+    return MIRRORS / name.replace("/", "+") / "repo"
+
+
+def mirrors_missing(*names: str) -> str | None:
+    """Why one of these repositories has no mirror here, or None."""
+    lacking = [name for name in names if not (mirror(name) / "HEAD").exists()]
+    if not lacking:
         return None
-    return f"needs the memory development set: set CHARLLM_VALIDATION_DIR ({VALIDATION} is missing)"
+    return f"needs git mirrors of {', '.join(lacking)}: set CHARLLM_MIRRORS (a directory of OWNER+NAME/repo)"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import infra_daemons as daemons
 from infra_runs import stop_process, wait_for
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel")
@@ -146,7 +147,7 @@ def start_cluster(root: Path, cleanups: list) -> SlurmCluster:
 def slurm_cluster():
     reason = skip_reason()
     if reason:
-        pytest.skip(reason)
+        daemons.missing(reason)
     # Not under pytest's tmp dir: that is private to root (0700) and munged runs as `munge`.
     root = Path(tempfile.mkdtemp(prefix="charllm-slurm-"))
     cleanups: list = [lambda: shutil.rmtree(root, ignore_errors=True)]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import infra_daemons as daemons
 from infra_runs import stop_process
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -166,7 +167,7 @@ def _kill(pid: int) -> None:
 def ssh_nodes(tmp_path_factory):
     reason = skip_reason()
     if reason:
-        pytest.skip(reason)
+        daemons.missing(reason)
     cleanups = []
     try:
         nodes = start_nodes(tmp_path_factory.mktemp("sshnodes"), cleanups)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from charllm.engine.launch.command import Command
 from charllm.engine.launch.target import Step, Target, recorded_line
 from charllm.engine.launch.targets import LOCAL, from_record
 from charllm.probes.core import lifeline, paths, procid
@@ -50,6 +51,7 @@ class LaunchResult:
     job_id: str | None = None         # the scheduler's id of the run's job, where the target has one
     job: str = ""                     # the target's words for it ("slurm job 12"); "" without a scheduler
     profile: str | None = None        # what the profiler window records and costs (engine.model.profiling)
+    notes: list[str] = field(default_factory=list)   # a user's command: how it was planned, or why not
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,13 +91,14 @@ def _fit_to_target(exp, target: Target, nproc: int | None):
 
 
 def checked(exp, target: Target, *, force: bool = False, nproc: int | None = None,
-            say: Callable[[str], None] = lambda message: None) -> tuple:
+            say: Callable[[str], None] = lambda message: None, planned: bool = True) -> tuple:
     """What `launch` checks of `exp` on `target` before it creates anything (campaign run checks every
     member with it): returns the experiment fitted to the target and its layout's problems (those
-    `force` launches anyway); a UserError for what refuses it (LayoutRefused: a layout problem)."""
+    `force` launches anyway; none where it is not `planned`: a user's command without a layout); a
+    UserError for what refuses it (LayoutRefused: a layout problem)."""
     exp = _fit_to_target(exp, target, nproc)
     say("checking the layout")
-    found = problems(exp)
+    found = problems(exp) if planned else []
     if found and not force:
         raise LayoutRefused(found[0])
     return exp, found
@@ -109,9 +112,10 @@ def checked(exp, target: Target, *, force: bool = False, nproc: int | None = Non
 PORT_AT_LAUNCH = "PORT"
 
 
-def plan(exp, target: Target, run_dir: Path, *, dry_run: bool = False) -> tuple[list[Step], str | None]:
+def plan(exp, target: Target, run_dir: Path, *, dry_run: bool = False,
+         command: Command | None = None) -> tuple[list[Step], str | None]:
     """The processes per node (and the job script of a scheduler target)."""
-    return target.plan(exp, run_dir, PORT_AT_LAUNCH if dry_run else target.rendezvous_port())
+    return target.plan(exp, run_dir, PORT_AT_LAUNCH if dry_run else target.rendezvous_port(), command)
 
 
 def display_commands(steps: list[Step], target: Target) -> list[str]:
@@ -131,21 +135,32 @@ class LayoutRefused(UserError):
 
 def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, nproc: int | None = None,
            on_progress: Callable[[str], None] | None = None, record: dict | None = None,
-           tied: bool = False) -> LaunchResult:
+           tied: bool = False, command: Command | None = None, notes: list[str] | None = None) -> LaunchResult:
     """Start `exp` on `target`: a run directory and its detached supervisor. `record`: fields the
     manifest also holds (a campaign's member). `tied`: the supervisor is asked to stop (and stops
-    the run) when the process that launched it dies, as a campaign's members do."""
+    the run) when the process that launched it dies, as a campaign's members do.
+
+    `command`: a user's own command runs on every node instead of charllm's workload (command.py,
+    `plan_command` gives `exp` and `notes`). Its layout, where its flags give one, is planned and its
+    problems are noted, never refused: the job is the user's; where it gives none, the run keeps no
+    experiment.toml (nothing to plan from)."""
     say = on_progress or (lambda message: None)
-    exp, found = checked(exp, target, force=force, nproc=nproc, say=say)
+    # A user's command is never refused for its layout (the job is the user's): its problems are noted.
+    planned = command is None or command.planned
+    exp, found = checked(exp, target, force=force or command is not None, nproc=nproc, say=say, planned=planned)
+    notes = list(notes or [])
+    if command is not None:
+        notes += [f"the plan says: {problem}" for problem in found]
+        found = []
     run_id = new_run_id(exp.name)
     run_dir = unique_run_dir(paths.runs_dir() / run_id)
-    steps, script = plan(exp, target, run_dir, dry_run=dry_run)
+    steps, script = plan(exp, target, run_dir, dry_run=dry_run, command=command)
     commands = display_commands(steps, target)
     from charllm.engine.model import profiling  # deferred: the models (runs commands' start-up)
 
-    window = profiling.plan(exp)
+    window = profiling.plan(exp) if command is None else None   # (a command profiles itself, if at all)
     result = LaunchResult(run_id=run_dir.name, run_dir=None, commands=commands, job_script=script,
-                          job_script_label=target.job_script_label,
+                          job_script_label=target.job_script_label, notes=notes,
                           forced=found, dry_run=dry_run, profile=window.describe() if window else None)
     if dry_run:
         return result
@@ -162,7 +177,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
             break
         except FileExistsError:
             run_dir = unique_run_dir(base)
-            steps, script = plan(exp, target, run_dir)
+            steps, script = plan(exp, target, run_dir, command=command)
             result.run_id, result.job_script = run_dir.name, script
             result.commands = commands = display_commands(steps, target)
     say(f"creating {run_dir}")
@@ -172,6 +187,7 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         "nodes": sorted({s.node for s in steps}), "steps": [s.to_dict() for s in steps],
         "commands": commands, "forced": found if force else [], "world_size": exp.world_size,
         "launched_from": procid.place(),   # who may judge the run until its supervisor records itself
+        **({"command": {**command.to_dict(), "notes": notes}} if command else {}),
         **(record or {}),
     }
     if window:   # what it will record and cost; the supervisor adds what it did (RunDir.profile_account)
@@ -179,7 +195,8 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     try:
         rd.logs_dir.mkdir()
         token = procid.write_token(rd.path)   # every process of the run carries it: the proof a signal needs
-        exp.save(rd.experiment_path)
+        if planned:
+            exp.save(rd.experiment_path)
         rd.write_manifest(manifest)
         manifest.update(target.prepare(rd, steps, script, say))
         recorded = manifest["target"]

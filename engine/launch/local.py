@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from charllm.engine.launch.command import Command
 from charllm.engine.launch.nodes import ArgvFor, NodeOutput, run_here
 from charllm.engine.launch.target import Say, Step, Target, sampler_argv, train_argv
 from charllm.probes.core.errors import UserError
@@ -27,6 +28,7 @@ class LocalTarget(Target):
     kind: ClassVar[str] = "local"
     default_python: ClassVar[str] = sys.executable   # this interpreter
     on_this_machine: ClassVar[bool] = True
+    shares_files: ClassVar[bool] = True
     nodes_help: ClassVar[str] = "this machine"
 
     def check_nodes(self, nodes: int) -> None:
@@ -37,11 +39,13 @@ class LocalTarget(Target):
     def rendezvous_port(self) -> int:
         return free_port()   # a free port here
 
-    def plan(self, exp: Experiment, run_dir: Path, port) -> tuple[list[Step], None]:
+    def plan(self, exp: Experiment, run_dir: Path, port, command: Command | None = None) -> tuple[list[Step], None]:
         node, python = socket.gethostname(), self.python_path
-        return [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node)),
-                Step(node, "train", train_argv(python, exp, str(run_dir), node_rank=0,
-                                               master_addr="127.0.0.1", master_port=port))], None
+        sampler = [Step(node, "sampler", sampler_argv(python, exp, str(run_dir), node))] \
+            if command is None or command.samples_here else []   # (an attach to a Slurm job samples its nodes)
+        train = train_argv(python, exp, str(run_dir), node=node, node_rank=0, master_addr="127.0.0.1",
+                           master_port=port, command=command)
+        return sampler + [Step(node, "train", train)], None
 
     def run_on_nodes(self, argv_for: ArgvFor, nodes: int | None, *, wait: float, say: Say) -> list[NodeOutput]:
         self.no_node_count(nodes)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from charllm.engine.launch.command import Command
 from charllm.engine.launch.nodes import ArgvFor, Collect, NodeOutput, forward
 from charllm.engine.launch.process import (
     NO_END,
@@ -55,6 +56,7 @@ class SlurmTarget(Target):
     kind: ClassVar[str] = "slurm"
     job_script_label: ClassVar[str] = "sbatch script"
     allocates_nodes: ClassVar[bool] = True
+    shares_files: ClassVar[bool] = True    # the run directory is on a filesystem the nodes share
     nodes_help: ClassVar[str] = "--nodes N nodes (default 1), one srun step"
 
     partition: str | None = None
@@ -77,11 +79,11 @@ class SlurmTarget(Target):
         return [(option, value) for option in ("partition", "account", "qos", "time", "constraint")
                 if (value := getattr(self, option))]
 
-    def plan(self, exp: Experiment, run_dir: Path, port) -> tuple[list[Step], str]:
+    def plan(self, exp: Experiment, run_dir: Path, port, command: Command | None = None) -> tuple[list[Step], str]:
         python = self.python_path
         sampler = sampler_argv(python, exp, str(run_dir), "@@NODE@@")
-        train = train_argv(python, exp, str(run_dir), node_rank="@@NODE_RANK@@", master_addr="@@MASTER_ADDR@@",
-                           master_port=port)
+        train = train_argv(python, exp, str(run_dir), node="@@NODE@@", node_rank="@@NODE_RANK@@",
+                           master_addr="@@MASTER_ADDR@@", master_port=port, command=command)
         text = script(target=self, run_dir=str(run_dir), run_id=run_dir.name, nodes=exp.cluster.nodes,
                       nproc=exp.cluster.gpus_per_node, gpus=exp.hardware.vendor != "cpu", sampler=sampler,
                       train=train)

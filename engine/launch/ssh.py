@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from charllm.engine.launch.command import Command
 from charllm.engine.launch.nodes import ArgvFor, Collect, NodeOutput, read_streams, wait_then_stop
 from charllm.engine.launch.process import Proc, shell_status
 from charllm.engine.launch.target import Say, Step, Target, number, sampler_argv, train_argv
@@ -77,7 +78,7 @@ class SshTarget(Target):
             raise UserError(f"cluster.nodes = {nodes}: target {self.name!r} lists only "
                             f"{plural(len(self.hosts), 'host')}")
 
-    def plan(self, exp, run_dir: Path, port) -> tuple[list[Step], None]:
+    def plan(self, exp, run_dir: Path, port, command: Command | None = None) -> tuple[list[Step], None]:
         python, hosts = self.python_path, self.hosts[: exp.cluster.nodes]
         steps = []
         for rank, host in enumerate(hosts):
@@ -85,8 +86,9 @@ class SshTarget(Target):
             remote = self.remote_path("runs", run_dir.name, host)
             steps.append(Step(host, "sampler", sampler_argv(python, exp, remote, host, stream=True), host))
             steps.append(Step(host, "tail", ["tail", "-n", "+1", "-F", remote + "/iterations.jsonl"], host))
-            steps.append(Step(host, "train", train_argv(python, exp, remote, node_rank=rank,
-                                                        master_addr=hosts[0], master_port=port), host))
+            steps.append(Step(host, "train", train_argv(python, exp, remote, node=host, node_rank=rank,
+                                                        master_addr=hosts[0], master_port=port, command=command),
+                              host))
         return steps, None
 
     def display_command(self, step: Step) -> str:
@@ -107,9 +109,12 @@ class SshTarget(Target):
             say(f"preparing {host}")
             remote = self.remote_path("runs", rd.id, host)
             marker = (rd.path / MARKER).read_text()   # the node's sampler writes into it as a launched run's
-            self.run_on(host, f"mkdir -p {shlex.quote(remote)} && printf %s {shlex.quote(marker)} > "
-                        f"{shlex.quote(remote + '/' + MARKER)} && cat > {shlex.quote(remote + '/experiment.toml')}",
-                        stdin=rd.experiment_path.read_bytes())
+            line = f"mkdir -p {shlex.quote(remote)} && printf %s {shlex.quote(marker)} > " \
+                   f"{shlex.quote(remote + '/' + MARKER)}"
+            experiment = rd.experiment_path.read_bytes() if rd.experiment_path.is_file() else None
+            if experiment is not None:   # (a user's command whose layout is unknown has none)
+                line += f" && cat > {shlex.quote(remote + '/experiment.toml')}"
+            self.run_on(host, line, stdin=experiment)
         return {}
 
     def supervise(self, supervisor) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
+from charllm.engine.launch.command import Command
 from charllm.engine.launch.nodes import ArgvFor, NodeOutput
 from charllm.engine.launch.process import Proc
 from charllm.engine.workload import TORCHRUN_MODULE, TRAIN_MODULE
@@ -68,8 +69,12 @@ def sampler_argv(python: str, exp, run_dir: str, node: str, stream: bool = False
     return argv + ["--stream"] if stream else argv
 
 
-def train_argv(python: str, exp, run_dir: str, *, node_rank, master_addr: str, master_port) -> list[str]:
-    """torchrun, starting the workload on every rank of the node."""
+def train_argv(python: str, exp, run_dir: str, *, node_rank, master_addr: str, master_port, node: str = "",
+               command: Command | None = None) -> list[str]:
+    """torchrun, starting the workload on every rank of the node; or the runner of a user's `command`."""
+    if command is not None:
+        return command.argv(python, exp, run_dir, node=node, node_rank=node_rank, master_addr=master_addr,
+                            master_port=master_port)
     return [python, "-m", TORCHRUN_MODULE, f"--nnodes={exp.cluster.nodes}", f"--node-rank={node_rank}",
             f"--master-addr={master_addr}", f"--master-port={master_port}",
             f"--nproc-per-node={exp.cluster.gpus_per_node}",
@@ -84,6 +89,7 @@ class Target(ABC):
     kind: ClassVar[str]
     default_python: ClassVar[str] = "python3"   # the interpreter when `python` is not given
     on_this_machine: ClassVar[bool] = False     # its runs' processes are this machine's
+    shares_files: ClassVar[bool] = False        # its nodes see this machine's files (the runs, the current directory)
     allocates_nodes: ClassVar[bool] = False     # a scheduler picks the nodes (run_on_nodes takes a count)
     nodes_help: ClassVar[str] = ""              # which nodes run_on_nodes reaches, for the CLI's help
     job_script_label: ClassVar[str] = "job script"   # what a scheduler kind calls the script plan() writes
@@ -155,8 +161,9 @@ class Target(ABC):
         return random.randint(20000, 40000)
 
     @abstractmethod
-    def plan(self, exp, run_dir: Path, port) -> tuple[list[Step], str | None]:
-        """The processes per node, and the batch script where a scheduler runs them."""
+    def plan(self, exp, run_dir: Path, port, command: Command | None = None) -> tuple[list[Step], str | None]:
+        """The processes per node, and the batch script where a scheduler runs them; each node's training
+        step runs `command` (a user's) where one is given."""
 
     def display_command(self, step: Step) -> str:
         """The command line that runs `step`, as the dry run and the manifest show it."""

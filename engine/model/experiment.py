@@ -351,6 +351,8 @@ class Hardware:
     devices_per_package: int = setting(1, flag=None, minimum=1, maximum=64,
                                        help="devices one package shows the software (MI250X: 2 GCDs)")
     max_sm_clock_mhz: float = setting(0.0, flag=None, minimum=0, help="highest SM clock (MHz); 0: unknown")
+    sm_count: int = setting(0, flag=None, minimum=0, help="streaming multiprocessors (compute units): the waves "
+                                                          "of a GEMM's tiles the step time counts; 0: unknown")
     compute_capability: str | None = setting(None, flag=None, help="NVIDIA compute capability, major.minor "
                                                                    "(9.0: Hopper): which kernels it can run")
     device_names: list[str] = setting([], flag=None,
@@ -439,6 +441,11 @@ class Training:
                                      activations=True,
                                      help="training sequence length (tokens); unset: the model's seq_length")
     train_iters: int = setting(20, minimum=1, help="optimizer steps (iterations) to run")
+    # Megatron-LM's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START by INCREMENT,
+    # one increment per SAMPLES / increments consumed samples (core num_microbatches_calculator.py,
+    # RampupBatchsizeNumMicroBatchesCalculator); Experiment.batch_ramp gives its steps
+    rampup_batch_size: list[int] | None = setting(
+        None, help="global batch ramp-up: start, increment, samples; unset: the global batch from the first step")
     warmup_iters: int = setting(2, flag=None, minimum=0, help="first iterations marked warm-up in the "
                                                               "iteration log (not learning-rate warm-up)")
     bf16: bool = setting(True, config=True, activations=True, megatron_default=False, help="BF16 mixed precision")
@@ -520,6 +527,10 @@ class Training:
                                  help="precision-aware optimizer: dtype of Adam's first moment")
     exp_avg_sq_dtype: str = setting("fp32", choices=("fp32", "fp16", "bf16", "fp8"),
                                     help="precision-aware optimizer: dtype of Adam's second moment")
+    # Megatron-LM's --deterministic-mode (validate_args): torch's deterministic algorithms, a fixed NCCL algorithm
+    # and Transformer Engine's deterministic attention; Megatron's CI runs most of its cases so
+    deterministic_mode: bool = setting(False, config=True,
+                                       help="bitwise-reproducible steps: deterministic kernels and NCCL algorithm")
     optimizer_cpu_offload: bool = setting(False, help="keep the optimizer state in host memory")
     optimizer: str = setting("adam", choices=("adam", "sgd", "muon"), help="the optimizer")
     cross_entropy_loss_fusion: bool = setting(False, activations=True, help="a fused cross-entropy kernel for the loss")
@@ -555,6 +566,17 @@ class Training:
     moe_aux_loss_coeff: float = setting(0.0, minimum=0, config=True,
                                         help="weight of the router's load-balancing loss; 0: off")
     moe_grouped_gemm: bool = setting(False, config=True, help="one grouped GEMM for a rank's local experts")
+    # benchmarks route evenly (Megatron-Bridge's performance recipes: "force-balance the token distribution")
+    moe_router_force_load_balancing: bool = setting(
+        False, config=True, activations=True,
+        help="route tokens evenly over the experts (benchmarking): no expert rank gets more than the mean")
+    # megatron-core ModelParallelConfig (core_v0.16.1+): the 1F1B A2A overlap of pipeline_parallel/combined_1f1b.py
+    overlap_moe_expert_parallel_comm: bool = setting(
+        False, config=True, help="each micro-batch's expert-parallel all-to-alls beside another's compute "
+                                 "(1F1B A2A overlap)")
+    delay_wgrad_compute: bool = setting(
+        False, config=True, help="weight gradients after the input gradients, beside the backward's all-to-all "
+                                 "(A2A overlap)")
     moe_router_dtype: str | None = setting(None, choices=(None, "fp32", "fp64"), config=True,
                                            help="dtype of routing and the weighted expert sum; unset: the "
                                                 "training dtype")
@@ -678,6 +700,29 @@ class Experiment:
     def num_microbatches(self) -> int:
         t = self.training
         return microbatches(t.global_batch_size, t.micro_batch_size, self.data_parallel_size)
+
+    def batch_ramp(self) -> list[tuple[int, int]]:
+        """(global batch, steps) of the batch ramp-up before the global batch, in order; [] without one.
+        As Megatron-LM counts them (training.py update_train_iters, core_v0.16.1): the batch of each step is
+        START + INCREMENT x (samples consumed before it / samples per increment) until SAMPLES are consumed."""
+        t = self.training
+        if not t.rampup_batch_size or len(t.rampup_batch_size) != 3:
+            return []
+        start, increment, samples = t.rampup_batch_size
+        increments = (t.global_batch_size - start) // increment if increment > 0 else 0
+        if increments <= 0 or start <= 0:
+            return []
+        per_increment = samples / increments
+        steps: list[tuple[int, int]] = []
+        consumed = 0
+        while consumed <= samples:
+            batch = min(start + int(consumed / per_increment) * increment, t.global_batch_size)
+            if batch == t.global_batch_size:
+                break
+            steps = steps[:-1] + [(batch, steps[-1][1] + 1)] if steps and steps[-1][0] == batch else \
+                steps + [(batch, 1)]
+            consumed += batch
+        return steps
 
     @property
     def virtual_stages(self) -> int:

@@ -12,14 +12,21 @@ from __future__ import annotations
 from charllm.engine.model.experiment import Experiment, ModelSpec
 
 
-def flops_per_iteration(exp: Experiment, samples: int | None = None) -> float:
-    """Model FLOPs of one training step of `samples` sequences (default: the global batch)."""
+def flops_per_iteration(exp: Experiment, samples: int | None = None, causal: bool = True) -> float:
+    """Model FLOPs of one training step of `samples` sequences (default: the global batch); `causal=False`:
+    counting the whole attention square (see num_floating_point_operations)."""
     batch = exp.training.global_batch_size if samples is None else samples
-    return num_floating_point_operations(exp.model, batch, exp.seq_length, exp.parallel.tensor_model_parallel_size)
+    return num_floating_point_operations(exp.model, batch, exp.seq_length, exp.parallel.tensor_model_parallel_size,
+                                         causal)
 
 
-def num_floating_point_operations(m: ModelSpec, batch_size: int, seq_length: int, tp: int = 1) -> float:
-    """Megatron-LM's FLOPs of one forward+backward pass over `batch_size` sequences."""
+def num_floating_point_operations(m: ModelSpec, batch_size: int, seq_length: int, tp: int = 1,
+                                  causal: bool = True) -> float:
+    """Megatron-LM's FLOPs of one forward+backward pass over `batch_size` sequences. Megatron counts half of
+    attention's score matrix (causal); `causal=False` counts all of it, as NeMo's performance tables up to
+    24.07 do (their model TFLOP/s over their tokens/s gives 2-12% more FLOPs per token than Megatron's, the
+    share of attention in the model's FLOPs: tests/data/public_dev/)."""
+    square = 0.5 if causal else 1.0
     h, heads, layers, s = m.hidden_size, m.num_attention_heads, m.num_layers, seq_length
     ffn, groups, kv_channels = m.ffn, m.query_groups, m.head_dim
     padded_vocab = m.padded_vocab_size(tp)
@@ -45,13 +52,13 @@ def num_floating_point_operations(m: ModelSpec, batch_size: int, seq_length: int
             + m.kv_lora_rank * (h + heads * (qk + v) + 1)
             + h * rope
             + heads * v * h
-            + s * heads * (qk + rope) / 2  # causal: half the score matrix
-            + s * heads * v / 2
+            + s * heads * (qk + rope) * square  # causal: half the score matrix
+            + s * heads * v * square
         )
     else:
         q = kv_channels * heads
         kv = kv_channels * groups
-        attn = fwd_bwd * fma * (h * (q + 2 * kv) + q * s / 2 * 2 + q * h)
+        attn = fwd_bwd * fma * (h * (q + 2 * kv) + q * s * square * 2 + q * h)
 
     per_token = (
         fwd_bwd * fma * h * (

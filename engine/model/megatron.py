@@ -214,7 +214,7 @@ def _parser(kind: type, name: str, facts) -> Switch | Value | Many:
     if options == [bool]:
         return Switch(facts["switch"])
     if facts["join"] or get_origin(options[0]) is list:
-        return Many(str, join=facts["join"])
+        return Many(_int if options[0] == list[int] else str, join=facts["join"])
     parsers: dict[Any, Callable[[str], Any]] = {int: _int, float: _float, str: str}
     return Value(parsers[options[0]])
 
@@ -238,6 +238,8 @@ NO_MEMORY_EFFECT = {
     "--no-gradient-accumulation-fusion": "a kernel choice: the same fp32 main-gradient buffer",
     "--spec": "a layer-spec module: charllm plans Megatron's own GPT layers",
     "--tokenizer-model": "the tokenizer's file (its vocabulary size is --vocab-size here)",
+    "--eval-iters": "evaluation steps, between training steps: not a training step's memory or time",
+    "--eval-interval": "how often evaluation runs",
 }
 
 FLAGS: dict[str, tuple[str, str, Switch | Value | Many]] = {
@@ -330,8 +332,14 @@ def _split_launcher(tokens: list[str]) -> tuple[list[str], list[str]]:
 
 def launcher_world_size(args: str | list[str]) -> int | None:
     """The world size a `torchrun --nnodes N --nproc-per-node G ... x.py` prefix gives, else None."""
+    return launcher_shape(args)[0]
+
+
+def launcher_shape(args: str | list[str]) -> tuple[int | None, int | None]:
+    """(world size, processes per node) a `torchrun --nnodes N --nproc-per-node G ... x.py` prefix gives;
+    (None, None) where it does not say both as numbers."""
     launcher, _ = _split_launcher(split_command_line(args))
-    return _launcher_world(launcher)[0]
+    return _launcher_world(launcher)
 
 
 def _launcher_world(head: list[str]) -> tuple[int | None, int | None]:
@@ -454,7 +462,7 @@ def _resolve_tokenizer(m: ModelSpec, special: dict, given: set[str], release: st
 
 def _resolve_train_samples(exp: Experiment, special: dict, given: set[str], result: MegatronImport) -> None:
     """--train-samples instead of --train-iters: Megatron runs train_samples // global_batch_size
-    iterations (megatron/training/training.py, without a batch-size ramp-up)."""
+    iterations after the batch ramp-up's (megatron/training/training.py update_train_iters)."""
     if "--train-samples" not in special:
         return
     if "--train-iters" in given:
@@ -463,9 +471,12 @@ def _resolve_train_samples(exp: Experiment, special: dict, given: set[str], resu
     t = exp.training
     if samples < t.global_batch_size:
         raise UserError(f"--train-samples = {samples}: fewer than one global batch ({t.global_batch_size})")
-    t.train_iters = samples // t.global_batch_size
-    result.warnings.append(f"--train-samples {samples} / global batch {t.global_batch_size} = {t.train_iters} "
-                           "iterations")
+    ramp = exp.batch_ramp()
+    ramped = sum(batch * steps for batch, steps in ramp)
+    t.train_iters = sum(steps for _, steps in ramp) + max(samples - ramped, 0) // t.global_batch_size
+    result.warnings.append(f"--train-samples {samples} / global batch {t.global_batch_size}"
+                           + (f" after {ramped} samples of batch ramp-up" if ramp else "")
+                           + f" = {t.train_iters} iterations")
 
 
 # Environment variables before the script that charllm models, with what they set.
@@ -568,7 +579,17 @@ def export_environment(exp: Experiment) -> dict[str, str]:
         env["NVTE_CPU_OFFLOAD_V1"] = "1"              # Megatron asks for it with TE >= 2.10 (validate_args)
     if exp.training.expandable_segments:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"   # what the memory plan assumes
+    env.update(deterministic_environment(exp))
     return env
+
+
+def deterministic_environment(exp: Experiment) -> dict[str, str]:
+    """What --deterministic-mode needs in the environment: Megatron-LM asserts an NCCL_ALGO of its list
+    (validate_args), Transformer Engine's attention NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, and torch's
+    deterministic cuBLAS a fixed workspace."""
+    if not exp.training.deterministic_mode:
+        return {}
+    return {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def _read_flags(groups, exp: Experiment, result: MegatronImport) -> dict[str, list[str]]:
@@ -753,7 +774,19 @@ def export_megatron_args(exp: Experiment, version: str | None = None) -> list[st
 
     add("--micro-batch-size", t.micro_batch_size)
     add("--global-batch-size", t.global_batch_size)
-    add("--train-iters", t.train_iters)
+    ramp = exp.batch_ramp()
+    if t.rampup_batch_size:
+        # validate_args: "expected no batch-size rampup for iteration-based training": the same steps in samples
+        ramp_steps = sum(steps for _, steps in ramp)
+        add("--train-samples", sum(batch * steps for batch, steps in ramp)
+            + max(t.train_iters - ramp_steps, 0) * t.global_batch_size)
+    else:
+        add("--train-iters", t.train_iters)
+    # charllm's workload never evaluates. Megatron evaluates 100 steps by default, and pretrain_gpt.py
+    # cannot start without an interval: get_train_valid_test_num_samples divides by eval_interval, whose
+    # default is None (megatron/training/training.py:3307 at core_v0.16.1, :4481 at core_v0.19.0).
+    add("--eval-iters", 0)
+    add("--eval-interval", t.train_iters)
     add("--lr", t.lr)
     if t.data_path:
         add("--data-path", *t.data_path.split())
@@ -769,6 +802,45 @@ def export_megatron_args(exp: Experiment, version: str | None = None) -> list[st
         # wants a module and a name).
         skip.add("attention_backend")
     _add_non_default(add, t, TRAINING_FLAGS, skip=skip)
+    return out
+
+
+# Megatron-LM's switches for what its flags turn on by default, and the runtime's name for each
+# (megatron/training/arguments.py, _add_training_args and _add_mixed_precision_args, core_v0.16.1 and
+# core_v0.19.0): where engine.model.runtime leaves one off on the planned node, the flag says so.
+FUSION_SWITCHES = (
+    ("bias_activation_fusion", "--no-bias-swiglu-fusion", "swiglu"),
+    ("bias_activation_fusion", "--no-bias-gelu-fusion", "gelu"),
+    ("bias_dropout_fusion", "--no-bias-dropout-fusion", None),
+    ("masked_softmax_fusion", "--no-masked-softmax-fusion", None),
+    ("apply_rope_fusion", "--no-rope-fusion", "rope"),
+    ("gradient_accumulation_fusion", "--no-gradient-accumulation-fusion", None),
+)
+
+
+def runtime_flags(exp: Experiment) -> list[str]:
+    """The flags that make Megatron-LM's pretrain_gpt.py run what charllm's workload runs for `exp` on its
+    planned node (calibration.for_planning), beyond `export_megatron_args`: each fusion engine.model.runtime
+    leaves off there, which Megatron would turn on (a fused bias-GeLU is tanh's approximation: other
+    losses); with megatron-core's local layers and no Apex, no persistent LayerNorm (megatron-core's
+    WrappedTorchNorm refuses it: core/transformer/torch_norm.py:30 at core_v0.16.1); the workload's
+    constant learning rate without weight decay (engine.workload.train.optimizer_settings; Megatron
+    decays it linearly and decays weights by 0.01 by default); and, with a dataset, its whole split for
+    training (Megatron's default is 969,30,1). What `launch --runner megatron-lm` adds."""
+    stack = calibration.for_planning(exp.hardware)
+    impl = runtime.resolve(exp, stack)
+    m = exp.model
+    activation = "swiglu" if m.swiglu else "gelu" if not m.squared_relu else None
+    out = []
+    for fusion, flag, needs in FUSION_SWITCHES:
+        applies = needs is None or needs == activation or (needs == "rope" and m.position_embedding_type == "rope")
+        if applies and fusion not in impl.fusions and flag not in out:
+            out.append(flag)
+    if impl.transformer == "local" and not stack.has("apex"):
+        out.append("--no-persist-layer-norm")
+    out += ["--lr-decay-style", "constant", "--weight-decay", "0.0"]
+    if exp.training.data_path:
+        out += ["--split", "100,0,0"]
     return out
 
 

@@ -561,7 +561,8 @@ class _Shapes:
             cf = self.exp.training.moe_expert_capacity_factor
             # tokens reaching one rank's experts: its expert-TP group's sequence shards, top-k each
             routed = s * b * topk * self.etp / tp
-            busiest = MOE_DROPLESS_IMBALANCE if self.imbalance else 1.0
+            balanced = self.exp.training.moe_router_force_load_balancing
+            busiest = MOE_DROPLESS_IMBALANCE if self.imbalance and not balanced else 1.0
             if cf:
                 routed *= cf if self.exp.training.moe_pad_expert_input_to_capacity else min(cf, busiest)
             elif self.exp.parallel.expert_model_parallel_size > 1:

@@ -362,6 +362,9 @@ def problems(exp: Experiment, stack: Stack) -> list:
               "moves activations from a GPU to the host on side streams, and this node has no CUDA")
     if m.is_moe and t.moe_token_dispatcher_type == "flex" and t.moe_flex_dispatcher_backend == "hybridep":
         needs("moe_flex_dispatcher_backend", "hybridep", "not supported by the training workload yet (deepep is)")
+    if t.rampup_batch_size:
+        needs("rampup_batch_size", t.rampup_batch_size, "not supported by the training workload yet: it trains the "
+                                                        "global batch from the first step")
     if m.is_moe and t.moe_token_dispatcher_type == "flex" and not (stack.cuda and stack.has("deep_ep")):
         needs("moe_token_dispatcher_type", "flex", "the flex dispatcher needs DeepEP (deep_ep) on a CUDA GPU, "
                                                    "which this node lacks")

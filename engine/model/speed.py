@@ -46,12 +46,13 @@ step times (tests/data/memory_dev/); docs/speed-model.md lists every assumption.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from charllm.engine.model import calibration, memory
 from charllm.engine.model.experiment import Experiment
-from charllm.engine.model.flops import PEAK_FIELDS, num_floating_point_operations, peak_tflops
+from charllm.engine.model.flops import PEAK_FIELDS, flops_per_iteration, num_floating_point_operations, peak_tflops
 
 # --------------------------------------------------------------------------------------------
 # Assumed rates (docs/speed-model.md gives each source)
@@ -60,9 +61,16 @@ from charllm.engine.model.flops import PEAK_FIELDS, num_floating_point_operation
 # bf16 GEMM on an H100 reaches half that rate at about 4 GFLOP (132 SMs' worth of 128x256 output tiles
 # and a long K keep it busy), i.e. 4 GFLOP / (0.72 x 989 TFLOP/s).
 MATMUL_FILL_S = 5.5e-6
-# FP8 GEMMs reach a smaller share of their (twice as high) peak than BF16's: H100 cuBLASLt FP8
-# GEMMs run at 1.3-1.45 of 1.98 PFLOP/s against BF16's 0.75-0.8 of 0.99.
-FP8_MATMUL_SHARE = 0.85
+# GEMM output tiles of the cuBLAS/CUTLASS kernels for large GEMMs on Hopper (one tile per SM at a time): 128x256
+# and 256x128 warp-specialized tiles, 128x128 where those leave more of the last wave idle (CUTLASS 3's sm90
+# GEMM configurations; cuBLAS's heuristics pick among them). A GEMM runs ceil(tiles / SMs) waves, and a wave's
+# idle SMs and a tile's padding past the matrix edge are lost (Hardware.sm_count; 0: not counted).
+GEMM_TILES = ((128, 256), (256, 128), (128, 128))
+# FP8 GEMMs reach a smaller share of their (twice as high) peak than BF16's, by Transformer Engine recipe (the
+# scaling of the operands): per-tensor (delayed, tensorwise) and MXFP8 scale in the GEMM's epilogue; blockwise
+# (1x128 activations, 128x128 weights) rescales each K block in the main loop. Relative to the large-GEMM
+# efficiency of BF16 (Hardware.matmul_efficiency or its calibration).
+FP8_MATMUL_SHARE = {"delayed": 0.72, "tensorwise": 0.72, "mxfp8": 0.72, "custom": 0.72, "blockwise": 0.72}
 # Flash-class attention (FlashAttention-3, cuDNN's fused attention in Transformer Engine) on the
 # causal half of the scores, share of the BF16 peak (forward, backward): FA3's published H100
 # figures reach about 0.33 of it at 1k tokens and 0.6 at 8k-16k, head dim 128.
@@ -78,16 +86,27 @@ MEMORY_EFFICIENCY = 0.75
 # all-to-all's lower share, and the latency each adds (within a node, across nodes).
 LINK_EFFICIENCY = 0.8
 ALL_TO_ALL_EFFICIENCY = 0.6
+# MoE tokens travel in BF16: none of the dispatchers of megatron-core 0.16-0.19 sends FP8 (fused_a2a.py:
+# "Currently, we do not support fp8 dispatch"; main's moe_dispatch_fwd_dtype came after 0.19).
+DISPATCH_BYTES = 2
+# SMs a communication kernel holds while it runs beside compute, which the compute then lacks: DeepEP's 20
+# (TransformerConfig.moe_deepep_num_sms, core_v0.16.1; HybridEP's 16), NCCL's collectives one block per
+# channel, 16-32 channels on an NVLink node
+COMM_SMS = 20
 LATENCY_NODE_S = 20e-6
 LATENCY_NETWORK_S = 40e-6
 KERNEL_S = 4e-6                 # the least a kernel takes on the GPU
 # Host time to launch one Transformer Engine decoder layer's forward and backward for one
 # micro-batch (Python, autograd and kernel launches), and megatron-core's local layers'; an MoE
 # layer's extra; each collective; per micro-batch and stage the schedule's own; per step the rest
-# (optimizer launches, gradient norm, logging). Fitted (least squares on the log error) to the 83
-# small models of Megatron-LM's CI runs on H100 (tests/data/memory_dev/), whose steps are host time.
-HOST_LAYER_S = {"transformer_engine": 4.0e-3, "local": 2.2e-3}
+# (optimizer launches, gradient norm, logging). Fitted to the 83 small models of Megatron-LM's CI runs on
+# H100 (tests/data/memory_dev/), whose steps are host time. Most of them run --deterministic-mode, which
+# makes a Transformer Engine layer cost the host DETERMINISTIC_HOST times as much (its deterministic
+# attention path): the two TE figures fitted on either half of the cases and checked on the other give
+# mean |error| 19.8% / 16.6% and median 9.3% / 11.5% (one TE figure of 4.0 ms: 20.7% / 18.6%, 11.7% / 10.8%).
+HOST_LAYER_S = {"transformer_engine": 3.25e-3, "local": 2.2e-3}
 HOST_MOE_LAYER_S = 5.5e-3           # an MoE layer's router, permutation and experts, beyond a dense layer's
+DETERMINISTIC_HOST = 1.3
 HOST_COLLECTIVE_S = 80e-6           # per collective launched
 HOST_MICROBATCH_S = 0.15e-3
 FIXED_STEP_S = 40e-3
@@ -116,6 +135,7 @@ class Rates:
     network_bps: float              # network per device between nodes, per direction (B/s)
     host_bps: float                 # device-host link, per direction (B/s)
     gpus_per_node: int
+    sms: int                        # streaming multiprocessors: the GEMM's waves (0: unknown, not counted)
     source: str                     # "assumed" | "calibrated on NODE, DATE"
 
 
@@ -131,9 +151,9 @@ def rates(exp: Experiment, precision: str, efficiency: float | None = None) -> R
         share, source = efficiency, "given"
     elif cal is not None and cal.matmul_efficiency:
         share, source = cal.matmul_efficiency, cal.source
-    share *= FP8_MATMUL_SHARE if precision == "fp8" else 1.0
+    share *= FP8_MATMUL_SHARE[exp.training.fp8_recipe] if precision == "fp8" else 1.0
     return Rates(peak * 1e12, share, hw.mem_bandwidth_gbs * 1e9, hw.node_link_gbs * 1e9,
-                 hw.network_gbs * 1e9, hw.host_link_gbs * 1e9, exp.cluster.gpus_per_node, source)
+                 hw.network_gbs * 1e9, hw.host_link_gbs * 1e9, exp.cluster.gpus_per_node, hw.sm_count, source)
 
 
 def missing(exp: Experiment) -> list[str]:
@@ -258,13 +278,26 @@ def layouts_of(exp: Experiment, cache: dict | None = None) -> Layouts:
 # --------------------------------------------------------------------------------------------
 # The arithmetic, on arrays
 # --------------------------------------------------------------------------------------------
+def _waves(np, m, n, gemms, sms):
+    """The share of the SMs' tile slots a launch of `gemms` GEMMs of m x n outputs each fills: whole waves of
+    `sms` tiles, of the tile shape (GEMM_TILES) that fills the most; 1 where the SM count is unknown."""
+    if not sms:
+        return 1.0
+    best = 0.0
+    for tile_m, tile_n in GEMM_TILES:
+        tiles = np.ceil(np.maximum(m, 1.0) / tile_m) * np.ceil(np.maximum(n, 1.0) / tile_n) * gemms
+        best = np.maximum(best, m * n * gemms / (np.ceil(tiles / sms) * sms * tile_m * tile_n))
+    return best
+
+
 def _gemm(np, m, k, n, peak, share, r: Rates, ab, gemms=1):
-    """Seconds of `gemms` GEMMs together (m x k) @ (k x n) at `peak` FLOP/s: the FLOPs at the
-    large-GEMM share of it plus each GEMM's fill and drain (MATMUL_FILL_S), never faster than the
-    operands stream from memory."""
+    """Seconds of `gemms` GEMMs together, each (m / gemms x k) @ (k x n), at `peak` FLOP/s: the FLOPs at the
+    large-GEMM share of it over the tile slots their waves fill (`_waves`), plus each GEMM's fill and drain
+    (MATMUL_FILL_S), never faster than the operands stream from memory."""
     flops = 2.0 * m * k * n
     streamed = (m * k + k * n + m * n) * ab / (r.memory_bps * MEMORY_EFFICIENCY)
-    return np.maximum(flops / max(peak * share, 1.0) + gemms * MATMUL_FILL_S, streamed + gemms * KERNEL_S)
+    filled = _waves(np, m / gemms, n, gemms, r.sms)
+    return np.maximum(flops / max(peak * share, 1.0) / filled + gemms * MATMUL_FILL_S, streamed + gemms * KERNEL_S)
 
 
 def _stream(nbytes, r: Rates):
@@ -288,14 +321,33 @@ def _collective(np, factor, nbytes, size, stride, r: Rates, efficiency=LINK_EFFI
     return np.where(size > 1, latency + factor * nbytes / np.maximum(bw, 1.0), 0.0)
 
 
-def _all_to_all(np, nbytes, size, stride, r: Rates):
-    """Seconds of an all-to-all of `nbytes` per rank: what stays in the node over its link, the rest
-    over each device's network share."""
+def _all_to_all(np, token_bytes, topk, size, stride, r: Rates, per_rank: bool = False):
+    """Seconds of an expert-parallel token exchange over a group of `size` ranks `stride` apart, each rank
+    sending its tokens (`token_bytes`) to the ranks of their `topk` experts: what stays in the node over its
+    device link, the rest over each device's network share (a rail-optimized node: one NIC per device),
+    whichever takes longer. The all-to-all dispatcher sends every (token, expert) pair; with `per_rank` (the
+    flex dispatcher's DeepEP and HybridEP) a token goes once to each rank holding one of its experts, and
+    once over the network to each other node, which forwards it over its own links (experts spread evenly)."""
     local = _members_per_node(np, size, stride, r.gpus_per_node)
-    inside = nbytes * (local - 1) / size / max(r.node_bps * ALL_TO_ALL_EFFICIENCY, 1.0)
-    outside = nbytes * (size - local) / size / max(r.network_bps * LINK_EFFICIENCY, 1.0)
+    nodes = size / local
+    if per_rank:
+        inside = token_bytes * (local - 1) * (1 - (1 - 1 / size) ** topk)
+        outside = token_bytes * (nodes - 1) * (1 - (1 - 1 / nodes) ** topk)
+    else:
+        inside = token_bytes * topk * (local - 1) / size
+        outside = token_bytes * topk * (size - local) / size
     latency = np.where(local < size, LATENCY_NETWORK_S, LATENCY_NODE_S)
-    return np.where(size > 1, latency + np.maximum(inside, outside), 0.0)
+    seconds = np.maximum(inside / max(r.node_bps * ALL_TO_ALL_EFFICIENCY, 1.0),
+                         outside / max(r.network_bps * ALL_TO_ALL_EFFICIENCY, 1.0))
+    return np.where(size > 1, latency + seconds, 0.0)
+
+
+def _beside(np, comm, compute, r: Rates):
+    """Seconds a collective of `comm` seconds adds when it runs beside `compute` seconds of kernels: what the
+    compute does not cover, and the compute it covers slowed by the SMs the communication kernels hold
+    (COMM_SMS of the device's)."""
+    covered = np.minimum(comm, compute)
+    return comm - covered + covered * (COMM_SMS / r.sms if r.sms else 0.0)
 
 
 def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) -> dict:
@@ -381,8 +433,9 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         ep = L.ep.astype(float)
         routed = T * topk * etp / tp                          # token-expert pairs on this rank (mean)
         cf = t.moe_expert_capacity_factor
-        busiest = np.where(ep > 1, memory.MOE_DROPLESS_IMBALANCE, 1.0) if not cf else \
-            (cf if t.moe_pad_expert_input_to_capacity else min(cf, memory.MOE_DROPLESS_IMBALANCE))
+        imbalance = 1.0 if t.moe_router_force_load_balancing else memory.MOE_DROPLESS_IMBALANCE
+        busiest = np.where(ep > 1, imbalance, 1.0) if not cf else \
+            (cf if t.moe_pad_expert_input_to_capacity else min(cf, imbalance))
         routed = routed * busiest
         local_experts = E / ep
         effn = m.moe_ffn / etp
@@ -396,15 +449,18 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         permute = 4 * routed * h * ab                          # permute and unpermute: read and write
         moe_mem = norm_bytes + permute + (gate + 1) * routed * effn * ab + (3 + drop) * T_sp * h * ab \
             + (3 * routed * effn if t.fp8 else 0.0)
-        # token exchange per direction: all-to-all of the routed tokens over EP (and TP's all-gather
-        # and reduce-scatter around it with expert TP), or the all-gather dispatcher over TP x EP
-        tokens = T_sp * topk * h * ab
+        # token exchange per direction (tokens travel in BF16: DISPATCH_BYTES): all-to-all of the routed
+        # tokens over EP (and TP's all-gather and reduce-scatter around it with expert TP), or the all-gather
+        # dispatcher over TP x EP
         if t.moe_token_dispatcher_type == "allgather":
             group = tp * ep
-            dispatch = _collective(np, (group - 1) / group, T_sp * group * h * ab, group, 1, r)
+            dispatch = _collective(np, (group - 1) / group, T_sp * group * h * DISPATCH_BYTES, group, 1, r)
         else:
-            dispatch = _all_to_all(np, tokens, ep, etp, r)
-            dispatch = dispatch + np.where(etp > 1, _collective(np, (etp - 1) / etp, routed * h * ab, etp, 1, r), 0.0)
+            # the busiest rank receives (and sends back) `busiest` times the mean, and sets the exchange's pace
+            dispatch = _all_to_all(np, T_sp * h * DISPATCH_BYTES * busiest, topk, ep, etp, r,
+                                   per_rank=t.moe_token_dispatcher_type == "flex")
+            dispatch = dispatch + np.where(etp > 1, _collective(np, (etp - 1) / etp, routed * h * DISPATCH_BYTES,
+                                                                etp, 1, r), 0.0)
         moe_comm = 2 * dispatch                               # dispatch and combine
     else:
         moe_gemm = moe_mem = moe_comm = 0.0 * T
@@ -423,12 +479,12 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
         output gradient before the row linear's. Without: an all-reduce after the row linear, and
         in the backward one of the input gradient beside the column linear's weight gradient."""
         if overlap:     # userbuffers pipeline each collective with its GEMM
-            hide = lambda c, g: np.maximum(c - g, 0.0)  # noqa: E731
+            hide = lambda c, g: _beside(np, c, g, r)  # noqa: E731
             fwd = hide(gather, col_gemm) + hide(gather, row_gemm)
             bwd = 2 * hide(gather, col_gemm) + hide(gather, row_gemm)
             return np.where(sp, fwd, 0.0), np.where(sp, bwd, 0.0)
         fwd = np.where(sp, 2 * gather, reduce)
-        bwd = np.where(sp, gather + 2 * np.maximum(gather - col_gemm, 0.0), np.maximum(reduce - col_gemm, 0.0))
+        bwd = np.where(sp, gather + 2 * _beside(np, gather, col_gemm, r), _beside(np, reduce, col_gemm, r))
         return fwd, bwd
 
     attn_col = attn_gemm - (mm(T, heads * v_dim / tp, h) if not m.multi_latent_attention else out_proj)
@@ -447,8 +503,8 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
     # (backward), cp - 1 times per layer, each step beside one block of the attention
     kv_bytes = 2 * T * kv_heads * (qk_dim + v_dim) / 2 / tp * ab
     step = _collective(np, 1.0, kv_bytes, cp, tp, r)
-    cp_fwd = (cp - 1) * np.maximum(step - core_fwd / cp, 0.0) + np.where(cp > 1, LATENCY_NODE_S, 0.0)
-    cp_bwd = (cp - 1) * np.maximum(2 * step - core_bwd / cp, 0.0)
+    cp_fwd = (cp - 1) * _beside(np, step, core_fwd / cp, r) + np.where(cp > 1, LATENCY_NODE_S, 0.0)
+    cp_bwd = (cp - 1) * _beside(np, 2 * step, core_bwd / cp, r)
 
     # collectives the host launches per layer and micro-batch (each costs it HOST_COLLECTIVE_S)
     tp_calls = np.where(tp > 1, np.where(sp, 10, 4), 0)
@@ -468,9 +524,14 @@ def _unit_times(np, exp: Experiment, L: Layouts, r: Rates, half: Rates, impl) ->
     offload = L.host_bytes if L.host_bytes is not None else np.zeros(T.shape + (2,))
     dense = unit(attn_gemm + dense_mlp_gemm, core_fwd, core_bwd, attn_mem + dense_mlp_mem,
                  a_fwd + d_fwd + cp_fwd, a_bwd + d_bwd + cp_bwd, tp_calls + cp_calls, offload[:, 0])
-    moe = unit(attn_gemm + moe_gemm, core_fwd, core_bwd, attn_mem + moe_mem,
-               a_fwd + m_fwd + cp_fwd + moe_comm, a_bwd + m_bwd + cp_bwd + moe_comm,
-               tp_calls + cp_calls + ep_calls, offload[:, 1])
+    moe = unit(attn_gemm + moe_gemm, core_fwd, core_bwd, attn_mem + moe_mem, a_fwd + m_fwd + cp_fwd,
+               a_bwd + m_bwd + cp_bwd, tp_calls + cp_calls + ep_calls, offload[:, 1])
+    exposed = 2 * moe_comm
+    if t.overlap_moe_expert_parallel_comm and m.is_moe:
+        # 1F1B A2A overlap: one micro-batch's forward runs beside another's backward, layer by layer, each one's
+        # all-to-alls beside the other's compute
+        exposed = _beside(np, exposed, moe[0] + moe[1], r)
+    moe = (moe[0], moe[1], moe[2] + exposed / 2, moe[3] + exposed / 2, *moe[4:])
 
     # -- embedding: the lookup, and its TP reduction (reduce-scatter with SP, else all-reduce)
     emb_comm = np.where(sp, gather, reduce)
@@ -567,8 +628,8 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
     comm = comm + np.where(vp > 1, 2 * np.where(pp > 1, LATENCY_NODE_S, 0.0), 2 * p2p)
     # the host: layers to launch per micro-batch (recomputed ones again), and the schedule's own
     layers = col(DENSE) + col(MOE) + col(MTP) + 0.5 * (col(FULL_DENSE) + col(FULL_MOE))
-    host = layers * HOST_LAYER_S.get(impl.transformer, HOST_LAYER_S["local"]) + calls * HOST_COLLECTIVE_S \
-        + (col(MOE) + 0.5 * col(FULL_MOE)) * HOST_MOE_LAYER_S + HOST_MICROBATCH_S
+    host = layers * host_layer_seconds(exp, impl) + (col(MOE) + 0.5 * col(FULL_MOE)) * HOST_MOE_LAYER_S \
+        + calls * HOST_COLLECTIVE_S + HOST_MICROBATCH_S
     gpu = compute + comm
     stage = np.maximum(gpu, host)
     present = L.stage_count > 0
@@ -603,10 +664,10 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
                        + _collective(np, (expert_group - 1) / expert_group, params[1] * pr.weight, expert_group,
                                      expert_stride, r), 0.0)
     last_bwd, first_fwd = bwd + comm_b, fwd + comm_f
-    if t.overlap_grad_reduce or fsdp:
-        grads = np.maximum(grads - last_bwd, grads * 0.1)   # the last bucket waits for the last layer
+    if t.overlap_grad_reduce or fsdp:    # the last bucket waits for the last layer
+        grads = np.maximum(_beside(np, grads, last_bwd, r), grads * 0.1)
     if t.overlap_param_gather or fsdp:
-        gathers = np.maximum(gathers - first_fwd, gathers * 0.1)
+        gathers = np.maximum(_beside(np, gathers, first_fwd, r), gathers * 0.1)
     # a later stage ends its backward earlier than stage 0 (by its rank's backward steps)
     slack = L.stage_rank * w(pipeline / np.maximum(mb * vps + L.pp - 1, 1)) * 0.5
     dp_exposed = np.where(present, np.maximum(grads + gathers - slack, 0.0), 0.0).max(axis=1)
@@ -622,6 +683,13 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
     bubble = np.maximum(pipeline - host_bound - compute_s - comm_s, 0.0)
     return Times(step_s=step, compute_s=compute_s, communication_s=comm_s + dp_exposed, bubble_s=bubble,
                  host_s=host_bound, other_s=other, matmul_s=matmul_s, stage_s=stage, params_stage=params[0] + params[1])
+
+
+def host_layer_seconds(exp: Experiment, impl) -> float:
+    """The host's seconds to launch one decoder layer's forward and backward for one micro-batch."""
+    te = impl.transformer == "transformer_engine"
+    return HOST_LAYER_S["transformer_engine" if te else "local"] \
+        * (DETERMINISTIC_HOST if te and exp.training.deterministic_mode else 1.0)
 
 
 def _stage_params(np, exp: Experiment, L: Layouts):
@@ -703,7 +771,8 @@ class SpeedReport:
     step_s: float
     tokens_per_s: float
     samples_per_s: float
-    flops_per_iteration: float
+    flops_per_iteration: float     # Megatron's count (causal attention: half the score matrix)
+    flops_full_attention: float     # the same with the whole attention square, as NeMo's tables up to 24.07
     mfu: float | None               # of the dense peak in the precision the matmuls run in
     precision: str
     params_total: int
@@ -716,14 +785,18 @@ class SpeedReport:
     rates_source: str               # where the GEMM efficiency comes from
     power_source: str | None
     notes: list[str] = field(default_factory=list)
+    # the batch ramp-up's steps before the steady ones above: (global batch, steps, step seconds) in order
+    ramp: list[tuple[int, int, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "samples_per_s": self.samples_per_s,
-                "flops_per_iteration": self.flops_per_iteration, "mfu": self.mfu, "mfu_precision": self.precision,
+                "flops_per_iteration": self.flops_per_iteration, "flops_full_attention": self.flops_full_attention,
+                "mfu": self.mfu, "mfu_precision": self.precision,
                 "params_total": self.params_total, "params_per_stage": self.params_per_stage,
                 "params_per_device": self.params_per_device, "shares": self.shares, "power_w": self.power_w,
                 "energy_per_token_j": self.energy_per_token_j, "samples_per_s_mj": self.samples_per_s_mj,
-                "source": {"step_time": self.rates_source, "power": self.power_source}, "notes": list(self.notes)}
+                "source": {"step_time": self.rates_source, "power": self.power_source}, "notes": list(self.notes),
+                "ramp": [{"global_batch_size": b, "steps": n, "step_s": s} for b, n, s in self.ramp]}
 
 
 def describe(exp: Experiment) -> str:
@@ -790,7 +863,8 @@ def estimate(exp: Experiment) -> SpeedReport | None:
         return None
     cache: dict = {}
     L = layouts_of(exp, cache)
-    times = step_times(exp, L, impl=memory.implementation(exp, cache))
+    impl = memory.implementation(exp, cache)
+    times = step_times(exp, L, impl=impl)
     got = {name: float(value[0]) for name, value in figures(exp, L, times).items()}
     power = power_model(exp)
     watts = got["power_w"] if power is not None else None
@@ -803,9 +877,19 @@ def estimate(exp: Experiment) -> SpeedReport | None:
     if t.cuda_graph_impl != "none":
         notes.append(f"cuda_graph_impl = {t.cuda_graph_impl!r}: the host's launch time is not reduced for the "
                      "captured parts")
+    ramp = []
+    for batch, steps in exp.batch_ramp():     # the steps before the global batch, each at its own batch
+        early = dataclasses.replace(exp, training=dataclasses.replace(t, global_batch_size=batch,
+                                                                      rampup_batch_size=None))
+        ramp.append((batch, steps, float(step_times(early, layouts_of(early, cache), impl=impl).step_s[0])))
+    if ramp:
+        notes.append(f"batch ramp-up: the step above is the steady one (global batch {t.global_batch_size}), after "
+                     f"{sum(n for _, n, _ in ramp):,} ramp-up steps of batch {ramp[0][0]} to {ramp[-1][0]} "
+                     f"({sum(n * s for _, n, s in ramp):,.0f} s)")
     precision, peak = peak_tflops(exp, None)
     return SpeedReport(step_s=got["step_s"], tokens_per_s=got["tokens_per_s"], samples_per_s=samples / got["step_s"],
-                       flops_per_iteration=got["flops_per_iteration"], mfu=got["mfu"] if peak else None,
+                       flops_per_iteration=got["flops_per_iteration"],
+                       flops_full_attention=flops_per_iteration(exp, causal=False), mfu=got["mfu"] if peak else None,
                        precision=precision, params_total=int(got["params"]),
                        params_per_stage=_whole_stage_params(exp),
                        params_per_device=[int(times.params_stage[0][i]) for i in stage_features(exp, cache)[3]],
@@ -813,7 +897,7 @@ def estimate(exp: Experiment) -> SpeedReport | None:
                        power_w=watts, energy_per_token_j=got["energy_per_token_j"] if watts is not None else None,
                        samples_per_s_mj=samples / got["step_s"] / (energy_step / 1e6) if energy_step else None,
                        rates_source=rates(exp, linear_precision(exp)).source,
-                       power_source=power.source if power else None, notes=notes)
+                       power_source=power.source if power else None, notes=notes, ramp=ramp)
 
 
 def _whole_stage_params(exp: Experiment) -> list[int]:

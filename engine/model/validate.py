@@ -102,8 +102,8 @@ def rule_problems(exp: Experiment) -> list[Problem]:
     """The rules alone, for an experiment whose values `value_problems` found good (the sweep checks
     its base's values once, then the rules for each layout)."""
     problems = []
-    for rules in (_layout, _model, _pipeline, _batch, _experts, _sequence, _precision, _recompute,
-                  _offloading, _optimizer, _profiling):
+    for rules in (_layout, _model, _pipeline, _batch, _rampup, _experts, _sequence, _precision, _deterministic,
+                  _recompute, _offloading, _optimizer, _profiling):
         problems.extend(rules(exp))
     return problems
 
@@ -367,7 +367,23 @@ def _experts(exp: Experiment) -> list[Problem]:
                            "tensor_model_parallel_size > 1 needs sequence_parallel = true", "sequence_parallel=true"))
     if exp.training.fp16 and ep > 1:
         out.append(Problem("fp16", True, "expert parallelism does not support fp16 training"))
+    out += _a2a_overlap(exp)
     return out
+
+
+def _a2a_overlap(exp: Experiment) -> list[Problem]:
+    """Megatron's rules for the 1F1B A2A overlap (TransformerConfig.__post_init__, core_v0.16.1)."""
+    p, t = exp.parallel, exp.training
+    if not t.overlap_moe_expert_parallel_comm:
+        return []
+    rule = "overlap_moe_expert_parallel_comm"
+    needs = [(p.expert_model_parallel_size > 1, "needs expert parallelism (expert_model_parallel_size > 1)"),
+             (t.moe_token_dispatcher_type in ("alltoall", "flex"), "needs the alltoall or flex token dispatcher"),
+             (t.recompute_granularity != "full", "does not run with full recompute"),
+             (t.bf16 or t.fp16, "needs bf16 or fp16 training"),
+             (p.pipeline_model_parallel_size == 1 or exp.virtual_stages > 1,
+              "needs virtual pipeline stages when pipeline_model_parallel_size > 1")]
+    return [Problem(rule, True, why) for ok, why in needs if not ok]
 
 
 def _sequence(exp: Experiment) -> list[Problem]:
@@ -378,6 +394,37 @@ def _sequence(exp: Experiment) -> list[Problem]:
     max_pos = m.max_position_embeddings or m.seq_length
     if seq > max_pos:
         out.append(Problem("seq_length", seq, f"must not exceed max_position_embeddings ({max_pos})"))
+    return out
+
+
+def _deterministic(exp: Experiment) -> list[Problem]:
+    """Megatron-LM's validate_args for --deterministic-mode (core_v0.16.1)."""
+    if exp.training.deterministic_mode and exp.training.cross_entropy_loss_fusion:
+        return [Problem("cross_entropy_loss_fusion", True, "is not deterministic: Megatron refuses it with "
+                        "deterministic_mode", "cross_entropy_loss_fusion=false")]
+    return []
+
+
+def _rampup(exp: Experiment) -> list[Problem]:
+    """Megatron-LM's rules for --rampup-batch-size (core num_microbatches_calculator.py, core_v0.16.1)."""
+    t = exp.training
+    ramp = t.rampup_batch_size
+    if ramp is None:
+        return []
+    if len(ramp) != 3 or ramp[0] < 1 or ramp[1] < 1 or ramp[2] < 0:
+        return [Problem("rampup_batch_size", ramp, "takes start and increment (each at least 1), then the ramp's "
+                                                   "samples (0 or more)")]
+    start, increment, _ = ramp
+    unit = t.micro_batch_size * exp.data_parallel_size
+    out = []
+    if start > t.global_batch_size:
+        out.append(Problem("rampup_batch_size", ramp, f"starts above global_batch_size ({t.global_batch_size})"))
+    elif (t.global_batch_size - start) % increment:
+        out.append(Problem("rampup_batch_size", ramp, f"its increment ({increment}) must divide global_batch_size "
+                                                      f"- start ({t.global_batch_size - start})"))
+    if start % unit or increment % unit:
+        out.append(Problem("rampup_batch_size", ramp, f"each of its batches must be a multiple of micro batch x "
+                                                      f"data parallel ({unit}): start and increment are not"))
     return out
 
 

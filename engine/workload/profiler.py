@@ -72,7 +72,26 @@ class ProfileWindow:
         name = trace_name(self.place["rank"], iteration)
         hidden = self.dir / f".{name}.{os.getpid()}"
         self._profiler.export_chrome_trace(str(hidden))
+        name_trace(hidden, self.dir / name)
         os.replace(hidden, self.dir / name)
         self._profiler = self._span = None
         self.log.write("profile", iteration=iteration, pp_rank=self.place["pp_rank"], file=f"{TRACES}/{name}",
                        bytes=(self.dir / name).stat().st_size, export_s=round(time.monotonic() - started, 3))
+
+
+def name_trace(written: Path, final: Path) -> None:
+    """Kineto ends a trace with `"traceName": "<the path it was written to>" }`, which Holistic Trace
+    Analysis and TensorBoard show: the hidden name. It is made the final one, in the file's last bytes
+    (a trace whose end reads otherwise is left as written)."""
+    said = b'"traceName": ' + json.dumps(str(written)).encode()
+    with open(written, "r+b") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        start = max(0, size - len(said) - 64)
+        fh.seek(start)
+        tail = fh.read()
+        at = tail.rfind(said)
+        if at < 0:
+            return
+        fh.seek(start + at)
+        fh.write(b'"traceName": ' + json.dumps(str(final)).encode() + tail[at + len(said):])
+        fh.truncate()

@@ -40,6 +40,7 @@ from typing import Any
 from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.flops import flops_per_iteration
+from charllm.engine.model.megatron import deterministic_environment
 from charllm.engine.model.validate import check
 from charllm.engine.workload import CANCELLED_EXIT, TORCHRUN_MODULE, model_builder
 from charllm.engine.workload.profiler import ProfileWindow
@@ -627,6 +628,8 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                                                        exp.training.expandable_segments)
+    for name, value in deterministic_environment(exp).items():   # read when NCCL, TE and cuBLAS start
+        os.environ.setdefault(name, value)
 
     if runtime.host_compiler() is None:
         # Nothing can compile here (runtime.NO_COMPILER): megatron-core's torch.compile'd helpers
@@ -637,6 +640,8 @@ def run(run_dir: Path, stop: StopFlag, log_holder: list) -> int:
     import_started = time.monotonic()
     import torch
 
+    if exp.training.deterministic_mode:
+        torch.use_deterministic_algorithms(True)     # as Megatron-LM's validate_args does for --deterministic-mode
     stack = runtime.detect()
     check_supported(exp, stack)
     impl = runtime.resolve(exp, stack)

@@ -71,6 +71,25 @@ def predicted_vs_measured(run: RunDir | str | os.PathLike, window="steady") -> p
                                       "measured": pl.Float64, "error_pct": pl.Float64, "source": pl.String})
 
 
+def memory_vs_measured(run: RunDir | str | os.PathLike) -> dict | None:
+    """The plan's peak memory (the allocator's peak on the busiest pipeline stage, engine.model.memory)
+    beside the highest allocator peak any rank of the run reported (`mem_peak_bytes` of its iteration log:
+    the workload's, or a command's memory reports), with the error; None where either is unknown: no
+    experiment, or no device allocator (a CPU run reports its process size or nothing)."""
+    from charllm.engine.model.memory import estimate  # deferred: the memory model (only for this comparison)
+
+    run = run if isinstance(run, RunDir) else resolve_run(run)
+    found = read_experiment(run.experiment_path)
+    if found is None or found.experiment.hardware.vendor == "cpu":
+        return None
+    peaks = [r["mem_peak_bytes"] for r in run.iteration_records()
+             if isinstance(r, dict) and type(r.get("mem_peak_bytes")) is int and r["mem_peak_bytes"] > 0]
+    if not peaks:
+        return None
+    planned, measured = estimate(found.experiment).peak_bytes, max(peaks)
+    return {"planned_bytes": planned, "measured_bytes": measured, "error_pct": 100 * (planned / measured - 1)}
+
+
 def render(table: pl.DataFrame) -> str:
     """The comparison as an aligned text table, one line per metric, and where the prediction comes from."""
     if table.height == 0:

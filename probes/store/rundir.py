@@ -108,6 +108,8 @@ class Manifest:
     runtime: dict | None = None
     disk_full: str = ""
     orphaned_ns: int | None = None       # when a reader found the owner dead and settled the run
+    command: dict = field(default_factory=dict)   # a user's command that ran instead of the workload
+    #                                             (engine.launch.command: line, log_format, planned, notes)
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
@@ -897,6 +899,22 @@ def runtime_line(record: dict | None) -> str:
         torch += f" (CUDA {versions['cuda']}" + (f", NCCL {nccl})" if nccl else ")")
     built = f" {model['class']}" if isinstance(model.get("class"), str) else ""
     return " · ".join([*words, torch, f"megatron-core {_text(versions, 'megatron_core')}{built}"])
+
+
+def command_line(manifest: Manifest) -> str | None:
+    """The user's command a run ran in place of the workload (`launch --command`), on one line, or what an
+    attach followed ("attached to slurm job 12 ..."); None for the workload's own runs."""
+    attached = manifest.command.get("attached")
+    if isinstance(attached, str) and attached:
+        return f"attached to {attached}"
+    line = manifest.command.get("line")
+    return " ".join(line.split()) if isinstance(line, str) and line.strip() else None
+
+
+def ran_line(manifest: Manifest, runtime: dict | None) -> str:
+    """What ran, as status lines say it: "ran: CMD" for a user's command, else "ran as ..." (runtime_line)."""
+    command = command_line(manifest)
+    return f"ran: {command}" if command else f"ran as {runtime_line(runtime)}"
 
 
 def _items(value) -> list | tuple:

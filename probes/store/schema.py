@@ -126,7 +126,10 @@ def conform(frame: Frame) -> Frame:
 # engine.model.runtime, and on rank 0's, ranks: every rank's node, local rank and pp/tp/cp/dp
 # coordinates), "end" (carries status and memory: per pipeline stage, the highest allocated and
 # reserved peaks of its ranks) and "profile" (a profiler trace written, by the rank that wrote it:
-# iteration, pp_rank, file under the run, bytes, export_s; engine.workload.profiler).
+# iteration, pp_rank, file under the run, bytes, export_s; engine.workload.profiler). A command's own
+# log read into it (probes.store.trainlogs) adds "memory" (a memory report: rank, iteration, allocated
+# and reserved bytes, the peaks as mem_peak_bytes and mem_reserved_bytes) and an "end" per node from the
+# command's runner (engine.launch.command: status, exit_code); its lines carry `source`, no `rank`.
 ITERATION_FIELDS: dict[str, type] = {
     "event": str,              # "start" | "iteration" | "end"
     "iteration": int,          # 1-based training step
@@ -145,6 +148,10 @@ ITERATION_FIELDS: dict[str, type] = {
     "profiled": bool,          # True for a step some rank recorded a profiler trace of (it ran slower)
     "timers": dict,            # rank 0's line: every rank's step timers, {field: [rank 0's, rank 1's, ...]}
                                # (RANK_TIMERS; engine.workload.timers); null on the other lines
+    "source": str,             # the log format a command's line was read in (megatron, torchtitan, nemo, a regex)
+    "loss_scale": float,       # as the command logged them, where its format has them
+    "skipped_iterations": int,
+    "nan_iterations": int,
 }
 # The step timers each rank reports (seconds in the step; null where not measured), in `timers`.
 RANK_TIMERS = ("forward_backward_s", "compute_s", "pipeline_wait_s", "grad_reduce_s", "optimizer_s", "step_s")

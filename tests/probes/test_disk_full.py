@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 
 import pytest
 
@@ -16,6 +15,7 @@ from charllm.engine.model.experiment import Experiment
 from charllm.probes.core.errors import mount_point
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir
 from infra_cli import one_error_line, run
+from infra_disks import tmpfs
 from infra_runs import iterations_logged, left_after, logs, wait_final, wait_for
 
 pytestmark = pytest.mark.integration
@@ -23,16 +23,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def small_disk(tmp_path, monkeypatch):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    monkeypatch.setenv("CHARLLM_RUNS_DIR", str(disk / "runs"))
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    with tmpfs(tmp_path / "disk", "64m") as disk:
+        monkeypatch.setenv("CHARLLM_RUNS_DIR", str(disk / "runs"))
+        yield disk
 
 
 def fill(disk) -> None:

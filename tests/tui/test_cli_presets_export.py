@@ -58,15 +58,20 @@ def test_presets_list_imports_no_heavy_library():
     assert done.stderr.strip() == "[]"
 
 
-def test_presets_list_json_marks_user_presets(capsys, charllm_dirs):
-    user = charllm_dirs["config"] / "hardware"
+def user_presets(capsys, charllm_dirs, kind: str, name: str, text: str) -> dict:
+    """Write a user preset of KIND, then `presets list KIND --json` by name (it exits 0)."""
+    user = charllm_dirs["config"] / kind
     user.mkdir(parents=True)
-    (user / "my-gpu.toml").write_text(
-        'description = "lab box"\nvendor = "nvidia"\nusable_bytes = 1\nmemory_bytes = 1\n'
-    )
-    code, out, _ = run(capsys, "presets", "list", "hardware", "--json")
-    rows = {r["name"]: r for r in json.loads(out)}
-    assert code == 0 and {r["kind"] for r in rows.values()} == {"hardware"}
+    (user / f"{name}.toml").write_text(text)
+    code, out, _ = run(capsys, "presets", "list", kind, "--json")
+    assert code == 0
+    return {r["name"]: r for r in json.loads(out)}
+
+
+def test_presets_list_json_marks_user_presets(capsys, charllm_dirs):
+    rows = user_presets(capsys, charllm_dirs, "hardware", "my-gpu",
+                        'description = "lab box"\nvendor = "nvidia"\nusable_bytes = 1\nmemory_bytes = 1\n')
+    assert {r["kind"] for r in rows.values()} == {"hardware"}
     assert rows["my-gpu"]["source"] == "user" and rows["my-gpu"]["description"] == "lab box"
     assert rows["h100-sxm-80gb"]["source"] == "shipped"
     assert rows["h100-sxm-80gb"]["summary"].startswith("79.1 GiB usable")
@@ -75,25 +80,15 @@ def test_presets_list_json_marks_user_presets(capsys, charllm_dirs):
 
 
 def test_a_broken_user_preset_is_listed_as_invalid(capsys, charllm_dirs):
-    user = charllm_dirs["config"] / "models"
-    user.mkdir(parents=True)
-    (user / "broken.toml").write_text("num_layerz = 2\n")
-    code, out, _ = run(capsys, "presets", "list", "models", "--json")
-    rows = {r["name"]: r for r in json.loads(out)}
-    assert code == 0
+    rows = user_presets(capsys, charllm_dirs, "models", "broken", "num_layerz = 2\n")
     assert rows["broken"]["summary"].startswith("invalid:") and "num_layers" in rows["broken"]["summary"]
     assert rows["llama3-8b"]["summary"].startswith("32 layers")
 
 
 def test_an_impossible_user_experiment_is_listed_as_invalid(capsys, charllm_dirs):
-    user = charllm_dirs["config"] / "experiments"
-    user.mkdir(parents=True)
-    (user / "zero.toml").write_text(
-        'model = "tiny-dense"\nhardware = "cpu"\n[parallel]\ntensor_model_parallel_size = 0\n'
-    )
-    code, out, _ = run(capsys, "presets", "list", "experiments", "--json")
-    rows = {r["name"]: r for r in json.loads(out)}
-    assert code == 0 and rows["zero"]["summary"] == "invalid: tensor_model_parallel_size = 0: must be at least 1"
+    rows = user_presets(capsys, charllm_dirs, "experiments", "zero",
+                        'model = "tiny-dense"\nhardware = "cpu"\n[parallel]\ntensor_model_parallel_size = 0\n')
+    assert rows["zero"]["summary"] == "invalid: tensor_model_parallel_size = 0: must be at least 1"
     code, out, _ = run(capsys, "presets", "show", "zero", "--json")
     assert code == 0 and json.loads(out)["derived"] is None
 

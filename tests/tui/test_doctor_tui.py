@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
 from charllm.tui.app import CharllmApp
 from charllm.tui.demo import save_demo_calibration
 from charllm.tui.screens.doctor import DoctorDone, DoctorProgress
+from infra_pilot import wait_for as pilot_wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -19,11 +19,7 @@ SIZES = {"small": (80, 24), "large": (160, 48)}
 
 
 async def wait_for(pilot, condition, timeout: float = 120.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        await pilot.pause(0.1)
+    await pilot_wait_for(pilot, condition, timeout, what)
 
 
 def text(widget) -> str:

@@ -5,7 +5,6 @@ its work and answers with a failure (plan: does not fit), so a script can tell t
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import numpy as np
@@ -15,6 +14,7 @@ from charllm.engine.model.experiment import Experiment
 from charllm.probes.store.synthetic import gpu_frame, iteration_rows, make_run
 from charllm.tui.cli import EXIT_STATUS
 from infra_cli import one_error_line, run
+from infra_disks import tmpfs
 
 
 def test_help_states_the_convention(capsys):
@@ -30,14 +30,7 @@ def test_help_states_the_convention(capsys):
 def read_only(tmp_path, monkeypatch):
     """A read-only filesystem holding the runs and data directories, a finished run and one whose
     supervisor died in it (root mounts it; even root cannot write there)."""
-    disk = tmp_path / "ro"
-    disk.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "ro", "16m") as disk:
         (disk / "data").mkdir()
         experiment = tmp_path / "experiment.toml"
         Experiment.load("tiny-local").save(experiment)
@@ -51,8 +44,6 @@ def read_only(tmp_path, monkeypatch):
         monkeypatch.setenv("CHARLLM_RUNS_DIR", str(disk / "runs"))
         monkeypatch.setenv("CHARLLM_DATA_DIR", str(disk / "data"))
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 @pytest.mark.parametrize("argv", [
@@ -96,13 +87,7 @@ def test_a_probe_whose_directory_turns_read_only_stops_in_one_line(tmp_path):
     from charllm.probes.store.rundir import RunDir
     from infra_runs import finish, start, wait_for
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs(tmp_path / "disk", "16m") as disk:
         rd = RunDir(disk / "probe-run")
         proc = start([sys.executable, "-m", "charllm.probes", "--backend", "sim", "--out", str(rd.path)])
         wait_for(lambda: rd.manifest_path.is_file() and len(rd.telemetry_files()) >= 2, 60, "two chunks")
@@ -112,5 +97,3 @@ def test_a_probe_whose_directory_turns_read_only_stops_in_one_line(tmp_path):
         assert code == 2 and lines[-1].startswith("charllm-probes: error: ") and "Read-only file system" in lines[-1]
         assert "Traceback" not in err, err
         assert rd.scan_telemetry().collect().height > 0, "what was written before stays readable"
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

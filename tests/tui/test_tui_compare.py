@@ -4,10 +4,7 @@ baseline selector that always names the baseline the figures are measured agains
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import re
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +15,7 @@ from charllm.probes.store.synthetic import cpu_run, gpu_frame, iteration_rows, m
 from charllm.tui.app import CharllmApp
 from charllm.tui.screens import compare as compare_screen
 from charllm.tui.widgets.charts import Chart
+from infra_pilot import pilot_test, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 T = np.round(np.arange(0, 121) * 0.1, 10)  # 12 s at 10 Hz, as cpu_run records
@@ -31,19 +29,8 @@ def gpu_run(root, run_id: str, power_w: float):
     return make_run(root, [frame, host], run_id=run_id, experiment=tiny_experiment(run_id), iterations=rows)
 
 
-def pilot_test(fn):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-    return run
-
-
 async def until(pilot, condition, timeout: float = 60.0, what: str = "the comparison") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.1)
+    await wait_for(pilot, condition, timeout, what)
 
 
 async def compared(pilot, refs, *, previous=None):

@@ -14,13 +14,14 @@ import time
 import psutil
 import pytest
 
+import infra_daemons as daemons
 from charllm.probes.store.rundir import FINAL_STATUSES, list_runs
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.timeout(420),
-    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
+    pytest.mark.skipif(shutil.which("tmux") is None and not daemons.REQUIRED, reason="tmux is not installed"),
     pytest.mark.skipif(shutil.which("charllm-tui") is None, reason="charllm-tui is not on PATH (pip install -e .)"),
 ]
 

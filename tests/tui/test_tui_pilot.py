@@ -6,10 +6,6 @@ assert on app state, on what the screens show, and on the messages the workers p
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import time
-
 import polars as pl
 import pytest
 
@@ -17,26 +13,9 @@ from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec
 from charllm.probes.core.errors import UserError
 from charllm.tui.app import CharllmApp, load_settings
 from charllm.tui.demo import make_demo_run
-from infra_pilot import list_every_layout
+from infra_pilot import list_every_layout, pilot_test, wait_for
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def pilot_test(fn):
-    """Run an async Pilot test on a fresh event loop (no pytest async plugin needed)."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-    return run
-
-
-async def wait_for(pilot, condition, timeout: float = 30.0, what: str = "condition") -> None:
-    """Let the app run until `condition()` holds (workers run in threads on a busy 2-core box)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        await pilot.pause(0.1)
 
 
 def run_app(app: CharllmApp, messages: list | None = None, size=(120, 40)):
@@ -219,7 +198,6 @@ async def swept(pilot):
 
 @pilot_test
 async def test_sweep_runs_and_a_pick_loads_into_compose():
-    pytest.importorskip("charllm.engine.model.sweep", reason="engine.model.sweep is not in this build")
     from charllm.tui.screens.sweep import TABLE_PAGE
 
     exp = llama3_8b_on_8_h100()

@@ -74,8 +74,6 @@ def test_compose_invalid_layout(snap_compare, size, pinned_megatron):
 
 @pytest.mark.parametrize("size", SIZES)
 def test_sweep(snap_compare, size):
-    pytest.importorskip("charllm.engine.model.sweep", reason="engine.model.sweep is not in this build")
-
     async def swept(pilot):
         await pilot.press("f3")
         await until(pilot, lambda: getattr(pilot.app.screen, "frame", None) is not None, timeout=120)

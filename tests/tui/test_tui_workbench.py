@@ -7,40 +7,12 @@ a paste or `tmux send-keys` (Pilot's own `press` waits for each key to be handle
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import time
-
 import pytest
-from textual import events
 
 from charllm.tui.app import CharllmApp
+from infra_pilot import pilot_test, send_at_once, wait_for
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def pilot_test(fn):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-    return run
-
-
-async def wait_for(pilot, condition, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        await pilot.pause(0.05)
-
-
-def send_at_once(app, *keys: str) -> None:
-    """Queue every key before the app handles the first, as one terminal read delivers them."""
-    for key in keys:
-        char = " " if key == "space" else key if len(key) == 1 else None
-        event = events.Key(key, char)
-        event.set_sender(app)
-        app._driver.send_message(event)
 
 
 async def compose_ready(pilot):

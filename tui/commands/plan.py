@@ -263,8 +263,13 @@ def speed_lines(fast) -> list[str]:
              f"pipeline bubble {sh['bubble']:.0%} · host-bound {sh['host']:.0%} · optimizer and fixed "
              f"{sh['other']:.0%}",
              f"parameters {count(fast.params_total)} · per stage {per_stage} · at most "
-             f"{count(max(fast.params_per_device))} on one device · {si(fast.flops_per_iteration, 'FLOP')} per "
-             "iteration"]
+             f"{count(max(fast.params_per_device))} on one device",
+             f"{si(fast.flops_per_iteration, 'FLOP')} per iteration, Megatron's count (causal); "
+             f"{si(fast.flops_full_attention, 'FLOP')} counting attention's whole square"]
+    if fast.ramp:
+        (first, _, first_s), (last, _, last_s) = fast.ramp[0], fast.ramp[-1]
+        lines.append(f"batch ramp-up first: {sum(n for _, n, _ in fast.ramp):,} steps, batch {first} ({first_s:.3g} "
+                     f"s/step) to {last} ({last_s:.3g} s/step), {sum(n * s for _, n, s in fast.ramp):,.0f} s")
     if fast.power_w is not None:
         lines.append(f"power {fast.power_w:.0f} W per device · {fast.energy_per_token_j:.3g} J/token · "
                      f"{fast.samples_per_s_mj:,.3g} samples/(s·MJ)")

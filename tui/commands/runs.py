@@ -13,7 +13,7 @@ from charllm.probes.analysis.cache import kept_places, kept_row
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.files import open_regular
 from charllm.probes.core.formatting import duration, local_time, size
-from charllm.probes.store.rundir import Manifest, list_runs, resolve_run, runtime_line
+from charllm.probes.store.rundir import Manifest, command_line, list_runs, resolve_run, runtime_line
 
 # summary column -> (Runs table heading, format): a run's headline figures, over its steady window
 # (non-warm-up iterations), as `summarize` and `compare` give them, so one run shows one tokens/s everywhere.
@@ -171,7 +171,11 @@ def _show(rd, args) -> int:
     print(f"target    {targets.describe(m.target) if m.target else m.target_name}")
     print(f"nodes     {', '.join(m.nodes) or '-'}")
     print(f"started   {local_time(_started(m))}   duration {_duration(_seconds(m))}")
-    if m.kind in ("train", ""):   # a launched run (one without a kind predates probe-only runs)
+    if command_line(m):
+        print(f"ran:      {command_line(m)}")
+        for note in m.command.get("notes") or []:
+            print(f"          {note}")
+    elif m.kind in ("train", ""):   # a launched run (one without a kind predates probe-only runs)
         print(f"ran as    {runtime_line(rd.runtime())}")
     for reason in m.forced:
         print(f"forced    {reason}")

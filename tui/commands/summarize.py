@@ -9,6 +9,8 @@ import argparse
 from charllm.probes.analysis import SUMMARY_FORMATS
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError
+from charllm.probes.core.formatting import size
+from charllm.probes.store.rundir import resolve_run
 
 
 def register(subparsers, name: str, help: str) -> None:
@@ -134,11 +136,18 @@ def _matrix(args: argparse.Namespace, out) -> int:
 
 
 def predicted_lines(run, window) -> str:
-    """The plan's step time, throughput and power for the run's layout beside what it measured, or
-    nothing where the run recorded no experiment."""
+    """The plan's step time, throughput, power and peak memory for the run's layout beside what it
+    measured; for a user's command that was not planned, why; else nothing (no experiment recorded)."""
     from charllm.probes.analysis import predicted  # deferred: loads polars (start-up time)
 
+    rd = resolve_run(run)
     try:
-        return predicted.render(predicted.predicted_vs_measured(run, window))
+        text = predicted.render(predicted.predicted_vs_measured(rd, window))
     except UserError:
-        return ""
+        notes = rd.manifest().command.get("notes") or []
+        return "".join(f"{note}\n" for note in notes if isinstance(note, str) and note.startswith("not planned"))
+    memory = predicted.memory_vs_measured(rd)
+    if memory:
+        text += (f"peak memory (allocator, busiest rank): planned {size(memory['planned_bytes'])}, measured "
+                 f"{size(memory['measured_bytes'])}, error {memory['error_pct']:+.1f}%\n")
+    return text

@@ -402,6 +402,9 @@ class CampaignScreen(WorkbenchScreen):
         self.query_one("#campaign-figure").set_class(not panels.display, "-text-only")
         text.update(Text("\n".join(below)))
         self._layout_panels()
+        # Again once the layout has given the panels their height: a pane shown just now has none
+        # yet, and the rows guessed from the screen's height can overflow it (a scrollbar).
+        self.call_after_refresh(self._layout_panels)
 
     def on_resize(self) -> None:
         self._layout_panels()

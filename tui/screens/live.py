@@ -110,7 +110,8 @@ class Frame(Message):
     simulated: bool = False
     grouped: bool = False
     devices: int = 0
-    runtime: str = ""                                         # what ran (the workload's start record)
+    runtime: str = ""                                         # what ran: "ran as ..." (the workload's start
+    #                                                           record) or "ran: CMD" (a user's command)
     error: str | None = None
     frozen: bool = False            # charts of the data shown when paused, redrawn for a new view (zoom)
     processes: list[GpuProcess] | None = None                 # this machine's GPU processes; None: unchanged
@@ -125,6 +126,8 @@ class RunSource:
         self.follower = RunFollower(run_dir)
         self.name = self.follower.run.id
         self.expects = _expected_kind(self.follower.run)
+        # what ran, where a user's command ran instead of the workload ("ran: CMD")
+        self.command = rundir.command_line(self.follower.run.manifest())
         try:    # its figures count tokens as summarize does (the batch where a step logged none)
             self.experiment = read_experiment(self.follower.run.experiment_path)
         except (UserError, OSError):
@@ -424,8 +427,10 @@ class LiveScreen(WorkbenchScreen):
                     stragglers = recent_line([starts, *iterations[-STRAGGLER_STEPS * 2:]], STRAGGLER_STEPS) \
                         if any(e.get("timers") for e in iterations[-2:]) else None
                 frame.stragglers = stragglers
-                if starts.get("runtime"):
-                    frame.runtime = rundir.runtime_line(starts["runtime"])
+                if getattr(source, "command", None):
+                    frame.runtime = f"ran: {source.command}"
+                elif starts.get("runtime"):
+                    frame.runtime = f"ran as {rundir.runtime_line(starts['runtime'])}"
                 self.post_message(frame)
                 time.sleep(max(0.0, POLL_S - (time.monotonic() - began)))
         finally:
@@ -490,7 +495,7 @@ class LiveScreen(WorkbenchScreen):
         elif frame.kind == "none":
             title += " · waiting for telemetry…"
         self._update("#live-title", title)
-        self._update("#live-runtime", f"ran as {frame.runtime}" if frame.runtime else "")
+        self._update("#live-runtime", escape(frame.runtime))
         self.query_one("#live-runtime").display = bool(frame.runtime)
         self.query_one("#sim-badge").display = frame.simulated
         # The GPU processes: shown of themselves beside host telemetry when a GPU library lists them,

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.markup import escape
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
@@ -28,7 +29,7 @@ from charllm.engine.launch import launcher
 from charllm.probes.analysis import baselines, summary
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import local_time
-from charllm.probes.store.rundir import Manifest, RunDir, list_runs, run_id_name, runtime_line
+from charllm.probes.store.rundir import Manifest, RunDir, command_line, list_runs, ran_line, run_id_name
 from charllm.tui.commands.runs import HEADLINE, WINDOW, WINDOW_TEXT
 from charllm.tui.screens.base import WorkbenchScreen, shortest_key
 from charllm.tui.screens.dialogs import AskName, Confirm, free_name
@@ -349,10 +350,12 @@ class RunsScreen(WorkbenchScreen):
         run_id = event.row_key.value if event.row_key else None
         if run_id in self.runs:
             note = self.notes.get(run_id)
-            ran = RunDir(self.runs[run_id]).runtime()
+            run = RunDir(self.runs[run_id])
+            ran, manifest = run.runtime(), run.manifest()
+            said = ran_line(manifest, ran) if ran or command_line(manifest) else ""
             self.query_one("#runs-detail", Static).update(
                 f"[b]{run_id}[/b]" + (f"  [dim]{note}[/]" if note else "")
-                + (f"\nran as {runtime_line(ran)}" if ran else "") + f"\n[dim]{WINDOW_TEXT}[/]")
+                + (f"\n{escape(said)}" if said else "") + f"\n[dim]{WINDOW_TEXT}[/]")
 
     def current_run(self) -> str | None:
         table = self.query_one(DataTable)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -202,6 +203,7 @@ def test_pp2_profile_window_kernel_time_per_stage_and_a_slowed_rank_named(monkey
     # the traces: one per stage, named as the plan said, each logged with its size
     files = run_traces(rd)
     assert [f.name for f in files] == [f"rank{r:05d}-step000003.pt.trace.json" for r in profile_plan(exp).ranks]
+    assert all(json.loads(f.read_text())["traceName"] == str(f) for f in files), "named as kept, not as written"
     profile = manifest["profile"]
     assert profile["steps"] == [3] and profile["ranks"] == [0, 1] and profile["traces"] == 2
     assert profile["bytes"] == sum(f.stat().st_size for f in files) and profile["cost"] == result.profile

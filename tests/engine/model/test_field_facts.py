@@ -72,6 +72,8 @@ def _sample(section: str, name: str, kind) -> tuple[list[str], object]:
     """Command-line values for a flag of the table and the value its field should get."""
     if isinstance(kind, Switch):
         return [], kind.value
+    if isinstance(kind, Many) and kind.parse is megatron._int:
+        return ["16", "8", "100"], [16, 8, 100]
     if isinstance(kind, Many):
         return ["a", "b"], "a b" if kind.join else ["a", "b"]
     options = [c for c in choices(SECTIONS[section], name) or () if c is not None]

@@ -64,13 +64,41 @@ def test_memory_plan_within_3_percent_of_the_measured_peak(name, record):
     assert abs(plan / measured - 1) <= PEAK_EACH, f"plan {plan} bytes, measured {measured}"
 
 
+def megatron_flops_per_iteration(exp: Experiment) -> float:
+    """Training FLOPs of one iteration as Megatron-LM counts them (num_floating_point_operations,
+    megatron/training/training.py, core_v0.16.1: 3 passes x 2 per FMA; attention's score square halved
+    for the causal mask; no recompute), written out here for the dense and MoE GPT models of the set,
+    independently of engine.model.flops."""
+    m, p = exp.model, exp.parallel
+    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    q = (m.kv_channels or m.hidden_size // heads) * heads
+    kv = q // heads * groups
+    s, h, layers = m.seq_length, m.hidden_size, m.num_layers
+    gated = 3 if m.swiglu else 2
+    if m.num_moe_experts:
+        assert m.moe_layer_freq == 1 and not m.moe_shared_expert_intermediate_size, "formula below: all-MoE layers"
+        mlp = (m.moe_ffn_hidden_size or m.ffn_hidden_size) * m.moe_router_topk * gated
+    else:
+        mlp = m.ffn_hidden_size * gated
+    attention = h * (q + 2 * kv) + q * s / 2 * 2 + q * h
+    per_token = 3 * 2 * (layers * (h * mlp + attention) + h * m.padded_vocab_size(p.tensor_model_parallel_size))
+    return per_token * s * exp.training.global_batch_size
+
+
 @pytest.mark.parametrize("name,record", RUNS, ids=[n for n, _ in RUNS])
-def test_mfu_is_taken_against_the_peak_of_the_precision_that_ran(name, record):
+def test_mfu_matches_megatrons_flops_over_the_measured_step(name, record):
+    """The recorded MFU against Megatron's own FLOPs count over the measured median step and the peak
+    of the precision that ran. The record's figure is over the steady window's mean step, which the
+    median differs from by at most 1.1% on the dense runs and 3.7% on the MoE runs (their steps vary
+    more): the bounds."""
     exp, _ = planned(record)
     precision, peak = peak_tflops(exp, record["tf32"])
     m = record["measured"]
     assert precision == ("bf16" if exp.training.bf16 else "fp32")
-    assert m["mfu_pct"] == pytest.approx(100 * m["tflops_per_gpu"] / peak, rel=1e-6)
+    tflops = megatron_flops_per_iteration(exp) / m["iter_time_p50_s"] / exp.world_size / 1e12
+    bound = 0.04 if exp.model.num_moe_experts else 0.015
+    assert tflops == pytest.approx(m["tflops_per_gpu"], rel=bound)
+    assert 100 * tflops / peak == pytest.approx(m["mfu_pct"], rel=bound)
 
 
 def test_step_time_model():

@@ -26,68 +26,63 @@ from charllm.engine.model.megatron import (
     parse_pipeline_layout,
 )
 from charllm.probes.core.errors import UserError
-from infra_paths import VALIDATION, validation_missing
 
-CASES = [] if validation_missing() else json.loads((VALIDATION / "memory_dev.json").read_text())
+# The shipped memory development set (tests/data/memory_dev: Megatron-LM's CI cases, rebuilt by
+# tools/build_memory_dev.py).
+DEV = Path(__file__).resolve().parents[2] / "data" / "memory_dev" / "memory_dev.json"
+CASES = json.loads(DEV.read_text())
+
+# A flag's value as the command line says it, or Megatron's default (arguments.py, core_v0.16.1).
+LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1,
+                "--context-parallel-size": 1, "--expert-model-parallel-size": 1, "--micro-batch-size": 1,
+                "--seq-length": None}
+LAYOUT_SWITCHES = ("--sequence-parallel", "--use-distributed-optimizer")
 
 
-def _readme_table(validation: Path) -> dict[str, list[str]]:
-    rows = {}
-    for line in (validation / "README.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 11 and "/" in cells[2] and cells[0] != "name":
-            rows[cells[0]] = cells
-    return rows
+def _said(tokens: list[str]) -> dict:
+    """The layout the command line states, read from its tokens alone (not through the importer)."""
+    value = {flag: int(tokens[tokens.index(flag) + 1]) if flag in tokens else default
+             for flag, default in LAYOUT_FLAGS.items()}
+    said = {**value, **{switch: switch in tokens for switch in LAYOUT_SWITCHES}}
+    # Megatron turns sequence parallelism off at TP 1 (validate_args, arguments.py, core_v0.16.1).
+    said["--sequence-parallel"] &= said["--tensor-model-parallel-size"] > 1
+    return said
 
 
-def _row_of(exp: Experiment) -> list[str]:
-    """The experiment in the README table's notation: WS, TP/PP/VP/CP/EP/ETP, SP, dist-opt, recompute, seq, mbs."""
+def _read(exp: Experiment) -> dict:
     p, t = exp.parallel, exp.training
-    dash = lambda v: "-" if v is None else str(v)  # noqa: E731
-    moe = exp.model.is_moe
-    layout = "/".join([
-        str(p.tensor_model_parallel_size), str(p.pipeline_model_parallel_size),
-        dash(p.virtual_pipeline_model_parallel_size), str(p.context_parallel_size),
-        str(p.expert_model_parallel_size) if moe else "-", str(exp.expert_tensor_parallel_size) if moe else "-",
-    ])
-    if p.use_megatron_fsdp:
-        dist_opt = "FSDP"
-    elif p.use_distributed_optimizer:
-        n = p.num_distributed_optimizer_instances
-        dist_opt = "yes" + (f" ({n} inst.)" if n > 1 else "")
-    else:
-        dist_opt = "no"
-    if not t.recompute_granularity:
-        recompute = "-"
-    elif t.recompute_method:
-        recompute = f"{t.recompute_granularity}/{t.recompute_method}"
-    else:
-        recompute = f"{t.recompute_granularity} ({', '.join(t.recompute_modules or [])})"
-    return [str(exp.world_size), layout, "on" if p.sequence_parallel else "off", dist_opt, recompute,
-            str(exp.seq_length), str(t.micro_batch_size)]
+    return {"--tensor-model-parallel-size": p.tensor_model_parallel_size,
+            "--pipeline-model-parallel-size": p.pipeline_model_parallel_size,
+            "--context-parallel-size": p.context_parallel_size,
+            "--expert-model-parallel-size": p.expert_model_parallel_size,
+            "--micro-batch-size": t.micro_batch_size, "--seq-length": exp.seq_length,
+            "--sequence-parallel": p.sequence_parallel, "--use-distributed-optimizer": p.use_distributed_optimizer}
 
 
-@pytest.mark.skipif(not CASES, reason=validation_missing() or "")
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_memory_dev_case_imports_with_the_stated_layout(case, validation_dir):
+def test_memory_dev_case_imports_with_the_stated_layout(case):
     result = import_megatron_args(case["megatron_args"], world_size=case["world_size"], hardware=case["hardware"])
-    assert _row_of(result.experiment) == _readme_table(validation_dir)[case["name"]][1:8]
+    tokens = shlex.split(case["megatron_args"])
+    said = _said(tokens)
+    if said["--seq-length"] is None:           # Megatron takes it from --encoder-seq-length then
+        said["--seq-length"] = _read(result.experiment)["--seq-length"]
+    assert _read(result.experiment) == said
+    assert result.experiment.world_size == case["world_size"]
     assert result.experiment.hardware.name == "h100-sxm-80gb"
     assert not result.warnings or all("world size" not in w for w in result.warnings)
     # Logging and checkpoint flags are listed as ignored, exactly as written.
-    tokens = shlex.split(case["megatron_args"])
     if "--log-interval" in tokens:
         assert f"--log-interval {tokens[tokens.index('--log-interval') + 1]}" in result.ignored
 
 
-@pytest.mark.skipif(not CASES, reason=validation_missing() or "")
 def test_memory_dev_shapes_follow_megatron_defaults():
     by_name = {c["name"]: c for c in CASES}
     mla = import_megatron_args(by_name["gpt3_mcore_te_tp2_pp2_mla"]["megatron_args"], world_size=8,
                                hardware="h100-sxm-80gb").experiment.model
     assert (mla.multi_latent_attention, mla.q_lora_rank, mla.kv_lora_rank, mla.qk_head_dim,
             mla.qk_pos_emb_head_dim, mla.v_head_dim) == (True, 192, 64, 16, 8, 16)
-    last = import_megatron_args(CASES[-1]["megatron_args"], world_size=8, hardware="h100-sxm-80gb").experiment
+    last = import_megatron_args(by_name["moe_gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph"]["megatron_args"],
+                                world_size=8, hardware="h100-sxm-80gb").experiment
     assert last.model.moe_layer_freq == [0] * 4 + [1] * 9
     assert last.model.mtp_num_layers == 1
     assert last.parallel.pipeline_model_parallel_layout == "Et|(tt|)*6mL"
@@ -140,8 +135,8 @@ def test_launch_script_syntax():
     assert exp.parallel.tensor_model_parallel_size == 2 and exp.parallel.sequence_parallel is False
     assert (exp.training.recompute_granularity, exp.training.recompute_method,
             exp.training.recompute_num_layers) == ("full", "block", 2)
-    assert result.ignored == ["--lr-decay-style cosine", "--no-rope-fusion", "--eval-iters 10",
-                              "--use-checkpoint-args"]
+    assert result.ignored == ["--lr-decay-style cosine", "--no-rope-fusion", "--use-checkpoint-args"]
+    assert any(line.startswith("--eval-iters 10:") for line in result.no_effect)
     assert "world size 8 = 2 nodes x 4, from the torchrun prefix" in result.warnings
     elastic = import_megatron_args("torchrun --nnodes 1:4 --nproc-per-node=8 pretrain_gpt.py " + BASE, hardware="cpu")
     assert any("no world size given" in w for w in elastic.warnings)   # an elastic node range says nothing
@@ -310,7 +305,6 @@ def test_every_shipped_experiment_round_trips(name):
     assert _round_trip(exp) == _megatron_resolved(exp)
 
 
-@pytest.mark.skipif(not CASES, reason=validation_missing() or "")
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_imported_cases_are_a_fixed_point(case):
     first = import_megatron_args(case["megatron_args"], world_size=8, hardware="h100-sxm-80gb").experiment
@@ -494,6 +488,8 @@ def test_a_megatron_lm_checkout_on_the_path_is_the_release_that_counts(tmp_path)
     (["tensor_model_parallel_size=2"], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
     (["tensor_model_parallel_size=2", "use_torch_fsdp2=true"], {}),        # FSDP refuses a single connection
     (["fine_grained_activation_offloading=true", "offload_modules=['core_attn']"], {"NVTE_CPU_OFFLOAD_V1": "1"}),
+    (["deterministic_mode=true"], {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                                   "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
 ])
 def test_the_exported_environment_is_what_megatron_asks_for(sets, env):
     exp = Experiment.load("tiny-local").apply(["expandable_segments=false", *sets])
@@ -753,3 +749,18 @@ def test_the_model_section_follows_the_fields_metadata():
     flags = export_megatron_args(exp.apply(["position_embedding_type=rope", "multi_latent_attention=true"]))
     assert flags[flags.index("--rotary-base") + 1] == "500000"
     assert flags[flags.index("--kv-lora-rank") + 1] == str(exp.model.kv_lora_rank)   # said with MLA
+
+
+def test_a_batch_ramp_up_is_read_counted_as_megatron_counts_it_and_written_back():
+    line = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+            "--vocab-size 100 --micro-batch-size 1 --global-batch-size 64 --rampup-batch-size 16 16 1000 "
+            "--train-samples 5000")
+    exp = import_megatron_args(line, world_size=8).experiment
+    assert exp.training.rampup_batch_size == [16, 16, 1000]
+    # update_train_iters: a third of the 1000 samples per increment; 21 steps of 16 pass 333, 11 of 32 pass 667,
+    # 7 of 48 pass 1000 (1024 consumed), then (5000 - 1024) // 64 steps of the global batch
+    assert exp.batch_ramp() == [(16, 21), (32, 11), (48, 7)]
+    assert exp.training.train_iters == 39 + (5000 - 1024) // 64
+    words = export_megatron_args(exp)
+    assert "--train-iters" not in words and words[words.index("--train-samples") + 1] == "4992"
+    assert import_megatron_args(words, world_size=8).experiment.training == exp.training

@@ -197,6 +197,13 @@ ALTERNATIVES = {
     "moe_router_dtype": (["num_moe_experts=4"], ["moe_router_dtype=fp32"]),
     "moe_flex_dispatcher_backend": (["num_moe_experts=4", "moe_token_dispatcher_type=flex"],
                                     ["moe_flex_dispatcher_backend=hybridep"]),
+    "moe_router_force_load_balancing": (["num_moe_experts=4"], ["moe_router_force_load_balancing=true"]),
+    "overlap_moe_expert_parallel_comm": (["num_moe_experts=4", "expert_model_parallel_size=2", "bf16=true",
+                                          "moe_token_dispatcher_type=alltoall"],
+                                         ["overlap_moe_expert_parallel_comm=true"]),
+    "delay_wgrad_compute": ([], ["delay_wgrad_compute=true"]),
+    "deterministic_mode": ([], ["deterministic_mode=true"]),
+    "rampup_batch_size": ([], ["rampup_batch_size=[4, 4, 100]"]),
     "lr": ([], ["lr=0.001"]),
     "check_for_nan_in_loss_and_grad": ([], ["check_for_nan_in_loss_and_grad=false"]),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from charllm.engine.model import calibration, speed
@@ -30,6 +31,7 @@ def test_figures_follow_from_the_step_time():
     tokens = exp.training.global_batch_size * exp.seq_length
     assert got.tokens_per_s == pytest.approx(tokens / got.step_s)
     assert got.flops_per_iteration == flops_per_iteration(exp)
+    assert got.flops_full_attention == flops_per_iteration(exp, causal=False) > got.flops_per_iteration
     assert got.mfu == pytest.approx(got.flops_per_iteration / got.step_s / exp.world_size / 989.4e12)
     assert sum(got.shares.values()) == pytest.approx(1.0)
     assert all(0 <= share <= 1 for share in got.shares.values())
@@ -148,3 +150,92 @@ def test_hardware_without_a_figure_the_model_needs_gets_no_step_time():
 
     df = sweep(exp)
     assert df.height > 0 and df["tokens_per_s"].null_count() == df.height and df["step_s"].null_count() == df.height
+
+
+def mixtral(**settings) -> Experiment:
+    """Mixtral 8x7B with 16 experts on 2 x 8 H100s, EP 16 (across both nodes), the all-to-all dispatcher."""
+    exp = base_experiment("mixtral-8x7b", "h100-sxm-80gb", 2, 8, 64)
+    exp.model.num_moe_experts = 16          # EP 16 spans both nodes
+    exp.parallel.expert_model_parallel_size = 16
+    exp.training.moe_token_dispatcher_type = "alltoall"
+    exp.training.recompute_granularity = "full"
+    exp.training.recompute_method, exp.training.recompute_num_layers = "uniform", 1
+    for key, value in settings.items():
+        exp.set(key, value)
+    return exp
+
+
+def test_the_flex_dispatcher_sends_a_token_once_per_rank_and_node():
+    """DeepEP and HybridEP send a token once to each rank (and node) its experts are on; the all-to-all
+    dispatcher once per (token, expert) pair, so across two nodes its exchange is the longer one."""
+    alltoall, flex = speed.estimate(mixtral()), speed.estimate(mixtral(moe_token_dispatcher_type="flex"))
+    assert flex.step_s < alltoall.step_s
+    assert flex.shares["communication"] < alltoall.shares["communication"]
+    one = dict(token_bytes=1e8, topk=8, size=16, stride=1, r=speed.rates(mixtral(), "bf16"))
+    assert float(speed._all_to_all(np, **one, per_rank=True)) < float(speed._all_to_all(np, **one)) / 3
+
+
+def test_the_a2a_overlap_hides_expert_parallel_exchanges_behind_the_other_micro_batch():
+    plain = speed.estimate(mixtral(recompute_granularity=None, recompute_method=None, recompute_num_layers=None))
+    overlapped = speed.estimate(mixtral(recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                                        overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+    assert overlapped.step_s < plain.step_s
+    assert overlapped.shares["communication"] < plain.shares["communication"]
+
+
+def test_forced_load_balancing_plans_the_experts_of_the_mean_rank():
+    free, balanced = speed.estimate(mixtral()), speed.estimate(mixtral(moe_router_force_load_balancing=True))
+    assert balanced.step_s < free.step_s
+
+
+def test_a_gemm_that_leaves_a_wave_half_empty_runs_slower_per_flop():
+    r = speed.rates(llama8b(), "bf16")
+    assert r.sms == 132
+    full = float(speed._gemm(np, 128.0 * 132, 8192, 256, r.matmul_flops, r.matmul, r, 2))   # one whole wave
+    past = float(speed._gemm(np, 128.0 * 133, 8192, 256, r.matmul_flops, r.matmul, r, 2))   # one tile more
+    assert past / full > 1.25                  # the extra tile costs a wave of its own (a third of one)
+    assert float(speed._waves(np, 128.0 * 132, 256, 1, 132)) == 1.0
+    assert float(speed._waves(np, 128.0 * 132, 256, 1, 0)) == 1.0       # SM count unknown: not counted
+
+
+def test_fp8_gemms_run_at_their_recipes_share_of_the_bf16_efficiency():
+    exp = llama8b(fp8="hybrid")
+    fp8, bf16 = speed.rates(exp, "fp8"), speed.rates(exp, "bf16")
+    assert fp8.matmul == pytest.approx(bf16.matmul * speed.FP8_MATMUL_SHARE[exp.training.fp8_recipe])
+    assert fp8.matmul * fp8.matmul_flops == pytest.approx(0.52 * 1978.9e12, rel=0.01)   # about half the FP8 peak
+
+
+def test_deterministic_mode_costs_a_transformer_engine_layer_more_host_time():
+    tiny = base_experiment("tiny-dense", "h100-sxm-80gb", 1, 1, 8)
+    tiny.training.transformer_impl = "transformer_engine"
+    plain, deterministic = speed.estimate(tiny), speed.estimate(dataclasses.replace(
+        tiny, training=dataclasses.replace(tiny.training, deterministic_mode=True)))
+    assert plain.shares["host"] > 0.5                       # a tiny model's step is the host's
+    assert deterministic.step_s > plain.step_s
+
+
+def test_a_large_model_at_tp8_pp1_is_not_host_bound():
+    exp = base_experiment("llama3-70b", "h100-sxm-80gb", 8, 8, 128)
+    exp.parallel.tensor_model_parallel_size = 8
+    exp.parallel.sequence_parallel = True
+    exp.training.recompute_granularity, exp.training.recompute_method = "full", "uniform"
+    exp.training.recompute_num_layers = 1
+    assert speed.estimate(exp).shares["host"] == 0.0
+
+
+def test_tp_communication_overlap_shortens_the_step_of_gpt3_at_tp8_pp4():
+    """The CharLLM-PPT GPT-3 175B presets on 4 x 8 H200s: with TP overlap (11000) Megatron hides the TP
+    collectives that the recompute-only variant (01000) waits for."""
+    overlapped, plain = (speed.estimate(Experiment.load(f"ppt-h200-gpt3-175b-3-{v}")) for v in ("11000", "01000"))
+    assert overlapped.step_s < 0.95 * plain.step_s
+    assert overlapped.shares["communication"] < plain.shares["communication"]
+
+
+def test_a_batch_ramp_up_plans_its_early_steps_and_leaves_the_steady_one():
+    steady = speed.estimate(llama8b(global_batch_size=128))
+    ramped = speed.estimate(llama8b(global_batch_size=128, rampup_batch_size=[32, 32, 3000]))
+    assert ramped.step_s == steady.step_s
+    assert [batch for batch, _, _ in ramped.ramp] == [32, 64, 96]
+    times = [seconds for _, _, seconds in ramped.ramp]
+    assert times == sorted(times) and times[-1] < steady.step_s
+    assert any("batch ramp-up" in note for note in ramped.notes)

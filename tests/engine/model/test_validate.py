@@ -6,6 +6,7 @@ import pytest
 
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment, Problem
+from charllm.engine.model.sweep import base_experiment
 from charllm.engine.model.validate import check, validate
 from charllm.probes.core.errors import UserError
 
@@ -453,3 +454,28 @@ def test_offload_modules_without_fine_grained_offloading_are_listed_as_ignored()
     assert validate(exp) == []
     assert ignored(exp) == ["offload_modules = ['core_attn']: ignored without fine_grained_activation_offloading "
                             "(as Megatron does)"]
+
+
+def test_the_a2a_overlap_needs_what_megatron_requires():
+    exp = base_experiment("mixtral-8x7b", "h100-sxm-80gb", 1, 8, 64)
+    exp.training.overlap_moe_expert_parallel_comm = True
+    exp.training.moe_token_dispatcher_type = "allgather"
+    rules = [p.rule for p in validate(exp) if p.field == "overlap_moe_expert_parallel_comm"]
+    assert rules == ["needs expert parallelism (expert_model_parallel_size > 1)",
+                     "needs the alltoall or flex token dispatcher"]
+    exp.parallel.expert_model_parallel_size = 8
+    exp.training.moe_token_dispatcher_type = "alltoall"
+    assert not [p for p in validate(exp) if p.field == "overlap_moe_expert_parallel_comm"]
+
+
+def test_deterministic_mode_refuses_the_fused_cross_entropy():
+    exp = Experiment.load("tiny-local").apply(["deterministic_mode=true", "cross_entropy_loss_fusion=true"])
+    assert [(p.field, p.fix) for p in validate(exp)] == [
+        ("cross_entropy_loss_fusion", "cross_entropy_loss_fusion=false")]
+
+
+def test_a_batch_ramp_up_follows_megatrons_rules():
+    exp = Experiment.load("tiny-local").apply(["global_batch_size=64", "rampup_batch_size=[16, 32, 100]"])
+    assert [p.rule for p in validate(exp)] == ["its increment (32) must divide global_batch_size - start (48)"]
+    exp = exp.apply(["rampup_batch_size=[16, 16, 100]"])
+    assert validate(exp) == []

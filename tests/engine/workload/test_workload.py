@@ -189,7 +189,10 @@ def test_layout_trains_and_logs(tmp_path, preset, assignments):
     ["tensor_model_parallel_size=2", "normalization=RMSNorm", "swiglu=true",
      "position_embedding_type=rope", "untie_embeddings_and_output_weights=true", "num_query_groups=2",
      "recompute_granularity=full", "recompute_method=uniform", "recompute_num_layers=1", "bf16=true"],
-], ids=["pp2-vp2", "tp2-llama-like-recompute-bf16"])
+    # torch's deterministic algorithms on, as Megatron-LM's --deterministic-mode sets them (an op without a
+    # deterministic implementation raises)
+    ["tensor_model_parallel_size=2", "deterministic_mode=true"],
+], ids=["pp2-vp2", "tp2-llama-like-recompute-bf16", "tp2-deterministic"])
 def test_more_layouts_train(tmp_path, assignments):
     run_dir = make_run(tmp_path, "tiny-local", "train_iters=8", *assignments)
     train(run_dir, nproc=2)

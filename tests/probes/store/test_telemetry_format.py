@@ -22,6 +22,7 @@ from charllm.probes.store.recorder import ChunkWriter
 from charllm.probes.store.rundir import RunDir, scan_runs
 from charllm.probes.store.schema import ID_COLUMNS, conform
 from charllm.probes.store.synthetic import T0_NS, gpu_frame, iteration_rows, make_run, tiny_experiment
+from infra_disks import tmpfs
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 T = np.round(np.arange(0, 200) * 0.05, 10)  # 10 s at 20 Hz
@@ -88,7 +89,8 @@ def test_a_campaign_is_one_scan_in_polars_and_in_duckdb_as_the_readme_shows(char
                                ("run-b", "n1", "gpu0", 200), ("run-b", "n1", "gpu1", 200)]
     assert scan_runs(runs / "run-c").collect().is_empty()
 
-    duckdb = pytest.importorskip("duckdb", reason="DuckDB is not installed (pip install duckdb)")
+    import duckdb  # a declared test dependency: imported, never skipped
+
     section = README.read_text().split("### A whole campaign in one query", 1)[1]
     query = re.search(r"```sql\n(.*?)```", section, re.S).group(1)
     monkeypatch.chdir(runs)  # "run from the runs directory"
@@ -171,14 +173,8 @@ def test_live_follows_past_a_damaged_chunk(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 256 KiB filesystem (tmpfs), so writes fail with ENOSPC as on a full disk."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill ({done.stderr.strip() or 'mount failed'}; needs root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with tmpfs(tmp_path / "disk", "256k") as mnt:
+        yield mnt
 
 
 def test_a_full_disk_stops_the_probe_with_one_line_and_keeps_what_was_written(small_disk):
