@@ -16,6 +16,7 @@ as a run of its own (engine.launch), which records itself in its run directory l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -72,6 +73,8 @@ def start(campaign: Campaign, target: Target, *, max_parallel: int | None = None
     except UserError:
         if not os.path.lexists(directory(campaign.name) / "campaign.json"):
             state.delete(campaign.name)           # the folder the lock made, and nothing else
+            with contextlib.suppress(OSError):
+                os.rmdir(state.root())            # and <runs>/.campaigns where it holds nothing else
         raise
     finally:
         os.close(lock)                            # (the supervisor holds its own copy)

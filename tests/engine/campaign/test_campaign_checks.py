@@ -13,11 +13,9 @@ from infra_cli import run
 
 
 def nothing_recorded(charllm_dirs) -> bool:
-    """No campaign record and no run: only the (empty) folder of campaign records may be there."""
+    """No campaign record, no run, not even the folder of campaign records."""
     runs = charllm_dirs["runs"]
-    entries = sorted(p.name for p in runs.iterdir()) if runs.is_dir() else []
-    return state.recorded() == [] and entries in ([], [".campaigns"]) and \
-        not any((runs / ".campaigns").iterdir() if (runs / ".campaigns").is_dir() else [])
+    return state.recorded() == [] and (not runs.is_dir() or list(runs.iterdir()) == [])
 
 
 def error_lines(err: str) -> list[str]:
