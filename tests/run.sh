@@ -41,7 +41,7 @@ status=0
 # failed test does, and the tests still run.
 echo "tests/run.sh: ruff check ."
 python3 -m ruff check . || status=$?
-echo "tests/run.sh: mypy (engine, probes)"
+echo "tests/run.sh: mypy (engine, probes, tui)"
 python3 -m mypy || status=$?
 python3 -m pytest "$@" || status=$?
 

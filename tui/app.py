@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from textual.app import App
 from textual.binding import Binding
+from textual.dom import DOMNode
 from textual.screen import Screen
+from textual.widget import Widget
 
 from charllm.engine.model.experiment import Experiment
 from charllm.probes.core import paths
@@ -31,6 +33,9 @@ from charllm.tui.providers import ActionsProvider, PresetsProvider, RunsProvider
 from charllm.tui.screens import SCREENS, screen_class
 from charllm.tui.screens.dialogs import AskName, Confirm
 from charllm.tui.screens.help import HelpScreen
+
+if TYPE_CHECKING:
+    from charllm.tui.screens.sweep import SweepDone
 
 DEFAULT_EXPERIMENT = "tiny-local"
 # Once the first screen is up and idle, the work other screens' first keys would pay for is done
@@ -77,7 +82,8 @@ def load_settings(path: Path | None = None) -> dict:
 
 def binding_ids() -> set[str]:
     """Every binding id of the app and its screens (what [keymap] may rebind)."""
-    classes = [CharllmApp, HelpScreen, AskName, Confirm, *(screen_class(target) for *_, target in SCREENS)]
+    classes: list[type[DOMNode]] = [CharllmApp, HelpScreen, AskName, Confirm,
+                                    *(screen_class(target) for *_, target in SCREENS)]
     return {b.id for cls in classes for b in cls.BINDINGS if isinstance(b, Binding) and b.id}
 
 
@@ -109,7 +115,7 @@ class CharllmApp(App[str | None]):
         self.compare_refs: list[str] = []
         self.campaign_name: str | None = None   # the campaign the Campaign screen shows
         self.runs_focus: str | None = None      # a run the Runs screen puts its cursor on when it shows
-        self.swept_ahead = None         # (experiment TOML, SweepDone) from the background sweep
+        self.swept_ahead: tuple[str, SweepDone] | None = None     # (experiment TOML, it) from the background sweep
         self._start_mode = start_mode or ("live" if run else self.DEFAULT_MODE)
 
     def on_mount(self) -> None:
@@ -142,19 +148,25 @@ class CharllmApp(App[str | None]):
         from textual.widgets import DataTable, Log, ProgressBar
         from textual_plotext import PlotextPlot
 
-        for widget in (DataTable(), ProgressBar(), Log(), PlotextPlot()):
+        widgets: tuple[Widget, ...] = (DataTable(), ProgressBar(), Log(), PlotextPlot())
+        for widget in widgets:
             for read_from, css, tie_breaker, scope in widget._get_default_css():
                 self.stylesheet.add_source(css, read_from=read_from, is_default_css=True,
                                            tie_breaker=tie_breaker, scope=scope)
         self.stylesheet.parse()
 
     # -- shared state, changed by any screen ------------------------------------------------
+    # The screen of the current mode is told at once; under a dialog (Help, say, with the command palette
+    # run from it) it is not `self.screen`, and reads the state when it resumes instead.
     def use_experiment(self, experiment: Experiment, *, show: bool = True) -> None:
         """Replace the experiment being composed (a preset, a sweep pick) and show Compose."""
         self.experiment = experiment
         self.experiment_serial += 1     # Compose re-reads it when it next resumes
         if self.current_mode == "compose":
-            self.screen.sync_from_app()
+            from charllm.tui.screens.compose import ComposeScreen  # deferred: its screen is up, its module loaded
+
+            if isinstance(self.screen, ComposeScreen):
+                self.screen.sync_from_app()
         elif show:
             self.switch_mode("compose")
 
@@ -162,7 +174,10 @@ class CharllmApp(App[str | None]):
         """Watch a run (live or recorded) on the Live screen; None shows host telemetry."""
         self.run_path = Path(path) if path else None
         if self.current_mode == "live":
-            self.screen.follow(self.run_path)
+            from charllm.tui.screens.live import LiveScreen  # deferred: its screen is up, its module loaded
+
+            if isinstance(self.screen, LiveScreen):
+                self.screen.follow(self.run_path)
         else:
             self.switch_mode("live")    # Live follows app.run_path when it resumes
 
@@ -170,7 +185,10 @@ class CharllmApp(App[str | None]):
         """Show the Runs screen with its cursor on run `run_id`."""
         self.runs_focus = run_id
         if self.current_mode == "runs":
-            self.screen.action_refresh()
+            from charllm.tui.screens.runs import RunsScreen  # deferred: its screen is up, its module loaded
+
+            if isinstance(self.screen, RunsScreen):
+                self.screen.action_refresh()
         else:
             self.switch_mode("runs")    # Runs puts its cursor on app.runs_focus when it resumes
 
@@ -178,14 +196,20 @@ class CharllmApp(App[str | None]):
         """Show campaign `name` on the Campaign screen."""
         self.campaign_name = name
         if self.current_mode == "campaign":
-            self.screen.select(name)
+            from charllm.tui.screens.campaign import CampaignScreen  # deferred: its screen is up, its module loaded
+
+            if isinstance(self.screen, CampaignScreen):
+                self.screen.select(name)
         else:
             self.switch_mode("campaign")    # Campaign selects app.campaign_name when it resumes
 
     def compare_runs(self, refs: list[str]) -> None:
         self.compare_refs = list(refs)
         if self.current_mode == "compare":
-            self.screen.load(self.compare_refs)
+            from charllm.tui.screens.compare import CompareScreen  # deferred: its screen is up, its module loaded
+
+            if isinstance(self.screen, CompareScreen):
+                self.screen.load(self.compare_refs)
         else:
             self.switch_mode("compare")
 
@@ -206,7 +230,11 @@ class CharllmApp(App[str | None]):
         said = "These keep running after the workbench quits:\n" + "\n".join(shown)
         if isinstance(self.screen, Confirm) and self.screen.question.startswith(said):
             return                      # asked already
-        self.push_screen(Confirm(f"{said}\n\nQuit?"), lambda yes: yes and self.exit(said))
+        def quit_if(yes: bool | None) -> None:
+            if yes:
+                self.exit(said)
+
+        self.push_screen(Confirm(f"{said}\n\nQuit?"), quit_if)
 
 
 MAX_SAID = 6         # runs and campaigns named when quitting; the rest are counted
@@ -217,7 +245,8 @@ def in_flight() -> list[str]:
     campaign stops it) that is pending or running, with the command that stops it."""
     from charllm.engine.campaign import state  # deferred: only quitting reads the campaigns
 
-    going, members = [], set()
+    going: list[str] = []
+    members: set[str] = set()
     for name in state.recorded():
         try:
             record = state.Record.load(name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -56,7 +57,8 @@ def make_demo_run(root: Path, run_id: str = "20251121-080000-demo-8gpu", *, gpus
 
     # The iteration log first: the simulator's load follows it (busy inside iterations).
     ns = 10**9
-    events = [{"event": "start", "world_size": nodes * gpus, "rank": 0, "node": "node0", "start_ns": t0_ns}]
+    events: list[dict[str, Any]] = [
+        {"event": "start", "world_size": nodes * gpus, "rank": 0, "node": "node0", "start_ns": t0_ns}]
     tokens = exp.training.global_batch_size * exp.seq_length
     for i in range(1, exp.training.train_iters + 1):
         start = t0_ns + int(((i - 1) * iteration_s + 0.5) * ns)
@@ -146,7 +148,7 @@ def save_demo_calibration(node: str = "node0", date: str = "2025-11-21") -> Path
     """A fixed CPU-node calibration, as `charllm-tui doctor --train` saved it on a 2-core CPU machine
     (its figures rounded), for the Doctor screen's snapshot and screenshot. No GPU is claimed."""
     host = {"device": "host", "backend": "host", "target_hz": 20.0, "rows": 40, "achieved_hz": 20.0}
-    report = {
+    report: dict[str, Any] = {
         "node": node, "date": date, "hardware": "cpu", "hardware_reason": "no GPU: training runs on the CPU",
         "errors": [], "driver": None, "devices": [], "stack": {"cuda": False, "capability": None, "extensions": []},
         "versions": {"python": "3.11.7", "torch": "2.13.0+cpu", "cuda": None, "nccl": None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
@@ -14,6 +14,9 @@ from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import list_runs
 from charllm.tui.screens import SCREENS
 
+if TYPE_CHECKING:
+    from charllm.tui.app import CharllmApp
+
 
 class _ListProvider(Provider):
     """A provider over a list of (text, help, callback) built once per palette opening."""
@@ -21,6 +24,13 @@ class _ListProvider(Provider):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.commands: list[tuple[str, str, Callable[[], object]]] = []
+
+    if TYPE_CHECKING:
+        # The app's own type. Textual's Provider.app says App[object], and App is invariant in what it returns:
+        # no App[str | None] is an App[object] to mypy.
+        @property
+        def app(self) -> CharllmApp:  # type: ignore[override]
+            ...
 
     def items(self) -> list[tuple[str, str, Callable[[], object]]]:
         raise NotImplementedError

@@ -6,9 +6,11 @@ detached supervisor, so the queue outlives the terminal that started it. Each me
 as a run of its own (engine.launch), which records itself in its run directory like any other.
 
 - Where the target has a scheduler (Slurm), the queue lives in it: the supervisor submits every
-  member at once, each job told to wait for the job `max_parallel` places before it (Target.queued:
-  Slurm's --dependency=afterany, and --time for the time limit), and then only watches. Killing
-  the supervisor leaves the queue, the jobs and their runs' own supervisors going.
+  member at once, each job told to wait for the job `max_parallel` places before it among those
+  submitted (Target.queued: Slurm's --dependency=afterany, and --time for the time limit; a member
+  the scheduler refuses takes no place, so the chain holds), and then only watches: one follower
+  for all members' jobs (Target.follower: one call to the scheduler per interval, no process per
+  member). Killing the supervisor leaves the queue and the jobs going; readers settle the runs.
 - Elsewhere (local, ssh) the supervisor is the queue: it launches members `max_parallel` at a time,
   stops one past its time limit, and ties every member's run to its own life, so killing the
   supervisor stops everything it started (probes.core.lifeline).
@@ -30,6 +32,7 @@ from charllm.engine.campaign import state
 from charllm.engine.campaign.spec import Campaign, Plan, check_max_parallel
 from charllm.engine.campaign.state import DONE, LOST, MISSING, QUEUED, Record, directory
 from charllm.engine.launch.launcher import (
+    FOLLOWER_KEY,
     LayoutRefused,
     cancel as cancel_run,
     checked,
@@ -37,7 +40,8 @@ from charllm.engine.launch.launcher import (
     plan as plan_steps,
     reconcile,
 )
-from charllm.engine.launch.target import Target
+from charllm.engine.launch.supervise import keep_summaries, with_profile
+from charllm.engine.launch.target import Follower, Target
 from charllm.engine.launch.targets import from_record
 from charllm.engine.model.memory import FITS, TIGHT
 from charllm.probes.core import paths, procid
@@ -79,6 +83,19 @@ def start(campaign: Campaign, target: Target, *, max_parallel: int | None = None
     finally:
         os.close(lock)                            # (the supervisor holds its own copy)
     return record
+
+
+def wait_handed_over(name: str, timeout: float = 3600.0) -> Record:
+    """The record once the campaign's supervisor has taken the queue over (where a scheduler keeps it,
+    every member submitted: the scheduler shows each job), the campaign ended, or the supervisor is
+    gone; at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        record = Record.load(name)
+        if record.data.get("handed_over_ns") or record.data.get("status") in FINAL_STATUSES or \
+                not state.supervisor_alive(name) or time.monotonic() > deadline:
+            return record
+        time.sleep(0.2)
 
 
 def _supervisor_log(name: str):
@@ -246,29 +263,49 @@ def _trust_problem(record: Record) -> str | None:
     return procid.trust_problem(record.path.parent, record.path)
 
 
-def _cancel_members(record: Record) -> None:
-    """Cancel every member's run that has not ended (side by side: each waits for its run), and
-    what is still queued; a member whose run vanished is settled as missing, never acted on."""
-    live = [(m, record.run_dir(m)) for m in record.members if m["status"] not in DONE and m.get("run")]
+CANCEL_WAIT_S = 120.0   # how long a cancel waits for the scheduler to confirm its members' jobs ended
+
+
+def _cancel_members(record: Record, follower: Follower | None = None) -> None:
+    """Cancel every member's run that has not ended, and what is still queued; a member whose run
+    vanished is settled as missing, never acted on. Without a scheduler each cancel waits for its
+    run (side by side); with one, every job is asked to end first and then all are followed together
+    (`follower`: the campaign supervisor's own; else each run is settled as a reader settles it)."""
+    live = [(m, rd) for m in record.members if m["status"] not in DONE and (rd := record.run_dir(m)) is not None]
+    scheduled = from_record(record.data["target"]).queued([], None) is not None
 
     def stop(pair):
         m, rd = pair
         status = state.run_status(rd)
         if status not in LOST and status not in FINAL_STATUSES:
             try:
-                cancel_run(rd)
+                cancel_run(rd, wait=0 if scheduled else 60.0)
             except UserError:
                 pass                                 # it ended first
-            status = state.run_status(rd)
-            # Cancelled, whatever its run is recorded as later (a scheduler's job may end "failed"):
-            # what cancel reports is what status shows from then on.
-            status = status if status in ("completed", *LOST) else "cancelled"
-        _settle(m, rd, status)
+        if not scheduled:
+            _settle(m, rd, _cancelled(state.run_status(rd)))
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(stop, live))
+    deadline = time.monotonic() + (CANCEL_WAIT_S if scheduled else 0)
+    while live:
+        if follower is not None:
+            follower.step([rd for _, rd in live])
+        for m, rd in live:
+            _settle(m, rd, _cancelled(_observed(rd)))
+        live = [(m, rd) for m, rd in live if m["status"] not in DONE]
+        if not live or time.monotonic() > deadline:
+            break
+        time.sleep(POLL_S)
     for m in record.members:
         if m["status"] == QUEUED:
             m["status"] = "cancelled"
+
+
+def _cancelled(status: str) -> str:
+    """A member's status once the campaign cancelled its run: "cancelled" for a run that ended other
+    than completed, whatever it is recorded as later (a scheduler's job may end "failed"), so what
+    cancel reports is what status shows from then on; a lost run, or one not ended yet, as it is."""
+    return "cancelled" if status in FINAL_STATUSES and status != "completed" else status
 
 
 def _observed(rd: RunDir) -> str:
@@ -295,6 +332,8 @@ def _settle(member: dict, rd: RunDir, status: str) -> None:
         return
     if status not in FINAL_STATUSES:
         member["status"] = status if status in ("pending", "running") else member["status"]
+        if status == "running" and not member.get("started_ns"):
+            member["started_ns"] = _run_started(rd)
         return
     try:
         m = rd.manifest()
@@ -303,8 +342,15 @@ def _settle(member: dict, rd: RunDir, status: str) -> None:
         return
     member["status"] = "failed" if member.get("timed_out") else status
     member["failure"] = member.get("failure") or m.failure
-    member["started_ns"] = member.get("started_ns") or m.started_ns or m.created_ns
+    member["started_ns"] = m.started_ns or member.get("started_ns") or m.created_ns
     member["ended_ns"] = m.ended_ns or time.time_ns()
+
+
+def _run_started(rd: RunDir) -> int | None:
+    try:
+        return rd.manifest().started_ns
+    except UserError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,6 +365,9 @@ class Queue:
         self.experiments = {m.key: m.experiment for m in Campaign.load(self.record.data["source"]).members()}
         self.cancel_requested = False
         self.started: dict[int, float] = {}            # member index -> monotonic start (time limits)
+        # Where a scheduler runs the jobs, this process follows all of them (its members have no
+        # supervisor each); elsewhere each member's own supervisor owns its processes.
+        self.follower = self.target.follower(self.record_end) if self.scheduler else None
 
     def _on_signal(self, signum, frame) -> None:
         self.cancel_requested = True
@@ -331,13 +380,15 @@ class Queue:
         self.record.save()
         if self.scheduler:
             self.submit_all()
+        self.record.data["handed_over_ns"] = time.time_ns()    # (what `campaign run --detach` waits for)
+        self.record.save()
         while not self.cancel_requested and not self.record.finished:
             if not self.scheduler:
                 self.fill()
             self.poll()
             time.sleep(POLL_S)
         if self.cancel_requested:
-            _cancel_members(self.record)
+            _cancel_members(self.record, self.follower)
             self.record.data.update(status="cancelled", ended_ns=time.time_ns())
         else:
             self.record.data.update(ended_ns=time.time_ns(), **state.outcome(self.record))
@@ -358,9 +409,11 @@ class Queue:
 
     def submit_all(self) -> None:
         """Submit every queued member at once, each after the one max_parallel places before it
-        (the scheduler keeps the queue from now on)."""
+        among those submitted (the scheduler keeps the queue from now on). A member the scheduler
+        refuses takes no place: the next one waits for the job before it, so no more than
+        max_parallel ever run at once."""
         lanes = self.record.data["max_parallel"]
-        submitted: list[RunDir | None] = []
+        submitted: list[RunDir] = []
         for m in self.members(QUEUED):
             if self.cancel_requested:
                 return
@@ -368,34 +421,47 @@ class Queue:
             after = [before.manifest()] if before is not None else []
             target = self.target.queued(after, self.record.data.get("time_limit_s"))
             assert target is not None            # submit_all runs only where a scheduler keeps the queue
-            submitted.append(self.start_member(m, target, tied=False))
+            rd = self.start_member(m, target, tied=False)
+            if rd is not None:
+                submitted.append(rd)
 
     def start_member(self, m: dict, target: Target, *, tied: bool) -> RunDir | None:
         """Start one member's run; a member that cannot start is failed with the reason, and the
-        campaign goes on."""
+        campaign goes on. Under a scheduler this process is the run's supervisor (its follower)."""
         exp = self.experiments.get(m["key"])
         if exp is None:
             m.update(status="failed", failure=f"not started: no longer in {self.record.data['source']}")
             self.record.save()
             return None
+        record: dict = {"campaign": {"name": self.record.name, "member": m["index"]}}
+        if self.follower is not None:
+            record["supervisor"] = {**procid.identify(os.getpid()), FOLLOWER_KEY: self.record.name}
         try:
-            result = launch(exp, target, force=forced(m), tied=tied,
-                            record={"campaign": {"name": self.record.name, "member": m["index"]}})
+            result = launch(exp, target, force=forced(m), tied=tied, record=record, supervised=self.follower is None)
         except (UserError, OSError) as exc:
             why = str(exc) if isinstance(exc, UserError) else os_error_line(exc)
             m.update(status=state.REFUSED, failure=f"not started: {why}", started_ns=time.time_ns(),
                      ended_ns=time.time_ns())
             self.record.save()
             return None
-        m.update(status="pending", run=result.run_id, started_ns=time.time_ns(), failure=None)
+        m.update(status="pending", run=result.run_id, submitted_ns=time.time_ns(), failure=None)
         self.started[m["index"]] = time.monotonic()
         self.record.save()
         assert result.run_dir is not None        # not a dry run
         return RunDir(result.run_dir)
 
     # -- watching ----------------------------------------------------------------------------
+    def record_end(self, rd: RunDir, fields: dict) -> None:
+        """Record how a member's run ended (the follower found it), as its own supervisor would."""
+        rd.update_manifest(**with_profile(rd, fields))
+        keep_summaries(rd)
+
     def poll(self) -> None:
-        """Settle members whose runs ended; stop one past its time limit (where no scheduler does)."""
+        """Follow the members' jobs (under a scheduler), settle members whose runs ended; stop one
+        past its time limit (where no scheduler does)."""
+        if self.follower is not None:
+            runs = [self.record.run_dir(m) for m in self.members("pending", "running")]
+            self.follower.step([rd for rd in runs if rd is not None])
         changed = False
         limit = self.record.data.get("time_limit_s")
         for m in self.members("pending", "running"):
@@ -439,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = queue.run()
     except BaseException as exc:
-        _cancel_members(queue.record)  # never leave members running without their queue
+        _cancel_members(queue.record, queue.follower)  # never leave members running without their queue
         queue.record.data.update(
             status="failed", ended_ns=time.time_ns(), failure=f"campaign supervisor error: {exc!r}"
         )

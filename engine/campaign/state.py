@@ -139,8 +139,8 @@ class Record:
     def tally(self, counts: dict[str, int] | None = None) -> str:
         """Members by status, as their runs say it now: "3 completed, 12 failed"."""
         counts = self.counts() if counts is None else counts
-        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", MISSING, DAMAGED, REFUSED, SKIPPED,
-                 INVALID)
+        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", "unknown", MISSING, DAMAGED, REFUSED,
+                 SKIPPED, INVALID)
         return ", ".join(f"{counts[s]:,} {s}" for s in (*order, *sorted(set(counts) - set(order))) if counts.get(s))
 
     def progress(self, now_ns: int | None = None) -> str:
@@ -149,8 +149,10 @@ class Record:
         done = sum(counts.get(s, 0) for s in FINAL_STATUSES)
         line = f"{self.name}: {plural(len(self.members), 'member')} ({self.tally(counts)})"
         left = self.time_left(now_ns)
-        if left is not None:
+        if left is not None and left >= 1:
             line += f"; about {duration(left, 0)} left at the current pace"
+        elif left is not None:
+            line += "; the members left run past the current pace"
         elif self.data.get("status") in FINAL_STATUSES and done:
             line += f"; {self.data['status']} at {clock(self.data.get('ended_ns'))}"
         return line
@@ -166,7 +168,8 @@ class Record:
         if not took or not left:
             return None
         now = now_ns or time.time_ns()
-        running = [(now - m["started_ns"]) / 1e9 for m in left if m.get("started_ns")]
+        # (a pending member waits its turn: under a scheduler it was submitted long before it starts)
+        running = [(now - m["started_ns"]) / 1e9 for m in left if m["status"] == "running" and m.get("started_ns")]
         mean = sum(took) / len(took)
         queued = len(left) - len(running)
         lanes = max(1, int(self.data.get("max_parallel") or 1))
@@ -216,15 +219,14 @@ def _gone(rd: RunDir) -> bool:
 
 
 def run_status(rd: RunDir) -> str:
-    """A member run's status as its manifest says it, read only; MISSING when its directory is gone,
-    DAMAGED when it holds no readable manifest."""
-    if _gone(rd):
+    """A member run's status as its manifest says it, read only; MISSING when its directory is gone
+    or holds no manifest, DAMAGED when its manifest cannot be read."""
+    if _gone(rd) or not rd.manifest_path.is_file():
         return MISSING
     try:
-        status = rd.manifest().status
+        return rd.manifest().status
     except UserError:
         return DAMAGED
-    return DAMAGED if status == "unknown" else status
 
 
 def member_status(record: Record, member: dict) -> str:

@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from charllm.engine.launch import slurmctl
 from charllm.engine.launch.command import Command
 from charllm.engine.launch.launcher import launch
-from charllm.engine.launch.slurm import FINAL_STATES, hostnames, job_info
 from charllm.engine.launch.target import SAMPLER_MODULE
 from charllm.engine.launch.targets import LOCAL
 from charllm.probes.core import lifeline
@@ -51,20 +51,20 @@ def slurm_job(job_id: str) -> dict:
     """A running Slurm job of this user's: {"job", "nodes", "stdout", "name"}; else one UserError line."""
     if not job_id.isdigit():
         raise UserError(f"attach slurm {job_id!r}: a job id is a number (squeue --me lists yours)")
-    info = job_info(job_id)
-    if info is None:
+    jobs = slurmctl.show_jobs([job_id])
+    if jobs is None:
         raise UserError(f"attach slurm {job_id}: the Slurm controller did not answer (scontrol show job {job_id})")
-    if not info:
+    job = jobs.get(job_id)
+    if job is None:
         raise UserError(f"attach slurm {job_id}: Slurm knows no such job (squeue --me lists yours)")
-    state = info.get("JobState", "?")
-    if state != "RUNNING":
-        raise UserError(f"attach slurm {job_id}: the job is {state}, not RUNNING (attach once it runs)")
-    uid = info.get("UserId", "")
-    if f"({os.geteuid()})" not in uid:
-        raise UserError(f"attach slurm {job_id}: the job belongs to {uid or 'someone else'}, not to you")
-    nodes = hostnames(info.get("NodeList", ""))
+    if job.state != "RUNNING":
+        raise UserError(f"attach slurm {job_id}: the job is {job.state}, not RUNNING (attach once it runs)")
+    if job.uid != os.geteuid():
+        raise UserError(f"attach slurm {job_id}: the job belongs to {job.get('UserId', 'someone else')}, not to you")
+    nodes = slurmctl.hostnames(job.get("NodeList", ""))
     if not nodes:
-        raise UserError(f"attach slurm {job_id}: Slurm names no nodes for it ({info.get('NodeList')!r})")
+        raise UserError(f"attach slurm {job_id}: Slurm names no nodes for it ({job.get('NodeList')!r})")
+    info = job.fields
     return {"job": job_id, "nodes": nodes, "stdout": info.get("StdOut") or None, "name": info.get("JobName", "")}
 
 
@@ -211,14 +211,19 @@ def follow(args: argparse.Namespace) -> int:
     return 0
 
 
+_WATCH: slurmctl.Watch | None = None   # the attached job's, made at its first look
+
+
 def _ended(args: argparse.Namespace) -> str | None:
     """How the job or process ended, once it has; None while it runs (or Slurm does not answer)."""
     if args.kind == "slurm":
-        info = job_info(args.ident)
-        if info is None:
+        # Slurm's pace: one call per interval at most, a final state once two answers said it
+        global _WATCH
+        _WATCH = _WATCH or slurmctl.Watch(single=True)
+        job = _WATCH.look({args.ident: 0})[args.ident]
+        if job is None or not job.final:
             return None
-        state = info.get("JobState", "UNKNOWN") if info else "gone from the controller"
-        return state if not info or state in FINAL_STATES else None
+        return "gone from the controller" if job.state == slurmctl.FORGOTTEN else job.state
     import psutil  # deferred: only a pid attach needs it
 
     try:

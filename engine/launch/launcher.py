@@ -35,6 +35,9 @@ from charllm.probes.store.rundir import (
 )
 
 CANCEL_GRACE_S = 10.0
+# In a run's supervisor record: the campaign whose supervisor follows the run (with the campaign's
+# other runs, on a scheduler: launch(supervised=False)); it carries the campaign's token, not the run's.
+FOLLOWER_KEY = "campaign"
 RESERVE_BYTES = 256 * 1024   # what a supervisor holds on the run's disk to record its final status
 MIN_FREE_BYTES = 4 * RESERVE_BYTES   # a launch needs that, its manifest, experiment and first logs
 
@@ -135,10 +138,13 @@ class LayoutRefused(UserError):
 
 def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, nproc: int | None = None,
            on_progress: Callable[[str], None] | None = None, record: dict | None = None,
-           tied: bool = False, command: Command | None = None, notes: list[str] | None = None) -> LaunchResult:
+           tied: bool = False, supervised: bool = True, command: Command | None = None,
+           notes: list[str] | None = None) -> LaunchResult:
     """Start `exp` on `target`: a run directory and its detached supervisor. `record`: fields the
     manifest also holds (a campaign's member). `tied`: the supervisor is asked to stop (and stops
-    the run) when the process that launched it dies, as a campaign's members do.
+    the run) when the process that launched it dies, as a campaign's members do. Not `supervised`:
+    no supervisor is started, the caller follows the run (a campaign's supervisor following all its
+    members' jobs on a scheduler, Target.follower) and `record` names it as the run's supervisor.
 
     `command`: a user's own command runs on every node instead of charllm's workload (command.py,
     `plan_command` gives `exp` and `notes`). Its layout, where its flags give one, is planned and its
@@ -184,7 +190,8 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     manifest = {
         "id": rd.id, "kind": "train", "name": exp.name, "status": "pending",
         "created_ns": time.time_ns(), "target": target.to_dict(),
-        "nodes": sorted({s.node for s in steps}), "steps": [s.to_dict() for s in steps],
+        "nodes": [] if target.allocates_nodes else sorted({s.node for s in steps}),   # (a scheduler picks them)
+        "steps": [s.to_dict() for s in steps],
         "commands": commands, "forced": found if force else [], "world_size": exp.world_size,
         "launched_from": procid.place(),   # who may judge the run until its supervisor records itself
         **({"command": {**command.to_dict(), "notes": notes}} if command else {}),
@@ -201,6 +208,9 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
         manifest.update(target.prepare(rd, steps, script, say))
         recorded = manifest["target"]
         result.job_id, result.job = target.run_record(recorded).get("job_id"), target.describe_job(recorded)
+        if not supervised:
+            result.run_dir = rd.path
+            return result
         say("starting the supervisor")
         with open(rd.logs_dir / "supervisor.log", "ab") as log:
             subprocess.Popen([sys.executable, "-m", "charllm.engine.launch.supervise", str(rd.path)],
@@ -208,8 +218,12 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
                              close_fds=True, preexec_fn=lifeline.terminated_with_parent if tied else None,
                              env=procid.run_environment(token, rd.id))
     except BaseException:
-        # A launch that did not start leaves nothing behind.
-        target.cancel_job(rd, Manifest.from_dict(manifest))
+        # A launch that did not start leaves nothing behind. A job the scheduler took but cannot be
+        # asked to end now fails at once without its directory; the launch's own cause is what is said.
+        try:
+            target.cancel_job(rd, Manifest.from_dict(manifest))
+        except UserError:
+            pass
         shutil.rmtree(rd.path, ignore_errors=True)
         raise
     result.run_dir = rd.path
@@ -235,12 +249,14 @@ def reconcile(rd: RunDir) -> str:
     could have written (RunDir.trust_problem) is only read."""
     manifest = rd.manifest()
     status = manifest.status
-    if manifest.final or status == "unknown" or not rd.ours() or rd.trust_problem():
+    if manifest.final or not rd.ours() or rd.trust_problem():
         return status       # (a directory charllm-tui did not make, or one not to be trusted, is only read)
     owner = manifest.owner
     if procid.where(owner) == "elsewhere":
         return status       # its own host judges it
-    token = None if manifest.kind == "probe" else rd.token   # (a probe started by hand carries no token)
+    # A probe started by hand carries no token, nor does a campaign's supervisor carry its members'
+    # (it follows their scheduler's jobs: FOLLOWER_KEY): whether they live is read from who they are.
+    token = None if manifest.kind == "probe" or owner.get(FOLLOWER_KEY) else rd.token
     if not manifest.supervisor and manifest.kind != "probe":
         if not _supervisor_never_started(rd, manifest, token):
             return status   # not started yet: launch records it within moments
@@ -260,6 +276,8 @@ def reconcile(rd: RunDir) -> str:
     fields = _target(manifest).settle_orphan(rd, manifest, lost)
     if fields is None:
         return status       # it goes on without its supervisor (a scheduler's job)
+    if fields.get("status", status) not in FINAL_STATUSES:
+        return _record(rd, **fields)   # (a scheduler's job started, or its nodes are known now: said as it goes)
     return _record(rd, orphaned_ns=time.time_ns(), ended_ns=time.time_ns(), **fields)
 
 
@@ -313,7 +331,7 @@ def _record(rd: RunDir, **fields) -> str:
     try:
         return rd.update_manifest(**fields)["status"]
     except OSError as exc:
-        raise UserError(f"run {rd.id!r}: its status ({fields['status']}) could not be recorded: "
+        raise UserError(f"run {rd.id!r}: its status ({fields.get('status', rd.status)}) could not be recorded: "
                         f"{os_error_line(exc, rd.path)}") from None
 
 
@@ -360,6 +378,12 @@ def cancel(run_dir, *, grace: float = CANCEL_GRACE_S, wait: float = 60.0) -> str
     status = _wait_final(rd, wait if scheduled or sup else 0, sup)
     if status in FINAL_STATUSES or elsewhere:
         return status   # (a scheduler's job cancelled from another host: its supervisor records it there)
+    if scheduled:       # the scheduler was asked; its follower (or the next reader) records the end it confirms
+        if wait > 0:
+            raise UserError(f"run {rd.id!r}: {target.describe_job(manifest.target) or 'its job'} was asked to end, "
+                            f"and the scheduler has not confirmed it within {wait:.0f} s; the run records its end once "
+                            f"it does (charllm-tui runs show {rd.id})")
+        return status
     # The supervisor is gone or stuck: stop what it recorded ourselves.
     manifest = rd.manifest()
     procid.signal(manifest.supervisor, signal.SIGKILL, token)

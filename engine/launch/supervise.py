@@ -4,7 +4,8 @@ Started detached by `launch()`, it runs the target's part (`Target.supervise`) a
 final status. Where the supervisor owns the run's processes (samplers, torchrun, remote log tails:
 local and ssh targets, whose process class says how a step runs), it records their process groups
 in the manifest, stops the rest when a node or rank fails, and stops everything on SIGTERM (what
-`cancel` sends). Under Slurm, which owns the processes, it follows the job (slurm.follow).
+`cancel` sends). Under Slurm, which owns the processes, it follows the job (slurm.Follower), and on
+SIGTERM lets go of it: the job goes on, and the next reader settles the run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from charllm.engine.launch.targets import from_record
 from charllm.engine.workload import CANCELLED_EXIT
 from charllm.probes.core import procid
 from charllm.probes.core.errors import UserError, disk_full_on, is_disk_full, mount_point, os_error_line
-from charllm.probes.store.rundir import Reserve, RunDir
+from charllm.probes.store.rundir import FINAL_STATUSES, Reserve, RunDir
 
 POLL_S = 0.2
 FAILURE_SETTLE_S = 5.0  # how long the other nodes get to exit and log their account
@@ -63,8 +64,8 @@ def stop(procs: list[Proc], grace: float) -> None:
 
 class Supervisor:
     """One run's supervisor. A target's `supervise(supervisor)` uses `own_steps` (its processes run
-    under the supervisor) or follows them elsewhere with `rd`, `manifest`, `cancel_requested`,
-    `lose_sampler` and `record_final` (slurm.follow)."""
+    under the supervisor) or follows them elsewhere with `rd`, `cancel_requested` and `record_final`
+    (slurm.SlurmTarget.supervise)."""
 
     def __init__(self, rd: RunDir):
         self.rd = rd
@@ -79,12 +80,7 @@ class Supervisor:
     def record_final(self, **fields) -> None:
         """Write the final status (and what the profiler window recorded and cost, in `profile`);
         on a full disk, give back the reserve and say so."""
-        try:
-            planned = self.rd.read_manifest().get("profile")
-            if isinstance(planned, dict):
-                fields["profile"] = {**planned, **self.rd.profile_account()}
-        except (UserError, OSError):   # a damaged manifest or log: the status still gets written
-            pass
+        fields = with_profile(self.rd, fields)
         try:
             self.rd.update_manifest(**fields)
         except OSError as exc:
@@ -193,6 +189,18 @@ class Supervisor:
         return culprit.describe_failure() + disk_note(self.rd.path)
 
 
+def with_profile(rd: RunDir, fields: dict) -> dict:
+    """A run's final fields with what its profiler window recorded and cost (`profile`), where it
+    planned one; a damaged manifest or log costs only that account."""
+    try:
+        planned = rd.read_manifest().get("profile")
+        if isinstance(planned, dict):
+            return {**fields, "profile": {**planned, **rd.profile_account()}}
+    except (UserError, OSError):
+        pass
+    return fields
+
+
 def keep_summaries(rd: RunDir) -> None:
     """Summarize the finished run once, here, so that the Runs list and every compare of it read
     kept results instead of its telemetry (however it was launched, and whoever watches). A run
@@ -230,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc, OSError):
             raise  # a bug: its traceback goes to supervisor.log
         status = f"failed: {why}"
-    keep_summaries(rd)
+    if status in FINAL_STATUSES or status.startswith("failed"):
+        keep_summaries(rd)
+    else:      # let go of a job its scheduler runs on (SIGTERM): the next reader settles the run
+        status = f"{status}; let go of (its scheduler runs it on)"
     supervisor.reserve.release()
     try:
         print(f"run {rd.id}: {status}", flush=True)

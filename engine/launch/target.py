@@ -19,7 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Protocol
 
 from charllm.engine.launch.command import Command
 from charllm.engine.launch.nodes import ArgvFor, NodeOutput
@@ -34,9 +34,18 @@ SAMPLER_MODULE = "charllm.probes"
 Say = Callable[[str], None]
 
 
+class Follower(Protocol):
+    def step(self, rds: list) -> None: ...
+
+
 def number(default, low: int, high: int):
     """An integer field and the range targets.toml may set it in."""
     return dataclasses.field(default=default, metadata={"range": (low, high)})
+
+
+def switch(default: bool | None = None):
+    """A true/false field (None: not given, the kind decides)."""
+    return dataclasses.field(default=default, metadata={"switch": True})
 
 
 @dataclass
@@ -84,7 +93,7 @@ def train_argv(python: str, exp, run_dir: str, *, node_rank, master_addr: str, m
 @dataclass(frozen=True)
 class Target(ABC):
     """Fields every kind has. A kind adds its own fields: a text field is a `str`, an integer one
-    a `number(...)` with its range, a list a tuple of strings."""
+    a `number(...)` with its range, a true/false one a `switch()`, a list a tuple of strings."""
 
     kind: ClassVar[str]
     default_python: ClassVar[str] = "python3"   # the interpreter when `python` is not given
@@ -182,6 +191,13 @@ class Target(ABC):
         """Run the supervisor's part (supervise.py) until the run ends; returns its final status.
         Here the supervisor owns the steps' processes, run on this machine (process.Proc)."""
         return supervisor.own_steps(Proc)
+
+    def follower(self, record_end: Callable) -> "Follower | None":
+        """Where a scheduler runs the jobs: one follower for many runs (a campaign's members), whose
+        `step(rds)` looks at all their jobs at once (one call to the scheduler per interval) and records
+        what became of each, ends through `record_end(rd, fields)`; the runs then need no supervisor
+        each (launch(supervised=False)). None where each run's supervisor owns its processes."""
+        return None
 
     def bring_home(self, rd) -> None:
         """After the run: copy into the run directory what the nodes wrote there besides the streams

@@ -25,8 +25,9 @@ target; `local` is built in:
     time = "01:00:00"
     constraint = "H100"
     gpus_per_node = 8
-    sbatch_lines = ["--exclusive"]
-    env_setup = "module load cuda"
+    exclusive = true               # whole nodes (the default), or cpus_per_gpu = 12 and mem_per_gpu = "96G"
+    sbatch_lines = ["--mail-type=END"]
+    env_setup = "module load cuda"  # its first failing command stops the job, named in the run's status
     python = "python3"
 """
 
@@ -79,9 +80,10 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
             raise UserError(f"{where}: unknown key {key!r}{hint}")
     fields = [f for f in dataclasses.fields(cls) if f.name in data]
     ranges = {f.name: f.metadata["range"] for f in fields if "range" in f.metadata}
+    switches = [f.name for f in fields if f.metadata.get("switch")]
     lists = [f.name for f in fields if f.name not in ranges and isinstance(f.default, tuple)]
     values: dict = {"name": name}
-    for key in (f.name for f in fields if f.name not in ranges and f.name not in lists):
+    for key in (f.name for f in fields if f.name not in ranges and f.name not in lists and f.name not in switches):
         values[key] = _want(where, key, data[key], str, "must be a string")
     if _CONTROL.search(name):
         raise UserError(f"{source}: target name {name!r}: must be one line of printable characters")
@@ -94,6 +96,8 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
         if not low <= value <= high:
             raise UserError(f"{where}.{key} = {value!r}: must be between {low} and {high}")
         values[key] = value
+    for key in switches:
+        values[key] = _want(where, key, data[key], bool, "must be true or false")
     for key in lists:
         value = data[key]
         if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):

@@ -36,10 +36,12 @@ from charllm.probes.core.errors import UserError, plural, shown
 from charllm.probes.core.files import is_regular, open_regular, read_bounded
 from charllm.probes.core.formatting import clock
 
-STATUSES = ("pending", "running", "completed", "failed", "cancelled")
+# "unknown": how the run ended cannot be known (a Slurm job gone from Slurm without its own end
+# record, where no accounting keeps it); also what a run without a manifest reads as.
+STATUSES = ("pending", "running", "completed", "failed", "cancelled", "unknown")
 TRACES = "traces"   # the run's profiler traces
 MAX_MANIFEST_BYTES = 16 * 2**20   # a manifest is a few KiB (commands, process records)
-FINAL_STATUSES = ("completed", "failed", "cancelled")
+FINAL_STATUSES = ("completed", "failed", "cancelled", "unknown")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _RUN_ID_STAMP = "%Y%m%d-%H%M%S"   # UTC: ids sort by start time
 # A chunk (NNNNNN.arrow, Arrow IPC) or a compacted file holding chunks NNNNNN..MMMMMM
@@ -195,7 +197,7 @@ def manifest_problem(data) -> str | None:
         value = data.get(name)
         if isinstance(value, int) and not 0 <= value < 2**63:
             return f"field {name!r} = {value}: out of range"
-    if "status" in data and data["status"] not in STATUSES + ("unknown",):
+    if "status" in data and data["status"] not in STATUSES:
         return f"field 'status' = {data['status']!r}, expected one of {', '.join(STATUSES)}"
     return None
 
@@ -420,7 +422,7 @@ class RunDir:
                 raise UserError(f"{damaged}; still in use by process {users[0].pid} "
                                 f"({' '.join(users[0].info['cmdline'])[:120]}), stop it first") from None
             return
-        if status not in FINAL_STATUSES and status != "unknown":
+        if status not in FINAL_STATUSES:
             raise UserError(f"run {self.id!r} is {status}; cancel it first "
                             f"(charllm-tui runs cancel {self.id}, or c on the Runs screen)")
 

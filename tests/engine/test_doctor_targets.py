@@ -82,3 +82,14 @@ def test_a_failing_slurm_node_is_named_in_one_line(slurm_cluster, charllm_dirs, 
     assert len(failed) == 2 and {line.split(":")[0] for line in failed} == {"✗ node n1", "✗ node n2"}, out
     assert all("--hardware 'h100-sxm-80gb': a nvidia preset, and this node has no GPU" in line for line in failed)
     assert not (charllm_dirs["data"] / "calibrations").exists()
+
+
+def test_more_slurm_nodes_than_the_partition_has_is_one_line_not_a_wait(slurm_cluster, charllm_dirs, capsys):
+    """Before: `doctor --nodes 3` on the 2-node partition waited for resources for 600 s and more."""
+    import time
+
+    write_targets(charllm_dirs, testcluster=slurm_target())
+    started = time.monotonic()
+    code, out, err = run(capsys, "doctor", "--target", "testcluster", "--nodes", "3", *FAST)
+    assert code == 2 and err.strip() == "charllm-tui: error: --nodes = 3: partition 'debug' has 2 nodes (sinfo)", err
+    assert time.monotonic() - started < 60

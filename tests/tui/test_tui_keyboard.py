@@ -132,6 +132,27 @@ async def test_the_palette_finds_model_hardware_and_experiment_presets(query, fo
         assert app.current_mode == "compose"
 
 
+@pilot_test
+async def test_a_preset_chosen_in_the_palette_over_help_reaches_compose_when_help_closes():
+    """The palette opened over Help (F1) on Compose: Compose is the mode's screen but not the one shown.
+    Was: AttributeError ('HelpScreen' object has no attribute 'sync_from_app'), the workbench gone."""
+    app = CharllmApp()
+    async with app.run_test(size=(120, 40)) as pilot:
+        compose = await compose_settled(pilot)
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "HelpScreen", what="the help screen")
+        await pilot.press("ctrl+p")
+        await pilot.press(*"model llama3-8b")
+        palette = app.screen
+        await wait_for(pilot, lambda: _palette_shows(palette, "Use model llama3-8b"), what="the model first")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.experiment.model.name == "llama3-8b", what="the model composed")
+        assert app.is_running and type(app.screen).__name__ == "HelpScreen"
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is compose
+                       and compose.query_one("#model", Select).value == "llama3-8b", what="Compose showing the model")
+
+
 def _palette_shows(palette, text: str) -> bool:
     from textual.command import CommandList
 

@@ -18,6 +18,7 @@ from charllm.probes.analysis import SUMMARY_FORMATS
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, one_line as one_error_line, plural
 from charllm.probes.core.formatting import local_time
+from charllm.probes.store.rundir import FINAL_STATUSES
 
 EXAMPLES = """\
 examples:
@@ -61,7 +62,8 @@ def register(sub, name: str, help: str) -> None:
     )
     run.add_argument("--include-oom", action="store_true", help="run members that do not fit too")
     run.add_argument("--resume", action="store_true", help="run only the members without a completed run")
-    run.add_argument("--detach", action="store_true", help="return once the queue is handed over")
+    run.add_argument("--detach", action="store_true",
+                     help="return once the supervisor holds the queue (on a scheduler: every member submitted)")
     status = actions.add_parser("status", help="members by status, each member's run, and the time left")
     status.add_argument("name", metavar="NAME", help=RECORDED)
     status.add_argument("--json", action="store_true", help="print the campaign's record as JSON")
@@ -215,6 +217,10 @@ def _start(args) -> int:
         if m["status"] in (state.SKIPPED, state.INVALID):
             print(f"  {m['name']}: {m['status']}: {m['reason']}")
     if args.detach:
+        record = queue.wait_handed_over(campaign.name)
+        print(f"campaign {campaign.name}: handed over ({record.progress()})" if record.data.get("handed_over_ns")
+              else f"campaign {campaign.name}: its supervisor ended before taking the queue over "
+                   f"({record.data.get('failure') or record.progress()})")
         return 0
     return _follow(campaign.name)
 
@@ -240,13 +246,13 @@ def _follow(name: str) -> int:
                 done = sum(1 for m in record.members if m["status"] in state.DONE)
                 progress.update(task, completed=done, total=len(record.members),
                                 description=record.progress())
-                if record.data.get("status") in ("completed", "cancelled", "failed"):
+                if record.data.get("status") in FINAL_STATUSES:
                     break
                 time.sleep(1.0)
     except KeyboardInterrupt:
         print(f"\ncampaign {name}: still running (charllm-tui campaign status {name}; cancel: campaign cancel {name})")
         return 0
-    bad = [m for m in record.members if m["status"] in ("failed", "cancelled", state.REFUSED, *state.LOST)]
+    bad = [m for m in record.members if m["status"] in ("failed", "cancelled", "unknown", state.REFUSED, *state.LOST)]
     for m in bad:
         print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}")
     print(f"campaign {name}: {record.data['status']} ({record.tally()})")
@@ -385,7 +391,7 @@ def _delete(args) -> int:
             if not os.path.lexists(state.directory(name) / "campaign.json"):
                 raise
             record = None                           # damaged: deleting it is how it goes
-        if record is not None and record.data.get("status") not in ("completed", "cancelled", "failed"):
+        if record is not None and record.data.get("status") not in FINAL_STATUSES:
             raise UserError(f"campaign {name!r} is {record.data.get('status')}; cancel it first "
                             f"(charllm-tui campaign cancel {name})")
         state.delete(name)

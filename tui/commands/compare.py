@@ -52,7 +52,7 @@ def _side_by_side(args: argparse.Namespace, window) -> int:
         name = check(args.matrix)
         df = gpus_by_runs(args.refs, name, window)
         heading = f"{MATRICES[name][0]} per GPU ({MATRICES[name][1]}), each run's steady window"
-        shown, notes = render_matrix(df, name), []
+        shown, notes = render_matrix(df, name), list[str]()
     else:
         df, notes = compare_kernels(args.refs)
         if df.height == 0:

@@ -246,11 +246,11 @@ def _num(value, fmt: str = "{:.1f}") -> str:
 def render(report: dict):
     """A report (or a saved calibration record, which holds the same) as a rich Group."""
     from rich import box
-    from rich.console import Group
+    from rich.console import Group, RenderableType
     from rich.table import Table
 
     e = _escape
-    parts = []
+    parts: list[RenderableType] = []
     hardware = report.get("hardware") or "unknown"
     if "memory" in report:   # a saved calibration
         parts.append(f"[b]calibration for {e(hardware)}[/b]: node {e(report.get('node', '?'))}, "

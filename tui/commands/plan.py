@@ -167,8 +167,9 @@ def load(args: argparse.Namespace):
     for name in (*MODEL_FLAGS[1:], "seq_length", "world_size"):
         value = getattr(args, name)
         if value is not None:
-            forms = "--model or --megatron-args" if name in ("hardware", "gpus_per_node", "world_size") else "--model"
-            raise UserError(f"plan {args.experiment}: {flag(name)} goes with {forms}; for an experiment, "
+            goes_with = ("--model or --megatron-args" if name in ("hardware", "gpus_per_node", "world_size")
+                         else "--model")
+            raise UserError(f"plan {args.experiment}: {flag(name)} goes with {goes_with}; for an experiment, "
                             f"{instead_of(name, value, exp)}")
     return exp.apply(args.sets), [], []
 

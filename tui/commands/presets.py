@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from typing import Any, Callable
 
 from charllm.engine.model import catalog
 from charllm.engine.model.experiment import Experiment, Hardware, ModelSpec, _drop_none
@@ -62,8 +63,10 @@ def _entries(kinds) -> list[dict]:
     return rows
 
 
-def _load(kind: str, name: str):
-    return {"models": ModelSpec, "hardware": Hardware, "experiments": Experiment}[kind].load(name)
+def _load(kind: str, name: str) -> ModelSpec | Hardware | Experiment:
+    loaders: dict[str, Callable[[str], ModelSpec | Hardware | Experiment]] = {
+        "models": ModelSpec.load, "hardware": Hardware.load, "experiments": Experiment.load}
+    return loaders[kind](name)
 
 
 def _summary(kind: str, obj) -> str:
@@ -148,7 +151,7 @@ def _show(name: str, kind: str | None, as_json: bool) -> int:
     obj = _load(kind, name)
     source = "user" if catalog.is_user(kind, name) else "shipped"
     data = obj.to_dict() if isinstance(obj, Experiment) else _drop_none(dataclasses.asdict(obj))
-    extra = {}
+    extra: dict[str, Any] = {}
     if isinstance(obj, Experiment):
         derived = None if value_problems(obj) else {  # derived sizes divide by the layout's sizes
             "world_size": obj.world_size, "data_parallel_size": obj.data_parallel_size,

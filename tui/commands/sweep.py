@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, Callable
 
 from charllm.engine.model.experiment import parse_value
 from charllm.engine.model.memory import VERDICT_STYLE, budget
@@ -214,7 +215,7 @@ def _tokens(value: float | None) -> str:
 
 
 # The table's columns: (heading, the sweep's column, its text)
-TABLE = (
+TABLE: tuple[tuple[str, str, Callable[[Any], str]], ...] = (   # heading, column, how a value is written
     ("rank", "rank", str), ("TP", "tensor_model_parallel_size", str), ("PP", "pipeline_model_parallel_size", str),
     ("VP", "virtual_pipeline_model_parallel_size", str), ("CP", "context_parallel_size", str),
     ("EP", "expert_model_parallel_size", str), ("DP", "data_parallel_size", str), ("mbs", "micro_batch_size", str),

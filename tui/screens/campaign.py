@@ -120,7 +120,7 @@ class CampaignScreen(WorkbenchScreen):
         self.wanted = Wanted()
         self.shown: Shown | None = None          # the chosen campaign, as last read
         self.drawn: Drawn | None = None          # the figure on screen
-        self.metrics: dict[str, str | None] = {kind: DEFAULT_METRIC.get(kind) for kind in KINDS}
+        self.metrics: dict[str | None, str | None] = {kind: DEFAULT_METRIC.get(kind) for kind in KINDS}
         self.wake = threading.Event()            # set: the poller reads again now
 
     def compose_body(self) -> ComposeResult:
@@ -141,7 +141,7 @@ class CampaignScreen(WorkbenchScreen):
             for key, heading in columns.items():
                 self.query_one(table, DataTable).add_column(heading, key=key)
         self.query_one("#campaign-figure").display = False
-        bindings = {b.id: b for b in self.BINDINGS}
+        bindings = {b.id: b for b in self.BINDINGS if isinstance(b, Binding)}
         self.query_one("#campaign-keys", Static).update(
             " · ".join(f"{shortest_key(self.app, bindings[bid])} {what}" for bid, what in KEYS_LINE))
 
@@ -214,6 +214,7 @@ class CampaignScreen(WorkbenchScreen):
 
     def _shown(self, wanted: Wanted, catalog: dict, files: dict, plans: dict, record) -> Shown:
         name = wanted.name
+        assert name is not None             # _read asks only for a chosen campaign
         campaign, members = _campaign(name, catalog, files) if name in catalog else (None, None)
         out = Shown(wanted.serial, name, plan=record is None or wanted.plan)
         if isinstance(campaign, spec.Campaign):
@@ -258,7 +259,7 @@ class CampaignScreen(WorkbenchScreen):
         table = self.query_one("#campaign-list", DataTable)
         with self.prevent(DataTable.RowHighlighted):      # a new row under the cursor chooses nothing
             _sync(table, [(name, (name, count, progress)) for name, count, progress in message.rows])
-            if self.wanted.name in table.rows:
+            if self.wanted.name is not None and self.wanted.name in table.rows:
                 table.move_cursor(row=table.get_row_index(self.wanted.name))
         if self.wanted.name is None and message.rows:
             self.select(message.rows[0][0])
@@ -278,7 +279,7 @@ class CampaignScreen(WorkbenchScreen):
             table.move_cursor(row=table.get_row_index(name))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        if event.data_table.id == "campaign-list" and event.row_key is not None:
+        if event.data_table.id == "campaign-list" and event.row_key is not None and event.row_key.value is not None:
             self.select(event.row_key.value)
         elif event.data_table.id == "campaign-members":
             self._show_detail()
@@ -475,8 +476,11 @@ class CampaignScreen(WorkbenchScreen):
                     f"at most {shown.max_parallel} at once?" if resume else
                     f"Run campaign {shown.name} on {shown.target}: {shown.runnable} of {len(shown.rows)} members, "
                     f"at most {shown.max_parallel} at once?")
-        self.app.push_screen(Confirm(question),
-                             lambda yes: yes and self.start_campaign(shown.name, shown.target, resume))
+        def start(yes: bool | None) -> None:
+            if yes:
+                self.start_campaign(shown.name, shown.target, resume)
+
+        self.app.push_screen(Confirm(question), start)
 
     @work(thread=True, group="campaign-start")
     def start_campaign(self, name: str, target_name: str, resume: bool) -> None:
@@ -496,8 +500,12 @@ class CampaignScreen(WorkbenchScreen):
         if shown.status not in ("pending", "running"):
             self.notify(f"campaign {shown.name} is not running", severity="warning")
             return
+        def cancel(yes: bool | None) -> None:
+            if yes:
+                self.cancel_campaign(shown.name)
+
         self.app.push_screen(Confirm(f"Cancel campaign {shown.name}: stop every member that runs, and its queue?"),
-                             lambda yes: yes and self.cancel_campaign(shown.name))
+                             cancel)
 
     @work(thread=True, group="campaign-cancel")
     def cancel_campaign(self, name: str) -> None:
@@ -553,6 +561,7 @@ def _row(name: str, catalog: dict, files: dict, records: dict, read: bool = True
 
 def _draw(wanted: Wanted, record) -> Drawn:
     """The figure `wanted` asks for, as `campaign report` computes it."""
+    assert wanted.kind is not None          # _read draws only a figure kind
     if record is None:
         return Drawn(wanted, None, f"campaign {wanted.name} has not run: no figure yet (r runs it)")
     try:
@@ -569,7 +578,7 @@ def _sync(table: DataTable, rows: list[tuple[str, tuple]]) -> None:
     rows = [(key, tuple(Text(c) if isinstance(c, str) else c for c in cells)) for key, cells in rows]
     keys = [key for key, _ in rows]
     if [k.value for k in table.rows] == keys:
-        columns = [c.value for c in table.columns]
+        columns = list(table.columns)
         for key, cells in rows:
             for column, cell in zip(columns, cells):
                 if table.get_cell(key, column) != cell:

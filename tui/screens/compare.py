@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 from rich.text import Text
@@ -29,6 +30,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Label, Select, Static
+from textual.widgets.select import NoSelection
 
 from charllm.probes.analysis import baselines, compare, predicted
 from charllm.probes.analysis.kernels import compare_kernels, kernels_side_by_side
@@ -40,6 +42,9 @@ from charllm.probes.core.errors import UserError, plural
 from charllm.probes.store.rundir import resolve_run, run_id_name
 from charllm.tui.screens.base import WorkbenchScreen
 from charllm.tui.widgets.charts import Chart
+
+if TYPE_CHECKING:
+    import polars as pl
 
 FIRST_RUN = "(first run)"
 MAX_DIFF_LINES = 3
@@ -57,7 +62,7 @@ class Compared(Message):
     result: object | None          # probes.analysis.compare.CompareResult
     curves: dict                   # curve -> {run label: (iterations, values)}, runs with data only
     error: str | None = None
-    stragglers: list[str] = None   # "run: stragglers ..." for each run that logged its ranks' timers
+    stragglers: list[str] | None = None   # "run: stragglers ..." for each run that logged its ranks' timers
     planned: dict | None = None    # run label -> predicted.predicted_vs_measured(run), runs with an experiment
     baseline: str | None = None    # the baseline's series in `curves` (a saved baseline's: its level)
 
@@ -65,7 +70,7 @@ class Compared(Message):
 @dataclass
 class SideBySide(Message):
     view: str                      # "kernels" or a matrix name
-    table: object | None           # a polars frame of text cells, first column the row names
+    table: pl.DataFrame | None     # text cells, first column the row names
     lines: list[str]               # what it covers, and notes
 
 
@@ -129,7 +134,7 @@ class CompareScreen(WorkbenchScreen):
 
     def _baseline(self) -> str | None:
         value = self.query_one("#baseline", Select).value
-        return None if value is Select.NULL else value
+        return None if isinstance(value, NoSelection) else value     # Select.NULL is the one NoSelection
 
     def load(self, refs: list[str]) -> None:
         if list(refs) != self.refs:
@@ -155,6 +160,7 @@ class CompareScreen(WorkbenchScreen):
 
     @work(thread=True, exclusive=True, group="compare")
     def compare(self, refs: list[str], baseline: str | None) -> None:
+        error: str | None
         try:
             result = compare.compare(refs, baseline=baseline)
         except UserError as exc:

@@ -57,6 +57,7 @@ class Field:
         section, name = resolve_key(key)
         kind = SECTIONS[section]
         label, help = experiment.label(kind, name), experiment.help_text(kind, name)
+        assert label is not None, f"{key}: a field on the form declares its label"
         options = experiment.choices(kind, name)
         if options:
             return cls(key, label, "choice", tuple(NONE if c is None else c for c in options), help)
@@ -180,8 +181,10 @@ class Form(Grid):
     """The form's grid; once mounted (lazily) it shows the app's experiment."""
 
     def on_mount(self) -> None:
-        self.screen.query_one("#preset").focus()     # the form is where keyboard work starts
-        self.screen.sync_from_app(first_paint=True)
+        screen = self.screen
+        assert isinstance(screen, ComposeScreen)        # the form is only composed there
+        screen.query_one("#preset").focus()     # the form is where keyboard work starts
+        screen.sync_from_app(first_paint=True)
 
 
 class ComposeScreen(WorkbenchScreen):
@@ -279,14 +282,13 @@ class ComposeScreen(WorkbenchScreen):
             self._set_select("hardware", exp.hardware.name)
             for field in FIELDS.values():
                 value = get_value(exp, field)
-                widget = self.query_one(f"#{field.wid}")
                 if field.kind == "bool":
-                    widget.value = bool(value)
+                    self.query_one(f"#{field.wid}", Checkbox).value = bool(value)
                 elif field.kind == "choice":
-                    widget.value = NONE if value is None else value
+                    self.query_one(f"#{field.wid}", Select).value = NONE if value is None else value
                 else:
-                    widget.value = "" if value is None else str(value)
-        for err in self.query(".field-error"):
+                    self.query_one(f"#{field.wid}", Input).value = "" if value is None else str(value)
+        for err in self.query(".field-error").results(Static):
             err.update("")
             err.remove_class("shown")
         self.typing_errors.clear()
@@ -308,7 +310,7 @@ class ComposeScreen(WorkbenchScreen):
     def show_help(self, event: events.DescendantFocus) -> None:
         """The focused control's hint line (a Select's open list counts as the Select); none for a button."""
         wid = next((node.id for node in event.widget.ancestors_with_self if node.id in HELP), None)
-        self.query_one("#field-help", Static).update(HELP.get(wid, ""))
+        self.query_one("#field-help", Static).update(HELP.get(wid, "") if wid else "")
 
     @on(Input.Changed)
     @on(Checkbox.Changed)
@@ -359,7 +361,7 @@ class ComposeScreen(WorkbenchScreen):
             self.typing_errors.discard(wid)
             if message:
                 self.typing_errors.add(wid)
-        for err in self.query(f"#err-{wid}"):
+        for err in self.query(f"#err-{wid}").results(Static):
             err.update(message)
             err.set_class(bool(message), "shown")
 
@@ -424,8 +426,8 @@ class ComposeScreen(WorkbenchScreen):
             return  # an older edit's answer
         self.last = message
         by_field: dict[str, list[str]] = {}
-        other = []
-        placed = {}
+        other: list[str] = []
+        placed: dict[str, str] = {}
         for problem in message.problems:
             wid = self._field_for(problem)
             (by_field.setdefault(wid, []) if wid else other).append(str(problem))
@@ -468,6 +470,7 @@ class ComposeScreen(WorkbenchScreen):
 
     # -- actions -------------------------------------------------------------------------
     def on_button_pressed(self, event: Button.Pressed) -> None:
+        assert event.button.id is not None     # each button here has its action's id
         {"save": self.action_save, "export": self.action_export, "launch": self.action_launch}[event.button.id]()
 
     def action_save(self) -> None:

@@ -119,9 +119,11 @@ class DoctorScreen(WorkbenchScreen):
 
     @work(thread=True, exclusive=True, group="doctor")
     def run_checks(self, train: bool) -> None:
+        def progress(text: str) -> None:
+            self.post_message(DoctorProgress(text))
+
         try:
-            report = doctor.gather(train=train, stop=self.stop,
-                                   progress=lambda text: self.post_message(DoctorProgress(text)))
+            report = doctor.gather(train=train, stop=self.stop, progress=progress)
             saved = str(doctor.save_calibration(report)) if train and not report["errors"] else None
             self.post_message(DoctorDone(report, saved))
         except UserError as exc:

@@ -34,7 +34,7 @@ class LaunchProgress(Message):
 
 @dataclass
 class LaunchDone(Message):
-    result: object | None        # engine.launch.launcher.LaunchResult
+    result: launcher.LaunchResult | None
     error: str | None = None
 
 
@@ -143,7 +143,7 @@ class LaunchScreen(WorkbenchScreen):
 
     def key(self, binding_id: str) -> str:
         """The key of one of this screen's bindings, as the footer writes it (tui.toml may move it)."""
-        return shortest_key(self.app, next(b for b in self.BINDINGS if b.id == binding_id))
+        return shortest_key(self.app, next(b for b in self.BINDINGS if isinstance(b, Binding) and b.id == binding_id))
 
     # -- launch --------------------------------------------------------------------------------
     def on_button_pressed(self, event: Button.Pressed) -> None:
@@ -164,9 +164,11 @@ class LaunchScreen(WorkbenchScreen):
 
     @work(thread=True, exclusive=True, group="launch")
     def start(self, exp: Experiment, target, force: bool) -> None:
+        def progress(text: str) -> None:
+            self.post_message(LaunchProgress(text))
+
         try:
-            result = launcher.launch(
-                exp, target, force=force, on_progress=lambda text: self.post_message(LaunchProgress(text)))
+            result = launcher.launch(exp, target, force=force, on_progress=progress)
             self.post_message(LaunchDone(result))
         except launcher.LayoutRefused as exc:     # the key that launches anyway, not the command line's flag
             self.post_message(LaunchDone(None, f"{exc.problem} ({self.key('launch.force')} launches anyway)"))
@@ -185,6 +187,7 @@ class LaunchScreen(WorkbenchScreen):
             self.query_one("#launch-log", Log).write_line(f"refused: {message.error}")
             self.notify(message.error, severity="error", timeout=8)
             return
+        assert message.result is not None   # no error: launched
         self.result = message.result
         self.query_one("#launch-log", Log).write_line(f"started {message.result.run_dir}")
         self.notify(f"launched {message.result.run_id}")

@@ -40,7 +40,7 @@ from charllm.probes import backends, sampler
 from charllm.probes.analysis.iterations import read_experiment, span_stats
 from charllm.probes.analysis.ranks import recent_line
 from charllm.probes.analysis.render import format_figure
-from charllm.probes.backends.base import GpuProcess, hostname
+from charllm.probes.backends.base import Backend, GpuProcess, hostname
 from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import GIB, seconds, size
 from charllm.probes.store import rundir
@@ -197,10 +197,11 @@ class GpuProcesses:
 
     def __init__(self):
         self.listed = False
+        self.backend: Backend | None = None
         try:
             self.backend = backends.open_backend("auto")
         except UserError as exc:
-            self.backend, self.note = None, f"GPU processes: none listed ({exc})"
+            self.note = f"GPU processes: none listed ({exc})"
             return
         self.listed = self.backend.name != "host"
         if not self.listed:
@@ -254,7 +255,7 @@ class LiveScreen(WorkbenchScreen):
         self.chart_index: int | None = None      # the one chart shown (c cycles); None: all four
         self.held: Frame | None = None           # the newest frame while paused, drawn on resume
         self.held_charts = False                 # whether it holds chart data newer than those drawn
-        self._shown: dict[str, str] = {}
+        self._shown: dict[str, str | Text] = {}
         self.frames = 0                          # frames drawn (tests and benchmarks read it)
         self.last_frame: Frame | None = None
         self.show_processes: bool | None = None  # the processes pane instead of the log; None: automatic
@@ -398,7 +399,8 @@ class LiveScreen(WorkbenchScreen):
                 if charts_due:
                     if not paused:
                         frozen_ts = history["ts_ns"].max() if history is not None and history.height else None
-                    shown = history if not paused or frozen_ts is None else history.filter(pl.col("ts_ns") <= frozen_ts)
+                    shown = (history if not paused or frozen_ts is None or history is None
+                             else history.filter(pl.col("ts_ns") <= frozen_ts))
                     frame = build_frame(shown, t0, WINDOWS_S[self.window], self.group_nodes, self.strip_width,
                                         self.chart_points, utilization=self.utilization, strip=self.strip)
                     frame.frozen = paused
@@ -409,7 +411,7 @@ class LiveScreen(WorkbenchScreen):
                     drawn_with, drawn_at = (rows_seen, view), began
                 else:
                     frame = Frame(source="", status="", kind=last_kind, charts=None)
-                if processes_due:
+                if processes_due and processes is not None:     # (due only when there are processes to list)
                     frame.processes, listed_at = processes.list(), began
                 if processes is not None:
                     frame.processes_note, frame.processes_listed = processes.note, processes.listed
@@ -427,7 +429,7 @@ class LiveScreen(WorkbenchScreen):
                     stragglers = recent_line([starts, *iterations[-STRAGGLER_STEPS * 2:]], STRAGGLER_STEPS) \
                         if any(e.get("timers") for e in iterations[-2:]) else None
                 frame.stragglers = stragglers
-                if getattr(source, "command", None):
+                if isinstance(source, RunSource) and source.command:     # (host telemetry has no command)
                     frame.runtime = f"ran: {source.command}"
                 elif starts.get("runtime"):
                     frame.runtime = f"ran as {rundir.runtime_line(starts['runtime'])}"
@@ -518,10 +520,14 @@ class LiveScreen(WorkbenchScreen):
                 stragglers = fit_phrases(frame.stragglers, width, height - rows(text, width))
                 text += f"\n{escape(stragglers)}" if stragglers else ""
             elif run and self.is_current:       # just shown: fitted once the layout gives the pane its size
-                self.call_after_refresh(lambda: self.last_frame is frame and self._draw_text(frame))
+                self.call_after_refresh(self._redraw_text, frame)
         self._update("#iterations", text)
 
-    def _update(self, selector: str, content: str) -> None:
+    def _redraw_text(self, frame: Frame) -> None:
+        if self.last_frame is frame:    # not replaced by a newer one meanwhile
+            self._draw_text(frame)
+
+    def _update(self, selector: str, content: str | Text) -> None:
         """Update a Static only when its text changes (each update costs a repaint)."""
         if self._shown.get(selector) != content:
             self._shown[selector] = content

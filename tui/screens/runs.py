@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.markup import escape
 from rich.text import Text
@@ -36,7 +37,7 @@ from charllm.tui.screens.dialogs import AskName, Confirm, free_name
 
 WATCH_S = 2.0          # how often the runs are read again while the screen is shown
 STATUS_STYLE = {"running": "bold green", "pending": "yellow", "completed": "", "failed": "bold red",
-                "cancelled": "magenta"}
+                "cancelled": "magenta", "unknown": "yellow"}
 COLUMNS = ("run", "status", *(h for h, _ in HEADLINE.values()), "target", "experiment", "started")
 # The keys the footer has no room for at 80 columns first; this line stays under the run's details.
 # Groups of (binding id, what it does), shown with the keys the user's [keymap] gives them.
@@ -243,7 +244,7 @@ class RunsScreen(WorkbenchScreen):
         def key(run_cell: Text):
             run_id = run_cell.plain[2:]              # the run cell: a mark, a space, the id
             m = self.manifests[run_id]
-            value = ((self.shown.get(run_id) or {}).get(figure) if figure else
+            value: Any = ((self.shown.get(run_id) or {}).get(figure) if figure else
                      {"started": m.started_ns or m.created_ns, "status": m.status, "experiment": m.name,
                       "run": run_id}[self.sort_by])
             return value is None, (-value if larger_first and value is not None else value or "")
@@ -343,6 +344,7 @@ class RunsScreen(WorkbenchScreen):
             table.update_cell(message.run_id, heading, cell)
         if self.sort_by in (heading for heading, _ in HEADLINE.values()):   # its place may change
             cursor = self.current_run()
+            assert cursor is not None       # the table lists the run just updated
             self._sort()
             table.move_cursor(row=table.get_row_index(cursor))
 
@@ -386,7 +388,7 @@ class RunsScreen(WorkbenchScreen):
         self.query_one(DataTable).update_cell(run_id, "run", self._mark(run_id))
 
     def action_compare(self) -> None:
-        refs = self.marked or ([self.current_run()] if self.current_run() else [])
+        refs = self.marked or ([run] if (run := self.current_run()) else [])
         if not refs:
             self.notify("mark runs with Space first", severity="warning")
             return
@@ -436,8 +438,11 @@ class RunsScreen(WorkbenchScreen):
                 raise UserError(f"baseline {name!r}: already exists; pick another name")
 
         suggested = free_name(run_id_name(run_id) or run_id, baselines.exists)
-        self.app.push_screen(AskName(f"Save run {run_id} as baseline:", suggested, check),
-                             lambda name: name and self.save_baseline(self.runs[run_id], name))
+        def save(name: str | None) -> None:
+            if name:
+                self.save_baseline(self.runs[run_id], name)
+
+        self.app.push_screen(AskName(f"Save run {run_id} as baseline:", suggested, check), save)
 
     @work(thread=True, group="baseline")
     def save_baseline(self, path: Path, name: str) -> None:

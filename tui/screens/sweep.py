@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 from rich.text import Text
@@ -38,6 +39,11 @@ from charllm.probes.core.errors import UserError
 from charllm.probes.core.formatting import GIB, count, si
 from charllm.tui.screens.base import WorkbenchScreen, edited_name
 from charllm.tui.screens.dialogs import AskName, free_name
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from charllm.tui.app import CharllmApp
 
 ANY = "any"
 # DataFrame column -> table heading, in the order shown: the layout, what it leaves free, then its options
@@ -71,7 +77,7 @@ SORTS = (("tokens_per_s", True), ("energy_per_token_j", False), ("headroom_bytes
 
 @dataclass
 class SweepDone(Message):
-    frame: object | None        # polars DataFrame
+    frame: pl.DataFrame | None
     seconds: float
     error: str | None = None
     basis: str = ""             # the device budget every verdict and the rates every speed assumes, and their sources
@@ -90,7 +96,7 @@ def sweep_experiment(exp: Experiment) -> SweepDone:
         return SweepDone(None, time.perf_counter() - began, f"sweep failed: {exc!r}")
 
 
-def sweep_ahead(app) -> None:
+def sweep_ahead(app: CharllmApp) -> None:
     """Sweep the app's composed experiment in a background thread; the Sweep screen takes the result
     when it opens on the same experiment (`app.swept_ahead`: (experiment TOML, SweepDone))."""
     exp = app.experiment.copy()
@@ -106,6 +112,7 @@ def headroom_text(value: float | None, verdict: str | None, compact: bool = Fals
     """GiB to spare, coloured by the verdict; `compact` (the map) drops the decimal from 10 GiB on."""
     if value is None:
         return Text("·", "dim")
+    assert verdict is not None          # a layout's headroom comes with its verdict
     style = "bold green" if verdict == FITS and value >= 8 * GIB else VERDICT_STYLE[verdict]
     gib = value / GIB
     return Text(f"{gib:+.0f}" if compact and abs(gib) >= 10 else f"{gib:+.1f}", style)
@@ -154,13 +161,13 @@ class SweepScreen(WorkbenchScreen):
 
     def __init__(self):
         super().__init__()
-        self.frame = None               # the sweep's DataFrame
+        self.frame: pl.DataFrame | None = None    # the sweep's
         self.fitting_only = True
         self.sort_index = -1            # the entry of SORTS `s` chose last
         self.sort: tuple[str, bool] | None = None   # (column, descending) the table is sorted by; None: ranked
         self.swept_serial = None
         self.basis = ""
-        self.table_frame = None         # what the table lists (after the fitting-only filter), in order
+        self.table_frame: pl.DataFrame | None = None    # what the table lists (after the fitting-only filter), in order
         self.loaded = 0                 # rows of it added to the table so far
         self.columns = list(TABLE_COLUMNS)  # the columns the table shows
         self.same_everywhere = ""       # the hidden columns and their one value ("EP 1 · SP yes")
@@ -199,6 +206,7 @@ class SweepScreen(WorkbenchScreen):
     def set_columns(self) -> None:
         """Show the columns that tell this sweep's layouts apart; name the others' one value."""
         frame, self.columns, same = self.frame, [], []
+        assert frame is not None        # the columns are set once a sweep is shown
         for column, heading in TABLE_COLUMNS.items():
             if column not in ALWAYS_SHOWN and frame.height and frame[column].n_unique() == 1:
                 same.append(f"{heading} {cell_text(column, frame[column][0])}")
@@ -247,6 +255,7 @@ class SweepScreen(WorkbenchScreen):
             status.update(f"[yellow]{message.error}[/]")
             return
         self.frame = message.frame
+        assert self.frame is not None   # a sweep without an error has its frame
         self.basis = message.basis
         if self.marked_for != self.swept_serial:    # marks are layouts of the experiment swept before
             self.marked, self.marked_for = {}, self.swept_serial
@@ -264,6 +273,7 @@ class SweepScreen(WorkbenchScreen):
 
     def show_status(self) -> None:
         frame = self.frame
+        assert frame is not None        # the status is of a sweep shown
         counts = frame["verdict"].value_counts() if frame.height else None
         count = {} if counts is None else dict(counts.iter_rows())
         listed = self.table_frame.height if self.table_frame is not None else frame.height
@@ -328,6 +338,7 @@ class SweepScreen(WorkbenchScreen):
         """Add the next page of `table_frame` to the table."""
         table = self.query_one("#sweep-table", DataTable)
         start = self.loaded
+        assert self.table_frame is not None     # rows are loaded once the table lists a sweep
         for i, row in enumerate(self.table_frame.slice(start, TABLE_PAGE).iter_rows(named=True), start):
             cells = [headroom_text(row[c], row["verdict"]) if c == "headroom_bytes" else
                      self._rank_text(row) if c == "rank" else cell_text(c, row[c]) for c in self.columns]
@@ -348,11 +359,13 @@ class SweepScreen(WorkbenchScreen):
 
     def table_row(self, index: int) -> dict:
         """The sweep row shown at `index` in the table."""
+        assert self.table_frame is not None     # a row is shown: the table lists a sweep
         return self.table_frame.row(index, named=True)
 
     # -- choosing ----------------------------------------------------------------------------------
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if event.data_table.id == "sweep-table":
+            assert event.row_key.value is not None      # every row is added with its index as key
             self.pick(self.table_row(int(event.row_key.value)))
 
     def on_data_table_cell_selected(self, event: DataTable.CellSelected) -> None:
@@ -360,7 +373,9 @@ class SweepScreen(WorkbenchScreen):
 
         if event.data_table.id != "feasibility" or event.cell_key.column_key.value == "pp":
             return
-        tp, pp = int(event.cell_key.column_key.value), int(event.cell_key.row_key.value)
+        tp_key, pp_key = event.cell_key.column_key.value, event.cell_key.row_key.value
+        assert tp_key is not None and pp_key is not None    # the map's rows and columns are added with keys
+        tp, pp = int(tp_key), int(pp_key)
         cell = self.shown.filter((pl.col("tensor_model_parallel_size") == tp)
                                  & (pl.col("pipeline_model_parallel_size") == pp))
         if not cell.height:
@@ -391,6 +406,7 @@ class SweepScreen(WorkbenchScreen):
         """A heading sorts by its column; again, the other way round."""
         if event.data_table.id == "sweep-table":
             column = event.column_key.value
+            assert column is not None       # every column is added with its name as key
             self.sort = (column, not self.sort[1] if self.sort and self.sort[0] == column else True)
             self.fill_table(self.shown)
 
@@ -446,10 +462,15 @@ class SweepScreen(WorkbenchScreen):
             return False
 
         what = f"{len(layouts)} marked layout{'s' if len(layouts) > 1 else ''} of {exp.name}"
+
+        def write(name: str | None) -> None:
+            if name:
+                self.write_campaign(name, exp, base, layouts, what)
+
         self.app.push_screen(AskName(f"A campaign of the {what}, named:" if base else
                                      f"A campaign of the {what} (saved as an experiment preset too), named:",
                                      free_name(f"{exp.name.removesuffix('-edited')}-layouts", taken), check),
-                             lambda name: name and self.write_campaign(name, exp, base, layouts, what))
+                             write)
 
     def write_campaign(self, name: str, exp: Experiment, base: str | None, layouts: list, what: str) -> None:
         saved = None

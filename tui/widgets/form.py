@@ -12,18 +12,28 @@ moves before the next key is handed to a control.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from textual import events
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
+from textual.widget import Widget
 from textual.widgets import Checkbox, Input, Select
 
 # Tab and Shift+Tab move the focus as the app receives them (priority), not after the keys before them.
-FOCUS_KEYS = [
+FOCUS_KEYS: list[BindingType] = [
     Binding("tab", "app.focus_next", "Next field", show=False, priority=True),
     Binding("shift+tab", "app.focus_previous", "Previous field", show=False, priority=True),
 ]
 
 
-class InOrderKeys:
+# A mixin for controls: typed as a widget, made a plain class (a Widget base would add a CSS type name).
+if TYPE_CHECKING:
+    _Control = Widget
+else:
+    _Control = object
+
+
+class InOrderKeys(_Control):
     """Runs the control's own key bindings as its keys arrive, in order with typed characters.
     Only its own keys: those bubbling up from a part of it that has the focus (a Select's open list) are
     that part's (Down and Enter move and choose there)."""
@@ -52,5 +62,7 @@ class FormCheckbox(InOrderKeys, Checkbox):
     ✓ when on, blank when off (Textual's draws an X either way)."""
 
     @property
-    def BUTTON_INNER(self) -> str:  # Textual's class attribute, per value here
+    # Textual's class attribute, per value here (and never assigned): mypy cannot see a property may stand
+    # for a plain class attribute that is only read
+    def BUTTON_INNER(self) -> str:  # type: ignore[override]
         return "✓" if self.value else " "

@@ -107,3 +107,17 @@ def test_an_ended_campaign_has_no_time_left():
     assert "about 10 s left" in record.progress(now_ns=20 * second)
     record.data.update(status="failed", ended_ns=20 * second)
     assert "left" not in record.progress(now_ns=20 * second) and "failed at" in record.progress()
+
+
+def test_members_waiting_in_a_scheduler_s_queue_count_as_left():
+    """Before: a Slurm campaign with members pending (submitted long ago, waiting for their turn) said
+    "about 0 s left": a member's submission was taken for its start."""
+    second = 10**9
+    members = [{"status": "completed", "started_ns": 5 * second, "ended_ns": 15 * second},
+               {"status": "running", "started_ns": 96 * second},
+               *({"status": "pending", "submitted_ns": 0} for _ in range(4))]
+    record = state.Record(None, {"name": "c", "status": "running", "max_parallel": 2, "members": members})
+    assert "about 23 s left" in record.progress(now_ns=100 * second)   # (10 - 4) / 2 + 4 * 10 / 2
+    members[1]["started_ns"] = 80 * second   # the running one is past the pace, nothing else left
+    del members[2:]
+    assert record.progress(now_ns=100 * second).endswith("; the members left run past the current pace")

@@ -4,17 +4,20 @@ outlives the command that started it and the campaign's supervisor; a cancel emp
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import sys
 
 import psutil
 import pytest
 
 from charllm.engine.launch.slurm import job_id
+from charllm.engine.launch.slurmctl import PACE_ENV
 from infra_campaign import record, runs_of, tiny_campaign, wait_until
 from infra_cli import run
 from infra_runs import left_after, start
-from infra_slurm import slurm_cluster  # noqa: F401 - fixture
+from infra_slurm import fault_wrappers, slurm_cluster  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.train]   # they launch training (torchrun)
 
@@ -59,9 +62,16 @@ def test_the_queue_lives_in_slurm_and_outlives_the_command_and_the_supervisor(sl
 
 @pytest.mark.timeout(600)
 def test_campaign_cancel_empties_the_slurm_queue(slurm_cluster, charllm_dirs, capsys):
+    """`--detach` returns once Slurm holds every member's job (squeue shows them at once, each named
+    after its run); a cancel ends them all, and a member cancelled while pending ran on no node."""
     cluster_target(charllm_dirs)
     name = tiny_campaign(charllm_dirs, target="cluster", iters=100_000)
-    assert run(capsys, "campaign", "run", name, "--detach")[0] == 0
+    code, out, err = run(capsys, "campaign", "run", name, "--detach")
+    assert code == 0 and f"campaign {name}: handed over" in out, out + err
+    rec = record(name)
+    names = subprocess.run(["squeue", "--noheader", "--format=%j"], env=slurm_cluster.env, capture_output=True,
+                           text=True).stdout.split()
+    assert sorted(names) == sorted(rd.id for rd in runs_of(rec)) and len(names) == 6, names
     wait_until(name, lambda r: sum(m["status"] == "running" for m in r.members) == 2, 300, "two members running")
     code, out, err = run(capsys, "campaign", "cancel", name)
     assert code == 0, err
@@ -73,3 +83,45 @@ def test_campaign_cancel_empties_the_slurm_queue(slurm_cluster, charllm_dirs, ca
     assert slurm_cluster.jobs() == "" or all(" RUNNING" not in j and " PENDING" not in j
                                              for j in slurm_cluster.jobs().splitlines())
     assert all(left_after(rd.id) == 0 for rd in runs_of(rec))
+    never_ran = runs_of(rec)[-1]
+    assert never_ran.manifest().nodes == [] and never_ran.manifest().started_ns is None
+    code, out, _ = run(capsys, "runs", "show", never_ran.id)
+    assert "\nnodes     -\n" in out, out
+
+
+@pytest.mark.timeout(900)
+def test_a_member_sbatch_refuses_keeps_max_parallel_and_the_queue_outlives_its_follower(
+        slurm_cluster, charllm_dirs, capsys, tmp_path, monkeypatch):
+    """sbatch refuses the third member (a policy) and loses its answer for the fourth (the job was
+    taken): the refused member is refused with sbatch's own line and takes no place in the chain, the
+    fourth's job is found by its name (never submitted twice), and no more than 2 ever run at once.
+    The campaign's supervisor, which follows every member's job through scontrol's faults, is killed
+    midway; the readers settle the rest, every status right."""
+    faults = fault_wrappers(tmp_path / "faults")
+    monkeypatch.setenv("PATH", f"{faults.folder / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv(PACE_ENV, "0.2,1,4")
+    faults.plan("sbatch", ["ok", "ok", "refuse", "lost"])
+    faults.plan("scontrol", [entry for i in range(20) for entry in (("fail", "garbage", "empty", "truncate")[i % 4],
+                                                                     "ok")])
+    cluster_target(charllm_dirs)
+    name = tiny_campaign(charllm_dirs, target="cluster")
+    assert run(capsys, "campaign", "run", name, "--detach")[0] == 0
+    rec = record(name)
+    refused = rec.members[2]
+    assert refused["status"] == "refused" and refused["run"] is None
+    assert refused["failure"] == ("not started: sbatch refused the job: sbatch: error: Batch job submission failed: "
+                                  "Invalid qos specification")
+    rds = runs_of(rec)
+    jobs = [job_id(rd.manifest()) for rd in rds]
+    assert len(rds) == 5 and len(set(jobs)) == 5 and len(slurm_cluster.jobs().splitlines()) == 5, "none twice"
+    lines = [rd.manifest().target.get("sbatch_lines", []) for rd in rds]
+    assert lines == [[], [], [f"--dependency=afterany:{jobs[0]}"], [f"--dependency=afterany:{jobs[1]}"],
+                     [f"--dependency=afterany:{jobs[2]}"]], lines
+    wait_until(name, lambda r: any(m["status"] == "completed" for m in r.members), 300, "a member to complete")
+    psutil.Process(rec.data["supervisor"]["pid"]).kill()
+    rec = wait_until(name, lambda r: r.data["status"] == "failed", 720, "Slurm to run the queue through")
+    assert [m["status"] for m in rec.members] == ["completed", "completed", "refused", "completed", "completed"] + \
+        ["completed"], [(m["status"], m.get("failure")) for m in rec.members]
+    assert rec.data["failure"] == "1 of 6 members did not complete (1 refused)", "never 'completed' over a refusal"
+    assert slurm_at_once(slurm_cluster, jobs) == 2, "two jobs at once, never more (Slurm's own times)"
+    assert {line.split()[1] for line in faults.injected()} >= {"refuse", "lost", "fail", "garbage"}

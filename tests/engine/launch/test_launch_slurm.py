@@ -51,6 +51,8 @@ def test_submitted_job_runs_and_completes(slurm_cluster, tmp_path, monkeypatch):
     assert manifest["target"]["run"] == {"job_id": result.job_id, "state": "COMPLETED"}
     assert "slurm_job_id" not in manifest and "slurm_state" not in manifest
     assert describe(manifest["target"]) == f"testcluster (slurm job {result.job_id}, COMPLETED)"
+    assert f" JobName={rd.id} " in slurm_cluster.scontrol("show", "job", "-o", result.job_id), "named after the run"
+    assert manifest["nodes"] == ["n1", "n2"] and manifest["exit_codes"] == {"train@n1": 0, "train@n2": 0}
     steps = rd.read_iterations()
     steps = steps.filter(steps["event"] == "iteration")
     assert set(steps["rank"].to_list()) == {0, 1} and steps["iteration"].max() == 4
@@ -71,6 +73,19 @@ def test_a_job_that_never_ran_the_workload_is_no_completed_run(slurm_cluster):
     rd = RunDir(launch(two_nodes(4), target(env_setup="exit 0")).run_dir)
     manifest = wait_final(rd, 150)
     assert manifest["status"] == "failed" and "never logged its end" in manifest["failure"], manifest
+
+
+@pytest.mark.timeout(200)
+def test_a_failing_env_setup_command_stops_the_job_and_is_named(slurm_cluster):
+    """Before: "module: command not found" showed only in logs/slurm-N.out, and the run said completed."""
+    rd = RunDir(launch(two_nodes(4), target(env_setup="export A=1; module load cuda/12.4; echo not reached")).run_dir)
+    manifest = wait_final(rd, 150)
+    assert manifest["status"] == "failed", manifest
+    assert manifest["failure"].startswith("env_setup stopped the job: `module load cuda/12.4` exited with status 127 "
+                                          "(command not found)"), manifest["failure"]
+    assert manifest["target"]["run"]["state"] == "FAILED"
+    out = next(rd.logs_dir.glob("slurm-*.out")).read_text()
+    assert "not reached" not in out and not (rd.logs_dir / "train.exit").exists(), out
 
 
 @pytest.mark.timeout(400)
@@ -179,7 +194,6 @@ def test_which_sampler_exit_records_are_a_loss(tmp_path):
     import time
 
     from charllm.engine.launch import slurm
-    from charllm.engine.launch.supervise import Supervisor
 
     rd = RunDir.create(tmp_path / "run", "launch")
     rd.write_manifest({"id": "run", "kind": "train", "status": "running", "target": target().to_dict()})
@@ -192,7 +206,7 @@ def test_which_sampler_exit_records_are_a_loss(tmp_path):
         (rd.logs_dir / f"sampler-{node}.exit").write_text(f"{code} {at}\n")
     (rd.logs_dir / "sampler-n4.log").write_text("charllm-probes: error: hz = 1000: must be > 0 and at most 200\n")
     (rd.logs_dir / "sampler-n5.exit").write_text("13")  # being written
-    slurm.watch_samplers(Supervisor(rd))
+    slurm.watch_samplers(rd)
     lost = {entry["node"]: entry for entry in rd.read_manifest()["telemetry_lost"]}
     assert sorted(lost) == ["n1", "n2", "n4"]
     assert "killed by SIGKILL" in lost["n1"]["reason"] and lost["n1"]["at_ns"] == now - 10**9

@@ -104,7 +104,8 @@ def test_the_typed_manifest_reads_each_field_and_defaults_what_is_absent(tmp_pat
     ({"failure": 3}, "field 'failure' is an integer, expected a string or null"),
     ({"target": "x", "nodes": 3}, "field 'target' is a string, expected an object"),
     ({"runtime": []}, "field 'runtime' is a list, expected an object or null"),
-    ({"status": "done"}, "field 'status' = 'done', expected one of pending, running, completed, failed, cancelled"),
+    ({"status": "done"},
+     "field 'status' = 'done', expected one of pending, running, completed, failed, cancelled, unknown"),
 ])
 def test_the_typed_manifest_refuses_a_damaged_file_as_one_line(tmp_path, data, problem):
     rd = RunDir(tmp_path / "r")
