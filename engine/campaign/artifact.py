@@ -78,6 +78,7 @@ def record_tree(name: str, root: Path, imported: list[tuple[Path, RunDir]]) -> R
         raise UserError(f"campaign {name!r}: its record was made meanwhile by another; import again") from None
     members = []
     for index, (folder, run) in enumerate(imported):
+        manifest = run.manifest()              # "failed" for a crash (importers.MIN_SAMPLES)
         found = experiment_for(folder)
         exp = found[0] if found else None
         base = found[1] if found else folder.name
@@ -86,14 +87,16 @@ def record_tree(name: str, root: Path, imported: list[tuple[Path, RunDir]]) -> R
             "model": exp.model.name if exp else None, "hardware": exp.hardware.name if exp else None,
             "layout": exp.layout_label if exp else None, "variant": variant(exp, base) if exp else None,
             "micro_batch_size": exp.training.micro_batch_size if exp else None,
-            "varied": _varied(folder), "verdict": None, "reason": "", "status": "completed", "run": run.id,
+            "varied": _varied(folder), "verdict": None, "reason": "", "status": manifest.status, "run": run.id,
             "planned": plan_member(Member(index, base, {}, {}, exp)).planned if exp else None,
-            "runs": [], "failure": None, "started_ns": run.manifest().started_ns, "ended_ns": run.manifest().ended_ns})
+            "runs": [], "failure": manifest.failure, "started_ns": manifest.started_ns,
+            "ended_ns": manifest.ended_ns})
     now = time.time_ns()
     record = Record(directory(name) / "campaign.json", {
         "name": name, "source": f"import:{root}", "description": f"imported from {root}", "target": {},
         "max_parallel": 1, "time_limit_s": None, "include_oom": False, "status": "completed", "created_ns": now,
         "started_ns": now, "ended_ns": now, "supervisor": {}, "members": members})
+    record.data.update(state.outcome(record))     # failed where a folder was a crash
     record.save()
     return record
 

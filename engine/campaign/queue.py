@@ -18,6 +18,7 @@ as a run of its own (engine.launch), which records itself in its run directory l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -29,14 +30,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 from charllm.engine.campaign import state
 from charllm.engine.campaign.spec import Campaign, Plan, check_max_parallel
-from charllm.engine.campaign.state import DONE, MISSING, QUEUED, Record, directory
-from charllm.engine.launch.launcher import FOLLOWER_KEY, cancel as cancel_run, launch, reconcile
+from charllm.engine.campaign.state import DONE, LOST, MISSING, QUEUED, Record, directory
+from charllm.engine.launch.launcher import (
+    FOLLOWER_KEY,
+    LayoutRefused,
+    cancel as cancel_run,
+    checked,
+    launch,
+    plan as plan_steps,
+    reconcile,
+)
 from charllm.engine.launch.supervise import keep_summaries, with_profile
 from charllm.engine.launch.target import Follower, Target
 from charllm.engine.launch.targets import from_record
 from charllm.engine.model.memory import FITS, TIGHT
-from charllm.probes.core import procid
-from charllm.probes.core.errors import UserError, os_error_line
+from charllm.probes.core import paths, procid
+from charllm.probes.core.errors import UserError, os_error_line, plural
 from charllm.probes.core.formatting import clock
 from charllm.probes.store.rundir import FINAL_STATUSES, RunDir
 
@@ -68,6 +77,8 @@ def start(campaign: Campaign, target: Target, *, max_parallel: int | None = None
     except UserError:
         if not os.path.lexists(directory(campaign.name) / "campaign.json"):
             state.delete(campaign.name)           # the folder the lock made, and nothing else
+            with contextlib.suppress(OSError):
+                os.rmdir(state.root())            # and <runs>/.campaigns where it holds nothing else
         raise
     finally:
         os.close(lock)                            # (the supervisor holds its own copy)
@@ -122,8 +133,55 @@ def _record_for_run(campaign: Campaign, plans: list[Plan], target: Target, paral
         _keep_completed(record, previous)
     if record.finished:
         raise UserError(f"campaign {campaign.name!r}: no member left to run ({record.progress()})")
+    check_target(record, {p.member.key: p.member.experiment for p in plans}, target)
     record.save()
     return record
+
+
+class Refused(UserError):
+    """A campaign refused before anything started: `reasons`, one line each (the CLI prints them so)."""
+
+    def __init__(self, head: str, reasons: list[str]):
+        super().__init__(f"{head}: {'; '.join(reasons)}")
+        self.head, self.reasons = head, reasons
+
+
+def forced(member: dict) -> bool:
+    """Whether a member is launched past its layout's problems: one planned not to fit (--include-oom)."""
+    return member["verdict"] not in (FITS, TIGHT)
+
+
+def check_target(record: Record, experiments: dict, target: Target) -> None:
+    """Refuse the campaign (Refused, one line per reason) unless every member it would run can start
+    on `target`, as `launch` checks each (launcher.checked: node count, GPUs per node, the layout),
+    and the target is ready for them all (Target.check_ready: a scheduler's commands, reachable hosts)."""
+    why: dict[str, list[str]] = {}                 # reason -> the members it refuses
+    steps = []
+    for m in record.members:
+        if m["status"] != QUEUED:
+            continue
+        try:
+            exp, _ = checked(experiments[m["key"]], target, force=forced(m))
+            steps += plan_steps(exp, target, paths.runs_dir() / f"{record.name}-check", dry_run=True)[0]
+        except LayoutRefused as exc:               # (its "--force" is launch's, no campaign's)
+            why.setdefault(exc.problem, []).append(m["name"])
+        except UserError as exc:
+            why.setdefault(str(exc), []).append(m["name"])
+    try:
+        target.check_ready(steps, lambda message: None)
+    except UserError as exc:
+        why.setdefault(str(exc), []).append("every member")
+    if why:
+        lines = [f"{reason} ({_members_named(names)})" for reason, names in why.items()]
+        raise Refused(f"campaign {record.name!r} cannot run on target {target.name!r}; nothing was started "
+                      f"({plural(len(lines), 'reason')})", lines)
+
+
+def _members_named(names: list[str]) -> str:
+    if names == ["every member"]:
+        return "every member"
+    shown_names = ", ".join(names[:3]) + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
+    return f"{plural(len(names), 'member')}: {shown_names}"
 
 
 def _keep_completed(record: Record, previous: Record) -> None:
@@ -162,7 +220,7 @@ def refresh(record: Record) -> Record:
                            failure=f"the campaign supervisor died (found at {clock()}); "
                                    f"--resume runs the members left")
     elif scheduled and record.finished:
-        record.data.update(status="completed", ended_ns=time.time_ns())
+        record.data.update(ended_ns=time.time_ns(), **state.outcome(record))
     try:
         record.save()
     except OSError:
@@ -218,13 +276,14 @@ def _cancel_members(record: Record, follower: Follower | None = None) -> None:
 
     def stop(pair):
         m, rd = pair
-        if state.run_status(rd) != MISSING:
+        status = state.run_status(rd)
+        if status not in LOST and status not in FINAL_STATUSES:
             try:
                 cancel_run(rd, wait=0 if scheduled else 60.0)
             except UserError:
                 pass                                 # it ended first
         if not scheduled:
-            _settle(m, rd, state.run_status(rd))
+            _settle(m, rd, _cancelled(state.run_status(rd)))
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(stop, live))
     deadline = time.monotonic() + (CANCEL_WAIT_S if scheduled else 0)
@@ -232,7 +291,7 @@ def _cancel_members(record: Record, follower: Follower | None = None) -> None:
         if follower is not None:
             follower.step([rd for _, rd in live])
         for m, rd in live:
-            _settle(m, rd, _observed(rd))
+            _settle(m, rd, _cancelled(_observed(rd)))
         live = [(m, rd) for m, rd in live if m["status"] not in DONE]
         if not live or time.monotonic() > deadline:
             break
@@ -242,23 +301,34 @@ def _cancel_members(record: Record, follower: Follower | None = None) -> None:
             m["status"] = "cancelled"
 
 
+def _cancelled(status: str) -> str:
+    """A member's status once the campaign cancelled its run: "cancelled" for a run that ended other
+    than completed, whatever it is recorded as later (a scheduler's job may end "failed"), so what
+    cancel reports is what status shows from then on; a lost run, or one not ended yet, as it is."""
+    return "cancelled" if status in FINAL_STATUSES and status != "completed" else status
+
+
 def _observed(rd: RunDir) -> str:
-    """A member run's status now: MISSING where its directory or manifest is gone or damaged (and
-    nothing in it is acted on), else its status once reconciled (launcher.reconcile)."""
+    """A member run's status now: MISSING or DAMAGED where its directory or manifest is gone or
+    damaged (and nothing in it is acted on), else its status once reconciled (launcher.reconcile)."""
     status = state.run_status(rd)
-    if status == MISSING or status in FINAL_STATUSES:
+    if status in LOST or status in FINAL_STATUSES:
         return status
     try:
         return reconcile(rd)
-    except (UserError, FileNotFoundError):           # damaged or deleted just now
+    except UserError:                                # damaged just now
+        return state.DAMAGED
+    except FileNotFoundError:                        # deleted just now
         return MISSING
 
 
 def _settle(member: dict, rd: RunDir, status: str) -> None:
-    """Copy a finished run's outcome into its member (MISSING: its run is gone; the queue goes on)."""
-    if status == MISSING:
-        member.update(status=MISSING, ended_ns=time.time_ns(),
-                      failure=f"its run {rd.id} is gone or damaged; --resume runs it again")
+    """Copy a finished run's outcome into its member (MISSING, DAMAGED: its run is lost; the queue
+    goes on)."""
+    if status in LOST:
+        member.update(status=status, ended_ns=time.time_ns(),
+                      failure=f"its run {rd.id} is {'gone' if status == MISSING else 'damaged'}; "
+                              f"--resume runs it again")
         return
     if status not in FINAL_STATUSES:
         member["status"] = status if status in ("pending", "running") else member["status"]
@@ -319,12 +389,11 @@ class Queue:
             time.sleep(POLL_S)
         if self.cancel_requested:
             _cancel_members(self.record, self.follower)
-            status = "cancelled"
+            self.record.data.update(status="cancelled", ended_ns=time.time_ns())
         else:
-            status = "completed"
-        self.record.data.update(status=status, ended_ns=time.time_ns())
+            self.record.data.update(ended_ns=time.time_ns(), **state.outcome(self.record))
         self.record.save()
-        return status
+        return self.record.data["status"]
 
     # -- launching ---------------------------------------------------------------------------
     def members(self, *statuses) -> list[dict]:
@@ -368,11 +437,11 @@ class Queue:
         if self.follower is not None:
             record["supervisor"] = {**procid.identify(os.getpid()), FOLLOWER_KEY: self.record.name}
         try:
-            result = launch(exp, target, force=m["verdict"] not in (FITS, TIGHT), tied=tied, record=record,
-                            supervised=self.follower is None)
+            result = launch(exp, target, force=forced(m), tied=tied, record=record, supervised=self.follower is None)
         except (UserError, OSError) as exc:
             why = str(exc) if isinstance(exc, UserError) else os_error_line(exc)
-            m.update(status="failed", failure=f"not started: {why}", started_ns=time.time_ns(), ended_ns=time.time_ns())
+            m.update(status=state.REFUSED, failure=f"not started: {why}", started_ns=time.time_ns(),
+                     ended_ns=time.time_ns())
             self.record.save()
             return None
         m.update(status="pending", run=result.run_id, submitted_ns=time.time_ns(), failure=None)
@@ -444,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         os.close(lock)       # its record says how it ended: the next `campaign run` may start now
-    print(f"campaign {argv[0]}: {status}", flush=True)
+    print(f"campaign {argv[0]}: {status} ({queue.record.tally()})", flush=True)
     return 0
 
 

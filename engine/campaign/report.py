@@ -20,12 +20,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from charllm.engine.campaign.spec import VARIANTS
-from charllm.engine.campaign.state import Record
+import polars as pl
+
+from charllm.engine.campaign.spec import VARIANTS, Campaign
+from charllm.engine.campaign.state import QUEUED, Record
 from charllm.engine.campaign.summary import WINDOW, campaign_summary, member_summary
 from charllm.probes.analysis.kernels import CATEGORIES, compare_kernels
+from charllm.probes.analysis.predicted import METRICS as PREDICTED, prediction
 from charllm.probes.analysis.render import metric_label, metric_unit
 from charllm.probes.core.errors import UserError, did_you_mean
+from charllm.probes.store.importers import CRASHED
 
 KINDS = ("parallelism", "optimization", "microbatch", "heatmap", "kernels")
 PARALLELISM_METRICS = ("temp_gpu_mean_c", "temp_gpu_peak_c", "power_mean_w", "power_peak_w", "sm_clock_mean_mhz",
@@ -40,6 +44,7 @@ class Series:
     x: list[str]                          # the categories (layouts, variants, micro batch sizes)
     y: list[float | None]                 # None: no value (see `marks`)
     marks: dict[str, str] = field(default_factory=dict)   # x -> why there is no value ("OOM", "failed")
+    members: list[int] = field(default_factory=list)      # the member (index) each x is
 
 
 @dataclass
@@ -75,30 +80,109 @@ class Figure:
 
 
 def figure(record: Record, kind: str, metric: str | None = None, normalize: bool = False) -> Figure:
-    if kind not in KINDS:
-        raise UserError(f"--figure {kind!r}: expected one of {', '.join(KINDS)}{did_you_mean(kind, KINDS)}")
+    _check_kind(kind)
     summary = campaign_summary(record)
-    if metric is not None and metric not in summary.columns and kind != "heatmap":
-        valid = [c for c, kind in summary.schema.items() if kind.is_numeric() and c != "member"]
-        raise UserError(f"--metric {metric!r}: not a campaign figure{did_you_mean(metric, valid)} (the figures: "
-                        f"{', '.join(valid)})")
+    if kind != "heatmap":
+        _check_metric(metric, summary)
     window = f"steady window of each member (summaries' {WINDOW!r})"
     return {"parallelism": _parallelism, "optimization": _optimization, "microbatch": _microbatch,
             "heatmap": _heatmap, "kernels": _kernels}[kind](record, summary, metric, normalize, window)
 
 
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise UserError(f"--figure {kind!r}: expected one of {', '.join(KINDS)}{did_you_mean(kind, KINDS)}")
+
+
+def _check_metric(metric: str | None, summary: pl.DataFrame) -> None:
+    if metric is not None and metric not in summary.columns:
+        valid = [c for c, kind in summary.schema.items() if kind.is_numeric() and c != "member"]
+        raise UserError(f"--metric {metric!r}: not a campaign figure{did_you_mean(metric, valid)} (the figures: "
+                        f"{', '.join(valid)})")
+
+
+# -- predicted: the same figures from the plans, before any run -----------------------------------
+PREDICTED_KINDS = ("parallelism", "optimization", "microbatch")      # a plan is per layout, not per GPU
+PREDICTED_PARALLELISM = ("power_mean_w", "tokens_per_s", "iter_time_mean_s", "efficiency_samples_per_s_mj")
+PLANNED = "planned"          # a predicted member's status: its plan fits (no run is implied)
+
+
+def predicted_figure(campaign: Campaign, kind: str, metric: str | None = None, normalize: bool = False) -> tuple:
+    """A figure of `kind` drawn from the campaign's plans (the speed model's prediction of every
+    member, probes.analysis.predicted), and the in-memory record of members it was drawn for."""
+    _check_kind(kind)
+    if kind not in PREDICTED_KINDS:
+        raise UserError(f"--figure {kind} --predicted: a plan predicts per layout, not per GPU or kernel; "
+                        f"predicted figures: {', '.join(PREDICTED_KINDS)}")
+    plans = campaign.plan()
+    record = Record.new(campaign, plans, {}, include_oom=False, max_parallel=1)     # never saved
+    summary = predicted_summary(record, {p.member.key: p.member.experiment for p in plans})
+    _check_metric(metric, summary)
+    window = "the plans (engine.model.speed), before any run"
+    # The metrics the plans predict a value for (a CPU has no board limit, so no power).
+    predicted = [c for c in PREDICTED_PARALLELISM if summary[c].drop_nulls().len()] or [PREDICTED_PARALLELISM[0]]
+    if kind == "parallelism" and metric is None:
+        fig = _parallelism(record, summary, None, normalize, window, tuple(predicted))
+    else:
+        default = DEFAULT_METRIC[kind] if DEFAULT_METRIC[kind] in predicted else predicted[0]
+        fig = {"parallelism": _parallelism, "optimization": _optimization, "microbatch": _microbatch}[kind](
+            record, summary, metric or default, normalize, window)
+    fig.title = f"{fig.title} (predicted)"
+    return fig, record
+
+
+def predicted_summary(record: Record, experiments: dict) -> pl.DataFrame:
+    """One row per member, as campaign_summary's, with the speed model's predictions in the columns
+    they predict (predicted.METRICS); a member planned not to run has none, and says why."""
+    rows = []
+    for m in record.members:
+        runs = m["status"] == QUEUED
+        figures = prediction(experiments[m["key"]]) if runs else {}
+        rows.append({"member": m["index"] + 1, "name": m["name"], "status": PLANNED if runs else m["status"],
+                     "layout": m.get("layout"), "run": None, "verdict": m.get("verdict"),
+                     "why": None if runs else m.get("reason"),
+                     **{column: figures.get(name) for _, column, name, _ in PREDICTED}})
+    schema = {"member": pl.Int64, "name": pl.String, "status": pl.String, "layout": pl.String, "run": pl.String,
+              "verdict": pl.String, "why": pl.String, **{column: pl.Float64 for _, column, _, _ in PREDICTED}}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def entries(record: Record, fig: Figure) -> list[dict]:
+    """The figure as data, one entry per member it draws: who the member is (its name, model,
+    layout, varied settings, verdict) and its value for each panel's metric (None where it has
+    none, with the mark saying why)."""
+    by_index = {m["index"]: m for m in record.members}
+    out: dict[int, dict] = {}
+    for panel in fig.panels:
+        for s in panel.series:
+            for x, y, index in zip(s.x, s.y, s.members):
+                m = by_index[index]
+                entry = out.setdefault(index, {
+                    "member": index + 1, "name": m["name"], "model": m.get("model"), "layout": m.get("layout"),
+                    "varied": m.get("varied", {}), "verdict": m.get("verdict"), "x": x, "values": {}, "marks": {}})
+                entry["values"][panel.metric] = y
+                if x in s.marks:
+                    entry["marks"][panel.metric] = s.marks[x]
+    return [out[i] for i in sorted(out)]
+
+
 def _mark(row: dict) -> str:
-    """Why a member has no value: its plan did not fit (OOM, as the paper marks it), or its run did not complete."""
+    """Why a member has no value: its plan did not fit (OOM, as the paper marks it), its run crashed
+    (an imported folder without its sampled step), or its run did not complete."""
     if row["status"] == "skipped":
         return "OOM"
+    if (row.get("why") or "").startswith(CRASHED):
+        return CRASHED
+    if row["status"] == PLANNED:
+        return "not predicted"            # the speed model lacks a figure of its hardware
     return row["status"] if row["status"] != "completed" else "no data"
 
 
-def _parallelism(record, summary, metric, normalize, window) -> Figure:
+def _parallelism(record, summary, metric, normalize, window, metrics=PARALLELISM_METRICS) -> Figure:
     rows = summary.to_dicts()
     fig = Figure("parallelism", record.name, f"{record.name}: per layout", window, "layout")
     models = list(dict.fromkeys(m.get("model") or "?" for m in record.members))
-    for metric_name in ((metric,) if metric else PARALLELISM_METRICS):
+    for metric_name in ((metric,) if metric else metrics):
         series = []
         for model in models:
             members = [(m, r) for m, r in zip(record.members, rows) if (m.get("model") or "?") == model]
@@ -107,6 +191,7 @@ def _parallelism(record, summary, metric, normalize, window) -> Figure:
                 x = _layout_x(m)
                 s.x.append(x)
                 s.y.append(r.get(metric_name))
+                s.members.append(m["index"])
                 if r.get(metric_name) is None:
                     s.marks[x] = _mark(r)
             series.append(s)
@@ -143,6 +228,7 @@ def _optimization(record, summary, metric, normalize, window) -> Figure:
                     value = value / best
                 s.x.append(layout)
                 s.y.append(value)
+                s.members.append(m["index"])
                 if value is None:
                     s.marks[layout] = _mark(r)
             if s.x:
@@ -164,6 +250,7 @@ def _microbatch(record, summary, metric, normalize, window) -> Figure:
         x = str(m.get("micro_batch_size") or "?")
         s.x.append(x)
         s.y.append(r.get(metric))
+        s.members.append(m["index"])
         if r.get(metric) is None:
             s.marks[x] = _mark(r)
     fig.panels.append(Panel(metric_label(metric), metric, list(lines.values())))
@@ -217,6 +304,7 @@ def _kernels(record, summary, metric, normalize, window) -> Figure:
             share = 100 * found[f"{category}_s"] / found["step_s"] if found and found["step_s"] else None
             s.x.append(x)
             s.y.append(share)
+            s.members.append(m["index"])
             if share is None:
                 s.marks[x] = "no traces" if r["status"] == "completed" else _mark(r)
         fig.panels.append(Panel(f"{category}, share of the step", f"{category}_pct", list(series.values())))

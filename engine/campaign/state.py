@@ -36,8 +36,11 @@ from charllm.probes.store.rundir import FINAL_STATUSES, RunDir, check_run_id, wr
 
 # A member's statuses: waiting in the queue, its run's own statuses, never run, or its run gone.
 QUEUED, SKIPPED, INVALID = "queued", "skipped", "invalid"
-MISSING = "missing"         # its run's directory vanished or is damaged: --resume runs it again
-DONE = (*FINAL_STATUSES, SKIPPED, INVALID, MISSING)     # a member in one of these needs nothing more
+REFUSED = "refused"         # its launch was refused (the target could not start it): --resume tries again
+MISSING = "missing"         # its run's directory vanished (deleted): --resume runs it again
+DAMAGED = "damaged"         # its run's directory holds no readable manifest: --resume runs it again
+LOST = (MISSING, DAMAGED)   # its run is no longer one to read
+DONE = (*FINAL_STATUSES, SKIPPED, INVALID, REFUSED, *LOST)   # a member in one of these needs nothing more
 MAX_RECORD_BYTES = 64 * 2**20
 LOCK = "supervisor.lock"
 LOCK_WAIT_S = 1.0           # how long `campaign run` waits for a lock a reader's probe holds for a moment
@@ -133,13 +136,18 @@ class Record:
     def finished(self) -> bool:
         return all(m["status"] in DONE for m in self.members)
 
+    def tally(self, counts: dict[str, int] | None = None) -> str:
+        """Members by status, as their runs say it now: "3 completed, 12 failed"."""
+        counts = self.counts() if counts is None else counts
+        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", "unknown", MISSING, DAMAGED, REFUSED,
+                 SKIPPED, INVALID)
+        return ", ".join(f"{counts[s]:,} {s}" for s in (*order, *sorted(set(counts) - set(order))) if counts.get(s))
+
     def progress(self, now_ns: int | None = None) -> str:
         """One line: members by status, and the time left at the current pace."""
         counts = self.counts()
         done = sum(counts.get(s, 0) for s in FINAL_STATUSES)
-        order = ("completed", "running", "pending", QUEUED, "failed", "cancelled", "unknown", MISSING, SKIPPED, INVALID)
-        parts = [f"{counts[s]:,} {s}" for s in order if counts.get(s)]
-        line = f"{self.name}: {plural(len(self.members), 'member')} ({', '.join(parts)})"
+        line = f"{self.name}: {plural(len(self.members), 'member')} ({self.tally(counts)})"
         left = self.time_left(now_ns)
         if left is not None and left >= 1:
             line += f"; about {duration(left, 0)} left at the current pace"
@@ -166,6 +174,17 @@ class Record:
         queued = len(left) - len(running)
         lanes = max(1, int(self.data.get("max_parallel") or 1))
         return max(0.0, sum(max(0.0, mean - r) for r in running) / lanes + queued * mean / lanes)
+
+
+def outcome(record: Record) -> dict:
+    """How a campaign whose queue is through ended: completed only where every member it was to run
+    completed (members planned not to run never were), else failed, saying how many did not."""
+    counts = record.counts()
+    short = {s: n for s, n in counts.items() if s not in ("completed", SKIPPED, INVALID)}
+    if not short:
+        return {"status": "completed"}
+    return {"status": "failed", "failure": f"{sum(short.values()):,} of {plural(len(record.members), 'member')} "
+                                           f"did not complete ({record.tally(short)})"}
 
 
 def directory(name: str) -> Path:
@@ -201,24 +220,33 @@ def _gone(rd: RunDir) -> bool:
 
 def run_status(rd: RunDir) -> str:
     """A member run's status as its manifest says it, read only; MISSING when its directory is gone
-    or holds no readable manifest."""
+    or holds no manifest, DAMAGED when its manifest cannot be read."""
     if _gone(rd) or not rd.manifest_path.is_file():
         return MISSING
     try:
         return rd.manifest().status
     except UserError:
-        return MISSING
+        return DAMAGED
 
 
 def member_status(record: Record, member: dict) -> str:
     """A member's status as its run says it now: a running member's run may have ended since the
-    record was written, and a completed member's run may have been deleted since."""
+    record was written, and a completed member's run may have been deleted or damaged since."""
     rd, status = record.run_dir(member), member["status"]
     if rd is None or status in DONE and status != "completed":
         return status
     if status == "completed":
-        return MISSING if _gone(rd) else status
+        now = run_status(rd)
+        return now if now in LOST else status
     return run_status(rd)
+
+
+def member_note(member: dict, status: str) -> str:
+    """What a member in `status` (member_status) says beside it: why its completed run is lost, how it
+    failed, or why it was never run; "" for none."""
+    if status in LOST and member["status"] == "completed":
+        return f"its run was {'deleted' if status == MISSING else 'damaged'}; --resume runs it again"
+    return member.get("failure") or (member.get("reason") if status in (SKIPPED, INVALID) else "") or ""
 
 
 # -- one supervisor per campaign --------------------------------------------------------------------

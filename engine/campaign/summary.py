@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from charllm.engine.campaign.state import Record, member_status
+from charllm.engine.campaign.state import Record, member_note, member_status
 from charllm.probes.analysis.predicted import METRICS
 from charllm.probes.analysis.summary import cached_summary, summarize
 from charllm.probes.core.errors import UserError
@@ -63,7 +63,7 @@ def campaign_summary(record: Record) -> pl.DataFrame:
         row = {"member": m["index"] + 1, "name": m["name"], "status": status, "layout": m.get("layout"),
                **{k: _text(m.get("varied", {}).get(k)) for k in varied_keys},
                "run": m.get("run"), "verdict": m.get("verdict"),
-               "why": m.get("failure") or (m.get("reason") if status in ("skipped", "invalid") else None)}
+               "why": member_note(m, status) or None}
         df = member_summary(record, m)
         figures = df.row(0, named=True) if df is not None and df.height else {}
         row.update({name: figures.get(name) for name in FIGURES})

@@ -52,6 +52,7 @@ def save_calibration(report: dict) -> Path:
 
 def saved_calibrations() -> list[dict]:
     """Every saved calibration record, newest first (damaged files are skipped, with a warning)."""
-    found = [calibration.load(p.stem) for p in sorted(calibration.directory().glob("*.json"))]
+    found = [calibration.load(p.stem) for p in sorted(calibration.directory().glob("*.json"))
+             if not p.name.endswith(".power.json")]          # (power fits: calibration.saved_power)
     return sorted((c.data for c in found if c is not None), key=lambda r: (r.get("date", ""), r["hardware"]),
                   reverse=True)

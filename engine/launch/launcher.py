@@ -93,6 +93,20 @@ def _fit_to_target(exp, target: Target, nproc: int | None):
     return exp
 
 
+def checked(exp, target: Target, *, force: bool = False, nproc: int | None = None,
+            say: Callable[[str], None] = lambda message: None, planned: bool = True) -> tuple:
+    """What `launch` checks of `exp` on `target` before it creates anything (campaign run checks every
+    member with it): returns the experiment fitted to the target and its layout's problems (those
+    `force` launches anyway; none where it is not `planned`: a user's command without a layout); a
+    UserError for what refuses it (LayoutRefused: a layout problem)."""
+    exp = _fit_to_target(exp, target, nproc)
+    say("checking the layout")
+    found = problems(exp) if planned else []
+    if found and not force:
+        raise LayoutRefused(found[0])
+    return exp, found
+
+
 # --------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------
@@ -137,16 +151,13 @@ def launch(exp, target: Target, *, dry_run: bool = False, force: bool = False, n
     problems are noted, never refused: the job is the user's; where it gives none, the run keeps no
     experiment.toml (nothing to plan from)."""
     say = on_progress or (lambda message: None)
-    exp = _fit_to_target(exp, target, nproc)
-    say("checking the layout")
+    # A user's command is never refused for its layout (the job is the user's): its problems are noted.
     planned = command is None or command.planned
-    found = problems(exp) if planned else []
+    exp, found = checked(exp, target, force=force or command is not None, nproc=nproc, say=say, planned=planned)
     notes = list(notes or [])
     if command is not None:
         notes += [f"the plan says: {problem}" for problem in found]
         found = []
-    elif found and not force:
-        raise LayoutRefused(found[0])
     run_id = new_run_id(exp.name)
     run_dir = unique_run_dir(paths.runs_dir() / run_id)
     steps, script = plan(exp, target, run_dir, dry_run=dry_run, command=command)

@@ -147,6 +147,23 @@ def save_power(hardware: str, record: dict) -> Path:
     return target
 
 
+def drop_power(hardware: str) -> bool:
+    """Forget `hardware`'s power calibration; False where none is saved."""
+    try:
+        power_path(hardware).unlink()
+    except FileNotFoundError:
+        return False
+    _power.cache_clear()
+    return True
+
+
+def saved_power() -> list[dict]:
+    """Every saved power calibration ({hardware, idle_w, max_w, runs, points, ...}), by hardware."""
+    suffix = ".power.json"
+    names = sorted(p.name[: -len(suffix)] for p in directory().glob(f"*{suffix}")) if directory().is_dir() else []
+    return [{"hardware": name, **fit} for name in names if (fit := load_power(name)) is not None]
+
+
 def load_power(hardware: str) -> dict | None:
     """{idle_w, max_w, runs, ...} fitted to `hardware`'s recorded runs, or None (none, or damaged)."""
     target = power_path(hardware)

@@ -741,8 +741,10 @@ def power_model(exp: Experiment) -> PowerModel | None:
         return None
     fit = calibration.load_power(hw.name)
     if fit is not None:
+        runs = [str(p.get("run")) for p in fit.get("points") or [] if isinstance(p, dict)]
+        named = f": {', '.join(runs[:2])}" + (f" and {len(runs) - 2} more (doctor --show)" if len(runs) > 2 else "")
         return PowerModel(fit["idle_w"], fit["max_w"], f"calibrated from {fit['runs']} recorded run"
-                          f"{'s' if fit['runs'] != 1 else ''} of {hw.name}")
+                          f"{'s' if fit['runs'] != 1 else ''} of {hw.name}{named if runs else ''}")
     return PowerModel(hw.idle_w, hw.tdp_w, "assumed")
 
 

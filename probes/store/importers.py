@@ -49,7 +49,7 @@ import numpy as np
 import polars as pl
 
 from charllm.probes.core import paths
-from charllm.probes.core.errors import UserError
+from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.files import is_regular, open_regular
 from charllm.probes.store.recorder import write_parquet
 from charllm.probes.store.rundir import (
@@ -65,6 +65,10 @@ from charllm.probes.store.schema import conform
 
 FORMAT = "charllm-ppt"
 SAMPLED_STEP = 10   # the step the artifact's sampler recorded (of 11)
+# Fewer power samples than this on every rank: the run crashed (or ran out of memory) before its
+# sampled step, as the CharLLM-PPT artifact's own analysis scripts treat it (they drop such runs as OOM).
+MIN_SAMPLES = 10
+CRASHED = "crashed or OOM"
 BACKEND = "import:charllm-ppt"
 
 # artifact metric -> (our column, factor to our unit)
@@ -145,6 +149,7 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
             first_rank.setdefault(f"node{rank // gpus_per_node}", rank)
         first: int | None = None
         last: int | None = None
+        samples = 0                              # the most power samples a rank holds
         done = 0
         for node in sorted({*ranks, *first_rank}, key=lambda n: int(n.removeprefix("node"))):
             out = run.node_telemetry_dir(node)
@@ -158,6 +163,8 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
             chunk = 0
             for is_gpu, part in parts:
                 frame = part()
+                if is_gpu and frame is not None and "power_w" in frame.columns:
+                    samples = max(samples, frame["power_w"].drop_nulls().len())
                 if frame is not None and frame.height:
                     write_parquet(conform(frame), out / f"{chunk:06d}.parquet")
                     chunk += 1
@@ -172,6 +179,7 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
         if first is None or last is None:
             raise UserError(f"charllm-ppt directory {str(src)!r}: its CSV files hold no samples"
                             + (f" that could be kept ({rejection_note(rejected)})" if rejected else ""))
+        crash = _crash(samples)
         # The artifact sampled one training step (the 10th of 11): the recording is that step.
         run.iterations_path.write_text(json.dumps({"event": "iteration", "iteration": SAMPLED_STEP, "rank": 0,
                                                    "start_ns": int(first), "end_ns": int(last),
@@ -181,7 +189,8 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
                 "id": base.name,
                 "name": name or src.name,
                 "kind": "import",
-                "status": "completed",
+                "status": "failed" if crash else "completed",
+                "failure": crash,
                 "simulated": simulated,
                 "created_ns": int(first),
                 "started_ns": int(first),
@@ -211,6 +220,15 @@ def import_charllm_ppt(src: str | Path, *, name: str | None = None, gpus_per_nod
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return run
+
+
+def _crash(samples: int) -> str | None:
+    """Why an artifact folder is a crash rather than a run (its manifest's failure), or None. No power
+    sample at all (host files only) is no sign of a training step either."""
+    if samples >= MIN_SAMPLES:
+        return None
+    return (f"{CRASHED}: {plural(samples, 'power sample')} on its best rank, under the {MIN_SAMPLES} a sampled "
+            f"step holds (the artifact's own scripts drop such runs as OOM)")
 
 
 _KINETO = re.compile(r"^(\d+)_kineto$")

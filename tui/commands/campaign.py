@@ -16,7 +16,7 @@ from charllm.engine.launch.targets import get_target
 from charllm.engine.model.memory import VERDICT_STYLE
 from charllm.probes.analysis import SUMMARY_FORMATS
 from charllm.probes.core import paths
-from charllm.probes.core.errors import UserError, plural
+from charllm.probes.core.errors import UserError, one_line as one_error_line, plural
 from charllm.probes.core.formatting import local_time
 from charllm.probes.store.rundir import FINAL_STATUSES
 
@@ -83,6 +83,11 @@ def register(sub, name: str, help: str) -> None:
     report.add_argument("--metric", metavar="M", help="the summary figure to plot (a column of `campaign summary`)")
     report.add_argument("--normalize", action="store_true", help="optimization: divide by each model's best")
     report.add_argument("--out", metavar="FILE", help="write an SVG or PNG image instead (needs the plot extra)")
+    report.add_argument("--predicted", action="store_true",
+                        help="draw it from the plans (the speed model), before any run: parallelism, optimization, "
+                             "microbatch")
+    report.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json: one entry per member, its keys and the figure's values (default: text)")
     delete = actions.add_parser("delete", help="delete a campaign's record (its runs stay)")
     delete.add_argument("name", metavar="NAME", help=RECORDED)
     p.set_defaults(func=_run)
@@ -198,8 +203,14 @@ def one_line(value) -> str:
 def _start(args) -> int:
     campaign = spec.Campaign.load(args.name)
     target = get_target(args.target or campaign.target or "local", args.target_file)
-    record = queue.start(campaign, target, max_parallel=args.max_parallel, include_oom=args.include_oom,
-                         resume=args.resume)
+    try:
+        record = queue.start(campaign, target, max_parallel=args.max_parallel, include_oom=args.include_oom,
+                             resume=args.resume)
+    except queue.Refused as exc:                   # one line per reason
+        print(f"charllm-tui: error: {one_error_line(exc.head)}", file=sys.stderr)
+        for reason in exc.reasons:
+            print(f"  {one_error_line(reason)}", file=sys.stderr)
+        return 2
     print(f"{queued_line(record, target.name)}; its supervisor runs the queue "
           f"(log: {state.directory(campaign.name) / 'supervisor.log'})", flush=True)
     for m in record.members:
@@ -241,10 +252,10 @@ def _follow(name: str) -> int:
     except KeyboardInterrupt:
         print(f"\ncampaign {name}: still running (charllm-tui campaign status {name}; cancel: campaign cancel {name})")
         return 0
-    bad = [m for m in record.members if m["status"] in ("failed", "cancelled", "unknown", state.MISSING)]
+    bad = [m for m in record.members if m["status"] in ("failed", "cancelled", "unknown", state.REFUSED, *state.LOST)]
     for m in bad:
         print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}")
-    print(f"campaign {name}: {record.data['status']}")
+    print(f"campaign {name}: {record.data['status']} ({record.tally()})")
     return 1 if bad or record.data["status"] != "completed" else 0
 
 
@@ -262,7 +273,7 @@ def _status(args) -> int:
         table.add_column(column, overflow="fold")
     for m in record.members:
         status = state.member_status(record, m)
-        note = m.get("failure") or (m.get("reason") if status in (state.SKIPPED, state.INVALID) else "")
+        note = state.member_note(m, status)
         cells = (m["index"] + 1, m["name"], m.get("layout") or "", status, m.get("run") or "-",
                  local_time(m.get("started_ns")), note or "")
         table.add_row(*(Text(str(cell)) for cell in cells))
@@ -345,12 +356,21 @@ def _members_table(df, markdown: bool) -> None:
 
 
 def _report(args) -> int:
-    from charllm.engine.campaign.report import figure  # deferred: loads polars (start-up time)
+    from charllm.engine.campaign.report import entries, figure, predicted_figure  # deferred: loads polars
     from charllm.tui import figures  # deferred: loads polars and plotext (start-up time)
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None
-    fig = figure(queue.refresh(state.Record.load(spec.record_name(args.name))), args.figure, args.metric,
-                 args.normalize)
+    if args.predicted:
+        fig, record = predicted_figure(spec.Campaign.load(args.name), args.figure, args.metric, args.normalize)
+    else:
+        record = queue.refresh(state.Record.load(spec.record_name(args.name)))
+        fig = figure(record, args.figure, args.metric, args.normalize)
+    if args.format == "json":
+        if fig.kind == "heatmap":
+            raise UserError("--format json: for the figures per member (parallelism, optimization, microbatch, "
+                            "kernels); the heatmap is per GPU")
+        print(json.dumps(entries(record, fig), indent=2))
+        return 0
     if out is not None:
         figures.write_image(fig, out)
         print(f"wrote {args.out}")

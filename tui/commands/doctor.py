@@ -14,7 +14,7 @@ from pathlib import Path
 
 from charllm.engine import doctor
 from charllm.engine.launch.targets import KINDS, get_target
-from charllm.engine.model import catalog
+from charllm.engine.model import calibration, catalog
 from charllm.probes.core.errors import UserError, did_you_mean, plural
 from charllm.probes.core.formatting import size
 
@@ -82,6 +82,9 @@ def register(sub, name: str, help: str) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--show", nargs="?", const="", metavar="HARDWARE",
                    help="show the saved calibration(s) (of HARDWARE) and exit")
+    p.add_argument("--drop-power", metavar="HARDWARE",
+                   help="forget HARDWARE's power model fitted to recorded runs (plans use the preset's idle power "
+                        "and board limit until a finished run refits it) and exit")
     p.add_argument("--iters", type=int, default=10, metavar="N", help="train check iterations (default: 10)")
     p.add_argument("--sample-seconds", type=float, default=2.0, metavar="S",
                    help="seconds of sampling at each rate (default: 2)")
@@ -93,6 +96,12 @@ def register(sub, name: str, help: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.show is not None:
         return show(args.show, args.json)
+    if args.drop_power is not None:
+        hardware = catalog.resolve("hardware", args.drop_power)    # a short name (h100) is its preset's
+        if not calibration.drop_power(hardware):
+            raise UserError(f"--drop-power {args.drop_power}: no power model is fitted for {hardware}")
+        print(f"power model of {hardware} dropped: plans use its preset's idle power and board limit again")
+        return 0
 
     def interrupted(signum, frame):
         raise KeyboardInterrupt   # unwinds through the train check, which stops its job
@@ -180,24 +189,39 @@ def show(hardware: str, as_json: bool) -> int:
     from rich.console import Console
 
     records = doctor.saved_calibrations()
+    power = calibration.saved_power()
     if hardware:
         hardware = catalog.resolve("hardware", hardware)    # a short name (h100) is its preset's
-        names = [r["hardware"] for r in records]
+        names = [r["hardware"] for r in records] + [f["hardware"] for f in power]
         if hardware not in names:
             saved = f"; saved: {', '.join(names)}" if names else "; none is saved (run `charllm-tui doctor`)"
             raise UserError(f"--show {hardware!r}: no calibration for this hardware"
                             + did_you_mean(hardware, names, saved, cutoff=0.5))
         records = [r for r in records if r["hardware"] == hardware]
+        power = [f for f in power if f["hardware"] == hardware]
     if as_json:
         print(json.dumps(records, indent=2))
         return 0
     console = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
-    if not records:
+    if not records and not power:
         console.print("no calibration saved yet: `charllm-tui doctor` (or --train) saves one for this node's hardware")
     for record in records:
         console.print(render(record))
         console.print()
+    for fit in power:
+        console.print(power_lines(fit), soft_wrap=True)
     return 0
+
+
+def power_lines(fit: dict) -> str:
+    """A saved power calibration (probes.analysis.power_fit), as the lines --show prints: its figures,
+    and the runs it came from and those it left out."""
+    came = ", ".join(str(p.get("run")) for p in fit.get("points") or [])
+    lines = [f"power model of {_escape(fit['hardware'])}: idle {fit['idle_w']:g} W, full load {fit['max_w']:g} W "
+             f"({_escape(fit.get('how', ''))}), fitted from {plural(fit['runs'], 'recorded run')}: {_escape(came)}"]
+    lines += [f"  left out: {_escape(p.get('run'))} ({_escape(p.get('power_w'))} W, {_escape(p.get('why'))})"
+              for p in fit.get("left_out") or []]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def _charllm_ppt(args: argparse.Namespace) -> int:
 
 
 def _warn(run) -> None:
-    """The rows an import left out, one line per run (the manifest keeps the counts per file)."""
-    for note in run.read_manifest().get("notes") or []:
+    """A crash imported as a failed run, and the rows an import left out, one line per run (the
+    manifest keeps the counts per file)."""
+    manifest = run.read_manifest()
+    for note in ([manifest["failure"]] if manifest.get("failure") else []) + (manifest.get("notes") or []):
         print(f"charllm-tui: warning: {run.id}: {note}", file=sys.stderr)

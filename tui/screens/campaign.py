@@ -48,7 +48,7 @@ from charllm.tui.widgets.charts import FigurePanel
 POLL_S = 1.0
 MIN_PANEL_ROWS = 12            # a figure panel shorter than this scrolls instead
 STYLE = {**STATUS_STYLE, **VERDICT_STYLE, state.QUEUED: "dim", state.SKIPPED: "yellow", state.INVALID: "red",
-         state.MISSING: "bold red"}
+         state.MISSING: "bold red", state.DAMAGED: "bold red", state.REFUSED: "red"}
 # `m` steps through these: the paper's six at once (parallelism only), then each figure of a summary row.
 METRICS = tuple(m for m in FIGURES if m not in ("gpus", "simulated"))
 LIST_COLUMNS = {"campaign": "campaign", "members": "members", "progress": "progress"}
@@ -230,8 +230,8 @@ class CampaignScreen(WorkbenchScreen):
             out.progress, out.status = record.progress(), record.data.get("status")
             for m in record.members:
                 status = state.member_status(record, m)
-                note = m.get("failure") or (m.get("reason") if status in (state.SKIPPED, state.INVALID) else "")
-                out.rows.append((m["index"] + 1, m["name"], m.get("layout") or "", status, note or "", m.get("run")))
+                out.rows.append((m["index"] + 1, m["name"], m.get("layout") or "", status, state.member_note(m, status),
+                                 m.get("run")))
             return out
         if record is not None:
             out.status = record.data.get("status")

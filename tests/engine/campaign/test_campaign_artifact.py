@@ -129,3 +129,47 @@ def test_an_import_never_takes_over_a_campaign_record_it_did_not_make(tmp_path, 
     assert tree(theirs) == before, "the record it did not make is untouched"
     code, _, err = run(capsys, "import", "charllm-ppt", str(root))
     assert code == 0 and "campaign 'results-3'" in err, "its own earlier import is not replaced either"
+
+
+def crash(folder: Path, samples: int = 3) -> None:
+    """Cut every file of an artifact folder to its first `samples` rows: a run that died before its
+    sampled step (the artifact's analysis drops such runs as OOM)."""
+    for f in folder.iterdir():
+        f.write_text("".join(f.read_text().splitlines(keepends=True)[:samples]))
+
+
+def test_an_imported_crash_is_a_failed_member_left_out_of_the_figures_and_marked(tmp_path, charllm_dirs, capsys):
+    """Issue 39: a crashed folder with 3 power samples imported as "completed", at 1,048,576 tokens/s."""
+    root = tmp_path / "results"
+    ran, crashed = (root / "optimization-sweep-h200/mixtral-8x7b/mixtral-8x7b_1_00000",
+                    root / "optimization-sweep-h200/mixtral-8x7b/mixtral-8x7b_2_00000")
+    for folder in (ran, crashed):
+        make_results(folder, ranks=8, gpus_per_node=8)
+    crash(crashed)
+    code, out, err = run(capsys, "import", "charllm-ppt", str(root))
+    assert code == 0, err
+    record = Record.load("results")
+    assert [m["status"] for m in record.members] == ["completed", "failed"]
+    assert record.data["status"] == "failed" and record.data["failure"] == "1 of 2 members did not complete (1 failed)"
+    why = ("crashed or OOM: 3 power samples on its best rank, under the 10 a sampled step holds (the artifact's "
+           "own scripts drop such runs as OOM)")
+    assert record.members[1]["failure"] == why and f"warning: {record.members[1]['run']}: {why}" in err
+    code, out, err = run(capsys, "campaign", "summary", "results", "--format", "json")
+    rows = json.loads(out)
+    assert rows[0]["tokens_per_s"] and rows[1]["tokens_per_s"] is None and rows[1]["step_error_pct"] is None
+    plotted = values_of(figure(record, "optimization", "power_mean_w"))
+    assert plotted[("power_mean_w", "base", "TP1 PP1 EP8 DP32")] is not None, plotted
+    assert plotted[("power_mean_w", "base", "TP2 PP1 EP4 DP16")] is None, "left out of the figure's values"
+    code, out, _ = run(capsys, "campaign", "report", "results", "--figure", "optimization")
+    assert code == 0 and "TP2 PP1 EP4 DP16: crashed or OOM" in out, out
+
+
+@pytest.mark.parametrize("samples, status", [(9, "failed"), (10, "completed")])
+def test_a_folder_below_the_artifacts_sample_threshold_is_a_crash(samples, status, tmp_path, charllm_dirs, capsys):
+    folder = tmp_path / "run"
+    make_results(folder, ranks=2)
+    crash(folder, samples)
+    code, out, err = run(capsys, "import", "charllm-ppt", str(folder))
+    assert code == 0, err
+    manifest = resolve_run(out.strip()).read_manifest()
+    assert manifest["status"] == status and (status == "completed") == (manifest.get("failure") is None)

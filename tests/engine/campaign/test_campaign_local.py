@@ -128,6 +128,9 @@ def test_campaign_cancel_stops_every_member_and_the_queue(charllm_dirs, capsys):
     assert code == 0, err
     rec = record(name)
     assert rec.data["status"] == "cancelled" and {m["status"] for m in rec.members} == {"cancelled"}
+    said = out.splitlines()[-1]
+    assert said.startswith(f"{name}: 6 members (6 cancelled)"), out
+    assert run(capsys, "campaign", "status", name)[1].splitlines()[0] == said, "status then says what cancel said"
     assert nothing_left(rec) and not supervisor_alive(rec)
     code, _, err = run(capsys, "campaign", "cancel", name)
     assert code == 2 and "already cancelled" in err
@@ -169,6 +172,8 @@ def test_a_member_past_its_time_limit_is_stopped_and_recorded_with_its_cause(cha
     rec = record(name)
     assert code == 1 and [m["status"] for m in rec.members] == ["failed", "failed"], out + err
     assert all("time limit (20 s) reached" in m["failure"] for m in rec.members)
+    assert rec.data["status"] == "failed" and rec.data["failure"] == "2 of 2 members did not complete (2 failed)"
+    assert out.splitlines()[-1] == f"campaign {name}: failed (2 failed)", "never 'completed' over failed members"
     assert nothing_left(rec)
     wait_for(lambda: not supervisor_alive(rec), 30, "the supervisor to exit")
 
@@ -191,16 +196,20 @@ def test_two_campaign_runs_at_once_start_one_supervisor_and_the_other_says_who_r
     assert [m["status"] for m in rec.members] == ["completed"] * 2 and most_at_once(rec) == 1
     assert len([p for p in charllm_dirs["runs"].iterdir() if not p.name.startswith(".")]) == 2, "each member ran once"
     wait_for(lambda: not state.supervisor_alive(name), 30, "the lock to go with the supervisor")
-    # A completed member whose run was deleted since is missing, and --resume runs it again (only it).
-    kept, deleted = rec.members[0]["run"], rec.members[1]["run"]
+    # A completed member whose run was deleted since is missing, one whose run was damaged since is
+    # damaged (issue 39: it said "completed", naming the deleted run), and --resume runs both again.
+    damaged, deleted = rec.members[0]["run"], rec.members[1]["run"]
     assert run(capsys, "runs", "delete", deleted)[0] == 0
+    rec.run_dir(rec.members[0]).manifest_path.write_text("{")
     code, out, _ = run(capsys, "campaign", "status", name)
-    row = next(line for line in out.splitlines() if deleted in line)
-    assert code == 0 and " missing " in row and "(1 completed, 1 missing)" in out.splitlines()[0], out
+    rows = {run_id: next(line for line in out.splitlines() if run_id in line) for run_id in (damaged, deleted)}
+    assert code == 0 and "(1 missing, 1 damaged)" in out.splitlines()[0], out
+    assert " damaged " in rows[damaged] and "its run was damaged; --resume runs it again" in rows[damaged], out
+    assert " missing " in rows[deleted] and "its run was deleted; --resume runs it again" in rows[deleted], out
     code, out, err = run(capsys, "campaign", "run", name, "--resume")
     rec = record(name)
-    assert code == 0 and [m["status"] for m in rec.members] == ["completed"] * 2, out + err
-    assert rec.members[0]["run"] == kept and rec.members[1]["run"] != deleted and rec.members[1]["runs"] == [deleted]
+    assert code == 0 and "2 of 2 members queued" in out and [m["status"] for m in rec.members] == ["completed"] * 2
+    assert [m["runs"] for m in rec.members] == [[damaged], [deleted]], "the lost runs remembered"
 
 
 @pytest.mark.timeout(600)
@@ -226,7 +235,7 @@ def test_a_member_whose_run_vanishes_is_missing_the_queue_goes_on_and_cancel_set
         for proc in held:
             with contextlib.suppress(psutil.Error):
                 proc.resume()
-    assert rec.members[0]["status"] == "missing" and "is gone or damaged" in rec.members[0]["failure"]
+    assert rec.members[0]["status"] == "missing" and "is gone; --resume runs it again" in rec.members[0]["failure"]
     assert "1 missing" in rec.progress()
     code, out, err = run(capsys, "campaign", "cancel", name)
     rec = record(name)

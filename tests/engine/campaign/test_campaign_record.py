@@ -89,9 +89,13 @@ def test_a_member_whose_run_vanished_or_is_damaged_is_missing(charllm_dirs):
     plant_record(runs, "c", [{"status": "running", "run": "20260101-000000-gone"},
                              {"status": "running", "run": damaged.id},
                              {"status": "completed", "run": "20260101-000000-deleted"},
-                             {"status": "completed", "run": done.id}])
+                             {"status": "completed", "run": done.id},
+                             {"status": "completed", "run": damaged.id}])
     record = state.Record.load("c")
-    assert [state.member_status(record, m) for m in record.members] == ["missing", "missing", "missing", "completed"]
+    statuses = [state.member_status(record, m) for m in record.members]
+    assert statuses == ["missing", "damaged", "missing", "completed", "damaged"]
+    assert [state.member_note(m, s) for m, s in zip(record.members, statuses)][2:] == [
+        "its run was deleted; --resume runs it again", "", "its run was damaged; --resume runs it again"]
 
 
 def test_an_ended_campaign_has_no_time_left():

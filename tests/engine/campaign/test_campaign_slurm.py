@@ -77,6 +77,9 @@ def test_campaign_cancel_empties_the_slurm_queue(slurm_cluster, charllm_dirs, ca
     assert code == 0, err
     rec = record(name)
     assert rec.data["status"] == "cancelled" and {m["status"] for m in rec.members} == {"cancelled"}, rec.members
+    said = out.splitlines()[-1]                  # issue 39: cancel said "58 cancelled", status then "58 failed"
+    assert said.startswith(f"{name}: 6 members (6 cancelled)"), out
+    assert run(capsys, "campaign", "status", name)[1].splitlines()[0] == said
     assert slurm_cluster.jobs() == "" or all(" RUNNING" not in j and " PENDING" not in j
                                              for j in slurm_cluster.jobs().splitlines())
     assert all(left_after(rd.id) == 0 for rd in runs_of(rec))
@@ -90,7 +93,7 @@ def test_campaign_cancel_empties_the_slurm_queue(slurm_cluster, charllm_dirs, ca
 def test_a_member_sbatch_refuses_keeps_max_parallel_and_the_queue_outlives_its_follower(
         slurm_cluster, charllm_dirs, capsys, tmp_path, monkeypatch):
     """sbatch refuses the third member (a policy) and loses its answer for the fourth (the job was
-    taken): the refused member is failed with sbatch's own line and takes no place in the chain, the
+    taken): the refused member is refused with sbatch's own line and takes no place in the chain, the
     fourth's job is found by its name (never submitted twice), and no more than 2 ever run at once.
     The campaign's supervisor, which follows every member's job through scontrol's faults, is killed
     midway; the readers settle the rest, every status right."""
@@ -105,7 +108,7 @@ def test_a_member_sbatch_refuses_keeps_max_parallel_and_the_queue_outlives_its_f
     assert run(capsys, "campaign", "run", name, "--detach")[0] == 0
     rec = record(name)
     refused = rec.members[2]
-    assert refused["status"] == "failed" and refused["run"] is None
+    assert refused["status"] == "refused" and refused["run"] is None
     assert refused["failure"] == ("not started: sbatch refused the job: sbatch: error: Batch job submission failed: "
                                   "Invalid qos specification")
     rds = runs_of(rec)
@@ -116,8 +119,9 @@ def test_a_member_sbatch_refuses_keeps_max_parallel_and_the_queue_outlives_its_f
                      [f"--dependency=afterany:{jobs[2]}"]], lines
     wait_until(name, lambda r: any(m["status"] == "completed" for m in r.members), 300, "a member to complete")
     psutil.Process(rec.data["supervisor"]["pid"]).kill()
-    rec = wait_until(name, lambda r: r.data["status"] == "completed", 720, "Slurm to run the queue through")
-    assert [m["status"] for m in rec.members] == ["completed", "completed", "failed", "completed", "completed"] + \
+    rec = wait_until(name, lambda r: r.data["status"] == "failed", 720, "Slurm to run the queue through")
+    assert [m["status"] for m in rec.members] == ["completed", "completed", "refused", "completed", "completed"] + \
         ["completed"], [(m["status"], m.get("failure")) for m in rec.members]
+    assert rec.data["failure"] == "1 of 6 members did not complete (1 refused)", "never 'completed' over a refusal"
     assert slurm_at_once(slurm_cluster, jobs) == 2, "two jobs at once, never more (Slurm's own times)"
     assert {line.split()[1] for line in faults.injected()} >= {"refuse", "lost", "fail", "garbage"}

@@ -87,7 +87,8 @@ def test_finished_real_runs_calibrate_their_hardware_power(charllm_dirs):
         and fit["max_w"] == pytest.approx(top, abs=0.2)
     )
     plan = speed.estimate(heavy)
-    assert plan.power_source == "calibrated from 2 recorded runs of h100-sxm-80gb"
+    assert plan.power_source == ("calibrated from 2 recorded runs of h100-sxm-80gb: 20261121-000000-light, "
+                                 "20261121-010000-heavy"), "a plan names the runs its power came from"
     assert plan.power_w == pytest.approx(idle + (top - idle) * u[1], abs=0.5)
     # a simulated run, or one of other hardware, does not count
     recorded(charllm_dirs["runs"], "20261121-020000-sim", heavy, 1.0, 50.0, simulated=True)
@@ -103,3 +104,47 @@ def test_one_run_fits_full_load_and_keeps_the_presets_idle(charllm_dirs):
     fit = calibration.load_power("h100-sxm-80gb")
     assert fit["runs"] == 1 and fit["idle_w"] == 75.0 and fit["max_w"] == pytest.approx(575.0, abs=0.5)
     assert "idle 75 W from the preset" in fit["how"]
+
+
+def test_a_refit_takes_only_completed_plausible_runs_and_doctor_show_lists_it(charllm_dirs, capsys):
+    """Issue 39: an import silently refitted H200 power to idle 393 W from 9 runs, crashes among them."""
+    light, heavy = layout(8), layout(1)
+    u = [float(speed.utilization(np, speed.step_times(e, speed.layouts_of(e)))[0]) for e in (light, heavy)]
+    idle, top = 90.0, 680.0
+    for run_id, exp, share in (("20261121-000000-light", light, u[0]), ("20261121-010000-heavy", heavy, u[1])):
+        keep_summaries(recorded(charllm_dirs["runs"], run_id, exp, 1.0, idle + (top - idle) * share))
+    hot = recorded(charllm_dirs["runs"], "20261121-020000-hot", heavy, 1.0, 800.0)      # > 110 % of 700 W
+    crashed = recorded(charllm_dirs["runs"], "20261121-030000-crash", heavy, 1.0, 150.0)
+    crashed.update_manifest(status="failed", failure="crashed or OOM")
+    for run in (hot, crashed):
+        keep_summaries(run)
+    fit = calibration.load_power("h100-sxm-80gb")
+    assert [p["run"] for p in fit["points"]] == ["20261121-000000-light", "20261121-010000-heavy"]
+    assert fit["idle_w"] == pytest.approx(idle, abs=0.2) and fit["max_w"] == pytest.approx(top, abs=0.2)
+    assert fit["left_out"] == [{"run": "20261121-020000-hot", "power_w": 800.0, "why": "above 110% of the 700 W limit"}]
+    assert main(["doctor", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert ("power model of h100-sxm-80gb: idle 90 W, full load 680 W (idle and full load fitted), fitted from 2 "
+            "recorded runs: 20261121-000000-light, 20261121-010000-heavy") in out, out
+    assert "left out: 20261121-020000-hot (800.0 W, above 110% of the 700 W limit)" in out
+    assert main(["doctor", "--drop-power", "h100"]) == 0 and "power model of h100-sxm-80gb dropped" in \
+        capsys.readouterr().out
+    assert calibration.load_power("h100-sxm-80gb") is None and speed.estimate(heavy).power_source == "assumed"
+    assert main(["doctor", "--drop-power", "h100"]) == 2
+    assert "no power model is fitted for h100-sxm-80gb" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("idle, full, fits", [(90.0, 680.0, True), (30.0, 680.0, False), (450.0, 680.0, False),
+                                              (90.0, 780.0, False), (300.0, 200.0, False)])
+def test_a_fit_outside_a_boards_plausible_range_is_never_saved(idle, full, fits):
+    assert power_fit.plausible(idle, full, 700.0) == fits       # idle 35-420 W, full load up to 770 W
+
+
+def test_runs_that_imply_an_implausible_idle_leave_the_model_as_it_was(charllm_dirs):
+    light, heavy = layout(8), layout(1)
+    u = [float(speed.utilization(np, speed.step_times(e, speed.layouts_of(e)))[0]) for e in (light, heavy)]
+    idle, top = 500.0, 690.0                                # idle at 71 % of the limit: not a board's
+    for run_id, exp, share in (("20261121-000000-light", light, u[0]), ("20261121-010000-heavy", heavy, u[1])):
+        keep_summaries(recorded(charllm_dirs["runs"], run_id, exp, 1.0, idle + (top - idle) * share))
+    assert calibration.load_power("h100-sxm-80gb") is None
+    assert speed.estimate(heavy).power_source == "assumed"
