@@ -183,7 +183,8 @@ def _prepare_run_dir(out: str, args: argparse.Namespace, reason: str):
     except FileExistsError:
         run = RunDir(path)
         if run.made_by == "launch":   # a launched run's sampler (the launcher wrote its manifest)
-            status = run.manifest().status   # (a node's copy over ssh has none: "unknown")
+            # (a node's copy over ssh holds no manifest: its status is the launcher's to say)
+            status = run.manifest().status if run.manifest_path.is_file() else None
             if status in FINAL_STATUSES:
                 raise UserError(f"--out {out!r}: the directory of a launched run that has ended ({status}); "
                                 "a probe records into a new directory") from None
