@@ -153,6 +153,8 @@ ITERATION_FIELDS: dict[str, type] = {
     "skipped_iterations": int,
     "nan_iterations": int,
 }
+# What only a command's lines hold (read from its log, probes.store.trainlogs); the workload's have the rest.
+COMMAND_FIELDS = ("source", "loss_scale", "skipped_iterations", "nan_iterations")
 # The step timers each rank reports (seconds in the step; null where not measured), in `timers`.
 RANK_TIMERS = ("forward_backward_s", "compute_s", "pipeline_wait_s", "grad_reduce_s", "optimizer_s", "step_s")
 ITERATION_SCHEMA: dict[str, pl.DataType] = {

@@ -21,7 +21,7 @@ import pytest
 from charllm.engine.model import runtime
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.workload import CANCELLED_EXIT, model_builder, timers
-from charllm.probes.store.schema import ITERATION_FIELDS, RANK_TIMERS
+from charllm.probes.store.schema import COMMAND_FIELDS, ITERATION_FIELDS, RANK_TIMERS
 from infra_runs import finish, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.train]
@@ -124,9 +124,10 @@ def check_log(run_dir: Path, world: int, iters: int, *, loss_falls: bool = True)
         assert r["seed"] == exp.training.seed + 100 * (r["rank"] * pp // world)
     steps = [r for r in records if r["event"] == "iteration"]
     for r in steps:
-        assert set(r) == set(ITERATION_FIELDS), set(r) ^ set(ITERATION_FIELDS)
+        workload_fields = set(ITERATION_FIELDS) - set(COMMAND_FIELDS)
+        assert set(r) == workload_fields, set(r) ^ workload_fields
         for name, kind in ITERATION_FIELDS.items():
-            if r[name] is not None:
+            if r.get(name) is not None:
                 assert isinstance(r[name], (int, float) if kind is float else kind), (name, r[name])
         assert r["end_ns"] > r["start_ns"]
         assert r["samples"] == exp.training.global_batch_size
