@@ -253,7 +253,8 @@ def test_the_kit_dry_runs_on_the_cpu_and_its_archive_imports_back(tmp_path):
         assert items[name]["status"] == "completed", items[name]
     assert items["experiments/0.19.2/m1-llama1b-mbs1"]["reason"].startswith("dry run: one megatron-core line")
     assert items["counters"]["status"] == "failed" and "GPM" in items["counters"]["reason"]   # a CPU has none
-    assert items["runner/megatron-lm"]["reason"] == "launch has no --runner in this charllm-tui (issue 37 adds it)"
+    # launch has --runner (issue 37); the dry run's carry holds no Megatron-LM checkout to run
+    assert items["runner/megatron-lm"]["reason"] == "no Megatron-LM core_v0.16.1 checkout in the carry"
     assert items["doctor-train"]["reason"] == items["campaign"]["reason"] == "not chosen (--only)"
     assert "gpu-kit/items/doctor/doctor.json" in members and "gpu-kit/kit.log" in members
     profile = items["profile"]["runs"][0]
