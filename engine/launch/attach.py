@@ -188,12 +188,14 @@ def follow(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
     tail = LogTail(args.log)
     samplers = _samplers(Path(args.run_dir).resolve(), args.ident, args.nodes, args) if args.kind == "slurm" else None
+    # Slurm's pace for the job: one call per interval at most, a final state once two answers said it
+    watch = slurmctl.Watch(single=True) if args.kind == "slurm" else None
     ended, asked = None, 0.0
     while not stopping and ended is None:
         tail.copy(out)
         if time.monotonic() - asked >= STATE_S:
             asked = time.monotonic()
-            ended = _ended(args)
+            ended = _ended(args, watch)
         time.sleep(POLL_S)
     tail.copy(out)
     if samplers is not None:
@@ -211,16 +213,10 @@ def follow(args: argparse.Namespace) -> int:
     return 0
 
 
-_WATCH: slurmctl.Watch | None = None   # the attached job's, made at its first look
-
-
-def _ended(args: argparse.Namespace) -> str | None:
+def _ended(args: argparse.Namespace, watch: slurmctl.Watch | None) -> str | None:
     """How the job or process ended, once it has; None while it runs (or Slurm does not answer)."""
-    if args.kind == "slurm":
-        # Slurm's pace: one call per interval at most, a final state once two answers said it
-        global _WATCH
-        _WATCH = _WATCH or slurmctl.Watch(single=True)
-        job = _WATCH.look({args.ident: 0})[args.ident]
+    if watch is not None:             # a Slurm job (follow() makes its watch)
+        job = watch.look({args.ident: 0})[args.ident]
         if job is None or not job.final:
             return None
         return "gone from the controller" if job.state == slurmctl.FORGOTTEN else job.state
