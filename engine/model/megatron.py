@@ -359,17 +359,23 @@ def _convert(flag: str, kind: Switch | Value | Many, values: list[str]):
             raise UserError(f"{flag} = {' '.join(values)!r}: this flag takes no value")
         return kind.value
     if isinstance(kind, Many):
-        return (" ".join(values) or None) if kind.join else [kind.parse(v) for v in values]
+        if kind.join:
+            return " ".join(values) or None
+        return [_parse(flag, kind.parse, v) for v in values]
     if len(values) != 1:
         got = "nothing" if not values else repr(" ".join(values))
         raise UserError(f"{flag}: expected one value, got {got}")
+    return _parse(flag, kind.parse, values[0])
+
+
+def _parse(flag: str, parse: Callable[[str], Any], raw: str):
     try:
-        return kind.parse(values[0])
+        return parse(raw)
     except ValueError:
-        word = _TYPE_WORDS.get(kind.parse, "a value")
+        word = _TYPE_WORDS.get(parse, "a value")
         hint = " (a shell variable: give the expanded command line, e.g. from the job's log)" \
-            if values[0].startswith("$") else ""
-        raise UserError(f"{flag} = {shown(values[0])}: expected {word}{hint}") from None
+            if raw.startswith("$") else ""
+        raise UserError(f"{flag} = {shown(raw)}: expected {word}{hint}") from None
 
 
 def _one_int(flag: str, values: list[str]) -> int:

@@ -751,6 +751,12 @@ def test_the_model_section_follows_the_fields_metadata():
     assert flags[flags.index("--kv-lora-rank") + 1] == str(exp.model.kv_lora_rank)   # said with MLA
 
 
+def test_a_flag_of_many_numbers_with_a_word_among_them_is_one_user_error():
+    """`--rampup-batch-size 16 ([0]*2) 1000`: the value that is not a number is named, not a traceback."""
+    with pytest.raises(UserError, match=r"--rampup-batch-size = '\(\[0\]\*2\)': expected an integer"):
+        import_megatron_args("--num-layers 2 --rampup-batch-size 16 ([0]*2) 1000", world_size=8)
+
+
 def test_a_batch_ramp_up_is_read_counted_as_megatron_counts_it_and_written_back():
     line = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
             "--vocab-size 100 --micro-batch-size 1 --global-batch-size 64 --rampup-batch-size 16 16 1000 "
