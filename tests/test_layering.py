@@ -180,6 +180,23 @@ def test_cli_help_does_not_import_textual():
     assert out.stdout.strip() == "False False"
 
 
+def test_runs_list_of_local_runs_loads_no_other_target_kind(charllm_dirs):
+    """`runs list` imports only what it uses (issue 36, start-up time): a local run needs neither SSH's
+    nor Slurm's code, nor polars or textual."""
+    from charllm.probes.analysis.summary import keep_summaries
+    from charllm.probes.store.rundir import RunDir
+    from charllm.tui.demo import make_demo_run
+
+    # a finished run with its kept summary, as every run that ends keeps one
+    keep_summaries(RunDir(make_demo_run(charllm_dirs["runs"], "20251121-080000-demo", seconds=20, gpus=1)))
+    code = ("import sys\nfrom charllm.tui.cli import main\nassert main(['runs', 'list']) == 0\n"
+            "print(sorted(n for n in ('charllm.engine.launch.ssh', 'charllm.engine.launch.slurm', 'polars', "
+            "'textual') if n in sys.modules), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "20251121-080000-demo" in out.stdout
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr
+
+
 def _readme_block(marker: str) -> list[str]:
     lines = (REPO / "README.md").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"<!-- readme-test: {marker} "))

@@ -34,19 +34,40 @@ target; `local` is built in:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from charllm.engine.launch.local import LocalTarget
-from charllm.engine.launch.slurm import SlurmTarget
-from charllm.engine.launch.ssh import SshTarget
 from charllm.engine.launch.target import Target
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, did_you_mean
 
-KINDS: dict[str, type[Target]] = {cls.kind: cls for cls in (LocalTarget, SshTarget, SlurmTarget)}
+
+class _Kinds(Mapping[str, type[Target]]):
+    """Each kind's class by name, its module imported when the kind is first asked for: `runs list`
+    of local runs never loads SSH's or Slurm's code (issue 36: commands import only what they use)."""
+
+    _MODULES = {"local": ("local", "LocalTarget"), "ssh": ("ssh", "SshTarget"), "slurm": ("slurm", "SlurmTarget")}
+
+    def __getitem__(self, kind: str) -> type[Target]:
+        module, name = self._MODULES[kind]
+        return getattr(importlib.import_module(f"charllm.engine.launch.{module}"), name)
+
+    def __contains__(self, kind: object) -> bool:
+        return isinstance(kind, str) and kind in self._MODULES
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._MODULES)
+
+    def __len__(self) -> int:
+        return len(self._MODULES)
+
+
+KINDS = _Kinds()
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")   # newlines, NUL, escapes: never in a config value
 
 LOCAL = LocalTarget(name="local", description="this machine")
@@ -69,7 +90,7 @@ def parse_target(name: str, data: dict, source: str = "targets") -> Target:
     if not isinstance(data, dict):
         raise UserError(f"{where}: must be a table with kind = \"ssh\" or \"slurm\"")
     kind = data.get("kind")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         hint = did_you_mean(kind, KINDS, cutoff=0.5)
         raise UserError(f"{where}.kind = {kind!r}: must be one of {', '.join(KINDS)}{hint}")
     cls = KINDS[kind]
@@ -188,7 +209,7 @@ def from_record(record: dict) -> Target:
 def kind_of(record: dict) -> type[Target] | None:
     """The class of the kind a manifest's target record names; None for a kind this version lacks."""
     kind = record.get("kind")
-    return KINDS.get(kind) if isinstance(kind, str) else None
+    return KINDS.get(kind) if isinstance(kind, str) and kind in KINDS else None
 
 
 def runs_here(record: dict) -> bool:
