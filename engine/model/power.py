@@ -104,9 +104,8 @@ def timeline(exp: Experiment, times: speed.Times | None = None) -> list[Phase]:
     busy = tensor_busy(exp, times)
     gemm_share = act["memory"] + (GEMM_DEMAND[speed.linear_precision(exp)] - act["memory"]) * busy
     mb = float(exp.num_microbatches)
-    stages, _, _, index = speed.stage_features(exp)
-    stage = stages[index[0]] if len(stages) == 1 else max(
-        stages, key=lambda f: float(times.stage_s[0][stages.index(f)]))
+    stages = speed.stage_features(exp)[0]
+    stage = stages[max(range(len(stages)), key=lambda k: float(times.stage_s[0][k]))]   # the busiest
     layers = max(int(stage[speed.DENSE] + stage[speed.MOE] + stage[speed.MTP]), 1)
     compute = float(times.compute_s[0]) / mb
     matmul = min(float(times.matmul_s[0]), float(times.compute_s[0])) / mb
@@ -195,9 +194,10 @@ def sensor(np, real, watts, start: float):
     return (np.interp(at, ends, energy) - np.interp(at - SENSOR_WINDOW_S, ends, energy)) / SENSOR_WINDOW_S
 
 
-def predict(exp: Experiment, times: speed.Times | None = None) -> PowerReport | None:
+def predict(exp: Experiment, times: speed.Times | None = None, limit_w: float | None = None) -> PowerReport | None:
     """The power, clock and time at the limit of `exp`'s step; None where the hardware gives no board limit
-    or the speed model no step time."""
+    or the speed model no step time. `limit_w`: a power cap under the board's (nvidia-smi -pl); the demand
+    stays the board's."""
     import numpy as np  # deferred: start-up time
 
     hw = exp.hardware
@@ -206,8 +206,9 @@ def predict(exp: Experiment, times: speed.Times | None = None) -> PowerReport | 
         return None
     if times is None:
         times = speed.step_times(exp, speed.layouts_of(exp), impl=memory.implementation(exp))
-    limit_w, idle_w = hw.tdp_w, model.idle_w
-    dt, demand, clocked = _bins(np, timeline(exp, times), idle_w, limit_w - idle_w)
+    idle_w = model.idle_w
+    dt, demand, clocked = _bins(np, timeline(exp, times), idle_w, hw.tdp_w - idle_w)
+    limit_w = limit_w or hw.tdp_w
     step = float(dt.sum())
     # the first step lets the limiter settle; the steps after it, at least WARM_S, are measured
     measured = max(1, int(math.ceil(WARM_S / step)))
