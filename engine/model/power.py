@@ -48,8 +48,8 @@ RESOLUTION_S = 1e-3             # the timeline's bin, coarser only for steps ove
 MAX_BINS = 10_000
 WARM_S = 2.0                    # seconds of steps measured (at least one), after one that lets the limiter settle
 BACKWARD = 2 / 3                # the backward's share of a micro-batch's compute (it runs each GEMM twice)
-SOURCE = ("GEMM demand, limiter time constant and clock recovery calibrated on 1 run: "
-          "20261126-045153-m1-llama1b-mbs1 (H200, bf16); fp32 demand on 2 runs; clock exponent assumed")
+SOURCE = ("calibrated on 1 run, 20261126-045153-m1-llama1b-mbs1 (H200); fp32 demand on 2 runs; "
+          "clock exponent assumed")
 
 
 @dataclass(frozen=True)
