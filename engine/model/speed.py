@@ -585,6 +585,7 @@ class Times:
     matmul_s: Any                   # of compute_s: in GEMMs and attention (power)
     stage_s: Any                    # per distinct stage: one micro-batch's forward and backward
     params_stage: Any               # per distinct stage: parameters on one rank (dense + expert)
+    data_parallel_s: Any = 0.0      # of communication_s: the exposed data-parallel sync (power's timeline)
 
 
 def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None = None) -> Times:
@@ -682,7 +683,8 @@ def step_times(exp: Experiment, L: Layouts, impl=None, efficiency: float | None 
     # no bubble comes out a rounding error below 0
     bubble = np.maximum(pipeline - host_bound - compute_s - comm_s, 0.0)
     return Times(step_s=step, compute_s=compute_s, communication_s=comm_s + dp_exposed, bubble_s=bubble,
-                 host_s=host_bound, other_s=other, matmul_s=matmul_s, stage_s=stage, params_stage=params[0] + params[1])
+                 host_s=host_bound, other_s=other, matmul_s=matmul_s, stage_s=stage, params_stage=params[0] + params[1],
+                 data_parallel_s=dp_exposed)
 
 
 def host_layer_seconds(exp: Experiment, impl) -> float:

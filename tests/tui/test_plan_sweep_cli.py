@@ -313,6 +313,10 @@ def test_plan_shows_the_step_time_throughput_and_power_with_their_sources(capsys
     assert "parameters 70.6B · per stage " in out and "PFLOP per iteration" in out
     assert re.search(r"^power \d+ W per device · [\d.]+ J/token", out, re.M)
     assert "speed: GEMMs at 72% of the bf16 peak (assumed) · power: idle 75 W to 700 W (assumed)" in out
+    assert re.search(r"^at the 700 W limit \d+% of the step · power mean \d+ W, p99 \d+ W, peak \d+ W "
+                     r"\(NVML, 50 Hz\) · SM clock \d+ MHz$", out, re.M)
+    assert re.search(r"^with the limit: step [\d.]+ s \(\+[\d.]+%\) · [\d.]+ J/token$", out, re.M)
+    assert "power limit: calibrated on 1 run, 20261126-045153-m1-llama1b-mbs1 (H200)" in out
 
 
 def test_plan_json_carries_the_speed_figures(capsys):
@@ -322,10 +326,15 @@ def test_plan_json_carries_the_speed_figures(capsys):
     assert len(fast["params_per_stage"]) == len(fast["params_per_device"]) == 4
     assert sum(fast["shares"].values()) == pytest.approx(1.0)
     assert fast["source"] == {"step_time": "assumed", "power": "assumed"}
+    limited = json.loads(out)["power_limit"]
+    assert limited["limit_w"] == 700 and limited["peak_w"] >= limited["p99_w"] >= limited["mean_w"] > 75
+    assert 0 <= limited["limit_share"] <= 1 and limited["step_s"] >= fast["step_s"]
+    assert limited["source"].startswith("calibrated on 1 run")
     code, out, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000", "--set", "hardware.mem_bandwidth_gbs=0",
                        "--json")
     assert json.loads(out)["speed"] == {"unknown": "no step time: hardware 'h100-sxm-80gb' gives no "
                                                    "mem_bandwidth_gbs (0: unknown)"}
+    assert json.loads(out)["power_limit"] is None
 
 
 def test_sweep_ranks_fitting_layouts_by_tokens_per_second_and_sorts_by_any_column(capsys):

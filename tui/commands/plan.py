@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from charllm.engine.model import catalog, profiling, speed
+from charllm.engine.model import catalog, power, profiling, speed
 from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.megatron import (
     DEFAULT_GPUS_PER_NODE,
@@ -55,6 +55,11 @@ what the numbers mean:
   power      the average power per device over a step, from the hardware's idle power, its board
              limit and how busy each part of the step keeps it; energy per token and samples/(s·MJ)
              follow. "calibrated from N recorded runs" where runs of that hardware have been summarized
+  limit      the step laid out in time (the busiest stage, 1 ms bins), each phase's power from its kind
+             and precision, through the board's power limiter (engine/model/power.py): the share of the
+             step it holds the SM clock down, NVML's mean, p99 and peak power readings, the mean SM clock,
+             and the step and energy per token with the throttled GEMMs; "power limit:" says what its
+             constants were calibrated on
 
 exit status: 0 every stage fits, 1 some stage does not fit, 3 tight, 2 bad input (one line on stderr)
 
@@ -222,12 +227,14 @@ def run(args: argparse.Namespace) -> int:
     report = estimate(exp, ignored_args=ignored, warnings=warnings, megatron_version=args.megatron_version)
     window = profiling.plan(exp)   # what a profiler window records and costs
     fast = speed.estimate(exp)
+    limited = power.predict(exp) if fast else None
     if args.json:
         print(json.dumps({**report.to_dict(), "speed": fast.to_dict() if fast else {"unknown": speed.unknown(exp)},
+                          "power_limit": limited.to_dict() if limited else None,
                           **({"profile": {**window.to_dict(), "cost": window.describe()}} if window else {})},
                          indent=2))
     else:
-        render(exp, report, fast)
+        render(exp, report, fast, limited)
         if window:
             print(window.describe())
     return EXIT[report.verdict]
@@ -277,7 +284,17 @@ def speed_lines(fast) -> list[str]:
     return lines
 
 
-def render(exp: Experiment, report, fast) -> None:
+def limit_lines(limited: power.PowerReport) -> list[str]:
+    """The power the board's limit lets through over a step, NVML's readings of it, and where that comes from."""
+    return [f"at the {limited.limit_w:.0f} W limit {limited.limit_share:.0%} of the step · power mean "
+            f"{limited.mean_w:.0f} W, p99 {limited.p99_w:.0f} W, peak {limited.peak_w:.0f} W (NVML, "
+            f"{power.SAMPLE_HZ:.0f} Hz) · SM clock {limited.sm_clock_mhz:.0f} MHz",
+            f"with the limit: step {limited.step_s:.3g} s ({limited.slowdown - 1:+.1%}) · "
+            f"{limited.energy_per_token_j:.3g} J/token",
+            f"[dim]power limit: {limited.source}[/]"]
+
+
+def render(exp: Experiment, report, fast, limited: power.PowerReport | None = None) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -312,6 +329,8 @@ def render(exp: Experiment, report, fast) -> None:
         for line in speed_lines(fast):
             console.print(line, highlight=False)
         console.print(f"[dim]{speed_basis(exp)}[/]", highlight=False)
+        for line in limit_lines(limited) if limited else []:
+            console.print(line, highlight=False)
         for note in fast.notes:
             console.print(f"[yellow]note:[/] {note}", highlight=False)
     console.print(f"runs as: {report.implementation.describe()} ({report.stack_source})", highlight=False)
