@@ -318,7 +318,8 @@ class Campaign:
         if hardware is None and gpus_here():
             raise UserError(f"campaign {self.name!r}: hardware: give the nodes' device preset (hardware = \"NAME\"; "
                             "charllm-tui presets list hardware), which a command's plan needs")
-        base = run_name(self.command)
+        # named by the script it runs (pretrain_gpt), else by the campaign
+        base = run_name(self.command) if any(w.endswith(".py") for w in self.command.split()) else self.name
         out: list[Member] = []
         for combo in itertools.product(*self.axes.values()):
             values = dict(zip(self.axes, combo))
