@@ -40,8 +40,9 @@ RECORDED = "the campaign's name, or the campaign file it was run from"
 def register(sub, name: str, help: str) -> None:
     p = sub.add_parser(name, help=help,
                        description="A campaign is a TOML file (<config>/campaigns/NAME.toml, or shipped): base "
-                                   "experiments, axes that vary any field, layouts, and a target with its limits. "
-                                   "`campaign keys` says what a file may hold.",
+                                   "experiments (or your own command, its {placeholders} filled by the axes), axes "
+                                   "that vary any field, layouts, and a target with its limits. `campaign keys` says "
+                                   "what a file may hold.",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = actions.add_parser("list", help="every campaign, shipped and yours, and how far each has run")
