@@ -20,6 +20,7 @@ from charllm.probes.core.errors import UserError
 from charllm.probes.store.rundir import RunDir
 from infra_campaign import record
 from infra_cli import one_error_line, run
+from infra_megatron_lm import megatron_lm_checkout, pretrain_gpt_argv  # noqa: F401 - fixture
 
 TRAINER = Path(__file__).with_name("tiny_trainer.py")
 
@@ -124,3 +125,31 @@ def test_a_campaign_of_a_real_trainer_runs_both_members_and_reads_their_steps(ca
         assert [(e["status"], e["records"]) for e in rd.end_events()] == [("completed", 6)]
     code, out, _ = run(capsys, "campaign", "status", "trainer")
     assert code == 0 and out.count("ran: ") == 2, out
+
+
+@pytest.mark.integration
+@pytest.mark.train
+@pytest.mark.timeout(900)
+def test_a_campaign_of_megatron_lms_pretrain_gpt_plans_each_member_from_its_flags_and_trains_it(
+        capsys, charllm_dirs, megatron_lm_checkout):
+    exp = Experiment.load("tiny-local")
+    exp.training.train_iters = 6
+    line, replaced = re.subn(r"--micro-batch-size \d+", "--micro-batch-size {micro_batch_size}",
+                             shlex.join(pretrain_gpt_argv(megatron_lm_checkout, exp)))
+    assert replaced == 1
+    folder = charllm_dirs["config"] / "campaigns"
+    folder.mkdir(parents=True)
+    (folder / "gpt.toml").write_text(f"command = '''{line}'''\ncwd = '{megatron_lm_checkout}'\n"
+                                     "[axes]\nmicro_batch_size = [1, 2]\n")
+    code, out, err = run(capsys, "campaign", "run", "gpt")
+    assert code == 0, out + err
+    rec = record("gpt")
+    assert [(m["status"], m["layout"], m["micro_batch_size"]) for m in rec.members] == \
+        [("completed", "TP1 PP1 DP2", 1), ("completed", "TP1 PP1 DP2", 2)]
+    for m, mbs in zip(rec.members, (1, 2)):
+        rd = RunDir(rec.run_dir(m).path)
+        assert m["verdict"] in (FITS, TIGHT) and m["planned"]["step_s"] > 0
+        assert rd.manifest().command["planned"] and f"--micro-batch-size {mbs} " in rd.manifest().command["line"]
+        assert Experiment.load(rd.experiment_path).training.micro_batch_size == mbs   # the plan it ran against
+        steps = [r for r in rd.iteration_records() if r.get("event") == "iteration"]
+        assert [s["iteration"] for s in steps] == list(range(1, 7)) and {s["samples"] for s in steps} == {8}
