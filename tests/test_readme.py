@@ -276,7 +276,8 @@ def test_readme_config_files_are_read_as_the_readme_says(session):
 
     files = {m.removeprefix("file <config>/"): b.text for b in readme_blocks(README.read_text()) for m in b.markers
              if m.startswith("file <config>/")}
-    assert set(files) == {"tui.toml", "targets.toml", "campaigns/my-sweep.toml", "experiments/my-llama3-70b.toml"}
+    assert set(files) == {"tui.toml", "targets.toml", "campaigns/my-sweep.toml", "experiments/my-llama3-70b.toml",
+                          "campaigns/my-gpt.toml", "campaigns/my-steps.toml"}
     tmp = session.cwd / "config-check"
     for name, body in files.items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
@@ -296,6 +297,12 @@ def test_readme_config_files_are_read_as_the_readme_says(session):
     assert campaign.target in targets and campaign.max_parallel == 2 and campaign.time_limit_s == 1800
     assert [(m.experiment.parallel.pipeline_model_parallel_size, m.experiment.training.micro_batch_size)
             for m in campaign.members()] == [(4, 1), (4, 2), (2, 1), (2, 2)]
+    gpt = Campaign.load(tmp / "campaigns/my-gpt.toml")     # a command's members, planned from their flags
+    assert [(m.layout_label, m.experiment.training.micro_batch_size, m.command.cwd) for m in gpt.members()] == \
+        [("TP1 PP1 DP2", mbs, str(Path.home() / "Megatron-LM")) for mbs in (1, 2, 4)]
+    steps = Campaign.load(tmp / "campaigns/my-steps.toml")   # and a command's whose flags give no layout
+    assert [(m.layout_label, m.command.line.split(";")[0]) for m in steps.members()] == \
+        [("layout unknown", f"for i in $(seq 1 {n})") for n in (3, 5)]
 
 
 def test_readme_sql_runs_in_duckdb_over_the_runs_the_readme_made(session):

@@ -19,6 +19,7 @@ as a run of its own (engine.launch), which records itself in its run directory l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import os
@@ -29,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from charllm.engine.campaign import state
-from charllm.engine.campaign.spec import Campaign, Plan, check_max_parallel
+from charllm.engine.campaign.spec import Campaign, Member, Plan, check_max_parallel
 from charllm.engine.campaign.state import DONE, LOST, MISSING, QUEUED, Record, directory
 from charllm.engine.launch.launcher import (
     FOLLOWER_KEY,
@@ -133,7 +134,7 @@ def _record_for_run(campaign: Campaign, plans: list[Plan], target: Target, paral
         _keep_completed(record, previous)
     if record.finished:
         raise UserError(f"campaign {campaign.name!r}: no member left to run ({record.progress()})")
-    check_target(record, {p.member.key: p.member.experiment for p in plans}, target)
+    check_target(record, {p.member.key: p.member for p in plans}, target)
     record.save()
     return record
 
@@ -151,7 +152,7 @@ def forced(member: dict) -> bool:
     return member["verdict"] not in (FITS, TIGHT)
 
 
-def check_target(record: Record, experiments: dict, target: Target) -> None:
+def check_target(record: Record, members: dict[str, Member], target: Target) -> None:
     """Refuse the campaign (Refused, one line per reason) unless every member it would run can start
     on `target`, as `launch` checks each (launcher.checked: node count, GPUs per node, the layout),
     and the target is ready for them all (Target.check_ready: a scheduler's commands, reachable hosts)."""
@@ -160,9 +161,11 @@ def check_target(record: Record, experiments: dict, target: Target) -> None:
     for m in record.members:
         if m["status"] != QUEUED:
             continue
+        member = members[m["key"]]
         try:
-            exp, _ = checked(experiments[m["key"]], target, force=forced(m))
-            steps += plan_steps(exp, target, paths.runs_dir() / f"{record.name}-check", dry_run=True)[0]
+            exp, _ = checked(member.experiment, target, force=forced(m), planned=member.known)
+            steps += plan_steps(exp, target, paths.runs_dir() / f"{record.name}-check", dry_run=True,
+                                command=member.command)[0]
         except LayoutRefused as exc:               # (its "--force" is launch's, no campaign's)
             why.setdefault(exc.problem, []).append(m["name"])
         except UserError as exc:
@@ -361,8 +364,8 @@ class Queue:
         self.record = Record.load(name)
         self.target = from_record(self.record.data["target"])
         self.scheduler = self.target.queued([], None) is not None
-        # The members' experiments, expanded again from the campaign file the record was made from.
-        self.experiments = {m.key: m.experiment for m in Campaign.load(self.record.data["source"]).members()}
+        # The members, expanded again from the campaign file the record was made from.
+        self.expanded = {m.key: m for m in Campaign.load(self.record.data["source"]).members()}
         self.cancel_requested = False
         self.started: dict[int, float] = {}            # member index -> monotonic start (time limits)
         # Where a scheduler runs the jobs, this process follows all of them (its members have no
@@ -428,16 +431,20 @@ class Queue:
     def start_member(self, m: dict, target: Target, *, tied: bool) -> RunDir | None:
         """Start one member's run; a member that cannot start is failed with the reason, and the
         campaign goes on. Under a scheduler this process is the run's supervisor (its follower)."""
-        exp = self.experiments.get(m["key"])
-        if exp is None:
+        member = self.expanded.get(m["key"])
+        if member is None:
             m.update(status="failed", failure=f"not started: no longer in {self.record.data['source']}")
             self.record.save()
             return None
         record: dict = {"campaign": {"name": self.record.name, "member": m["index"]}}
         if self.follower is not None:
             record["supervisor"] = {**procid.identify(os.getpid()), FOLLOWER_KEY: self.record.name}
+        command = member.command
+        if command is not None and command.cwd is None and target.shares_files:
+            command = dataclasses.replace(command, cwd=os.getcwd())   # (where `campaign run` ran, as launch's)
         try:
-            result = launch(exp, target, force=forced(m), tied=tied, record=record, supervised=self.follower is None)
+            result = launch(member.experiment, target, force=forced(m), tied=tied, record=record,
+                            supervised=self.follower is None, command=command, notes=list(member.notes))
         except (UserError, OSError) as exc:
             why = str(exc) if isinstance(exc, UserError) else os_error_line(exc)
             m.update(status=state.REFUSED, failure=f"not started: {why}", started_ns=time.time_ns(),

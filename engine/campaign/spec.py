@@ -19,6 +19,18 @@ A campaign is a TOML file, `<config>/campaigns/NAME.toml` or shipped in `presets
 Its members are every base experiment x every layout x every combination of the axes' values, in
 that order. Each member is a whole experiment, planned like any other (engine.model.memory) and run
 like any other (engine.launch): nothing here knows how to train or where.
+
+Or, instead of experiments, a user's own command (`launch --command`) as a template, each axis a
+placeholder that its values fill in turn:
+
+    command = "torchrun --nproc-per-node 2 pretrain_gpt.py --micro-batch-size {micro_batch_size} ..."
+    log_format = "megatron"                     # how its log reports steps (launch's --log-format)
+    [axes]
+    micro_batch_size = [1, 2, 4]
+
+Each member is the command with its values filled in, planned from its Megatron flags where they give
+a layout (engine.launch.command.plan_command, as `launch --command` plans), else "layout unknown" and
+still run.
 """
 
 from __future__ import annotations
@@ -30,10 +42,12 @@ import itertools
 import json
 import math
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from charllm.engine.launch.command import Command, gpus_here, plan_command, run_name
 from charllm.engine.model import catalog, speed
 from charllm.engine.model.experiment import Experiment, all_keys, resolve_key
 from charllm.engine.model.memory import DOES_NOT_FIT, estimate
@@ -42,9 +56,11 @@ from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, did_you_mean, plural, shown
 from charllm.probes.core.formatting import size
+from charllm.probes.store.trainlogs import check_format
 
 KIND = "campaigns"                         # its catalog kind: presets/campaigns, <config>/campaigns
-KEYS = ("description", "experiments", "axes", "layouts", "target")
+KEYS = ("description", "experiments", "command", "log_format", "hardware", "cwd", "axes", "layouts", "target")
+COMMAND_KEYS = ("log_format", "hardware", "cwd")   # what only a campaign of a command takes
 TARGET_KEYS = ("name", "max_parallel", "time_limit")
 LAYOUT_SECTIONS = ("parallel", "cluster")  # what a layout may set; any other field is an axis
 MAX_MEMBERS = 10_000
@@ -53,7 +69,11 @@ MAX_PARALLEL = 1024
 HELP = {
     "description": "one line saying what the campaign is for",
     "experiments": "the base experiments: preset names, globs over them (ppt-h200-*-01000) or TOML files",
-    "axes": "a table: an experiment field -> the list of values it takes in turn (micro_batch_size = [1, 2])",
+    "command": "instead of experiments: your own command, each axis a {placeholder} in it (--micro-batch-size {mbs})",
+    "log_format": "a command's log format: megatron (default), torchtitan, nemo, none, or a regular expression",
+    "hardware": "a command's device preset, for its plan (default: cpu on a machine without a GPU)",
+    "cwd": "where a command runs (relative: to the campaign file; default: where `campaign run` runs)",
+    "axes": "a table: an experiment field (or a command's placeholder) -> the values it takes in turn (mbs = [1, 2])",
     "layouts": "[[layouts]] tables of parallel (or cluster) settings, each applied to every base in turn",
     "target.name": "the target members run on (a name from targets.toml, or local); launch's --target wins",
     "target.max_parallel": f"at most this many members at once (1 to {MAX_PARALLEL}; default 1)",
@@ -69,7 +89,9 @@ class Member:
     base: str                       # the base experiment's name
     layout: dict                    # the [[layouts]] entry applied ({} when there are none)
     values: dict                    # axis -> value
-    experiment: Experiment
+    experiment: Experiment          # a command's: its flags' layout where they give one, else only its shape
+    command: Command | None = None  # a campaign of a command: the member's, its values filled in
+    notes: tuple[str, ...] = ()     # how a command was planned, or why it was not (plan_command)
 
     @property
     def key(self) -> str:
@@ -81,10 +103,20 @@ class Member:
         """The settings this member was given: its layout's, then its axes' values."""
         return {**self.layout, **self.values}
 
+    @property
+    def known(self) -> bool:
+        """Whether its layout is known: an experiment's always, a command's where its flags give one."""
+        return self.command is None or self.command.planned
+
+    @property
+    def layout_label(self) -> str:
+        return self.experiment.layout_label if self.known else LAYOUT_UNKNOWN
+
 
 @dataclass(frozen=True)
 class Plan:
-    """A member's plan: runnable (fits, tight), skipped (does not fit) or invalid, and why."""
+    """A member's plan: runnable (fits, tight, a command's layout unknown), skipped (does not fit) or
+    invalid, and why."""
 
     member: Member
     verdict: str                    # fits | tight | does not fit | invalid
@@ -114,6 +146,10 @@ class Campaign:
     max_parallel: int = 1
     time_limit_s: float | None = None
     source: str = ""                                  # the file it was read from
+    command: str | None = None                        # a user's command template, in place of experiments
+    log_format: str = "megatron"
+    hardware: str | None = None                       # a command's device preset (None: cpu without a GPU here)
+    cwd: str | None = None                            # where a command runs (None: where `campaign run` runs)
 
     # -- reading ---------------------------------------------------------------------------
     @classmethod
@@ -137,16 +173,19 @@ class Campaign:
         for key in data:
             if key not in KEYS:
                 raise UserError(f"{where}: unknown key {key!r}{did_you_mean(key, KEYS)}")
+        if "command" in data:
+            return cls._of_command(name, data, source)
+        for key in COMMAND_KEYS:
+            if key in data:
+                raise UserError(f"{where}: {key} goes with command (a campaign of your own command)")
         experiments = data.get("experiments")
         if isinstance(experiments, str):
             experiments = [experiments]
         if not isinstance(experiments, list) or not experiments or not all(isinstance(e, str) and e.strip()
                                                                              for e in experiments):
             raise UserError(f"{where}: experiments = {shown(experiments)}: give a list of experiment names, globs "
-                            "or files (experiments = [\"tiny-local\"])")
-        description = data.get("description", "")
-        if not isinstance(description, str):
-            raise UserError(f"{where}: description = {shown(description)}: must be a string")
+                            "or files (experiments = [\"tiny-local\"]), or a command")
+        description = _description(where, data)
         axes = data.get("axes", {})
         if not isinstance(axes, dict):
             raise UserError(f"{where}: axes = {shown(axes)}: must be a table of field = [values]")
@@ -167,20 +206,55 @@ class Campaign:
                                     "under [axes]")
                 if key in axes:
                     raise UserError(f"{where}: layouts[{i}].{key}: also an axis; set it in one place")
-        target = data.get("target", {})
-        if not isinstance(target, dict):
-            raise UserError(f"{where}: target = {shown(target)}: must be a table (name, max_parallel, time_limit)")
-        for key in target:
-            if key not in TARGET_KEYS:
-                raise UserError(f"{where}: unknown key 'target.{key}'{did_you_mean(key, TARGET_KEYS)}")
-        target_name = target.get("name")
-        if target_name is not None and (not isinstance(target_name, str) or not target_name.strip()):
-            raise UserError(f"{where}: target.name = {shown(target_name)}: must be a target's name")
         return cls(name=name, experiments=tuple(e.strip() for e in experiments), description=description,
-                   axes=dict(axes), layouts=tuple(dict(t) for t in layouts), target=target_name,
-                   max_parallel=check_max_parallel(target.get("max_parallel", 1), f"{where}: target.max_parallel"),
-                   time_limit_s=parse_time_limit(target.get("time_limit"), f"{where}: target.time_limit"),
-                   source=source)
+                   axes=dict(axes), layouts=tuple(dict(t) for t in layouts), source=source,
+                   **_target(where, data))
+
+    @classmethod
+    def _of_command(cls, name: str, data: dict, source: str) -> "Campaign":
+        """A campaign of a user's command template: its axes are the template's placeholders, each
+        used, and every placeholder an axis."""
+        where = f"campaign {name!r}"
+        for key in ("experiments", "layouts"):
+            if key in data:
+                raise UserError(f"{where}: {key} and command: give one (a command's layout is in its flags: vary "
+                                "them under [axes], --tensor-model-parallel-size {tp})")
+        line = data["command"]
+        if not isinstance(line, str) or not line.strip():
+            raise UserError(f"{where}: command = {shown(line)}: give your command as one string")
+        axes = data.get("axes", {})
+        if not isinstance(axes, dict):
+            raise UserError(f"{where}: axes = {shown(axes)}: must be a table of placeholder = [values]")
+        used = placeholders(line)
+        for key in used:
+            if key not in axes:
+                raise UserError(f"{where}: command: {{{key}}} is no axis{did_you_mean(key, axes)}; give its values "
+                                f"under [axes] ({key} = [...]); a shell variable is written ${{{key}}}")
+        for key, values in axes.items():
+            if key not in used:
+                raise UserError(f"{where}: axes.{key}: the command never uses {{{key}}}")
+            if not isinstance(values, list) or not values or not all(
+                    isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in values):
+                raise UserError(f"{where}: axes.{key} = {shown(values)}: must be a non-empty list of numbers or "
+                                "strings (what the command's {placeholder} becomes)")
+            if len({json.dumps(v) for v in values}) != len(values):
+                raise UserError(f"{where}: axes.{key} = {shown(values)}: a value is listed twice")
+        log_format = data.get("log_format", "megatron")
+        if not isinstance(log_format, str):
+            raise UserError(f"{where}: log_format = {shown(log_format)}: must be a string")
+        try:
+            check_format(log_format)
+        except UserError as exc:
+            raise UserError(f"{where}: log_format: {exc}") from None
+        hardware, cwd = data.get("hardware"), data.get("cwd")
+        for key, value in (("hardware", hardware), ("cwd", cwd)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise UserError(f"{where}: {key} = {shown(value)}: must be a non-empty string")
+        if cwd is not None:   # (relative to the campaign's file, wherever `campaign run` runs)
+            folder = Path(source).parent if Path(source).is_file() else Path.cwd()
+            cwd = str(folder / Path(cwd).expanduser())
+        return cls(name=name, experiments=(), description=_description(where, data), axes=dict(axes), source=source,
+                   command=line, log_format=log_format, hardware=hardware, cwd=cwd, **_target(where, data))
 
     # -- members ---------------------------------------------------------------------------
     def bases(self) -> list[str]:
@@ -201,8 +275,11 @@ class Campaign:
         return out
 
     def members(self) -> list[Member]:
-        """Every base x layout x combination of the axes' values, each a whole experiment. The
-        count is checked against MAX_MEMBERS by arithmetic before any member is built."""
+        """Every base x layout x combination of the axes' values, each a whole experiment (of a
+        command: each fill of its template). The count is checked against MAX_MEMBERS by arithmetic
+        before any member is built."""
+        if self.command is not None:
+            return self._command_members()
         bases = self.bases()
         count = len(bases) * max(1, len(self.layouts)) * math.prod(len(values) for values in self.axes.values())
         if count > MAX_MEMBERS:
@@ -231,6 +308,31 @@ class Campaign:
             exp.name = member_name(base.name, varied)
         return exp
 
+    def _command_members(self) -> list[Member]:
+        assert self.command is not None
+        count = math.prod(len(values) for values in self.axes.values())
+        if count > MAX_MEMBERS:
+            raise UserError(f"campaign {self.name!r} ({self.source}): {count:,} members, more than the "
+                            f"{MAX_MEMBERS:,} a campaign may have")
+        hardware = self.hardware
+        if hardware is None and gpus_here():
+            raise UserError(f"campaign {self.name!r}: hardware: give the nodes' device preset (hardware = \"NAME\"; "
+                            "charllm-tui presets list hardware), which a command's plan needs")
+        # named by the script it runs (pretrain_gpt), else by the campaign
+        base = run_name(self.command) if any(w.endswith(".py") for w in self.command.split()) else self.name
+        out: list[Member] = []
+        for combo in itertools.product(*self.axes.values()):
+            values = dict(zip(self.axes, combo))
+            varied = {k: v for k, v in values.items() if k in self.varying}
+            line = fill(self.command, values)
+            try:
+                exp, command, notes = plan_command(line, log_format=self.log_format, hardware=hardware or "cpu",
+                                                   name=member_name(base, varied) if varied else base, cwd=self.cwd)
+            except UserError as exc:
+                raise UserError(f"campaign {self.name!r}: member {len(out) + 1} ({line}): {exc}") from None
+            out.append(Member(len(out), base, {}, values, exp, command, tuple(notes)))
+        return out
+
     @property
     def varying(self) -> set[str]:
         """The settings that differ between members (a one-value axis sets, it does not vary)."""
@@ -243,6 +345,8 @@ class Campaign:
 
 
 def plan_member(member: Member) -> Plan:
+    if not member.known:   # run all the same: the job is the user's
+        return Plan(member, LAYOUT_UNKNOWN, member.notes[0].removeprefix("not planned: ") if member.notes else "")
     problems = validate(member.experiment)
     if problems:
         return Plan(member, "invalid", str(problems[0]))
@@ -252,6 +356,21 @@ def plan_member(member: Member) -> Plan:
     planned = {"step_s": fast.step_s, "tokens_per_s": fast.tokens_per_s, "power_w": fast.power_w} if fast else None
     return Plan(member, report.verdict, f"planned {size(report.peak_bytes, 1)} of {size(allocator, 1)}",
                 report.peak_bytes, allocator, planned)
+
+
+LAYOUT_UNKNOWN = "layout unknown"   # a command member whose flags give no layout: not planned, still run
+
+_PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")   # {name}; ${NAME} is the shell's own
+
+
+def placeholders(template: str) -> list[str]:
+    """The axes a command template names ({micro_batch_size}), each once, in order."""
+    return list(dict.fromkeys(_PLACEHOLDER.findall(template)))
+
+
+def fill(template: str, values: dict) -> str:
+    """The command with each {axis} replaced by its value, one shell word (quoted where it needs to be)."""
+    return _PLACEHOLDER.sub(lambda m: shlex.quote(str(values[m[1]])), template)
 
 
 VARIANTS = ("base", "overlap", "recompute", "overlap + recompute")   # the paper's optimization codes
@@ -321,6 +440,29 @@ def record_name(ref: str | Path) -> str:
     if (mine := campaigns().get(stem)) is not None and mine.resolve() == path:
         return stem
     return f"{stem[:55]}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+
+
+def _description(where: str, data: dict) -> str:
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise UserError(f"{where}: description = {shown(description)}: must be a string")
+    return description
+
+
+def _target(where: str, data: dict) -> dict:
+    """A campaign's [target] table, checked, as the Campaign's fields."""
+    target = data.get("target", {})
+    if not isinstance(target, dict):
+        raise UserError(f"{where}: target = {shown(target)}: must be a table (name, max_parallel, time_limit)")
+    for key in target:
+        if key not in TARGET_KEYS:
+            raise UserError(f"{where}: unknown key 'target.{key}'{did_you_mean(key, TARGET_KEYS)}")
+    target_name = target.get("name")
+    if target_name is not None and (not isinstance(target_name, str) or not target_name.strip()):
+        raise UserError(f"{where}: target.name = {shown(target_name)}: must be a target's name")
+    return {"target": target_name,
+            "max_parallel": check_max_parallel(target.get("max_parallel", 1), f"{where}: target.max_parallel"),
+            "time_limit_s": parse_time_limit(target.get("time_limit"), f"{where}: target.time_limit")}
 
 
 def check_name(name: str) -> str:

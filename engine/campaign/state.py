@@ -65,17 +65,22 @@ class Record:
     @classmethod
     def new(cls, campaign: Campaign, plans: list[Plan], target: dict, *, include_oom: bool,
             max_parallel: int) -> "Record":
-        members = []
+        members: list[dict] = []
         for p in plans:
             m = p.member
             status = QUEUED if p.runnable or (include_oom and p.verdict != "invalid") else \
                 INVALID if p.verdict == "invalid" else SKIPPED
             varied = {k: v for k, v in m.varied.items() if k in campaign.varying}
             exp = m.experiment
+            known = m.known     # (a command's flags may give no layout)
             members.append({"index": m.index, "key": m.key, "name": exp.name, "base": m.base,
-                            "model": exp.model.name, "hardware": exp.hardware.name, "layout": exp.layout_label,
-                            "variant": variant(exp, m.base), "micro_batch_size": exp.training.micro_batch_size,
+                            "model": exp.model.name if known else None, "hardware": exp.hardware.name,
+                            "layout": m.layout_label,
+                            "variant": variant(exp, m.base) if known else None,
+                            "micro_batch_size": exp.training.micro_batch_size if known else
+                            m.values.get("micro_batch_size"),
                             "varied": varied, "verdict": p.verdict, "reason": p.reason, "planned": p.planned,
+                            **({"command": m.command.line} if m.command else {}),
                             "status": status, "run": None, "runs": [], "failure": None,
                             "started_ns": None, "ended_ns": None})
         data = {"name": campaign.name, "source": campaign.source, "description": campaign.description,

@@ -40,8 +40,9 @@ RECORDED = "the campaign's name, or the campaign file it was run from"
 def register(sub, name: str, help: str) -> None:
     p = sub.add_parser(name, help=help,
                        description="A campaign is a TOML file (<config>/campaigns/NAME.toml, or shipped): base "
-                                   "experiments, axes that vary any field, layouts, and a target with its limits. "
-                                   "`campaign keys` says what a file may hold.",
+                                   "experiments (or your own command, its {placeholders} filled by the axes), axes "
+                                   "that vary any field, layouts, and a target with its limits. `campaign keys` says "
+                                   "what a file may hold.",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = actions.add_parser("list", help="every campaign, shipped and yours, and how far each has run")
@@ -160,9 +161,13 @@ def _keys(args) -> int:
 
 def _show(args) -> int:
     campaign = spec.Campaign.load(args.name)
-    print(f"# campaign {campaign.name!r} ({campaign.source}): {plural(len(campaign.members()), 'member')}")
+    members = campaign.members()
+    print(f"# campaign {campaign.name!r} ({campaign.source}): {plural(len(members), 'member')}")
     with open(campaign.source) as fh:
         print(fh.read(), end="")
+    for m in members:
+        if m.command is not None:    # (a command campaign's members: what each runs, its values filled in)
+            print(f"# member {m.index + 1} ({m.experiment.name}, {m.layout_label}) runs: {m.command.line}")
     return 0
 
 
@@ -172,7 +177,8 @@ def _plan(args) -> int:
     varying = campaign.varying
     if args.json:
         print(json.dumps([{"member": p.member.index + 1, "name": p.member.experiment.name, "base": p.member.base,
-                           "layout": p.member.experiment.layout_label,
+                           "layout": p.member.layout_label,
+                           **({"command": p.member.command.line} if p.member.command else {}),
                            "varied": {k: v for k, v in p.member.varied.items() if k in varying},
                            "verdict": p.verdict, "reason": p.reason, "peak_bytes": p.peak_bytes,
                            "allocator_bytes": p.allocator_bytes} for p in plans], indent=2))
@@ -182,14 +188,19 @@ def _plan(args) -> int:
 
     table = Table(box=None, header_style="bold", title=f"{campaign.name}: {spec.describe(plans)}",
                   title_justify="left")
-    for column in ("#", "member", "layout", "varied", "verdict", "why"):
+    commands = campaign.command is not None
+    for column in ("#", "member", "layout", "varied", "verdict", "why", *(["runs"] if commands else [])):
         table.add_column(column, overflow="fold", no_wrap=column in ("#", "verdict"))
     for p in plans:
         varied = " ".join(f"{k}={one_line(v)}" for k, v in p.member.varied.items() if k in varying)
-        table.add_row(*map(Text, (str(p.member.index + 1), p.member.experiment.name, p.member.experiment.layout_label,
-                                  varied)), Text(p.verdict, VERDICT_STYLE.get(p.verdict, "red")), Text(p.reason))
+        table.add_row(*map(Text, (str(p.member.index + 1), p.member.experiment.name, p.member.layout_label,
+                                  varied)), Text(p.verdict, PLAN_STYLE.get(p.verdict, "red")),
+                      Text(p.reason), *([Text(p.member.command.line)] if p.member.command else []))
     _console().print(table)
     return 0
+
+
+PLAN_STYLE = {**VERDICT_STYLE, spec.LAYOUT_UNKNOWN: "yellow"}   # (a command member not planned: run all the same)
 
 
 def one_line(value) -> str:
@@ -253,8 +264,12 @@ def _follow(name: str) -> int:
         print(f"\ncampaign {name}: still running (charllm-tui campaign status {name}; cancel: campaign cancel {name})")
         return 0
     bad = [m for m in record.members if m["status"] in ("failed", "cancelled", "unknown", state.REFUSED, *state.LOST)]
-    for m in bad:
-        print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}")
+    for m in record.members:
+        ran = f"ran: {m['command']}" if m.get("command") and m.get("run") else ""
+        if m in bad:
+            print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}" + (f"; {ran}" if ran else ""))
+        elif ran:     # (a command campaign's member says what it ran)
+            print(f"  {m['name']}: {m['status']}: {ran}")
     print(f"campaign {name}: {record.data['status']} ({record.tally()})")
     return 1 if bad or record.data["status"] != "completed" else 0
 
@@ -273,7 +288,7 @@ def _status(args) -> int:
         table.add_column(column, overflow="fold")
     for m in record.members:
         status = state.member_status(record, m)
-        note = state.member_note(m, status)
+        note = state.member_note(m, status) or (f"ran: {m['command']}" if m.get("command") and m.get("run") else "")
         cells = (m["index"] + 1, m["name"], m.get("layout") or "", status, m.get("run") or "-",
                  local_time(m.get("started_ns")), note or "")
         table.add_row(*(Text(str(cell)) for cell in cells))

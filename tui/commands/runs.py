@@ -171,10 +171,11 @@ def _show(rd, args) -> int:
     print(f"target    {targets.describe(m.target) if m.target else m.target_name}")
     print(f"nodes     {', '.join(m.nodes) or '-'}")
     print(f"started   {local_time(_started(m))}   duration {_duration(_seconds(m))}")
-    if command_line(m):
-        print(f"ran:      {command_line(m)}")
+    if said := command_line(m):
+        print(f"ran:      {said}")
         for note in m.command.get("notes") or []:
-            print(f"          {note}")
+            if note != said:      # (an attach's first note names what it attached to, said just above)
+                print(f"          {note}")
     elif m.kind in ("train", ""):   # a launched run (one without a kind predates probe-only runs)
         print(f"ran as    {runtime_line(rd.runtime())}")
     for reason in m.forced:

@@ -250,7 +250,7 @@ class CampaignScreen(WorkbenchScreen):
             return out
         out.progress = f"plan: {spec.describe(planned)}"
         out.runnable = sum(p.runnable for p in planned)
-        out.rows = [(p.member.index + 1, p.member.experiment.name, p.member.experiment.layout_label, p.verdict,
+        out.rows = [(p.member.index + 1, p.member.experiment.name, p.member.layout_label, p.verdict,
                      p.reason, None) for p in planned]
         return out
 

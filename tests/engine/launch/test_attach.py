@@ -151,3 +151,26 @@ def test_attach_slurm_records_every_node_and_leaves_the_job_running(slurm_cluste
     assert check_parsed(first, text) + check_parsed(second, text) >= 10 and max(steps_of(second)) == 120
     assert nodes_recorded(second) == {"n1", "n2"}
     assert f"slurm {job} ended: COMPLETED" in next(second.logs_dir.glob("train-*.log")).read_text()
+
+
+@pytest.mark.timeout(120)
+def test_runs_show_of_an_attach_says_once_what_it_is_attached_to(tmp_path, capsys):
+    from charllm.tui.cli import main
+
+    log = tmp_path / "job.log"
+    with open(log, "wb") as out:
+        job = subprocess.Popen([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(120)"],
+                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        rd = RunDir(attach("pid", str(job.pid), log_format="megatron", assignments=HOST).run_dir)
+        assert main(["runs", "show", rd.id]) == 0
+        out = capsys.readouterr().out
+        said = [line for line in out.splitlines() if "attached to" in line]
+        assert len(said) == 1 and said[0].startswith(f"ran:      attached to pid {job.pid} ("), out
+        assert "not planned: an attached job's layout is not known" in out   # (the other notes are still said)
+        assert cancel(rd) == "cancelled"
+        wait_for(lambda: run_processes(str(rd.path)) == [], 20, "every process of the attach to end")
+        assert job.poll() is None, "cancelling the attach left the job running"
+    finally:
+        job.kill()
+        job.wait()

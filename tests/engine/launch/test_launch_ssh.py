@@ -69,6 +69,43 @@ def test_two_node_job_streams_logs_iterations_and_telemetry_home(ssh_nodes, tmp_
              "every process of the run to exit, here and on both nodes")
 
 
+# A user's own command: five steps logged its own way (a regular expression reads them), then the
+# rendezvous it was given.
+STEPS = ("for i in 1 2 3 4 5; do echo \"step $i loss 2.$i took 50 ms\"; sleep 0.1; done; "
+         "echo \"node rank $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT\"")
+STEPS_FORMAT = r"step (?P<iteration>\d+) loss (?P<loss>[\d.]+) took (?P<step_ms>\d+) ms"
+
+
+@pytest.mark.timeout(200)
+def test_launch_command_runs_once_on_each_node_its_steps_parsed_and_completes(ssh_nodes):
+    from charllm.engine.launch.command import plan_command
+
+    target = parse_target("nodes", ssh_nodes.target_table())
+    exp, command, notes = plan_command(STEPS, log_format=STEPS_FORMAT, hardware="cpu", nodes=2, name="steps",
+                                       on_this_machine=target.on_this_machine)
+    exp.telemetry.backend = "host"
+    rd = RunDir(launch(exp, target, command=command, notes=notes).run_dir)
+    manifest = wait_final(rd, 150)
+    assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
+    steps = [r for r in rd.iteration_records() if r.get("event") == "iteration"]
+    for host in ssh_nodes.hosts:
+        mine = [s for s in steps if s["node"] == host]
+        assert [s["iteration"] for s in mine] == [1, 2, 3, 4, 5], (host, mine)
+        assert all(s["loss"] == float(f"2.{s['iteration']}") and s["end_ns"] - s["start_ns"] == 50_000_000
+                   for s in mine)
+    ends = sorted((e["node"], e["status"], e["records"]) for e in rd.end_events())
+    assert ends == [(host, "completed", 5) for host in sorted(ssh_nodes.hosts)], ends
+    masters = set()
+    for rank, host in enumerate(ssh_nodes.hosts):   # each node its own rank, one master for both
+        said = (rd.logs_dir / f"train-{host}.log").read_text()
+        assert f"node rank {rank} of 2, master " in said, said
+        masters.add(said.split(", master ")[1].split()[0])
+    assert len(masters) == 1, masters
+    assert set(rd.scan_telemetry().collect()["node"].to_list()) == set(ssh_nodes.hosts), "a probe on every node"
+    wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 15,
+             "every process of the run to exit, here and on both nodes")
+
+
 @pytest.mark.timeout(200)
 def test_a_node_step_that_never_ran_the_workload_is_no_completed_run(ssh_nodes):
     """An env line that ends the node's shell (`exit 0`) before torchrun: every step exits 0 and
