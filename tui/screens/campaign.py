@@ -416,7 +416,9 @@ class CampaignScreen(WorkbenchScreen):
             return
         columns = 2 if count > 1 and self.size.width >= 120 else 1
         rows = math.ceil(count / columns)
-        room = panels.size.height or max(MIN_PANEL_ROWS, self.size.height - 12)
+        # from the screen's height, not the pane's: the pane's is 0 or stale until its own layout, and
+        # a choice made from it differed with when that came (the same 80x24 screen drew two ways)
+        room = max(MIN_PANEL_ROWS, self.size.height - 12)
         panels.styles.grid_size_columns = columns
         panels.styles.grid_rows = "1fr" if room // rows >= MIN_PANEL_ROWS else str(MIN_PANEL_ROWS)
 
