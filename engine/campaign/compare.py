@@ -30,14 +30,17 @@ SCHEMA = {"model": pl.String, "source": pl.String, "campaign": pl.String, "membe
           **{f: pl.Float64 for f in FIGURES}, "ratio": pl.Float64, "why": pl.String}
 
 
-def compare(first: str, second: str, metric: str = DEFAULT_METRIC) -> pl.DataFrame:
+def compare(first: str, second: str, metric: str = DEFAULT_METRIC, variant: str | None = None) -> pl.DataFrame:
     """One row per model both campaigns train, source (predicted, then measured where either has
-    run) and campaign: its best member by `metric` and its figures; `ratio` is that member's `metric`
-    over the first campaign's (1 for the first's own row). A campaign with no member to pick has its
-    row with `why` and no figures. Bad input (an unknown campaign, one campaign twice, no model in
-    common, an unknown metric) is one UserError."""
+    run) and campaign: its best member by `metric` (of the optimization `variant` only, when given)
+    and its figures; `ratio` is that member's `metric` over the first campaign's (1 for the first's
+    own row). A campaign with no member to pick has its row with `why` and no figures. Bad input (an
+    unknown campaign, one campaign twice, no model in common, an unknown metric or variant) is one
+    UserError."""
     if metric not in METRICS:
         raise UserError(f"--metric {metric!r}: expected one of {', '.join(METRICS)}")
+    if variant is not None and variant not in spec.VARIANTS:
+        raise UserError(f"--variant {variant!r}: expected one of {', '.join(map(repr, spec.VARIANTS))}")
     names = [spec.record_name(first), spec.record_name(second)]
     if names[0] == names[1]:
         raise UserError(f"campaign compare: {first!r} and {second!r} are the same campaign ({names[0]}); give two")
@@ -52,7 +55,7 @@ def compare(first: str, second: str, metric: str = DEFAULT_METRIC) -> pl.DataFra
     kinds = [PREDICTED] + ([MEASURED] if any(MEASURED in side for side in sources) else [])
     for model in common:
         for kind in kinds:
-            best = [_best(side.get(kind), model, metric, kind) for side in sources]
+            best = [_best(side.get(kind), model, metric, kind, variant) for side in sources]
             base = best[0].get(metric)
             for name, row in zip(names, best):
                 value = row.get(metric)
@@ -93,11 +96,13 @@ def _members(record: state.Record, summary: pl.DataFrame, ranks: dict, ready: st
     return out
 
 
-def _best(members: list[dict] | None, model: str, metric: str, kind: str) -> dict:
-    """The best of `model`'s members by `metric` (the first of equals), or why there is none."""
+def _best(members: list[dict] | None, model: str, metric: str, kind: str, variant: str | None) -> dict:
+    """The best of `model`'s members (of `variant`) by `metric` (the first of equals), or why there is none."""
     if members is None:
         return {"why": "not run"}
-    mine = [m for m in members if m["model"] == model]
+    mine = [m for m in members if m["model"] == model and variant in (None, m["variant"])]
+    if not mine:
+        return {"why": f"no {variant} member"}
     candidates = [m for m in mine if m["ready"] and m.get(metric) is not None]
     if not candidates:
         return {"why": UNREADY[kind] if not any(m["ready"] for m in mine) else f"no member has a {metric}"}

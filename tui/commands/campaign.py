@@ -32,7 +32,7 @@ examples:
       one row per member: speed, energy, power, temperature, clocks
   %(prog)s report tiny-local --figure microbatch
       a figure of the paper's kind, drawn in the terminal
-  %(prog)s compare ppt-parallelism ppt-h100
+  %(prog)s compare ppt-optimization ppt-h100
       scale-up (4 x 8 H200) against scale-out (8 x 8 H100): each model's best layout in each, predicted and
       measured"""
 
@@ -101,6 +101,8 @@ def register(sub, name: str, help: str) -> None:
     compare.add_argument("--metric", metavar="M", default="tokens_per_s",
                          help="what makes a member the best: tokens_per_s (the default), tokens_per_s_per_gpu, "
                               "energy_per_token_j (the lowest) or efficiency_samples_per_s_mj")
+    compare.add_argument("--variant", choices=spec.VARIANTS,
+                         help="pick among members of this optimization variant only (default: any)")
     compare.add_argument("--format", choices=COMPARE_FORMATS, default="table", help="default: table")
     delete = actions.add_parser("delete", help="delete a campaign's record (its runs stay)")
     delete.add_argument("name", metavar="NAME", help=RECORDED)
@@ -400,7 +402,7 @@ def _compare(args) -> int:
     from charllm.engine.campaign.compare import compare  # deferred: loads polars (start-up time)
     from charllm.probes.analysis.render import metric_label, render  # deferred: loads polars (start-up time)
 
-    df = compare(args.first, args.second, args.metric)
+    df = compare(args.first, args.second, args.metric, args.variant)
     if args.format in ("csv", "json"):
         print(render(df, args.format), end="")
         return 0
@@ -408,7 +410,8 @@ def _compare(args) -> int:
         return ", ".join(sorted(set(df.filter(df["campaign"] == campaign)["hardware"].drop_nulls()))) or "?"
 
     first, second = df["campaign"][0], df["campaign"][1]
-    print(f"{first} ({hardware(first)}) against {second} ({hardware(second)}): each model's best member by "
+    among = f"{args.variant} member" if args.variant else "member"
+    print(f"{first} ({hardware(first)}) against {second} ({hardware(second)}): each model's best {among} by "
           f"{metric_label(args.metric)}; predicted: from the plans, measured: from the completed runs; "
           f"ratio: its {metric_label(args.metric)} over {first}'s")
     # the table a terminal holds; the members' names, hardware and efficiency are in --format json and csv

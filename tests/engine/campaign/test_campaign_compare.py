@@ -59,6 +59,18 @@ def test_scale_up_against_scale_out_from_the_plans_is_each_model_s_best_fitting_
     assert state.recorded() == [], "a comparison runs and records nothing"
 
 
+def test_a_variant_compares_like_with_like(charllm_dirs, capsys):
+    """ppt-parallelism holds recomputing members only; ppt-h100 all four variants."""
+    found = compared(capsys, "ppt-parallelism", "ppt-h100", "--variant", "recompute")
+    members = {name: {m.index + 1: m for m in spec.Campaign.load(name).members()}
+               for name in ("ppt-parallelism", "ppt-h100")}
+    assert len(found) == 8 and all(r["variant"] == "recompute" for r in found)
+    assert all(members[r["campaign"]][r["member"]].experiment.training.recompute_granularity == "full" for r in found)
+    found = compared(capsys, "ppt-parallelism", "ppt-h100", "--variant", "base")
+    assert [r["why"] for r in found if r["campaign"] == "ppt-parallelism"] == ["no base member"] * 4
+    assert all(r["why"] is None and r["ratio"] is None for r in found if r["campaign"] == "ppt-h100")
+
+
 def test_measured_rows_are_the_best_completed_member_of_each_campaign_that_ran(charllm_dirs, capsys):
     make_demo_campaign(charllm_dirs["runs"], "demo-a")
     folder = paths.config_dir() / spec.KIND
@@ -93,6 +105,13 @@ def test_measured_rows_are_the_best_completed_member_of_each_campaign_that_ran(c
 def test_bad_input_is_one_line_and_exit_2(charllm_dirs, capsys, argv, says):
     code, out, err = run(capsys, "campaign", "compare", *argv)
     assert code == 2 and out == "" and says in one_error_line(err)
+
+
+def test_an_unknown_variant_is_refused_by_its_choices(capsys):
+    with pytest.raises(SystemExit) as exit:
+        run(capsys, "campaign", "compare", "ppt-parallelism", "ppt-h100", "--variant", "fast")
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "argument --variant: invalid choice: 'fast'" in err and "Traceback" not in err
 
 
 def test_the_help_names_every_metric(capsys):
