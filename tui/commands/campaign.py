@@ -29,7 +29,7 @@ examples:
   %(prog)s status tiny-local
       members by status, and the time left at the current pace
   %(prog)s summary tiny-local
-      one row per member: speed, energy, power, temperature, clocks
+      one row per member: speed, energy, power and its bursts, temperature, clocks, throttling
   %(prog)s report tiny-local --figure microbatch
       a figure of the paper's kind, drawn in the terminal
   %(prog)s compare ppt-optimization ppt-h100
