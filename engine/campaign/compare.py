@@ -10,6 +10,8 @@ campaign has run. Each row says which it is.
 
 from __future__ import annotations
 
+from typing import Any
+
 import polars as pl
 
 from charllm.engine.campaign import queue, spec, state
@@ -25,6 +27,7 @@ DEFAULT_METRIC = "tokens_per_s"
 FIGURES = ("tokens_per_s", "tokens_per_s_per_gpu", "energy_per_token_j", "power_mean_w", "power_total_w",
            "efficiency_samples_per_s_mj")
 UNREADY = {PREDICTED: "no member fits", MEASURED: "no member has a completed run"}
+NOT_RUN = "not run"
 SCHEMA = {"model": pl.String, "source": pl.String, "campaign": pl.String, "member": pl.Int64, "name": pl.String,
           "hardware": pl.String, "variant": pl.String, "layout": pl.String, "gpus": pl.Int64,
           **{f: pl.Float64 for f in FIGURES}, "ratio": pl.Float64, "why": pl.String}
@@ -52,10 +55,10 @@ def compare(first: str, second: str, metric: str = DEFAULT_METRIC, variant: str 
         raise UserError(f"campaigns {names[0]!r} ({', '.join(models[0])}) and {names[1]!r} ({', '.join(models[1])}) "
                         "have no model in common")
     rows = []
-    kinds = [PREDICTED] + ([MEASURED] if any(MEASURED in side for side in sources) else [])
+    kinds = [PREDICTED] + ([MEASURED] if any(side[MEASURED] != NOT_RUN for side in sources) else [])
     for model in common:
         for kind in kinds:
-            best = [_best(side.get(kind), model, metric, kind, variant) for side in sources]
+            best = [_best(side[kind], model, metric, kind, variant) for side in sources]
             base = best[0].get(metric)
             for name, row in zip(names, best):
                 value = row.get(metric)
@@ -64,17 +67,21 @@ def compare(first: str, second: str, metric: str = DEFAULT_METRIC, variant: str 
     return pl.DataFrame(rows, schema=SCHEMA)
 
 
-def _sides(campaign: spec.Campaign, name: str) -> dict[str, list[dict]]:
-    """The campaign's members with their figures: predicted (from its plans) and, once it has run,
-    measured (from its record)."""
+def _sides(campaign: spec.Campaign, name: str) -> dict[str, Any]:
+    """The campaign's members with their figures: predicted (from its plans) and measured (from its
+    record), or why there are none (NOT_RUN; a damaged record costs only these)."""
     plans = campaign.plan()
     ranks = {p.member.key: p.member.experiment.world_size for p in plans}
     planned = state.Record.new(campaign, plans, {}, include_oom=False, max_parallel=1)     # never saved
-    out = {PREDICTED: _members(planned, predicted_summary(planned, {p.member.key: p.member.experiment
-                                                                    for p in plans}), ranks, PLANNED)}
-    if (state.directory(name) / "campaign.json").exists():
-        record = queue.refresh(state.Record.load(name))
-        out[MEASURED] = _members(record, campaign_summary(record), ranks, "completed")
+    out: dict[str, Any] = {
+        PREDICTED: _members(planned, predicted_summary(planned, {p.member.key: p.member.experiment for p in plans}),
+                            ranks, PLANNED), MEASURED: NOT_RUN}
+    try:
+        if (state.directory(name) / "campaign.json").exists():
+            record = queue.refresh(state.Record.load(name))
+            out[MEASURED] = _members(record, campaign_summary(record), ranks, "completed")
+    except UserError:
+        out[MEASURED] = f"its record is damaged (charllm-tui campaign status {name} says how)"
     return out
 
 
@@ -83,7 +90,7 @@ def _members(record: state.Record, summary: pl.DataFrame, ranks: dict, ready: st
     GPUs are those its run measured, else its plan's ranks (a CPU run has no GPU)."""
     out = []
     for m, row in zip(record.members, summary.iter_rows(named=True)):
-        gpus = row.get("gpus") or ranks.get(m["key"])
+        gpus = row.get("gpus") or ranks.get(m.get("key"))
         tokens, power = row.get("tokens_per_s"), row.get("power_mean_w")
         out.append({"model": m.get("model") or "?", "ready": row["status"] == ready, "member": m["index"] + 1,
                     "name": m["name"], "hardware": m.get("hardware"), "variant": m.get("variant"),
@@ -96,13 +103,14 @@ def _members(record: state.Record, summary: pl.DataFrame, ranks: dict, ready: st
     return out
 
 
-def _best(members: list[dict] | None, model: str, metric: str, kind: str, variant: str | None) -> dict:
-    """The best of `model`'s members (of `variant`) by `metric` (the first of equals), or why there is none."""
-    if members is None:
-        return {"why": "not run"}
+def _best(members: list[dict] | str, model: str, metric: str, kind: str, variant: str | None) -> dict:
+    """The best of `model`'s members (of `variant`) by `metric` (the first of equals), or why there is none
+    (`members` itself, when it is that)."""
+    if isinstance(members, str):
+        return {"why": members}
     mine = [m for m in members if m["model"] == model and variant in (None, m["variant"])]
     if not mine:
-        return {"why": f"no {variant} member"}
+        return {"why": f"no {variant} member" if variant else "no member of the model"}
     candidates = [m for m in mine if m["ready"] and m.get(metric) is not None]
     if not candidates:
         return {"why": UNREADY[kind] if not any(m["ready"] for m in mine) else f"no member has a {metric}"}

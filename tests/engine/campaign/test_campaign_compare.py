@@ -93,6 +93,12 @@ def test_measured_rows_are_the_best_completed_member_of_each_campaign_that_ran(c
     assert code == 0 and len(out.strip().splitlines()) == 5, err
     code, out, err = run(capsys, "campaign", "compare", "demo-a", "demo-b")
     assert code == 0 and "model: llama3-8b" in out and "measured" in out and "not run" in out, err
+    # a damaged record costs only its own measured row
+    damaged = state.directory("demo-b") / "campaign.json"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_text("{not json")
+    assert compared(capsys, "demo-a", "demo-b") == [*found[:3], {**not_run, "why": "its record is damaged "
+                                                                  "(charllm-tui campaign status demo-b says how)"}]
 
 
 @pytest.mark.parametrize("argv, says", [
