@@ -24,9 +24,18 @@ FIGURES = (
     "efficiency_samples_per_s_mj",
     "power_mean_w",
     "power_peak_w",
+    # the paper's bursts: how high and how fast power rises, and how often and how far it leaves the
+    # run's mean and the board limit (probes.analysis.device_stats.excursions)
+    "power_p99_w",
+    "power_max_rise_w_per_s",
+    "spikes_over_mean_count",
+    "spikes_over_limit_count",
+    "spikes_over_limit_max_excess_w",
+    "time_over_limit_s",
     "temp_gpu_mean_c",
     "temp_gpu_peak_c",
     "sm_clock_mean_mhz",
+    "throttle_perf_frac",
     "throttle_sw_power_cap_frac",
     "throttle_hw_slowdown_frac",
     "throttle_sw_thermal_frac",
@@ -73,7 +82,7 @@ def campaign_summary(record: Record) -> pl.DataFrame:
               **{k: pl.String for k in varied_keys}, "run": pl.String, "verdict": pl.String, "why": pl.String}
     frame = pl.DataFrame(rows, schema_overrides=schema, infer_schema_length=None)
     numbers = [c for c in (*FIGURES, *(p for row in PLANNED for p in row[2:])) if c not in ("gpus", "simulated")]
-    return frame.with_columns(pl.col(c).cast(pl.Float64) for c in numbers if frame[c].dtype != pl.Float64)
+    return frame.with_columns(pl.col(c).cast(pl.Int64 if c.endswith("_count") else pl.Float64) for c in numbers)
 
 
 # The plan beside the measurement (engine.model.speed at the campaign's start), each against the

@@ -19,6 +19,7 @@ from charllm.probes.core.formatting import binary_scale
 # shown with its unit at about four significant digits.
 _UNITS = (
     ("_samples_per_s_mj", "samples/(s·MJ)"),
+    ("tokens_per_s_per_gpu", "tokens/s"),
     ("tokens_per_s", "tokens/s"),
     ("samples_per_s", "samples/s"),
     ("tflops_per_gpu", "TFLOP/s"),
@@ -95,7 +96,8 @@ _WORDS = {
 _STATISTICS = ("mean", "peak", "median", "p99", "min", "spread", "total", "count")
 _MEASURED = ("temperature", "utilization")       # temp_gpu -> GPU temperature
 # Figures whose whole name is their unit.
-_UNIT_NAMES = {"tokens_per_s": "tokens per second", "samples_per_s": "samples per second",
+_UNIT_NAMES = {"tokens_per_s": "tokens per second", "tokens_per_s_per_gpu": "tokens per second per GPU",
+               "samples_per_s": "samples per second",
                "tflops_per_gpu": "TFLOP/s per GPU"}
 
 

@@ -181,6 +181,9 @@ def command_inputs(out: Path) -> list[list[str]]:
             ["campaign", "report", "tiny-local", "--figure", value],
             ["campaign", "run", "tiny-local", "--max-parallel", value, "--detach", "--target", "nowhere"],
             ["campaign", "run", value, "--detach"],
+            ["campaign", "compare", value, "tiny-local"], ["campaign", "compare", "tiny-local", value],
+            ["campaign", "compare", "tiny-local", "ppt-h100", "--metric", value],
+            ["campaign", "compare", "tiny-local", "ppt-h100", "--variant", value],
         ]
     return argvs
 

@@ -1,4 +1,4 @@
-"""`charllm-tui campaign list|show|keys|plan|run|status|cancel|summary|report|delete`: many experiments as
+"""`charllm-tui campaign list|show|keys|plan|run|status|cancel|summary|report|compare|delete`: many experiments as
 one planned, queued, resumable job (engine.campaign), and its figures."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from charllm.engine.campaign import queue, spec, state
 from charllm.engine.launch.targets import get_target
 from charllm.engine.model.memory import VERDICT_STYLE
-from charllm.probes.analysis import SUMMARY_FORMATS
+from charllm.probes.analysis import COMPARE_FORMATS, SUMMARY_FORMATS
 from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, one_line as one_error_line, plural
 from charllm.probes.core.formatting import local_time
@@ -29,9 +29,12 @@ examples:
   %(prog)s status tiny-local
       members by status, and the time left at the current pace
   %(prog)s summary tiny-local
-      one row per member: speed, energy, power, temperature, clocks
+      one row per member: speed, energy, power and its bursts, temperature, clocks, throttling
   %(prog)s report tiny-local --figure microbatch
-      a figure of the paper's kind, drawn in the terminal"""
+      a figure of the paper's kind, drawn in the terminal
+  %(prog)s compare ppt-optimization ppt-h100
+      scale-up (4 x 8 H200) against scale-out (8 x 8 H100): each model's best layout in each, predicted and
+      measured"""
 
 
 RECORDED = "the campaign's name, or the campaign file it was run from"
@@ -89,6 +92,19 @@ def register(sub, name: str, help: str) -> None:
                              "microbatch")
     report.add_argument("--format", choices=("text", "json"), default="text",
                         help="json: one entry per member, its keys and the figure's values (default: text)")
+    compare = actions.add_parser(
+        "compare", help="two campaigns side by side: each model's best fitting layout in each, predicted and measured",
+        description="For every model both campaigns train, each campaign's best member by --metric, with its GPUs, "
+                    "tokens/s, tokens/s per GPU, energy per token and power: predicted rows from the plans (before "
+                    "any run), measured rows from the members' completed runs (once a campaign has run).")
+    compare.add_argument("first", metavar="A", help="a campaign's name or file (its ratio is 1)")
+    compare.add_argument("second", metavar="B", help="the campaign set beside it")
+    compare.add_argument("--metric", metavar="M", default="tokens_per_s",
+                         help="what makes a member the best: tokens_per_s (the default), tokens_per_s_per_gpu, "
+                              "energy_per_token_j (the lowest) or efficiency_samples_per_s_mj")
+    compare.add_argument("--variant", choices=spec.VARIANTS,
+                         help="pick among members of this optimization variant only (default: any)")
+    compare.add_argument("--format", choices=COMPARE_FORMATS, default="table", help="default: table")
     delete = actions.add_parser("delete", help="delete a campaign's record (its runs stay)")
     delete.add_argument("name", metavar="NAME", help=RECORDED)
     p.set_defaults(func=_run)
@@ -96,7 +112,8 @@ def register(sub, name: str, help: str) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     return {"list": _list, "keys": _keys, "show": _show, "plan": _plan, "run": _start, "status": _status,
-            "cancel": _cancel, "summary": _summary, "report": _report, "delete": _delete}[args.action](args)
+            "cancel": _cancel, "summary": _summary, "report": _report, "compare": _compare,
+            "delete": _delete}[args.action](args)
 
 
 def _console():
@@ -393,6 +410,27 @@ def _report(args) -> int:
 
     columns = shutil.get_terminal_size((100, 30)).columns
     print(figures.terminal(fig, width=min(columns, 160)), end="")
+    return 0
+
+
+def _compare(args) -> int:
+    from charllm.engine.campaign.compare import compare  # deferred: loads polars (start-up time)
+    from charllm.probes.analysis.render import metric_label, render  # deferred: loads polars (start-up time)
+
+    df = compare(args.first, args.second, args.metric, args.variant)
+    if args.format in ("csv", "json"):
+        print(render(df, args.format), end="")
+        return 0
+    def hardware(campaign: str) -> str:
+        return ", ".join(sorted(set(df.filter(df["campaign"] == campaign)["hardware"].drop_nulls()))) or "?"
+
+    first, second = df["campaign"][0], df["campaign"][1]
+    among = f"{args.variant} member" if args.variant else "member"
+    print(f"{first} ({hardware(first)}) against {second} ({hardware(second)}): each model's best {among} by "
+          f"{metric_label(args.metric)}; predicted: from the plans, measured: from the completed runs; "
+          f"ratio: its {metric_label(args.metric)} over {first}'s")
+    # the table a terminal holds; the members' names, hardware and efficiency are in --format json and csv
+    _members_table(df.drop("name", "hardware", "efficiency_samples_per_s_mj"), markdown=args.format == "markdown")
     return 0
 
 

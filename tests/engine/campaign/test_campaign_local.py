@@ -5,6 +5,7 @@ when it dies, resumes what is missing and cancels everything."""
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 
@@ -80,6 +81,18 @@ def test_a_tiny_campaign_runs_two_at_a_time_and_reads_as_one(charllm_dirs, capsy
         assert plotted[("tokens_per_s", label, str(m["micro_batch_size"]))] == pytest.approx(expected)
     code, out, _ = run(capsys, "campaign", "summary", name, "--format", "csv")
     assert code == 0 and len(out.strip().splitlines()) == 7
+    # beside the shipped tiny-local campaign (its plans, never run here): the fastest member measured
+    code, out, err = run(capsys, "campaign", "compare", name, "tiny-local", "--format", "json")
+    assert code == 0, err
+    found = json.loads(out)
+    assert [(r["source"], r["campaign"]) for r in found] == \
+        [("predicted", name), ("predicted", "tiny-local"), ("measured", name), ("measured", "tiny-local")]
+    fastest = summary.sort("tokens_per_s", descending=True).row(0, named=True)
+    measured = found[2]
+    assert measured["member"] == fastest["member"]
+    assert measured["tokens_per_s"] == pytest.approx(fastest["tokens_per_s"])
+    assert measured["gpus"] == 2 and measured["tokens_per_s_per_gpu"] == pytest.approx(fastest["tokens_per_s"] / 2)
+    assert found[3]["why"] == "not run" and found[0]["tokens_per_s"] > 0
 
 
 @pytest.mark.timeout(600)
