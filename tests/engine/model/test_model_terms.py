@@ -274,3 +274,22 @@ def test_bytes_per_parameter_are_megatrons_distributed_optimizer_table(dtype, ta
     n = memory.count_parameters(exp.model)
     assert (stage.weights + stage.gradients + stage.optimizer) / n == pytest.approx(replicated + sharded / 8,
                                                                                    rel=1e-6)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_the_data_parallel_sync_all_reduces_the_grads_or_reduce_scatters_them_and_gathers_the_weights(distributed):
+    """Without the distributed optimizer the fp32 main grads are all-reduced over the d data-parallel ranks
+    (2(d-1)/d of them per rank, ring); with it they are reduce-scattered and the updated bf16 weights
+    all-gathered, (d-1)/d each (Megatron-Core's distributed optimizer guide, docs/source/api-guide/
+    dist_optimizer.md). A dense model has no expert grads, so no second collective. One stage at DP 8 in a
+    node: nothing else is communicated, so that sync is the step's whole exposed communication."""
+    exp = gpt(h=1024, heads=16, layers=4, seq=1024, dp=8, gbs=8)
+    exp.parallel.use_distributed_optimizer = distributed
+    times = speed.step_times(exp, speed.layouts_of(exp))
+    n, d = memory.count_parameters(exp.model), 8
+    link = exp.hardware.node_link_gbs * GB * speed.LINK_EFFICIENCY            # 450 GB/s of NVLink, 80%
+    if distributed:
+        expected = 2 * speed.LATENCY_NODE_S + (d - 1) / d * n * 4 / link + (d - 1) / d * n * 2 / link
+    else:
+        expected = speed.LATENCY_NODE_S + 2 * (d - 1) / d * n * 4 / link
+    assert float(times.communication_s[0]) == pytest.approx(expected, rel=1e-12)
