@@ -21,11 +21,11 @@ from charllm.engine.model.experiment import Cluster, Experiment, Hardware, Model
 GB = 1e9
 
 
-def hand_rates(*, sms: int = 0, gpus_per_node: int = 8) -> speed.Rates:
+def hand_rates(*, sms: int = 0) -> speed.Rates:
     """Round figures, so that every expected value below is easy to follow: a 1000 TFLOP/s peak at half of it,
-    2 TB/s of memory, 400 GB/s in a node, 50 GB/s of network per device."""
+    2 TB/s of memory, 400 GB/s in a node of 8 devices, 50 GB/s of network per device."""
     return speed.Rates(matmul_flops=1000e12, matmul=0.5, memory_bps=2000 * GB, node_bps=400 * GB,
-                       network_bps=50 * GB, host_bps=50 * GB, gpus_per_node=gpus_per_node, sms=sms, source="test")
+                       network_bps=50 * GB, host_bps=50 * GB, gpus_per_node=8, sms=sms, source="test")
 
 
 def gpt(*, h=4096, heads=32, layers=8, seq=4096, mbs=1, tp=1, pp=1, vp=None, sp=False, dp=1, gbs=None,
