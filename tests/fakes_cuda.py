@@ -38,6 +38,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+from charllm.engine.workload.cpu_compat import Event, Stream
+
 
 def cuda_build() -> bool:
     """Whether this torch is a CUDA build (the lane needs its CUDA dispatch, not a GPU)."""
@@ -47,34 +49,6 @@ def cuda_build() -> bool:
 # --------------------------------------------------------------------------------------------
 # What needs a driver
 # --------------------------------------------------------------------------------------------
-class _Stream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        return event or _Event()
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
-class _Event(_Stream):
-    def record(self, stream=None):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-
 def _driver_stubs() -> None:
     cuda = torch.cuda
     cuda.current_device = lambda: 0
@@ -82,8 +56,8 @@ def _driver_stubs() -> None:
     cuda.synchronize = lambda device=None: None
     cuda.device_count = lambda: 1
     cuda.get_device_capability = lambda device=None: (9, 0)
-    cuda.Stream, cuda.Event = _Stream, _Event
-    cuda.current_stream = cuda.default_stream = lambda device=None: _Stream()
+    cuda.Stream, cuda.Event = Stream, Event   # cpu_compat's: every op already done
+    cuda.current_stream = cuda.default_stream = lambda device=None: Stream()
     cuda.stream = lambda stream=None: contextlib.nullcontext()
     cuda.get_rng_state = lambda device="cuda": torch.zeros(16, dtype=torch.uint8)
     cuda.set_rng_state = lambda new_state, device="cuda": None

@@ -41,9 +41,10 @@ import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from devset import build_and_write, git  # tools/ (a script's own folder is on sys.path; pytest adds it too)
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = "tests/functional_tests/test_cases"
@@ -86,14 +87,6 @@ STEP_WARMUP = 0.25                    # share of the logged steps left out at th
 GPUS_PER_NODE = 8
 H100_BF16_FLOPS = 989.4e12            # dense, per GPU (presets/hardware/h100-sxm-80gb.toml)
 MFU_RANGE = (0.2, 0.5)
-
-
-def git(checkout: Path, *args: str) -> str:
-    done = subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "GIT_NO_LAZY_FETCH": "1"})
-    if done.returncode:
-        raise LookupError(done.stderr.strip() or f"git {' '.join(args)} failed")
-    return done.stdout
 
 
 def in_scope(name: str) -> str | None:
@@ -517,19 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.checkout:
         parser.error("give a Megatron-LM checkout (or set MEGATRON_LM_CHECKOUT)")
     checkout = Path(args.checkout).expanduser()
-    try:
-        items, left_out = build(checkout)
-    except LookupError as exc:
-        print(f"build_memory_dev: {exc}", file=sys.stderr)
-        return 2
-    text = json.dumps(items, indent=1) + "\n"
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(args.out)
-    print(f"wrote {len(items)} cases to {args.out}")
-    for case, why in left_out:
-        print(f"  left out {case}: {why}")
-    return 0
+    return build_and_write("build_memory_dev", lambda: build(checkout), args.out)
 
 
 if __name__ == "__main__":

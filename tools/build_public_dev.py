@@ -31,12 +31,11 @@ left out and why.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+from devset import build_and_write, git  # tools/ (a script's own folder is on sys.path; pytest adds it too)
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "tests" / "data" / "public_dev" / "public_dev.json"
@@ -391,14 +390,6 @@ SUPERSEDED = {
 # --------------------------------------------------------------------------------------------
 # Reading the mirrors
 # --------------------------------------------------------------------------------------------
-def git(checkout: Path, *args: str) -> str:
-    done = subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "GIT_NO_LAZY_FETCH": "1"})
-    if done.returncode:
-        raise LookupError(done.stderr.strip() or f"git {' '.join(args)} failed")
-    return done.stdout
-
-
 def _number(cell: str) -> float | None:
     """A table cell's first number ('338 (330)' -> 338); None for 'n/a' or an empty cell."""
     found = re.match(r"\s*([0-9][0-9,]*(?:\.[0-9]+)?)", cell)
@@ -535,19 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{key}", type=Path, required=True, help=f"a git mirror of {name}")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    try:
-        items, left_out = build({key: getattr(args, key) for key in REPOSITORIES})
-    except (LookupError, ValueError) as error:
-        print(f"build_public_dev: {error}", file=sys.stderr)
-        return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(items, indent=1) + "\n")
-    tmp.replace(args.out)
-    print(f"{len(items)} rows -> {args.out}")
-    for label, why in left_out:
-        print(f"  left out: {label}: {why}")
-    return 0
+    mirrors = {key: getattr(args, key) for key in REPOSITORIES}
+    return build_and_write("build_public_dev", lambda: build(mirrors), args.out)
 
 
 if __name__ == "__main__":

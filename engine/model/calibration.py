@@ -71,12 +71,17 @@ def save(record: dict) -> Path:
 
 def load(hardware: str) -> Calibration | None:
     """The calibration for `hardware`, or None (none saved, or the file is damaged)."""
-    target = path_for(hardware)
+    return _read_by_mtime(path_for(hardware), _cached)
+
+
+def _read_by_mtime(target: Path, read):
+    """`read(target, mtime)`, a cached reader keyed by both, so a file is parsed again only once it has
+    changed; None where there is no file."""
     try:
         stamp = target.stat().st_mtime_ns
     except OSError:
         return None
-    return _cached(str(target), stamp)
+    return read(str(target), stamp)
 
 
 def _parse(target: Path, data: dict) -> Calibration:
@@ -166,12 +171,7 @@ def saved_power() -> list[dict]:
 
 def load_power(hardware: str) -> dict | None:
     """{idle_w, max_w, runs, ...} fitted to `hardware`'s recorded runs, or None (none, or damaged)."""
-    target = power_path(hardware)
-    try:
-        stamp = target.stat().st_mtime_ns
-    except OSError:
-        return None
-    return _power(str(target), stamp)
+    return _read_by_mtime(power_path(hardware), _power)
 
 
 @functools.lru_cache(maxsize=32)   # keyed by path and mtime, as _cached

@@ -312,13 +312,14 @@ def _members_per_node(np, size, stride, gpn):
 def _collective(np, factor, nbytes, size, stride, r: Rates, efficiency=LINK_EFFICIENCY):
     """Seconds of a collective moving `factor` x `nbytes` per rank over a group of `size` ranks
     `stride` apart: within a node over its device link, across nodes at most the network share of
-    the members on each node."""
+    the members on each node. None runs in a group of one, nor with nothing to move (a dense model's
+    expert gradients)."""
     local = _members_per_node(np, size, stride, r.gpus_per_node)
     spans = local < size
     link = r.node_bps * efficiency
     bw = np.where(spans, np.minimum(link, local * r.network_bps * efficiency), link)
     latency = np.where(spans, LATENCY_NETWORK_S * np.log2(np.maximum(size / local, 2)), LATENCY_NODE_S)
-    return np.where(size > 1, latency + factor * nbytes / np.maximum(bw, 1.0), 0.0)
+    return np.where((size > 1) & (nbytes > 0), latency + factor * nbytes / np.maximum(bw, 1.0), 0.0)
 
 
 def _all_to_all(np, token_bytes, topk, size, stride, r: Rates, per_rank: bool = False):

@@ -104,7 +104,7 @@ def _enter_in_new_threads() -> None:
 # --------------------------------------------------------------------------------------------
 # 1. torch.cuda.* used as plain utilities: devices, RNG, sync, streams and events, NVTX
 # --------------------------------------------------------------------------------------------
-class _Stream:
+class Stream:
     """Stands in for torch.cuda.Stream: on CPU every op is synchronous, so ordering is a no-op."""
 
     def __init__(self, *args, **kwargs):
@@ -117,7 +117,7 @@ class _Stream:
         pass
 
     def record_event(self, event=None):
-        event = event or _Event()
+        event = event or Event()
         event.record(self)
         return event
 
@@ -128,7 +128,7 @@ class _Stream:
         return True
 
 
-class _Event:
+class Event:
     """Stands in for torch.cuda.Event (the MoE alltoall dispatcher's device-to-host sync)."""
 
     def __init__(self, *args, **kwargs):
@@ -147,7 +147,7 @@ class _Event:
         return True
 
 
-_DEFAULT_STREAM = _Stream()
+_DEFAULT_STREAM = Stream()
 
 
 def _redirect_torch_cuda() -> None:
@@ -168,8 +168,8 @@ def _redirect_torch_cuda() -> None:
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
     # Streams and events: the alltoall token dispatcher overlaps its DtoH copy on a side stream.
-    cuda.Stream = _Stream
-    cuda.Event = _Event
+    cuda.Stream = Stream
+    cuda.Event = Event
     cuda.current_stream = lambda device=None: _DEFAULT_STREAM
     cuda.default_stream = lambda device=None: _DEFAULT_STREAM
     cuda.stream = lambda stream=None: contextlib.nullcontext()

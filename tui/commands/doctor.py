@@ -17,6 +17,7 @@ from charllm.engine.launch.targets import KINDS, get_target
 from charllm.engine.model import calibration, catalog
 from charllm.probes.core.errors import UserError, did_you_mean, plural
 from charllm.probes.core.formatting import size
+from charllm.tui.commands import add_command
 
 EPILOG = """\
 what the figures mean:
@@ -63,11 +64,11 @@ examples:
 
 
 def register(sub, name: str, help: str) -> None:
-    p = sub.add_parser(name, help=help,
-                       description="Check a node: versions, devices, telemetry and the sampling rate it achieves; "
-                                   "with --train a short training job measures memory and speed. Saves a node "
-                                   "calibration that plan, sweep and Compose use for that hardware.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(sub, name, help,
+                    "Check a node: versions, devices, telemetry and the sampling rate it achieves; "
+                    "with --train a short training job measures memory and speed. Saves a node "
+                    "calibration that plan, sweep and Compose use for that hardware.",
+                    EPILOG)
     p.add_argument("--train", action="store_true", help="also run a short training job sized to the device")
     p.add_argument("--hardware", metavar="NAME",
                    help="the hardware preset this node is (default: matched from its GPU)")

@@ -11,6 +11,7 @@ from charllm.engine.model import experiment
 from charllm.engine.model.experiment import SECTIONS
 from charllm.probes.core.errors import UserError, did_you_mean
 from charllm.probes.core.formatting import number
+from charllm.tui.commands import add_command
 
 EPILOG = """\
 Defaults are charllm's own; a model or hardware preset gives its fields their own values.
@@ -22,11 +23,11 @@ examples:
 
 
 def register(sub, name: str, help: str) -> None:
-    p = sub.add_parser(name, help=help,
-                       description="The fields of an experiment (what a TOML file and --set KEY=VALUE take),\n"
-                                   "each with its default, the values it takes, the pretrain_gpt.py flag that\n"
-                                   "sets it and what it means.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(sub, name, help,
+                    "The fields of an experiment (what a TOML file and --set KEY=VALUE take),\n"
+                    "each with its default, the values it takes, the pretrain_gpt.py flag that\n"
+                    "sets it and what it means.",
+                    EPILOG)
     p.add_argument("pattern", nargs="?", metavar="PATTERN",
                    help="only fields whose section.name contains this (e.g. recompute, parallel.)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -21,6 +21,7 @@ from charllm.engine.model.sweep import base_experiment
 from charllm.engine.model.validate import check
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.formatting import count, gib, si
+from charllm.tui.commands import add_command
 
 EPILOG = """\
 what the numbers mean:
@@ -77,11 +78,11 @@ examples:
 
 
 def register(sub, name: str, help: str) -> None:
-    p = sub.add_parser(name, help=help,
-                       description="Estimate the peak GPU memory of every pipeline stage and whether it fits, "
-                                   "and the step time, throughput and power of the layout: of an experiment, of a "
-                                   "model on a cluster (--model), or of a Megatron-LM command line (--megatron-args).",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(sub, name, help,
+                    "Estimate the peak GPU memory of every pipeline stage and whether it fits, "
+                    "and the step time, throughput and power of the layout: of an experiment, of a "
+                    "model on a cluster (--model), or of a Megatron-LM command line (--megatron-args).",
+                    EPILOG)
     p.add_argument("experiment", nargs="?", metavar="EXPERIMENT_OR_PRESET",
                    help="an experiment TOML file or preset name")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",

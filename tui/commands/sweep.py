@@ -14,6 +14,7 @@ from charllm.probes.core import paths
 from charllm.probes.core.atomic import write_atomic
 from charllm.probes.core.errors import UserError, did_you_mean, os_error_line, plural
 from charllm.probes.core.formatting import GIB
+from charllm.tui.commands import add_command
 from charllm.tui.commands.plan import (
     MODEL_FLAGS,
     add_model_arguments,
@@ -74,10 +75,10 @@ examples:
 
 
 def register(sub, name: str, help: str) -> None:
-    p = sub.add_parser(name, help=help,
-                       description="Enumerate the valid parallel layouts of a model on a cluster and estimate "
-                                   "the peak memory of each.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(sub, name, help,
+                    "Enumerate the valid parallel layouts of a model on a cluster and estimate "
+                    "the peak memory of each.",
+                    EPILOG)
     p.add_argument("experiment", nargs="?", metavar="EXPERIMENT_OR_PRESET",
                    help="sweep this experiment's layout (else give --model ... --global-batch-size)")
     add_model_arguments(p, "sweep")
