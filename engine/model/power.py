@@ -56,8 +56,9 @@ BACKWARD = 2 / 3                # the backward's share of a micro-batch's comput
 # runs of each hardware calibrate it. AMD: the H200's, assumed (no AMD run recorded).
 THERMAL = {"nvidia": {"ambient_c": 29.8, "r_k_per_w": 0.0275, "tau_s": 0.2},
            "amd": {"ambient_c": 29.8, "r_k_per_w": 0.0275, "tau_s": 0.2}}
-THERMAL_SOURCE = {"nvidia": "assumed: fitted to 1 short run, 20261126-045153-m1-llama1b-mbs1 (H200, 1.5 s busy)",
-                  "amd": "assumed: the H200's constants, no AMD run recorded"}
+THERMAL_SOURCE = {"nvidia": "assumed, fitted to 1 short run (20261126-045153-m1-llama1b-mbs1, H200, 1.5 s busy): "
+                            "no heatsink warming",
+                  "amd": "assumed, the H200's constants: no AMD run recorded"}
 SOURCE = ("calibrated on 1 run, 20261126-045153-m1-llama1b-mbs1 (H200); fp32 demand on 2 runs; "
           "clock exponent assumed")
 
