@@ -9,7 +9,8 @@ constant LIMITER_TAU_S) at the board's limit by lowering the SM clock, which len
 the step follows; transients shorter than the average pass above the limit. What NVML would report
 (its power sensor's window sampled at the telemetry rate) gives the mean, p99 and peak power, the
 share of time the limiter holds the clock (NVML's "SW power cap" throttle reason), the mean SM clock
-and the energy per token.
+and the energy per token. A first-order thermal model (THERMAL, per vendor) driven by that power gives the
+GPU's steady temperature and its peak over a run of the experiment's train_iters steps.
 
 The free constants were fitted to the one H200 run kept whole (tests/data/gpu_runs/runs/
 20261126-045153-m1-llama1b-mbs1) and the fp32 share to the two fp32 runs of tests/data/gpu_runs/
@@ -48,6 +49,16 @@ RESOLUTION_S = 1e-3             # the timeline's bin, coarser only for steps ove
 MAX_BINS = 10_000
 WARM_S = 2.0                    # seconds of steps measured (at least one), after one that lets the limiter settle
 BACKWARD = 2 / 3                # the backward's share of a micro-batch's compute (it runs each GEMM twice)
+# The GPU temperature as a first-order lag of its power: tau dT/dt = ambient + R x P - T. Fitted to the kept
+# H200 run's 50 Hz temp_gpu_c (1 run, 1.5 s busy: 32 C at 79 W idle, 34 -> 50 C over the busy window, back
+# to 35 C within 0.5 s; RMS 1.5 K): its time constant is the die's over its heatsink. The heatsink's own
+# warming over minutes is not in one short run, so a long run will run hotter than this says: assumed until
+# runs of each hardware calibrate it. AMD: the H200's, assumed (no AMD run recorded).
+THERMAL = {"nvidia": {"ambient_c": 29.8, "r_k_per_w": 0.0275, "tau_s": 0.2},
+           "amd": {"ambient_c": 29.8, "r_k_per_w": 0.0275, "tau_s": 0.2}}
+THERMAL_SOURCE = {"nvidia": "assumed, fitted to 1 short run (20261126-045153-m1-llama1b-mbs1, H200, 1.5 s busy): "
+                            "no heatsink warming",
+                  "amd": "assumed, the H200's constants: no AMD run recorded"}
 SOURCE = ("calibrated on 1 run, 20261126-045153-m1-llama1b-mbs1 (H200); fp32 demand on 2 runs; "
           "clock exponent assumed")
 
@@ -75,11 +86,15 @@ class PowerReport:
     slowdown: float             # step_s over the speed model's
     limit_w: float
     source: str
+    temp_steady_c: float | None = None  # the GPU's mean temperature once the steps repeat (THERMAL)
+    temp_peak_c: float | None = None    # its highest over the run's train_iters steps, from the idle board's
+    temp_source: str | None = None
 
     def to_dict(self) -> dict:
         return {"mean_w": self.mean_w, "p99_w": self.p99_w, "peak_w": self.peak_w, "limit_share": self.limit_share,
                 "sm_clock_mhz": self.sm_clock_mhz, "energy_per_token_j": self.energy_per_token_j,
-                "step_s": self.step_s, "slowdown": self.slowdown, "limit_w": self.limit_w, "source": self.source}
+                "step_s": self.step_s, "slowdown": self.slowdown, "limit_w": self.limit_w, "source": self.source,
+                "temp_steady_c": self.temp_steady_c, "temp_peak_c": self.temp_peak_c, "temp_source": self.temp_source}
 
 
 def tensor_busy(exp: Experiment, times: speed.Times) -> float:
@@ -194,6 +209,27 @@ def sensor(np, real, watts, start: float):
     return (np.interp(at, ends, energy) - np.interp(at - SENSOR_WINDOW_S, ends, energy)) / SENSOR_WINDOW_S
 
 
+def temperatures(real, watts, steps: int, idle_w: float, ambient_c: float, r_k_per_w: float,
+                 tau_s: float) -> tuple[float, float]:
+    """(steady mean, peak over `steps` steps) of the GPU temperature under one step's power (bins of `real`
+    seconds at `watts`) repeated from the idle board's temperature. The lag is linear: after k steps the
+    step starts at a^k T0 + b (1 - a^k) / (1 - a), and within it each bin's temperature is affine in where
+    the step started, rising with it, so the last step holds the peak."""
+    decay = [math.exp(-s / tau_s) for s in real]
+    a, within, gain, offset = 1.0, 0.0, [], []     # per bin: T = gain x T_start + offset
+    for d, w in zip(decay, watts):
+        a *= d
+        within = within * d + (ambient_c + r_k_per_w * float(w)) * (1.0 - d)
+        gain.append(a)
+        offset.append(within)
+    start = ambient_c + r_k_per_w * idle_w
+    k = max(steps - 1, 0)
+    last = start * a ** k + (within * (1 - a ** k) / (1 - a) if a < 1.0 else 0.0)
+    mean_w = float(sum(s * w for s, w in zip(real, watts)) / sum(real))
+    peak = max(max(g * last + o for g, o in zip(gain, offset)), start)
+    return ambient_c + r_k_per_w * mean_w, peak
+
+
 def predict(exp: Experiment, times: speed.Times | None = None, limit_w: float | None = None) -> PowerReport | None:
     """The power, clock and time at the limit of `exp`'s step; None where the hardware gives no board limit
     or the speed model no step time. `limit_w`: a power cap under the board's (nvidia-smi -pl); the demand
@@ -220,8 +256,14 @@ def predict(exp: Experiment, times: speed.Times | None = None, limit_w: float | 
     mean = float((real * watts).sum() / seconds)
     step_s = float(times.step_s[0]) * seconds / (step * measured)
     tokens = exp.training.global_batch_size * exp.seq_length
+    thermal = THERMAL.get(hw.vendor)
+    steady = peak = None
+    if thermal:      # one measured step (the last) stands for every step of the run
+        last = slice(len(real) - len(dt), len(real))
+        steady, peak = temperatures(real[last], watts[last], exp.training.train_iters, idle_w, **thermal)
     return PowerReport(mean_w=mean, p99_w=float(np.percentile(readings, 99)), peak_w=float(readings.max()),
                        limit_share=float(real[clock < 0.999].sum() / seconds),
                        sm_clock_mhz=float((real * clock).sum() / seconds) * hw.max_sm_clock_mhz,
                        energy_per_token_j=mean * exp.world_size * step_s / tokens, step_s=step_s,
-                       slowdown=seconds / (step * measured), limit_w=limit_w, source=SOURCE)
+                       slowdown=seconds / (step * measured), limit_w=limit_w, source=SOURCE,
+                       temp_steady_c=steady, temp_peak_c=peak, temp_source=THERMAL_SOURCE.get(hw.vendor))

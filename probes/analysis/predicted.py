@@ -35,6 +35,19 @@ METRICS = (
     ("samples/(s·MJ)", "efficiency_samples_per_s_mj", "samples_per_s_mj", "samples/(s·MJ)"),
 )
 
+# What the step's timeline through the board's power limiter predicts (engine.model.power), beside the same
+# window's NVML figures: (metric, summary column, PowerReport field, unit, scale to the unit). "power per GPU"
+# above is the speed model's mean without the limiter; the limiter's mean is the one the board should show.
+LIMITER_METRICS = (
+    ("power per GPU, limiter", "power_mean_w", "mean_w", "W", 1.0),
+    ("power p99", "power_p99_w", "p99_w", "W", 1.0),
+    ("power peak", "power_peak_w", "peak_w", "W", 1.0),
+    ("at the power limit", "throttle_sw_power_cap_frac", "limit_share", "%", 100.0),
+    ("SM clock", "sm_clock_mean_mhz", "sm_clock_mhz", "MHz", 1.0),
+    ("GPU temperature", "temp_gpu_mean_c", "temp_steady_c", "°C", 1.0),
+    ("GPU temperature peak", "temp_gpu_peak_c", "temp_peak_c", "°C", 1.0),
+)
+
 
 def prediction(exp: Experiment) -> dict:
     """What the speed model predicts for `exp`, by the names of METRICS, with its sources (all None,
@@ -48,10 +61,29 @@ def prediction(exp: Experiment) -> dict:
             "source": speed.describe(exp)}
 
 
+def limiter_prediction(exp: Experiment) -> dict:
+    """What the power limiter's timeline predicts for `exp`, by the PowerReport fields of LIMITER_METRICS
+    scaled to their units, with the source of each metric ({} where it predicts nothing: no board limit,
+    or no step time)."""
+    from charllm.engine.model import power  # deferred: the limiter's timeline (only for this comparison)
+
+    report = power.predict(exp) if speed.estimate(exp) else None
+    if report is None:
+        return {}
+    figures = report.to_dict()
+    out = {}
+    for metric, _, name, _, scale in LIMITER_METRICS:
+        if figures.get(name) is not None:
+            temperature = name.startswith("temp")
+            out[metric] = (scale * figures[name], f"temperature: {report.temp_source}" if temperature
+                           else f"power limit: {report.source}")
+    return out
+
+
 def predicted_vs_measured(run: RunDir | str | os.PathLike, window="steady") -> pl.DataFrame:
-    """One row per METRICS entry the run measured: `metric`, `unit`, `predicted`, `measured` (the
-    run-level summary over `window`) and `error_pct` ((predicted / measured - 1) x 100), and `source`
-    (where the prediction's rates come from; "simulated telemetry" is added where the run's
+    """One row per METRICS and LIMITER_METRICS entry the run measured: `metric`, `unit`, `predicted`,
+    `measured` (the run-level summary over `window`) and `error_pct` ((predicted / measured - 1) x 100),
+    and `source` (where the prediction's rates come from; "simulated telemetry" is added where the run's
     telemetry is simulated). A run without an experiment.toml has nothing to predict: UserError."""
     run = run if isinstance(run, RunDir) else resolve_run(run)
     found = read_experiment(run.experiment_path)
@@ -59,14 +91,20 @@ def predicted_vs_measured(run: RunDir | str | os.PathLike, window="steady") -> p
         raise UserError(f"run {run.id}: no experiment.toml, so no plan to predict it from")
     predicted = prediction(found.experiment)
     measured = summarize(run, window, by="run").row(0, named=True)
-    source = predicted["source"] + ("; simulated telemetry" if measured.get("simulated") else "")
+    simulated = "; simulated telemetry" if measured.get("simulated") else ""
+    limited = limiter_prediction(found.experiment)
+    compared = [(metric, column, unit, predicted[name], predicted["source"]) for metric, column, name, unit in METRICS]
+    compared += [(metric, column, unit, *limited[metric]) for metric, column, _, unit, _ in LIMITER_METRICS
+                 if metric in limited]
+    scales = {metric: scale for metric, _, _, _, scale in LIMITER_METRICS}
     rows = []
-    for metric, column, name, unit in METRICS:
-        have, want = measured.get(column), predicted[name]
+    for metric, column, unit, want, source in compared:
+        have = measured.get(column)
         if have is None or want is None or not math.isfinite(have) or have <= 0:
             continue
+        have *= scales.get(metric, 1.0)
         rows.append({"metric": metric, "unit": unit, "predicted": float(want), "measured": float(have),
-                     "error_pct": 100 * (want / have - 1), "source": source})
+                     "error_pct": 100 * (want / have - 1), "source": source + simulated})
     return pl.DataFrame(rows, schema={"metric": pl.String, "unit": pl.String, "predicted": pl.Float64,
                                       "measured": pl.Float64, "error_pct": pl.Float64, "source": pl.String})
 
@@ -102,11 +140,14 @@ def render(table: pl.DataFrame) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [f"{row[0]:{widths[0]}s}  " + "  ".join(f"{cell:>{widths[i + 1]}s}" for i, cell in enumerate(row[1:]))
              for row in rows]
-    return "\n".join(lines + [f"({table['source'][0]})"]) + "\n"
+    sources = dict.fromkeys(table["source"])                  # each once, in the order the metrics need them
+    return "\n".join(lines + [f"({source})" for source in sources]) + "\n"
 
 
 def _figure(value: float, unit: str) -> str:
     if unit == "%":
         return f"{value:.1f}%"
+    if unit == "°C":
+        return f"{value:.1f} °C"
     digits = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
     return f"{digits} {unit}"

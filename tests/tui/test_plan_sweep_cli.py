@@ -311,12 +311,14 @@ def test_plan_shows_the_step_time_throughput_and_power_with_their_sources(capsys
     assert re.search(r"^of the step: compute \d+% · exposed communication \d+% · pipeline bubble \d+% · "
                      r"host-bound \d+% · optimizer and fixed \d+%$", out, re.M)
     assert "parameters 70.6B · per stage " in out and "PFLOP per iteration" in out
-    assert re.search(r"^power \d+ W per device · [\d.]+ J/token", out, re.M)
+    assert re.search(r"^power \d+ W per device \(no limiter\) · [\d.]+ J/token", out, re.M)
     assert "speed: GEMMs at 72% of the bf16 peak (assumed) · power: idle 75 W to 700 W (assumed)" in out
     assert re.search(r"^at the 700 W limit \d+% of the step · power mean \d+ W, p99 \d+ W, peak \d+ W "
                      r"\(NVML, 50 Hz\) · SM clock \d+ MHz$", out, re.M)
     assert re.search(r"^with the limit: step [\d.]+ s \(\+[\d.]+%\) · [\d.]+ J/token$", out, re.M)
     assert "power limit: calibrated on 1 run, 20261126-045153-m1-llama1b-mbs1 (H200)" in out
+    assert re.search(r"^GPU temperature \d+ °C once the steps repeat, peak \d+ °C over 11 steps$", out, re.M)
+    assert "temperature: assumed, fitted to 1 short run" in out
 
 
 def test_plan_json_carries_the_speed_figures(capsys):
@@ -330,6 +332,8 @@ def test_plan_json_carries_the_speed_figures(capsys):
     assert limited["limit_w"] == 700 and limited["peak_w"] >= limited["p99_w"] >= limited["mean_w"] > 75
     assert 0 <= limited["limit_share"] <= 1 and limited["step_s"] >= fast["step_s"]
     assert limited["source"].startswith("calibrated on 1 run")
+    assert 30 < limited["temp_steady_c"] <= limited["temp_peak_c"] < 100
+    assert limited["temp_source"].startswith("assumed")
     code, out, _ = run(capsys, "plan", "ppt-h100-llama3-70b-1-00000", "--set", "hardware.mem_bandwidth_gbs=0",
                        "--json")
     assert json.loads(out)["speed"] == {"unknown": "no step time: hardware 'h100-sxm-80gb' gives no "

@@ -54,13 +54,17 @@ what the numbers mean:
              Large-GEMM efficiency, link and memory bandwidths come from the hardware preset
              ("assumed") or, for the GEMMs, from `charllm-tui doctor --train` ("calibrated on NODE")
   power      the average power per device over a step, from the hardware's idle power, its board
-             limit and how busy each part of the step keeps it; energy per token and samples/(s·MJ)
-             follow. "calibrated from N recorded runs" where runs of that hardware have been summarized
+             limit and how busy each part of the step keeps it, without the limiter ("no limiter"; the
+             sweep's power column); energy per token and samples/(s·MJ) follow. "calibrated from N
+             recorded runs" where runs of that hardware have been summarized
   limit      the step laid out in time (the busiest stage, 1 ms bins), each phase's power from its kind
              and precision, through the board's power limiter (engine/model/power.py): the share of the
-             step it holds the SM clock down, NVML's mean, p99 and peak power readings, the mean SM clock,
-             and the step and energy per token with the throttled GEMMs; "power limit:" says what its
-             constants were calibrated on
+             step it holds the SM clock down, NVML's mean, p99 and peak power readings (this mean is
+             the one to expect on the board), the mean SM clock, and the step and energy per token with
+             the throttled GEMMs; "power limit:" says what its constants were calibrated on
+  temperature  the GPU's temperature as a first-order lag of that power (ambient, K/W, time constant
+             per vendor): its mean once the steps repeat, and its peak over train_iters steps from an
+             idle board; "temperature:" says where its constants come from (assumed until calibrated)
 
 exit status: 0 every stage fits, 1 some stage does not fit, 3 tight, 2 bad input (one line on stderr)
 
@@ -280,19 +284,25 @@ def speed_lines(fast) -> list[str]:
         lines.append(f"batch ramp-up first: {sum(n for _, n, _ in fast.ramp):,} steps, batch {first} ({first_s:.3g} "
                      f"s/step) to {last} ({last_s:.3g} s/step), {sum(n * s for _, n, s in fast.ramp):,.0f} s")
     if fast.power_w is not None:
-        lines.append(f"power {fast.power_w:.0f} W per device · {fast.energy_per_token_j:.3g} J/token · "
+        lines.append(f"power {fast.power_w:.0f} W per device (no limiter) · {fast.energy_per_token_j:.3g} J/token · "
                      f"{fast.samples_per_s_mj:,.3g} samples/(s·MJ)")
     return lines
 
 
-def limit_lines(limited: power.PowerReport) -> list[str]:
-    """The power the board's limit lets through over a step, NVML's readings of it, and where that comes from."""
-    return [f"at the {limited.limit_w:.0f} W limit {limited.limit_share:.0%} of the step · power mean "
-            f"{limited.mean_w:.0f} W, p99 {limited.p99_w:.0f} W, peak {limited.peak_w:.0f} W (NVML, "
-            f"{power.SAMPLE_HZ:.0f} Hz) · SM clock {limited.sm_clock_mhz:.0f} MHz",
-            f"with the limit: step {limited.step_s:.3g} s ({limited.slowdown - 1:+.1%}) · "
-            f"{limited.energy_per_token_j:.3g} J/token",
-            f"[dim]power limit: {limited.source}[/]"]
+def limit_lines(limited: power.PowerReport, steps: int) -> list[str]:
+    """The power the board's limit lets through over a step, NVML's readings of it, the GPU temperature over
+    `steps` steps, and where they come from."""
+    lines = [f"at the {limited.limit_w:.0f} W limit {limited.limit_share:.0%} of the step · power mean "
+             f"{limited.mean_w:.0f} W, p99 {limited.p99_w:.0f} W, peak {limited.peak_w:.0f} W (NVML, "
+             f"{power.SAMPLE_HZ:.0f} Hz) · SM clock {limited.sm_clock_mhz:.0f} MHz",
+             f"with the limit: step {limited.step_s:.3g} s ({limited.slowdown - 1:+.1%}) · "
+             f"{limited.energy_per_token_j:.3g} J/token",
+             f"[dim]power limit: {limited.source}[/]"]
+    if limited.temp_steady_c is not None and limited.temp_peak_c is not None:
+        lines += [f"GPU temperature {limited.temp_steady_c:.0f} °C once the steps repeat, peak "
+                  f"{limited.temp_peak_c:.0f} °C over {plural(steps, 'step', 'steps')}",
+                  f"[dim]temperature: {limited.temp_source}[/]"]
+    return lines
 
 
 def render(exp: Experiment, report, fast, limited: power.PowerReport | None = None) -> None:
@@ -330,7 +340,7 @@ def render(exp: Experiment, report, fast, limited: power.PowerReport | None = No
         for line in speed_lines(fast):
             console.print(line, highlight=False)
         console.print(f"[dim]{speed_basis(exp)}[/]", highlight=False)
-        for line in limit_lines(limited) if limited else []:
+        for line in limit_lines(limited, exp.training.train_iters) if limited else []:
             console.print(line, highlight=False)
         for note in fast.notes:
             console.print(f"[yellow]note:[/] {note}", highlight=False)

@@ -21,8 +21,9 @@ def register(subparsers, name: str, help: str) -> None:
                     "(or stage) gives every rank's step timers (forward-backward, compute, pipeline wait, "
                     "gradient reduce, optimizer) and names the stragglers; --kernels splits the profiled "
                     "steps' time into kernel categories per pipeline stage (or rank). The table ends with "
-                    "what the plan predicts for the run's layout (step time, tokens/s, MFU, power, energy) "
-                    "beside what it measured, with the error.",
+                    "what the plan predicts for the run's layout (step time, tokens/s, MFU, power, energy; "
+                    "with the board's power limiter: mean, p99 and peak power, share at the limit, SM clock "
+                    "and GPU temperature) beside what it measured, with the error.",
     )
     p.add_argument("run", metavar="RUN", help="run id (or unique prefix/suffix) or run directory")
     p.add_argument("--window", default="steady", metavar="steady|all|START:END",

@@ -140,3 +140,34 @@ def test_mean_power_against_the_16_h200_runs():
     print({kind: f"{m:.1%} ({len(errors[kind])} runs)" for kind, m in mean.items()})
     assert statistics.mean(abs(e) for v in errors.values() for e in v) < MEAN_ALL
     assert mean["bf16"] < MEAN_BF16 and mean["moe"] < MEAN_MOE and mean["fp32"] < 0.02
+
+
+def test_the_temperature_follows_the_power_to_ambient_plus_r_times_p():
+    """A first-order lag: a long run at 600 W settles at ambient + R x 600 W; a run shorter than the time
+    constant never gets there; a run drawing more runs hotter."""
+    c = {"ambient_c": 30.0, "r_k_per_w": 0.03, "tau_s": 0.2}
+    real, watts = np.full(100, 1e-3), np.full(100, 600.0)          # a 0.1 s step of 600 W
+    steady, peak = power.temperatures(real, watts, 200, 80.0, **c)
+    assert steady == pytest.approx(48.0) and peak == pytest.approx(48.0, abs=0.01)
+    _, short = power.temperatures(real, watts, 1, 80.0, **c)        # 0.1 s from the idle board's 32.4 C
+    assert 32.4 < short < 48.0 - 5
+    hot, _ = power.temperatures(real, watts + 100.0, 200, 80.0, **c)
+    assert hot == pytest.approx(steady + 3.0)
+    bursty = np.concatenate([np.full(50, 1000.0), np.full(50, 200.0)])  # the same mean, in bursts
+    same, higher = power.temperatures(real, bursty, 200, 80.0, **c)
+    assert same == pytest.approx(steady) and higher > peak + 1                 # 50 ms bursts: +1.5 K
+
+
+def test_the_kept_h200_runs_temperature():
+    """Its steady window (0.86 s) averages 45.9 C and peaks at 50 C, from 32 C idle. THERMAL was fitted to
+    this run's own trace: one short run is all there is, and it says nothing of a heatsink warming for
+    minutes."""
+    row = pl.read_parquet(KEPT / "summaries" / "gpu-steady.parquet").row(0, named=True)
+    got = power.predict(Experiment.load(str(KEPT / "experiment.toml")))
+    print(f"\nkept run: temperature steady {got.temp_steady_c:.1f} vs window mean {row['temp_gpu_mean_c']:.1f} C, "
+          f"peak {got.temp_peak_c:.1f} vs {row['temp_gpu_peak_c']:.1f} C ({got.temp_source})")
+    assert got.temp_steady_c == pytest.approx(row["temp_gpu_mean_c"], abs=3.0)
+    assert got.temp_peak_c == pytest.approx(row["temp_gpu_peak_c"], abs=3.0)
+    assert got.temp_source.startswith("assumed")
+    cpu = power.predict(Experiment.load("tiny-local"))
+    assert cpu is None                                              # no board limit, no power, no temperature

@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from charllm.engine.model import calibration, speed
+from charllm.engine.model import calibration, power, speed
+from charllm.engine.model.experiment import Experiment
 from charllm.engine.model.sweep import base_experiment
 from charllm.probes.analysis import power_fit, predicted
 from charllm.probes.analysis.summary import keep_summaries
@@ -148,3 +153,31 @@ def test_runs_that_imply_an_implausible_idle_leave_the_model_as_it_was(charllm_d
         keep_summaries(recorded(charllm_dirs["runs"], run_id, exp, 1.0, idle + (top - idle) * share))
     assert calibration.load_power("h100-sxm-80gb") is None
     assert speed.estimate(heavy).power_source == "assumed"
+
+
+def test_the_kept_h200_run_shows_the_limiters_figures_beside_its_own(charllm_dirs, capsys):
+    """The one run kept whole (tests/data/gpu_runs/), copied: the power limiter's mean, p99, peak, share at
+    the limit and SM clock, and the thermal model's temperatures, beside the steady window's; each kind with
+    the source it rests on (one run)."""
+    kept = Path(__file__).parents[2] / "data" / "gpu_runs" / "runs" / "20261126-045153-m1-llama1b-mbs1"
+    run = shutil.copytree(kept, charllm_dirs["runs"] / kept.name)
+    table = predicted.predicted_vs_measured(run)
+    by = {r["metric"]: r for r in table.iter_rows(named=True)}
+    got = power.predict(Experiment.load(str(run / "experiment.toml")))
+    assert by["power per GPU, limiter"]["predicted"] == pytest.approx(got.mean_w)
+    assert by["power per GPU, limiter"]["measured"] == pytest.approx(627.3, abs=0.1)
+    assert by["power p99"]["measured"] == pytest.approx(795.2, abs=0.1) and abs(by["power p99"]["error_pct"]) < 8
+    assert by["at the power limit"]["predicted"] == pytest.approx(100 * got.limit_share)
+    assert by["at the power limit"]["measured"] == pytest.approx(100.0)
+    assert by["SM clock"]["measured"] == pytest.approx(1886.4, abs=0.1) and abs(by["SM clock"]["error_pct"]) < 3
+    assert by["GPU temperature peak"]["measured"] == 50.0
+    assert by["GPU temperature peak"]["predicted"] == pytest.approx(got.temp_peak_c)
+    plan = speed.estimate(Experiment.load(str(run / "experiment.toml")))
+    assert by["power per GPU"]["predicted"] == pytest.approx(plan.power_w)   # the speed model's, without the limiter
+    assert by["power peak"]["source"].startswith("power limit: calibrated on 1 run")
+    assert by["GPU temperature"]["source"].startswith("temperature: assumed")
+    assert main(["summarize", kept.name, "--by", "run"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^power p99 +\d+ W +795 W +[+-][\d.]+%$", out, re.M)
+    assert re.search(r"^GPU temperature peak +[\d.]+ °C +50.0 °C", out, re.M)
+    assert "(power limit: calibrated on 1 run" in out and "(temperature: assumed" in out
