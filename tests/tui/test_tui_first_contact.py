@@ -305,9 +305,10 @@ async def test_campaign_columns_widen_as_the_record_moves_on(charllm_dirs):
         def shown(table) -> str:
             return "\n".join(strip.text for strip in table.render_lines(table.region.reset_offset))
 
-        await wait_for(pilot, lambda: "completed" in shown(members), timeout=5, what="'completed' whole")
+        # (the default 30 s: a table's widths follow a refresh, which waits its turn on a loaded machine)
+        await wait_for(pilot, lambda: "completed" in shown(members), what="'completed' whole")
         listing = screen.query_one("#campaign-list")
-        await wait_for(pilot, lambda: str(listing.get_cell(DEMO_CAMPAIGN, "progress")) in shown(listing), timeout=5,
+        await wait_for(pilot, lambda: str(listing.get_cell(DEMO_CAMPAIGN, "progress")) in shown(listing),
                        what="the campaign's progress whole")
 
 
