@@ -281,10 +281,7 @@ class Campaign:
         if self.command is not None:
             return self._command_members()
         bases = self.bases()
-        count = len(bases) * max(1, len(self.layouts)) * math.prod(len(values) for values in self.axes.values())
-        if count > MAX_MEMBERS:
-            raise UserError(f"campaign {self.name!r} ({self.source}): {count:,} members, more than the "
-                            f"{MAX_MEMBERS:,} a campaign may have")
+        self._check_count(len(bases) * max(1, len(self.layouts)))
         combos = list(itertools.product(*self.axes.values()))
         out: list[Member] = []
         for base in bases:
@@ -295,6 +292,14 @@ class Campaign:
                     out.append(Member(len(out), experiment.name, dict(layout), values,
                                       self._member_experiment(experiment, layout, values)))
         return out
+
+    def _check_count(self, per_combination: int) -> None:
+        """Refuse more than MAX_MEMBERS members, counted by arithmetic before any is built: `per_combination`
+        members for each combination of the axes' values."""
+        count = per_combination * math.prod(len(values) for values in self.axes.values())
+        if count > MAX_MEMBERS:
+            raise UserError(f"campaign {self.name!r} ({self.source}): {count:,} members, more than the "
+                            f"{MAX_MEMBERS:,} a campaign may have")
 
     def _member_experiment(self, base: Experiment, layout: dict, values: dict) -> Experiment:
         exp = base.copy()
@@ -310,10 +315,7 @@ class Campaign:
 
     def _command_members(self) -> list[Member]:
         assert self.command is not None
-        count = math.prod(len(values) for values in self.axes.values())
-        if count > MAX_MEMBERS:
-            raise UserError(f"campaign {self.name!r} ({self.source}): {count:,} members, more than the "
-                            f"{MAX_MEMBERS:,} a campaign may have")
+        self._check_count(1)
         hardware = self.hardware
         if hardware is None and gpus_here():
             raise UserError(f"campaign {self.name!r}: hardware: give the nodes' device preset (hardware = \"NAME\"; "

@@ -19,6 +19,7 @@ from charllm.probes.core import paths
 from charllm.probes.core.errors import UserError, one_line as one_error_line, plural
 from charllm.probes.core.formatting import local_time
 from charllm.probes.store.rundir import FINAL_STATUSES
+from charllm.tui.commands import add_command
 
 EXAMPLES = """\
 examples:
@@ -41,12 +42,12 @@ RECORDED = "the campaign's name, or the campaign file it was run from"
 
 
 def register(sub, name: str, help: str) -> None:
-    p = sub.add_parser(name, help=help,
-                       description="A campaign is a TOML file (<config>/campaigns/NAME.toml, or shipped): base "
-                                   "experiments (or your own command, its {placeholders} filled by the axes), axes "
-                                   "that vary any field, layouts, and a target with its limits. `campaign keys` says "
-                                   "what a file may hold.",
-                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(sub, name, help,
+                    description="A campaign is a TOML file (<config>/campaigns/NAME.toml, or shipped): base "
+                                "experiments (or your own command, its {placeholders} filled by the axes), axes "
+                                "that vary any field, layouts, and a target with its limits. `campaign keys` says "
+                                "what a file may hold.",
+                    epilog=EXAMPLES)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = actions.add_parser("list", help="every campaign, shipped and yours, and how far each has run")
     listing.add_argument("--json", action="store_true",
