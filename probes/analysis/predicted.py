@@ -67,7 +67,7 @@ def limiter_prediction(exp: Experiment) -> dict:
     or no step time)."""
     from charllm.engine.model import power  # deferred: the limiter's timeline (only for this comparison)
 
-    report = power.predict(exp) if speed.estimate(exp) else None
+    report = power.predict(exp)      # (None without a board limit or a step time, as speed.estimate)
     if report is None:
         return {}
     figures = report.to_dict()
