@@ -54,8 +54,8 @@ BACKWARD = 2 / 3                # the backward's share of a micro-batch's comput
 # to 35 C within 0.5 s; RMS 1.5 K): its time constant is the die's over its heatsink. The heatsink's own
 # warming over minutes is not in one short run, so a long run will run hotter than this says: assumed until
 # runs of each hardware calibrate it. AMD: the H200's, assumed (no AMD run recorded).
-THERMAL = {"nvidia": {"ambient_c": 29.8, "r_k_per_w": 0.0275, "tau_s": 0.2},
-           "amd": {"ambient_c": 29.8, "r_k_per_w": 0.0275, "tau_s": 0.2}}
+_H200_THERMAL = {"ambient_c": 29.8, "r_k_per_w": 0.0275, "tau_s": 0.2}
+THERMAL = {"nvidia": _H200_THERMAL, "amd": _H200_THERMAL}
 THERMAL_SOURCE = {"nvidia": "assumed, fitted to 1 short run (20261126-045153-m1-llama1b-mbs1, H200, 1.5 s busy): "
                             "no heatsink warming",
                   "amd": "assumed, the H200's constants: no AMD run recorded"}
