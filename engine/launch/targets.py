@@ -209,7 +209,7 @@ def from_record(record: dict) -> Target:
 def kind_of(record: dict) -> type[Target] | None:
     """The class of the kind a manifest's target record names; None for a kind this version lacks."""
     kind = record.get("kind")
-    return KINDS.get(kind) if isinstance(kind, str) and kind in KINDS else None
+    return KINDS.get(kind) if isinstance(kind, str) else None
 
 
 def runs_here(record: dict) -> bool:
