@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from charllm.probes.core.atomic import write_atomic
+
 
 def git(checkout: Path, *args: str) -> str:
     """`git -C checkout ARGS`'s output; LookupError with git's words when it fails."""
@@ -34,11 +36,9 @@ def build_and_write(tool: str, build: Callable[[], tuple[list, list[tuple[str, s
 
 
 def write_set(out: Path, items: list, left_out: list[tuple[str, str]]) -> None:
-    """The set as JSON at `out`, whole or not at all (written beside it, then renamed), and what it left out."""
+    """The set as JSON at `out`, whole or not at all, and what it left out."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(items, indent=1) + "\n")
-    tmp.replace(out)
+    write_atomic(out, json.dumps(items, indent=1) + "\n")
     print(f"wrote {len(items)} to {out}")
     for label, why in left_out:
         print(f"  left out {label}: {why}")
