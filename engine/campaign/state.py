@@ -254,6 +254,11 @@ def member_note(member: dict, status: str) -> str:
     return member.get("failure") or (member.get("reason") if status in (SKIPPED, INVALID) else "") or ""
 
 
+def ran_line(member: dict) -> str:
+    """What a command campaign's member that has a run ran ("ran: CMD"); "" for any other member."""
+    return f"ran: {member['command']}" if member.get("command") and member.get("run") else ""
+
+
 # -- one supervisor per campaign --------------------------------------------------------------------
 def take_lock(name: str) -> int:
     """Campaign `name`'s lock, taken for its new supervisor: an open descriptor holding an exclusive

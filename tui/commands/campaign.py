@@ -283,7 +283,7 @@ def _follow(name: str) -> int:
         return 0
     bad = [m for m in record.members if m["status"] in ("failed", "cancelled", "unknown", state.REFUSED, *state.LOST)]
     for m in record.members:
-        ran = f"ran: {m['command']}" if m.get("command") and m.get("run") else ""
+        ran = state.ran_line(m)
         if m in bad:
             print(f"  {m['name']}: {m['status']}: {m.get('failure') or '-'}" + (f"; {ran}" if ran else ""))
         elif ran:     # (a command campaign's member says what it ran)
@@ -306,7 +306,7 @@ def _status(args) -> int:
         table.add_column(column, overflow="fold")
     for m in record.members:
         status = state.member_status(record, m)
-        note = state.member_note(m, status) or (f"ran: {m['command']}" if m.get("command") and m.get("run") else "")
+        note = state.member_note(m, status) or state.ran_line(m)
         cells = (m["index"] + 1, m["name"], m.get("layout") or "", status, m.get("run") or "-",
                  local_time(m.get("started_ns")), note or "")
         table.add_row(*(Text(str(cell)) for cell in cells))
