@@ -52,6 +52,9 @@ class Proc:
     def wait_started(self) -> None:
         """Until the step's process group is known (here at once)."""
 
+    def catch_up(self) -> None:
+        """Once the step stopped, bring home what it streamed too late (nothing streams here)."""
+
     def poll(self) -> int | None:
         return self.started.poll()
 

@@ -315,6 +315,7 @@ class SshProc(Proc):
         super().__init__(rd, target, step, sink)
         self.remote: dict | None = None   # the remote group's identity (procid.parse_remote_identity)
         self.pgid_known = threading.Event()
+        self.delivered = 0   # bytes of whole lines a tail brought home
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
@@ -328,6 +329,21 @@ class SshProc(Proc):
     def wait_started(self) -> None:
         """Until the remote group's id came over the connection."""
         self.pgid_known.wait(timeout=self.target.connect_timeout + 20)
+
+    def catch_up(self) -> None:
+        """A tail stopped with its node's training ended may not have brought everything home (a
+        slow connection, one that was lost, a node that ran for less than tail's first look): read
+        the rest of its file once, from where the tail stopped."""
+        if self.step.role != "tail" or self.popen is None or (self.reader and self.reader.is_alive()):
+            return
+        remote = f"tail -c +{self.delivered + 1} {shlex.quote(self.step.argv[-1])} 2>/dev/null || true"
+        try:
+            rest = self.target.run_on(self.step.host, remote)
+        except UserError:   # the node is gone: its failure is said elsewhere, and its lines with it
+            return
+        for line in rest.encode().splitlines(keepends=True):
+            if line.endswith(b"\n"):
+                self.sink(line)
 
     def _read(self, log) -> None:
         """Remote stdout: the pgid line, then the log, the telemetry stream or iteration lines."""
@@ -352,7 +368,9 @@ class SshProc(Proc):
                 writer.close()
         elif role == "tail":
             for line in out:
-                self.sink(line)
+                if line.endswith(b"\n"):   # (the last line of a cut connection is read again by catch_up)
+                    self.delivered += len(line)
+                    self.sink(line)
         else:
             for chunk in iter(lambda: out.read1(65536), b""):
                 log.write(chunk)

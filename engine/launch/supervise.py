@@ -125,14 +125,16 @@ class Supervisor:
                                 processes=[p.record() for p in started])
 
         status, failure = self.wait(trains, helpers)
-        if status == "completed" and not training_ended(self.rd):
-            status, failure = "failed", NO_END
         self.watch_samplers(helpers)
         stop(trains, CANCEL_GRACE_S)
         stop(helpers, CANCEL_GRACE_S / 2)
         for p in started:
             if p.reader:
                 p.reader.join(timeout=10)
+        for p in helpers:
+            p.catch_up()
+        if status == "completed" and not training_ended(self.rd, timeout=0):   # every line is home by now
+            status, failure = "failed", NO_END
         self.bring_home()
         exits = {f"{p.step.role}@{p.step.node}": p.poll() for p in started}
         if self.cancel_requested:

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 
 import pytest
@@ -104,6 +106,31 @@ def test_launch_command_runs_once_on_each_node_its_steps_parsed_and_completes(ss
     assert set(rd.scan_telemetry().collect()["node"].to_list()) == set(ssh_nodes.hosts), "a probe on every node"
     wait_for(lambda: remote_leftovers(ssh_nodes, rd.id) == [] and run_processes(rd.id) == [], 15,
              "every process of the run to exit, here and on both nodes")
+
+
+@pytest.mark.timeout(200)
+def test_a_node_whose_log_tail_was_lost_still_brings_every_step_home(ssh_nodes):
+    """The connection tailing the first node's iteration log dies mid-run (a slow or lost link; a
+    node that ran for less than the tail's first look is the same case): the run completes, and
+    the lines that tail never carried are read once training ended."""
+    from charllm.engine.launch.command import plan_command
+
+    target = parse_target("nodes", ssh_nodes.target_table())
+    slow = STEPS.replace("sleep 0.1", "sleep 1")
+    exp, command, notes = plan_command(slow, log_format=STEPS_FORMAT, hardware="cpu", nodes=2, name="steps",
+                                       on_this_machine=target.on_this_machine)
+    exp.telemetry.backend = "host"
+    rd = RunDir(launch(exp, target, command=command, notes=notes).run_dir)
+    first = ssh_nodes.hosts[0]
+    tail = wait_for(lambda: [p for p in rd.read_manifest().get("processes") or ()
+                             if p["role"] == "tail" and p["node"] == first], 60, "the tail to start")[0]
+    os.kill(tail["pid"], signal.SIGKILL)   # its local ssh client: the remote tail goes with it
+    manifest = wait_final(rd, 150)
+    assert manifest["status"] == "completed", (manifest.get("failure"), logs(rd))
+    steps = [r for r in rd.iteration_records() if r.get("event") == "iteration"]
+    for host in ssh_nodes.hosts:
+        assert sorted(s["iteration"] for s in steps if s["node"] == host) == [1, 2, 3, 4, 5], host
+    assert sorted(e["node"] for e in rd.end_events()) == sorted(ssh_nodes.hosts)
 
 
 @pytest.mark.timeout(200)
