@@ -285,6 +285,17 @@ class ModelSpec:
     def moe_ffn(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn
 
+    def architecture(self) -> tuple:
+        """What makes two models the same network (their weights' shapes), whatever their names,
+        sequence lengths or dropout: how a Megatron command line is recognised as a preset."""
+        moe = (self.num_moe_experts, self.moe_router_topk, self.moe_ffn, self.moe_shared_expert_intermediate_size,
+               tuple(self.moe_layer_pattern())) if self.is_moe else ()
+        mla = (self.q_lora_rank, self.kv_lora_rank, self.qk_head_dim, self.qk_pos_emb_head_dim,
+               self.v_head_dim) if self.multi_latent_attention else ()
+        return (self.num_layers, self.hidden_size, self.ffn, self.num_attention_heads, self.query_groups,
+                self.head_dim, self.vocab_size, self.swiglu, self.untie_embeddings_and_output_weights,
+                self.add_bias_linear, self.mtp_num_layers, moe, mla)
+
     def moe_layer_pattern(self) -> list[bool]:
         """True for each decoder layer that is an MoE layer."""
         if not self.is_moe:

@@ -445,7 +445,25 @@ def import_megatron_args(
                                f"{t.global_batch_size}")
     _resolve_train_samples(exp, special, given, result)
     _read_environment(exp, launcher, result)
+    _name_model(exp.model, result)
     return result
+
+
+def _name_model(m: ModelSpec, result: MegatronImport) -> None:
+    """Name the model after the preset with its architecture, so that a run of Megatron's own command
+    is compared with the same model's runs (`campaign compare`, Compare); else it stays "megatron"."""
+    from charllm.engine.model import catalog  # deferred: reads the presets only here
+
+    mine = m.architecture()
+    for name in catalog.entries("models"):
+        try:
+            preset = ModelSpec.load(name)
+        except UserError:   # a damaged user preset costs only itself
+            continue
+        if preset.architecture() == mine:
+            m.name, m.description = name, preset.description
+            result.warnings.append(f"model: the flags give the architecture of model preset {name}")
+            return
 
 
 def _resolve_tokenizer(m: ModelSpec, special: dict, given: set[str], release: str, source: str,

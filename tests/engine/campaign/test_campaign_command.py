@@ -52,6 +52,8 @@ def test_members_are_planned_from_their_flags_where_they_give_a_layout():
     assert [p.member.experiment.name for p in plans] == ["pretrain_gpt-mbs1", "pretrain_gpt-mbs2", "pretrain_gpt-mbs4"]
     for p in plans:
         assert p.member.known and p.member.command.planned and p.member.layout_label == "TP1 PP1 DP2"
+        # the model tiny-local's flags describe, by its preset's name: compare pairs it with tiny-local's runs
+        assert p.member.experiment.model.name == Experiment.load("tiny-local").model.name
         assert f"--micro-batch-size {p.member.values['micro_batch_size']} " in p.member.command.line
         assert p.verdict in (FITS, TIGHT) and p.peak_bytes and p.reason.startswith("planned ")
     peaks = [p.peak_bytes for p in plans]
@@ -86,6 +88,21 @@ def test_a_bad_command_campaign_is_one_line_naming_the_field(table, says):
         Campaign.from_dict("bad", table).members()
     message = str(caught.value)
     assert says in message and message.startswith("campaign 'bad': ") and "\n" not in message, message
+
+
+def test_a_command_campaign_for_other_machines_needs_their_hardware(charllm_dirs):
+    """On this machine without a GPU a command's plan defaults to cpu; on a target's nodes it cannot
+    know their devices, so it asks, before anything is recorded or started."""
+    from charllm.engine.campaign import queue, state
+    from charllm.engine.launch.targets import parse_target
+
+    campaign = Campaign.from_dict("remote", {"command": trainer_line(), "axes": {"micro_batch_size": [1]}})
+    nodes = parse_target("nodes", {"kind": "ssh", "hosts": ["node1"]})
+    with pytest.raises(UserError) as caught:
+        queue.start(campaign, nodes)
+    assert "campaign 'remote': hardware: give the nodes' device preset" in str(caught.value)
+    assert "target 'nodes' runs the command on other machines" in str(caught.value)
+    assert not state.directory("remote").exists()
 
 
 def test_the_cli_says_a_wrong_placeholder_in_one_line(capsys, charllm_dirs):

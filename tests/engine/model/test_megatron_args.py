@@ -305,6 +305,22 @@ def test_every_shipped_experiment_round_trips(name):
     assert _round_trip(exp) == _megatron_resolved(exp)
 
 
+def test_a_command_line_is_named_after_the_model_preset_it_describes():
+    """Megatron's own command for an experiment's layout names its model as the experiment does (so
+    `campaign compare` finds the model both ran); a network no preset has stays "megatron"."""
+    for name in ("tiny-local", "ppt-h100-llama3-70b-1-01000", "ppt-h100-mixtral-8x22b-1-00000"):
+        exp = Experiment.load(name)
+        back = import_megatron_args(export_megatron_args(exp), world_size=exp.world_size,
+                                    gpus_per_node=exp.cluster.gpus_per_node, hardware=exp.hardware)
+        assert back.experiment.model.name == exp.model.name, name
+        assert back.experiment.model.description == ModelSpec.load(exp.model.name).description
+        assert f"model: the flags give the architecture of model preset {exp.model.name}" in back.warnings
+    exp = Experiment.load("tiny-local")
+    exp.model.num_layers += 1   # a layer more: another network
+    back = import_megatron_args(export_megatron_args(exp), world_size=1, gpus_per_node=1, hardware="cpu")
+    assert back.experiment.model.name == "megatron" and not any(w.startswith("model:") for w in back.warnings)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_imported_cases_are_a_fixed_point(case):
     first = import_megatron_args(case["megatron_args"], world_size=8, hardware="h100-sxm-80gb").experiment
