@@ -71,7 +71,7 @@ HELP = {
     "experiments": "the base experiments: preset names, globs over them (ppt-h200-*-01000) or TOML files",
     "command": "instead of experiments: your own command, each axis a {placeholder} in it (--micro-batch-size {mbs})",
     "log_format": "a command's log format: megatron (default), torchtitan, nemo, none, or a regular expression",
-    "hardware": "a command's device preset, for its plan (default: cpu on a target on this machine without a GPU; required for any other)",
+    "hardware": "a command's device preset, for its plan (default cpu only on a target here without a GPU)",
     "cwd": "where a command runs (relative: to the campaign file; default: where `campaign run` runs)",
     "axes": "a table: an experiment field (or a command's placeholder) -> the values it takes in turn (mbs = [1, 2])",
     "layouts": "[[layouts]] tables of parallel (or cluster) settings, each applied to every base in turn",

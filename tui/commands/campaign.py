@@ -33,6 +33,8 @@ examples:
       one row per member: speed, energy, power and its bursts, temperature, clocks, throttling
   %(prog)s report tiny-local --figure microbatch
       a figure of the paper's kind, drawn in the terminal
+  %(prog)s report tiny-local --findings
+      what the runs show, in sentences with their numbers and the members they rest on
   %(prog)s compare ppt-optimization ppt-h100
       scale-up (4 x 8 H200) against scale-out (8 x 8 H100): each model's best layout in each, predicted and
       measured"""
@@ -82,9 +84,12 @@ def register(sub, name: str, help: str) -> None:
     summary.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     report = actions.add_parser("report", help="the paper's figures from the campaign's runs")
     report.add_argument("name", metavar="NAME", help=RECORDED)
-    report.add_argument(
-        "--figure", required=True, metavar="KIND", help="parallelism | optimization | microbatch | heatmap | kernels"
-    )
+    what = report.add_mutually_exclusive_group(required=True)
+    what.add_argument("--figure", metavar="KIND", help="parallelism | optimization | microbatch | heatmap | kernels")
+    what.add_argument("--findings", action="store_true",
+                      help="what the runs show, in sentences with their numbers: micro batch, overlap, recomputation "
+                           "and layout, each between members alike but for that one thing, and the plans against "
+                           "the measurements")
     report.add_argument("--metric", metavar="M", help="the summary figure to plot (a column of `campaign summary`)")
     report.add_argument("--normalize", action="store_true", help="optimization: divide by each model's best")
     report.add_argument("--out", metavar="FILE", help="write an SVG or PNG image instead (needs the plot extra)")
@@ -393,6 +398,11 @@ def _report(args) -> int:
     from charllm.tui import figures  # deferred: loads polars and plotext (start-up time)
 
     out = paths.output_file(args.out, "--out") if args.out is not None else None
+    if args.findings:
+        if args.predicted or out is not None or args.metric or args.normalize:
+            raise UserError("--findings: reads the runs, one way (text, or --format json); --predicted, --out, "
+                            "--metric and --normalize are for --figure")
+        return _findings(spec.record_name(args.name), args.format)
     if args.predicted:
         fig, record = predicted_figure(spec.Campaign.load(args.name), args.figure, args.metric, args.normalize)
     else:
@@ -411,6 +421,27 @@ def _report(args) -> int:
 
     columns = shutil.get_terminal_size((100, 30)).columns
     print(figures.terminal(fig, width=min(columns, 160)), end="")
+    return 0
+
+
+def _findings(name: str, fmt: str) -> int:
+    from charllm.engine.campaign.findings import findings  # deferred: loads polars (start-up time)
+
+    record = queue.refresh(state.Record.load(name))
+    found = findings(record)
+    if fmt == "json":
+        print(json.dumps([f.to_dict() for f in found], indent=2))
+        return 0
+    done = sum(1 for m in record.members if state.member_status(record, m) == "completed")
+    print(f"campaign {record.name}: {plural(len(found), 'finding')} from {done} of "
+          f"{plural(len(record.members), 'member')} completed (numbers: campaign summary {record.name})")
+    if not found:
+        print("  none yet: a finding needs two completed members alike but for the micro batch, overlap, "
+              "recomputation or layout, or a plan beside a run")
+    for n, f in enumerate(found, 1):
+        print(f"{n}. {f.title} (members {', '.join(map(str, f.members))})")
+        for line in f.lines:
+            print(f"   - {line}")
     return 0
 
 
