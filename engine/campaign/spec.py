@@ -403,7 +403,9 @@ def member_name(base: str, varied: dict) -> str:
 _SHORT = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
           "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vp",
           "micro_batch_size": "mbs", "global_batch_size": "gbs", "recompute_granularity": "recompute-",
-          "sequence_parallel": "sp-", "gpus_per_node": "gpn", "nodes": "nodes"}
+          "sequence_parallel": "sp-", "gpus_per_node": "gpn", "nodes": "nodes", "overlap_grad_reduce": "ogr-",
+          "overlap_param_gather": "opg-", "tp_comm_overlap": "tpo-", "use_distributed_optimizer": "distopt-",
+          "train_iters": "iters"}
 
 
 def _word(value) -> str:
