@@ -31,11 +31,11 @@ the plans put at 150 GiB or more on an end stage even with recomputation; --pipe
 any count per stage, so no stage needs more than 3. Ours, `Et|(tt|)*12(ttt|)*18tL`: the embedding and the output
 layer each weigh about as much as a decoder layer (128,256 x 8,192 against 0.86 B parameters), so the end stages
 take 1 layer beside them; the 3-layer stages are the later ones, which hold the fewest micro-batches in flight
-under 1F1B. Of the layouts with at most 3 layers a stage that we planned, it has the lowest peak without
-recomputation (151 GiB, which fits no H100, as the paper's OOM marks expect) and a peak with it within
-0.4 GiB of the lowest (38.3 GiB), at the shortest step. Its recomputation covers every layer of a stage: block
-method over the most layers a stage holds (3), since Megatron's block loop recomputes layers 0 to N-1 of each stage
-(transformer_block.py) and a 2-layer stage recomputes both.
+under 1F1B. Of the 8 layouts with at most 3 layers a stage that we planned, it shares the lowest peak without
+recomputation (151 GiB, which fits no H100, as the paper's OOM marks expect), its peak with it is within
+0.4 GiB of the lowest (38.3 GiB), and its steps are within 0.1 % of the shortest. Its recomputation covers
+every layer of a stage: block method over the most layers a stage holds (3), since Megatron's block loop
+recomputes layers 0 to N-1 of each stage (transformer_block.py) and a 2-layer stage recomputes both.
 
 Layer counts and whether a model is MoE come from the shipped model presets; each file is parsed as an
 `Experiment` and validated before any is written, and nothing is written if one is invalid.
