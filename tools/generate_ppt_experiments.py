@@ -23,8 +23,19 @@ the paper ran its layout (PAPER_RUNS), which a plan that finds it does not fit s
 micro-batch sweep (1/2/4/8, recompute on) is
 `--set micro_batch_size=N` on the 01000 presets rather than more files.
 
-Left out: H100 llama3-70b layout 4 (TP1 PP32): 80 layers do not split evenly over 32 stages, and the
-summary gives no uneven split, so no file would be both faithful and valid.
+H100 llama3-70b layout 4 (TP1 PP32) needs an uneven split: 80 layers do not divide over 32 stages, and the
+artifact's summary gives no split, so the one in SPLITS is ours, and its presets' descriptions say so. Megatron-LM
+accepts two kinds (core_v0.16.1, TransformerConfig.__post_init__): --decoder-first/last-pipeline-num-layers, whose
+other layers must divide evenly over the middle stages, leave at best 10 + 2 x 30 + 10 here (or 18 + 2 x 31), which
+the plans put at 150 GiB or more on an end stage even with recomputation; --pipeline-model-parallel-layout places
+any count per stage, so no stage needs more than 3. Ours, `Et|(tt|)*12(ttt|)*18tL`: the embedding and the output
+layer each weigh about as much as a decoder layer (128,256 x 8,192 against 0.86 B parameters), so the end stages
+take 1 layer beside them; the 3-layer stages are the later ones, which hold the fewest micro-batches in flight
+under 1F1B. Of the 8 layouts with at most 3 layers a stage that we planned, it shares the lowest peak without
+recomputation (151 GiB, which fits no H100, as the paper's OOM marks expect), its peak with it is within
+0.4 GiB of the lowest (38.3 GiB), and its steps are within 0.1 % of the shortest. Its recomputation covers
+every layer of a stage: block method over the most layers a stage holds (3), since Megatron's block loop
+recomputes layers 0 to N-1 of each stage (transformer_block.py) and a 2-layer stage recomputes both.
 
 Layer counts and whether a model is MoE come from the shipped model presets; each file is parsed as an
 `Experiment` and validated before any is written, and nothing is written if one is invalid.
@@ -43,7 +54,7 @@ from pathlib import Path
 import tomli_w
 
 from charllm.engine.model import catalog, validate
-from charllm.engine.model.experiment import Experiment, ModelSpec
+from charllm.engine.model.experiment import Experiment, ModelSpec, parse_pipeline_layout
 from charllm.probes.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,10 +75,17 @@ LAYOUTS: dict[tuple[str, str], dict[int, tuple[int, int, int] | str]] = {
     ("h200", "mixtral-8x7b"): {1: (1, 1, 8), 2: (2, 1, 4)},
     ("h200", "mixtral-8x22b"): {1: (1, 4, 8), 2: (2, 2, 8), 3: (4, 1, 8)},
     ("h100", "gpt3-175b"): {1: (2, 32, 1), 2: (4, 16, 1), 3: (8, 8, 1), 5: "fsdp"},
-    ("h100", "llama3-70b"): {1: (8, 4, 1), 2: (4, 8, 1), 3: (2, 16, 1), 5: "fsdp"},
+    ("h100", "llama3-70b"): {1: (8, 4, 1), 2: (4, 8, 1), 3: (2, 16, 1), 4: (1, 32, 1), 5: "fsdp"},
     ("h100", "mixtral-8x7b"): {1: (1, 2, 8), 2: (4, 1, 4), 3: (2, 2, 4), 4: (1, 4, 4)},
     ("h100", "mixtral-8x22b"): {1: (8, 1, 8), 2: (4, 2, 8), 3: (2, 4, 8), 4: (1, 8, 8)},
 }
+# (gpu, model, layout index) -> our uneven split, as Megatron-LM's --pipeline-model-parallel-layout (E embedding,
+# t decoder layer, L loss, | ends a stage), where the layers do not divide over the stages (see above)
+# and why this one, for the presets' descriptions
+SPLITS = {("h100", "llama3-70b", 4): (
+    "Et|(tt|)*12(ttt|)*18tL",
+    "1 layer beside the embedding and 1 beside the output layer, which weigh about a layer each, and the 3-layer "
+    "stages last, where 1F1B holds the fewest micro-batches in flight")}
 VARIANTS = {"00000": "base", "10000": "communication overlap", "01000": "activation recomputation",
             "11000": "overlap and recomputation"}
 # How the paper ran a layout without recomputation, by GPU: the H200 parallelism sweep ran every layout
@@ -89,6 +107,7 @@ def table(gpu: str, model: ModelSpec, index: int, layout, code: str) -> dict:
     tp, pp, ep = (8, 1, 1) if fsdp else layout
     overlap, recompute = code[0] == "1", code[1] == "1"
     kind = "FSDP" if fsdp else "MoE" if model.is_moe else "dense"
+    split, why = SPLITS.get((gpu, model.name, index), (None, ""))
 
     parallel = {
         "tensor_model_parallel_size": tp,
@@ -100,6 +119,8 @@ def table(gpu: str, model: ModelSpec, index: int, layout, code: str) -> dict:
     }
     if fsdp:
         parallel["use_torch_fsdp2"] = True
+    if split:
+        parallel["pipeline_model_parallel_layout"] = split
     global_batch, steps = FSDP_RUNS[gpu, model.name] if fsdp else (128, 11)
     training = {
         "micro_batch_size": 1, "global_batch_size": global_batch, "bf16": True,
@@ -110,9 +131,9 @@ def table(gpu: str, model: ModelSpec, index: int, layout, code: str) -> dict:
     }
     if fsdp:
         training["grad_reduce_in_bf16"] = True            # fsdp_grad_reduce_dtype: bf16
-    if recompute:
-        training |= {"recompute_granularity": "full", "recompute_method": "block",
-                     "recompute_num_layers": model.num_layers // pp}
+    if recompute:        # every layer of a stage: block over the most layers one holds
+        most = max(stage.count("t") for stage in parse_pipeline_layout(split)) if split else model.num_layers // pp
+        training |= {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": most}
     if model.is_moe:
         training |= {"moe_token_dispatcher_type": "alltoall", "moe_expert_capacity_factor": 1.0,
                      "moe_pad_expert_input_to_capacity": True, "moe_aux_loss_coeff": 0.01}
@@ -128,10 +149,12 @@ def table(gpu: str, model: ModelSpec, index: int, layout, code: str) -> dict:
                                 if fsdp and overlap else "")
     name = f"ppt-{gpu}-{model.name}-{index}"
     paper = "" if recompute else "; " + PAPER_RUNS[gpu].format(recompute=f"{name}-01000")
+    ours = (f"; the uneven split {split} is ours, as the artifact gives none and {model.num_layers} layers do not "
+            f"divide over {pp} stages: {why}") if split else ""
     return {
         "name": f"{name}-{code}",
         "description": f"CharLLM-PPT {gpu.upper()} {nodes}x{GPUS_PER_NODE}: {model.name} layout {index} "
-                       f"({shape}, DP{dp}), {variant} ({code}){paper}",
+                       f"({shape}, DP{dp}), {variant} ({code}){ours}{paper}",
         "model": model_entry,
         "hardware": hardware,
         "cluster": {"nodes": nodes, "gpus_per_node": GPUS_PER_NODE},

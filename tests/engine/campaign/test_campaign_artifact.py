@@ -23,6 +23,7 @@ from infra_cli import run
     ("optimization-sweep-h200-fsdp/gpt3-175b/gpt3-175b_5_00000", "ppt-h200-gpt3-175b-5-00000", 1),
     ("optimization-sweep-h100/mixtral-8x22b/mixtral-8x22b_4_10000", "ppt-h100-mixtral-8x22b-4-10000", 1),
     ("microbatch-sweep-h200/mixtral-8x7b/mixtral-8x7b_2_mbs4", "ppt-h200-mixtral-8x7b-2-01000", 4),
+    ("optimization-sweep-h100/llama3-70b/llama3-70b_4_00000", "ppt-h100-llama3-70b-4-00000", 1),   # our split
 ])
 def test_a_run_folder_names_the_experiment_it_ran(path, preset, mbs):
     exp, name = experiment_for(Path("results") / path)
@@ -31,7 +32,7 @@ def test_a_run_folder_names_the_experiment_it_ran(path, preset, mbs):
 
 @pytest.mark.parametrize("path", ["optimization-sweep-h200/llama3-70b/gpt3-175b_1_00000",   # model mismatch
                                   "optimization-sweep-h300/llama3-70b/llama3-70b_1_00000",  # no such sweep
-                                  "optimization-sweep-h100/llama3-70b/llama3-70b_4_00000",  # left out: 80 layers / 32
+                                  "optimization-sweep-h100/llama3-70b/llama3-70b_6_00000",  # no layout 6
                                   "other/x/y", "x"])
 def test_a_folder_that_names_no_run_of_the_artifact_gets_none(path):
     assert experiment_for(Path(path)) is None

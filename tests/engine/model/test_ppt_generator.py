@@ -20,11 +20,12 @@ SHIPPED = REPO / "presets" / "experiments"
 
 @pytest.fixture
 def generator(monkeypatch):
-    """The script as a module, with its own copy of the layout table to change."""
+    """The script as a module, with its own copies of the layout and split tables to change."""
     spec = importlib.util.spec_from_file_location("generate_ppt_experiments", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "LAYOUTS", {key: dict(value) for key, value in module.LAYOUTS.items()})
+    monkeypatch.setattr(module, "SPLITS", dict(module.SPLITS))
     return module
 
 
@@ -32,7 +33,7 @@ def test_shipped_presets_are_what_the_generator_writes(tmp_path):
     """Byte for byte: nobody edited a ppt-* file by hand, and none is missing or left over."""
     out = tmp_path / "new" / "experiments"         # a folder that does not exist yet
     run = subprocess.run([sys.executable, str(SCRIPT), str(out)], capture_output=True, text=True, check=True)
-    assert run.stdout == f"wrote 124 presets to {out}\n" and run.stderr == ""
+    assert run.stdout == f"wrote 128 presets to {out}\n" and run.stderr == ""
     written = {p.name: p.read_bytes() for p in out.iterdir()}
     shipped = {p.name: p.read_bytes() for p in SHIPPED.glob("ppt-*.toml")}
     assert set(written) == set(shipped) == {f"{n}.toml" for n in catalog.entries("experiments") if n.startswith("ppt-")}
@@ -60,12 +61,12 @@ def test_a_users_model_preset_is_refused(generator, tmp_path, charllm_dirs, caps
 
 
 def test_an_invalid_layout_writes_nothing(generator, tmp_path, capsys):
-    """The layout the generator leaves out (80 layers over 32 stages) is one error line, and the folder
-    keeps what it had."""
+    """Without our uneven split, H100 llama3-70b layout 4 (80 layers over 32 stages) is invalid: one error
+    line, and the folder keeps what it had."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "ppt-h100-gpt3-175b-1-00000.toml").write_text("kept")
-    generator.LAYOUTS["h100", "llama3-70b"][4] = (1, 32, 1)
+    del generator.SPLITS["h100", "llama3-70b", 4]
     assert generator.main([str(out)]) == 2
     err = capsys.readouterr().err
     assert err == ("generate_ppt_experiments: error: ppt-h100-llama3-70b-4-00000: num_layers = 80: must be "

@@ -20,7 +20,7 @@ def _rows(header: str) -> list[list[str]]:
     """The rows of the markdown table whose header row starts with `header`."""
     rows, inside = [], False
     for line in TABLES.read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
         if line.startswith("|") and cells[:len(header.split("|"))] == [h.strip() for h in header.split("|")]:
             inside = True
         elif inside and line.startswith("|") and not set(line) <= set("|-"):
@@ -53,12 +53,18 @@ def _fsdp_runs() -> dict[tuple[str, str], dict]:
     return out
 
 
-LAYOUTS, FSDP = _layouts(), _fsdp_runs()
+def _splits() -> dict[tuple[str, str, int], tuple[str, int]]:
+    """Our uneven splits: (gpu, model, layout) -> (Megatron's pipeline layout, the most layers on a stage)."""
+    return {(gpu, model, int(index)): (split, int(most))
+            for gpu, model, index, split, most in _rows("gpu | model | layout | split (ours)")}
+
+
+LAYOUTS, FSDP, SPLITS = _layouts(), _fsdp_runs(), _splits()
 PRESETS = sorted(n for n in catalog.entries("experiments") if n.startswith("ppt-"))
 
 
 def test_every_layout_of_the_tables_has_its_four_variants():
-    assert len(LAYOUTS) == 31 and len(FSDP) == 4
+    assert len(LAYOUTS) == 32 and len(FSDP) == 4 and len(SPLITS) == 1
     expected = {f"ppt-{gpu}-{model}-{index}-{code}" for gpu, model, index in LAYOUTS for code in VARIANTS}
     assert set(PRESETS) == expected
 
@@ -99,8 +105,13 @@ def test_preset_matches_the_artifact(name):
             assert (t.moe_token_dispatcher_type, t.moe_expert_capacity_factor, t.moe_pad_expert_input_to_capacity,
                     t.moe_aux_loss_coeff) == ("alltoall", 1.0, True, 0.01)
     assert t.warmup_iters == t.train_iters - 2                  # the second-to-last step is the sampled one
-    if recompute:
-        assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers) == (
-            "full", "block", NUM_LAYERS[model] // p.pipeline_model_parallel_size)
+    split, most = SPLITS.get((gpu, model, int(index)), (None, NUM_LAYERS[model] // p.pipeline_model_parallel_size))
+    assert p.pipeline_model_parallel_layout == split
+    assert (p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers) == (None, None)
+    if split:
+        assert NUM_LAYERS[model] % p.pipeline_model_parallel_size, "a split only where the layers do not divide"
+        assert "is ours, as the artifact gives none" in exp.description
+    if recompute:                                   # every layer of a stage: block over the most one holds
+        assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers) == ("full", "block", most)
     else:
         assert t.recompute_granularity is None
