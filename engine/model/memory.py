@@ -71,6 +71,10 @@ class ChunkMemory:
 
 FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does not fit"
 VERDICTS = (FITS, TIGHT, DOES_NOT_FIT)                          # by severity
+# How far a planned peak may be from the measured one: the 90th percentile of |planned / measured - 1|
+# over the 87 counted cases of tests/data/memory_dev (3.7%; mean 1.4%, the worst 5.8%; measured with
+# tests/engine/model/test_memory_validation.py). A plan within it of the limit, either side, is tight.
+PEAK_MARGIN = 0.037
 SEVERITY = {name: level for level, name in enumerate(VERDICTS)}
 VERDICT_STYLE = {FITS: "green", TIGHT: "yellow", DOES_NOT_FIT: "red"}   # how every command and screen colours one
 
@@ -142,12 +146,14 @@ class StageMemory:
 
 
 def severity(allocator_bytes, peak_bytes, reserve_bytes):
-    """The verdict's index in VERDICTS: 0 fits (the allocated peak and the allocator's reserve beyond
-    it fit), 1 tight (only the allocated peak fits), 2 does not fit. Works on numpy arrays (the sweep)
-    as on numbers."""
+    """The verdict's index in VERDICTS: 0 fits (the allocated peak, PEAK_MARGIN more, and the allocator's
+    reserve beyond it fit), 2 does not fit (the peak is over even PEAK_MARGIN less), 1 tight in between:
+    within the plan's error of the limit, or without room for the reserve. Works on numpy arrays (the
+    sweep) as on numbers."""
     import numpy as np
 
-    return np.where(peak_bytes > allocator_bytes, 2, np.where(peak_bytes + reserve_bytes > allocator_bytes, 1, 0))
+    return np.where(peak_bytes * (1 - PEAK_MARGIN) > allocator_bytes, 2,
+                    np.where(peak_bytes * (1 + PEAK_MARGIN) + reserve_bytes > allocator_bytes, 1, 0))
 
 
 def verdict(allocator_bytes, peak_bytes, reserve_bytes):
@@ -1375,11 +1381,18 @@ class Budget:
             f"{self.segments_text()}; {self.reserve_source}) = {size(total + reserve)}",
         ]
         room = self.allocator_bytes - total
+        error = f"the plan's error, {PEAK_MARGIN:.1%} of the peak ({size(total * PEAK_MARGIN)})"
         if stage.verdict == FITS:
             lines.append(f"fits: {size(stage.headroom_bytes)} to spare")
-        elif stage.verdict == TIGHT:
+        elif stage.verdict == TIGHT and room < 0:
+            lines.append(f"tight: the allocated peak is {size(-room)} over, within {error}; it may run or run "
+                         "out of memory")
+        elif stage.verdict == TIGHT and room < reserve:
             lines.append(f"tight: the allocated peak fits with {size(room)} left, less than the "
                          f"{size(reserve)} the allocator reserves beyond it; it may run out of memory")
+        elif stage.verdict == TIGHT:
+            lines.append(f"tight: {size(room - reserve)} to spare beyond the reserve, within {error}; it may run "
+                         "out of memory")
         else:
             lines.append(f"does not fit: the allocated peak alone is {size(-room)} over")
         return lines

@@ -16,14 +16,14 @@ from charllm.engine.model.megatron import (
     nodes_of,
     split_command_line,
 )
-from charllm.engine.model.memory import DOES_NOT_FIT, FITS, TIGHT, VERDICT_STYLE, estimate
+from charllm.engine.model.memory import DOES_NOT_FIT, FITS, PEAK_MARGIN, TIGHT, VERDICT_STYLE, estimate
 from charllm.engine.model.sweep import base_experiment
 from charllm.engine.model.validate import check
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.core.formatting import count, gib, si
 from charllm.tui.commands import add_command
 
-EPILOG = """\
+EPILOG = f"""\
 what the numbers mean:
   total      the PyTorch caching-allocator peak (torch.cuda.max_memory_allocated) over a training
              iteration on the stage's most loaded rank = weights + gradients + optimizer state +
@@ -37,8 +37,11 @@ what the numbers mean:
              dispatcher also DeepEP's buffers) - total - reserve.
              Usable and outside-allocator memory come from the hardware preset, or from a node
              calibrated with `charllm-tui doctor --train` (said as "calibrated on NODE, DATE")
-  verdict    fits: total + reserve fit; tight: the total fits but not the reserve (it may run out
-             of memory); does not fit. The lines under the table give the arithmetic
+  verdict    fits: total + reserve fit, with more to spare than the plan's error ({PEAK_MARGIN:.1%} of the
+             total: the 90th percentile over the measured runs of tests/data/memory_dev); tight:
+             within that error of the limit either side, or the total fits but not the reserve (it
+             may run out of memory); does not fit: over by more than the error. The lines under the
+             table give the arithmetic
   runs as    the transformer implementation, attention kernel and fusions the plan assumes: what
              transformer_impl / attention_backend become on the calibrated node's software, or on
              an assumed one (NVIDIA: Transformer Engine); "will not launch" lines say what that

@@ -41,8 +41,8 @@ doctor`, gets TP without SP and no CP), unless the experiment runs TP without it
 that `engine.model.validate` accepts are listed.
 
 ranking (rank 1 = most promising; --sort orders by another column):
-  1. layouts that fit first, then tight ones (the allocated peak fits, not the allocator's
-     reserve beyond it), then those that do not fit;
+  1. layouts that fit first, then tight ones (within the plan's error of the limit, or without
+     room for the allocator's reserve; see `charllm-tui plan --help`), then those that do not fit;
   2. more tokens per second, as the step-time model estimates them (recompute, pipeline bubble
      and exposed communication all cost time; see `charllm-tui plan --help`);
   3. more memory headroom.
