@@ -80,7 +80,8 @@ def register(sub, name: str, help: str) -> None:
     p.add_argument("--node", metavar="NAME",
                    help="this node's name in the report (default: $SLURMD_NODENAME or the host name)")
     p.add_argument("--no-save", action="store_true", help="only report; save no calibration")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON (with --show: the saved calibrations and power models)")
     p.add_argument("--show", nargs="?", const="", metavar="HARDWARE",
                    help="show the saved calibration(s) (of HARDWARE) and exit")
     p.add_argument("--drop-power", metavar="HARDWARE",
@@ -200,8 +201,8 @@ def show(hardware: str, as_json: bool) -> int:
                             + did_you_mean(hardware, names, saved, cutoff=0.5))
         records = [r for r in records if r["hardware"] == hardware]
         power = [f for f in power if f["hardware"] == hardware]
-    if as_json:
-        print(json.dumps(records, indent=2))
+    if as_json:   # the node calibrations, and the power models fitted to recorded runs (doctor --drop-power)
+        print(json.dumps({"calibrations": records, "power_models": power}, indent=2))
         return 0
     console = Console(width=None if sys.stdout.isatty() else 120, highlight=False)
     if not records and not power:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -132,6 +133,10 @@ def test_a_refit_takes_only_completed_plausible_runs_and_doctor_show_lists_it(ch
     assert ("power model of h100-sxm-80gb: idle 90 W, full load 680 W (idle and full load fitted), fitted from 2 "
             "recorded runs: 20261121-000000-light, 20261121-010000-heavy") in out, out
     assert "left out: 20261121-020000-hot (800.0 W, above 110% of the 700 W limit)" in out
+    assert main(["doctor", "--show", "h100", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["calibrations"] == [] and [f["hardware"] for f in shown["power_models"]] == ["h100-sxm-80gb"]
+    assert shown["power_models"][0]["left_out"] == fit["left_out"] and len(shown["power_models"][0]["points"]) == 2
     assert main(["doctor", "--drop-power", "h100"]) == 0 and "power model of h100-sxm-80gb dropped" in \
         capsys.readouterr().out
     assert calibration.load_power("h100-sxm-80gb") is None and speed.estimate(heavy).power_source == "assumed"
