@@ -16,9 +16,10 @@ from typing import Callable
 import polars as pl
 
 from charllm.engine.campaign.spec import VARIANTS
-from charllm.engine.campaign.state import Record
+from charllm.engine.campaign.state import Record, member_status
 from charllm.engine.campaign.summary import campaign_summary
 from charllm.probes.analysis.render import format_figure, metric_label
+from charllm.probes.core.errors import plural
 
 # The figures each comparison reads, in the order it says them (the paper's: bursts with the micro
 # batch; speed and energy with overlap and recomputation).
@@ -78,6 +79,20 @@ def findings(record: Record, summary: pl.DataFrame | None = None) -> list[Findin
                 out.append(finding)
     out += [f for f in (_layouts(members, several_models), _plan(members)) if f is not None]
     return out
+
+
+def describe(record: Record, found: list[Finding]) -> list[str]:
+    """The findings as `campaign report --findings` prints them (and the Campaign screen shows them)."""
+    done = sum(1 for m in record.members if member_status(record, m) == "completed")
+    lines = [f"campaign {record.name}: {plural(len(found), 'finding')} from {done} of "
+             f"{plural(len(record.members), 'member')} completed (numbers: campaign summary {record.name})"]
+    if not found:
+        lines.append("  none yet: a finding needs two completed members alike but for the micro batch, overlap, "
+                     "recomputation or layout, or a plan beside a run")
+    for n, f in enumerate(found, 1):
+        lines.append(f"{n}. {f.title} (members {', '.join(map(str, f.members))})")
+        lines += [f"   - {line}" for line in f.lines]
+    return lines
 
 
 # -- which members differ in one thing -------------------------------------------------------------------
@@ -152,8 +167,8 @@ def _compared(kind: str, pairs: dict[tuple, list], metrics: tuple[str, ...]) -> 
         for metric in metrics:
             measured = [Pair(context, (a[0]["index"] + 1, b[0]["index"] + 1), (a[1][metric], b[1][metric]))
                         for context, a, b in found if a[1].get(metric) is not None and b[1].get(metric) is not None]
-            if measured:
-                finding.lines.append(_line(metric, measured))
+            if measured:   # (which comparison, where a campaign holds several: micro batch 2 and 4 against 1)
+                finding.lines.append(_line(metric, measured, titles[-1] if len(pairs) > 1 else None))
                 finding.evidence += [p.to_dict(metric) for p in measured]
     finding.title = "; ".join(dict.fromkeys(titles))
     return finding
@@ -165,7 +180,7 @@ def _title(kind: str, low, high) -> str:
     return f"with {kind} against without" if kind == "overlap" else "with full recomputation against without"
 
 
-def _line(metric: str, pairs: list[Pair]) -> str:
+def _line(metric: str, pairs: list[Pair], which: str | None = None) -> str:
     """"tokens per second: +38% on TP1 PP1 DP2 (members 1 -> 3: 2,831 -> 3,905 tokens/s), ..."."""
     said = [f"{_signed(p.change_pct)} on {p.context} (members {p.members[0]} -> {p.members[1]}: "
             f"{format_figure(metric, p.values[0])} -> {format_figure(metric, p.values[1])})"
@@ -175,7 +190,7 @@ def _line(metric: str, pairs: list[Pair]) -> str:
         changes = [p.change_pct for p in pairs if p.change_pct is not None]
         said.append(f"and {more} more (median of all {_signed(statistics.median(changes))})" if changes
                     else f"and {more} more")
-    return f"{metric_label(metric)}: " + ", ".join(said)
+    return f"{metric_label(metric)}{f', {which}' if which else ''}: " + ", ".join(said)
 
 
 def _signed(pct: float | None) -> str:

@@ -13,6 +13,7 @@ import pytest
 from test_tui_pilot import pilot_test, run_app, wait_for
 
 from charllm.engine.campaign import spec, state
+from charllm.engine.campaign.findings import describe, findings
 from charllm.engine.campaign.report import figure, values_of
 from charllm.engine.model import sweep
 from charllm.engine.model.experiment import Experiment
@@ -209,6 +210,10 @@ async def test_figures_draw_the_values_of_the_report(charllm_dirs):
         await wait_for(pilot, drawn("kernels", None), what="the kernels figure")
         assert values_of(screen.drawn.figure) == values_of(figure(record, "kernels")) == {}     # no traces here
         assert "no member's run holds profiler traces" in str(screen.query_one("#figure-text").render())
+        await pilot.press("g")                                                            # then the findings
+        await wait_for(pilot, drawn("findings", None), what="the findings")
+        said = str(screen.query_one("#figure-text").render())
+        assert said == "\n".join(describe(record, findings(record))) and "1. micro batch" in said, said
         await pilot.press("g")                                                            # back to the members
         await pilot.pause(0.1)
         assert screen.query_one("#campaign-members").display and not screen.query_one("#campaign-figure").display

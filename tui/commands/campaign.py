@@ -425,23 +425,11 @@ def _report(args) -> int:
 
 
 def _findings(name: str, fmt: str) -> int:
-    from charllm.engine.campaign.findings import findings  # deferred: loads polars (start-up time)
+    from charllm.engine.campaign.findings import describe, findings  # deferred: loads polars (start-up time)
 
     record = queue.refresh(state.Record.load(name))
     found = findings(record)
-    if fmt == "json":
-        print(json.dumps([f.to_dict() for f in found], indent=2))
-        return 0
-    done = sum(1 for m in record.members if state.member_status(record, m) == "completed")
-    print(f"campaign {record.name}: {plural(len(found), 'finding')} from {done} of "
-          f"{plural(len(record.members), 'member')} completed (numbers: campaign summary {record.name})")
-    if not found:
-        print("  none yet: a finding needs two completed members alike but for the micro batch, overlap, "
-              "recomputation or layout, or a plan beside a run")
-    for n, f in enumerate(found, 1):
-        print(f"{n}. {f.title} (members {', '.join(map(str, f.members))})")
-        for line in f.lines:
-            print(f"   - {line}")
+    print(json.dumps([f.to_dict() for f in found], indent=2) if fmt == "json" else "\n".join(describe(record, found)))
     return 0
 
 

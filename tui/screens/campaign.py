@@ -9,8 +9,8 @@ run shows its plan, each member's verdict; `p` shows the plan of one that has). 
 member's run on Live, `o` on Runs. `g` shows the report's figures in turn: the values
 `engine.campaign.report.figure` gives (parallelism, optimization, micro batch, heatmap, kernels),
 drawn by the code that draws `campaign report` in the terminal (tui/figures.py), here with
-textual-plotext (a heatmap is its grid of shades); `m` picks the metric,
-`n` normalises the optimization figure per model. `r` runs the campaign (resumes one that ran:
+textual-plotext (a heatmap is its grid of shades), then the findings (`campaign report --findings`);
+`m` picks the metric, `n` normalises the optimization figure per model. `r` runs the campaign (resumes one that ran:
 its members without a completed run), `c` cancels it; both ask first.
 """
 
@@ -31,6 +31,7 @@ from textual.widgets import DataTable, Static
 from textual.worker import get_current_worker
 
 from charllm.engine.campaign import queue, spec, state
+from charllm.engine.campaign.findings import describe, findings
 from charllm.engine.campaign.report import DEFAULT_METRIC, KINDS, Figure, figure
 from charllm.engine.campaign.summary import FIGURES
 from charllm.engine.launch.targets import get_target
@@ -46,6 +47,7 @@ from charllm.tui.screens.runs import STATUS_STYLE
 from charllm.tui.widgets.charts import FigurePanel
 
 POLL_S = 1.0
+FINDINGS = "findings"           # after the figures, `g` shows the findings (engine.campaign.findings)
 MIN_PANEL_ROWS = 12            # a figure panel shorter than this scrolls instead
 STYLE = {**STATUS_STYLE, **VERDICT_STYLE, state.QUEUED: "dim", state.SKIPPED: "yellow", state.INVALID: "red",
          state.MISSING: "bold red", state.DAMAGED: "bold red", state.REFUSED: "red"}
@@ -99,6 +101,7 @@ class Drawn(Message):
     wanted: Wanted
     figure: Figure | None
     error: str = ""
+    text: str = ""                      # the findings, where they were asked for
 
 
 class CampaignScreen(WorkbenchScreen):
@@ -326,7 +329,7 @@ class CampaignScreen(WorkbenchScreen):
     # -- figures -----------------------------------------------------------------------------------
     def action_next_figure(self) -> None:
         """The members, then each figure kind in turn, then the members again."""
-        kinds = (None, *KINDS)
+        kinds = (None, *KINDS, FINDINGS)
         kind = kinds[(kinds.index(self.wanted.kind) + 1) % len(kinds)]
         self.want(kind=kind, metric=self.metrics.get(kind))
         self._show_view()
@@ -337,6 +340,9 @@ class CampaignScreen(WorkbenchScreen):
             return
         if self.wanted.kind == "kernels":
             self.notify("the kernels figure has a panel for each kernel category, and no metric", timeout=3)
+            return
+        if self.wanted.kind == FINDINGS:
+            self.notify("the findings say every figure the runs have, and take no metric", timeout=3)
             return
         choices = ((None,) if self.wanted.kind == "parallelism" else ()) + METRICS
         current = self.wanted.metric if self.wanted.metric in choices else choices[0]
@@ -361,6 +367,9 @@ class CampaignScreen(WorkbenchScreen):
         w = self.wanted
         if w.kind == "kernels":
             parts = [f"[b]{w.kind}[/b] · each kernel category's share of the profiled step"]
+        elif w.kind == FINDINGS:
+            parts = [f"[b]{w.kind}[/b] · what the runs show, each between members alike but for one thing "
+                     "(campaign report --findings)"]
         else:
             metric = "the paper's six" if w.kind == "parallelism" and w.metric is None else metric_label(w.metric or "")
             parts = [f"[b]{w.kind}[/b] · {escape(metric)} (m: next)"]
@@ -382,7 +391,7 @@ class CampaignScreen(WorkbenchScreen):
         fig = message.figure
         self._figure_head(fig)
         if fig is None:
-            text.update(f"[yellow]{escape(message.error)}[/]")
+            text.update(Text(message.text) if message.text else f"[yellow]{escape(message.error)}[/]")
             panels.display = False
             self.query_one("#campaign-figure").set_class(True, "-text-only")
             return
@@ -564,6 +573,8 @@ def _draw(wanted: Wanted, record) -> Drawn:
     if record is None:
         return Drawn(wanted, None, f"campaign {wanted.name} has not run: no figure yet (r runs it)")
     try:
+        if wanted.kind == FINDINGS:
+            return Drawn(wanted, None, text="\n".join(describe(record, findings(record))))
         return Drawn(wanted, figure(record, wanted.kind, wanted.metric, wanted.normalize))
     except UserError as exc:
         return Drawn(wanted, None, str(exc))
