@@ -125,3 +125,32 @@ def test_a_member_sbatch_refuses_keeps_max_parallel_and_the_queue_outlives_its_f
     assert rec.data["failure"] == "1 of 6 members did not complete (1 refused)", "never 'completed' over a refusal"
     assert slurm_at_once(slurm_cluster, jobs) == 2, "two jobs at once, never more (Slurm's own times)"
     assert {line.split()[1] for line in faults.injected()} >= {"refuse", "lost", "fail", "garbage"}
+
+
+@pytest.mark.timeout(600)
+def test_a_campaign_of_a_command_runs_each_member_as_a_slurm_job_and_reads_its_steps(
+        slurm_cluster, charllm_dirs, capsys):
+    """Issue 37: a user's command, its micro batch an axis, on the cluster: asked for the nodes' hardware
+    first (the cpu default is this machine's), then one job per member, each one's steps read from its log."""
+    from test_campaign_command import trainer_line
+
+    cluster_target(charllm_dirs)
+    folder = charllm_dirs["config"] / "campaigns"
+    folder.mkdir(parents=True, exist_ok=True)
+    body = f'command = "{trainer_line(5)}"\n[axes]\nmicro_batch_size = [1, 2]\n[target]\nname = "cluster"\n' \
+           'max_parallel = 2\n'
+    (folder / "cmd.toml").write_text(body)
+    code, _, err = run(capsys, "campaign", "run", "cmd")
+    assert code == 2 and "hardware: give the nodes' device preset" in err, err
+    (folder / "cmd.toml").write_text('hardware = "cpu"\n' + body)
+    code, out, err = run(capsys, "campaign", "run", "cmd")
+    assert code == 0, out + err
+    rec = record("cmd")
+    assert rec.data["status"] == "completed" and [m["status"] for m in rec.members] == ["completed"] * 2, out
+    jobs = {job_id(rd.manifest()) for rd in runs_of(rec)}
+    assert len(jobs) == 2 and None not in jobs
+    for m, rd in zip(rec.members, runs_of(rec)):
+        steps = [r for r in rd.iteration_records() if r.get("event") == "iteration"]
+        assert [s["iteration"] for s in steps] == [1, 2, 3, 4, 5] and {s["samples"] for s in steps} == \
+            {m["micro_batch_size"]}
+        assert rd.manifest().command["line"] == m["command"] and left_after(rd.id) == 0
