@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -58,6 +59,14 @@ CAMPAIGN = "tiny-local"
 
 
 # -- the budget -----------------------------------------------------------------------------------
+
+def _interruptible() -> None:
+    """In a step's process, before it runs: SIGINT at its default, which Python turns into
+    KeyboardInterrupt. A kit started in the background by a non-interactive shell (`cmd &`, as a remote
+    runner may start it) inherits SIGINT ignored, and the stop at an item's end would otherwise wait out
+    its grace for nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 class Budget:
     """Seconds left of the command's budget. An item is admitted only when its estimate fits in
     what is left (less the packing reserve); it runs at most until its cap or the budget's end."""
@@ -396,7 +405,7 @@ class Kit:
         with open(folder / "commands.txt", "a") as log:
             log.write(" ".join(argv) + "\n")
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                env=env or self.env(item.line), start_new_session=True)
+                                env=env or self.env(item.line), start_new_session=True, preexec_fn=_interruptible)
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
             code: int | None = proc.returncode

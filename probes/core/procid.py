@@ -26,8 +26,10 @@ import stat
 from pathlib import Path
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
-# psutil's create_time is the boot time plus the start in clock ticks (1/100 s): the same process
-# always reads the same, a reused pid reads at least a tick later.
+# psutil's create_time is the boot time plus the start in clock ticks (1/100 s): a reused pid reads at
+# least a tick later. The boot time it adds is /proc/stat's whole seconds, worked out from the wall
+# clock: a clock stepped or slewed across a second moves it, so records carry the ticks themselves
+# (start_ticks), and create_time decides only for records made before them.
 START_TOLERANCE_S = 0.005
 _BOOT_ID = re.compile(r"^[0-9a-f-]{8,64}$")
 
@@ -152,14 +154,26 @@ def place() -> dict:
     return {"host": socket.gethostname(), "boot_id": boot_id(), "pid_ns": pid_namespace()}
 
 
+def start_ticks(pid: int) -> int | None:
+    """Process `pid`'s start in clock ticks since boot (field 22 of /proc/PID/stat, after the command
+    name), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def identify(pid: int) -> dict:
     """A record of process `pid` as it is now: pid, start time and place (empty if it is gone)."""
     import psutil
 
     try:
-        return {"pid": pid, "create_time": psutil.Process(pid).create_time(), **place()}
+        record = {"pid": pid, "create_time": psutil.Process(pid).create_time(), **place()}
     except psutil.Error:
         return {}
+    ticks = start_ticks(pid)
+    return record if ticks is None else {**record, "start_ticks": ticks}
 
 
 def where(record: dict) -> str:
@@ -198,9 +212,12 @@ def live(record: dict, token: str | None):
     pid, started = record.get("pid"), record.get("create_time")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid < 1 or not isinstance(started, (int, float)):
         return None
+    ticks = record.get("start_ticks")
     try:
         proc = psutil.Process(pid)
-        if abs(proc.create_time() - started) >= START_TOLERANCE_S or proc.status() == psutil.STATUS_ZOMBIE:
+        same = start_ticks(pid) == ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else \
+            abs(proc.create_time() - started) < START_TOLERANCE_S
+        if not same or proc.status() == psutil.STATUS_ZOMBIE:
             return None
     except (psutil.Error, OverflowError, ValueError):
         return None

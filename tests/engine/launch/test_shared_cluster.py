@@ -99,7 +99,8 @@ def _planted_here(victim: psutil.Process) -> dict[str, dict]:
         # the issue's reproduction: no start time, no place
         "pid and pgid only": {"processes": [{"pid": victim.pid, "pgid": victim.pid}]},
         # the pid was reused: the recorded leader started earlier than the process with that pid now
-        "pid reused": {"processes": [{**real, "create_time": real["create_time"] - 7.0, "pgid": victim.pid}]},
+        "pid reused": {"processes": [{**real, "create_time": real["create_time"] - 7.0,
+                                      "start_ticks": real["start_ticks"] - 700, "pgid": victim.pid}]},
         # recorded before a reboot: the ids of another boot mean nothing now
         "before a reboot": {"supervisor": {**real, "boot_id": "00000000-0000-0000-0000-000000000000"},
                             "processes": [{**real, "boot_id": "00000000-0000-0000-0000-000000000000",
@@ -118,6 +119,27 @@ def test_a_reader_never_signals_a_planted_process(case, victims, charllm_dirs, c
     assert count_dead(case, [victim]) == 0, outcomes
     for code, out, err in outcomes:
         assert "Traceback" not in out + err
+
+
+def test_a_process_is_known_by_its_start_since_boot_when_the_wall_clock_moves():
+    """psutil's create_time adds /proc/stat's boot time, whole seconds worked out from the wall clock:
+    a clock slewed across a second moves every process's create_time by 1 s (once, a freshly started
+    leader read so in CI and could not be vouched for). The start in ticks since boot does not move;
+    a record without it (made before) is judged by create_time as before."""
+    token = procid.new_token()
+    leader = subprocess.Popen(["sleep", "60"], start_new_session=True, env=procid.run_environment(token))
+    try:
+        record = {**procid.identify(leader.pid), "pgid": leader.pid}
+        assert record["start_ticks"] == procid.start_ticks(leader.pid) > 0
+        moved = {**record, "create_time": record["create_time"] - 1.0}    # the boot time read a second later
+        assert procid.group_leader(moved, token).pid == leader.pid
+        assert procid.group_leader({**record, "start_ticks": record["start_ticks"] - 1}, token) is None
+        older = {k: v for k, v in record.items() if k != "start_ticks"}
+        assert procid.group_leader(older, token).pid == leader.pid and procid.group_leader(
+            {**older, "create_time": older["create_time"] - 1.0}, token) is None
+    finally:
+        leader.kill()
+        leader.wait()
 
 
 def test_groups_that_stand_for_everyone_are_never_signalled(monkeypatch):
