@@ -100,8 +100,11 @@ Thing = Callable[[dict], tuple]   # a member -> (its value of the thing, what el
 
 
 def _micro_batch(m: dict) -> tuple:
-    return (m.get("micro_batch_size"), _rest(m, "micro_batch_size", variant=m.get("variant")),
-            [m.get("variant") or "", *_others(m, "micro_batch_size")])
+    mbs = m.get("micro_batch_size")
+    if not isinstance(mbs, int) or isinstance(mbs, bool):   # (a command's axis may hold any value)
+        return None, (), []
+    return mbs, _rest(m, "micro_batch_size", variant=m.get("variant")), [m.get("variant") or "",
+                                                                         *_others(m, "micro_batch_size")]
 
 
 def _bit(bit: int) -> Thing:

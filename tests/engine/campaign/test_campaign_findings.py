@@ -113,3 +113,11 @@ def test_findings_say_so_when_there_are_none_and_refuse_figure_options_in_one_li
     with pytest.raises(SystemExit) as exited:
         run(capsys, "campaign", "report", "empty")
     assert exited.value.code == 2 and "one of the arguments --figure --findings is required" in capsys.readouterr().err
+
+
+def test_a_command_axis_of_words_is_no_micro_batch_to_compare(charllm_dirs):
+    """A command campaign's micro_batch_size axis may hold words: no finding compares them, none fails."""
+    members = [_member(0, 1, "base"), {**_member(1, 1, "base"), "micro_batch_size": "auto"}]
+    plant_record(charllm_dirs["runs"], "words", members, status="completed")
+    summary = pl.DataFrame({"member": [1, 2], "status": ["completed"] * 2, "tokens_per_s": [1.0, 2.0]})
+    assert [f.kind for f in findings(record("words"), summary)] == []
