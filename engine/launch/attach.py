@@ -32,7 +32,7 @@ from charllm.engine.launch.command import Command
 from charllm.engine.launch.launcher import launch
 from charllm.engine.launch.target import SAMPLER_MODULE
 from charllm.engine.launch.targets import LOCAL
-from charllm.probes.core import lifeline
+from charllm.probes.core import lifeline, procid
 from charllm.probes.core.errors import UserError, plural
 from charllm.probes.store.trainlogs import check_format
 
@@ -75,7 +75,8 @@ def local_process(pid: int) -> dict:
 
     try:
         proc = psutil.Process(pid)
-        started, cmdline, user = proc.create_time(), proc.cmdline(), proc.uids().real
+        cmdline, user = proc.cmdline(), proc.uids().real
+        started = procid.start_ticks(pid)   # since boot: no wall-clock move makes it another process
     except (psutil.NoSuchProcess, ValueError):
         raise UserError(f"attach pid {pid}: no such process") from None
     except psutil.AccessDenied:
@@ -224,7 +225,7 @@ def _ended(args: argparse.Namespace, watch: slurmctl.Watch | None) -> str | None
 
     try:
         proc = psutil.Process(int(args.ident))
-        if abs(proc.create_time() - float(args.started)) > 0.01:   # the pid was taken by another process
+        if str(procid.start_ticks(proc.pid)) != args.started:   # the pid was taken by another process
             return "exited"
         return "exited" if proc.status() == psutil.STATUS_ZOMBIE else None
     except psutil.NoSuchProcess:
