@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import math
 import re
 import shlex
@@ -454,16 +455,33 @@ def _name_model(m: ModelSpec, result: MegatronImport) -> None:
     is compared with the same model's runs (`campaign compare`, Compare); else it stays "megatron"."""
     from charllm.engine.model import catalog  # deferred: reads the presets only here
 
+    files = []
+    for name, path in catalog.entries("models").items():
+        try:
+            files.append((name, str(path), path.stat().st_mtime_ns))
+        except OSError:     # gone since listed: nothing to name after
+            continue
     mine = m.architecture()
-    for name in catalog.entries("models"):
+    for name, architecture, description in _preset_architectures(tuple(files)):
+        if architecture == mine:
+            m.name, m.description = name, description
+            result.warnings.append(f"model: the flags give the architecture of model preset {name}")
+            return
+
+
+@functools.lru_cache(maxsize=4)
+def _preset_architectures(files: tuple[tuple[str, str, int], ...]) -> list[tuple[str, tuple, str]]:
+    """(name, architecture, description) of each model preset, read once for these files as they are
+    (their paths and times: a preset saved or edited since is read again). Reading them was most of an
+    import's time, and a campaign of commands imports one line per member."""
+    out = []
+    for name, _, _ in files:
         try:
             preset = ModelSpec.load(name)
         except UserError:   # a damaged user preset costs only itself
             continue
-        if preset.architecture() == mine:
-            m.name, m.description = name, preset.description
-            result.warnings.append(f"model: the flags give the architecture of model preset {name}")
-            return
+        out.append((name, preset.architecture(), preset.description))
+    return out
 
 
 def _resolve_tokenizer(m: ModelSpec, special: dict, given: set[str], release: str, source: str,

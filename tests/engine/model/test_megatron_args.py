@@ -321,6 +321,19 @@ def test_a_command_line_is_named_after_the_model_preset_it_describes():
     assert back.experiment.model.name == "megatron" and not any(w.startswith("model:") for w in back.warnings)
 
 
+def test_a_model_preset_saved_since_the_last_import_is_recognised(charllm_dirs):
+    """The presets' architectures are read once per set of files: one saved afterwards is read too."""
+    exp = Experiment.load("tiny-local")
+    line = export_megatron_args(exp)
+    assert import_megatron_args(line, world_size=2, gpus_per_node=2, hardware="cpu").experiment.model.name == \
+        "tiny-dense"
+    folder = charllm_dirs["config"] / "models"
+    folder.mkdir(parents=True)
+    (folder / "a-tiny-copy.toml").write_text(catalog.find("models", "tiny-dense").read_text())
+    assert import_megatron_args(line, world_size=2, gpus_per_node=2, hardware="cpu").experiment.model.name == \
+        "a-tiny-copy"     # (the first in name order with that architecture)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_imported_cases_are_a_fixed_point(case):
     first = import_megatron_args(case["megatron_args"], world_size=8, hardware="h100-sxm-80gb").experiment
