@@ -65,10 +65,8 @@ def start(campaign: Campaign, target: Target, *, max_parallel: int | None = None
     two `campaign run` at once, one starts a supervisor and the other is refused, saying who runs it."""
     parallel = check_max_parallel(max_parallel if max_parallel is not None else campaign.max_parallel,
                                   "--max-parallel")
-    if campaign.command is not None and campaign.hardware is None and not target.on_this_machine:
-        raise UserError(f"campaign {campaign.name!r}: hardware: give the nodes' device preset (hardware = \"NAME\"; "
-                        f"charllm-tui presets list hardware): target {target.name!r} runs the command on other "
-                        "machines, which this machine's cpu default would misname")
+    if campaign.command is not None:   # before anything is recorded: a command on other machines names them
+        campaign.command_hardware(None if target.on_this_machine else target.name)
     plans = campaign.plan()
     lock = state.take_lock(campaign.name)
     try:

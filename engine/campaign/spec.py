@@ -301,6 +301,19 @@ class Campaign:
             raise UserError(f"campaign {self.name!r} ({self.source}): {count:,} members, more than the "
                             f"{MAX_MEMBERS:,} a campaign may have")
 
+    def command_hardware(self, elsewhere: str | None = None) -> str:
+        """The device preset a command's members are planned on: the campaign's `hardware`, else cpu on
+        this machine without a GPU; one line asking for it otherwise, or where target `elsewhere` runs
+        the command on other machines."""
+        if self.hardware is not None:
+            return self.hardware
+        if elsewhere is None and not gpus_here():
+            return "cpu"
+        raise UserError(f"campaign {self.name!r}: hardware: give the nodes' device preset (hardware = \"NAME\"; "
+                        "charllm-tui presets list hardware), which a command's plan needs"
+                        + (f": target {elsewhere!r} runs the command on other machines, which this machine's cpu "
+                           "default would misname" if elsewhere else ""))
+
     def _member_experiment(self, base: Experiment, layout: dict, values: dict) -> Experiment:
         exp = base.copy()
         for key, value in {**layout, **values}.items():
@@ -316,10 +329,7 @@ class Campaign:
     def _command_members(self) -> list[Member]:
         assert self.command is not None
         self._check_count(1)
-        hardware = self.hardware
-        if hardware is None and gpus_here():
-            raise UserError(f"campaign {self.name!r}: hardware: give the nodes' device preset (hardware = \"NAME\"; "
-                            "charllm-tui presets list hardware), which a command's plan needs")
+        hardware = self.command_hardware()
         # named by the script it runs (pretrain_gpt), else by the campaign
         base = run_name(self.command) if any(w.endswith(".py") for w in self.command.split()) else self.name
         out: list[Member] = []
@@ -328,7 +338,7 @@ class Campaign:
             varied = {k: v for k, v in values.items() if k in self.varying}
             line = fill(self.command, values)
             try:
-                exp, command, notes = plan_command(line, log_format=self.log_format, hardware=hardware or "cpu",
+                exp, command, notes = plan_command(line, log_format=self.log_format, hardware=hardware,
                                                    name=member_name(base, varied) if varied else base, cwd=self.cwd)
             except UserError as exc:
                 raise UserError(f"campaign {self.name!r}: member {len(out) + 1} ({line}): {exc}") from None
