@@ -59,14 +59,6 @@ CAMPAIGN = "tiny-local"
 
 
 # -- the budget -----------------------------------------------------------------------------------
-
-def _interruptible() -> None:
-    """In a step's process, before it runs: SIGINT at its default, which Python turns into
-    KeyboardInterrupt. A kit started in the background by a non-interactive shell (`cmd &`, as a remote
-    runner may start it) inherits SIGINT ignored, and the stop at an item's end would otherwise wait out
-    its grace for nothing."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
 class Budget:
     """Seconds left of the command's budget. An item is admitted only when its estimate fits in
     what is left (less the packing reserve); it runs at most until its cap or the budget's end."""
@@ -308,6 +300,14 @@ class Record:
 
 
 # -- running ---------------------------------------------------------------------------------------
+def _interruptible() -> None:
+    """In a step's process, before it runs: SIGINT at its default, which Python turns into
+    KeyboardInterrupt. A kit started in the background by a non-interactive shell (`cmd &`, as a remote
+    runner may start it) inherits SIGINT ignored, and the stop at an item's end would otherwise wait out
+    its grace for nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Kit:
     def __init__(self, args: argparse.Namespace) -> None:
         self.dry_run, self.part = args.dry_run, args.part

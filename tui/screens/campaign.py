@@ -10,8 +10,8 @@ member's run on Live, `o` on Runs. `g` shows the report's figures in turn: the v
 `engine.campaign.report.figure` gives (parallelism, optimization, micro batch, heatmap, kernels),
 drawn by the code that draws `campaign report` in the terminal (tui/figures.py), here with
 textual-plotext (a heatmap is its grid of shades), then the findings (`campaign report --findings`);
-`m` picks the metric, `n` normalises the optimization figure per model. `r` runs the campaign (resumes one that ran:
-its members without a completed run), `c` cancels it; both ask first.
+`m` picks the metric, `n` normalises the optimization figure per model. `r` runs the campaign
+(resumes one that ran: its members without a completed run), `c` cancels it; both ask first.
 """
 
 from __future__ import annotations
