@@ -197,7 +197,8 @@ def _line(metric: str, pairs: list[Pair], which: str | None = None) -> str:
 
 
 def _signed(pct: float | None) -> str:
-    return "n/a (from 0)" if pct is None else f"{pct:+.1f}%"
+    """+1.5%; a change that rounds to nothing is +0.0%, never -0.0%."""
+    return "n/a (from 0)" if pct is None else f"{round(pct, 1) + 0.0:+.1f}%"
 
 
 def _layouts(members: list[tuple[dict, dict]], several_models: bool) -> Finding | None:

@@ -121,3 +121,10 @@ def test_a_command_axis_of_words_is_no_micro_batch_to_compare(charllm_dirs):
     plant_record(charllm_dirs["runs"], "words", members, status="completed")
     summary = pl.DataFrame({"member": [1, 2], "status": ["completed"] * 2, "tokens_per_s": [1.0, 2.0]})
     assert [f.kind for f in findings(record("words"), summary)] == []
+
+
+def test_a_change_that_rounds_to_nothing_is_said_as_no_change(charllm_dirs):
+    plant_record(charllm_dirs["runs"], "flat", [_member(0, 1, "base"), _member(1, 2, "base")], status="completed")
+    summary = pl.DataFrame({"member": [1, 2], "status": ["completed"] * 2, "power_p99_w": [557.1, 557.09]})
+    line, = findings(record("flat"), summary)[0].lines
+    assert "+0.0% on TP1 PP8 DP8, base" in line and "-0.0%" not in line, line
